@@ -1,0 +1,15 @@
+-- acquire: a worker slot presents a token element it popped, and gets a sub-request to run.
+-- KEYS[1] meta hash   KEYS[2] parts stream
+-- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
+-- ARGV[5] stream consumer name   ARGV[6] lease (ms)
+-- Returns {'run', entry id, index, payload, attempt}: the slot holds the token, leased;
+--         {'park'}: no work left to hand out, the token waits in the request until work appears;
+--         {'drop'}: the request is finished, cancelled or unknown: forget the element;
+--         {'stale'}: the element is not the token's current one (old epoch, or not queued).
+local function acquire(keys, args)
+  local tok = redis.call('HGET', keys[1], 't' .. args[2])
+  if not tok then return {'drop'} end
+  local f = sg_split(tok)
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  return sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), sg_now())
+end

@@ -1,0 +1,75 @@
+-- prelude.lua: helpers shared by every sluicegate function.
+--
+-- The library is assembled as: the `#!lua name=...` header, this prelude, every transition file in
+-- lua/ (each defines one local function), then one redis.register_function per transition
+-- (see docs/protocol.md, "Functions library"). Nothing here touches a key it was not given.
+--
+-- Token state, one hash field `t<k>` per token k in the request's meta hash:
+--   q|<epoch>|<since ms>                      queued: a list element "<rid>|<k>|<epoch>" should exist
+--   h|<epoch>|<holder>|<expiry ms>|<entry id>   held by a worker slot, leased until expiry
+--   p|<epoch>                                  parked: the request had no work to hand out
+-- Only the element whose epoch matches the field is valid; every re-queue bumps the epoch, so a copy
+-- of an older element (replayed pop, late push, duplicate restore) is refused when presented.
+
+local function sg_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function sg_split(s)
+  local out = {}
+  for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
+  return out
+end
+
+-- Entry ids are "0-<index + 1>": the sub-request index is the sequence number minus one.
+local function sg_index(entry_id)
+  return tonumber(string.match(entry_id, '^0%-(%d+)$')) - 1
+end
+
+local function sg_element(rid, k, epoch)
+  return rid .. '|' .. k .. '|' .. epoch
+end
+
+-- Hands the token's holder its next sub-request, or parks the token when there is none.
+-- keys: meta, stream. Returns {'run', entry id, index, payload, attempt} or {'park'}.
+local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now)
+  local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', 1, 'STREAMS', keys[2], '>')
+  if reply and reply[1] and #reply[1][2] > 0 then
+    local entry = reply[1][2][1]
+    local id = entry[1]
+    redis.call('HSET', keys[1], 't' .. k,
+      'h|' .. epoch .. '|' .. holder .. '|' .. (now + lease_ms) .. '|' .. id)
+    if redis.call('HGET', keys[1], 'state') == 'queued' then
+      redis.call('HSET', keys[1], 'state', 'running', 'started', now)
+    end
+    return {'run', id, sg_index(id), entry[2][2], 1}
+  end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  return {'park'}
+end
+
+-- Turns a request terminal: one terminal record (the meta hash's state), one event, cleanup.
+-- keys: meta, stream, results, errors. Returns the reply for the caller, whose 3rd and later items
+-- are the still-queued token elements for the token side to sweep from the priority list.
+local function sg_finish(keys, rid, state, retention_ms, channel, now)
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local sweep = {}
+  for k = 0, ntok - 1 do
+    local tok = redis.call('HGET', keys[1], 't' .. k)
+    if tok then
+      local f = sg_split(tok)
+      if f[1] == 'q' then sweep[#sweep + 1] = sg_element(rid, k, f[2]) end
+      redis.call('HDEL', keys[1], 't' .. k)
+    end
+  end
+  redis.call('DEL', keys[2])
+  redis.call('HSET', keys[1], 'state', state, 'finished', now)
+  redis.call('PEXPIRE', keys[1], retention_ms)
+  redis.call('PEXPIRE', keys[3], retention_ms)
+  redis.call('PEXPIRE', keys[4], retention_ms)
+  redis.call('PUBLISH', channel, rid .. '|' .. state)
+  local out = {'finished', state}
+  for _, e in ipairs(sweep) do out[#out + 1] = e end
+  return out
+end

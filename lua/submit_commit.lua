@@ -1,0 +1,29 @@
+-- submit_commit: make a fully loaded request runnable, atomically.
+-- KEYS[1] meta hash    KEYS[2] parts stream
+-- ARGV[1] request key id (encoded, as in the keys)   ARGV[2] number of parts the producer added
+-- Returns the token elements "<rid>|<k>|<epoch>" to push onto the request's priority list, or an
+-- error "SGSTATE ..." (not loading: expired or committed twice) or "SGINCOMPLETE ..." (parts missing).
+local function submit_commit(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if state ~= 'loading' then
+    return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  local total = tonumber(args[2])
+  if not total or total < 1 then
+    return redis.error_reply('SGINVALID a request needs at least one part')
+  end
+  if redis.call('XLEN', keys[2]) ~= total then
+    return redis.error_reply('SGINCOMPLETE the stream does not hold every part')
+  end
+  local now = sg_now()
+  local ntok = math.min(tonumber(redis.call('HGET', keys[1], 'limit')), total)
+  redis.call('PERSIST', keys[1])
+  redis.call('PERSIST', keys[2])
+  redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'ntok', ntok, 'queued', now)
+  local out = {}
+  for k = 0, ntok - 1 do
+    redis.call('HSET', keys[1], 't' .. k, 'q|1|' .. now)
+    out[#out + 1] = sg_element(args[1], k, 1)
+  end
+  return out
+end

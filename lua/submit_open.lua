@@ -1,0 +1,25 @@
+-- submit_open: create a request in state `loading`, invisible to workers (no token exists yet).
+-- KEYS[1] meta hash    KEYS[2] parts stream
+-- ARGV[1] request id as the producer gave it   ARGV[2] priority   ARGV[3] concurrency limit
+-- ARGV[4] loading ttl (ms): a producer that dies mid-submit leaves keys that expire by themselves
+-- Returns 1, or the error "SGDUPLICATE ..." when the id is already in use (live or retained),
+-- or "SGINVALID ..." when the priority or the limit is out of range.
+local function submit_open(keys, args)
+  local prio, limit = tonumber(args[2]), tonumber(args[3])
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
+  end
+  if redis.call('EXISTS', keys[1]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'state', 'loading', 'prio', args[2],
+    'limit', args[3], 'total', 0, 'done', 0, 'failed', 0, 'ntok', 0, 'created', sg_now())
+  -- The group starts at 0 so that every entry added afterwards is delivered once.
+  redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
+  redis.call('PEXPIRE', keys[1], args[4])
+  redis.call('PEXPIRE', keys[2], args[4])
+  return 1
+end

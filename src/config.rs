@@ -1,0 +1,149 @@
+//! Configuration shared by producers, workers and listeners.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::keys::Namespace;
+
+/// Where Redis is, which namespace to use, and the timings of the protocol.
+///
+/// Producers, workers and listeners of one system must agree on the namespace; the timings may
+/// differ per process. Setters take and return `self`:
+/// ```
+/// use std::time::Duration;
+/// use sluicegate::Config;
+/// let config = Config::new("redis://127.0.0.1:6379")
+///     .namespace("thumbnails")
+///     .retention(Duration::from_secs(3600));
+/// ```
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub(crate) url: String,
+    pub(crate) namespace: String,
+    pub(crate) retention: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) heartbeat: Duration,
+    pub(crate) loading_ttl: Duration,
+    pub(crate) recovery_interval: Duration,
+    pub(crate) wait_poll: Duration,
+}
+
+/// The URL used when neither the caller nor `REDIS_URL` names one.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+impl Config {
+    /// A configuration for the Redis at `url` (`redis://[user:password@]host:port[/db]`,
+    /// `redis+unix:///path/to/socket`).
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            namespace: Namespace::default().as_str().to_owned(),
+            retention: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(10),
+            loading_ttl: Duration::from_secs(3600),
+            recovery_interval: Duration::from_secs(5),
+            wait_poll: Duration::from_secs(2),
+        }
+    }
+
+    /// The Redis named by the `REDIS_URL` environment variable, else [`DEFAULT_REDIS_URL`].
+    pub fn from_env() -> Self {
+        Self::new(std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.to_owned()))
+    }
+
+    /// The namespace: the prefix of every key (default `sluicegate`). 1 to 64 characters from
+    /// `A-Z a-z 0-9 _ . -`; checked when a component connects.
+    pub fn namespace(mut self, ns: impl Into<String>) -> Self {
+        self.namespace = ns.into();
+        self
+    }
+
+    /// How long results and terminal records stay readable after a request finishes (default 24 h).
+    pub fn retention(mut self, d: Duration) -> Self {
+        self.retention = d;
+        self
+    }
+
+    /// How long a worker's claim on a token and its running sub-request lasts without renewal
+    /// (default 30 s). A worker that stops renewing loses its claim after this.
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = d;
+        self
+    }
+
+    /// How often a worker renews its leases (default 10 s); must be well below the lease.
+    pub fn heartbeat(mut self, d: Duration) -> Self {
+        self.heartbeat = d;
+        self
+    }
+
+    /// How long a request may stay half-written before its keys expire (default 1 h): the bound on
+    /// what a producer that dies mid-submit leaves behind.
+    pub fn loading_ttl(mut self, d: Duration) -> Self {
+        self.loading_ttl = d;
+        self
+    }
+
+    /// How often workers look for lost tokens and expired leases (default 5 s).
+    pub fn recovery_interval(mut self, d: Duration) -> Self {
+        self.recovery_interval = d;
+        self
+    }
+
+    /// How often a waiting producer re-reads the terminal record in case a completion message was
+    /// missed during a reconnect (default 2 s).
+    pub fn wait_poll(mut self, d: Duration) -> Self {
+        self.wait_poll = d;
+        self
+    }
+
+    /// The Redis URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The namespace as configured (validated when a component connects).
+    pub fn namespace_str(&self) -> &str {
+        &self.namespace
+    }
+
+    pub(crate) fn validated_namespace(&self) -> Result<Namespace> {
+        Namespace::new(self.namespace.clone())
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        self.validated_namespace()?;
+        let positive = [
+            ("retention", self.retention),
+            ("lease", self.lease),
+            ("heartbeat", self.heartbeat),
+            ("loading_ttl", self.loading_ttl),
+            ("recovery_interval", self.recovery_interval),
+            ("wait_poll", self.wait_poll),
+        ];
+        for (name, d) in positive {
+            if d.as_millis() == 0 {
+                return Err(Error::Config(format!("{name} must be at least 1 ms")));
+            }
+        }
+        if self.heartbeat >= self.lease {
+            return Err(Error::Config(format!(
+                "heartbeat ({:?}) must be shorter than the lease ({:?}), or leases expire between renewals",
+                self.heartbeat, self.lease
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self::from_env()
+    }
+}
+
+/// Milliseconds of a duration as Redis arguments want them.
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

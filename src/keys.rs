@@ -1,0 +1,265 @@
+//! The key schema: the only place a Redis key or channel name is built.
+//!
+//! Every key starts with the namespace and a colon, so `SCAN MATCH <ns>:*` finds all of them.
+//! All keys of one request share the hash tag `{<request key id>}`; all token lists (and the
+//! indexes kept beside them) share the tag `{<ns>.q0}`. Lua scripts only ever touch keys of one
+//! tag, which makes the same code correct on Redis Cluster. docs/protocol.md documents the schema.
+
+use std::fmt;
+
+use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+use crate::error::{Error, Result};
+use crate::request::Priority;
+
+/// Bytes of a request id, at most. Longer ids are refused rather than hashed, so that the id a
+/// user gives is always the id they can read back.
+pub const MAX_REQUEST_ID_BYTES: usize = 512;
+
+/// Characters kept as they are in a key id; everything else (`{`, `}`, `:`, `|`, spaces, `%`,
+/// non-ASCII) is percent-encoded, which is injective, so no two ids share keys.
+const KEY_ID_SET: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.');
+
+/// The id of a request, as its producer chose it or as sluicegate generated it.
+///
+/// Any non-empty UTF-8 string of at most [`MAX_REQUEST_ID_BYTES`] bytes is a valid id.
+/// ```
+/// use sluicegate::RequestId;
+/// let id = RequestId::new("invoice {2024}: März").unwrap();
+/// assert_eq!(id.as_str(), "invoice {2024}: März");
+/// assert!(RequestId::new("").is_err());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(String);
+
+impl RequestId {
+    /// Validates a caller-chosen id.
+    pub fn new(id: impl Into<String>) -> Result<Self> {
+        let id = id.into();
+        if id.is_empty() {
+            return Err(Error::InvalidRequestId(
+                "a request id cannot be empty".into(),
+            ));
+        }
+        if id.len() > MAX_REQUEST_ID_BYTES {
+            return Err(Error::InvalidRequestId(format!(
+                "a request id is at most {MAX_REQUEST_ID_BYTES} bytes; this one has {}",
+                id.len()
+            )));
+        }
+        Ok(Self(id))
+    }
+
+    /// A new unique id: a UUIDv7 in simple form, so ids sort by creation time.
+    pub fn generate() -> Self {
+        Self(uuid::Uuid::now_v7().simple().to_string())
+    }
+
+    /// The id as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The id as it appears inside keys and token elements (percent-encoded).
+    pub fn key_id(&self) -> String {
+        utf8_percent_encode(&self.0, KEY_ID_SET).to_string()
+    }
+
+    /// Reads back an id from its key form.
+    pub fn from_key_id(key_id: &str) -> Result<Self> {
+        let decoded = percent_decode_str(key_id)
+            .decode_utf8()
+            .map_err(|_| Error::Protocol(format!("key id {key_id:?} is not valid UTF-8")))?;
+        Self::new(decoded.into_owned())
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl TryFrom<&str> for RequestId {
+    type Error = Error;
+    fn try_from(value: &str) -> Result<Self> {
+        Self::new(value)
+    }
+}
+
+impl TryFrom<String> for RequestId {
+    type Error = Error;
+    fn try_from(value: String) -> Result<Self> {
+        Self::new(value)
+    }
+}
+
+/// A validated namespace: 1 to 64 characters from `A-Z a-z 0-9 _ . -`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Namespace(String);
+
+impl Namespace {
+    /// Validates a namespace.
+    pub fn new(ns: impl Into<String>) -> Result<Self> {
+        let ns = ns.into();
+        let ok = !ns.is_empty()
+            && ns.len() <= 64
+            && ns
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+        if ok {
+            Ok(Self(ns))
+        } else {
+            Err(Error::Config(format!(
+                "namespace {ns:?} is invalid: use 1 to 64 characters from A-Z a-z 0-9 _ . -"
+            )))
+        }
+    }
+
+    /// The namespace as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Self("sluicegate".into())
+    }
+}
+
+/// Builds the keys of one namespace.
+#[derive(Clone, Debug)]
+pub(crate) struct Keys {
+    ns: String,
+    /// Every priority list, highest priority first: the BRPOP argument list.
+    token_lists: Vec<String>,
+}
+
+impl Keys {
+    pub(crate) fn new(ns: &Namespace) -> Self {
+        let ns = ns.as_str().to_owned();
+        let token_lists = Priority::all_descending()
+            .map(|p| format!("{ns}:{{{ns}.q0}}:p:{}", p.get()))
+            .collect();
+        Self { ns, token_lists }
+    }
+
+    /// Priority lists, highest first.
+    pub(crate) fn token_lists(&self) -> &[String] {
+        &self.token_lists
+    }
+
+    pub(crate) fn token_list(&self, priority: Priority) -> &str {
+        let i = usize::from(Priority::MAX.get() - priority.get());
+        &self.token_lists[i]
+    }
+
+    /// The priority a token list key stands for.
+    pub(crate) fn priority_of_list(&self, list: &str) -> Option<Priority> {
+        let p: u8 = list.rsplit(':').next()?.parse().ok()?;
+        let p = Priority::new(p).ok()?;
+        (self.token_list(p) == list).then_some(p)
+    }
+
+    /// Sorted set of the requests not yet terminal; score: when recovery should next look.
+    pub(crate) fn active(&self) -> String {
+        format!("{}:{{{}.q0}}:active", self.ns, self.ns)
+    }
+
+    /// Stream of terminal events, trimmed to the retention.
+    pub(crate) fn events(&self) -> String {
+        format!("{}:{{{}.q0}}:events", self.ns, self.ns)
+    }
+
+    /// Pub/sub channel announcing terminal states ("<key id>|<state>").
+    pub(crate) fn done_channel(&self) -> String {
+        format!("{}:done", self.ns)
+    }
+
+    /// The keys of one request.
+    pub(crate) fn request(&self, key_id: &str) -> RequestKeys {
+        let base = format!("{}:r:{{{key_id}}}", self.ns);
+        RequestKeys {
+            stream: format!("{base}:s"),
+            results: format!("{base}:res"),
+            errors: format!("{base}:err"),
+            meta: base,
+        }
+    }
+}
+
+/// The keys of one request; all share its hash tag.
+#[derive(Clone, Debug)]
+pub(crate) struct RequestKeys {
+    /// Hash: state, counters, token states.
+    pub(crate) meta: String,
+    /// Stream of sub-requests (entry id `0-<index+1>`, one field `p`), consumer group `g`.
+    pub(crate) stream: String,
+    /// Hash: index -> result bytes (MessagePack).
+    pub(crate) results: String,
+    /// Hash: index -> error text.
+    pub(crate) errors: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn awkward_ids_encode_without_braces_colons_or_bars_and_round_trip() {
+        for raw in ["a{b}c", "x:y", "with space", "März ✓", "%41", "a|b", "}{"] {
+            let id = RequestId::new(raw).unwrap();
+            let key_id = id.key_id();
+            assert!(!key_id.contains(['{', '}', ':', '|', ' ']), "{key_id}");
+            assert_eq!(RequestId::from_key_id(&key_id).unwrap(), id);
+        }
+        // "%41" must not collide with "A".
+        assert_ne!(
+            RequestId::new("%41").unwrap().key_id(),
+            RequestId::new("A").unwrap().key_id()
+        );
+    }
+
+    #[test]
+    fn overlong_and_empty_ids_are_refused_with_the_reason() {
+        let err = RequestId::new("x".repeat(10 * 1024))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("at most 512 bytes") && err.contains("10240"),
+            "{err}"
+        );
+        assert!(RequestId::new("")
+            .unwrap_err()
+            .to_string()
+            .contains("empty"));
+    }
+
+    #[test]
+    fn request_keys_share_one_hash_tag_and_token_lists_another() {
+        let keys = Keys::new(&Namespace::new("ns").unwrap());
+        let r = keys.request(&RequestId::new("a:b").unwrap().key_id());
+        for k in [&r.meta, &r.stream, &r.results, &r.errors] {
+            assert!(k.starts_with("ns:r:{a%3Ab}"), "{k}");
+        }
+        assert!(keys
+            .token_lists()
+            .iter()
+            .all(|k| k.starts_with("ns:{ns.q0}:p:")));
+        assert_eq!(keys.token_lists()[0], "ns:{ns.q0}:p:99");
+        assert_eq!(
+            keys.priority_of_list("ns:{ns.q0}:p:7"),
+            Some(Priority::new(7).unwrap())
+        );
+        assert!(keys.active().contains("{ns.q0}") && keys.events().contains("{ns.q0}"));
+    }
+
+    #[test]
+    fn namespaces_with_key_syntax_are_refused() {
+        assert!(Namespace::new("good-ns_1.x").is_ok());
+        for bad in ["", "a:b", "a{b", "a b", "a*", &"n".repeat(65)] {
+            assert!(Namespace::new(bad).is_err(), "{bad:?}");
+        }
+    }
+}

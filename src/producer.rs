@@ -1,0 +1,406 @@
+//! Submitting requests and waiting for their results.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::prelude::*;
+use fred::types::streams::XID;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::{broadcast, OnceCell};
+use tracing::Instrument;
+
+use crate::codec;
+use crate::config::{millis, Config};
+use crate::error::{Error, Result};
+use crate::keys::{RequestId, RequestKeys};
+use crate::reply;
+use crate::request::{Concurrency, Priority, RequestState};
+use crate::scripts::Func;
+use crate::store::Store;
+
+/// Parts written per pipeline while a request loads: bounds producer memory, amortises round trips.
+const LOAD_CHUNK: usize = 2_000;
+
+/// Submits requests and waits for their results.
+///
+/// ```no_run
+/// # async fn demo() -> sluicegate::Result<()> {
+/// use sluicegate::{Config, Producer};
+/// let producer = Producer::connect(&Config::from_env()).await?;
+/// let handle = producer.request().priority(7)?.concurrency(4)?.submit(vec!["a", "b"]).await?;
+/// let done = handle.wait::<String>().await?;
+/// println!("{:?}", done.results);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Producer {
+    store: Store,
+    doorbell: Arc<OnceCell<Doorbell>>,
+}
+
+impl Producer {
+    /// Connects to Redis, checks its version and loads the functions library.
+    pub async fn connect(config: &Config) -> Result<Self> {
+        Ok(Self {
+            store: Store::connect(config).await?,
+            doorbell: Arc::new(OnceCell::new()),
+        })
+    }
+
+    /// Starts describing a request; finish with [`RequestBuilder::submit`].
+    pub fn request(&self) -> RequestBuilder<'_> {
+        RequestBuilder {
+            producer: self,
+            id: None,
+            priority: Priority::DEFAULT,
+            concurrency: Concurrency::default(),
+        }
+    }
+
+    /// A handle on a request submitted earlier (by this or another process).
+    pub fn handle(&self, id: RequestId) -> RequestHandle {
+        RequestHandle {
+            id,
+            producer: self.clone(),
+        }
+    }
+
+    async fn submit<I, T>(&self, spec: RequestBuilder<'_>, parts: I) -> Result<RequestHandle>
+    where
+        I: IntoIterator<Item = T>,
+        T: Serialize,
+    {
+        let id = match spec.id {
+            Some(id) => id,
+            None => RequestId::generate(),
+        };
+        let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
+        async {
+            let key_id = id.key_id();
+            let keys = self.store.keys.request(&key_id);
+            let opened = self
+                .store
+                .fcall(
+                    Func::SubmitOpen,
+                    &[&keys.meta, &keys.stream],
+                    vec![
+                        id.as_str().into(),
+                        i64::from(spec.priority.get()).into(),
+                        i64::from(spec.concurrency.get()).into(),
+                        (millis(self.store.config.loading_ttl) as i64).into(),
+                    ],
+                )
+                .await;
+            if let Err(e) = opened {
+                return Err(match e {
+                    Error::Redis(ref r) if r.details().contains("SGDUPLICATE") => {
+                        Error::DuplicateRequestId(id.clone())
+                    }
+                    other => other,
+                });
+            }
+            let total = match self.load(&keys, parts).await {
+                Ok(total) => total,
+                Err(e) => {
+                    // Nothing of a half-written request is visible to workers; remove it now so the
+                    // id can be used again (it would expire after the loading ttl anyway).
+                    let _: Result<i64, _> = self
+                        .store
+                        .client
+                        .del(vec![keys.meta.clone(), keys.stream.clone()])
+                        .await;
+                    return Err(e);
+                }
+            };
+            // From here on the request may be committed: never delete it on error.
+            self.commit_and_ring(&key_id, &keys, spec.priority, total)
+                .await?;
+            tracing::debug!(total, "request durable and queued");
+            Ok(RequestHandle {
+                id: id.clone(),
+                producer: self.clone(),
+            })
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Writes the parts in pipelined chunks. Returns how many.
+    async fn load<I, T>(&self, keys: &RequestKeys, parts: I) -> Result<u64>
+    where
+        I: IntoIterator<Item = T>,
+        T: Serialize,
+    {
+        let mut total: u64 = 0;
+        let mut parts = parts.into_iter().peekable();
+        if parts.peek().is_none() {
+            return Err(Error::InvalidRequest(
+                "a request needs at least one part".into(),
+            ));
+        }
+        while parts.peek().is_some() {
+            let pipe = self.store.client.pipeline();
+            for part in parts.by_ref().take(LOAD_CHUNK) {
+                total += 1;
+                let bytes = codec::encode(&part)?;
+                // NOMKSTREAM: a producer that outlived its loading ttl must not recreate the stream.
+                pipe.xadd::<(), _, _, _, _>(
+                    keys.stream.as_str(),
+                    true,
+                    None,
+                    XID::Manual(format!("0-{total}").into()),
+                    vec![("p", Value::Bytes(bytes.into()))],
+                )
+                .await?;
+            }
+            let replies: Vec<Value> = pipe.all().await?;
+            if replies.iter().any(Value::is_null) {
+                return Err(Error::InvalidRequest(
+                    "the request expired while loading (its loading ttl ran out)".into(),
+                ));
+            }
+        }
+        Ok(total)
+    }
+
+    /// Makes the loaded request runnable and puts its tokens on its priority list.
+    async fn commit_and_ring(
+        &self,
+        key_id: &str,
+        keys: &RequestKeys,
+        priority: Priority,
+        total: u64,
+    ) -> Result<()> {
+        let elements = reply::array(
+            self.store
+                .fcall(
+                    Func::SubmitCommit,
+                    &[&keys.meta, &keys.stream],
+                    vec![key_id.into(), (total as i64).into()],
+                )
+                .await?,
+        )?;
+        let mut args: Vec<Value> = vec![
+            key_id.into(),
+            (millis(self.store.config.lease) as i64).into(),
+        ];
+        args.extend(elements);
+        let active = self.store.keys.active();
+        self.store
+            .fcall(
+                Func::Ring,
+                &[self.store.keys.token_list(priority), &active],
+                args,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Reads a request's terminal record and results, or `None` while it is not terminal.
+    async fn try_completion<O: DeserializeOwned>(
+        &self,
+        id: &RequestId,
+    ) -> Result<Option<Completion<O>>> {
+        let keys = self.store.keys.request(&id.key_id());
+        let (state, total): (Option<String>, Option<u64>) = self
+            .store
+            .client
+            .hmget(keys.meta.as_str(), vec!["state", "total"])
+            .await?;
+        let Some(state) = state else {
+            return Err(Error::UnknownRequest(id.clone()));
+        };
+        let state: RequestState = state.parse()?;
+        if !state.is_terminal() {
+            return Ok(None);
+        }
+        let total = total.unwrap_or(0);
+        let oks: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.results.as_str()).await?;
+        let errs: HashMap<u64, String> = self.store.client.hgetall(keys.errors.as_str()).await?;
+        let mut results = Vec::with_capacity(total as usize);
+        for i in 0..total {
+            results.push(match (oks.get(&i), errs.get(&i)) {
+                (Some(bytes), _) => Ok(codec::decode::<O>(bytes)?),
+                (None, Some(msg)) => Err(PartError {
+                    message: msg.clone(),
+                }),
+                (None, None) => Err(PartError {
+                    message: format!("no result recorded (request {state})"),
+                }),
+            });
+        }
+        Ok(Some(Completion {
+            id: id.clone(),
+            state,
+            results,
+        }))
+    }
+
+    async fn doorbell(&self) -> Result<&Doorbell> {
+        self.doorbell
+            .get_or_try_init(|| Doorbell::start(&self.store))
+            .await
+    }
+}
+
+/// Describes a request before it is submitted.
+#[must_use = "a request is only sent by submit()"]
+pub struct RequestBuilder<'a> {
+    producer: &'a Producer,
+    id: Option<RequestId>,
+    priority: Priority,
+    concurrency: Concurrency,
+}
+
+impl RequestBuilder<'_> {
+    /// Chooses the request's id (default: a generated UUIDv7). An id in use is refused at submit.
+    pub fn id(mut self, id: impl Into<String>) -> Result<Self> {
+        self.id = Some(RequestId::new(id)?);
+        Ok(self)
+    }
+
+    /// 0 (lowest) to 99 (highest); default 50.
+    pub fn priority(mut self, p: u8) -> Result<Self> {
+        self.priority = Priority::new(p)?;
+        Ok(self)
+    }
+
+    /// At most `n` sub-requests of this request run at once, across all workers; default 1.
+    pub fn concurrency(mut self, n: u32) -> Result<Self> {
+        self.concurrency = Concurrency::new(n)?;
+        Ok(self)
+    }
+
+    /// Sends the request, its parts encoded as MessagePack. Returns once the whole request is
+    /// durable in Redis and its tokens are queued; until then no worker can see any of it.
+    pub async fn submit<I, T>(self, parts: I) -> Result<RequestHandle>
+    where
+        I: IntoIterator<Item = T>,
+        T: Serialize,
+    {
+        let producer = self.producer;
+        producer.submit(self, parts).await
+    }
+}
+
+/// A submitted request.
+#[derive(Clone)]
+pub struct RequestHandle {
+    id: RequestId,
+    producer: Producer,
+}
+
+impl RequestHandle {
+    /// The request's id.
+    pub fn id(&self) -> &RequestId {
+        &self.id
+    }
+
+    /// Waits until the request is terminal and returns its results in sub-request order.
+    ///
+    /// It subscribes before it reads the durable record, so a completion that happened before or
+    /// during the call is never missed; it also re-reads the record every `wait_poll` in case a
+    /// message was lost in a reconnect.
+    pub async fn wait<O: DeserializeOwned>(&self) -> Result<Completion<O>> {
+        let bell = self.producer.doorbell().await?;
+        let mut rx = bell.tx.subscribe();
+        let key_id = self.id.key_id();
+        loop {
+            if let Some(done) = self.producer.try_completion(&self.id).await? {
+                return Ok(done);
+            }
+            let poll = tokio::time::sleep(self.producer.store.config.wait_poll);
+            tokio::pin!(poll);
+            loop {
+                tokio::select! {
+                    msg = rx.recv() => match msg {
+                        Ok(rid) if rid == key_id => break,
+                        Ok(_) => continue,
+                        // Lagged: some message may have been ours; closed: the poll carries on.
+                        Err(broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(broadcast::error::RecvError::Closed) => { (&mut poll).await; break }
+                    },
+                    _ = &mut poll => break,
+                }
+            }
+        }
+    }
+
+    /// [`wait`](Self::wait) with a time limit.
+    pub async fn wait_timeout<O: DeserializeOwned>(
+        &self,
+        limit: Duration,
+    ) -> Result<Completion<O>> {
+        tokio::time::timeout(limit, self.wait())
+            .await
+            .map_err(|_| Error::Timeout(self.id.clone()))?
+    }
+}
+
+/// A finished request: its terminal state and one result per sub-request, in order.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Completion<O> {
+    /// The request.
+    pub id: RequestId,
+    /// Completed, failed or cancelled.
+    pub state: RequestState,
+    /// One entry per sub-request, in sub-request order.
+    pub results: Vec<Result<O, PartError>>,
+}
+
+impl<O> Completion<O> {
+    /// The outputs, or the first failure.
+    pub fn into_outputs(self) -> Result<Vec<O>, PartError> {
+        self.results.into_iter().collect()
+    }
+}
+
+/// Why one sub-request has no result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct PartError {
+    /// The handler's error, or why the part did not run.
+    pub message: String,
+}
+
+/// One subscription to the completion channel per producer, fanned out to every waiting handle.
+struct Doorbell {
+    tx: broadcast::Sender<String>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Doorbell {
+    async fn start(store: &Store) -> Result<Self> {
+        let sub = store.subscriber().await?;
+        let mut messages = sub.message_rx();
+        sub.subscribe(store.keys.done_channel()).await?;
+        let (tx, _) = broadcast::channel(4096);
+        let fan_out = tx.clone();
+        let task = tokio::spawn(async move {
+            // Owns the subscriber: it lives exactly as long as this task.
+            let _sub = sub;
+            loop {
+                match messages.recv().await {
+                    Ok(msg) => {
+                        if let Some(text) = msg.value.as_string() {
+                            let rid = text.split('|').next().unwrap_or_default().to_owned();
+                            let _ = fan_out.send(rid);
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        });
+        Ok(Self { tx, task })
+    }
+}
+
+impl Drop for Doorbell {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -1,0 +1,110 @@
+//! The server-side half of sluicegate: the Redis Functions library assembled from `lua/`.
+//!
+//! Every multi-step state change is one function, named for the transition, whose keys all share
+//! one hash tag. The library is versioned by name (`sluicegate_v1`, functions `sg1_<name>`), so a
+//! future protocol can be loaded beside this one while old workers drain. Why Functions rather
+//! than EVALSHA: docs/architecture.md, "Server-side logic".
+
+/// Protocol version: part of the library and function names, and stored in each request.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The library name as loaded into Redis.
+pub const LIBRARY_NAME: &str = "sluicegate_v1";
+
+const PRELUDE: &str = include_str!("../lua/prelude.lua");
+
+/// One state transition of the protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Func {
+    SubmitOpen,
+    SubmitCommit,
+    Ring,
+    Acquire,
+    Ack,
+    FinishIndex,
+    Renew,
+}
+
+impl Func {
+    pub(crate) const ALL: [Func; 7] = [
+        Func::SubmitOpen,
+        Func::SubmitCommit,
+        Func::Ring,
+        Func::Acquire,
+        Func::Ack,
+        Func::FinishIndex,
+        Func::Renew,
+    ];
+
+    /// The Lua function name, which is also the file name in `lua/`.
+    pub(crate) fn local_name(self) -> &'static str {
+        match self {
+            Func::SubmitOpen => "submit_open",
+            Func::SubmitCommit => "submit_commit",
+            Func::Ring => "ring",
+            Func::Acquire => "acquire",
+            Func::Ack => "ack",
+            Func::FinishIndex => "finish_index",
+            Func::Renew => "renew",
+        }
+    }
+
+    /// The name to FCALL.
+    pub(crate) fn fcall_name(self) -> String {
+        format!("sg{PROTOCOL_VERSION}_{}", self.local_name())
+    }
+
+    fn source(self) -> &'static str {
+        match self {
+            Func::SubmitOpen => include_str!("../lua/submit_open.lua"),
+            Func::SubmitCommit => include_str!("../lua/submit_commit.lua"),
+            Func::Ring => include_str!("../lua/ring.lua"),
+            Func::Acquire => include_str!("../lua/acquire.lua"),
+            Func::Ack => include_str!("../lua/ack.lua"),
+            Func::FinishIndex => include_str!("../lua/finish_index.lua"),
+            Func::Renew => include_str!("../lua/renew.lua"),
+        }
+    }
+}
+
+/// The complete library source, ready for `FUNCTION LOAD REPLACE`. Clients in other languages
+/// load the same text (docs/protocol.md describes how it is assembled).
+pub fn library_source() -> String {
+    let mut code = format!("#!lua name={LIBRARY_NAME}\n\n{PRELUDE}\n");
+    for f in Func::ALL {
+        code.push_str(f.source());
+        code.push('\n');
+    }
+    for f in Func::ALL {
+        code.push_str(&format!(
+            "redis.register_function('{}', {})\n",
+            f.fcall_name(),
+            f.local_name()
+        ));
+    }
+    code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_transition_file_defines_its_function_and_lists_keys_and_args() {
+        for f in Func::ALL {
+            let src = f.source();
+            assert!(
+                src.contains(&format!("local function {}(keys, args)", f.local_name())),
+                "lua/{}.lua must define local function {}",
+                f.local_name(),
+                f.local_name()
+            );
+            assert!(
+                src.contains("KEYS[1]") && src.contains("Returns"),
+                "{} lacks its header",
+                f.local_name()
+            );
+        }
+        assert!(library_source().starts_with("#!lua name=sluicegate_v1\n"));
+    }
+}

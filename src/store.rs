@@ -1,0 +1,195 @@
+//! The connection to Redis: client set-up, version check, and calls into the functions library.
+
+use std::time::Duration;
+
+use fred::clients::SubscriberClient;
+use fred::prelude::*;
+use fred::types::{ClusterHash, CustomCommand};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::keys::Keys;
+use crate::scripts::{library_source, Func};
+
+/// The oldest Redis with everything sluicegate uses (Redis Functions, FUNCTION LOAD REPLACE).
+pub(crate) const MIN_REDIS: (u32, u32) = (7, 0);
+
+/// A connected, checked Redis plus the key schema of one namespace.
+///
+/// Cheap to clone: clones share one multiplexed connection, on which fred pipelines the commands of
+/// concurrent tasks. Blocking commands never go on it (see [`Store::blocking_client`]).
+#[derive(Clone)]
+pub(crate) struct Store {
+    pub(crate) client: Client,
+    pub(crate) keys: Keys,
+    pub(crate) config: Config,
+}
+
+impl Store {
+    /// Connects, refuses servers older than Redis 7.0, and loads the functions library.
+    pub(crate) async fn connect(config: &Config) -> Result<Self> {
+        config.validate()?;
+        let namespace = config.validated_namespace()?;
+        let client = new_client(config)?;
+        client
+            .init()
+            .await
+            .map_err(|e| connect_error(&config.url, e))?;
+        check_version(&client).await?;
+        let store = Self {
+            client,
+            keys: Keys::new(&namespace),
+            config: config.clone(),
+        };
+        store.load_library().await?;
+        Ok(store)
+    }
+
+    /// A client of its own, for a loop that blocks (BRPOP, XREAD BLOCK): a blocked connection
+    /// stalls every command queued behind it, so blocking never shares the pipelined client.
+    pub(crate) async fn blocking_client(&self) -> Result<Client> {
+        let client = self.client.clone_new();
+        client
+            .init()
+            .await
+            .map_err(|e| connect_error(&self.config.url, e))?;
+        Ok(client)
+    }
+
+    /// A pub/sub client that re-subscribes by itself after a reconnect.
+    pub(crate) async fn subscriber(&self) -> Result<SubscriberClient> {
+        let sub = Builder::from_config(client_config(&self.config)?)
+            .set_policy(reconnect_policy())
+            .build_subscriber_client()?;
+        sub.init()
+            .await
+            .map_err(|e| connect_error(&self.config.url, e))?;
+        sub.manage_subscriptions();
+        Ok(sub)
+    }
+
+    async fn load_library(&self) -> Result<()> {
+        let code = library_source();
+        if self.client.is_clustered() {
+            self.client
+                .function_load_cluster::<(), _>(true, code)
+                .await?;
+        } else {
+            self.client.function_load::<Value, _>(true, code).await?;
+        }
+        Ok(())
+    }
+
+    /// Calls one function of the library. `keys` must share a hash tag: the call is routed to the
+    /// slot of the first key. The call is sent as a plain pipelined command (fred would otherwise
+    /// treat FCALL as blocking and serialise it); a library missing after a FUNCTION FLUSH or a
+    /// failover to an empty node is loaded again and the call retried once.
+    pub(crate) async fn fcall(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
+        match self.fcall_once(func, keys, args.clone()).await {
+            Err(e) if is_missing_function(&e) => {
+                tracing::info!(
+                    function = func.local_name(),
+                    "functions library missing; loading it again"
+                );
+                self.load_library().await?;
+                self.fcall_once(func, keys, args).await.map_err(Error::from)
+            }
+            other => other.map_err(Error::from),
+        }
+    }
+
+    async fn fcall_once(
+        &self,
+        func: Func,
+        keys: &[&str],
+        args: Vec<Value>,
+    ) -> Result<Value, fred::error::Error> {
+        let slot = keys
+            .first()
+            .map(|k| fred::util::redis_keyslot(k.as_bytes()));
+        let cmd = CustomCommand::new(
+            "FCALL",
+            slot.map_or(ClusterHash::Random, ClusterHash::Custom),
+            false,
+        );
+        let mut all: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
+        all.push(func.fcall_name().into());
+        all.push((keys.len() as i64).into());
+        all.extend(keys.iter().map(|k| Value::from(*k)));
+        all.extend(args);
+        self.client.custom::<Value, Value>(cmd, all).await
+    }
+}
+
+fn is_missing_function(e: &fred::error::Error) -> bool {
+    let d = e.details();
+    d.contains("Function not found") || d.contains("NOSCRIPT")
+}
+
+fn client_config(config: &Config) -> Result<fred::prelude::Config> {
+    fred::prelude::Config::from_url(&config.url).map_err(|e| {
+        Error::Config(format!(
+            "redis URL {:?} is malformed: {}",
+            config.url,
+            e.details()
+        ))
+    })
+}
+
+fn reconnect_policy() -> ReconnectPolicy {
+    // Retry forever, 100 ms doubling to 5 s: a worker outlives a Redis restart.
+    ReconnectPolicy::new_exponential(0, 100, 5_000, 2)
+}
+
+fn new_client(config: &Config) -> Result<Client> {
+    let client = Builder::from_config(client_config(config)?)
+        .set_policy(reconnect_policy())
+        .with_connection_config(|c| {
+            c.connection_timeout = Duration::from_secs(5);
+        })
+        .build()?;
+    Ok(client)
+}
+
+fn connect_error(url: &str, e: fred::error::Error) -> Error {
+    Error::Redis(fred::error::Error::new(
+        e.kind().clone(),
+        format!("cannot connect to {url}: {}", e.details()),
+    ))
+}
+
+async fn check_version(client: &Client) -> Result<()> {
+    let info: String = client.info(Some(fred::types::InfoKind::Server)).await?;
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_else(|| "unknown".into());
+    if !version_at_least(&version, MIN_REDIS) {
+        return Err(Error::UnsupportedRedis {
+            found: version,
+            needed: "7.0",
+        });
+    }
+    Ok(())
+}
+
+fn version_at_least(version: &str, (major, minor): (u32, u32)) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    found >= (major, minor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_older_than_7_0_are_refused() {
+        assert!(version_at_least("7.0.15", MIN_REDIS));
+        assert!(version_at_least("7.2.4", MIN_REDIS));
+        assert!(version_at_least("10.0.0", MIN_REDIS));
+        assert!(!version_at_least("6.2.14", MIN_REDIS));
+        assert!(!version_at_least("unknown", MIN_REDIS));
+    }
+}

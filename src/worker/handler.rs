@@ -1,0 +1,123 @@
+//! What users implement: a [`Handler`] runs one sub-request, told about it by a [`Context`].
+
+use std::fmt;
+
+use async_trait::async_trait;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::keys::RequestId;
+use crate::request::Priority;
+
+/// Runs one sub-request. Workers call it concurrently from many slots, so it takes `&self`.
+///
+/// ```
+/// use sluicegate::{async_trait, Context, Handler, HandlerError};
+///
+/// struct Upper;
+///
+/// #[async_trait]
+/// impl Handler for Upper {
+///     type Input = String;
+///     type Output = String;
+///     async fn handle(&self, _ctx: Context, input: String) -> Result<String, HandlerError> {
+///         Ok(input.to_uppercase())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// A sub-request's payload, decoded from MessagePack.
+    type Input: DeserializeOwned + Send + 'static;
+    /// What the handler returns; stored as MessagePack and handed back in order by `wait()`.
+    type Output: Serialize + Send + 'static;
+
+    /// Processes one sub-request. An `Err` (or a panic) is recorded for this sub-request; it never
+    /// stops the worker. A sub-request may run more than once (at-least-once): use
+    /// [`Context::idempotency_key`] to make side effects safe to repeat.
+    async fn handle(&self, ctx: Context, input: Self::Input) -> Result<Self::Output, HandlerError>;
+}
+
+/// What a handler knows about the sub-request it runs.
+#[derive(Clone, Debug)]
+pub struct Context {
+    pub(crate) request_id: RequestId,
+    pub(crate) index: u64,
+    pub(crate) attempt: u32,
+    pub(crate) priority: Priority,
+    pub(crate) cancelled: CancellationToken,
+}
+
+impl Context {
+    /// The request this sub-request belongs to.
+    pub fn request_id(&self) -> &RequestId {
+        &self.request_id
+    }
+
+    /// The sub-request's position in its request, from 0.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// 1 on the first run, 2 on the second, and so on.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The request's priority.
+    pub fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    /// A key that is the same for every attempt of this sub-request: `<request id>/<index>`.
+    pub fn idempotency_key(&self) -> String {
+        format!("{}/{}", self.request_id, self.index)
+    }
+
+    /// Completes when this run's claim is lost (its lease moved on, the request finished or was
+    /// cancelled) or the worker shuts down hard: a long handler should stop, its result will be
+    /// dropped.
+    pub fn cancelled(&self) -> &CancellationToken {
+        &self.cancelled
+    }
+}
+
+/// A handler's failure: a message recorded for the sub-request.
+///
+/// Any `std::error::Error` converts into it, so `?` works in handlers.
+pub struct HandlerError {
+    message: String,
+}
+
+impl HandlerError {
+    /// A failure with this message.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
+    fn from(e: E) -> Self {
+        Self::new(e.to_string())
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl fmt::Debug for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HandlerError({:?})", self.message)
+    }
+}

@@ -1,0 +1,195 @@
+//! Workers: slots that take concurrency tokens, run the user's handler, and ack.
+
+mod handler;
+mod leases;
+mod slot;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::interfaces::ClientLike;
+use tokio_util::sync::CancellationToken;
+
+pub use handler::{Context, Handler, HandlerError};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::store::Store;
+use leases::Leases;
+
+/// How long a slot keeps a token while its request has work, before it gives the token back so
+/// that higher priorities get through: whichever limit comes first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quantum {
+    /// Sub-requests run per token take.
+    pub parts: u32,
+    /// Time spent per token take.
+    pub time: Duration,
+}
+
+impl Default for Quantum {
+    fn default() -> Self {
+        Self {
+            parts: 32,
+            time: Duration::from_millis(250),
+        }
+    }
+}
+
+/// Configures a [`Worker`].
+#[must_use = "a worker builder does nothing until build()"]
+pub struct WorkerBuilder<H> {
+    config: Config,
+    handler: H,
+    slots: usize,
+    quantum: Quantum,
+    idle_poll: Duration,
+}
+
+impl<H: Handler> WorkerBuilder<H> {
+    /// Handlers run at once in this process (default 4).
+    pub fn slots(mut self, slots: usize) -> Self {
+        self.slots = slots;
+        self
+    }
+
+    /// How much one token take may run before the token goes back (default 32 parts or 250 ms).
+    pub fn quantum(mut self, quantum: Quantum) -> Self {
+        self.quantum = quantum;
+        self
+    }
+
+    /// How long an idle slot's BRPOP blocks on the server before it is re-issued (default 1 s);
+    /// also how long shutdown may wait for idle slots.
+    pub fn idle_poll(mut self, d: Duration) -> Self {
+        self.idle_poll = d;
+        self
+    }
+
+    /// Connects: one shared pipelined connection, plus one blocking connection per slot.
+    pub async fn build(self) -> Result<Worker<H>> {
+        if self.slots == 0 {
+            return Err(Error::Config("a worker needs at least one slot".into()));
+        }
+        if self.quantum.parts == 0 {
+            return Err(Error::Config("quantum.parts must be at least 1".into()));
+        }
+        if self.idle_poll < Duration::from_millis(10) {
+            return Err(Error::Config("idle_poll must be at least 10 ms".into()));
+        }
+        let store = Store::connect(&self.config).await?;
+        let worker_id = format!("w-{}", uuid::Uuid::new_v4().simple());
+        let mut blocking = Vec::with_capacity(self.slots);
+        for _ in 0..self.slots {
+            blocking.push(store.blocking_client().await?);
+        }
+        Ok(Worker {
+            shared: Arc::new(slot::Shared {
+                store,
+                handler: Arc::new(self.handler),
+                worker_id,
+                quantum: self.quantum,
+                idle_poll: self.idle_poll,
+                leases: Leases::default(),
+                stopping: CancellationToken::new(),
+            }),
+            blocking,
+        })
+    }
+}
+
+/// A worker process's runtime: K slots serving every request of one namespace.
+///
+/// ```no_run
+/// # use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Worker};
+/// # struct Upper;
+/// # #[async_trait] impl Handler for Upper { type Input = String; type Output = String;
+/// #   async fn handle(&self, _: Context, s: String) -> Result<String, HandlerError> { Ok(s) } }
+/// # async fn demo() -> sluicegate::Result<()> {
+/// let worker = Worker::builder(&Config::from_env(), Upper).slots(8).build().await?;
+/// worker.run().await // until ctrl-c or SIGTERM
+/// # }
+/// ```
+pub struct Worker<H> {
+    shared: Arc<slot::Shared<H>>,
+    blocking: Vec<fred::clients::Client>,
+}
+
+impl<H: Handler> Worker<H> {
+    /// Starts configuring a worker for `handler`.
+    pub fn builder(config: &Config, handler: H) -> WorkerBuilder<H> {
+        WorkerBuilder {
+            config: config.clone(),
+            handler,
+            slots: 4,
+            quantum: Quantum::default(),
+            idle_poll: Duration::from_secs(1),
+        }
+    }
+
+    /// This worker's id (its stream consumer name, and the prefix of its lease holders).
+    pub fn id(&self) -> &str {
+        &self.shared.worker_id
+    }
+
+    /// Runs until ctrl-c or SIGTERM, then stops gracefully.
+    pub async fn run(self) -> Result<()> {
+        self.run_until(shutdown_signal()).await
+    }
+
+    /// Runs until `shutdown` completes. Then every slot stops taking tokens, lets its running
+    /// handler finish, acks, and gives its token back.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let shared = self.shared;
+        let mut slots = tokio::task::JoinSet::new();
+        for (n, client) in self.blocking.into_iter().enumerate() {
+            slots.spawn(slot::run(shared.clone(), n, client));
+        }
+        let heartbeat = tokio::spawn(heartbeat(shared.clone()));
+        tokio::select! {
+            _ = shutdown => {}
+            _ = shared.stopping.cancelled() => {}
+        }
+        tracing::info!(worker = %shared.worker_id, "shutting down: finishing running handlers");
+        shared.stopping.cancel();
+        while let Some(joined) = slots.join_next().await {
+            if let Err(e) = joined {
+                tracing::error!(error = %e, "a slot task ended abnormally");
+            }
+        }
+        heartbeat.abort();
+        let _ = shared.store.client.quit().await;
+        Ok(())
+    }
+}
+
+async fn heartbeat<H: Handler>(shared: Arc<slot::Shared<H>>) {
+    let mut tick = tokio::time::interval(shared.store.config.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        shared.leases.renew_all(&shared.store).await;
+    }
+}
+
+/// Completes on ctrl-c, or SIGTERM on Unix.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}

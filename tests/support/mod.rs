@@ -1,0 +1,168 @@
+//! Shared set-up for the integration tests: a Redis of the test's own, a unique namespace, workers
+//! that stop when the test ends, and a probe handler that records what ran when.
+
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluicegate::testing::{unique_namespace, TestRedis};
+use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Quantum, Worker};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// A test's own Redis (or REDIS_URL's) and a namespace no other test uses.
+pub struct Env {
+    pub redis: TestRedis,
+    pub config: Config,
+}
+
+pub async fn env(name: &str) -> Env {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    let redis = TestRedis::start().await.unwrap_or_else(|e| panic!("{e}"));
+    let config = Config::new(redis.url())
+        .namespace(unique_namespace(name))
+        .lease(Duration::from_secs(5))
+        .heartbeat(Duration::from_secs(1))
+        .wait_poll(Duration::from_millis(500));
+    Env { redis, config }
+}
+
+/// A worker running in the background until [`Running::stop`] or drop.
+pub struct Running {
+    stop: CancellationToken,
+    task: Option<JoinHandle<sluicegate::Result<()>>>,
+}
+
+impl Running {
+    pub async fn stop(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            task.await
+                .expect("worker task panicked")
+                .expect("worker failed");
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+pub async fn start_worker<H: Handler>(
+    config: &Config,
+    handler: H,
+    slots: usize,
+    quantum: Quantum,
+) -> Running {
+    let worker = Worker::builder(config, handler)
+        .slots(slots)
+        .quantum(quantum)
+        .idle_poll(Duration::from_millis(100))
+        .build()
+        .await
+        .expect("worker builds");
+    let stop = CancellationToken::new();
+    let signal = stop.clone();
+    let task = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
+    Running {
+        stop,
+        task: Some(task),
+    }
+}
+
+/// The probe's input: a number to double, and how to behave.
+#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+pub struct Job {
+    pub n: u64,
+    pub sleep_ms: u64,
+    pub fail: bool,
+}
+
+impl Job {
+    pub fn new(n: u64) -> Self {
+        Self {
+            n,
+            ..Self::default()
+        }
+    }
+    pub fn sleeping(n: u64, ms: u64) -> Self {
+        Self {
+            n,
+            sleep_ms: ms,
+            fail: false,
+        }
+    }
+}
+
+/// What the probe saw, shared with the test.
+#[derive(Default)]
+pub struct Record {
+    /// request id -> (running now, most running at once)
+    pub concurrency: HashMap<String, (u32, u32)>,
+    /// (request id, index) in the order handlers started
+    pub starts: Vec<(String, u64)>,
+}
+
+/// A handler that doubles `n`, sleeps or fails on request, and records concurrency and order.
+#[derive(Clone, Default)]
+pub struct Probe {
+    pub record: Arc<Mutex<Record>>,
+}
+
+impl Probe {
+    pub fn max_concurrency(&self, request: &str) -> u32 {
+        self.record
+            .lock()
+            .unwrap()
+            .concurrency
+            .get(request)
+            .map_or(0, |c| c.1)
+    }
+    pub fn starts(&self) -> Vec<(String, u64)> {
+        self.record.lock().unwrap().starts.clone()
+    }
+}
+
+#[async_trait]
+impl Handler for Probe {
+    type Input = Job;
+    type Output = u64;
+
+    async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        let id = ctx.request_id().to_string();
+        {
+            let mut r = self.record.lock().unwrap();
+            r.starts.push((id.clone(), ctx.index()));
+            let c = r.concurrency.entry(id.clone()).or_default();
+            c.0 += 1;
+            c.1 = c.1.max(c.0);
+        }
+        if job.sleep_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(job.sleep_ms)).await;
+        }
+        self.record
+            .lock()
+            .unwrap()
+            .concurrency
+            .get_mut(&id)
+            .expect("entered above")
+            .0 -= 1;
+        if job.fail {
+            return Err(HandlerError::new(format!(
+                "job {} failed on purpose",
+                job.n
+            )));
+        }
+        Ok(job.n * 2)
+    }
+}
