@@ -35,15 +35,8 @@ impl Handler for Shout {
 
     async fn handle(&self, ctx: Context, chunk: Chunk) -> Result<Transformed, HandlerError> {
         tracing::debug!(request = %ctx.request_id(), index = ctx.index(), "transforming a chunk");
-        let words = chunk
-            .lines
-            .iter()
-            .map(|l| l.split_whitespace().count())
-            .sum();
-        Ok(Transformed {
-            text: chunk.lines.join("\n").to_uppercase(),
-            words,
-        })
+        let words = chunk.lines.iter().map(|l| l.split_whitespace().count()).sum();
+        Ok(Transformed { text: chunk.lines.join("\n").to_uppercase(), words })
     }
 }
 
@@ -63,14 +56,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let text = match std::env::args().nth(1) {
-        Some(path) => {
-            std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?
-        }
+        Some(path) => std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?,
         None => BUILT_IN.to_owned(),
     };
-    let config = Config::from_env()
-        .namespace("quickstart")
-        .retention(Duration::from_secs(60));
+    let config = Config::from_env().namespace("quickstart").retention(Duration::from_secs(60));
     println!("Redis: {}", config.url());
 
     // Two workers with four slots each, as two machines would run them.
@@ -79,9 +68,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..2 {
         let worker = Worker::builder(&config, Shout).slots(4).build().await?;
         let stop = stop.clone();
-        workers.push(tokio::spawn(
-            worker.run_until(async move { stop.cancelled().await }),
-        ));
+        workers.push(tokio::spawn(worker.run_until(async move { stop.cancelled().await })));
     }
 
     // Split into chunks of two lines; at most three chunks of this request run at once.
@@ -89,12 +76,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let chunks = lines.chunks(2).map(|c| Chunk { lines: c.to_vec() });
     let started = Instant::now();
     let producer = Producer::connect(&config).await?;
-    let handle = producer
-        .request()
-        .priority(60)?
-        .concurrency(3)?
-        .submit(chunks)
-        .await?;
+    let handle = producer.request().priority(60)?.concurrency(3)?.submit(chunks).await?;
     println!("submitted request {}", handle.id());
 
     let done = handle.wait::<Transformed>().await?;
@@ -103,11 +85,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for t in &outputs {
         println!("{}", t.text);
     }
-    println!(
-        "{} chunks, {words} words, in {:?}",
-        outputs.len(),
-        started.elapsed()
-    );
+    println!("{} chunks, {words} words, in {:?}", outputs.len(), started.elapsed());
 
     stop.cancel();
     for w in workers {

@@ -131,23 +131,13 @@ struct Shared {
 }
 
 /// Makes one call in `mode`, returning the counter value the script returned.
-async fn call(
-    shared: &Shared,
-    client: &Client,
-    mode: Mode,
-    c: &Call,
-    seq: u64,
-) -> Result<i64, Error> {
+async fn call(shared: &Shared, client: &Client, mode: Mode, c: &Call, seq: u64) -> Result<i64, Error> {
     let keys = vec![c.counter.clone(), HASH_KEY.to_owned()];
     let args: Vec<Value> = vec![c.field.clone().into(), (seq as i64).into()];
     match mode {
         Mode::RefDecr => client.decr(c.counter.clone()).await,
         Mode::EvalshaReload => shared.script.evalsha_with_reload(client, keys, args).await,
-        Mode::Evalsha => {
-            client
-                .evalsha(shared.script.sha1().clone(), keys, args)
-                .await
-        }
+        Mode::Evalsha => client.evalsha(shared.script.sha1().clone(), keys, args).await,
         Mode::Fcall => shared.function.fcall(client, keys, args).await,
         Mode::CustomFcall => {
             let argv: Vec<Value> = vec![
@@ -212,9 +202,7 @@ fn base(t: usize) -> i64 {
 
 async fn reset_counters(admin: &Client, tasks: usize) -> Result<(), Error> {
     for t in 0..tasks {
-        admin
-            .set::<(), _, _>(format!("{{bench}}:ctr:{t}"), base(t), None, None, false)
-            .await?;
+        admin.set::<(), _, _>(format!("{{bench}}:ctr:{t}"), base(t), None, None, false).await?;
     }
     Ok(())
 }
@@ -233,10 +221,7 @@ async fn run(
             let shared = Arc::clone(shared);
             let target = target.clone();
             tokio::spawn(async move {
-                let c = Call {
-                    counter: format!("{{bench}}:ctr:{t}"),
-                    field: format!("t{t}"),
-                };
+                let c = Call { counter: format!("{{bench}}:ctr:{t}"), field: format!("t{t}") };
                 let mut res = TaskResult::default();
                 let mut seq = 0_u64;
                 let mut expected = base(t);
@@ -275,10 +260,7 @@ async fn run(
 
 /// Parses `INFO` text into `field -> value`.
 fn info_map(text: &str) -> HashMap<String, String> {
-    text.lines()
-        .filter_map(|l| l.trim().split_once(':'))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    text.lines().filter_map(|l| l.trim().split_once(':')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect()
 }
 
 /// Redis CPU seconds (user + sys, main and background threads) and `total_reads_processed`
@@ -287,17 +269,12 @@ async fn redis_cpu_reads(admin: &Client) -> Result<(f64, f64), Error> {
     let text: String = admin.info::<String>(None).await?;
     let m = info_map(&text);
     let get = |k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    Ok((
-        get("used_cpu_user") + get("used_cpu_sys"),
-        get("total_reads_processed"),
-    ))
+    Ok((get("used_cpu_user") + get("used_cpu_sys"), get("total_reads_processed")))
 }
 
 /// `(calls, usec)` of one `INFO commandstats` entry.
 async fn cmdstat(admin: &Client, entry: &str) -> Result<(u64, u64), Error> {
-    let text: String = admin
-        .info(Some(fred::types::InfoKind::CommandStats))
-        .await?;
+    let text: String = admin.info(Some(fred::types::InfoKind::CommandStats)).await?;
     let m = info_map(&text);
     let Some(v) = m.get(entry) else {
         return Ok((0, 0));
@@ -343,10 +320,7 @@ async fn bench(
     let (cpu1, reads1) = redis_cpu_reads(admin).await?;
     let (calls1, usec1) = cmdstat(admin, mode.cmdstat()).await?;
 
-    let mut lat: Vec<u64> = results
-        .iter()
-        .flat_map(|r| r.latencies_ns.iter().copied())
-        .collect();
+    let mut lat: Vec<u64> = results.iter().flat_map(|r| r.latencies_ns.iter().copied()).collect();
     lat.sort_unstable();
     let calls = lat.len() as f64;
     let errors: u64 = results.iter().map(|r| r.errors).sum();
@@ -408,52 +382,26 @@ async fn call_with_reload(
 }
 
 /// The missing-script / missing-function behaviour of every mode, plus a flush mid-run.
-async fn missing_code_checks(
-    shared: &Arc<Shared>,
-    admin: &Client,
-    client: &Client,
-) -> Result<(), Error> {
-    let c = Call {
-        counter: "{bench}:ctr:0".to_owned(),
-        field: "t0".to_owned(),
-    };
-    admin
-        .set::<(), _, _>(&c.counter, 100, None, None, false)
-        .await?;
+async fn missing_code_checks(shared: &Arc<Shared>, admin: &Client, client: &Client) -> Result<(), Error> {
+    let c = Call { counter: "{bench}:ctr:0".to_owned(), field: "t0".to_owned() };
+    admin.set::<(), _, _>(&c.counter, 100, None, None, false).await?;
 
     println!("\n## Missing script / function (one call each, nothing loaded)\n");
     for mode in [Mode::Evalsha, Mode::CustomEvalsha, Mode::EvalshaReload] {
         admin.script_flush(false).await?;
         let r = call(shared, client, mode, &c, 1).await;
-        println!(
-            "- after SCRIPT FLUSH, {:<16}: {}",
-            mode.name(),
-            describe(&r)
-        );
+        println!("- after SCRIPT FLUSH, {:<16}: {}", mode.name(), describe(&r));
     }
     for mode in [Mode::Fcall, Mode::CustomFcall] {
         let _: Result<String, _> = admin.function_delete(LIBRARY_NAME).await;
         let r = call(shared, client, mode, &c, 1).await;
-        println!(
-            "- after FUNCTION DELETE scm, {:<16}: {}",
-            mode.name(),
-            describe(&r)
-        );
+        println!("- after FUNCTION DELETE scm, {:<16}: {}", mode.name(), describe(&r));
     }
-    for mode in [
-        Mode::Evalsha,
-        Mode::CustomEvalsha,
-        Mode::Fcall,
-        Mode::CustomFcall,
-    ] {
+    for mode in [Mode::Evalsha, Mode::CustomEvalsha, Mode::Fcall, Mode::CustomFcall] {
         admin.script_flush(false).await?;
         let _: Result<String, _> = admin.function_delete(LIBRARY_NAME).await;
         let r = call_with_reload(shared, client, mode, &c, 1).await;
-        println!(
-            "- missing, then call_with_reload {:<16}: {}",
-            mode.name(),
-            describe(&r)
-        );
+        println!("- missing, then call_with_reload {:<16}: {}", mode.name(), describe(&r));
     }
 
     println!("\n## Flush / delete in the middle of a 1 s run, 16 tasks on one client\n");
@@ -476,12 +424,8 @@ async fn missing_code_checks(
                 let client = client.clone();
                 let stop = Arc::clone(&stop);
                 tokio::spawn(async move {
-                    let c = Call {
-                        counter: format!("{{bench}}:ctr:{t}"),
-                        field: format!("t{t}"),
-                    };
-                    let (mut ok, mut err, mut bad, mut seq, mut expected) =
-                        (0_u64, 0_u64, 0_u64, 0, base(t));
+                    let c = Call { counter: format!("{{bench}}:ctr:{t}"), field: format!("t{t}") };
+                    let (mut ok, mut err, mut bad, mut seq, mut expected) = (0_u64, 0_u64, 0_u64, 0, base(t));
                     let mut first_err = None;
                     while !stop.load(Ordering::Relaxed) {
                         seq += 1;
@@ -531,9 +475,7 @@ async fn missing_code_checks(
             "- {:<16} reload-wrapper={:<5}: ok={ok} errors={err} mismatches={bad}{}",
             mode.name(),
             with_reload,
-            first
-                .map(|f| format!(" first error={f:?}"))
-                .unwrap_or_default()
+            first.map(|f| format!(" first error={f:?}")).unwrap_or_default()
         );
     }
     shared.script.load(client).await?;
@@ -544,11 +486,7 @@ async fn missing_code_checks(
 /// `FCALL` is a blocking command to fred: under `Blocking::Error` other commands sent while one is
 /// in flight fail, under `Blocking::Interrupt` they trigger `CLIENT UNBLOCK`. Shows each mode on
 /// such a client (the default, `Blocking::Block`, is what the throughput table uses).
-async fn blocking_policy_check(
-    shared: &Arc<Shared>,
-    admin: &Client,
-    config: &Config,
-) -> Result<(), Error> {
+async fn blocking_policy_check(shared: &Arc<Shared>, admin: &Client, config: &Config) -> Result<(), Error> {
     for policy in [Blocking::Error, Blocking::Interrupt] {
         println!("\n## One client with Config.blocking = {policy:?}, 16 tasks, 1 s\n");
         let mut config = config.clone();
@@ -562,14 +500,8 @@ async fn blocking_policy_check(
             let calls: usize = results.iter().map(|r| r.latencies_ns.len()).sum();
             let errors: u64 = results.iter().map(|r| r.errors).sum();
             let bad: u64 = results.iter().map(|r| r.mismatches).sum();
-            let first = results
-                .iter()
-                .find_map(|r| r.first_error.clone())
-                .unwrap_or_default();
-            println!(
-                "- {:<16}: calls={calls} errors={errors} mismatches={bad} {first}",
-                mode.name()
-            );
+            let first = results.iter().find_map(|r| r.first_error.clone()).unwrap_or_default();
+            println!("- {:<16}: calls={calls} errors={errors} mismatches={bad} {first}", mode.name());
         }
         client.quit().await?;
     }
@@ -578,12 +510,8 @@ async fn blocking_policy_check(
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
-    let url =
-        std::env::var("REDIS_URL").map_err(|_| Error::new(ErrorKind::Config, "set REDIS_URL"))?;
-    let secs: f64 = std::env::var("SCM_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3.0);
+    let url = std::env::var("REDIS_URL").map_err(|_| Error::new(ErrorKind::Config, "set REDIS_URL"))?;
+    let secs: f64 = std::env::var("SCM_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0);
     let dur = Duration::from_secs_f64(secs);
     let flush_ok = std::env::var("SCM_FLUSH_OK").is_ok_and(|v| v == "1");
     let config = Config::from_url(&url)?;
@@ -599,18 +527,10 @@ async fn main() -> Result<(), Error> {
     script.load(&admin).await?;
     let lib: String = admin.function_load(true, LIBRARY).await?;
     assert_eq!(lib, LIBRARY_NAME);
-    let shared = Arc::new(Shared {
-        script,
-        function: Function::new(FUNCTION_NAME, vec![]),
-    });
+    let shared = Arc::new(Shared { script, function: Function::new(FUNCTION_NAME, vec![]) });
 
     // The custom commands route by the first key: check the offset picks it.
-    let probe: Vec<Value> = vec![
-        FUNCTION_NAME.into(),
-        2_i64.into(),
-        "{bench}:ctr:0".into(),
-        HASH_KEY.into(),
-    ];
+    let probe: Vec<Value> = vec![FUNCTION_NAME.into(), 2_i64.into(), "{bench}:ctr:0".into(), HASH_KEY.into()];
     let slot = custom_fcall().cluster_hash.hash(&probe);
     println!(
         "ClusterHash::Offset(2) on [fn, numkeys, key1, key2] -> slot {slot:?}; redis_keyslot(key1) = {}",
@@ -620,20 +540,11 @@ async fn main() -> Result<(), Error> {
     // Correctness of each mode on one call.
     println!("\n## One call per mode (counter set to 10, expect 9)\n");
     for mode in Mode::ALL {
-        admin
-            .set::<(), _, _>("{bench}:ctr:0", 10, None, None, false)
-            .await?;
-        let c = Call {
-            counter: "{bench}:ctr:0".to_owned(),
-            field: "t0".to_owned(),
-        };
+        admin.set::<(), _, _>("{bench}:ctr:0", 10, None, None, false).await?;
+        let c = Call { counter: "{bench}:ctr:0".to_owned(), field: "t0".to_owned() };
         let r = call(&shared, &client, mode, &c, 1).await;
         let h: Option<i64> = admin.hget(HASH_KEY, "t0").await?;
-        println!(
-            "- {:<16}: {} (HGET {HASH_KEY} t0 = {h:?})",
-            mode.name(),
-            describe(&r)
-        );
+        println!("- {:<16}: {} (HGET {HASH_KEY} t0 = {h:?})", mode.name(), describe(&r));
         admin.del::<(), _>(HASH_KEY).await?;
     }
 

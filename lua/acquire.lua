@@ -1,8 +1,9 @@
 -- acquire: a worker slot presents a token element it popped, and gets a sub-request to run.
--- KEYS[1] meta hash   KEYS[2] parts stream
+-- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
 -- ARGV[5] stream consumer name   ARGV[6] lease (ms)
--- Returns {'run', entry id, index, payload, attempt}: the slot holds the token, leased;
+-- Returns {'run', entry id, index, payload, attempt, max attempts, timeout ms, backoff base ms,
+--          backoff max ms}: the slot holds the token, leased, and knows the request's policy;
 --         {'park'}: no work left to hand out, the token waits in the request until work appears;
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
@@ -11,5 +12,10 @@ local function acquire(keys, args)
   if not tok then return {'drop'} end
   local f = sg_split(tok)
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
-  return sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), sg_now())
+  local reply = sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), sg_now())
+  if reply[1] == 'run' then
+    local policy = redis.call('HMGET', keys[1], 'maxatt', 'timeout', 'bbase', 'bmax')
+    for i = 1, 4 do reply[#reply + 1] = policy[i] or '0' end
+  end
+  return reply
 end

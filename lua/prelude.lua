@@ -31,27 +31,73 @@ local function sg_element(rid, k, epoch)
   return rid .. '|' .. k .. '|' .. epoch
 end
 
--- Hands the token's holder its next sub-request, or parks the token when there is none.
--- keys: meta, stream. Returns {'run', entry id, index, payload, attempt} or {'park'}.
-local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now)
+-- Every request-side function takes the same six keys, all with the request's hash tag:
+--   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
+--   keys[5] orphans list (entries whose holder lost its lease)   keys[6] retry sorted set (due ms)
+
+-- Delivers one specific pending entry to this consumer: {id, payload, attempt} or nil when the
+-- entry no longer exists. The delivery count that XCLAIM raises is the attempt number.
+local function sg_claim(keys, consumer, id)
+  local claimed = redis.call('XCLAIM', keys[2], 'g', consumer, 0, id)
+  local entry = claimed[1]
+  if not entry or not entry[2] then return nil end
+  local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)
+  local attempt = 1
+  if pending[1] then attempt = tonumber(pending[1][4]) end
+  return {entry[1], entry[2][2], attempt}
+end
+
+-- The next piece of work for a token holder: orphaned entries first (their holder died), then
+-- retries that are due, then new entries. Returns {id, payload, attempt} or nil.
+local function sg_take_work(keys, consumer, now)
+  while true do
+    local id = redis.call('LPOP', keys[5])
+    if not id then break end
+    local got = sg_claim(keys, consumer, id)
+    if got then return got end
+  end
+  while true do
+    local due = redis.call('ZRANGEBYSCORE', keys[6], '-inf', now, 'LIMIT', 0, 1)
+    if not due[1] then break end
+    redis.call('ZREM', keys[6], due[1])
+    local got = sg_claim(keys, consumer, due[1])
+    if got then return got end
+  end
   local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', 1, 'STREAMS', keys[2], '>')
   if reply and reply[1] and #reply[1][2] > 0 then
     local entry = reply[1][2][1]
-    local id = entry[1]
+    return {entry[1], entry[2][2], 1}
+  end
+  return nil
+end
+
+-- Hands the token's holder its next sub-request, or parks the token when there is none.
+-- Returns {'run', entry id, index, payload, attempt} or {'park'}.
+local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now)
+  local work = sg_take_work(keys, consumer, now)
+  if work then
+    local id = work[1]
     redis.call('HSET', keys[1], 't' .. k,
       'h|' .. epoch .. '|' .. holder .. '|' .. (now + lease_ms) .. '|' .. id)
     if redis.call('HGET', keys[1], 'state') == 'queued' then
       redis.call('HSET', keys[1], 'state', 'running', 'started', now)
     end
-    return {'run', id, sg_index(id), entry[2][2], 1}
+    return {'run', id, sg_index(id), work[2], work[3]}
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
   return {'park'}
 end
 
+-- Puts token k back in circulation under a new epoch; returns the element to push.
+local function sg_requeue(keys, rid, k, epoch, now)
+  local next_epoch = tonumber(epoch) + 1
+  redis.call('HSET', keys[1], 't' .. k, 'q|' .. next_epoch .. '|' .. now)
+  return sg_element(rid, k, next_epoch)
+end
+
 -- Turns a request terminal: one terminal record (the meta hash's state), one event, cleanup.
--- keys: meta, stream, results, errors. Returns the reply for the caller, whose 3rd and later items
--- are the still-queued token elements for the token side to sweep from the priority list.
+-- Returns the reply for the caller, whose 3rd and later items are the still-queued token elements
+-- for the token side to sweep from the priority list.
 local function sg_finish(keys, rid, state, retention_ms, channel, now)
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local sweep = {}
@@ -63,7 +109,7 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now)
       redis.call('HDEL', keys[1], 't' .. k)
     end
   end
-  redis.call('DEL', keys[2])
+  redis.call('DEL', keys[2], keys[5], keys[6])
   redis.call('HSET', keys[1], 'state', state, 'finished', now)
   redis.call('PEXPIRE', keys[1], retention_ms)
   redis.call('PEXPIRE', keys[3], retention_ms)

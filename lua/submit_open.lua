@@ -2,6 +2,8 @@
 -- KEYS[1] meta hash    KEYS[2] parts stream
 -- ARGV[1] request id as the producer gave it   ARGV[2] priority   ARGV[3] concurrency limit
 -- ARGV[4] loading ttl (ms): a producer that dies mid-submit leaves keys that expire by themselves
+-- ARGV[5] max attempts per sub-request   ARGV[6] per-attempt timeout (ms, 0 = none)
+-- ARGV[7] retry backoff base (ms)   ARGV[8] retry backoff cap (ms)
 -- Returns 1, or the error "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- or "SGINVALID ..." when the priority or the limit is out of range.
 local function submit_open(keys, args)
@@ -16,7 +18,8 @@ local function submit_open(keys, args)
     return redis.error_reply('SGDUPLICATE request id is already in use')
   end
   redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'state', 'loading', 'prio', args[2],
-    'limit', args[3], 'total', 0, 'done', 0, 'failed', 0, 'ntok', 0, 'created', sg_now())
+    'limit', args[3], 'total', 0, 'done', 0, 'failed', 0, 'ntok', 0, 'created', sg_now(),
+    'maxatt', args[5], 'timeout', args[6], 'bbase', args[7], 'bmax', args[8])
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

@@ -13,10 +13,6 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
 /// Decodes MessagePack into `T`.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
     rmp_serde::from_slice(bytes).map_err(|e| {
-        Error::Codec(format!(
-            "cannot decode {} bytes as {}: {e}",
-            bytes.len(),
-            std::any::type_name::<T>()
-        ))
+        Error::Codec(format!("cannot decode {} bytes as {}: {e}", bytes.len(), std::any::type_name::<T>()))
     })
 }

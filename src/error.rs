@@ -16,9 +16,7 @@ pub enum Error {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// A request with this id exists already (running, or finished and still retained).
-    #[error(
-        "request id {0:?} is already in use; choose another id or wait until its retention ends"
-    )]
+    #[error("request id {0:?} is already in use; choose another id or wait until its retention ends")]
     DuplicateRequestId(RequestId),
     /// No request with this id exists (never submitted, or its retention ran out).
     #[error("no request with id {0:?} (never submitted, or its results expired)")]

@@ -53,11 +53,8 @@ impl Listener {
     /// Listens to completions from now on.
     pub async fn connect(config: &Config) -> Result<Self> {
         let mut listener = Self::resume_after(config, "0-0").await?;
-        let last: Value = listener
-            .store
-            .client
-            .xrevrange(listener.store.keys.events(), "+", "-", Some(1))
-            .await?;
+        let last: Value =
+            listener.store.client.xrevrange(listener.store.keys.events(), "+", "-", Some(1)).await?;
         if let Some(entry) = reply::array(last)?.into_iter().next() {
             let id = reply::array(entry)?.into_iter().next();
             if let Some(id) = id {
@@ -76,12 +73,7 @@ impl Listener {
     pub async fn resume_after(config: &Config, cursor: &str) -> Result<Self> {
         let store = Store::connect(config).await?;
         let reader = store.blocking_client().await?;
-        Ok(Self {
-            store,
-            reader,
-            cursor: cursor.to_owned(),
-            buffered: VecDeque::new(),
-        })
+        Ok(Self { store, reader, cursor: cursor.to_owned(), buffered: VecDeque::new() })
     }
 
     /// The next completion; waits for one.
@@ -92,12 +84,7 @@ impl Listener {
             }
             let reply: Value = self
                 .reader
-                .xread(
-                    Some(256),
-                    Some(BLOCK_MS),
-                    self.store.keys.events(),
-                    self.cursor.as_str(),
-                )
+                .xread(Some(256), Some(BLOCK_MS), self.store.keys.events(), self.cursor.as_str())
                 .await?;
             self.buffer(reply)?;
         }
@@ -136,11 +123,7 @@ impl Listener {
             }
             self.cursor = id.clone();
             if let (Some(id), Some(state)) = (rid, state) {
-                self.buffered.push_back(CompletionEvent {
-                    id,
-                    state,
-                    cursor: self.cursor.clone(),
-                });
+                self.buffered.push_back(CompletionEvent { id, state, cursor: self.cursor.clone() });
             }
         }
         Ok(())

@@ -37,9 +37,7 @@ impl RequestId {
     pub fn new(id: impl Into<String>) -> Result<Self> {
         let id = id.into();
         if id.is_empty() {
-            return Err(Error::InvalidRequestId(
-                "a request id cannot be empty".into(),
-            ));
+            return Err(Error::InvalidRequestId("a request id cannot be empty".into()));
         }
         if id.len() > MAX_REQUEST_ID_BYTES {
             return Err(Error::InvalidRequestId(format!(
@@ -104,9 +102,7 @@ impl Namespace {
         let ns = ns.into();
         let ok = !ns.is_empty()
             && ns.len() <= 64
-            && ns
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            && ns.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
         if ok {
             Ok(Self(ns))
         } else {
@@ -139,9 +135,8 @@ pub(crate) struct Keys {
 impl Keys {
     pub(crate) fn new(ns: &Namespace) -> Self {
         let ns = ns.as_str().to_owned();
-        let token_lists = Priority::all_descending()
-            .map(|p| format!("{ns}:{{{ns}.q0}}:p:{}", p.get()))
-            .collect();
+        let token_lists =
+            Priority::all_descending().map(|p| format!("{ns}:{{{ns}.q0}}:p:{}", p.get())).collect();
         Self { ns, token_lists }
     }
 
@@ -184,6 +179,8 @@ impl Keys {
             stream: format!("{base}:s"),
             results: format!("{base}:res"),
             errors: format!("{base}:err"),
+            orphans: format!("{base}:orph"),
+            retry: format!("{base}:retry"),
             meta: base,
         }
     }
@@ -198,8 +195,19 @@ pub(crate) struct RequestKeys {
     pub(crate) stream: String,
     /// Hash: index -> result bytes (MessagePack).
     pub(crate) results: String,
-    /// Hash: index -> error text.
+    /// Hash: index -> error record (JSON: error, attempts, permanent).
     pub(crate) errors: String,
+    /// List: entries whose holder lost its lease, to hand out again first.
+    pub(crate) orphans: String,
+    /// Sorted set: entries waiting to be retried, scored by when (ms).
+    pub(crate) retry: String,
+}
+
+impl RequestKeys {
+    /// The six keys every request-side function takes, in protocol order.
+    pub(crate) fn all(&self) -> [&str; 6] {
+        [&self.meta, &self.stream, &self.results, &self.errors, &self.orphans, &self.retry]
+    }
 }
 
 #[cfg(test)]
@@ -215,43 +223,26 @@ mod tests {
             assert_eq!(RequestId::from_key_id(&key_id).unwrap(), id);
         }
         // "%41" must not collide with "A".
-        assert_ne!(
-            RequestId::new("%41").unwrap().key_id(),
-            RequestId::new("A").unwrap().key_id()
-        );
+        assert_ne!(RequestId::new("%41").unwrap().key_id(), RequestId::new("A").unwrap().key_id());
     }
 
     #[test]
     fn overlong_and_empty_ids_are_refused_with_the_reason() {
-        let err = RequestId::new("x".repeat(10 * 1024))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("at most 512 bytes") && err.contains("10240"),
-            "{err}"
-        );
-        assert!(RequestId::new("")
-            .unwrap_err()
-            .to_string()
-            .contains("empty"));
+        let err = RequestId::new("x".repeat(10 * 1024)).unwrap_err().to_string();
+        assert!(err.contains("at most 512 bytes") && err.contains("10240"), "{err}");
+        assert!(RequestId::new("").unwrap_err().to_string().contains("empty"));
     }
 
     #[test]
     fn request_keys_share_one_hash_tag_and_token_lists_another() {
         let keys = Keys::new(&Namespace::new("ns").unwrap());
         let r = keys.request(&RequestId::new("a:b").unwrap().key_id());
-        for k in [&r.meta, &r.stream, &r.results, &r.errors] {
+        for k in r.all() {
             assert!(k.starts_with("ns:r:{a%3Ab}"), "{k}");
         }
-        assert!(keys
-            .token_lists()
-            .iter()
-            .all(|k| k.starts_with("ns:{ns.q0}:p:")));
+        assert!(keys.token_lists().iter().all(|k| k.starts_with("ns:{ns.q0}:p:")));
         assert_eq!(keys.token_lists()[0], "ns:{ns.q0}:p:99");
-        assert_eq!(
-            keys.priority_of_list("ns:{ns.q0}:p:7"),
-            Some(Priority::new(7).unwrap())
-        );
+        assert_eq!(keys.priority_of_list("ns:{ns.q0}:p:7"), Some(Priority::new(7).unwrap()));
         assert!(keys.active().contains("{ns.q0}") && keys.events().contains("{ns.q0}"));
     }
 

@@ -53,6 +53,7 @@ mod error;
 mod events;
 mod keys;
 mod producer;
+mod recovery;
 mod reply;
 mod request;
 pub mod scripts;
@@ -65,6 +66,8 @@ pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, Result};
 pub use events::{CompletionEvent, Listener};
 pub use keys::{Namespace, RequestId, MAX_REQUEST_ID_BYTES};
-pub use producer::{Completion, PartError, Producer, RequestBuilder, RequestHandle};
+pub use producer::{Completion, PartError, Producer, RequestBuilder, RequestHandle, RetryPolicy};
 pub use request::{Concurrency, Priority, RequestState};
-pub use worker::{shutdown_signal, Context, Handler, HandlerError, Quantum, Worker, WorkerBuilder};
+pub use worker::{
+    shutdown_signal, Context, Handler, HandlerError, Quantum, Worker, WorkerBuilder, WorkerMetrics,
+};

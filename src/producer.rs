@@ -43,10 +43,7 @@ pub struct Producer {
 impl Producer {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
-        Ok(Self {
-            store: Store::connect(config).await?,
-            doorbell: Arc::new(OnceCell::new()),
-        })
+        Ok(Self { store: Store::connect(config).await?, doorbell: Arc::new(OnceCell::new()) })
     }
 
     /// Starts describing a request; finish with [`RequestBuilder::submit`].
@@ -56,15 +53,13 @@ impl Producer {
             id: None,
             priority: Priority::DEFAULT,
             concurrency: Concurrency::default(),
+            retry: RetryPolicy::default(),
         }
     }
 
     /// A handle on a request submitted earlier (by this or another process).
     pub fn handle(&self, id: RequestId) -> RequestHandle {
-        RequestHandle {
-            id,
-            producer: self.clone(),
-        }
+        RequestHandle { id, producer: self.clone() }
     }
 
     async fn submit<I, T>(&self, spec: RequestBuilder<'_>, parts: I) -> Result<RequestHandle>
@@ -84,12 +79,16 @@ impl Producer {
                 .store
                 .fcall(
                     Func::SubmitOpen,
-                    &[&keys.meta, &keys.stream],
+                    &keys.all(),
                     vec![
                         id.as_str().into(),
                         i64::from(spec.priority.get()).into(),
                         i64::from(spec.concurrency.get()).into(),
                         (millis(self.store.config.loading_ttl) as i64).into(),
+                        i64::from(spec.retry.max_attempts).into(),
+                        (spec.retry.timeout.map_or(0, millis) as i64).into(),
+                        (millis(spec.retry.backoff_base) as i64).into(),
+                        (millis(spec.retry.backoff_max) as i64).into(),
                     ],
                 )
                 .await;
@@ -101,30 +100,39 @@ impl Producer {
                     other => other,
                 });
             }
+            // Registered with recovery before anything can go wrong half-way: a producer that dies
+            // between commit and ring leaves a request recovery finds and completes.
+            self.register(&key_id, spec.priority).await?;
             let total = match self.load(&keys, parts).await {
                 Ok(total) => total,
                 Err(e) => {
                     // Nothing of a half-written request is visible to workers; remove it now so the
                     // id can be used again (it would expire after the loading ttl anyway).
-                    let _: Result<i64, _> = self
-                        .store
-                        .client
-                        .del(vec![keys.meta.clone(), keys.stream.clone()])
-                        .await;
+                    let _: Result<i64, _> =
+                        self.store.client.del(vec![keys.meta.clone(), keys.stream.clone()]).await;
                     return Err(e);
                 }
             };
             // From here on the request may be committed: never delete it on error.
-            self.commit_and_ring(&key_id, &keys, spec.priority, total)
-                .await?;
+            self.commit_and_ring(&key_id, &keys, spec.priority, total).await?;
             tracing::debug!(total, "request durable and queued");
-            Ok(RequestHandle {
-                id: id.clone(),
-                producer: self.clone(),
-            })
+            Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
         .instrument(span)
         .await
+    }
+
+    async fn register(&self, key_id: &str, priority: Priority) -> Result<()> {
+        let active = self.store.keys.active();
+        let delay = millis(self.store.config.lease) as i64;
+        self.store
+            .fcall(
+                Func::Ring,
+                &[self.store.keys.token_list(priority), &active],
+                vec![key_id.into(), delay.into()],
+            )
+            .await?;
+        Ok(())
     }
 
     /// Writes the parts in pipelined chunks. Returns how many.
@@ -136,9 +144,7 @@ impl Producer {
         let mut total: u64 = 0;
         let mut parts = parts.into_iter().peekable();
         if parts.peek().is_none() {
-            return Err(Error::InvalidRequest(
-                "a request needs at least one part".into(),
-            ));
+            return Err(Error::InvalidRequest("a request needs at least one part".into()));
         }
         while parts.peek().is_some() {
             let pipe = self.store.client.pipeline();
@@ -175,40 +181,21 @@ impl Producer {
     ) -> Result<()> {
         let elements = reply::array(
             self.store
-                .fcall(
-                    Func::SubmitCommit,
-                    &[&keys.meta, &keys.stream],
-                    vec![key_id.into(), (total as i64).into()],
-                )
+                .fcall(Func::SubmitCommit, &keys.all(), vec![key_id.into(), (total as i64).into()])
                 .await?,
         )?;
-        let mut args: Vec<Value> = vec![
-            key_id.into(),
-            (millis(self.store.config.lease) as i64).into(),
-        ];
+        let mut args: Vec<Value> = vec![key_id.into(), (millis(self.store.config.lease) as i64).into()];
         args.extend(elements);
         let active = self.store.keys.active();
-        self.store
-            .fcall(
-                Func::Ring,
-                &[self.store.keys.token_list(priority), &active],
-                args,
-            )
-            .await?;
+        self.store.fcall(Func::Ring, &[self.store.keys.token_list(priority), &active], args).await?;
         Ok(())
     }
 
     /// Reads a request's terminal record and results, or `None` while it is not terminal.
-    async fn try_completion<O: DeserializeOwned>(
-        &self,
-        id: &RequestId,
-    ) -> Result<Option<Completion<O>>> {
+    async fn try_completion<O: DeserializeOwned>(&self, id: &RequestId) -> Result<Option<Completion<O>>> {
         let keys = self.store.keys.request(&id.key_id());
-        let (state, total): (Option<String>, Option<u64>) = self
-            .store
-            .client
-            .hmget(keys.meta.as_str(), vec!["state", "total"])
-            .await?;
+        let (state, total): (Option<String>, Option<u64>) =
+            self.store.client.hmget(keys.meta.as_str(), vec!["state", "total"]).await?;
         let Some(state) = state else {
             return Err(Error::UnknownRequest(id.clone()));
         };
@@ -218,30 +205,24 @@ impl Producer {
         }
         let total = total.unwrap_or(0);
         let oks: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.results.as_str()).await?;
-        let errs: HashMap<u64, String> = self.store.client.hgetall(keys.errors.as_str()).await?;
+        let errs: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
         let mut results = Vec::with_capacity(total as usize);
         for i in 0..total {
             results.push(match (oks.get(&i), errs.get(&i)) {
                 (Some(bytes), _) => Ok(codec::decode::<O>(bytes)?),
-                (None, Some(msg)) => Err(PartError {
-                    message: msg.clone(),
-                }),
+                (None, Some(record)) => Err(PartError::from_record(record)),
                 (None, None) => Err(PartError {
                     message: format!("no result recorded (request {state})"),
+                    attempts: 0,
+                    permanent: false,
                 }),
             });
         }
-        Ok(Some(Completion {
-            id: id.clone(),
-            state,
-            results,
-        }))
+        Ok(Some(Completion { id: id.clone(), state, results }))
     }
 
     async fn doorbell(&self) -> Result<&Doorbell> {
-        self.doorbell
-            .get_or_try_init(|| Doorbell::start(&self.store))
-            .await
+        self.doorbell.get_or_try_init(|| Doorbell::start(&self.store)).await
     }
 }
 
@@ -252,9 +233,40 @@ pub struct RequestBuilder<'a> {
     id: Option<RequestId>,
     priority: Priority,
     concurrency: Concurrency,
+    retry: RetryPolicy,
 }
 
 impl RequestBuilder<'_> {
+    /// Each sub-request runs at most `n` times (default 1): a retryable failure before the last
+    /// attempt is retried after a backoff; after it, or on a permanent failure, the sub-request is
+    /// dead-lettered and the request will end `failed`.
+    pub fn max_attempts(mut self, n: u32) -> Result<Self> {
+        if !(1..=1000).contains(&n) {
+            return Err(Error::InvalidRequest(format!("max_attempts {n} is out of range: use 1 to 1000")));
+        }
+        self.retry.max_attempts = n;
+        Ok(self)
+    }
+
+    /// Retry delays: `base` doubling per attempt up to `max`, each with random jitter.
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Result<Self> {
+        if base > max {
+            return Err(Error::InvalidRequest(format!("backoff base {base:?} exceeds its cap {max:?}")));
+        }
+        self.retry.backoff_base = base;
+        self.retry.backoff_max = max;
+        Ok(self)
+    }
+
+    /// Abandons an attempt that runs longer than `limit` (a retryable failure).
+    pub fn timeout(mut self, limit: Duration) -> Result<Self> {
+        if limit.is_zero() {
+            return Err(Error::InvalidRequest("a timeout must be longer than zero".into()));
+        }
+        self.retry.timeout = Some(limit);
+        Ok(self)
+    }
+
     /// Chooses the request's id (default: a generated UUIDv7). An id in use is refused at submit.
     pub fn id(mut self, id: impl Into<String>) -> Result<Self> {
         self.id = Some(RequestId::new(id)?);
@@ -329,13 +341,8 @@ impl RequestHandle {
     }
 
     /// [`wait`](Self::wait) with a time limit.
-    pub async fn wait_timeout<O: DeserializeOwned>(
-        &self,
-        limit: Duration,
-    ) -> Result<Completion<O>> {
-        tokio::time::timeout(limit, self.wait())
-            .await
-            .map_err(|_| Error::Timeout(self.id.clone()))?
+    pub async fn wait_timeout<O: DeserializeOwned>(&self, limit: Duration) -> Result<Completion<O>> {
+        tokio::time::timeout(limit, self.wait()).await.map_err(|_| Error::Timeout(self.id.clone()))?
     }
 }
 
@@ -358,12 +365,53 @@ impl<O> Completion<O> {
     }
 }
 
-/// Why one sub-request has no result.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
+/// Why one sub-request has no result: it was dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
+#[error("{message} (after {attempts} attempt(s))")]
+#[non_exhaustive]
 pub struct PartError {
-    /// The handler's error, or why the part did not run.
+    /// The handler's last error, or why the part did not run.
+    #[serde(rename = "error")]
     pub message: String,
+    /// How many times it ran.
+    pub attempts: u32,
+    /// Whether the handler called the failure permanent (not retried).
+    pub permanent: bool,
+}
+
+impl PartError {
+    pub(crate) fn from_record(record: &[u8]) -> Self {
+        serde_json::from_slice(record).unwrap_or_else(|_| Self {
+            message: String::from_utf8_lossy(record).into_owned(),
+            attempts: 0,
+            permanent: false,
+        })
+    }
+}
+
+/// What happens when a sub-request's handler fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// Runs at most this many times (default 1: no retry).
+    pub max_attempts: u32,
+    /// Delay before the first retry; doubles each attempt, with jitter (default 1 s).
+    pub backoff_base: Duration,
+    /// The longest delay between attempts (default 60 s).
+    pub backoff_max: Duration,
+    /// Each attempt is abandoned (and counts as a retryable failure) after this long (default none).
+    pub timeout: Option<Duration>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 1,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+            timeout: None,
+        }
+    }
 }
 
 /// One subscription to the completion channel per producer, fanned out to every waiting handle.

@@ -65,10 +65,7 @@ impl Concurrency {
         if (1..=Self::MAX).contains(&n) {
             Ok(Self(n))
         } else {
-            Err(Error::InvalidRequest(format!(
-                "concurrency {n} is out of range: use 1 to {}",
-                Self::MAX
-            )))
+            Err(Error::InvalidRequest(format!("concurrency {n} is out of range: use 1 to {}", Self::MAX)))
         }
     }
 
@@ -149,27 +146,14 @@ mod tests {
     #[test]
     fn priority_and_concurrency_ranges_are_enforced_with_the_range_in_the_message() {
         assert!(Priority::new(99).is_ok());
-        assert!(Priority::new(100)
-            .unwrap_err()
-            .to_string()
-            .contains("0 (lowest) to 99"));
-        assert!(Concurrency::new(0)
-            .unwrap_err()
-            .to_string()
-            .contains("1 to"));
+        assert!(Priority::new(100).unwrap_err().to_string().contains("0 (lowest) to 99"));
+        assert!(Concurrency::new(0).unwrap_err().to_string().contains("1 to"));
         assert_eq!(Priority::all_descending().next(), Some(Priority::MAX));
     }
 
     #[test]
     fn states_round_trip_through_their_stored_names() {
-        for s in [
-            "loading",
-            "queued",
-            "running",
-            "completed",
-            "failed",
-            "cancelled",
-        ] {
+        for s in ["loading", "queued", "running", "completed", "failed", "cancelled"] {
             assert_eq!(s.parse::<RequestState>().unwrap().as_str(), s);
         }
     }

@@ -23,10 +23,15 @@ pub(crate) enum Func {
     Ack,
     FinishIndex,
     Renew,
+    Release,
+    ClaimDue,
+    Census,
+    VerifyTokens,
+    RestoreTokens,
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 7] = [
+    pub(crate) const ALL: [Func; 12] = [
         Func::SubmitOpen,
         Func::SubmitCommit,
         Func::Ring,
@@ -34,6 +39,11 @@ impl Func {
         Func::Ack,
         Func::FinishIndex,
         Func::Renew,
+        Func::Release,
+        Func::ClaimDue,
+        Func::Census,
+        Func::VerifyTokens,
+        Func::RestoreTokens,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -46,6 +56,11 @@ impl Func {
             Func::Ack => "ack",
             Func::FinishIndex => "finish_index",
             Func::Renew => "renew",
+            Func::Release => "release",
+            Func::ClaimDue => "claim_due",
+            Func::Census => "census",
+            Func::VerifyTokens => "verify_tokens",
+            Func::RestoreTokens => "restore_tokens",
         }
     }
 
@@ -63,6 +78,11 @@ impl Func {
             Func::Ack => include_str!("../lua/ack.lua"),
             Func::FinishIndex => include_str!("../lua/finish_index.lua"),
             Func::Renew => include_str!("../lua/renew.lua"),
+            Func::Release => include_str!("../lua/release.lua"),
+            Func::ClaimDue => include_str!("../lua/claim_due.lua"),
+            Func::Census => include_str!("../lua/census.lua"),
+            Func::VerifyTokens => include_str!("../lua/verify_tokens.lua"),
+            Func::RestoreTokens => include_str!("../lua/restore_tokens.lua"),
         }
     }
 }
@@ -76,11 +96,7 @@ pub fn library_source() -> String {
         code.push('\n');
     }
     for f in Func::ALL {
-        code.push_str(&format!(
-            "redis.register_function('{}', {})\n",
-            f.fcall_name(),
-            f.local_name()
-        ));
+        code.push_str(&format!("redis.register_function('{}', {})\n", f.fcall_name(), f.local_name()));
     }
     code
 }

@@ -31,16 +31,9 @@ impl Store {
         config.validate()?;
         let namespace = config.validated_namespace()?;
         let client = new_client(config)?;
-        client
-            .init()
-            .await
-            .map_err(|e| connect_error(&config.url, e))?;
+        client.init().await.map_err(|e| connect_error(&config.url, e))?;
         check_version(&client).await?;
-        let store = Self {
-            client,
-            keys: Keys::new(&namespace),
-            config: config.clone(),
-        };
+        let store = Self { client, keys: Keys::new(&namespace), config: config.clone() };
         store.load_library().await?;
         Ok(store)
     }
@@ -49,10 +42,7 @@ impl Store {
     /// stalls every command queued behind it, so blocking never shares the pipelined client.
     pub(crate) async fn blocking_client(&self) -> Result<Client> {
         let client = self.client.clone_new();
-        client
-            .init()
-            .await
-            .map_err(|e| connect_error(&self.config.url, e))?;
+        client.init().await.map_err(|e| connect_error(&self.config.url, e))?;
         Ok(client)
     }
 
@@ -61,9 +51,7 @@ impl Store {
         let sub = Builder::from_config(client_config(&self.config)?)
             .set_policy(reconnect_policy())
             .build_subscriber_client()?;
-        sub.init()
-            .await
-            .map_err(|e| connect_error(&self.config.url, e))?;
+        sub.init().await.map_err(|e| connect_error(&self.config.url, e))?;
         sub.manage_subscriptions();
         Ok(sub)
     }
@@ -71,9 +59,7 @@ impl Store {
     async fn load_library(&self) -> Result<()> {
         let code = library_source();
         if self.client.is_clustered() {
-            self.client
-                .function_load_cluster::<(), _>(true, code)
-                .await?;
+            self.client.function_load_cluster::<(), _>(true, code).await?;
         } else {
             self.client.function_load::<Value, _>(true, code).await?;
         }
@@ -87,10 +73,7 @@ impl Store {
     pub(crate) async fn fcall(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
         match self.fcall_once(func, keys, args.clone()).await {
             Err(e) if is_missing_function(&e) => {
-                tracing::info!(
-                    function = func.local_name(),
-                    "functions library missing; loading it again"
-                );
+                tracing::info!(function = func.local_name(), "functions library missing; loading it again");
                 self.load_library().await?;
                 self.fcall_once(func, keys, args).await.map_err(Error::from)
             }
@@ -104,14 +87,8 @@ impl Store {
         keys: &[&str],
         args: Vec<Value>,
     ) -> Result<Value, fred::error::Error> {
-        let slot = keys
-            .first()
-            .map(|k| fred::util::redis_keyslot(k.as_bytes()));
-        let cmd = CustomCommand::new(
-            "FCALL",
-            slot.map_or(ClusterHash::Random, ClusterHash::Custom),
-            false,
-        );
+        let slot = keys.first().map(|k| fred::util::redis_keyslot(k.as_bytes()));
+        let cmd = CustomCommand::new("FCALL", slot.map_or(ClusterHash::Random, ClusterHash::Custom), false);
         let mut all: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
         all.push(func.fcall_name().into());
         all.push((keys.len() as i64).into());
@@ -127,13 +104,8 @@ fn is_missing_function(e: &fred::error::Error) -> bool {
 }
 
 fn client_config(config: &Config) -> Result<fred::prelude::Config> {
-    fred::prelude::Config::from_url(&config.url).map_err(|e| {
-        Error::Config(format!(
-            "redis URL {:?} is malformed: {}",
-            config.url,
-            e.details()
-        ))
-    })
+    fred::prelude::Config::from_url(&config.url)
+        .map_err(|e| Error::Config(format!("redis URL {:?} is malformed: {}", config.url, e.details())))
 }
 
 fn reconnect_policy() -> ReconnectPolicy {
@@ -166,10 +138,7 @@ async fn check_version(client: &Client) -> Result<()> {
         .map(|v| v.trim().to_owned())
         .unwrap_or_else(|| "unknown".into());
     if !version_at_least(&version, MIN_REDIS) {
-        return Err(Error::UnsupportedRedis {
-            found: version,
-            needed: "7.0",
-        });
+        return Err(Error::UnsupportedRedis { found: version, needed: "7.0" });
     }
     Ok(())
 }

@@ -145,13 +145,7 @@ impl RedisServerBuilder {
         let bin = find_redis_server().ok_or(HarnessError::NoRedis)?;
         let dir = make_temp_dir()?;
         // From here on, dropping `server` (also on error) removes the dir.
-        let mut server = RedisServer {
-            bin,
-            dir,
-            port: 0,
-            opts: self,
-            child: None,
-        };
+        let mut server = RedisServer { bin, dir, port: 0, opts: self, child: None };
         let forced = server.opts.port;
         let mut attempts = 0;
         loop {
@@ -290,11 +284,7 @@ impl RedisServer {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
-        tracing::warn!(
-            pid = child.id(),
-            signalled,
-            "redis-server did not stop on SIGTERM, killing it"
-        );
+        tracing::warn!(pid = child.id(), signalled, "redis-server did not stop on SIGTERM, killing it");
         child.kill()?;
         child.wait()?;
         Ok(())
@@ -357,10 +347,7 @@ impl RedisServer {
         let log_path = self.log_path();
         // stdout/stderr go to the log too: config errors are printed there
         // before redis opens its logfile.
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)?;
+        let log = OpenOptions::new().create(true).append(true).open(&log_path)?;
         let log_start = log.metadata()?.len();
         let child = Command::new(&self.bin)
             .args(self.args())
@@ -369,21 +356,13 @@ impl RedisServer {
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
-            .map_err(|e| {
-                io::Error::new(e.kind(), format!("cannot run {}: {e}", self.bin.display()))
-            })?;
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot run {}: {e}", self.bin.display())))?;
         let pid = child.id();
         self.child = Some(child);
 
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .map(Child::try_wait)
-                .transpose()?
-                .flatten()
-            {
+            if let Some(status) = self.child.as_mut().map(Child::try_wait).transpose()?.flatten() {
                 self.child = None;
                 let err = self.start_failed(format!("redis-server exited with {status}"));
                 let this_run = read_log_from(&log_path, log_start);
@@ -398,20 +377,16 @@ impl RedisServer {
             }
             if Instant::now() >= deadline {
                 self.kill()?;
-                return Err(Attempt::Failed(self.start_failed(format!(
-                    "not ready on port {} within {timeout:?}",
-                    self.port
-                ))));
+                return Err(Attempt::Failed(
+                    self.start_failed(format!("not ready on port {} within {timeout:?}", self.port)),
+                ));
             }
             tokio::time::sleep(POLL_INTERVAL).await;
         }
     }
 
     fn start_failed(&self, reason: String) -> HarnessError {
-        HarnessError::StartFailed {
-            reason,
-            log_tail: log_tail(&self.log_path()),
-        }
+        HarnessError::StartFailed { reason, log_tail: log_tail(&self.log_path()) }
     }
 }
 
@@ -453,20 +428,11 @@ impl TestRedis {
     /// 3. with the `docker` feature, a `redis:7.2` container;
     /// 4. otherwise [`HarnessError::NoRedis`].
     pub async fn start() -> Result<TestRedis, HarnessError> {
-        if let Some(url) = std::env::var("REDIS_URL")
-            .ok()
-            .filter(|url| !url.is_empty())
-        {
-            return Ok(TestRedis {
-                url,
-                backend: Backend::External,
-            });
+        if let Some(url) = std::env::var("REDIS_URL").ok().filter(|url| !url.is_empty()) {
+            return Ok(TestRedis { url, backend: Backend::External });
         }
         match RedisServer::start().await {
-            Ok(server) => Ok(TestRedis {
-                url: server.url(),
-                backend: Backend::Owned(server),
-            }),
+            Ok(server) => Ok(TestRedis { url: server.url(), backend: Backend::Owned(server) }),
             #[cfg(feature = "docker")]
             Err(HarnessError::NoRedis) => start_docker().await,
             Err(e) => Err(e),
@@ -511,21 +477,12 @@ async fn start_docker() -> Result<TestRedis, HarnessError> {
              redis-server), set REDIS_SERVER_BIN, or set REDIS_URL to an external server"
         ))
     };
-    let container = Redis::default()
-        .with_tag(DOCKER_REDIS_TAG)
-        .start()
-        .await
-        .map_err(docker_err)?;
+    let container = Redis::default().with_tag(DOCKER_REDIS_TAG).start().await.map_err(docker_err)?;
     let host = container.get_host().await.map_err(docker_err)?;
-    let port = container
-        .get_host_port_ipv4(REDIS_PORT)
-        .await
-        .map_err(docker_err)?;
+    let port = container.get_host_port_ipv4(REDIS_PORT).await.map_err(docker_err)?;
     Ok(TestRedis {
         url: format!("redis://{host}:{port}"),
-        backend: Backend::Docker {
-            _container: Box::new(container),
-        },
+        backend: Backend::Docker { _container: Box::new(container) },
     })
 }
 
@@ -551,13 +508,9 @@ pub async fn keys_in_namespace(url: &str, ns: &str) -> Result<Vec<String>, Harne
     let mut cursor = String::from("0");
     let result = async {
         loop {
-            let (next, page): (String, Vec<Bytes>) = client
-                .scan_page(cursor.clone(), pattern.clone(), Some(1000), None)
-                .await?;
-            keys.extend(
-                page.iter()
-                    .map(|key| String::from_utf8_lossy(key).into_owned()),
-            );
+            let (next, page): (String, Vec<Bytes>) =
+                client.scan_page(cursor.clone(), pattern.clone(), Some(1000), None).await?;
+            keys.extend(page.iter().map(|key| String::from_utf8_lossy(key).into_owned()));
             if next == "0" {
                 return Ok::<_, HarnessError>(());
             }
@@ -589,9 +542,7 @@ fn find_redis_server() -> Option<PathBuf> {
         return Some(bin.into());
     }
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("redis-server"))
-        .find(|bin| bin.is_file())
+    std::env::split_paths(&path).map(|dir| dir.join("redis-server")).find(|bin| bin.is_file())
 }
 
 /// A fresh directory under the system temp dir, unique to this server.
@@ -625,10 +576,7 @@ fn free_port() -> io::Result<u16> {
             return Ok(port);
         }
     }
-    Err(io::Error::new(
-        io::ErrorKind::AddrInUse,
-        format!("no free port found in {PORT_RANGE:?}"),
-    ))
+    Err(io::Error::new(io::ErrorKind::AddrInUse, format!("no free port found in {PORT_RANGE:?}")))
 }
 
 /// Asks whoever listens on `port` for `PING` and its process id. Returns the
@@ -648,19 +596,14 @@ async fn probe(port: u16) -> Option<u32> {
         line.clear();
         reader.read_line(&mut line).await?;
         // INFO replies with a bulk string: `$<len>\r\n<body>\r\n`.
-        let Some(len) = line
-            .trim_end()
-            .strip_prefix('$')
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        let Some(len) = line.trim_end().strip_prefix('$').and_then(|n| n.parse::<usize>().ok()) else {
             return Ok(None);
         };
         let mut body = vec![0; len];
         reader.read_exact(&mut body).await?;
-        let pid = String::from_utf8_lossy(&body).lines().find_map(|l| {
-            l.strip_prefix("process_id:")
-                .and_then(|p| p.trim().parse().ok())
-        });
+        let pid = String::from_utf8_lossy(&body)
+            .lines()
+            .find_map(|l| l.strip_prefix("process_id:").and_then(|p| p.trim().parse().ok()));
         Ok::<_, io::Error>(pid)
     };
     match tokio::time::timeout(Duration::from_secs(1), exchange).await {
@@ -732,9 +675,7 @@ mod tests {
         let mut server = RedisServer::builder().aof_always(true).start().await?;
         let port = server.port();
         let client = connect(&server.url()).await?;
-        let () = client
-            .set("survivor", "still here", None, None, false)
-            .await?;
+        let () = client.set("survivor", "still here", None, None, false).await?;
         client.quit().await?;
 
         server.kill()?;
@@ -793,21 +734,14 @@ mod tests {
 
     #[tokio::test]
     async fn unix_socket_and_extra_arg() -> Result<(), HarnessError> {
-        let server = RedisServer::builder()
-            .unix_socket(true)
-            .extra_arg("databases", "4")
-            .start()
-            .await?;
+        let server = RedisServer::builder().unix_socket(true).extra_arg("databases", "4").start().await?;
         let sock = server.unix_socket_path().ok_or(HarnessError::NoRedis)?;
         let mut stream = tokio::net::UnixStream::connect(&sock).await?;
         stream.write_all(b"CONFIG GET databases\r\n").await?;
         let mut reply = vec![0; 64];
         let n = stream.read(&mut reply).await?;
         let reply = String::from_utf8_lossy(&reply[..n]);
-        assert!(
-            reply.contains("databases") && reply.contains("\r\n4\r\n"),
-            "reply: {reply:?}"
-        );
+        assert!(reply.contains("databases") && reply.contains("\r\n4\r\n"), "reply: {reply:?}");
         Ok(())
     }
 
@@ -815,36 +749,23 @@ mod tests {
     async fn namespaces_isolate_keys() -> Result<(), HarnessError> {
         let redis = TestRedis::start().await?;
         let ns = unique_namespace("scan");
-        assert!(
-            ns.starts_with("t-scan-") && ns.len() == "t-scan-".len() + 8,
-            "{ns}"
-        );
+        assert!(ns.starts_with("t-scan-") && ns.len() == "t-scan-".len() + 8, "{ns}");
         let other = unique_namespace("scan");
         assert_ne!(ns, other);
 
         let client = connect(redis.url()).await?;
         for i in 0..2500 {
-            let () = client
-                .set(format!("{ns}:k{i}"), i, None, None, false)
-                .await?;
+            let () = client.set(format!("{ns}:k{i}"), i, None, None, false).await?;
         }
-        let () = client
-            .set(format!("{other}:k"), 1, None, None, false)
-            .await?;
+        let () = client.set(format!("{other}:k"), 1, None, None, false).await?;
         let mut keys = keys_in_namespace(redis.url(), &ns).await?;
         keys.sort();
         assert_eq!(keys.len(), 2500);
         assert!(keys.iter().all(|k| k.starts_with(&format!("{ns}:"))));
-        assert_eq!(
-            keys_in_namespace(redis.url(), &other).await?,
-            vec![format!("{other}:k")]
-        );
+        assert_eq!(keys_in_namespace(redis.url(), &other).await?, vec![format!("{other}:k")]);
         // Unescaped, `<ns minus 2 chars>*` would match all of ns's keys.
         let glob = format!("{}*", &ns[..ns.len() - 2]);
-        assert!(
-            keys_in_namespace(redis.url(), &glob).await?.is_empty(),
-            "globs are escaped"
-        );
+        assert!(keys_in_namespace(redis.url(), &glob).await?.is_empty(), "globs are escaped");
 
         // Leave a shared REDIS_URL server clean.
         keys.push(format!("{other}:k"));

@@ -83,24 +83,35 @@ impl Context {
     }
 }
 
-/// A handler's failure: a message recorded for the sub-request.
+/// A handler's failure: retryable (the default) or permanent.
 ///
-/// Any `std::error::Error` converts into it, so `?` works in handlers.
+/// Any `std::error::Error` converts into a retryable one, so `?` works in handlers. A retryable
+/// failure runs again after a backoff while the request's `max_attempts` allows; a permanent one
+/// goes to the dead letters at once.
 pub struct HandlerError {
     message: String,
+    permanent: bool,
 }
 
 impl HandlerError {
-    /// A failure with this message.
+    /// A retryable failure with this message.
     pub fn new(message: impl Into<String>) -> Self {
-        Self {
-            message: message.into(),
-        }
+        Self { message: message.into(), permanent: false }
+    }
+
+    /// A failure that retrying cannot fix (bad input, say): dead-lettered without retry.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self { message: message.into(), permanent: true }
     }
 
     /// The message.
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// Whether it is permanent.
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
     }
 }
 
@@ -118,6 +129,6 @@ impl fmt::Display for HandlerError {
 
 impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HandlerError({:?})", self.message)
+        write!(f, "HandlerError({:?}, permanent: {})", self.message, self.permanent)
     }
 }

@@ -5,6 +5,7 @@ mod leases;
 mod slot;
 
 use std::future::Future;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use fred::interfaces::ClientLike;
 use tokio_util::sync::CancellationToken;
 
 pub use handler::{Context, Handler, HandlerError};
+pub(crate) use slot::finish_index;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -30,11 +32,27 @@ pub struct Quantum {
 
 impl Default for Quantum {
     fn default() -> Self {
-        Self {
-            parts: 32,
-            time: Duration::from_millis(250),
-        }
+        Self { parts: 32, time: Duration::from_millis(250) }
     }
+}
+
+/// Counters of what a worker did, for logs and tests. Read with [`Worker::metrics`].
+#[derive(Debug, Default)]
+#[non_exhaustive]
+pub struct WorkerMetrics {
+    /// Sub-requests whose result was stored.
+    pub succeeded: AtomicU64,
+    /// Failed attempts scheduled for a retry.
+    pub retried: AtomicU64,
+    /// Sub-requests dead-lettered (out of attempts, or failed permanently).
+    pub dead_lettered: AtomicU64,
+    /// Acks, results or token returns refused because this worker's lease had moved on: the
+    /// late result was dropped (another attempt's result counts).
+    pub fenced: AtomicU64,
+    /// Tokens recovery put back in circulation (expired leases, lost elements, unparked).
+    pub tokens_restored: AtomicU64,
+    /// Leases recovery found expired (their entries were handed out again).
+    pub leases_expired: AtomicU64,
 }
 
 /// Configures a [`Worker`].
@@ -45,9 +63,17 @@ pub struct WorkerBuilder<H> {
     slots: usize,
     quantum: Quantum,
     idle_poll: Duration,
+    shutdown_grace: Duration,
 }
 
 impl<H: Handler> WorkerBuilder<H> {
+    /// On shutdown, how long running handlers may go on before they are cancelled and their
+    /// sub-requests handed back (default 30 s).
+    pub fn shutdown_grace(mut self, d: Duration) -> Self {
+        self.shutdown_grace = d;
+        self
+    }
+
     /// Handlers run at once in this process (default 4).
     pub fn slots(mut self, slots: usize) -> Self {
         self.slots = slots;
@@ -91,6 +117,8 @@ impl<H: Handler> WorkerBuilder<H> {
                 worker_id,
                 quantum: self.quantum,
                 idle_poll: self.idle_poll,
+                shutdown_grace: self.shutdown_grace,
+                metrics: Arc::new(WorkerMetrics::default()),
                 leases: Leases::default(),
                 stopping: CancellationToken::new(),
             }),
@@ -125,7 +153,13 @@ impl<H: Handler> Worker<H> {
             slots: 4,
             quantum: Quantum::default(),
             idle_poll: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(30),
         }
+    }
+
+    /// What this worker did so far (shared: keep the `Arc` to read it after `run`).
+    pub fn metrics(&self) -> Arc<WorkerMetrics> {
+        self.shared.metrics.clone()
     }
 
     /// This worker's id (its stream consumer name, and the prefix of its lease holders).
@@ -139,7 +173,11 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Runs until `shutdown` completes. Then every slot stops taking tokens, lets its running
-    /// handler finish, acks, and gives its token back.
+    /// handler finish (up to the shutdown grace), acks, and gives its token back: nothing waits
+    /// for a lease to expire after a clean shutdown.
+    ///
+    /// Besides its slots, every worker renews its leases and takes its share of recovery
+    /// (expired leases, lost tokens): there is no master process.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let shared = self.shared;
         let mut slots = tokio::task::JoinSet::new();
@@ -147,6 +185,7 @@ impl<H: Handler> Worker<H> {
             slots.spawn(slot::run(shared.clone(), n, client));
         }
         let heartbeat = tokio::spawn(heartbeat(shared.clone()));
+        let recovery = tokio::spawn(crate::recovery::run(shared.store.clone(), shared.metrics.clone()));
         tokio::select! {
             _ = shutdown => {}
             _ = shared.stopping.cancelled() => {}
@@ -159,6 +198,7 @@ impl<H: Handler> Worker<H> {
             }
         }
         heartbeat.abort();
+        recovery.abort();
         let _ = shared.store.client.quit().await;
         Ok(())
     }

@@ -3,21 +3,24 @@
 //! Round trips per sub-request in steady state: one (the ack, which also hands out the next
 //! sub-request). Per token take: a BRPOP, an acquire, and a push when the quantum ends.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::prelude::*;
+use rand::Rng;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::handler::{Context, Handler};
 use super::leases::{LeaseKey, Leases};
-use super::Quantum;
+use super::{Quantum, WorkerMetrics};
 use crate::codec;
 use crate::config::millis;
 use crate::error::{Error, Result};
 use crate::keys::{RequestId, RequestKeys};
+use crate::producer::PartError;
 use crate::reply;
 use crate::request::Priority;
 use crate::scripts::Func;
@@ -30,7 +33,9 @@ pub(crate) struct Shared<H> {
     pub(crate) worker_id: String,
     pub(crate) quantum: Quantum,
     pub(crate) idle_poll: Duration,
+    pub(crate) shutdown_grace: Duration,
     pub(crate) leases: Leases,
+    pub(crate) metrics: Arc<WorkerMetrics>,
     /// Set when the worker stops: slots finish what runs and take no new token.
     pub(crate) stopping: CancellationToken,
 }
@@ -46,6 +51,25 @@ struct Token {
     list: String,
 }
 
+/// The request's retry policy, as acquire reports it.
+#[derive(Clone, Copy)]
+struct Policy {
+    max_attempts: u32,
+    timeout: Option<Duration>,
+    backoff_base: Duration,
+    backoff_max: Duration,
+}
+
+impl Policy {
+    /// Exponential backoff with "equal jitter": half fixed, half random, capped.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self.backoff_base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+        let delay = exp.min(self.backoff_max);
+        let half = delay / 2;
+        half + half.mul_f64(rand::thread_rng().gen::<f64>())
+    }
+}
+
 /// One sub-request handed to this slot.
 struct Entry {
     id: String,
@@ -56,13 +80,24 @@ struct Entry {
 
 /// What the server answered to acquire or ack.
 enum Next {
-    Run(Entry),
+    Run(Entry, Option<Policy>),
     Requeue(String),
     Park,
     Finished { state: String, sweep: Vec<Value> },
     Drop,
     Stale,
     Fenced,
+}
+
+/// How one run of the handler ended.
+enum Outcome {
+    Done(Bytes),
+    Failed {
+        message: String,
+        permanent: bool,
+    },
+    /// Shutdown's grace ran out: the run was abandoned and the token must be released.
+    Abandoned,
 }
 
 pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize, blocking: Client) {
@@ -90,21 +125,15 @@ async fn take_and_serve<H: Handler>(
 ) -> Result<()> {
     let store = &shared.store;
     // The BRPOP is never abandoned mid-flight (that would pop a token into a reply nobody reads):
-    // it runs to its server-side timeout, which bounds how long an idle slot takes to stop.
-    let popped: Option<(String, String)> = match blocking
-        .brpop(
-            store.keys.token_lists().to_vec(),
-            shared.idle_poll.as_secs_f64(),
-        )
-        .await
-    {
-        Ok(v) => v,
-        Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
-        Err(e) => return Err(e.into()),
-    };
-    let Some((list, element)) = popped else {
-        return Ok(());
-    };
+    // it runs to its server-side timeout, which bounds how long an idle slot takes to stop. If
+    // the connection drops with a token in the reply anyway, recovery restores it.
+    let popped: Option<(String, String)> =
+        match blocking.brpop(store.keys.token_lists().to_vec(), shared.idle_poll.as_secs_f64()).await {
+            Ok(v) => v,
+            Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
+            Err(e) => return Err(e.into()),
+        };
+    let Some((list, element)) = popped else { return Ok(()) };
     let Some(token) = parse_token(store, &list, &element) else {
         tracing::warn!(list, element, "dropping a malformed token element");
         return Ok(());
@@ -137,7 +166,7 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
     let reply = store
         .fcall(
             Func::Acquire,
-            &[&token.keys.meta, &token.keys.stream],
+            &token.keys.all(),
             vec![
                 token.key_id.as_str().into(),
                 token.number.as_str().into(),
@@ -149,6 +178,7 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
         )
         .await?;
     let mut next = parse_next(reply)?;
+    let mut policy = None;
     let started = Instant::now();
     let mut ran: u32 = 0;
     let lease = LeaseKey {
@@ -159,75 +189,121 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
     };
     let result = loop {
         let entry = match next {
-            Next::Run(entry) => entry,
+            Next::Run(entry, p) => {
+                policy = p.or(policy);
+                entry
+            }
             other => break other,
+        };
+        let Some(policy) = policy else {
+            return Err(Error::Protocol("acquire did not report the request's policy".into()));
         };
         // Not a child of `stopping`: a graceful stop lets running handlers finish.
         let cancel = CancellationToken::new();
         shared.leases.hold(n, lease.clone(), cancel.clone());
-        let outcome = run_handler(shared, &token, &entry, cancel).await;
+        let outcome = run_handler(shared, &token, &entry, policy, cancel).await;
         ran += 1;
         let keep_going = ran < shared.quantum.parts
             && started.elapsed() < shared.quantum.time
             && !shared.stopping.is_cancelled();
-        let acked = ack(shared, holder, &token, &entry, outcome, keep_going).await;
+        let acked = match outcome {
+            Outcome::Abandoned => release(shared, holder, &token).await,
+            outcome => ack(shared, holder, &token, &entry, policy, outcome, keep_going).await,
+        };
         shared.leases.release(n);
-        // On error the ack's fate is unknown: the lease runs out and recovery hands the entry out
-        // again (or the ack did land, and the entry is done).
+        // On error the ack's fate is unknown: either it landed, or the lease runs out and
+        // recovery hands the entry out again.
         next = acked?;
     };
     match result {
         Next::Requeue(element) => {
-            store
-                .client
-                .lpush::<i64, _, _>(token.list.as_str(), element)
-                .await?;
+            store.client.lpush::<i64, _, _>(token.list.as_str(), element).await?;
         }
         Next::Finished { state, sweep } => {
             tracing::info!(state, "request finished");
-            let mut args: Vec<Value> = vec![
-                token.key_id.as_str().into(),
-                state.as_str().into(),
-                (millis(store.config.retention) as i64).into(),
-            ];
-            args.extend(sweep);
-            let (active, events) = (store.keys.active(), store.keys.events());
-            store
-                .fcall(Func::FinishIndex, &[&active, &events, &token.list], args)
-                .await?;
+            finish_index(store, &token.key_id, &state, &token.list, sweep).await?;
         }
         Next::Fenced => {
-            tracing::warn!("fenced: this slot's claim moved on; its result was dropped")
+            shared.metrics.fenced.fetch_add(1, Relaxed);
+            tracing::warn!("fenced: this slot's lease ran out and the work moved on; its result was dropped");
         }
-        Next::Park | Next::Drop | Next::Stale | Next::Run(_) => {}
+        Next::Park | Next::Drop | Next::Stale | Next::Run(..) => {}
     }
     Ok(())
 }
 
-/// Runs the handler in its own task, so that a panic is caught and recorded, not fatal.
+/// The token side of a request turning terminal: index removal, one event, stale-token sweep.
+pub(crate) async fn finish_index(
+    store: &Store,
+    key_id: &str,
+    state: &str,
+    list: &str,
+    sweep: Vec<Value>,
+) -> Result<()> {
+    let mut args: Vec<Value> =
+        vec![key_id.into(), state.into(), (millis(store.config.retention) as i64).into()];
+    args.extend(sweep);
+    let (active, events) = (store.keys.active(), store.keys.events());
+    store.fcall(Func::FinishIndex, &[&active, &events, list], args).await?;
+    Ok(())
+}
+
+/// Runs the handler in its own task, so that a panic is caught and recorded, not fatal; applies
+/// the request's per-attempt timeout and the worker's shutdown grace.
 async fn run_handler<H: Handler>(
     shared: &Shared<H>,
     token: &Token,
     entry: &Entry,
+    policy: Policy,
     cancel: CancellationToken,
-) -> Result<Bytes, String> {
-    let input: H::Input =
-        codec::decode(&entry.payload).map_err(|e| format!("payload does not decode: {e}"))?;
+) -> Outcome {
+    let input: H::Input = match codec::decode(&entry.payload) {
+        Ok(input) => input,
+        Err(e) => {
+            return Outcome::Failed { message: format!("payload does not decode: {e}"), permanent: true }
+        }
+    };
     let ctx = Context {
         request_id: token.request_id.clone(),
         index: entry.index,
         attempt: entry.attempt,
         priority: token.priority,
-        cancelled: cancel,
+        cancelled: cancel.clone(),
     };
     let handler = shared.handler.clone();
     let span = tracing::info_span!("handle", request_id = %token.request_id, index = entry.index, attempt = entry.attempt);
-    let task = tokio::spawn(async move { handler.handle(ctx, input).await }.instrument(span));
-    match task.await {
-        Ok(Ok(output)) => codec::encode(&output)
-            .map(Bytes::from)
-            .map_err(|e| e.to_string()),
-        Ok(Err(e)) => Err(e.message().to_owned()),
+    let mut task = tokio::spawn(async move { handler.handle(ctx, input).await }.instrument(span));
+    let timeout = async {
+        match policy.timeout {
+            Some(limit) => tokio::time::sleep(limit).await,
+            None => std::future::pending().await,
+        }
+    };
+    let grace_over = async {
+        shared.stopping.cancelled().await;
+        tokio::time::sleep(shared.shutdown_grace).await;
+    };
+    let joined = tokio::select! {
+        joined = &mut task => joined,
+        _ = timeout => {
+            cancel.cancel();
+            task.abort();
+            let limit = policy.timeout.unwrap_or_default();
+            return Outcome::Failed { message: format!("attempt timed out after {limit:?}"), permanent: false };
+        }
+        _ = grace_over => {
+            cancel.cancel();
+            task.abort();
+            tracing::warn!(index = entry.index, "shutdown grace ran out; releasing the sub-request");
+            return Outcome::Abandoned;
+        }
+    };
+    match joined {
+        Ok(Ok(output)) => match codec::encode(&output) {
+            Ok(bytes) => Outcome::Done(bytes.into()),
+            Err(e) => Outcome::Failed { message: e.to_string(), permanent: true },
+        },
+        Ok(Err(e)) => Outcome::Failed { message: e.message().to_owned(), permanent: e.is_permanent() },
         Err(join) if join.is_panic() => {
             let panic = join.into_panic();
             let text = panic
@@ -235,37 +311,50 @@ async fn run_handler<H: Handler>(
                 .map(|s| (*s).to_owned())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".into());
-            Err(format!("handler panicked: {text}"))
+            Outcome::Failed { message: format!("handler panicked: {text}"), permanent: false }
         }
-        Err(_) => Err("handler task was cancelled".into()),
+        Err(_) => Outcome::Failed { message: "handler task was cancelled".into(), permanent: false },
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn ack<H: Handler>(
     shared: &Shared<H>,
     holder: &str,
     token: &Token,
     entry: &Entry,
-    outcome: Result<Bytes, String>,
+    policy: Policy,
+    outcome: Outcome,
     keep_going: bool,
 ) -> Result<Next> {
     let store = &shared.store;
-    let (kind, body): (&str, Value) = match outcome {
-        Ok(bytes) => ("ok", Value::Bytes(bytes)),
-        Err(msg) => {
-            tracing::warn!(index = entry.index, error = %msg, "sub-request failed");
-            ("err", msg.into())
+    let m = &shared.metrics;
+    let (kind, body, delay): (&str, Value, Duration) = match outcome {
+        Outcome::Done(bytes) => {
+            m.succeeded.fetch_add(1, Relaxed);
+            ("ok", Value::Bytes(bytes), Duration::ZERO)
         }
+        Outcome::Failed { message, permanent } => {
+            let last = permanent || entry.attempt >= policy.max_attempts;
+            let record = PartError { message, attempts: entry.attempt, permanent };
+            let body = serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?;
+            if last {
+                m.dead_lettered.fetch_add(1, Relaxed);
+                tracing::warn!(index = entry.index, attempt = entry.attempt, error = %record.message, "sub-request dead-lettered");
+                ("dead", Value::Bytes(body.into()), Duration::ZERO)
+            } else {
+                m.retried.fetch_add(1, Relaxed);
+                let delay = policy.backoff(entry.attempt);
+                tracing::info!(index = entry.index, attempt = entry.attempt, ?delay, error = %record.message, "sub-request will be retried");
+                ("retry", Value::Bytes(body.into()), delay)
+            }
+        }
+        Outcome::Abandoned => return Err(Error::Protocol("an abandoned run has no outcome to ack".into())),
     };
     let reply = store
         .fcall(
             Func::Ack,
-            &[
-                &token.keys.meta,
-                &token.keys.stream,
-                &token.keys.results,
-                &token.keys.errors,
-            ],
+            &token.keys.all(),
             vec![
                 token.key_id.as_str().into(),
                 token.number.as_str().into(),
@@ -279,6 +368,7 @@ async fn ack<H: Handler>(
                 (if keep_going { "1" } else { "0" }).into(),
                 (millis(store.config.retention) as i64).into(),
                 store.keys.done_channel().into(),
+                (millis(delay) as i64).into(),
             ],
         )
         .instrument(tracing::debug_span!("ack", index = entry.index))
@@ -286,13 +376,27 @@ async fn ack<H: Handler>(
     parse_next(reply)
 }
 
+/// Gives back a held token without an outcome; its entry is handed out again first.
+async fn release<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) -> Result<Next> {
+    let reply = shared
+        .store
+        .fcall(
+            Func::Release,
+            &token.keys.all(),
+            vec![
+                token.key_id.as_str().into(),
+                token.number.as_str().into(),
+                token.epoch.as_str().into(),
+                holder.into(),
+            ],
+        )
+        .await?;
+    parse_next(reply)
+}
+
 fn parse_next(reply: Value) -> Result<Next> {
     let mut items = reply::array(reply)?.into_iter();
-    let tag = items
-        .next()
-        .map(|v| reply::text(&v))
-        .transpose()?
-        .unwrap_or_default();
+    let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     Ok(match tag.as_str() {
         "run" => {
             let (Some(id), Some(index), Some(payload), Some(attempt)) =
@@ -300,31 +404,29 @@ fn parse_next(reply: Value) -> Result<Next> {
             else {
                 return Err(Error::Protocol("short 'run' reply".into()));
             };
-            Next::Run(Entry {
+            let entry = Entry {
                 id: reply::text(&id)?,
                 index: reply::int(&index)? as u64,
                 payload: reply::bytes(payload)?,
                 attempt: reply::int(&attempt)? as u32,
-            })
+            };
+            let rest: Vec<i64> = items.map(|v| reply::int(&v)).collect::<Result<_>>()?;
+            let policy = match rest[..] {
+                [max_attempts, timeout, base, cap] => Some(Policy {
+                    max_attempts: max_attempts.max(1) as u32,
+                    timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
+                    backoff_base: Duration::from_millis(base.max(0) as u64),
+                    backoff_max: Duration::from_millis(cap.max(0) as u64),
+                }),
+                _ => None,
+            };
+            Next::Run(entry, policy)
         }
-        "requeue" => Next::Requeue(
-            items
-                .next()
-                .map(|v| reply::text(&v))
-                .transpose()?
-                .unwrap_or_default(),
-        ),
+        "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
         "park" => Next::Park,
         "finished" => {
-            let state = items
-                .next()
-                .map(|v| reply::text(&v))
-                .transpose()?
-                .unwrap_or_default();
-            Next::Finished {
-                state,
-                sweep: items.collect(),
-            }
+            let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+            Next::Finished { state, sweep: items.collect() }
         }
         "drop" => Next::Drop,
         "stale" => Next::Stale,

@@ -45,9 +45,7 @@ impl Running {
     pub async fn stop(mut self) {
         self.stop.cancel();
         if let Some(task) = self.task.take() {
-            task.await
-                .expect("worker task panicked")
-                .expect("worker failed");
+            task.await.expect("worker task panicked").expect("worker failed");
         }
     }
 }
@@ -74,10 +72,7 @@ pub async fn start_worker<H: Handler>(
     let stop = CancellationToken::new();
     let signal = stop.clone();
     let task = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
-    Running {
-        stop,
-        task: Some(task),
-    }
+    Running { stop, task: Some(task) }
 }
 
 /// The probe's input: a number to double, and how to behave.
@@ -90,17 +85,10 @@ pub struct Job {
 
 impl Job {
     pub fn new(n: u64) -> Self {
-        Self {
-            n,
-            ..Self::default()
-        }
+        Self { n, ..Self::default() }
     }
     pub fn sleeping(n: u64, ms: u64) -> Self {
-        Self {
-            n,
-            sleep_ms: ms,
-            fail: false,
-        }
+        Self { n, sleep_ms: ms, fail: false }
     }
 }
 
@@ -121,12 +109,7 @@ pub struct Probe {
 
 impl Probe {
     pub fn max_concurrency(&self, request: &str) -> u32 {
-        self.record
-            .lock()
-            .unwrap()
-            .concurrency
-            .get(request)
-            .map_or(0, |c| c.1)
+        self.record.lock().unwrap().concurrency.get(request).map_or(0, |c| c.1)
     }
     pub fn starts(&self) -> Vec<(String, u64)> {
         self.record.lock().unwrap().starts.clone()
@@ -150,18 +133,9 @@ impl Handler for Probe {
         if job.sleep_ms > 0 {
             tokio::time::sleep(Duration::from_millis(job.sleep_ms)).await;
         }
-        self.record
-            .lock()
-            .unwrap()
-            .concurrency
-            .get_mut(&id)
-            .expect("entered above")
-            .0 -= 1;
+        self.record.lock().unwrap().concurrency.get_mut(&id).expect("entered above").0 -= 1;
         if job.fail {
-            return Err(HandlerError::new(format!(
-                "job {} failed on purpose",
-                job.n
-            )));
+            return Err(HandlerError::new(format!("job {} failed on purpose", job.n)));
         }
         Ok(job.n * 2)
     }

@@ -1,0 +1,59 @@
+-- census: recovery's look at one request; run by any worker, for requests it claimed (claim_due).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] grace (ms): how long a token may be queued before recovery
+-- checks that its element really is in the list
+-- Returns {'gone'}: no such request (expired); {'loading'}; {'finished', state, priority}: the
+--         request is terminal but still active, so its finish_index was missed; or {'ok', priority, push, check, reclaimed}:
+--         push: elements of restored or unparked tokens, to push now; check: elements queued
+--         longer than the grace, whose presence in the list must be verified (verify_tokens);
+--         reclaimed: how many leases had expired.
+-- A holder whose lease expired loses its token: the entry it ran goes to the orphans list and the
+-- token is re-queued under a new epoch, so the old holder is fenced and its element refused.
+local function census(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return {'gone'} end
+  if state == 'loading' then return {'loading'} end
+  if state == 'completed' or state == 'failed' or state == 'cancelled' then
+    return {'finished', state, redis.call('HGET', keys[1], 'prio')}
+  end
+  local rid, grace = args[1], tonumber(args[2])
+  local now = sg_now()
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local push, check, parked = {}, {}, {}
+  local reclaimed = 0
+  for k = 0, ntok - 1 do
+    local tok = redis.call('HGET', keys[1], 't' .. k)
+    if tok then
+      local f = sg_split(tok)
+      if f[1] == 'h' and tonumber(f[4]) < now then
+        if f[5] ~= '' then redis.call('RPUSH', keys[5], f[5]) end
+        push[#push + 1] = sg_requeue(keys, rid, k, f[2], now)
+        reclaimed = reclaimed + 1
+      elseif f[1] == 'q' and tonumber(f[3]) + grace < now then
+        check[#check + 1] = sg_element(rid, k, f[2])
+      elseif f[1] == 'p' then
+        parked[#parked + 1] = {k, f[2]}
+      end
+    end
+  end
+  -- Parked tokens go back into circulation while there is work they could take.
+  local work = redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now)
+  -- Entries never delivered: the stream's newest id is past the group's last delivered id
+  -- (ids are 0-<index+1>; XINFO's lag is unknown once entries were deleted, so compare ids).
+  local newest = redis.call('XREVRANGE', keys[2], '+', '-', 'COUNT', 1)[1]
+  if newest then
+    local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+    for i = 1, #group, 2 do
+      if group[i] == 'last-delivered-id' and sg_index(newest[1]) > sg_index(group[i + 1]) then
+        work = work + sg_index(newest[1]) - sg_index(group[i + 1])
+      end
+    end
+  end
+  work = work - reclaimed
+  for _, p in ipairs(parked) do
+    if work <= 0 then break end
+    push[#push + 1] = sg_requeue(keys, rid, p[1], p[2], now)
+    work = work - 1
+  end
+  return {'ok', redis.call('HGET', keys[1], 'prio'), push, check, reclaimed}
+end

@@ -1,0 +1,120 @@
+//! Recovery: every worker's share of keeping tokens and entries in circulation. There is no master.
+//!
+//! Each pass claims the requests whose check is due (`claim_due`: claimed requests are skipped
+//! by other workers for one lease period), then for each one: `census` expires leases whose holder
+//! stopped renewing (the entry becomes an orphan, handed out again first; the token is re-queued
+//! under a new epoch, which fences the old holder), unparks tokens when work is waiting, and lists
+//! tokens queued longer than the grace; `verify_tokens` pushes the restored elements and reports
+//! which listed elements are missing from the list (popped into a reply nobody read, or never
+//! pushed); `restore_tokens` re-queues those under a new epoch, but only if each is still queued
+//! with the epoch that was checked. A request found terminal but still active (its slot died
+//! before `finish_index`) is finished on the token side here.
+//!
+//! The argument that this never makes a token too many is in docs/architecture.md.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use fred::prelude::*;
+use futures::stream::{self, StreamExt};
+use rand::Rng;
+
+use crate::config::millis;
+use crate::error::Result;
+use crate::reply;
+use crate::request::Priority;
+use crate::scripts::Func;
+use crate::store::Store;
+use crate::worker::WorkerMetrics;
+
+/// Requests claimed per pass, and censused concurrently.
+const CLAIM_BATCH: i64 = 200;
+const CONCURRENT: usize = 16;
+
+pub(crate) async fn run(store: Store, metrics: Arc<WorkerMetrics>) {
+    let interval = store.config.recovery_interval;
+    loop {
+        // Jitter spreads the passes of many workers over the interval.
+        let jitter = interval.mul_f64(rand::thread_rng().gen_range(0.8..1.2));
+        tokio::time::sleep(jitter).await;
+        if let Err(e) = pass(&store, &metrics).await {
+            tracing::warn!(error = %e, "recovery pass failed; retrying next interval");
+        }
+    }
+}
+
+/// One pass: returns how many requests it looked at.
+pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize> {
+    let active = store.keys.active();
+    let claim_ms = millis(store.config.lease) as i64;
+    let claimed = reply::array(
+        store.fcall(Func::ClaimDue, &[&active], vec![CLAIM_BATCH.into(), claim_ms.into()]).await?,
+    )?;
+    let ids: Vec<String> = claimed.iter().filter_map(Value::as_string).collect();
+    let n = ids.len();
+    stream::iter(ids)
+        .for_each_concurrent(CONCURRENT, |key_id| async move {
+            if let Err(e) = census_one(store, metrics, &key_id).await {
+                tracing::warn!(request = key_id, error = %e, "census failed");
+            }
+        })
+        .await;
+    Ok(n)
+}
+
+async fn census_one(store: &Store, metrics: &WorkerMetrics, key_id: &str) -> Result<()> {
+    let keys = store.keys.request(key_id);
+    let grace_ms = millis(store.config.lease) as i64;
+    let mut reply =
+        reply::array(store.fcall(Func::Census, &keys.all(), vec![key_id.into(), grace_ms.into()]).await?)?
+            .into_iter();
+    let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+    match tag.as_str() {
+        "gone" => {
+            // Expired while loading (its producer died) or after its retention.
+            store.client.zrem::<i64, _, _>(store.keys.active(), key_id).await?;
+        }
+        "loading" => {}
+        "finished" => {
+            let state = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+            let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            let list = store.keys.token_list(Priority::new(prio as u8).unwrap_or_default()).to_owned();
+            tracing::info!(request = key_id, state, "recovery finishing a request whose finish was missed");
+            crate::worker::finish_index(store, key_id, &state, &list, Vec::new()).await?;
+        }
+        "ok" => {
+            let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            let push = reply::array(reply.next().unwrap_or(Value::Null))?;
+            let check = reply::array(reply.next().unwrap_or(Value::Null))?;
+            let expired = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            let list = store.keys.token_list(Priority::new(prio as u8).unwrap_or_default()).to_owned();
+            metrics.leases_expired.fetch_add(expired as u64, Relaxed);
+            metrics.tokens_restored.fetch_add(push.len() as u64, Relaxed);
+            if expired > 0 {
+                tracing::warn!(request = key_id, expired, "leases expired; their entries will run again");
+            }
+            let interval_ms = millis(store.config.recovery_interval) as i64;
+            let mut args: Vec<Value> = vec![key_id.into(), interval_ms.into(), (push.len() as i64).into()];
+            args.extend(push);
+            args.extend(check);
+            let missing =
+                reply::array(store.fcall(Func::VerifyTokens, &[&list, &store.keys.active()], args).await?)?;
+            if !missing.is_empty() {
+                let mut args: Vec<Value> = vec![key_id.into()];
+                args.extend(missing);
+                let restored = reply::array(store.fcall(Func::RestoreTokens, &keys.all(), args).await?)?;
+                if !restored.is_empty() {
+                    tracing::warn!(
+                        request = key_id,
+                        tokens = restored.len(),
+                        "restoring tokens lost in flight"
+                    );
+                    metrics.tokens_restored.fetch_add(restored.len() as u64, Relaxed);
+                    store.client.lpush::<i64, _, _>(list.as_str(), restored).await?;
+                }
+            }
+        }
+        other => tracing::warn!(request = key_id, reply = other, "unexpected census reply"),
+    }
+    Ok(())
+}
