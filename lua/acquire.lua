@@ -11,6 +11,17 @@ local function acquire(keys, args)
   local tok = redis.call('HGET', keys[1], 't' .. args[2])
   if not tok then return {'drop'} end
   local f = sg_split(tok)
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same slot presenting the same element again: a call re-sent after a reconnect whose
+    -- first reply was lost. Hand out the entry it already holds instead of stranding it.
+    local entry = redis.call('XRANGE', keys[2], f[5], f[5])[1]
+    local pending = redis.call('XPENDING', keys[2], 'g', f[5], f[5], 1)[1]
+    if entry and pending then
+      local policy = redis.call('HMGET', keys[1], 'maxatt', 'timeout', 'bbase', 'bmax')
+      return {'run', f[5], sg_index(f[5]), entry[2][2], tonumber(pending[4]),
+        policy[1] or '0', policy[2] or '0', policy[3] or '0', policy[4] or '0'}
+    end
+  end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   local reply = sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), sg_now())
   if reply[1] == 'run' then

@@ -26,6 +26,7 @@ pub struct Config {
     pub(crate) loading_ttl: Duration,
     pub(crate) recovery_interval: Duration,
     pub(crate) wait_poll: Duration,
+    pub(crate) unresponsive: Duration,
 }
 
 /// The URL used when neither the caller nor `REDIS_URL` names one.
@@ -44,6 +45,7 @@ impl Config {
             loading_ttl: Duration::from_secs(3600),
             recovery_interval: Duration::from_secs(5),
             wait_poll: Duration::from_secs(2),
+            unresponsive: Duration::from_secs(10),
         }
     }
 
@@ -98,6 +100,14 @@ impl Config {
         self
     }
 
+    /// A connection whose oldest command has waited this long for its reply is presumed dead
+    /// (a stalled network, a frozen server): it is closed and re-opened, and its commands are
+    /// re-sent (default 10 s). Must exceed every blocking wait (a worker's `idle_poll`).
+    pub fn unresponsive_timeout(mut self, d: Duration) -> Self {
+        self.unresponsive = d;
+        self
+    }
+
     /// The Redis URL.
     pub fn url(&self) -> &str {
         &self.url
@@ -121,6 +131,7 @@ impl Config {
             ("loading_ttl", self.loading_ttl),
             ("recovery_interval", self.recovery_interval),
             ("wait_poll", self.wait_poll),
+            ("unresponsive_timeout", self.unresponsive),
         ];
         for (name, d) in positive {
             if d.as_millis() == 0 {

@@ -118,6 +118,10 @@ fn new_client(config: &Config) -> Result<Client> {
         .set_policy(reconnect_policy())
         .with_connection_config(|c| {
             c.connection_timeout = Duration::from_secs(5);
+            // Without this a stalled connection (no RST) leaves every call on it, blocking or
+            // not, waiting forever.
+            c.unresponsive.max_timeout = Some(config.unresponsive);
+            c.unresponsive.interval = (config.unresponsive / 4).max(Duration::from_millis(50));
         })
         .build()?;
     Ok(client)

@@ -101,6 +101,13 @@ impl<H: Handler> WorkerBuilder<H> {
         if self.quantum.parts == 0 {
             return Err(Error::Config("quantum.parts must be at least 1".into()));
         }
+        if self.idle_poll + Duration::from_millis(500) > self.config.unresponsive {
+            return Err(Error::Config(format!(
+                "idle_poll ({:?}) must be at least 500 ms shorter than the unresponsive timeout ({:?}), \
+                 or idle BRPOPs would be taken for dead connections",
+                self.idle_poll, self.config.unresponsive
+            )));
+        }
         if self.idle_poll < Duration::from_millis(10) {
             return Err(Error::Config("idle_poll must be at least 10 ms".into()));
         }
