@@ -8,7 +8,8 @@
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
-  local tok = redis.call('HGET', keys[1], 't' .. args[2])
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state')
+  local tok = m[1]
   if not tok then return {'drop'} end
   local f = sg_split(tok)
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
@@ -23,8 +24,10 @@ local function acquire(keys, args)
     end
   end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
-  local reply = sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), sg_now())
+  local now = sg_now()
+  local reply = sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), now, m[2])
   if reply[1] == 'run' then
+    if m[3] == 'queued' then redis.call('HSET', keys[1], 'state', 'running', 'started', now) end
     local policy = redis.call('HMGET', keys[1], 'maxatt', 'timeout', 'bbase', 'bmax')
     for i = 1, 4 do reply[#reply + 1] = policy[i] or '0' end
   end

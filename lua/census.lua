@@ -26,7 +26,7 @@ local function census(keys, args)
     if tok then
       local f = sg_split(tok)
       if f[1] == 'h' and tonumber(f[4]) < now then
-        if f[5] ~= '' then redis.call('RPUSH', keys[5], f[5]) end
+        if f[5] ~= '' then sg_orphan(keys, f[5]) end
         push[#push + 1] = sg_requeue(keys, rid, k, f[2], now)
         reclaimed = reclaimed + 1
       elseif f[1] == 'q' and tonumber(f[3]) + grace < now then
@@ -36,6 +36,16 @@ local function census(keys, args)
       end
     end
   end
+  -- Acked entries are not deleted one by one; drop every stream node older than the oldest entry
+  -- still pending (or, with none pending, than the last one delivered).
+  local oldest = redis.call('XPENDING', keys[2], 'g')[2]
+  if not oldest then
+    local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+    for i = 1, #group, 2 do
+      if group[i] == 'last-delivered-id' then oldest = '0-' .. (sg_index(group[i + 1]) + 2) end
+    end
+  end
+  if oldest then redis.call('XTRIM', keys[2], 'MINID', '~', oldest) end
   -- Parked tokens go back into circulation while there is work they could take.
   local work = redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now)
   -- Entries never delivered: the stream's newest id is past the group's last delivered id

@@ -31,9 +31,12 @@ local function sg_element(rid, k, epoch)
   return rid .. '|' .. k .. '|' .. epoch
 end
 
--- Every request-side function takes the same six keys, all with the request's hash tag:
+-- Every request-side function (all but renew) takes the same six keys, all with the request's
+-- hash tag:
 --   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
 --   keys[5] orphans list (entries whose holder lost its lease)   keys[6] retry sorted set (due ms)
+-- The meta field `extra` counts the entries in orphans and retry, so that the hot path (ack)
+-- looks at them only when there are any.
 
 -- Delivers one specific pending entry to this consumer: {id, payload, attempt} or nil when the
 -- entry no longer exists. The delivery count that XCLAIM raises is the attempt number.
@@ -48,20 +51,25 @@ local function sg_claim(keys, consumer, id)
 end
 
 -- The next piece of work for a token holder: orphaned entries first (their holder died), then
--- retries that are due, then new entries. Returns {id, payload, attempt} or nil.
-local function sg_take_work(keys, consumer, now)
-  while true do
-    local id = redis.call('LPOP', keys[5])
-    if not id then break end
-    local got = sg_claim(keys, consumer, id)
-    if got then return got end
-  end
-  while true do
-    local due = redis.call('ZRANGEBYSCORE', keys[6], '-inf', now, 'LIMIT', 0, 1)
-    if not due[1] then break end
-    redis.call('ZREM', keys[6], due[1])
-    local got = sg_claim(keys, consumer, due[1])
-    if got then return got end
+-- retries that are due, then new entries. `extra` is the meta field of that name (or nil).
+-- Returns {id, payload, attempt} or nil.
+local function sg_take_work(keys, consumer, now, extra)
+  if extra and tonumber(extra) > 0 then
+    while true do
+      local id = redis.call('LPOP', keys[5])
+      if not id then break end
+      redis.call('HINCRBY', keys[1], 'extra', -1)
+      local got = sg_claim(keys, consumer, id)
+      if got then return got end
+    end
+    while true do
+      local due = redis.call('ZRANGEBYSCORE', keys[6], '-inf', now, 'LIMIT', 0, 1)
+      if not due[1] then break end
+      redis.call('ZREM', keys[6], due[1])
+      redis.call('HINCRBY', keys[1], 'extra', -1)
+      local got = sg_claim(keys, consumer, due[1])
+      if got then return got end
+    end
   end
   local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', 1, 'STREAMS', keys[2], '>')
   if reply and reply[1] and #reply[1][2] > 0 then
@@ -73,19 +81,22 @@ end
 
 -- Hands the token's holder its next sub-request, or parks the token when there is none.
 -- Returns {'run', entry id, index, payload, attempt} or {'park'}.
-local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now)
-  local work = sg_take_work(keys, consumer, now)
+local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now, extra)
+  local work = sg_take_work(keys, consumer, now, extra)
   if work then
     local id = work[1]
     redis.call('HSET', keys[1], 't' .. k,
       'h|' .. epoch .. '|' .. holder .. '|' .. (now + lease_ms) .. '|' .. id)
-    if redis.call('HGET', keys[1], 'state') == 'queued' then
-      redis.call('HSET', keys[1], 'state', 'running', 'started', now)
-    end
     return {'run', id, sg_index(id), work[2], work[3]}
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
   return {'park'}
+end
+
+-- An entry whose holder is gone goes back to the front of the work (sg_take_work).
+local function sg_orphan(keys, entry)
+  redis.call('RPUSH', keys[5], entry)
+  redis.call('HINCRBY', keys[1], 'extra', 1)
 end
 
 -- Puts token k back in circulation under a new epoch; returns the element to push.

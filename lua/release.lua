@@ -10,6 +10,6 @@ local function release(keys, args)
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
   if f[1] ~= 'h' or f[2] ~= args[3] or f[3] ~= args[4] then return {'fenced'} end
-  if f[5] ~= '' then redis.call('LPUSH', keys[5], f[5]) end
+  if f[5] ~= '' then sg_orphan(keys, f[5]) end
   return {'requeue', sg_requeue(keys, args[1], args[2], args[3], sg_now())}
 end

@@ -1,12 +1,24 @@
 -- submit_commit: make a fully loaded request runnable, atomically.
--- KEYS[1] meta hash    KEYS[2] parts stream
+-- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id (encoded, as in the keys)   ARGV[2] number of parts the producer added
+-- ARGV[3] the submission nonce given to submit_open
 -- Returns the token elements "<rid>|<k>|<epoch>" to push onto the request's priority list, or an
--- error "SGSTATE ..." (not loading: expired or committed twice) or "SGINCOMPLETE ..." (parts missing).
+-- error "SGSTATE ..." (not loading: its loading ttl ran out, or another producer's request) or
+-- "SGINCOMPLETE ..." (parts missing). The same call re-sent after a reconnect returns the
+-- elements of the tokens still queued.
 local function submit_commit(keys, args)
-  local state = redis.call('HGET', keys[1], 'state')
-  if state ~= 'loading' then
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce', 'ntok')
+  if m[2] ~= args[3] then
     return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  if m[1] ~= 'loading' then
+    local out = {}
+    for k = 0, tonumber(m[3]) - 1 do
+      local tok = redis.call('HGET', keys[1], 't' .. k)
+      local f = tok and sg_split(tok)
+      if f and f[1] == 'q' then out[#out + 1] = sg_element(args[1], k, f[2]) end
+    end
+    return out
   end
   local total = tonumber(args[2])
   if not total or total < 1 then
@@ -19,7 +31,7 @@ local function submit_commit(keys, args)
   local ntok = math.min(tonumber(redis.call('HGET', keys[1], 'limit')), total)
   redis.call('PERSIST', keys[1])
   redis.call('PERSIST', keys[2])
-  redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'ntok', ntok, 'queued', now)
+  redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'left', total, 'ntok', ntok, 'queued', now)
   local out = {}
   for k = 0, ntok - 1 do
     redis.call('HSET', keys[1], 't' .. k, 'q|1|' .. now)

@@ -1,11 +1,13 @@
 -- submit_open: create a request in state `loading`, invisible to workers (no token exists yet).
--- KEYS[1] meta hash    KEYS[2] parts stream
+-- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request id as the producer gave it   ARGV[2] priority   ARGV[3] concurrency limit
 -- ARGV[4] loading ttl (ms): a producer that dies mid-submit leaves keys that expire by themselves
 -- ARGV[5] max attempts per sub-request   ARGV[6] per-attempt timeout (ms, 0 = none)
 -- ARGV[7] retry backoff base (ms)   ARGV[8] retry backoff cap (ms)
+-- ARGV[9] submission nonce: a random value of this submit, so that the same call re-sent after
+-- a reconnect is recognised, and only its own producer can abort or commit it
 -- Returns 1, or the error "SGDUPLICATE ..." when the id is already in use (live or retained),
--- or "SGINVALID ..." when the priority or the limit is out of range.
+-- or "SGINVALID ..." when an argument is out of range.
 local function submit_open(keys, args)
   local prio, limit = tonumber(args[2]), tonumber(args[3])
   if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
@@ -14,12 +16,23 @@ local function submit_open(keys, args)
   if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
     return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
   end
-  if redis.call('EXISTS', keys[1]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
+  for i = 4, 8 do
+    local v = tonumber(args[i])
+    if not v or v < 0 or v % 1 ~= 0 then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
+    end
+  end
+  if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  if redis.call('EXISTS', keys[1]) == 1 then
+    if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
   end
-  redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'state', 'loading', 'prio', args[2],
-    'limit', args[3], 'total', 0, 'done', 0, 'failed', 0, 'ntok', 0, 'created', sg_now(),
-    'maxatt', args[5], 'timeout', args[6], 'bbase', args[7], 'bmax', args[8])
+  if redis.call('EXISTS', keys[2]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'nonce', args[9], 'state', 'loading',
+    'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
+    'created', sg_now(), 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7], 'bmax', args[8])
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

@@ -75,6 +75,7 @@ impl Producer {
         async {
             let key_id = id.key_id();
             let keys = self.store.keys.request(&key_id);
+            let nonce = uuid::Uuid::new_v4().simple().to_string();
             let opened = self
                 .store
                 .fcall(
@@ -89,6 +90,7 @@ impl Producer {
                         (spec.retry.timeout.map_or(0, millis) as i64).into(),
                         (millis(spec.retry.backoff_base) as i64).into(),
                         (millis(spec.retry.backoff_max) as i64).into(),
+                        nonce.as_str().into(),
                     ],
                 )
                 .await;
@@ -108,13 +110,13 @@ impl Producer {
                 Err(e) => {
                     // Nothing of a half-written request is visible to workers; remove it now so the
                     // id can be used again (it would expire after the loading ttl anyway).
-                    let _: Result<i64, _> =
-                        self.store.client.del(vec![keys.meta.clone(), keys.stream.clone()]).await;
+                    let _ =
+                        self.store.fcall(Func::SubmitAbort, &keys.all(), vec![nonce.as_str().into()]).await;
                     return Err(e);
                 }
             };
             // From here on the request may be committed: never delete it on error.
-            self.commit_and_ring(&key_id, &keys, spec.priority, total).await?;
+            self.commit_and_ring(&key_id, &keys, spec.priority, total, &nonce).await?;
             tracing::debug!(total, "request durable and queued");
             Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
@@ -129,7 +131,7 @@ impl Producer {
             .fcall(
                 Func::Ring,
                 &[self.store.keys.token_list(priority), &active],
-                vec![key_id.into(), delay.into()],
+                vec![key_id.into(), delay.into(), "register".into()],
             )
             .await?;
         Ok(())
@@ -178,13 +180,19 @@ impl Producer {
         keys: &RequestKeys,
         priority: Priority,
         total: u64,
+        nonce: &str,
     ) -> Result<()> {
         let elements = reply::array(
             self.store
-                .fcall(Func::SubmitCommit, &keys.all(), vec![key_id.into(), (total as i64).into()])
+                .fcall(
+                    Func::SubmitCommit,
+                    &keys.all(),
+                    vec![key_id.into(), (total as i64).into(), nonce.into()],
+                )
                 .await?,
         )?;
-        let mut args: Vec<Value> = vec![key_id.into(), (millis(self.store.config.lease) as i64).into()];
+        let mut args: Vec<Value> =
+            vec![key_id.into(), (millis(self.store.config.lease) as i64).into(), "push".into()];
         args.extend(elements);
         let active = self.store.keys.active();
         self.store.fcall(Func::Ring, &[self.store.keys.token_list(priority), &active], args).await?;

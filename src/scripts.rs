@@ -18,6 +18,7 @@ const PRELUDE: &str = include_str!("../lua/prelude.lua");
 pub(crate) enum Func {
     SubmitOpen,
     SubmitCommit,
+    SubmitAbort,
     Ring,
     Acquire,
     Ack,
@@ -31,9 +32,10 @@ pub(crate) enum Func {
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 12] = [
+    pub(crate) const ALL: [Func; 13] = [
         Func::SubmitOpen,
         Func::SubmitCommit,
+        Func::SubmitAbort,
         Func::Ring,
         Func::Acquire,
         Func::Ack,
@@ -51,6 +53,7 @@ impl Func {
         match self {
             Func::SubmitOpen => "submit_open",
             Func::SubmitCommit => "submit_commit",
+            Func::SubmitAbort => "submit_abort",
             Func::Ring => "ring",
             Func::Acquire => "acquire",
             Func::Ack => "ack",
@@ -73,6 +76,7 @@ impl Func {
         match self {
             Func::SubmitOpen => include_str!("../lua/submit_open.lua"),
             Func::SubmitCommit => include_str!("../lua/submit_commit.lua"),
+            Func::SubmitAbort => include_str!("../lua/submit_abort.lua"),
             Func::Ring => include_str!("../lua/ring.lua"),
             Func::Acquire => include_str!("../lua/acquire.lua"),
             Func::Ack => include_str!("../lua/ack.lua"),

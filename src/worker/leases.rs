@@ -49,16 +49,17 @@ impl Leases {
     /// Renews every held lease; cancels the handlers whose lease is gone.
     pub(crate) async fn renew_all(&self, store: &Store) {
         let snapshot: Vec<(LeaseKey, CancellationToken)> = self.lock().values().cloned().collect();
-        let mut by_request: HashMap<(String, String), Vec<(LeaseKey, CancellationToken)>> = HashMap::new();
+        let mut by_request: HashMap<String, Vec<(LeaseKey, CancellationToken)>> = HashMap::new();
         for (key, cancel) in snapshot {
-            by_request.entry((key.meta_key.clone(), key.holder.clone())).or_default().push((key, cancel));
+            by_request.entry(key.meta_key.clone()).or_default().push((key, cancel));
         }
         let lease_ms = millis(store.config.lease) as i64;
-        let calls = by_request.into_iter().map(|((meta, holder), held)| async move {
-            let mut args: Vec<Value> = vec![holder.into(), lease_ms.into()];
+        let calls = by_request.into_iter().map(|(meta, held)| async move {
+            let mut args: Vec<Value> = vec![lease_ms.into()];
             for (key, _) in &held {
                 args.push(key.token.as_str().into());
                 args.push(key.epoch.as_str().into());
+                args.push(key.holder.as_str().into());
             }
             match store.fcall(Func::Renew, &[&meta], args).await.and_then(reply::array) {
                 Ok(lost) => {

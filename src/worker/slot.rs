@@ -369,6 +369,7 @@ async fn ack<H: Handler>(
                 (millis(store.config.retention) as i64).into(),
                 store.keys.done_channel().into(),
                 (millis(delay) as i64).into(),
+                i64::from(entry.attempt).into(),
             ],
         )
         .instrument(tracing::debug_span!("ack", index = entry.index))

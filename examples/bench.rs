@@ -1,0 +1,356 @@
+//! sluicegate's benchmark: throughput, latency, Redis cost and memory, with leases and recovery on.
+//!
+//! ```text
+//! cargo run --release --example bench                      # all scenarios, own redis-server
+//! cargo run --release --example bench -- many_small memory  # some scenarios
+//! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
+//! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
+//! ```
+//! It starts its own redis-server (no persistence) unless `REDIS_URL` names one, runs the worker
+//! slots and the producer in this process, and prints a table plus one JSON line per result (the
+//! shape bench/bullmq/bench.mjs prints too). docs/benchmarks.md explains the figures.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fred::prelude::*;
+use futures::future::try_join_all;
+use sluicegate::testing::{connect, RedisServer};
+use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Producer, Quantum, Worker};
+use tokio_util::sync::CancellationToken;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Slots of the one worker process, as BullMQ's worker concurrency.
+const SLOTS: usize = 16;
+const PAYLOAD: &str = "0123456789abcdef";
+
+/// One line of the results table.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Row {
+    system: String,
+    scenario: String,
+    items: u64,
+    throughput_per_s: Option<f64>,
+    p50_ms: Option<f64>,
+    p99_ms: Option<f64>,
+    redis_cpu_us_per_item: Option<f64>,
+    redis_cmds_per_item: Option<f64>,
+    bytes_per_item: Option<f64>,
+    note: String,
+}
+
+/// Redis-side counters, read with INFO before and after a phase.
+#[derive(Clone, Copy, Default)]
+struct Stats {
+    cpu_s: f64,
+    calls: u64,
+    memory: u64,
+}
+
+async fn stats(redis: &Client) -> Result<Stats, BoxError> {
+    let info: String = redis.info(Some(fred::types::InfoKind::All)).await?;
+    let mut s = Stats::default();
+    for line in info.lines() {
+        if let Some(v) = line.strip_prefix("used_cpu_sys:").or_else(|| line.strip_prefix("used_cpu_user:")) {
+            s.cpu_s += v.trim().parse::<f64>().unwrap_or(0.0);
+        } else if let Some(v) = line.strip_prefix("used_memory:") {
+            s.memory = v.trim().parse().unwrap_or(0);
+        } else if line.starts_with("cmdstat_") {
+            if let Some(calls) = line.split("calls=").nth(1).and_then(|r| r.split(',').next()) {
+                s.calls += calls.parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    Ok(s)
+}
+
+impl Row {
+    fn new(scenario: &str, items: u64) -> Self {
+        Row { system: "sluicegate".into(), scenario: scenario.into(), items, ..Row::default() }
+    }
+    fn cost(mut self, before: Stats, after: Stats) -> Self {
+        let n = self.items.max(1) as f64;
+        self.redis_cpu_us_per_item = Some((after.cpu_s - before.cpu_s) * 1e6 / n);
+        self.redis_cmds_per_item = Some(after.calls.saturating_sub(before.calls) as f64 / n);
+        self
+    }
+    fn rate(mut self, elapsed: Duration) -> Self {
+        self.throughput_per_s = Some(self.items as f64 / elapsed.as_secs_f64());
+        self
+    }
+    fn latencies(mut self, mut samples: Vec<Duration>) -> Self {
+        samples.sort();
+        let at =
+            |q: f64| samples.get(((samples.len() as f64 * q) as usize).min(samples.len().saturating_sub(1)));
+        self.p50_ms = at(0.50).map(|d| d.as_secs_f64() * 1e3);
+        self.p99_ms = at(0.99).map(|d| d.as_secs_f64() * 1e3);
+        self
+    }
+    fn note(mut self, note: impl Into<String>) -> Self {
+        self.note = note.into();
+        self
+    }
+}
+
+/// The handler: does nothing but note when it started and ended, for the latency scenarios.
+#[derive(Clone, Default)]
+struct Noop {
+    marks: Arc<Mutex<HashMap<String, (Instant, Instant)>>>,
+    track: bool,
+}
+
+#[async_trait]
+impl Handler for Noop {
+    type Input = String;
+    type Output = ();
+    async fn handle(&self, ctx: Context, _input: String) -> Result<(), HandlerError> {
+        if self.track {
+            let now = Instant::now();
+            self.marks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(ctx.request_id().to_string(), (now, now));
+        }
+        Ok(())
+    }
+}
+
+struct Bench {
+    url: String,
+    scale: f64,
+    redis: Client,
+}
+
+impl Bench {
+    fn scaled(&self, n: u64) -> u64 {
+        ((n as f64 * self.scale).round() as u64).max(1)
+    }
+
+    fn config(&self, scenario: &str) -> Config {
+        Config::new(&self.url)
+            .namespace(format!("bench-{scenario}-{}", std::process::id()))
+            .lease(Duration::from_secs(30))
+            .retention(Duration::from_secs(60))
+    }
+
+    async fn worker(
+        &self,
+        config: &Config,
+        handler: Noop,
+    ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
+        let worker = Worker::builder(config, handler)
+            .slots(SLOTS)
+            .quantum(Quantum { parts: 64, time: Duration::from_millis(50) })
+            .build()
+            .await?;
+        let stop = CancellationToken::new();
+        let signal = stop.clone();
+        Ok((stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await }))))
+    }
+
+    /// Runs `requests` requests of `parts` each through 16 slots: submission, then processing.
+    async fn throughput(
+        &self,
+        scenario: &str,
+        requests: u64,
+        parts: u64,
+        limit: u32,
+    ) -> Result<Vec<Row>, BoxError> {
+        let config = self.config(scenario);
+        let producer = Producer::connect(&config).await?;
+        let items = requests * parts;
+        let before = stats(&self.redis).await?;
+        let started = Instant::now();
+        let mut handles = Vec::new();
+        for _ in 0..requests {
+            handles.push(producer.request().concurrency(limit)?.submit((0..parts).map(|_| PAYLOAD)).await?);
+        }
+        let submit = Row::new(&format!("{scenario}_submit"), items)
+            .rate(started.elapsed())
+            .cost(before, stats(&self.redis).await?)
+            .note(format!("{requests} x {parts} parts, submitted one request after another"));
+        let before = stats(&self.redis).await?;
+        let started = Instant::now();
+        let (stop, task) = self.worker(&config, Noop::default()).await?;
+        try_join_all(handles.iter().map(|h| h.wait::<()>())).await?;
+        let elapsed = started.elapsed();
+        let after = stats(&self.redis).await?;
+        stop.cancel();
+        task.await??;
+        let run = Row::new(scenario, items).rate(elapsed).cost(before, after).note(format!(
+            "{requests} x {parts}, limit {limit} per request, {SLOTS} slots, lease 30 s, recovery on"
+        ));
+        Ok(vec![submit, run])
+    }
+
+    async fn submit_rate(&self) -> Result<Vec<Row>, BoxError> {
+        let config = self.config("submit");
+        let producer = Producer::connect(&config).await?;
+        let parts = self.scaled(1_000_000);
+        let before = stats(&self.redis).await?;
+        let started = Instant::now();
+        producer.request().submit((0..parts).map(|_| PAYLOAD)).await?;
+        let elapsed = started.elapsed();
+        let row = Row::new("submit_large", parts)
+            .rate(elapsed)
+            .cost(before, stats(&self.redis).await?)
+            .note("one request, 16-byte parts");
+        self.drop_namespace(&config).await?;
+        Ok(vec![row])
+    }
+
+    async fn memory(&self) -> Result<Vec<Row>, BoxError> {
+        let config = self.config("memory");
+        let producer = Producer::connect(&config).await?;
+        let parts = self.scaled(100_000);
+        let before = stats(&self.redis).await?;
+        producer.request().concurrency(16)?.submit((0..parts).map(|_| PAYLOAD)).await?;
+        let after = stats(&self.redis).await?;
+        let mut row =
+            Row::new("memory", parts).note("queued, 16-byte payload, one request (INFO used_memory delta)");
+        row.bytes_per_item = Some(after.memory.saturating_sub(before.memory) as f64 / parts as f64);
+        self.drop_namespace(&config).await?;
+        Ok(vec![row])
+    }
+
+    async fn idle_latency(&self) -> Result<Vec<Row>, BoxError> {
+        let config = self.config("idle");
+        let handler = Noop { track: true, ..Noop::default() };
+        let marks = handler.marks.clone();
+        let (stop, task) = self.worker(&config, handler).await?;
+        let producer = Producer::connect(&config).await?;
+        let samples = self.scaled(1_000);
+        let (mut start, mut finish) = (Vec::new(), Vec::new());
+        for _ in 0..samples {
+            let t0 = Instant::now();
+            let h = producer.request().submit([PAYLOAD]).await?;
+            h.wait::<()>().await?;
+            let t1 = Instant::now();
+            let (began, ended) = marks.lock().unwrap_or_else(|p| p.into_inner())[h.id().as_str()];
+            start.push(began - t0);
+            finish.push(t1 - ended);
+        }
+        stop.cancel();
+        task.await??;
+        Ok(vec![
+            Row::new("idle_latency", samples)
+                .latencies(start)
+                .note("submit() called -> handler starts, idle worker"),
+            Row::new("idle_completion_latency", samples)
+                .latencies(finish)
+                .note("handler returns -> wait() returns (ack, finish, pub/sub, results read)"),
+        ])
+    }
+
+    async fn priority_under_load(&self) -> Result<Vec<Row>, BoxError> {
+        let config = self.config("prio");
+        let handler = Noop { track: true, ..Noop::default() };
+        let marks = handler.marks.clone();
+        let producer = Producer::connect(&config).await?;
+        let flood = self.scaled(1_000_000);
+        let low =
+            producer.request().priority(1)?.concurrency(64)?.submit((0..flood).map(|_| PAYLOAD)).await?;
+        let (stop, task) = self.worker(&config, handler).await?;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut samples = Vec::new();
+        for _ in 0..100 {
+            let t0 = Instant::now();
+            let h = producer.request().priority(99)?.submit([PAYLOAD]).await?;
+            h.wait::<()>().await?;
+            let (began, _) = marks.lock().unwrap_or_else(|p| p.into_inner())[h.id().as_str()];
+            samples.push(began - t0);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stop.cancel();
+        task.await??;
+        drop(low);
+        self.drop_namespace(&config).await?;
+        Ok(vec![Row::new("priority_under_load", 100).latencies(samples).note(format!(
+            "priority-99 request submitted every 50 ms during a {flood}-part flood: submit -> start"
+        ))])
+    }
+
+    async fn drop_namespace(&self, config: &Config) -> Result<(), BoxError> {
+        let keys = sluicegate::testing::keys_in_namespace(&self.url, config.namespace_str()).await?;
+        for chunk in keys.chunks(500) {
+            let _: i64 = self.redis.del(chunk.to_vec()).await?;
+        }
+        Ok(())
+    }
+}
+
+fn print_table(rows: &[Row]) {
+    let f = |v: Option<f64>, p: usize| v.map_or("-".to_owned(), |v| format!("{v:.p$}"));
+    println!(
+        "{:<12} {:<26} {:>9} {:>12} {:>8} {:>8} {:>9} {:>9} {:>8}",
+        "system", "scenario", "items", "items/s", "p50 ms", "p99 ms", "µs Redis", "cmds", "bytes"
+    );
+    for r in rows {
+        println!(
+            "{:<12} {:<26} {:>9} {:>12} {:>8} {:>8} {:>9} {:>9} {:>8}",
+            r.system,
+            r.scenario,
+            r.items,
+            f(r.throughput_per_s, 0),
+            f(r.p50_ms, 3),
+            f(r.p99_ms, 3),
+            f(r.redis_cpu_us_per_item, 2),
+            f(r.redis_cmds_per_item, 2),
+            f(r.bytes_per_item, 1),
+        );
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let scale: f64 = std::env::var("BENCH_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
+    let chosen: Vec<&str> = args.iter().map(String::as_str).filter(|a| !a.starts_with("--")).collect();
+    let wants = |name: &str| chosen.is_empty() || chosen.contains(&name);
+
+    let _server;
+    let url = match std::env::var("REDIS_URL") {
+        Ok(url) => url,
+        Err(_) => {
+            let server = RedisServer::builder().start().await?;
+            let url = server.url();
+            _server = server;
+            url
+        }
+    };
+    let bench = Bench { redis: connect(&url).await?, url: url.clone(), scale };
+    eprintln!("benchmarking against {url} (scale {scale}; load average {})", loadavg());
+
+    let mut rows = Vec::new();
+    if wants("many_small") {
+        rows.extend(bench.throughput("many_small", bench.scaled(1_000), 100, 4).await?);
+    }
+    if wants("one_huge") {
+        rows.extend(bench.throughput("one_huge", 1, bench.scaled(200_000), 16).await?);
+    }
+    if wants("submit_large") {
+        rows.extend(bench.submit_rate().await?);
+    }
+    if wants("memory") {
+        rows.extend(bench.memory().await?);
+    }
+    if wants("idle_latency") {
+        rows.extend(bench.idle_latency().await?);
+    }
+    if wants("priority_under_load") {
+        rows.extend(bench.priority_under_load().await?);
+    }
+    print_table(&rows);
+    for r in &rows {
+        println!("{}", serde_json::to_string(r)?);
+    }
+    Ok(())
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
