@@ -26,7 +26,7 @@ local function census(keys, args)
     if tok then
       local f = sg_split(tok)
       if f[1] == 'h' and tonumber(f[4]) < now then
-        if f[5] ~= '' then sg_orphan(keys, f[5]) end
+        for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
         push[#push + 1] = sg_requeue(keys, rid, k, f[2], now)
         reclaimed = reclaimed + 1
       elseif f[1] == 'q' and tonumber(f[3]) + grace < now then

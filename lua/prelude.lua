@@ -6,7 +6,8 @@
 --
 -- Token state, one hash field `t<k>` per token k in the request's meta hash:
 --   q|<epoch>|<since ms>                      queued: a list element "<rid>|<k>|<epoch>" should exist
---   h|<epoch>|<holder>|<expiry ms>|<entry id>   held by a worker slot, leased until expiry
+--   h|<epoch>|<holder>|<expiry ms>|<ids>     held by a worker slot, leased until expiry, with the
+--                                             batch of entries "id,id,..." it was handed
 --   p|<epoch>                                  parked: the request had no work to hand out
 -- Only the element whose epoch matches the field is valid; every re-queue bumps the epoch, so a copy
 -- of an older element (replayed pop, late push, duplicate restore) is refused when presented.
@@ -50,44 +51,57 @@ local function sg_claim(keys, consumer, id)
   return {entry[1], entry[2][2], attempt}
 end
 
--- The next piece of work for a token holder: orphaned entries first (their holder died), then
--- retries that are due, then new entries. `extra` is the meta field of that name (or nil).
--- Returns {id, payload, attempt} or nil.
-local function sg_take_work(keys, consumer, now, extra)
+-- Splits a held token's entry list "id,id,..." (empty string: none).
+local function sg_ids(list)
+  local out = {}
+  for id in string.gmatch(list, '[^,]+') do out[#out + 1] = id end
+  return out
+end
+
+-- Up to `want` pieces of work for a token holder: orphaned entries first (their holder died),
+-- then retries that are due, then new entries. `extra` is the meta field of that name (or nil).
+-- Returns a list of {id, payload, attempt}.
+local function sg_take_work(keys, consumer, now, extra, want)
+  local got = {}
   if extra and tonumber(extra) > 0 then
-    while true do
+    while #got < want do
       local id = redis.call('LPOP', keys[5])
       if not id then break end
       redis.call('HINCRBY', keys[1], 'extra', -1)
-      local got = sg_claim(keys, consumer, id)
-      if got then return got end
+      got[#got + 1] = sg_claim(keys, consumer, id)
     end
-    while true do
+    while #got < want do
       local due = redis.call('ZRANGEBYSCORE', keys[6], '-inf', now, 'LIMIT', 0, 1)
       if not due[1] then break end
       redis.call('ZREM', keys[6], due[1])
       redis.call('HINCRBY', keys[1], 'extra', -1)
-      local got = sg_claim(keys, consumer, due[1])
-      if got then return got end
+      got[#got + 1] = sg_claim(keys, consumer, due[1])
     end
   end
-  local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', 1, 'STREAMS', keys[2], '>')
-  if reply and reply[1] and #reply[1][2] > 0 then
-    local entry = reply[1][2][1]
-    return {entry[1], entry[2][2], 1}
+  if #got < want then
+    local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', want - #got, 'STREAMS', keys[2], '>')
+    if reply and reply[1] then
+      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2][2], 1} end
+    end
   end
-  return nil
+  return got
 end
 
--- Hands the token's holder its next sub-request, or parks the token when there is none.
--- Returns {'run', entry id, index, payload, attempt} or {'park'}.
-local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now, extra)
-  local work = sg_take_work(keys, consumer, now, extra)
-  if work then
-    local id = work[1]
+-- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
+-- under the one token), or parks the token when there is none.
+-- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park'}.
+local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now, extra, want)
+  local work = sg_take_work(keys, consumer, now, extra, want)
+  if #work > 0 then
+    local ids = {}
+    local reply = {'run'}
+    for i, w in ipairs(work) do
+      ids[i] = w[1]
+      reply[i + 1] = {w[1], sg_index(w[1]), w[2], w[3]}
+    end
     redis.call('HSET', keys[1], 't' .. k,
-      'h|' .. epoch .. '|' .. holder .. '|' .. (now + lease_ms) .. '|' .. id)
-    return {'run', id, sg_index(id), work[2], work[3]}
+      'h|' .. epoch .. '|' .. holder .. '|' .. (now + lease_ms) .. '|' .. table.concat(ids, ','))
+    return reply
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
   return {'park'}

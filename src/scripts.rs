@@ -24,7 +24,6 @@ pub(crate) enum Func {
     Ack,
     FinishIndex,
     Renew,
-    Release,
     ClaimDue,
     Census,
     VerifyTokens,
@@ -32,7 +31,7 @@ pub(crate) enum Func {
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 13] = [
+    pub(crate) const ALL: [Func; 12] = [
         Func::SubmitOpen,
         Func::SubmitCommit,
         Func::SubmitAbort,
@@ -41,7 +40,6 @@ impl Func {
         Func::Ack,
         Func::FinishIndex,
         Func::Renew,
-        Func::Release,
         Func::ClaimDue,
         Func::Census,
         Func::VerifyTokens,
@@ -59,7 +57,6 @@ impl Func {
             Func::Ack => "ack",
             Func::FinishIndex => "finish_index",
             Func::Renew => "renew",
-            Func::Release => "release",
             Func::ClaimDue => "claim_due",
             Func::Census => "census",
             Func::VerifyTokens => "verify_tokens",
@@ -82,7 +79,6 @@ impl Func {
             Func::Ack => include_str!("../lua/ack.lua"),
             Func::FinishIndex => include_str!("../lua/finish_index.lua"),
             Func::Renew => include_str!("../lua/renew.lua"),
-            Func::Release => include_str!("../lua/release.lua"),
             Func::ClaimDue => include_str!("../lua/claim_due.lua"),
             Func::Census => include_str!("../lua/census.lua"),
             Func::VerifyTokens => include_str!("../lua/verify_tokens.lua"),

@@ -54,7 +54,7 @@ impl Raw {
         let parts: Vec<&str> = element.split('|').collect();
         let mut args: Vec<Value> = vec!["sg1_acquire".into(), 6.into()];
         args.extend(self.request_keys(parts[0]).into_iter().map(Value::from));
-        args.extend([parts[0], parts[1], parts[2], holder, "dead-worker", "800"].map(Value::from));
+        args.extend([parts[0], parts[1], parts[2], holder, "dead-worker", "800", "1"].map(Value::from));
         let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
         self.client.custom::<Vec<Value>, Value>(cmd, args).await.unwrap()
     }

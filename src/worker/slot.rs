@@ -32,6 +32,7 @@ pub(crate) struct Shared<H> {
     pub(crate) handler: Arc<H>,
     pub(crate) worker_id: String,
     pub(crate) quantum: Quantum,
+    pub(crate) max_batch: u32,
     pub(crate) idle_poll: Duration,
     pub(crate) shutdown_grace: Duration,
     pub(crate) leases: Leases,
@@ -80,7 +81,7 @@ struct Entry {
 
 /// What the server answered to acquire or ack.
 enum Next {
-    Run(Entry, Option<Policy>),
+    Run(Vec<Entry>, Option<Policy>),
     Requeue(String),
     Park,
     Finished { state: String, sweep: Vec<Value> },
@@ -96,8 +97,8 @@ enum Outcome {
         message: String,
         permanent: bool,
     },
-    /// Shutdown's grace ran out: the run was abandoned and the token must be released.
-    Abandoned,
+    /// Not run (shutdown), or abandoned when shutdown's grace ran out: handed out again first.
+    Skipped,
 }
 
 pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize, blocking: Client) {
@@ -160,9 +161,36 @@ fn parse_token(store: &Store, list: &str, element: &str) -> Option<Token> {
     })
 }
 
+/// How long a batch of fast handlers should take: entries handed out together wait for each other,
+/// so batches only grow while handlers are quick.
+const BATCH_TARGET: Duration = Duration::from_millis(2);
+
+/// Picks how many entries to ask for next, from how long handlers have been taking.
+struct Batching {
+    max: u32,
+    /// Exponentially weighted mean handler time (µs); None until one has run.
+    mean_us: Option<f64>,
+}
+
+impl Batching {
+    fn observe(&mut self, took: Duration) {
+        let us = took.as_secs_f64() * 1e6;
+        self.mean_us = Some(self.mean_us.map_or(us, |m| 0.8 * m + 0.2 * us));
+    }
+
+    fn want(&self, quantum_left: u32) -> u32 {
+        let fits = match self.mean_us {
+            None => 1.0,
+            Some(m) => BATCH_TARGET.as_secs_f64() * 1e6 / m.max(1.0),
+        };
+        (fits as u32).clamp(1, self.max).min(quantum_left.max(1))
+    }
+}
+
 async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: Token) -> Result<()> {
     let store = &shared.store;
     let lease_ms = millis(store.config.lease) as i64;
+    let mut batching = Batching { max: shared.max_batch, mean_us: None };
     let reply = store
         .fcall(
             Func::Acquire,
@@ -174,10 +202,11 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
                 holder.into(),
                 shared.worker_id.as_str().into(),
                 lease_ms.into(),
+                i64::from(batching.want(shared.quantum.parts)).into(),
             ],
         )
         .await?;
-    let mut next = parse_next(reply)?;
+    let mut next = parse_next(reply, true)?;
     let mut policy = None;
     let started = Instant::now();
     let mut ran: u32 = 0;
@@ -188,31 +217,40 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
         holder: holder.to_owned(),
     };
     let result = loop {
-        let entry = match next {
-            Next::Run(entry, p) => {
+        let entries = match next {
+            Next::Run(entries, p) => {
                 policy = p.or(policy);
-                entry
+                entries
             }
             other => break other,
         };
         let Some(policy) = policy else {
             return Err(Error::Protocol("acquire did not report the request's policy".into()));
         };
-        // Not a child of `stopping`: a graceful stop lets running handlers finish.
+        // Not a child of `stopping`: a graceful stop lets the running handler finish.
         let cancel = CancellationToken::new();
         shared.leases.hold(n, lease.clone(), cancel.clone());
-        let outcome = run_handler(shared, &token, &entry, policy, cancel).await;
-        ran += 1;
+        let mut outcomes = Vec::with_capacity(entries.len());
+        for entry in &entries {
+            // Once stopping (or once the grace ran out), the rest of the batch is handed back.
+            if shared.stopping.is_cancelled() || matches!(outcomes.last(), Some(Outcome::Skipped)) {
+                outcomes.push(Outcome::Skipped);
+                continue;
+            }
+            let began = Instant::now();
+            let outcome = run_handler(shared, &token, entry, policy, cancel.clone()).await;
+            batching.observe(began.elapsed());
+            ran += 1;
+            outcomes.push(outcome);
+        }
         let keep_going = ran < shared.quantum.parts
             && started.elapsed() < shared.quantum.time
             && !shared.stopping.is_cancelled();
-        let acked = match outcome {
-            Outcome::Abandoned => release(shared, holder, &token).await,
-            outcome => ack(shared, holder, &token, &entry, policy, outcome, keep_going).await,
-        };
+        let want = batching.want(shared.quantum.parts.saturating_sub(ran));
+        let acked = ack(shared, holder, &token, &entries, policy, outcomes, keep_going, want).await;
         shared.leases.release(n);
         // On error the ack's fate is unknown: either it landed, or the lease runs out and
-        // recovery hands the entry out again.
+        // recovery hands the entries out again.
         next = acked?;
     };
     match result {
@@ -294,8 +332,8 @@ async fn run_handler<H: Handler>(
         _ = grace_over => {
             cancel.cancel();
             task.abort();
-            tracing::warn!(index = entry.index, "shutdown grace ran out; releasing the sub-request");
-            return Outcome::Abandoned;
+            tracing::warn!(index = entry.index, "shutdown grace ran out; handing the sub-request back");
+            return Outcome::Skipped;
         }
     };
     match joined {
@@ -322,106 +360,108 @@ async fn ack<H: Handler>(
     shared: &Shared<H>,
     holder: &str,
     token: &Token,
-    entry: &Entry,
+    entries: &[Entry],
     policy: Policy,
-    outcome: Outcome,
+    outcomes: Vec<Outcome>,
     keep_going: bool,
+    want: u32,
 ) -> Result<Next> {
     let store = &shared.store;
     let m = &shared.metrics;
-    let (kind, body, delay): (&str, Value, Duration) = match outcome {
-        Outcome::Done(bytes) => {
-            m.succeeded.fetch_add(1, Relaxed);
-            ("ok", Value::Bytes(bytes), Duration::ZERO)
-        }
-        Outcome::Failed { message, permanent } => {
-            let last = permanent || entry.attempt >= policy.max_attempts;
-            let record = PartError { message, attempts: entry.attempt, permanent };
-            let body = serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?;
-            if last {
-                m.dead_lettered.fetch_add(1, Relaxed);
-                tracing::warn!(index = entry.index, attempt = entry.attempt, error = %record.message, "sub-request dead-lettered");
-                ("dead", Value::Bytes(body.into()), Duration::ZERO)
-            } else {
-                m.retried.fetch_add(1, Relaxed);
-                let delay = policy.backoff(entry.attempt);
-                tracing::info!(index = entry.index, attempt = entry.attempt, ?delay, error = %record.message, "sub-request will be retried");
-                ("retry", Value::Bytes(body.into()), delay)
+    let mut args: Vec<Value> = vec![
+        token.key_id.as_str().into(),
+        token.number.as_str().into(),
+        token.epoch.as_str().into(),
+        holder.into(),
+        shared.worker_id.as_str().into(),
+        (millis(store.config.lease) as i64).into(),
+        (if keep_going { "1" } else { "0" }).into(),
+        (millis(store.config.retention) as i64).into(),
+        store.keys.done_channel().into(),
+        i64::from(want).into(),
+    ];
+    for (entry, outcome) in entries.iter().zip(outcomes) {
+        let (kind, body, delay): (&str, Value, Duration) = match outcome {
+            Outcome::Done(bytes) => {
+                m.succeeded.fetch_add(1, Relaxed);
+                ("ok", Value::Bytes(bytes), Duration::ZERO)
             }
-        }
-        Outcome::Abandoned => return Err(Error::Protocol("an abandoned run has no outcome to ack".into())),
-    };
+            Outcome::Skipped => ("skip", "".into(), Duration::ZERO),
+            Outcome::Failed { message, permanent } => {
+                let last = permanent || entry.attempt >= policy.max_attempts;
+                let record = PartError { message, attempts: entry.attempt, permanent };
+                let body = Value::Bytes(
+                    serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?.into(),
+                );
+                if last {
+                    m.dead_lettered.fetch_add(1, Relaxed);
+                    tracing::warn!(index = entry.index, attempt = entry.attempt, error = %record.message, "sub-request dead-lettered");
+                    ("dead", body, Duration::ZERO)
+                } else {
+                    m.retried.fetch_add(1, Relaxed);
+                    let delay = policy.backoff(entry.attempt);
+                    tracing::info!(index = entry.index, attempt = entry.attempt, ?delay, error = %record.message, "sub-request will be retried");
+                    ("retry", body, delay)
+                }
+            }
+        };
+        args.extend([
+            entry.id.as_str().into(),
+            kind.into(),
+            body,
+            (millis(delay) as i64).into(),
+            i64::from(entry.attempt).into(),
+        ]);
+    }
     let reply = store
-        .fcall(
-            Func::Ack,
-            &token.keys.all(),
-            vec![
-                token.key_id.as_str().into(),
-                token.number.as_str().into(),
-                token.epoch.as_str().into(),
-                holder.into(),
-                shared.worker_id.as_str().into(),
-                (millis(store.config.lease) as i64).into(),
-                entry.id.as_str().into(),
-                kind.into(),
-                body,
-                (if keep_going { "1" } else { "0" }).into(),
-                (millis(store.config.retention) as i64).into(),
-                store.keys.done_channel().into(),
-                (millis(delay) as i64).into(),
-                i64::from(entry.attempt).into(),
-            ],
-        )
-        .instrument(tracing::debug_span!("ack", index = entry.index))
+        .fcall(Func::Ack, &token.keys.all(), args)
+        .instrument(tracing::debug_span!("ack", entries = entries.len()))
         .await?;
-    parse_next(reply)
+    parse_next(reply, false)
 }
 
-/// Gives back a held token without an outcome; its entry is handed out again first.
-async fn release<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) -> Result<Next> {
-    let reply = shared
-        .store
-        .fcall(
-            Func::Release,
-            &token.keys.all(),
-            vec![
-                token.key_id.as_str().into(),
-                token.number.as_str().into(),
-                token.epoch.as_str().into(),
-                holder.into(),
-            ],
-        )
-        .await?;
-    parse_next(reply)
-}
-
-fn parse_next(reply: Value) -> Result<Next> {
+/// Reads an acquire (`with_policy`) or ack reply.
+fn parse_next(reply: Value, with_policy: bool) -> Result<Next> {
     let mut items = reply::array(reply)?.into_iter();
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     Ok(match tag.as_str() {
         "run" => {
-            let (Some(id), Some(index), Some(payload), Some(attempt)) =
-                (items.next(), items.next(), items.next(), items.next())
-            else {
-                return Err(Error::Protocol("short 'run' reply".into()));
-            };
-            let entry = Entry {
-                id: reply::text(&id)?,
-                index: reply::int(&index)? as u64,
-                payload: reply::bytes(payload)?,
-                attempt: reply::int(&attempt)? as u32,
-            };
-            let rest: Vec<i64> = items.map(|v| reply::int(&v)).collect::<Result<_>>()?;
-            let policy = match rest[..] {
-                [max_attempts, timeout, base, cap] => Some(Policy {
+            let policy = if with_policy {
+                let p: Vec<i64> = reply::array(items.next().unwrap_or(Value::Null))?
+                    .iter()
+                    .map(reply::int)
+                    .collect::<Result<_>>()?;
+                let [max_attempts, timeout, base, cap] = p[..] else {
+                    return Err(Error::Protocol("acquire's policy has not four fields".into()));
+                };
+                Some(Policy {
                     max_attempts: max_attempts.max(1) as u32,
                     timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
                     backoff_base: Duration::from_millis(base.max(0) as u64),
                     backoff_max: Duration::from_millis(cap.max(0) as u64),
-                }),
-                _ => None,
+                })
+            } else {
+                None
             };
-            Next::Run(entry, policy)
+            let mut entries = Vec::new();
+            for item in items {
+                let mut f = reply::array(item)?.into_iter();
+                let (Some(id), Some(index), Some(payload), Some(attempt)) =
+                    (f.next(), f.next(), f.next(), f.next())
+                else {
+                    return Err(Error::Protocol("short entry in a 'run' reply".into()));
+                };
+                entries.push(Entry {
+                    id: reply::text(&id)?,
+                    index: reply::int(&index)? as u64,
+                    payload: reply::bytes(payload)?,
+                    attempt: reply::int(&attempt)? as u32,
+                });
+            }
+            if entries.is_empty() {
+                return Err(Error::Protocol("a 'run' reply without entries".into()));
+            }
+            Next::Run(entries, policy)
         }
         "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
         "park" => Next::Park,
