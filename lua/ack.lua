@@ -9,7 +9,8 @@
 -- ARGV[11..] one group of five per entry of the batch, in the order it was handed out:
 --   entry id, outcome, body, retry delay (ms), attempt
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
---   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first
+--   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
+--   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
 -- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element}: push element
 --         onto the priority list; {'park'}; {'finished', state, sweep elements...}: the request
 --         just turned terminal; {'fenced'}: this slot no longer holds the token with exactly
@@ -38,7 +39,9 @@ local function ack(keys, args)
       results[#results + 1] = body
       if args[i + 4] ~= '1' then cleared[#cleared + 1] = index end
     elseif outcome == 'dead' then
-      acked[#acked + 1] = id
+      -- A dead letter stays pending, parked in the retry set at +inf (never due), so that
+      -- requeue_dead can hand it out again with its payload.
+      redis.call('ZADD', keys[6], 'inf', id)
       errors[#errors + 1] = index
       errors[#errors + 1] = body
       failed = failed + 1
@@ -61,7 +64,9 @@ local function ack(keys, args)
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
     redis.call('XACK', keys[2], 'g', unpack(acked))
-    if redis.call('HINCRBY', keys[1], 'left', -#acked) <= 0 then
+  end
+  if #acked + failed > 0 then
+    if redis.call('HINCRBY', keys[1], 'left', -(#acked + failed)) <= 0 then
       local state = 'completed'
       if tonumber(redis.call('HGET', keys[1], 'failed')) > 0 then state = 'failed' end
       return sg_finish(keys, args[1], state, args[8], args[9], now)

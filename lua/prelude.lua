@@ -122,7 +122,8 @@ end
 
 -- Turns a request terminal: one terminal record (the meta hash's state), one event, cleanup.
 -- Returns the reply for the caller, whose 3rd and later items are the still-queued token elements
--- for the token side to sweep from the priority list.
+-- for the token side to sweep from the priority list. A failed request keeps its stream and
+-- retry set (its dead letters) until the retention ends, so that they can be requeued.
 local function sg_finish(keys, rid, state, retention_ms, channel, now)
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local sweep = {}
@@ -134,7 +135,14 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now)
       redis.call('HDEL', keys[1], 't' .. k)
     end
   end
-  redis.call('DEL', keys[2], keys[5], keys[6])
+  if state == 'failed' then
+    -- Dead letters (pending entries parked in the retry set) stay requeueable for the retention.
+    redis.call('DEL', keys[5])
+    redis.call('PEXPIRE', keys[2], retention_ms)
+    redis.call('PEXPIRE', keys[6], retention_ms)
+  else
+    redis.call('DEL', keys[2], keys[5], keys[6])
+  end
   redis.call('HSET', keys[1], 'state', state, 'finished', now)
   redis.call('PEXPIRE', keys[1], retention_ms)
   redis.call('PEXPIRE', keys[3], retention_ms)

@@ -167,6 +167,16 @@ impl Keys {
         format!("{}:{{{}.q0}}:events", self.ns, self.ns)
     }
 
+    /// Sorted set of live workers; score: when their registration expires (ms).
+    pub(crate) fn workers(&self) -> String {
+        format!("{}:{{{}.q0}}:workers", self.ns, self.ns)
+    }
+
+    /// Hash: worker id -> JSON description (slots, pid, host, started).
+    pub(crate) fn worker_info(&self) -> String {
+        format!("{}:{{{}.q0}}:winfo", self.ns, self.ns)
+    }
+
     /// Pub/sub channel announcing terminal states ("<key id>|<state>").
     pub(crate) fn done_channel(&self) -> String {
         format!("{}:done", self.ns)

@@ -47,6 +47,7 @@
 //! docs/architecture.md argues the invariants; docs/protocol.md documents the Redis keys and
 //! functions precisely enough to write a client in another language.
 
+mod admin;
 pub mod codec;
 mod config;
 mod error;
@@ -61,6 +62,9 @@ mod store;
 pub mod testing;
 mod worker;
 
+pub use admin::{
+    Admin, Cancelled, IndexedError, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
+};
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, Result};

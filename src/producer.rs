@@ -348,6 +348,16 @@ impl RequestHandle {
         }
     }
 
+    /// The results if the request is terminal, `None` while it runs; does not wait.
+    pub async fn try_completion<O: DeserializeOwned>(&self) -> Result<Option<Completion<O>>> {
+        self.producer.try_completion(&self.id).await
+    }
+
+    /// Cancels the request (see [`Admin::cancel`](crate::Admin::cancel)).
+    pub async fn cancel(&self) -> Result<crate::Cancelled> {
+        crate::Admin::from_store(self.producer.store.clone()).cancel(&self.id).await
+    }
+
     /// [`wait`](Self::wait) with a time limit.
     pub async fn wait_timeout<O: DeserializeOwned>(&self, limit: Duration) -> Result<Completion<O>> {
         tokio::time::timeout(limit, self.wait()).await.map_err(|_| Error::Timeout(self.id.clone()))?

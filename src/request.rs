@@ -82,7 +82,8 @@ impl Default for Concurrency {
 }
 
 /// Where a request is in its lifecycle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum RequestState {
     /// Its parts are being written; workers cannot see it yet.

@@ -28,10 +28,12 @@ pub(crate) enum Func {
     Census,
     VerifyTokens,
     RestoreTokens,
+    Cancel,
+    RequeueDead,
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 12] = [
+    pub(crate) const ALL: [Func; 14] = [
         Func::SubmitOpen,
         Func::SubmitCommit,
         Func::SubmitAbort,
@@ -44,6 +46,8 @@ impl Func {
         Func::Census,
         Func::VerifyTokens,
         Func::RestoreTokens,
+        Func::Cancel,
+        Func::RequeueDead,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -61,6 +65,8 @@ impl Func {
             Func::Census => "census",
             Func::VerifyTokens => "verify_tokens",
             Func::RestoreTokens => "restore_tokens",
+            Func::Cancel => "cancel",
+            Func::RequeueDead => "requeue_dead",
         }
     }
 
@@ -83,6 +89,8 @@ impl Func {
             Func::Census => include_str!("../lua/census.lua"),
             Func::VerifyTokens => include_str!("../lua/verify_tokens.lua"),
             Func::RestoreTokens => include_str!("../lua/restore_tokens.lua"),
+            Func::Cancel => include_str!("../lua/cancel.lua"),
+            Func::RequeueDead => include_str!("../lua/requeue_dead.lua"),
         }
     }
 }
@@ -116,7 +124,7 @@ mod tests {
                 f.local_name()
             );
             assert!(
-                src.contains("KEYS[1]") && src.contains("Returns"),
+                src.contains("KEYS[1") && src.contains("Returns"),
                 "{} lacks its header",
                 f.local_name()
             );

@@ -15,9 +15,11 @@ use tokio_util::sync::CancellationToken;
 pub use handler::{Context, Handler, HandlerError};
 pub(crate) use slot::finish_index;
 
+use crate::admin::{register_worker, unregister_worker};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::store::Store;
+use crate::WorkerInfo;
 use leases::Leases;
 
 /// How long a slot keeps a token while its request has work, before it gives the token back so
@@ -205,7 +207,14 @@ impl<H: Handler> Worker<H> {
         for (n, client) in self.blocking.into_iter().enumerate() {
             slots.spawn(slot::run(shared.clone(), n, client));
         }
-        let heartbeat = tokio::spawn(heartbeat(shared.clone()));
+        let info = WorkerInfo {
+            id: shared.worker_id.clone(),
+            slots: slots.len(),
+            pid: std::process::id(),
+            host: hostname(),
+            started_ms: crate::admin::now_ms(),
+        };
+        let heartbeat = tokio::spawn(heartbeat(shared.clone(), info));
         let recovery = tokio::spawn(crate::recovery::run(shared.store.clone(), shared.metrics.clone()));
         tokio::select! {
             _ = shutdown => {}
@@ -220,18 +229,34 @@ impl<H: Handler> Worker<H> {
         }
         heartbeat.abort();
         recovery.abort();
+        if let Err(e) = unregister_worker(&shared.store, &shared.worker_id).await {
+            tracing::warn!(error = %e, "could not remove the worker's registration");
+        }
         let _ = shared.store.client.quit().await;
         Ok(())
     }
 }
 
-async fn heartbeat<H: Handler>(shared: Arc<slot::Shared<H>>) {
+async fn heartbeat<H: Handler>(shared: Arc<slot::Shared<H>>, info: WorkerInfo) {
     let mut tick = tokio::time::interval(shared.store.config.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        shared.leases.renew_all(&shared.store).await;
+        let (_, registered) =
+            tokio::join!(shared.leases.renew_all(&shared.store), register_worker(&shared.store, &info));
+        if let Err(e) = registered {
+            tracing::warn!(error = %e, "worker registration failed");
+        }
     }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// Completes on ctrl-c, or SIGTERM on Unix.

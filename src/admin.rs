@@ -1,0 +1,322 @@
+//! Operating sluicegate: a request's status, cancel, requeue of dead letters, namespace stats.
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use fred::prelude::*;
+use serde::Serialize;
+
+use crate::config::{millis, Config};
+use crate::error::{Error, Result};
+use crate::keys::RequestId;
+use crate::producer::PartError;
+use crate::reply;
+use crate::request::{Priority, RequestState};
+use crate::scripts::Func;
+use crate::store::Store;
+
+/// At most this many errors are listed in a [`RequestStatus`].
+pub const STATUS_ERRORS: usize = 100;
+
+/// What an operator needs: status, cancel, requeue, stats. Cheap to clone.
+///
+/// ```no_run
+/// # async fn demo() -> sluicegate::Result<()> {
+/// use sluicegate::{Admin, Config, RequestId};
+/// let admin = Admin::connect(&Config::from_env()).await?;
+/// let status = admin.status(&RequestId::new("invoice-42")?).await?;
+/// println!("{}: {}/{} done, {} failed", status.state, status.done, status.total, status.failed);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Admin {
+    store: Store,
+}
+
+/// A request's state and counters.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct RequestStatus {
+    /// The request.
+    pub id: String,
+    /// Where it is in its lifecycle.
+    pub state: RequestState,
+    /// 0 to 99.
+    pub priority: u8,
+    /// Its concurrency limit.
+    pub concurrency: u32,
+    /// Sub-requests in all.
+    pub total: u64,
+    /// Sub-requests that ended: succeeded or dead-lettered.
+    pub done: u64,
+    /// Sub-requests dead-lettered.
+    pub failed: u64,
+    /// Tokens held by worker slots right now (each runs one sub-request at a time).
+    pub running: u64,
+    /// Sub-requests waiting for a retry or re-delivery.
+    pub retrying: u64,
+    /// Most attempts any sub-request has had so far (from the error records).
+    pub max_attempts_seen: u32,
+    /// When it was submitted (ms since the Unix epoch, Redis's clock).
+    pub created_ms: u64,
+    /// When its first sub-request started.
+    pub started_ms: Option<u64>,
+    /// When it turned terminal.
+    pub finished_ms: Option<u64>,
+    /// The last error of up to [`STATUS_ERRORS`] sub-requests (dead letters and pending retries),
+    /// by index.
+    pub errors: Vec<IndexedError>,
+}
+
+/// One sub-request's error record.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct IndexedError {
+    /// The sub-request's index.
+    pub index: u64,
+    /// Its last error.
+    pub error: PartError,
+}
+
+/// What [`Admin::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub enum Cancelled {
+    /// This call cancelled the request.
+    Now,
+    /// The request had ended before (or was still loading, and was discarded).
+    AlreadyFinished(RequestState),
+}
+
+/// A namespace at a glance.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Token elements waiting per priority, highest first (priorities with none left out).
+    pub tokens_waiting: Vec<PriorityTokens>,
+    /// Requests not yet terminal.
+    pub active_requests: u64,
+    /// Workers whose registration is fresh.
+    pub workers: Vec<WorkerInfo>,
+}
+
+/// Token elements waiting at one priority.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct PriorityTokens {
+    /// The priority.
+    pub priority: u8,
+    /// Elements in its list.
+    pub tokens: u64,
+}
+
+/// A live worker, as it registered itself.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct WorkerInfo {
+    /// Its id (its stream consumer name).
+    pub id: String,
+    /// Handlers it runs at once.
+    pub slots: usize,
+    /// Its process id.
+    pub pid: u32,
+    /// Its host name.
+    pub host: String,
+    /// When it started (ms since the Unix epoch).
+    pub started_ms: u64,
+}
+
+impl Admin {
+    /// Connects to Redis, checks its version and loads the functions library.
+    pub async fn connect(config: &Config) -> Result<Self> {
+        Ok(Self { store: Store::connect(config).await? })
+    }
+
+    pub(crate) fn from_store(store: Store) -> Self {
+        Self { store }
+    }
+
+    /// The request's state and counters.
+    pub async fn status(&self, id: &RequestId) -> Result<RequestStatus> {
+        let keys = self.store.keys.request(&id.key_id());
+        let meta: HashMap<String, String> = self.store.client.hgetall(keys.meta.as_str()).await?;
+        if meta.is_empty() {
+            return Err(Error::UnknownRequest(id.clone()));
+        }
+        let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
+        let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
+        let total = num("total").unwrap_or(0);
+        let failed = num("failed").unwrap_or(0);
+        let left = num("left").unwrap_or(total);
+        let running = meta.iter().filter(|(k, v)| k.starts_with('t') && v.starts_with("h|")).count() as u64;
+        let retrying: u64 = if state.is_terminal() {
+            0
+        } else {
+            let waiting: u64 =
+                self.store.client.zcount(keys.retry.as_str(), f64::NEG_INFINITY, f64::MAX).await?;
+            let orphans: u64 = self.store.client.llen(keys.orphans.as_str()).await?;
+            waiting + orphans
+        };
+        let records: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
+        let mut errors: Vec<IndexedError> = records
+            .iter()
+            .map(|(&index, record)| IndexedError { index, error: PartError::from_record(record) })
+            .collect();
+        errors.sort_by_key(|e| e.index);
+        let max_attempts_seen = errors.iter().map(|e| e.error.attempts).max().unwrap_or(0);
+        errors.truncate(STATUS_ERRORS);
+        let done = if state == RequestState::Completed || state == RequestState::Failed {
+            total
+        } else {
+            total.saturating_sub(left)
+        };
+        Ok(RequestStatus {
+            id: id.to_string(),
+            state,
+            priority: num("prio").unwrap_or(0) as u8,
+            concurrency: num("limit").unwrap_or(0) as u32,
+            total,
+            done,
+            failed,
+            running,
+            retrying,
+            max_attempts_seen,
+            created_ms: num("created").unwrap_or(0),
+            started_ms: num("started"),
+            finished_ms: num("finished"),
+            errors,
+        })
+    }
+
+    /// Cancels a request: no sub-request of it starts afterwards, running handlers see their
+    /// context cancelled at their next heartbeat and their results are dropped, and it gets one
+    /// `cancelled` terminal record and event.
+    pub async fn cancel(&self, id: &RequestId) -> Result<Cancelled> {
+        let key_id = id.key_id();
+        let keys = self.store.keys.request(&key_id);
+        let cfg = &self.store.config;
+        let args: Vec<Value> = vec![
+            key_id.as_str().into(),
+            (millis(cfg.retention) as i64).into(),
+            self.store.keys.done_channel().into(),
+        ];
+        let priority: Option<u8> = self.store.client.hget(keys.meta.as_str(), "prio").await?;
+        let mut reply = reply::array(self.store.fcall(Func::Cancel, &keys.all(), args).await?)?.into_iter();
+        let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+        match tag.as_str() {
+            "unknown" => Err(Error::UnknownRequest(id.clone())),
+            "already" => {
+                let state = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+                Ok(Cancelled::AlreadyFinished(state.parse()?))
+            }
+            "finished" => {
+                let _state = reply.next();
+                let sweep: Vec<Value> = reply.collect();
+                let priority = Priority::new(priority.unwrap_or(0)).unwrap_or_default();
+                let list = self.store.keys.token_list(priority).to_owned();
+                crate::worker::finish_index(&self.store, &key_id, "cancelled", &list, sweep).await?;
+                Ok(Cancelled::Now)
+            }
+            other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
+        }
+    }
+
+    /// Hands a request's dead letters out again, each with a fresh set of attempts; a failed
+    /// request reopens and will end with a new terminal record. Returns how many were requeued.
+    pub async fn requeue_dead(&self, id: &RequestId) -> Result<u64> {
+        let key_id = id.key_id();
+        let keys = self.store.keys.request(&key_id);
+        let priority: Option<u8> = self.store.client.hget(keys.meta.as_str(), "prio").await?;
+        let Some(priority) = priority else {
+            return Err(Error::UnknownRequest(id.clone()));
+        };
+        let list = self.store.keys.token_list(Priority::new(priority).unwrap_or_default()).to_owned();
+        let active = self.store.keys.active();
+        let lease = millis(self.store.config.lease) as i64;
+        // Registered first, as at submit: if this process dies after the requeue, recovery finds
+        // the reopened request and pushes its tokens.
+        self.store
+            .fcall(
+                Func::Ring,
+                &[&list, &active],
+                vec![key_id.as_str().into(), lease.into(), "register".into()],
+            )
+            .await?;
+        let reply = self.store.fcall(Func::RequeueDead, &keys.all(), vec![key_id.as_str().into()]).await;
+        let mut items = match reply {
+            Ok(v) => reply::array(v)?.into_iter(),
+            Err(Error::Redis(e)) if e.details().contains("SGSTATE") => {
+                return Err(Error::InvalidRequest(format!(
+                    "request {id:?} has no dead letters that can be requeued (only a failed or running request has)"
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) as u64;
+        let elements: Vec<Value> = items.collect();
+        if !elements.is_empty() {
+            let mut args: Vec<Value> = vec![key_id.as_str().into(), lease.into(), "push".into()];
+            args.extend(elements);
+            self.store.fcall(Func::Ring, &[&list, &active], args).await?;
+        }
+        Ok(n)
+    }
+
+    /// Tokens waiting per priority, active requests, live workers.
+    pub async fn stats(&self) -> Result<Stats> {
+        let keys = &self.store.keys;
+        let pipe = self.store.client.pipeline();
+        for list in keys.token_lists() {
+            pipe.llen::<(), _>(list.as_str()).await?;
+        }
+        let lens: Vec<u64> = pipe.all().await?;
+        let tokens_waiting = keys
+            .token_lists()
+            .iter()
+            .zip(lens)
+            .filter(|(_, n)| *n > 0)
+            .filter_map(|(list, tokens)| {
+                keys.priority_of_list(list).map(|p| PriorityTokens { priority: p.get(), tokens })
+            })
+            .collect();
+        let active_requests: u64 = self.store.client.zcard(keys.active()).await?;
+        let now = now_ms() as f64;
+        let expired: Vec<String> =
+            self.store.client.zrangebyscore(keys.workers(), f64::NEG_INFINITY, now, false, None).await?;
+        if !expired.is_empty() {
+            let _: i64 = self.store.client.zrem(keys.workers(), expired.clone()).await?;
+            let _: i64 = self.store.client.hdel(keys.worker_info(), expired).await?;
+        }
+        let live: Vec<String> =
+            self.store.client.zrangebyscore(keys.workers(), now, f64::INFINITY, false, None).await?;
+        let mut workers = Vec::new();
+        if !live.is_empty() {
+            let infos: Vec<Option<String>> = self.store.client.hmget(keys.worker_info(), live).await?;
+            workers = infos.into_iter().flatten().filter_map(|j| serde_json::from_str(&j).ok()).collect();
+        }
+        Ok(Stats { tokens_waiting, active_requests, workers })
+    }
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A worker's registration, renewed with its heartbeat.
+pub(crate) async fn register_worker(store: &Store, info: &WorkerInfo) -> Result<()> {
+    let ttl = 3 * millis(store.config.heartbeat);
+    let json = serde_json::to_string(info).map_err(|e| Error::Codec(e.to_string()))?;
+    let _: i64 = store.client.hset(store.keys.worker_info(), (info.id.as_str(), json)).await?;
+    let _: i64 = store
+        .client
+        .zadd(store.keys.workers(), None, None, false, false, ((now_ms() + ttl) as f64, info.id.as_str()))
+        .await?;
+    Ok(())
+}
+
+/// Removes a worker's registration at a clean shutdown.
+pub(crate) async fn unregister_worker(store: &Store, id: &str) -> Result<()> {
+    let _: i64 = store.client.zrem(store.keys.workers(), id).await?;
+    let _: i64 = store.client.hdel(store.keys.worker_info(), id).await?;
+    Ok(())
+}

@@ -1,0 +1,236 @@
+//! The command line: every flag and subcommand, with the example each `--help` shows.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use sluicegate::DEFAULT_REDIS_URL;
+
+/// Durations on the command line: `500ms`, `2s`, `1m30s`, `1h`.
+fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m30s)"))
+}
+
+/// Distributed batch processing on Redis, from a shell.
+///
+/// A request is a file of lines: each line is one sub-request. Workers run a command of
+/// yours per sub-request, at most N at a time per request, highest priority first.
+#[derive(Parser, Debug)]
+#[command(
+    name = "sluicegate",
+    version,
+    after_help = "Example:\n  \
+        sluicegate worker --exec './resize.sh' --slots 4 &\n  \
+        sluicegate submit --concurrency 3 --wait images.txt > results.jsonl\n\n\
+        Exit codes: 0 ok, 1 request failed or cancelled, 2 bad input, 3 Redis error,\n\
+        4 unknown request, 5 not finished yet (see docs/cli.md)."
+)]
+pub(crate) struct Cli {
+    /// Redis to use: redis://[user:password@]host:port[/db], rediss:// for TLS,
+    /// redis+unix:///path/to/socket.
+    #[arg(
+        long = "redis",
+        global = true,
+        env = "REDIS_URL",
+        hide_env_values = true,
+        default_value = DEFAULT_REDIS_URL,
+        value_name = "URL"
+    )]
+    pub(crate) redis: String,
+
+    /// Key prefix shared by the producers and workers of one system [default: sluicegate].
+    #[arg(long, global = true, env = "SLUICEGATE_NAMESPACE", value_name = "NS")]
+    pub(crate) namespace: Option<String>,
+
+    /// Machine-readable output: one JSON object per line.
+    #[arg(long, global = true)]
+    pub(crate) json: bool,
+
+    /// How long a worker's claim lasts without renewal [default: 30s].
+    #[arg(long, global = true, value_parser = duration, value_name = "DURATION")]
+    pub(crate) lease: Option<Duration>,
+
+    /// How often a worker renews its claims; below --lease [default: 10s].
+    #[arg(long, global = true, value_parser = duration, value_name = "DURATION")]
+    pub(crate) heartbeat: Option<Duration>,
+
+    /// How often workers look for lost work [default: 5s].
+    #[arg(long = "recovery-interval", global = true, value_parser = duration, value_name = "DURATION")]
+    pub(crate) recovery_interval: Option<Duration>,
+
+    /// Give up connecting to Redis after this long.
+    #[arg(long = "connect-timeout", global = true, value_parser = duration, default_value = "5s", value_name = "DURATION")]
+    pub(crate) connect_timeout: Duration,
+
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum Command {
+    /// Submit a request: each input line is one sub-request.
+    #[command(after_help = "Example:\n  \
+        sluicegate submit --priority 80 --concurrency 3 --max-attempts 3 --wait lines.txt\n  \
+        printf '{\"n\": 1}\\n{\"n\": 2}\\n' | sluicegate submit --id job-42 -\n\n\
+        A line that parses as JSON is sent as that JSON value; any other line is sent as a JSON string.\n\
+        With --wait, results are printed one per line in input order; a failed sub-request prints\n\
+        {\"error\": \"...\", \"attempts\": N, \"permanent\": BOOL}.")]
+    Submit(SubmitArgs),
+
+    /// Run sub-requests with a command of yours: payload on stdin, result on stdout.
+    #[command(after_help = "Example:\n  \
+        sluicegate worker --exec 'python3 resize.py --width 200' --slots 8 --timeout 30s\n\n\
+        The command is split like a shell would split it (quotes, backslashes) but is not run\n\
+        by a shell: use --exec \"sh -c '...'\" for pipes and redirections.\n\
+        Contract: stdin = the payload as JSON and a newline; env SLUICEGATE_REQUEST_ID,\n\
+        SLUICEGATE_INDEX, SLUICEGATE_ATTEMPT; stdout = the result (JSON, else a JSON string);\n\
+        exit 0 = success, exit 100 = permanent failure (no retry), any other exit, a signal or\n\
+        the timeout = failure retried up to the request's --max-attempts.")]
+    Worker(WorkerArgs),
+
+    /// Show a request's state, counters, timings and errors.
+    #[command(after_help = "Example:\n  sluicegate status job-42\n  sluicegate --json status job-42 | jq .done")]
+    Status(IdArg),
+
+    /// Cancel a request: no sub-request of it starts afterwards.
+    #[command(after_help = "Example:\n  sluicegate cancel job-42")]
+    Cancel(IdArg),
+
+    /// Run a request's dead-lettered sub-requests again, each with fresh attempts.
+    #[command(after_help = "Example:\n  sluicegate requeue job-42 && sluicegate results --wait job-42")]
+    Requeue(IdArg),
+
+    /// Tokens waiting per priority, active requests, live workers.
+    #[command(after_help = "Example:\n  sluicegate stats\n  sluicegate --json stats | jq '.workers | length'")]
+    Stats,
+
+    /// Print a finished request's results, one per line in input order.
+    #[command(after_help = "Example:\n  sluicegate results job-42 > results.jsonl\n  sluicegate results --wait --raw job-42")]
+    Results(ResultsArgs),
+
+    /// Print requests reaching their terminal state (completed, failed, cancelled).
+    #[command(after_help = "Example:\n  \
+        sluicegate events            # what is retained, then exit\n  \
+        sluicegate events --follow   # and keep printing new ones until ctrl-c")]
+    Events(EventsArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct SubmitArgs {
+    /// The input: one sub-request per line; `-` or nothing reads standard input.
+    #[arg(value_name = "FILE|-")]
+    pub(crate) file: Option<PathBuf>,
+
+    /// The request's id [default: a generated, time-ordered id].
+    #[arg(long)]
+    pub(crate) id: Option<String>,
+
+    /// 0 (lowest) to 99 (highest).
+    #[arg(long, default_value_t = 50)]
+    pub(crate) priority: u8,
+
+    /// At most this many sub-requests run at once, across all workers.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) concurrency: u32,
+
+    /// Each sub-request runs at most this many times.
+    #[arg(long = "max-attempts", default_value_t = 1, value_name = "K")]
+    pub(crate) max_attempts: u32,
+
+    /// Delay before the first retry; doubles per attempt, with jitter.
+    #[arg(long, value_parser = duration, default_value = "1s", value_name = "DURATION")]
+    pub(crate) backoff: Duration,
+
+    /// The longest delay between attempts.
+    #[arg(long = "backoff-max", value_parser = duration, default_value = "60s", value_name = "DURATION")]
+    pub(crate) backoff_max: Duration,
+
+    /// Refuse a line longer than this many bytes (nothing is submitted).
+    #[arg(long = "max-payload-bytes", default_value_t = 16 * 1024 * 1024, value_name = "BYTES")]
+    pub(crate) max_payload_bytes: usize,
+
+    /// Wait for the request to finish and print its results.
+    #[arg(long)]
+    pub(crate) wait: bool,
+
+    /// With --wait: print string results as plain text instead of JSON strings.
+    #[arg(long, requires = "wait")]
+    pub(crate) raw: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct WorkerArgs {
+    /// The command run per sub-request, with its arguments: 'CMD ARGS'.
+    #[arg(long, value_name = "'CMD ARGS'")]
+    pub(crate) exec: String,
+
+    /// Commands run at once by this worker.
+    #[arg(long, default_value_t = 4, value_name = "K")]
+    pub(crate) slots: usize,
+
+    /// Kill a command that runs longer than this (a retryable failure) [default: none].
+    #[arg(long, value_parser = duration, value_name = "DURATION")]
+    pub(crate) timeout: Option<Duration>,
+
+    /// On ctrl-c or SIGTERM, how long running commands may go on before they are killed.
+    #[arg(long = "shutdown-grace", value_parser = duration, default_value = "30s", value_name = "DURATION")]
+    pub(crate) shutdown_grace: Duration,
+
+    /// A command printing more than this many bytes fails permanently.
+    #[arg(long = "max-output-bytes", default_value_t = 16 * 1024 * 1024, value_name = "BYTES")]
+    pub(crate) max_output_bytes: usize,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct IdArg {
+    /// The request's id, as printed by `submit`.
+    pub(crate) id: String,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ResultsArgs {
+    /// The request's id, as printed by `submit`.
+    pub(crate) id: String,
+
+    /// Wait until the request finishes instead of failing while it runs.
+    #[arg(long)]
+    pub(crate) wait: bool,
+
+    /// Print string results as plain text instead of JSON strings.
+    #[arg(long)]
+    pub(crate) raw: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct EventsArgs {
+    /// Keep printing new events until ctrl-c or SIGTERM.
+    #[arg(long)]
+    pub(crate) follow: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations_read_like_a_person_writes_them() {
+        assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert!(duration("soon").is_err_and(|e| e.contains("examples")));
+    }
+
+    #[test]
+    fn every_command_shows_an_example() {
+        let mut cli = Cli::command();
+        for sub in cli.get_subcommands_mut() {
+            let help = sub.render_long_help().to_string();
+            assert!(help.contains("Example:"), "{} --help has no example", sub.get_name());
+        }
+    }
+}
