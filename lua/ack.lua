@@ -66,7 +66,8 @@ local function ack(keys, args)
     redis.call('XACK', keys[2], 'g', unpack(acked))
   end
   if #acked + failed > 0 then
-    if redis.call('HINCRBY', keys[1], 'left', -(#acked + failed)) <= 0 then
+    if redis.call('HINCRBY', keys[1], 'left', -(#acked + failed)) <= 0
+      and redis.call('HGET', keys[1], 'open') ~= '1' then
       local state = 'completed'
       if tonumber(redis.call('HGET', keys[1], 'failed')) > 0 then state = 'failed' end
       return sg_finish(keys, args[1], state, args[8], args[9], now)

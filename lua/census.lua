@@ -1,7 +1,9 @@
 -- census: recovery's look at one request; run by any worker, for requests it claimed (claim_due).
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] grace (ms): how long a token may be queued before recovery
--- checks that its element really is in the list
+-- checks that its element really is in the list   ARGV[3] retention (ms)   ARGV[4] completion
+-- channel (for a streamed request that expired unfinalized: it is cancelled here)
+-- A scheduled request whose time has come turns queued, and its parked tokens are pushed.
 -- Returns {'gone'}: no such request (expired); {'loading'}; {'finished', state, priority}: the
 --         request is terminal but still active, so its finish_index was missed; or {'ok', priority, push, check, reclaimed}:
 --         push: elements of restored or unparked tokens, to push now; check: elements queued
@@ -18,6 +20,21 @@ local function census(keys, args)
   end
   local rid, grace = args[1], tonumber(args[2])
   local now = sg_now()
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline')
+  if state == 'scheduled' then
+    -- A delayed request waits with parked tokens; the first census after its time promotes it.
+    if tonumber(m[1] or '0') > now then return {'ok', redis.call('HGET', keys[1], 'prio'), {}, {}, 0} end
+    redis.call('HSET', keys[1], 'state', 'queued')
+  end
+  if m[2] == '1' and tonumber(m[3] or '0') > 0 and tonumber(m[3]) < now then
+    -- A streamed request whose producer never finalized it within its expiry: its input is
+    -- incomplete, so it ends cancelled.
+    redis.call('DEL', keys[6])
+    local out = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
+    out[3] = redis.call('HGET', keys[1], 'prio')
+    for i = #out, 4, -1 do out[i] = nil end
+    return out
+  end
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local push, check, parked = {}, {}, {}
   local reclaimed = 0

@@ -32,6 +32,14 @@ local function submit_commit(keys, args)
   redis.call('PERSIST', keys[1])
   redis.call('PERSIST', keys[2])
   redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'left', total, 'ntok', ntok, 'queued', now)
+  local delay = tonumber(redis.call('HGET', keys[1], 'delay') or '0')
+  if delay > 0 then
+    -- Scheduled: tokens wait parked, and no worker can see the request until recovery promotes
+    -- it (census) once its time has come.
+    redis.call('HSET', keys[1], 'state', 'scheduled', 'eligible', now + delay)
+    for k = 0, ntok - 1 do redis.call('HSET', keys[1], 't' .. k, 'p|1') end
+    return {}
+  end
   local out = {}
   for k = 0, ntok - 1 do
     redis.call('HSET', keys[1], 't' .. k, 'q|1|' .. now)

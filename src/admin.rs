@@ -55,6 +55,8 @@ pub struct RequestStatus {
     pub running: u64,
     /// Sub-requests waiting for a retry or re-delivery.
     pub retrying: u64,
+    /// A streamed request still open for parts.
+    pub open: bool,
     /// Most attempts any sub-request has had so far (from the error records).
     pub max_attempts_seen: u32,
     /// When it was submitted (ms since the Unix epoch, Redis's clock).
@@ -181,6 +183,7 @@ impl Admin {
             running,
             retrying,
             max_attempts_seen,
+            open: meta.get("open").map(String::as_str) == Some("1"),
             created_ms: num("created").unwrap_or(0),
             started_ms: num("started"),
             finished_ms: num("finished"),
@@ -219,6 +222,14 @@ impl Admin {
             }
             other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
         }
+    }
+
+    /// Finalizes a streamed request whose producer is gone: no more parts will come, and it
+    /// completes once the parts it has are done.
+    pub async fn finalize(&self, id: &RequestId) -> Result<()> {
+        let key_id = id.key_id();
+        let keys = self.store.keys.request(&key_id);
+        crate::producer::finalize(&self.store, &key_id, &keys, "").await
     }
 
     /// Hands a request's dead letters out again, each with a fresh set of attempts; a failed

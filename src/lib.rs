@@ -70,7 +70,9 @@ pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, Result};
 pub use events::{CompletionEvent, Listener};
 pub use keys::{Namespace, RequestId, MAX_REQUEST_ID_BYTES};
-pub use producer::{Completion, PartError, Producer, RequestBuilder, RequestHandle, RetryPolicy};
+pub use producer::{
+    Completion, OpenRequest, PartError, Producer, RequestBuilder, RequestHandle, RetryPolicy,
+};
 pub use request::{Concurrency, Priority, RequestState};
 pub use worker::{
     shutdown_signal, Context, Handler, HandlerError, Quantum, Worker, WorkerBuilder, WorkerMetrics,

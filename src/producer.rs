@@ -54,6 +54,8 @@ impl Producer {
             priority: Priority::DEFAULT,
             concurrency: Concurrency::default(),
             retry: RetryPolicy::default(),
+            delay: Duration::ZERO,
+            open_expiry: None,
         }
     }
 
@@ -91,6 +93,7 @@ impl Producer {
                         (millis(spec.retry.backoff_base) as i64).into(),
                         (millis(spec.retry.backoff_max) as i64).into(),
                         nonce.as_str().into(),
+                        (millis(spec.delay) as i64).into(),
                     ],
                 )
                 .await;
@@ -134,6 +137,15 @@ impl Producer {
                 vec![key_id.into(), delay.into(), "register".into()],
             )
             .await?;
+        Ok(())
+    }
+
+    async fn push_tokens(&self, key_id: &str, priority: Priority, elements: Vec<Value>) -> Result<()> {
+        let active = self.store.keys.active();
+        let mut args: Vec<Value> =
+            vec![key_id.into(), (millis(self.store.config.lease) as i64).into(), "push".into()];
+        args.extend(elements);
+        self.store.fcall(Func::Ring, &[self.store.keys.token_list(priority), &active], args).await?;
         Ok(())
     }
 
@@ -242,9 +254,27 @@ pub struct RequestBuilder<'a> {
     priority: Priority,
     concurrency: Concurrency,
     retry: RetryPolicy,
+    delay: Duration,
+    open_expiry: Option<Duration>,
 }
 
 impl RequestBuilder<'_> {
+    /// Makes the request eligible only `delay` after it is accepted: until then no worker sees it;
+    /// then it runs under the normal priority rules, promoted by any worker's recovery pass
+    /// (so it starts up to one recovery interval after its time).
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    /// For [`open`](Self::open): a request still open this long after it was opened (its
+    /// producer died, say) is cancelled by recovery. Default: it stays open until an operator
+    /// finalizes or cancels it.
+    pub fn expire_open_after(mut self, d: Duration) -> Self {
+        self.open_expiry = Some(d);
+        self
+    }
+
     /// Each sub-request runs at most `n` times (default 1): a retryable failure before the last
     /// attempt is retried after a backoff; after it, or on a permanent failure, the sub-request is
     /// dead-lettered and the request will end `failed`.
@@ -303,6 +333,155 @@ impl RequestBuilder<'_> {
         let producer = self.producer;
         producer.submit(self, parts).await
     }
+
+    /// Opens a streamed request: workers start on its parts as soon as they are added, and it
+    /// completes only after [`OpenRequest::finalize`] and every part done. Not with `delay`.
+    pub async fn open(self) -> Result<OpenRequest> {
+        if !self.delay.is_zero() {
+            return Err(Error::InvalidRequest("a streamed request cannot be delayed".into()));
+        }
+        let producer = self.producer.clone();
+        let id = self.id.unwrap_or_else(RequestId::generate);
+        let key_id = id.key_id();
+        let keys = producer.store.keys.request(&key_id);
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let cfg = &producer.store.config;
+        producer.register(&key_id, self.priority).await?;
+        let opened = producer
+            .store
+            .fcall(
+                Func::StreamOpen,
+                &keys.all(),
+                vec![
+                    key_id.as_str().into(),
+                    id.as_str().into(),
+                    i64::from(self.priority.get()).into(),
+                    i64::from(self.concurrency.get()).into(),
+                    (millis(cfg.loading_ttl) as i64).into(),
+                    i64::from(self.retry.max_attempts).into(),
+                    (self.retry.timeout.map_or(0, millis) as i64).into(),
+                    (millis(self.retry.backoff_base) as i64).into(),
+                    (millis(self.retry.backoff_max) as i64).into(),
+                    nonce.as_str().into(),
+                    (self.open_expiry.map_or(0, millis) as i64).into(),
+                ],
+            )
+            .await;
+        match opened {
+            Err(Error::Redis(ref r)) if r.details().contains("SGDUPLICATE") => {
+                return Err(Error::DuplicateRequestId(id))
+            }
+            Err(e) => return Err(e),
+            Ok(_) => {}
+        }
+        Ok(OpenRequest {
+            handle: RequestHandle { id, producer },
+            key_id,
+            keys,
+            nonce,
+            priority: self.priority,
+            added: 0,
+        })
+    }
+}
+
+/// A streamed request, open for parts. Each [`add`](Self::add) call is one round trip that
+/// waits for Redis, so a producer slows down with Redis instead of buffering without bound.
+#[must_use = "an open request completes only after finalize()"]
+pub struct OpenRequest {
+    handle: RequestHandle,
+    key_id: String,
+    keys: RequestKeys,
+    nonce: String,
+    priority: Priority,
+    added: u64,
+}
+
+impl OpenRequest {
+    /// The request's handle (it can be waited on from anywhere).
+    pub fn handle(&self) -> &RequestHandle {
+        &self.handle
+    }
+
+    /// Parts added so far.
+    pub fn len(&self) -> u64 {
+        self.added
+    }
+
+    /// Whether no part was added yet.
+    pub fn is_empty(&self) -> bool {
+        self.added == 0
+    }
+
+    /// Adds parts (one call per 1,000); workers may start on them at once.
+    pub async fn add<I, T>(&mut self, parts: I) -> Result<()>
+    where
+        I: IntoIterator<Item = T>,
+        T: Serialize,
+    {
+        let mut parts = parts.into_iter().peekable();
+        let store = &self.handle.producer.store;
+        while parts.peek().is_some() {
+            let mut args: Vec<Value> =
+                vec![self.key_id.as_str().into(), self.nonce.as_str().into(), (self.added as i64).into()];
+            let before = args.len();
+            for part in parts.by_ref().take(1_000) {
+                args.push(Value::Bytes(codec::encode(&part)?.into()));
+            }
+            let n = (args.len() - before) as u64;
+            let elements = match store.fcall(Func::StreamAppend, &self.keys.all(), args).await {
+                Ok(v) => reply::array(v)?,
+                Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
+                    return Err(Error::InvalidRequest(format!(
+                        "request {:?} is not open for parts any more (finalized or cancelled)",
+                        self.handle.id
+                    )))
+                }
+                Err(e) => return Err(e),
+            };
+            self.added += n;
+            if !elements.is_empty() {
+                self.handle.producer.push_tokens(&self.key_id, self.priority, elements).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// No more parts: the request completes once every part is done.
+    pub async fn finalize(self) -> Result<RequestHandle> {
+        let producer = &self.handle.producer;
+        finalize(&producer.store, &self.key_id, &self.keys, &self.nonce).await?;
+        Ok(self.handle)
+    }
+}
+
+/// Closes a streamed request (`nonce` empty: an operator's finalize).
+pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, nonce: &str) -> Result<()> {
+    let cfg = &store.config;
+    let args: Vec<Value> = vec![
+        key_id.into(),
+        (millis(cfg.retention) as i64).into(),
+        store.keys.done_channel().into(),
+        nonce.into(),
+    ];
+    let reply = match store.fcall(Func::StreamFinalize, &keys.all(), args).await {
+        Ok(v) => reply::array(v)?,
+        Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
+            return Err(Error::InvalidRequest(format!(
+                "request {:?} is not open (finalized already, cancelled, or unknown)",
+                RequestId::from_key_id(key_id).map(|i| i.to_string()).unwrap_or_default()
+            )))
+        }
+        Err(e) => return Err(e),
+    };
+    let mut items = reply.into_iter();
+    if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
+        let state = items.next().and_then(|v| v.as_string()).unwrap_or_default();
+        let prio: Option<u8> = store.client.hget(keys.meta.as_str(), "prio").await?;
+        let list = store.keys.token_list(Priority::new(prio.unwrap_or(0)).unwrap_or_default()).to_owned();
+        crate::worker::finish_index(store, key_id, &state, &list, items.collect()).await?;
+    }
+    Ok(())
 }
 
 /// A submitted request.

@@ -65,9 +65,13 @@ pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize
 async fn census_one(store: &Store, metrics: &WorkerMetrics, key_id: &str) -> Result<()> {
     let keys = store.keys.request(key_id);
     let grace_ms = millis(store.config.lease) as i64;
-    let mut reply =
-        reply::array(store.fcall(Func::Census, &keys.all(), vec![key_id.into(), grace_ms.into()]).await?)?
-            .into_iter();
+    let args: Vec<Value> = vec![
+        key_id.into(),
+        grace_ms.into(),
+        (millis(store.config.retention) as i64).into(),
+        store.keys.done_channel().into(),
+    ];
+    let mut reply = reply::array(store.fcall(Func::Census, &keys.all(), args).await?)?.into_iter();
     let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     match tag.as_str() {
         "gone" => {

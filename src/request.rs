@@ -88,6 +88,8 @@ impl Default for Concurrency {
 pub enum RequestState {
     /// Its parts are being written; workers cannot see it yet.
     Loading,
+    /// Accepted and durable, waiting for its scheduled time; no worker can see it yet.
+    Scheduled,
     /// Accepted, durable, waiting for a worker.
     Queued,
     /// At least one sub-request has started.
@@ -110,6 +112,7 @@ impl RequestState {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Loading => "loading",
+            Self::Scheduled => "scheduled",
             Self::Queued => "queued",
             Self::Running => "running",
             Self::Completed => "completed",
@@ -124,6 +127,7 @@ impl FromStr for RequestState {
     fn from_str(s: &str) -> Result<Self> {
         Ok(match s {
             "loading" => Self::Loading,
+            "scheduled" => Self::Scheduled,
             "queued" => Self::Queued,
             "running" => Self::Running,
             "completed" => Self::Completed,
@@ -154,7 +158,7 @@ mod tests {
 
     #[test]
     fn states_round_trip_through_their_stored_names() {
-        for s in ["loading", "queued", "running", "completed", "failed", "cancelled"] {
+        for s in ["loading", "scheduled", "queued", "running", "completed", "failed", "cancelled"] {
             assert_eq!(s.parse::<RequestState>().unwrap().as_str(), s);
         }
     }

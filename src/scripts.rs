@@ -30,10 +30,13 @@ pub(crate) enum Func {
     RestoreTokens,
     Cancel,
     RequeueDead,
+    StreamOpen,
+    StreamAppend,
+    StreamFinalize,
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 14] = [
+    pub(crate) const ALL: [Func; 17] = [
         Func::SubmitOpen,
         Func::SubmitCommit,
         Func::SubmitAbort,
@@ -48,6 +51,9 @@ impl Func {
         Func::RestoreTokens,
         Func::Cancel,
         Func::RequeueDead,
+        Func::StreamOpen,
+        Func::StreamAppend,
+        Func::StreamFinalize,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -67,6 +73,9 @@ impl Func {
             Func::RestoreTokens => "restore_tokens",
             Func::Cancel => "cancel",
             Func::RequeueDead => "requeue_dead",
+            Func::StreamOpen => "stream_open",
+            Func::StreamAppend => "stream_append",
+            Func::StreamFinalize => "stream_finalize",
         }
     }
 
@@ -91,6 +100,9 @@ impl Func {
             Func::RestoreTokens => include_str!("../lua/restore_tokens.lua"),
             Func::Cancel => include_str!("../lua/cancel.lua"),
             Func::RequeueDead => include_str!("../lua/requeue_dead.lua"),
+            Func::StreamOpen => include_str!("../lua/stream_open.lua"),
+            Func::StreamAppend => include_str!("../lua/stream_append.lua"),
+            Func::StreamFinalize => include_str!("../lua/stream_finalize.lua"),
         }
     }
 }
@@ -123,11 +135,7 @@ mod tests {
                 f.local_name(),
                 f.local_name()
             );
-            assert!(
-                src.contains("KEYS[1") && src.contains("Returns"),
-                "{} lacks its header",
-                f.local_name()
-            );
+            assert!(src.contains("KEYS[1") && src.contains("Returns"), "{} lacks its header", f.local_name());
         }
         assert!(library_source().starts_with("#!lua name=sluicegate_v1\n"));
     }

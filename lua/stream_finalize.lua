@@ -1,0 +1,18 @@
+-- stream_finalize: no more parts will come; the request completes when every part is done
+-- (at once, if they all are).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- ARGV[4] the nonce given at stream_open, or '' for an operator finalizing another's request
+-- Returns {'open'} (parts still to run), {'finished', state, sweep...} as ack, or errors
+-- "SGSTATE ..." when the request is not open.
+local function stream_finalize(keys, args)
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed')
+  if m[1] ~= '1' or (args[4] ~= '' and m[2] ~= args[4]) then
+    return redis.error_reply('SGSTATE the request is not open (finalized already, cancelled or unknown)')
+  end
+  redis.call('HSET', keys[1], 'open', 0)
+  if tonumber(m[3]) > 0 then return {'open'} end
+  local state = 'completed'
+  if tonumber(m[4]) > 0 then state = 'failed' end
+  return sg_finish(keys, args[1], state, args[2], args[3], sg_now())
+end

@@ -1,0 +1,23 @@
+-- stream_open: start a streamed request: runnable at once, its parts added over time with
+-- stream_append, complete only after stream_finalize and every part done.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2..10] as submit_open's ARGV[1..9] (id, priority, limit, ttl,
+-- max attempts, timeout, backoff base, backoff cap, nonce)   ARGV[11] expiry (ms, 0 = none): a
+-- request still open this long after it was opened is cancelled by recovery
+-- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
+-- submit_open's errors.
+local function stream_open(keys, args)
+  local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+    args[9], args[10], '0'})
+  if type(opened) == 'table' and opened.err then return opened end
+  if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
+  local now = sg_now()
+  local ntok = tonumber(args[4])
+  local deadline = 0
+  if tonumber(args[11]) > 0 then deadline = now + tonumber(args[11]) end
+  redis.call('PERSIST', keys[1])
+  redis.call('PERSIST', keys[2])
+  redis.call('HSET', keys[1], 'state', 'queued', 'open', 1, 'open_deadline', deadline, 'ntok', ntok, 'queued', now)
+  for k = 0, ntok - 1 do redis.call('HSET', keys[1], 't' .. k, 'p|1') end
+  return {}
+end
