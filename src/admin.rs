@@ -317,11 +317,24 @@ pub(crate) fn now_ms() -> u64 {
 pub(crate) async fn register_worker(store: &Store, info: &WorkerInfo) -> Result<()> {
     let ttl = 3 * millis(store.config.heartbeat);
     let json = serde_json::to_string(info).map_err(|e| Error::Codec(e.to_string()))?;
-    let _: i64 = store.client.hset(store.keys.worker_info(), (info.id.as_str(), json)).await?;
+    let (workers, infos) = (store.keys.workers(), store.keys.worker_info());
+    let now = now_ms();
+    // Workers that died without unregistering are pruned by the live ones; and both keys expire
+    // when no worker is left to refresh them, so a namespace whose workers were all killed
+    // leaks nothing.
+    let dead: Vec<String> =
+        store.client.zrangebyscore(workers.as_str(), f64::NEG_INFINITY, now as f64, false, None).await?;
+    if !dead.is_empty() {
+        let _: i64 = store.client.zrem(workers.as_str(), dead.clone()).await?;
+        let _: i64 = store.client.hdel(infos.as_str(), dead).await?;
+    }
+    let _: i64 = store.client.hset(infos.as_str(), (info.id.as_str(), json)).await?;
     let _: i64 = store
         .client
-        .zadd(store.keys.workers(), None, None, false, false, ((now_ms() + ttl) as f64, info.id.as_str()))
+        .zadd(workers.as_str(), None, None, false, false, ((now + ttl) as f64, info.id.as_str()))
         .await?;
+    let _: bool = store.client.pexpire(workers.as_str(), ttl as i64, None).await?;
+    let _: bool = store.client.pexpire(infos.as_str(), ttl as i64, None).await?;
     Ok(())
 }
 

@@ -46,5 +46,40 @@ pub enum Error {
     Shutdown,
 }
 
+impl Error {
+    /// A fault of the connection (dropped, timed out, being re-established) rather than of the
+    /// request: the same call may succeed once the client has reconnected.
+    pub fn is_transient(&self) -> bool {
+        use fred::error::ErrorKind as K;
+        match self {
+            Error::Redis(e) => {
+                matches!(e.kind(), K::IO | K::Timeout | K::Canceled | K::Routing | K::Backpressure)
+                    || e.details().starts_with("LOADING")
+                    || e.details().contains("Connection closed")
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Retries `op` while it fails with a transient error, backing off from 50 ms to 2 s.
+pub(crate) async fn retry_transient<T, F, Fut>(what: &str, mut op: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut backoff = std::time::Duration::from_millis(50);
+    loop {
+        match op().await {
+            Err(e) if e.is_transient() => {
+                tracing::debug!(error = %e, "{what}: transient error; retrying in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// `Result` with sluicegate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

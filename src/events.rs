@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use fred::prelude::*;
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{retry_transient, Error, Result};
 use crate::keys::RequestId;
 use crate::reply;
 use crate::request::RequestState;
@@ -82,10 +82,13 @@ impl Listener {
             if let Some(event) = self.buffered.pop_front() {
                 return Ok(event);
             }
-            let reply: Value = self
-                .reader
-                .xread(Some(256), Some(BLOCK_MS), self.store.keys.events(), self.cursor.as_str())
-                .await?;
+            let events = self.store.keys.events();
+            let (reader, cursor) = (&self.reader, self.cursor.as_str());
+            // A dropped connection is waited out: the cursor makes the read resumable.
+            let reply: Value = retry_transient("listen", || async {
+                reader.xread(Some(256), Some(BLOCK_MS), events.as_str(), cursor).await.map_err(Error::from)
+            })
+            .await?;
             self.buffer(reply)?;
         }
     }

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use crate::codec;
 use crate::config::{millis, Config};
-use crate::error::{Error, Result};
+use crate::error::{retry_transient, Error, Result};
 use crate::keys::{RequestId, RequestKeys};
 use crate::reply;
 use crate::request::{Concurrency, Priority, RequestState};
@@ -507,7 +507,10 @@ impl RequestHandle {
         let mut rx = bell.tx.subscribe();
         let key_id = self.id.key_id();
         loop {
-            if let Some(done) = self.producer.try_completion(&self.id).await? {
+            // A dropped connection is waited out (the clients reconnect by themselves); the
+            // doorbell re-subscribes, and the durable record is read again below anyway.
+            let read = retry_transient("wait", || self.producer.try_completion::<O>(&self.id)).await?;
+            if let Some(done) = read {
                 return Ok(done);
             }
             let poll = tokio::time::sleep(self.producer.store.config.wait_poll);

@@ -89,7 +89,9 @@ pub(crate) enum Command {
     Worker(WorkerArgs),
 
     /// Show a request's state, counters, timings and errors.
-    #[command(after_help = "Example:\n  sluicegate status job-42\n  sluicegate --json status job-42 | jq .done")]
+    #[command(
+        after_help = "Example:\n  sluicegate status job-42\n  sluicegate --json status job-42 | jq .done"
+    )]
     Status(IdArg),
 
     /// Cancel a request: no sub-request of it starts afterwards.
@@ -101,11 +103,15 @@ pub(crate) enum Command {
     Requeue(IdArg),
 
     /// Tokens waiting per priority, active requests, live workers.
-    #[command(after_help = "Example:\n  sluicegate stats\n  sluicegate --json stats | jq '.workers | length'")]
+    #[command(
+        after_help = "Example:\n  sluicegate stats\n  sluicegate --json stats | jq '.workers | length'"
+    )]
     Stats,
 
     /// Print a finished request's results, one per line in input order.
-    #[command(after_help = "Example:\n  sluicegate results job-42 > results.jsonl\n  sluicegate results --wait --raw job-42")]
+    #[command(
+        after_help = "Example:\n  sluicegate results job-42 > results.jsonl\n  sluicegate results --wait --raw job-42"
+    )]
     Results(ResultsArgs),
 
     /// Print requests reaching their terminal state (completed, failed, cancelled).

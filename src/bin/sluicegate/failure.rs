@@ -98,7 +98,10 @@ mod tests {
     #[test]
     fn passwords_in_urls_never_reach_stderr() {
         let url = "redis://app:s3cret@db:6379/0";
-        assert_eq!(redact(&format!("cannot connect to {url}: refused"), url), "cannot connect to redis://app:***@db:6379/0: refused");
+        assert_eq!(
+            redact(&format!("cannot connect to {url}: refused"), url),
+            "cannot connect to redis://app:***@db:6379/0: refused"
+        );
         assert_eq!(redact("x redis://:pw@h y", "redis://:pw@h"), "x redis://:***@h y");
         assert_eq!(redact("redis://user@h", "redis://user@h"), "redis://user@h");
         assert_eq!(redact("plain", "not a url"), "plain");

@@ -165,7 +165,18 @@ mod tests {
     #[test]
     fn json_lines_stay_json_and_other_lines_become_strings() {
         let got = parts(b"{\"n\": 1}\nhello world\n42\n\"quoted\"\n\ntrue\r\nlast", 100).unwrap();
-        assert_eq!(got, [json!({"n": 1}), json!("hello world"), json!(42), json!("quoted"), json!(""), json!(true), json!("last")]);
+        assert_eq!(
+            got,
+            [
+                json!({"n": 1}),
+                json!("hello world"),
+                json!(42),
+                json!("quoted"),
+                json!(""),
+                json!(true),
+                json!("last")
+            ]
+        );
     }
 
     #[test]
@@ -200,6 +211,9 @@ mod tests {
         assert!(matches!(lines[1], Part::Refused));
         assert!(sluicegate::codec::encode(&lines[1]).is_err());
         assert_eq!(report.parts(), 1);
-        assert_eq!(report.take_problem().as_deref(), Some("line 2 is not valid UTF-8 (invalid byte at column 1)"));
+        assert_eq!(
+            report.take_problem().as_deref(),
+            Some("line 2 is not valid UTF-8 (invalid byte at column 1)")
+        );
     }
 }

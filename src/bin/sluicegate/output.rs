@@ -101,7 +101,8 @@ pub(crate) fn outcome(completion: &Completion<Value>) -> Result<(), Failure> {
         RequestState::Completed => Ok(()),
         RequestState::Failed => {
             let total = completion.results.len();
-            let mut failed = completion.results.iter().enumerate().filter_map(|(i, r)| Some((i, r.as_ref().err()?)));
+            let mut failed =
+                completion.results.iter().enumerate().filter_map(|(i, r)| Some((i, r.as_ref().err()?)));
             let first = failed.next();
             let count = first.iter().count() + failed.count();
             let first = first.map_or(String::new(), |(i, e)| format!(" (first: #{i}: {e})"));
@@ -113,7 +114,9 @@ pub(crate) fn outcome(completion: &Completion<Value>) -> Result<(), Failure> {
         RequestState::Cancelled => {
             Err(Failure::new(Code::RequestFailed, format!("request {id} was cancelled")))
         }
-        other => Err(Failure::new(Code::Redis, format!("request {id} ended in an unexpected state: {other}"))),
+        other => {
+            Err(Failure::new(Code::Redis, format!("request {id} ended in an unexpected state: {other}")))
+        }
     }
 }
 
@@ -149,7 +152,10 @@ mod tests {
         assert_eq!(result_line(0, &ok, ResultStyle::Raw), "AB");
         assert_eq!(result_line(0, &Ok(json!({"n": 1})), ResultStyle::Raw), "{\"n\":1}");
         assert_eq!(result_line(4, &ok, ResultStyle::Tagged), "{\"index\":4,\"ok\":\"AB\"}");
-        assert_eq!(result_line(1, &err, ResultStyle::Json), "{\"error\":\"boom\",\"attempts\":3,\"permanent\":false}");
+        assert_eq!(
+            result_line(1, &err, ResultStyle::Json),
+            "{\"error\":\"boom\",\"attempts\":3,\"permanent\":false}"
+        );
         assert_eq!(
             result_line(1, &err, ResultStyle::Tagged),
             "{\"index\":1,\"error\":\"boom\",\"attempts\":3,\"permanent\":false}"

@@ -1,0 +1,105 @@
+//! `sluicegate`: submit requests, run workers and operate a sluicegate system from a shell.
+//!
+//! Each command lives in a module of its own (`submit`, `worker` with its `exec` handler, `ops`
+//! for the operator's commands); `cli` has the command line, `failure` the exit codes, `input` and
+//! `output` what goes in and out. docs/cli.md is the manual.
+
+mod cli;
+mod exec;
+mod failure;
+mod input;
+mod ops;
+mod output;
+mod submit;
+mod worker;
+
+use std::future::Future;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use sluicegate::Config;
+
+use crate::cli::{Cli, Command};
+use crate::failure::{redact, Code, Failure};
+
+/// What every command needs: the configuration, the output mode, how long to try to connect.
+pub(crate) struct Ctx {
+    pub(crate) config: Config,
+    pub(crate) json: bool,
+    connect_timeout: Duration,
+}
+
+impl Ctx {
+    /// Runs a connect, giving up after `--connect-timeout`: the client retries a refused
+    /// connection forever (right for a worker outliving a Redis restart), which would leave a
+    /// command pointed at the wrong address hanging without a word.
+    pub(crate) async fn connecting<T>(
+        &self,
+        connect: impl Future<Output = sluicegate::Result<T>>,
+    ) -> Result<T, Failure> {
+        match tokio::time::timeout(self.connect_timeout, connect).await {
+            Ok(connected) => Ok(connected?),
+            Err(_) => Err(Failure::new(
+                Code::Redis,
+                format!(
+                    "cannot connect to Redis at {}: no answer within {} (is it running? see --redis or REDIS_URL)",
+                    self.config.url(),
+                    humantime::format_duration(self.connect_timeout)
+                ),
+            )),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Library diagnostics (a slot that died, a failed registration) go to stderr; RUST_LOG
+    // chooses how much, warnings by default.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+
+    let url = cli.redis.clone();
+    let outcome = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime.block_on(run(cli)),
+        Err(e) => Err(Failure::new(Code::Redis, format!("cannot start the async runtime: {e}"))),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) if failure.code == Code::OutputClosed => ExitCode::SUCCESS,
+        Err(failure) => {
+            // One line, whatever the message carries: scripts read stderr line by line.
+            let message = redact(&failure.message, &url).replace('\n', " ");
+            eprintln!("error: {message}");
+            ExitCode::from(failure.code as u8)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let mut config = Config::new(cli.redis);
+    if let Some(ns) = cli.namespace {
+        config = config.namespace(ns);
+    }
+    if let Some(lease) = cli.lease {
+        config = config.lease(lease);
+    }
+    if let Some(heartbeat) = cli.heartbeat {
+        config = config.heartbeat(heartbeat);
+    }
+    if let Some(interval) = cli.recovery_interval {
+        config = config.recovery_interval(interval);
+    }
+    let ctx = Ctx { config, json: cli.json, connect_timeout: cli.connect_timeout };
+    match cli.command {
+        Command::Submit(args) => submit::run(&ctx, args).await,
+        Command::Worker(args) => worker::run(&ctx, args).await,
+        Command::Status(args) => ops::status(&ctx, &args.id).await,
+        Command::Cancel(args) => ops::cancel(&ctx, &args.id).await,
+        Command::Requeue(args) => ops::requeue(&ctx, &args.id).await,
+        Command::Stats => ops::stats(&ctx).await,
+        Command::Results(args) => ops::results(&ctx, args).await,
+        Command::Events(args) => ops::events(&ctx, args).await,
+    }
+}

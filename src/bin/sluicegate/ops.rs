@@ -1,0 +1,211 @@
+//! The operator's commands: status, cancel, requeue, stats, results, events.
+
+use std::time::Duration;
+
+use serde_json::json;
+use sluicegate::{shutdown_signal, Admin, Cancelled, Listener, Producer, RequestId, RequestStatus, Stats};
+
+use crate::cli::{EventsArgs, ResultsArgs};
+use crate::failure::{Code, Failure};
+use crate::output::{elapsed, print_results, timestamp, Out, ResultStyle};
+use crate::submit::wait;
+use crate::Ctx;
+
+/// Without `--follow`, `events` ends once the retained events are printed: when no new one has
+/// come for this long.
+const EVENTS_QUIET: Duration = Duration::from_secs(1);
+
+fn request_id(id: &str) -> Result<RequestId, Failure> {
+    Ok(RequestId::new(id)?)
+}
+
+pub(crate) async fn status(ctx: &Ctx, id: &str) -> Result<(), Failure> {
+    let id = request_id(id)?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let status = admin.status(&id).await?;
+    let mut out = Out::new();
+    if ctx.json {
+        out.json(&status)?;
+    } else {
+        for line in status_lines(&status) {
+            out.line(&line)?;
+        }
+    }
+    out.flush()
+}
+
+/// The human form of a status, one fact per line.
+fn status_lines(s: &RequestStatus) -> Vec<String> {
+    let mut lines = vec![
+        format!("request      {}", s.id),
+        format!("state        {}", s.state),
+        format!("priority     {}", s.priority),
+        format!("concurrency  {}", s.concurrency),
+        format!(
+            "sub-requests {} total, {} done, {} failed, {} running, {} waiting for a retry",
+            s.total, s.done, s.failed, s.running, s.retrying
+        ),
+        format!("attempts     at most {} on any sub-request with an error record", s.max_attempts_seen),
+        format!("created      {}", timestamp(s.created_ms)),
+    ];
+    if let Some(started) = s.started_ms {
+        lines.push(format!(
+            "started      {} ({} after created)",
+            timestamp(started),
+            elapsed(s.created_ms, started)
+        ));
+    }
+    if let Some(finished) = s.finished_ms {
+        let since = s.started_ms.unwrap_or(s.created_ms);
+        lines.push(format!(
+            "finished     {} ({} after started)",
+            timestamp(finished),
+            elapsed(since, finished)
+        ));
+    }
+    if !s.errors.is_empty() {
+        let shown = if s.errors.len() == sluicegate::STATUS_ERRORS { " (the first ones)" } else { "" };
+        lines.push(format!("errors{shown}:"));
+        for e in &s.errors {
+            let kind = if e.error.permanent { ", permanent" } else { "" };
+            lines.push(format!("  #{}: {} (attempt {}{kind})", e.index, e.error.message, e.error.attempts));
+        }
+    }
+    lines
+}
+
+pub(crate) async fn cancel(ctx: &Ctx, id: &str) -> Result<(), Failure> {
+    let id = request_id(id)?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let outcome = admin.cancel(&id).await?;
+    let mut out = Out::new();
+    // Cancelling a finished request is not an error: the request is not running either way,
+    // which is what the caller wanted; the output says which case it was.
+    match (outcome, ctx.json) {
+        (Cancelled::Now, true) => {
+            out.json(&json!({ "id": id.as_str(), "cancelled": true, "state": "cancelled" }))?
+        }
+        (Cancelled::Now, false) => out.line(&format!("cancelled {id}"))?,
+        (Cancelled::AlreadyFinished(state), true) => {
+            out.json(&json!({ "id": id.as_str(), "cancelled": false, "state": state }))?
+        }
+        (Cancelled::AlreadyFinished(state), false) => {
+            out.line(&format!("{id} had already finished: {state}; nothing to cancel"))?
+        }
+        (other, _) => out.line(&format!("{id}: {other:?}"))?,
+    }
+    out.flush()
+}
+
+pub(crate) async fn requeue(ctx: &Ctx, id: &str) -> Result<(), Failure> {
+    let id = request_id(id)?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let n = admin.requeue_dead(&id).await?;
+    let mut out = Out::new();
+    if ctx.json {
+        out.json(&json!({ "id": id.as_str(), "requeued": n }))?;
+    } else {
+        out.line(&format!("requeued {n} dead-lettered sub-request(s) of {id}"))?;
+    }
+    out.flush()
+}
+
+pub(crate) async fn stats(ctx: &Ctx) -> Result<(), Failure> {
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let stats = admin.stats().await?;
+    let mut out = Out::new();
+    if ctx.json {
+        out.json(&stats)?;
+    } else {
+        for line in stats_lines(&stats, now_ms()) {
+            out.line(&line)?;
+        }
+    }
+    out.flush()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn stats_lines(stats: &Stats, now_ms: u64) -> Vec<String> {
+    let mut lines = vec![format!("active requests  {}", stats.active_requests)];
+    if stats.tokens_waiting.is_empty() {
+        lines.push("tokens waiting   none".into());
+    } else {
+        let waiting: Vec<String> =
+            stats.tokens_waiting.iter().map(|p| format!("{} at priority {}", p.tokens, p.priority)).collect();
+        lines.push(format!("tokens waiting   {}", waiting.join(", ")));
+    }
+    let slots: usize = stats.workers.iter().map(|w| w.slots).sum();
+    lines.push(format!("workers          {} ({slots} slots)", stats.workers.len()));
+    for w in &stats.workers {
+        lines.push(format!(
+            "  {}  {} slots  pid {} on {}  up {}",
+            w.id,
+            w.slots,
+            w.pid,
+            w.host,
+            elapsed(w.started_ms, now_ms)
+        ));
+    }
+    lines
+}
+
+pub(crate) async fn results(ctx: &Ctx, args: ResultsArgs) -> Result<(), Failure> {
+    let id = request_id(&args.id)?;
+    let producer = ctx.connecting(Producer::connect(&ctx.config)).await?;
+    let handle = producer.handle(id.clone());
+    let completion = if args.wait {
+        // The total is only for the progress bar, which reads it from the status itself.
+        wait(&ctx.config, &handle, 0, !ctx.json).await?
+    } else {
+        match handle.try_completion().await? {
+            Some(done) => done,
+            None => {
+                return Err(Failure::new(
+                    Code::NotFinished,
+                    format!("request {id} has not finished yet; use `sluicegate results --wait {id}` or `sluicegate status {id}`"),
+                ))
+            }
+        }
+    };
+    let style = match (ctx.json, args.raw) {
+        (true, _) => ResultStyle::Tagged,
+        (false, true) => ResultStyle::Raw,
+        (false, false) => ResultStyle::Json,
+    };
+    print_results(&mut Out::new(), &completion, style)
+}
+
+pub(crate) async fn events(ctx: &Ctx, args: EventsArgs) -> Result<(), Failure> {
+    let mut listener = ctx.connecting(Listener::from_beginning(&ctx.config)).await?;
+    let mut out = Out::new();
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let event = if args.follow {
+            tokio::select! {
+                event = listener.next() => event?,
+                () = &mut stop => break,
+            }
+        } else {
+            match tokio::time::timeout(EVENTS_QUIET, listener.next()).await {
+                Ok(event) => event?,
+                Err(_) => break,
+            }
+        };
+        if ctx.json {
+            out.json(&json!({ "id": event.id.as_str(), "state": event.state, "cursor": event.cursor }))?;
+        } else {
+            out.line(&format!("{}  {}  {}", event.cursor, event.state, event.id))?;
+        }
+        // Followers watch as it happens: no event may sit in the buffer.
+        if args.follow {
+            out.flush()?;
+        }
+    }
+    out.flush()
+}

@@ -1,0 +1,48 @@
+//! `sluicegate worker --exec`: a worker whose handler is a command of the user's.
+
+use serde_json::json;
+use sluicegate::Worker;
+
+use crate::cli::WorkerArgs;
+use crate::exec::Exec;
+use crate::failure::Failure;
+use crate::output::Out;
+use crate::Ctx;
+
+pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
+    // Checked before connecting: a typo in the command is the likelier mistake, and reporting it
+    // should not depend on Redis being up.
+    let exec = Exec::new(&args.exec, args.timeout, args.max_output_bytes).map_err(Failure::bad_input)?;
+    let shown = exec.shown().to_owned();
+    let worker = ctx
+        .connecting(
+            Worker::builder(&ctx.config, exec).slots(args.slots).shutdown_grace(args.shutdown_grace).build(),
+        )
+        .await?;
+    let metrics = worker.metrics();
+    // The start-up line goes to stderr, so stdout stays free for a supervisor's use; with --json it
+    // is a record on stdout that a script can wait for.
+    if ctx.json {
+        let mut out = Out::new();
+        out.json(&json!({ "worker": worker.id(), "exec": shown, "slots": args.slots }))?;
+        out.flush()?;
+    } else {
+        eprintln!(
+            "worker {} running `{shown}` with {} slot(s) in namespace {}; stop with ctrl-c or SIGTERM",
+            worker.id(),
+            args.slots,
+            ctx.config.namespace_str()
+        );
+    }
+    worker.run().await?;
+    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    if !ctx.json {
+        eprintln!(
+            "worker stopped: {} succeeded, {} retried, {} dead-lettered",
+            count(&metrics.succeeded),
+            count(&metrics.retried),
+            count(&metrics.dead_lettered)
+        );
+    }
+    Ok(())
+}
