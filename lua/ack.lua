@@ -60,7 +60,13 @@ local function ack(keys, args)
   if #results > 0 then redis.call('HSET', keys[3], unpack(results)) end
   if #cleared > 0 then redis.call('HDEL', keys[4], unpack(cleared)) end
   if #errors > 0 then redis.call('HSET', keys[4], unpack(errors)) end
-  if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
+  if failed > 0 then
+    redis.call('HINCRBY', keys[1], 'failed', failed)
+    if redis.call('HGET', keys[1], 'failfast') == '1' then
+      -- Fail fast: the first dead letter ends the request; the parts not yet run never will.
+      return sg_finish(keys, args[1], 'failed', args[8], args[9], now)
+    end
+  end
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
     redis.call('XACK', keys[2], 'g', unpack(acked))

@@ -7,6 +7,7 @@
 -- ARGV[9] submission nonce: a random value of this submit, so that the same call re-sent after
 -- a reconnect is recognised, and only its own producer can abort or commit it
 -- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
+-- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
 -- Returns 1, or the error "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- or "SGINVALID ..." when an argument is out of range.
 local function submit_open(keys, args)
@@ -34,7 +35,7 @@ local function submit_open(keys, args)
   redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'nonce', args[9], 'state', 'loading',
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
     'created', sg_now(), 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7], 'bmax', args[8],
-    'delay', tonumber(args[10] or '0') or 0)
+    'delay', tonumber(args[10] or '0') or 0, 'failfast', args[11] or '0')
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

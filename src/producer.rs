@@ -56,6 +56,7 @@ impl Producer {
             retry: RetryPolicy::default(),
             delay: Duration::ZERO,
             open_expiry: None,
+            fail_fast: false,
         }
     }
 
@@ -94,6 +95,7 @@ impl Producer {
                         (millis(spec.retry.backoff_max) as i64).into(),
                         nonce.as_str().into(),
                         (millis(spec.delay) as i64).into(),
+                        (if spec.fail_fast { "1" } else { "0" }).into(),
                     ],
                 )
                 .await;
@@ -256,9 +258,17 @@ pub struct RequestBuilder<'a> {
     retry: RetryPolicy,
     delay: Duration,
     open_expiry: Option<Duration>,
+    fail_fast: bool,
 }
 
 impl RequestBuilder<'_> {
+    /// Ends the request as `failed` at its first dead letter; its parts not yet run never will.
+    /// Default: the other parts still run, and the results show which failed.
+    pub fn fail_fast(mut self, on: bool) -> Self {
+        self.fail_fast = on;
+        self
+    }
+
     /// Makes the request eligible only `delay` after it is accepted: until then no worker sees it;
     /// then it runs under the normal priority rules, promoted by any worker's recovery pass
     /// (so it starts up to one recovery interval after its time).

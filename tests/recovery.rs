@@ -316,3 +316,25 @@ async fn a_graceful_shutdown_hands_tokens_back_without_waiting_for_leases() {
     assert!(probe.max_concurrency(h.id().as_str()) <= 2);
     second.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_fast_ends_the_request_at_the_first_dead_letter() {
+    let env = env("failfast").await;
+    let config = fast(&env.config);
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let probe = Probe::default();
+    let w =
+        start_worker(&config, Poison { permanent: true, runs: runs.clone() }, 1, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = producer.request().fail_fast(true).submit((0..50).map(Job::new)).await.unwrap();
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.state, RequestState::Failed);
+    assert_eq!(done.results[0], Ok(0));
+    assert_eq!(done.results[1].as_ref().unwrap_err().message, "poison");
+    let never_ran =
+        done.results.iter().skip(2).filter(|r| r.as_ref().is_err_and(|e| e.attempts == 0)).count();
+    // Only the rest of the batch the failing part came in (at most 16 parts) may have run.
+    assert!(never_ran >= 48 - 16, "the rest was not run: only {never_ran} of 48 never ran");
+    drop(probe);
+    w.stop().await;
+}
