@@ -121,6 +121,79 @@ pub fn library_source() -> String {
     code
 }
 
+/// Commands sluicegate's producers, workers, listeners and operators send, directly or from
+/// inside the functions (scripts run under the caller's ACL): nothing else is needed.
+const APP_COMMANDS: &[&str] = &[
+    // connection and set-up
+    "ping",
+    "quit",
+    "hello",
+    "auth",
+    "select",
+    "client|setname",
+    "info",
+    "fcall",
+    "fcall_ro",
+    // blocking reads and pub/sub, sent by the client itself
+    "brpop",
+    "xread",
+    "subscribe",
+    "unsubscribe",
+    // inside the functions, and reads by producers and operators
+    "del",
+    "exists",
+    "hdel",
+    "hget",
+    "hgetall",
+    "hincrby",
+    "hmget",
+    "hset",
+    "llen",
+    "lpop",
+    "lpos",
+    "lpush",
+    "lrem",
+    "persist",
+    "pexpire",
+    "publish",
+    "rpush",
+    "time",
+    "xack",
+    "xadd",
+    "xclaim",
+    "xgroup|create",
+    "xinfo|groups",
+    "xlen",
+    "xpending",
+    "xrange",
+    "xreadgroup",
+    "xrevrange",
+    "xtrim",
+    "zadd",
+    "zcard",
+    "zcount",
+    "zrangebyscore",
+    "zrem",
+    "zscore",
+];
+
+/// A least-privilege ACL rule set for the applications of one namespace (producers, workers,
+/// listeners): its keys and channels, only the commands above, no `EVAL`, no `FUNCTION LOAD`,
+/// no `FLUSHALL`, no `CONFIG`. Use it as `ACL SETUSER <user> on ><password> <rules>`.
+/// With `load_library`, the user may also load the functions library (`FUNCTION LOAD`), which
+/// otherwise an operator does once per Redis (every component loads it when it may).
+pub fn acl_rules(namespace: &str, load_library: bool) -> String {
+    let mut rules = format!("resetkeys resetchannels ~{namespace}:* &{namespace}:* -@all");
+    for c in APP_COMMANDS {
+        rules.push_str(" +");
+        rules.push_str(c);
+    }
+    if load_library {
+        rules.push_str(" +function|load");
+    }
+    rules
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

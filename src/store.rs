@@ -56,14 +56,23 @@ impl Store {
         Ok(sub)
     }
 
+    /// Loads (or replaces) the functions library. A user whose ACL does not allow
+    /// `FUNCTION LOAD` relies on it being loaded already (by an operator, or another component);
+    /// if it is not, the first call says so.
     async fn load_library(&self) -> Result<()> {
         let code = library_source();
-        if self.client.is_clustered() {
-            self.client.function_load_cluster::<(), _>(true, code).await?;
+        let loaded = if self.client.is_clustered() {
+            self.client.function_load_cluster::<(), _>(true, code).await
         } else {
-            self.client.function_load::<Value, _>(true, code).await?;
+            self.client.function_load::<Value, _>(true, code).await.map(|_| ())
+        };
+        match loaded {
+            Err(e) if e.details().starts_with("NOPERM") => {
+                tracing::debug!("not allowed to load the functions library; using the one loaded");
+                Ok(())
+            }
+            other => other.map_err(Error::from),
         }
-        Ok(())
     }
 
     /// Calls one function of the library. `keys` must share a hash tag: the call is routed to the
@@ -75,7 +84,17 @@ impl Store {
             Err(e) if is_missing_function(&e) => {
                 tracing::info!(function = func.local_name(), "functions library missing; loading it again");
                 self.load_library().await?;
-                self.fcall_once(func, keys, args).await.map_err(Error::from)
+                self.fcall_once(func, keys, args).await.map_err(|e| {
+                    if is_missing_function(&e) {
+                        Error::Config(format!(
+                            "the sluicegate functions library ({}) is not loaded on this Redis, and this user may \
+                             not load it (FUNCTION LOAD): connect once as a user that may",
+                            crate::scripts::LIBRARY_NAME
+                        ))
+                    } else {
+                        Error::from(e)
+                    }
+                })
             }
             other => other.map_err(Error::from),
         }
