@@ -321,32 +321,159 @@ async fn main() -> Result<(), BoxError> {
         }
     };
     let bench = Bench { redis: connect(&url).await?, url: url.clone(), scale };
-    eprintln!("benchmarking against {url} (scale {scale}; load average {})", loadavg());
-
-    let mut rows = Vec::new();
-    if wants("many_small") {
-        rows.extend(bench.throughput("many_small", bench.scaled(1_000), 100, 4).await?);
+    let compare = args.iter().any(|a| a == "--compare");
+    let runs = if compare { 3 } else { 1 };
+    let mut all: Vec<Row> = Vec::new();
+    for run in 1..=runs {
+        let load = loadavg();
+        eprintln!("run {run}/{runs} against {url} (scale {scale}; load average {load})");
+        if load.split(' ').next().and_then(|l| l.parse::<f64>().ok()).is_some_and(|l| l > 1.5) {
+            eprintln!(
+                "note: the machine is busy with something else (load average {load}); figures will be lower"
+            );
+        }
+        all.extend(bench.run_all(&wants).await?);
+        if compare {
+            all.extend(run_bullmq(&url, scale)?);
+        }
     }
-    if wants("one_huge") {
-        rows.extend(bench.throughput("one_huge", 1, bench.scaled(200_000), 16).await?);
-    }
-    if wants("submit_large") {
-        rows.extend(bench.submit_rate().await?);
-    }
-    if wants("memory") {
-        rows.extend(bench.memory().await?);
-    }
-    if wants("idle_latency") {
-        rows.extend(bench.idle_latency().await?);
-    }
-    if wants("priority_under_load") {
-        rows.extend(bench.priority_under_load().await?);
-    }
+    let rows = medians(&all);
     print_table(&rows);
+    if compare {
+        print_ratios(&rows);
+    }
     for r in &rows {
         println!("{}", serde_json::to_string(r)?);
     }
     Ok(())
+}
+
+impl Bench {
+    async fn run_all(&self, wants: &dyn Fn(&str) -> bool) -> Result<Vec<Row>, BoxError> {
+        let mut rows = Vec::new();
+        if wants("many_small") {
+            rows.extend(self.throughput("many_small", self.scaled(1_000), 100, 4).await?);
+        }
+        if wants("one_huge") {
+            rows.extend(self.throughput("one_huge", 1, self.scaled(200_000), 16).await?);
+        }
+        if wants("submit_large") {
+            rows.extend(self.submit_rate().await?);
+        }
+        if wants("memory") {
+            rows.extend(self.memory().await?);
+        }
+        if wants("idle_latency") {
+            rows.extend(self.idle_latency().await?);
+        }
+        if wants("priority_under_load") {
+            rows.extend(self.priority_under_load().await?);
+        }
+        Ok(rows)
+    }
+}
+
+/// Runs bench/bullmq/bench.mjs against the same server (installing its packages the first time).
+fn run_bullmq(url: &str, scale: f64) -> Result<Vec<Row>, BoxError> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/bullmq");
+    if !dir.join("node_modules").exists() {
+        let ok = std::process::Command::new("npm").arg("ci").current_dir(&dir).status()?.success();
+        if !ok {
+            return Err("npm ci failed in bench/bullmq".into());
+        }
+    }
+    let out = std::process::Command::new("node")
+        .arg("bench.mjs")
+        .current_dir(&dir)
+        .env("REDIS_URL", url)
+        .env("BENCH_SCALE", scale.to_string())
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        return Err(format!("the BullMQ benchmark failed ({})", out.status).into());
+    }
+    let rows = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Row>(l).ok())
+        .filter(|r| r.scenario != "meta")
+        .collect();
+    Ok(rows)
+}
+
+/// One row per (system, scenario): the median of each figure over the runs.
+fn medians(all: &[Row]) -> Vec<Row> {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in all {
+        let k = (r.system.clone(), r.scenario.clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    keys.into_iter()
+        .map(|(system, scenario)| {
+            let runs: Vec<&Row> =
+                all.iter().filter(|r| r.system == system && r.scenario == scenario).collect();
+            let med = |f: &dyn Fn(&Row) -> Option<f64>| {
+                let mut v: Vec<f64> = runs.iter().filter_map(|r| f(r)).collect();
+                v.sort_by(|a, b| a.total_cmp(b));
+                (!v.is_empty()).then(|| v[v.len() / 2])
+            };
+            Row {
+                system: system.clone(),
+                scenario: scenario.clone(),
+                items: runs[0].items,
+                throughput_per_s: med(&|r| r.throughput_per_s),
+                p50_ms: med(&|r| r.p50_ms),
+                p99_ms: med(&|r| r.p99_ms),
+                redis_cpu_us_per_item: med(&|r| r.redis_cpu_us_per_item),
+                redis_cmds_per_item: med(&|r| r.redis_cmds_per_item),
+                bytes_per_item: med(&|r| r.bytes_per_item),
+                note: format!("{} (median of {})", runs[0].note, runs.len()),
+            }
+        })
+        .collect()
+}
+
+/// sluicegate's figure over BullMQ's for the matching scenarios (>1 is better for sluicegate on
+/// throughput; on latency, CPU and bytes the ratio is BullMQ's over sluicegate's, so >1 is better
+/// there too).
+fn print_ratios(rows: &[Row]) {
+    let find =
+        |system: &str, scenario: &str| rows.iter().find(|r| r.system == system && r.scenario == scenario);
+    let pairs = [
+        ("many_small", "flow_small"),
+        ("many_small", "plain_queue"),
+        ("one_huge", "flow_huge"),
+        ("one_huge", "plain_queue"),
+        ("many_small_submit", "flow_small_add"),
+        ("submit_large", "plain_add"),
+        ("memory", "memory"),
+        ("idle_latency", "idle_latency"),
+        ("idle_completion_latency", "idle_completion_latency"),
+        ("priority_under_load", "priority_under_load"),
+    ];
+    println!("\nsluicegate vs BullMQ (each ratio > 1 means sluicegate is better)");
+    println!(
+        "{:<26} {:<26} {:>11} {:>9} {:>9} {:>11} {:>9}",
+        "sluicegate", "BullMQ", "throughput", "p50", "p99", "Redis CPU", "bytes"
+    );
+    let r = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+        _ => "-".to_owned(),
+    };
+    for (ours, theirs) in pairs {
+        let (Some(o), Some(t)) = (find("sluicegate", ours), find("bullmq", theirs)) else { continue };
+        println!(
+            "{:<26} {:<26} {:>11} {:>9} {:>9} {:>11} {:>9}",
+            ours,
+            theirs,
+            r(o.throughput_per_s, t.throughput_per_s),
+            r(t.p50_ms, o.p50_ms),
+            r(t.p99_ms, o.p99_ms),
+            r(t.redis_cpu_us_per_item, o.redis_cpu_us_per_item),
+            r(t.bytes_per_item, o.bytes_per_item),
+        );
+    }
 }
 
 fn loadavg() -> String {

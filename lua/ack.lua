@@ -37,7 +37,7 @@ local function ack(keys, args)
       acked[#acked + 1] = id
       results[#results + 1] = index
       results[#results + 1] = body
-      if args[i + 4] ~= '1' then cleared[#cleared + 1] = index end
+      cleared[#cleared + 1] = index
     elseif outcome == 'dead' then
       -- A dead letter stays pending, parked in the retry set at +inf (never due), so that
       -- requeue_dead can hand it out again with its payload.
@@ -52,6 +52,8 @@ local function ack(keys, args)
       errors[#errors + 1] = body
       extra = extra + 1
     else
+      -- Skipped: it did not run, so the delivery it had does not count as an attempt.
+      redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(args[i + 4]) - 1, 0), 'JUSTID')
       redis.call('RPUSH', keys[5], id)
       extra = extra + 1
     end
@@ -60,13 +62,7 @@ local function ack(keys, args)
   if #results > 0 then redis.call('HSET', keys[3], unpack(results)) end
   if #cleared > 0 then redis.call('HDEL', keys[4], unpack(cleared)) end
   if #errors > 0 then redis.call('HSET', keys[4], unpack(errors)) end
-  if failed > 0 then
-    redis.call('HINCRBY', keys[1], 'failed', failed)
-    if redis.call('HGET', keys[1], 'failfast') == '1' then
-      -- Fail fast: the first dead letter ends the request; the parts not yet run never will.
-      return sg_finish(keys, args[1], 'failed', args[8], args[9], now)
-    end
-  end
+  if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
     redis.call('XACK', keys[2], 'g', unpack(acked))
@@ -78,6 +74,11 @@ local function ack(keys, args)
       if tonumber(redis.call('HGET', keys[1], 'failed')) > 0 then state = 'failed' end
       return sg_finish(keys, args[1], state, args[8], args[9], now)
     end
+  end
+  if failed > 0 and redis.call('HGET', keys[1], 'failfast') == '1' then
+    -- Fail fast: the first dead letter ends the request; the parts not yet run never will
+    -- (unless its dead letters are requeued: then they run too).
+    return sg_finish(keys, args[1], 'failed', args[8], args[9], now)
   end
   if args[7] == '1' then
     return sg_next(keys, args[1], k, epoch, holder, args[5], tonumber(args[6]), now, extra, tonumber(args[10]))

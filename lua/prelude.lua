@@ -62,6 +62,7 @@ end
 -- then retries that are due, then new entries. `extra` is the meta field of that name (or nil).
 -- Returns a list of {id, payload, attempt}.
 local function sg_take_work(keys, consumer, now, extra, want)
+  want = math.max(want or 1, 1)
   local got = {}
   if extra and tonumber(extra) > 0 then
     while #got < want do
@@ -132,13 +133,19 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now)
     if tok then
       local f = sg_split(tok)
       if f[1] == 'q' then sweep[#sweep + 1] = sg_element(rid, k, f[2]) end
+      -- A failed request may be requeued: entries other slots still held (fail fast) become
+      -- orphans, handed out again if it is.
+      if f[1] == 'h' and state == 'failed' then
+        for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+      end
       redis.call('HDEL', keys[1], 't' .. k)
     end
   end
   if state == 'failed' then
-    -- Dead letters (pending entries parked in the retry set) stay requeueable for the retention.
-    redis.call('DEL', keys[5])
+    -- Dead letters (pending entries parked in the retry set at +inf), orphans and the parts that
+    -- never ran stay requeueable for the retention.
     redis.call('PEXPIRE', keys[2], retention_ms)
+    redis.call('PEXPIRE', keys[5], retention_ms)
     redis.call('PEXPIRE', keys[6], retention_ms)
   else
     redis.call('DEL', keys[2], keys[5], keys[6])

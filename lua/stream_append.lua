@@ -7,11 +7,14 @@
 -- not open (finalized, cancelled, unknown) or not this producer's.
 local function stream_append(keys, args)
   local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'ntok', 'state')
-  if m[1] ~= '1' or m[2] ~= args[2] or m[5] == 'cancelled' then
+  if m[1] ~= '1' or m[2] ~= args[2] or m[5] == 'cancelled' or m[5] == 'failed' or m[5] == 'completed' then
     return redis.error_reply('SGSTATE the request is not open for parts (finalized, cancelled or unknown)')
   end
   local total = tonumber(m[3])
   local first = tonumber(args[3])
+  if first > total then
+    return redis.error_reply('SGGAP parts from index ' .. total .. ' are missing before index ' .. first)
+  end
   local added = 0
   for i = 4, #args do
     local index = first + i - 4

@@ -6,8 +6,9 @@
 -- Returns {'open'} (parts still to run), {'finished', state, sweep...} as ack, or errors
 -- "SGSTATE ..." when the request is not open.
 local function stream_finalize(keys, args)
-  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed')
-  if m[1] ~= '1' or (args[4] ~= '' and m[2] ~= args[4]) then
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed', 'state')
+  local terminal = m[5] == 'completed' or m[5] == 'failed' or m[5] == 'cancelled'
+  if m[1] ~= '1' or terminal or (args[4] ~= '' and m[2] ~= args[4]) then
     return redis.error_reply('SGSTATE the request is not open (finalized already, cancelled or unknown)')
   end
   redis.call('HSET', keys[1], 'open', 0)

@@ -245,25 +245,29 @@ impl Admin {
         let active = self.store.keys.active();
         let lease = millis(self.store.config.lease) as i64;
         // Registered first, as at submit: if this process dies after the requeue, recovery finds
-        // the reopened request and pushes its tokens.
-        self.store
-            .fcall(
-                Func::Ring,
-                &[&list, &active],
-                vec![key_id.as_str().into(), lease.into(), "register".into()],
-            )
-            .await?;
+        // the reopened request and pushes its tokens. Taken back if nothing was requeued.
+        let registered =
+            crate::producer::register(&self.store, &key_id, Priority::new(priority).unwrap_or_default())
+                .await?;
         let reply = self.store.fcall(Func::RequeueDead, &keys.all(), vec![key_id.as_str().into()]).await;
         let mut items = match reply {
             Ok(v) => reply::array(v)?.into_iter(),
-            Err(Error::Redis(e)) if e.details().contains("SGSTATE") => {
-                return Err(Error::InvalidRequest(format!(
-                    "request {id:?} has no dead letters that can be requeued (only a failed or running request has)"
-                )))
+            Err(e) => {
+                if registered {
+                    crate::producer::unregister(&self.store, &key_id).await;
+                }
+                return Err(match e {
+                    Error::Redis(r) if r.details().contains("SGSTATE") => Error::InvalidRequest(format!(
+                        "request {id:?} has no dead letters that can be requeued (only a failed or running request has)"
+                    )),
+                    other => other,
+                });
             }
-            Err(e) => return Err(e),
         };
         let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) as u64;
+        if n == 0 && registered {
+            crate::producer::unregister(&self.store, &key_id).await;
+        }
         let elements: Vec<Value> = items.collect();
         if !elements.is_empty() {
             let mut args: Vec<Value> = vec![key_id.as_str().into(), lease.into(), "push".into()];

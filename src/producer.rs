@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fred::prelude::*;
-use fred::types::streams::XID;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{broadcast, OnceCell};
@@ -20,8 +19,10 @@ use crate::request::{Concurrency, Priority, RequestState};
 use crate::scripts::Func;
 use crate::store::Store;
 
-/// Parts written per pipeline while a request loads: bounds producer memory, amortises round trips.
+/// Parts sent per call while a request loads (and at most this many bytes, unless one part is
+/// larger): bounds producer memory, amortises round trips.
 const LOAD_CHUNK: usize = 2_000;
+const LOAD_CHUNK_BYTES: usize = 4 << 20;
 
 /// Submits requests and waits for their results.
 ///
@@ -109,19 +110,22 @@ impl Producer {
             }
             // Registered with recovery before anything can go wrong half-way: a producer that dies
             // between commit and ring leaves a request recovery finds and completes.
-            self.register(&key_id, spec.priority).await?;
-            let total = match self.load(&keys, parts).await {
+            let registered = self.register(&key_id, spec.priority).await?;
+            let total = match self.load(&key_id, &keys, &nonce, parts).await {
                 Ok(total) => total,
                 Err(e) => {
                     // Nothing of a half-written request is visible to workers; remove it now so the
                     // id can be used again (it would expire after the loading ttl anyway).
                     let _ =
                         self.store.fcall(Func::SubmitAbort, &keys.all(), vec![nonce.as_str().into()]).await;
+                    if registered {
+                        unregister(&self.store, &key_id).await;
+                    }
                     return Err(e);
                 }
             };
             // From here on the request may be committed: never delete it on error.
-            self.commit_and_ring(&key_id, &keys, spec.priority, total, &nonce).await?;
+            self.commit_and_ring(&key_id, &keys, spec.priority, total, &nonce, spec.delay).await?;
             tracing::debug!(total, "request durable and queued");
             Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
@@ -129,17 +133,10 @@ impl Producer {
         .await
     }
 
-    async fn register(&self, key_id: &str, priority: Priority) -> Result<()> {
-        let active = self.store.keys.active();
-        let delay = millis(self.store.config.lease) as i64;
-        self.store
-            .fcall(
-                Func::Ring,
-                &[self.store.keys.token_list(priority), &active],
-                vec![key_id.into(), delay.into(), "register".into()],
-            )
-            .await?;
-        Ok(())
+    /// Registers a request with recovery; true when this call added it (so that a failed
+    /// submit can take the registration back without touching a live request of the same id).
+    pub(crate) async fn register(&self, key_id: &str, priority: Priority) -> Result<bool> {
+        register(&self.store, key_id, priority).await
     }
 
     async fn push_tokens(&self, key_id: &str, priority: Priority, elements: Vec<Value>) -> Result<()> {
@@ -152,7 +149,7 @@ impl Producer {
     }
 
     /// Writes the parts in pipelined chunks. Returns how many.
-    async fn load<I, T>(&self, keys: &RequestKeys, parts: I) -> Result<u64>
+    async fn load<I, T>(&self, key_id: &str, keys: &RequestKeys, nonce: &str, parts: I) -> Result<u64>
     where
         I: IntoIterator<Item = T>,
         T: Serialize,
@@ -162,26 +159,27 @@ impl Producer {
         if parts.peek().is_none() {
             return Err(Error::InvalidRequest("a request needs at least one part".into()));
         }
+        // Chunks go one after another, each awaited: producer memory stays bounded by one chunk,
+        // and a slow Redis slows the producer down.
         while parts.peek().is_some() {
-            let pipe = self.store.client.pipeline();
-            for part in parts.by_ref().take(LOAD_CHUNK) {
-                total += 1;
-                let bytes = codec::encode(&part)?;
-                // NOMKSTREAM: a producer that outlived its loading ttl must not recreate the stream.
-                pipe.xadd::<(), _, _, _, _>(
-                    keys.stream.as_str(),
-                    true,
-                    None,
-                    XID::Manual(format!("0-{total}").into()),
-                    vec![("p", Value::Bytes(bytes.into()))],
-                )
-                .await?;
+            let mut args: Vec<Value> = vec![nonce.into(), (total as i64).into()];
+            let mut bytes = 0;
+            while bytes < LOAD_CHUNK_BYTES && args.len() < LOAD_CHUNK + 2 {
+                let Some(part) = parts.next() else { break };
+                let encoded = codec::encode(&part)?;
+                bytes += encoded.len();
+                args.push(Value::Bytes(encoded.into()));
             }
-            let replies: Vec<Value> = pipe.all().await?;
-            if replies.iter().any(Value::is_null) {
-                return Err(Error::InvalidRequest(
-                    "the request expired while loading (its loading ttl ran out)".into(),
-                ));
+            total += (args.len() - 2) as u64;
+            match self.store.fcall(Func::LoadParts, &keys.all(), args).await {
+                Ok(_) => {}
+                Err(Error::Redis(e)) if e.details().contains("SGSTATE") => {
+                    return Err(Error::InvalidRequest(format!(
+                        "request {:?} expired while loading (its loading ttl ran out)",
+                        RequestId::from_key_id(key_id).map(|i| i.to_string()).unwrap_or_default()
+                    )))
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(total)
@@ -195,6 +193,7 @@ impl Producer {
         priority: Priority,
         total: u64,
         nonce: &str,
+        delay: Duration,
     ) -> Result<()> {
         let elements = reply::array(
             self.store
@@ -205,8 +204,9 @@ impl Producer {
                 )
                 .await?,
         )?;
-        let mut args: Vec<Value> =
-            vec![key_id.into(), (millis(self.store.config.lease) as i64).into(), "push".into()];
+        // A delayed request is first looked at (and promoted) when its time comes.
+        let first_check = if delay.is_zero() { self.store.config.lease } else { delay };
+        let mut args: Vec<Value> = vec![key_id.into(), (millis(first_check) as i64).into(), "push".into()];
         args.extend(elements);
         let active = self.store.keys.active();
         self.store.fcall(Func::Ring, &[self.store.keys.token_list(priority), &active], args).await?;
@@ -356,7 +356,7 @@ impl RequestBuilder<'_> {
         let keys = producer.store.keys.request(&key_id);
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let cfg = &producer.store.config;
-        producer.register(&key_id, self.priority).await?;
+        let registered = producer.register(&key_id, self.priority).await?;
         let opened = producer
             .store
             .fcall(
@@ -374,9 +374,13 @@ impl RequestBuilder<'_> {
                     (millis(self.retry.backoff_max) as i64).into(),
                     nonce.as_str().into(),
                     (self.open_expiry.map_or(0, millis) as i64).into(),
+                    (if self.fail_fast { "1" } else { "0" }).into(),
                 ],
             )
             .await;
+        if opened.is_err() && registered {
+            unregister(&producer.store, &key_id).await;
+        }
         match opened {
             Err(Error::Redis(ref r)) if r.details().contains("SGDUPLICATE") => {
                 return Err(Error::DuplicateRequestId(id))
@@ -462,6 +466,28 @@ impl OpenRequest {
         let producer = &self.handle.producer;
         finalize(&producer.store, &self.key_id, &self.keys, &self.nonce).await?;
         Ok(self.handle)
+    }
+}
+
+/// Adds a request to the active index (recovery's list); true when this call added it.
+pub(crate) async fn register(store: &Store, key_id: &str, priority: Priority) -> Result<bool> {
+    let active = store.keys.active();
+    let delay = millis(store.config.lease) as i64;
+    let added = store
+        .fcall(
+            Func::Ring,
+            &[store.keys.token_list(priority), &active],
+            vec![key_id.into(), delay.into(), "register".into()],
+        )
+        .await?;
+    Ok(reply::int(&added)? == 1)
+}
+
+/// Takes back a registration this process added for a request that did not come to be.
+pub(crate) async fn unregister(store: &Store, key_id: &str) {
+    let removed: Result<i64, _> = store.client.zrem(store.keys.active(), key_id).await;
+    if let Err(e) = removed {
+        tracing::debug!(error = %e, "could not take back a registration; recovery will drop it");
     }
 }
 

@@ -17,6 +17,7 @@ const PRELUDE: &str = include_str!("../lua/prelude.lua");
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Func {
     SubmitOpen,
+    LoadParts,
     SubmitCommit,
     SubmitAbort,
     Ring,
@@ -36,8 +37,9 @@ pub(crate) enum Func {
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 17] = [
+    pub(crate) const ALL: [Func; 18] = [
         Func::SubmitOpen,
+        Func::LoadParts,
         Func::SubmitCommit,
         Func::SubmitAbort,
         Func::Ring,
@@ -60,6 +62,7 @@ impl Func {
     pub(crate) fn local_name(self) -> &'static str {
         match self {
             Func::SubmitOpen => "submit_open",
+            Func::LoadParts => "load_parts",
             Func::SubmitCommit => "submit_commit",
             Func::SubmitAbort => "submit_abort",
             Func::Ring => "ring",
@@ -87,6 +90,7 @@ impl Func {
     fn source(self) -> &'static str {
         match self {
             Func::SubmitOpen => include_str!("../lua/submit_open.lua"),
+            Func::LoadParts => include_str!("../lua/load_parts.lua"),
             Func::SubmitCommit => include_str!("../lua/submit_commit.lua"),
             Func::SubmitAbort => include_str!("../lua/submit_abort.lua"),
             Func::Ring => include_str!("../lua/ring.lua"),

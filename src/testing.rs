@@ -1,6 +1,6 @@
 //! Throwaway Redis servers for tests and benchmarks.
 //!
-//! Two levels are offered:
+//! What is offered:
 //!
 //! * [`RedisServer`] runs its own `redis-server` process on a free port of
 //!   127.0.0.1, in its own temporary directory, and can kill, stop and restart
@@ -10,9 +10,17 @@
 //!   named by `REDIS_URL` if set, else a [`RedisServer`], else (with the
 //!   `docker` feature) a Redis container, else [`HarnessError::NoRedis`]
 //!   explaining how to get one.
+//! * [`RedisCluster`] is a Redis Cluster made of such servers (3 masters by
+//!   default, optionally with replicas), or the external cluster named by
+//!   `REDIS_CLUSTER_URLS`; any node can be killed and restarted.
+//! * [`TestBackend`] picks either by [`Topology`] (`Single` or `Cluster`), so
+//!   one test body can run against both; [`Topology::from_env`] reads
+//!   `SLUICEGATE_TEST_TOPOLOGY` for a CI matrix.
 //!
 //! Tests that share one external server should put their keys under
-//! [`unique_namespace`] and can inspect them with [`keys_in_namespace`].
+//! [`unique_namespace`] and can inspect them with [`keys_in_namespace`]
+//! (which scans every master when given a `redis-cluster://` URL);
+//! [`command_calls`] reads a node's `INFO commandstats`.
 //!
 //! The process control here (`kill -TERM`, unix sockets) assumes a Unix host.
 //!
@@ -30,16 +38,20 @@
 //! # }
 //! ```
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};
 use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, Config, KeysInterface};
+use fred::types::{InfoKind, Key};
+use futures::TryStreamExt;
 use rand::Rng;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -68,6 +80,22 @@ const MAX_RESTART_ATTEMPTS: usize = 10;
 const LOG_TAIL_LINES: usize = 30;
 /// What Redis logs when it cannot bind its port.
 const ADDR_IN_USE: &str = "Address already in use";
+/// `--cluster-node-timeout` of every [`RedisCluster`] node: short, so a
+/// killed master is failed over (or marked down) within seconds.
+const CLUSTER_NODE_TIMEOUT_MS: u64 = 2_000;
+/// Masters of a [`RedisCluster`] unless the builder says otherwise.
+const DEFAULT_MASTERS: usize = 3;
+/// Hash slots of a Redis Cluster.
+const CLUSTER_SLOTS: u32 = 16_384;
+/// How long `redis-cli --cluster create`, and then the wait for every node to
+/// agree the cluster is ok, may each take.
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Pause between cluster readiness probes.
+const CLUSTER_POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Names an external cluster instead of local processes.
+const CLUSTER_URLS_ENV: &str = "REDIS_CLUSTER_URLS";
+/// Selects the [`Topology`] in [`Topology::from_env`].
+const TOPOLOGY_ENV: &str = "SLUICEGATE_TEST_TOPOLOGY";
 /// Image tag for the docker fallback: the module's default (5.0) is too old.
 #[cfg(feature = "docker")]
 const DOCKER_REDIS_TAG: &str = "7.2";
@@ -95,6 +123,17 @@ pub enum HarnessError {
     /// A Redis command failed.
     #[error("Redis error: {0}")]
     Redis(#[from] fred::error::Error),
+    /// A [`RedisCluster`] did not form or did not become healthy in time.
+    #[error("redis cluster failed: {reason}\n{details}")]
+    ClusterFailed {
+        /// What went wrong.
+        reason: String,
+        /// The node that was not ready, `redis-cli` output, node log tails.
+        details: String,
+    },
+    /// A harness setting (builder option, environment variable) is invalid.
+    #[error("invalid test harness setting: {0}")]
+    Config(String),
     /// The Docker fallback failed (no Docker engine, image pull failed, ...).
     #[cfg(feature = "docker")]
     #[error("Docker: {0}")]
@@ -108,6 +147,8 @@ pub struct RedisServerBuilder {
     unix_socket: bool,
     port: Option<u16>,
     extra_args: Vec<(String, String)>,
+    /// Started as a node of a [`RedisCluster`] (set only by the cluster builder).
+    cluster_node: bool,
 }
 
 impl RedisServerBuilder {
@@ -145,14 +186,19 @@ impl RedisServerBuilder {
         let bin = find_redis_server().ok_or(HarnessError::NoRedis)?;
         let dir = make_temp_dir()?;
         // From here on, dropping `server` (also on error) removes the dir.
-        let mut server = RedisServer { bin, dir, port: 0, opts: self, child: None };
+        let mut server = RedisServer { bin, dir, port: 0, reserved: false, opts: self, child: None };
         let forced = server.opts.port;
         let mut attempts = 0;
         loop {
             attempts += 1;
             server.port = match forced {
                 Some(port) => port,
-                None => free_port()?,
+                None => {
+                    server.release_port();
+                    let port = free_port()?;
+                    server.reserved = true;
+                    port
+                }
             };
             match server.spawn_and_wait(START_TIMEOUT).await {
                 Ok(()) => return Ok(server),
@@ -185,6 +231,8 @@ pub struct RedisServer {
     bin: PathBuf,
     dir: PathBuf,
     port: u16,
+    /// Whether `port` (and its bus port) is in [`RESERVED_PORTS`] on our behalf.
+    reserved: bool,
     opts: RedisServerBuilder,
     child: Option<Child>,
 }
@@ -331,6 +379,14 @@ impl RedisServer {
         } else {
             opt("appendonly", "no".into());
         }
+        if self.opts.cluster_node {
+            opt("cluster-enabled", "yes".into());
+            opt("cluster-config-file", self.dir.join("nodes.conf").into());
+            opt("cluster-node-timeout", CLUSTER_NODE_TIMEOUT_MS.to_string().into());
+            // Replicas sync at once instead of after the default 5 s wait for
+            // more replicas to share the transfer.
+            opt("repl-diskless-sync-delay", "0".into());
+        }
         if let Some(sock) = self.unix_socket_path() {
             opt("unixsocket", sock.into());
             opt("unixsocketperm", "700".into());
@@ -388,6 +444,13 @@ impl RedisServer {
     fn start_failed(&self, reason: String) -> HarnessError {
         HarnessError::StartFailed { reason, log_tail: log_tail(&self.log_path()) }
     }
+
+    /// Gives our port back to [`free_port`] (after the process is gone).
+    fn release_port(&mut self) {
+        if std::mem::take(&mut self.reserved) {
+            release_port(self.port);
+        }
+    }
 }
 
 impl Drop for RedisServer {
@@ -395,6 +458,7 @@ impl Drop for RedisServer {
         // Errors cannot be reported from drop; the process is gone either way
         // once the test process exits, and the dir is only temp space.
         let _ = self.kill();
+        self.release_port();
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
@@ -486,27 +550,554 @@ async fn start_docker() -> Result<TestRedis, HarnessError> {
     })
 }
 
+/// Options for a [`RedisCluster`]; get one from [`RedisCluster::builder`].
+#[derive(Debug, Clone)]
+pub struct RedisClusterBuilder {
+    masters: usize,
+    replicas: usize,
+    node: RedisServerBuilder,
+}
+
+impl Default for RedisClusterBuilder {
+    fn default() -> Self {
+        Self {
+            masters: DEFAULT_MASTERS,
+            replicas: 0,
+            node: RedisServerBuilder { cluster_node: true, ..RedisServerBuilder::default() },
+        }
+    }
+}
+
+impl RedisClusterBuilder {
+    /// Number of masters (default 3, the least `redis-cli --cluster create` accepts).
+    pub fn masters(mut self, n: usize) -> Self {
+        self.masters = n;
+        self
+    }
+
+    /// Replicas per master (default 0). Replicas make failover possible: a
+    /// killed master is replaced by its replica after the node timeout (2 s).
+    pub fn replicas_per_master(mut self, n: usize) -> Self {
+        self.replicas = n;
+        self
+    }
+
+    /// AOF with `appendfsync always` on every node, see
+    /// [`RedisServerBuilder::aof_always`] (default off).
+    pub fn aof_always(mut self, on: bool) -> Self {
+        self.node = self.node.aof_always(on);
+        self
+    }
+
+    /// Adds `--key value` to every node's command line, after the cluster
+    /// options, so e.g. `extra_arg("cluster-node-timeout", "5000")` overrides
+    /// the default 2000 ms.
+    pub fn extra_arg(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.node = self.node.extra_arg(key, value);
+        self
+    }
+
+    /// Starts `masters × (1 + replicas)` nodes on free ports (always local
+    /// processes; [`RedisCluster::start`] honours `REDIS_CLUSTER_URLS`), joins
+    /// them with `redis-cli --cluster create`, and waits until every node
+    /// reports `cluster_state:ok` with all 16384 slots assigned and every
+    /// replica in sync.
+    pub async fn start(self) -> Result<RedisCluster, HarnessError> {
+        if self.masters < 3 {
+            return Err(HarnessError::Config(format!(
+                "a cluster needs at least 3 masters, {} asked for",
+                self.masters
+            )));
+        }
+        let total = self.masters * (1 + self.replicas);
+        let starts = (0..total).map(|_| self.node.clone().start());
+        // Dropping `nodes` (also on error) kills every node.
+        let nodes = futures::future::try_join_all(starts).await?;
+        let addrs: Vec<(String, u16)> = nodes.iter().map(|n| (HOST.to_owned(), n.port())).collect();
+        let cluster =
+            RedisCluster { addrs, nodes, expected: Some(Expected { nodes: total, masters: self.masters }) };
+        cluster.create(self.replicas).await?;
+        cluster.wait_until_ok(CLUSTER_TIMEOUT).await?;
+        Ok(cluster)
+    }
+}
+
+/// Node and master counts a cluster we built must reach before it is ready.
+#[derive(Debug, Clone, Copy)]
+struct Expected {
+    nodes: usize,
+    masters: usize,
+}
+
+/// A Redis Cluster for tests: local `redis-server` processes started by
+/// [`RedisCluster::builder`], or an external cluster named by
+/// `REDIS_CLUSTER_URLS` (see [`RedisCluster::start`]).
+///
+/// Every node runs on 127.0.0.1 with `--cluster-enabled yes`, its own
+/// directory and `nodes.conf`, `--cluster-node-timeout 2000` and persistence
+/// off (unless [`RedisClusterBuilder::aof_always`]). Dropping it kills every
+/// node and removes their directories.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), sluicegate::testing::HarnessError> {
+/// use sluicegate::testing::RedisCluster;
+///
+/// let mut cluster = RedisCluster::builder().replicas_per_master(1).start().await?;
+/// let config = sluicegate::Config::new(cluster.url()); // redis-cluster://127.0.0.1:p1?node=...
+/// let masters = cluster.masters().await?; // redis:// URLs of the current masters
+/// let i = cluster.urls().iter().position(|u| *u == masters[0]).expect("a node of ours");
+/// let node = cluster.node_mut(i).expect("a local cluster");
+/// node.kill()?; // its replica takes over after the node timeout
+/// node.restart().await?; // same port and nodes.conf: it rejoins (as a replica now)
+/// cluster.wait_until_ok(std::time::Duration::from_secs(30)).await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// Every node's address, in the order of [`nodes`](Self::node_mut).
+    addrs: Vec<(String, u16)>,
+    /// The processes, index-aligned with `addrs`; empty for an external cluster.
+    nodes: Vec<RedisServer>,
+    /// `None` for an external cluster, whose shape we do not know.
+    expected: Option<Expected>,
+}
+
+impl RedisCluster {
+    /// Options for a local cluster; finish with [`RedisClusterBuilder::start`].
+    pub fn builder() -> RedisClusterBuilder {
+        RedisClusterBuilder::default()
+    }
+
+    /// The cluster at `REDIS_CLUSTER_URLS` (comma-separated `host:port`, a
+    /// `redis://` prefix is allowed; nothing is started, share it via
+    /// [`unique_namespace`]) when that variable is set, else a local 3-master
+    /// cluster without replicas.
+    pub async fn start() -> Result<RedisCluster, HarnessError> {
+        match std::env::var(CLUSTER_URLS_ENV).ok().filter(|v| !v.trim().is_empty()) {
+            Some(list) => Self::external(&list).await,
+            None => Self::builder().start().await,
+        }
+    }
+
+    /// An existing cluster given as a comma-separated `host:port` list (any
+    /// subset of its nodes), once every listed node reports `cluster_state:ok`.
+    pub async fn external(list: &str) -> Result<RedisCluster, HarnessError> {
+        let addrs = parse_host_ports(list)?;
+        let cluster = RedisCluster { addrs, nodes: Vec::new(), expected: None };
+        cluster.wait_until_ok(CLUSTER_TIMEOUT).await?;
+        Ok(cluster)
+    }
+
+    /// Whether this is an external cluster (no processes to control).
+    pub fn is_external(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// `redis://host:port` of every node (masters and replicas as created, or
+    /// as listed for an external cluster), index-aligned with
+    /// [`node_mut`](Self::node_mut).
+    pub fn urls(&self) -> Vec<String> {
+        self.addrs.iter().map(|(host, port)| format!("redis://{host}:{port}")).collect()
+    }
+
+    /// `redis-cluster://h1:p1?node=h2:p2&node=...` naming every node, as
+    /// [`Config`](crate::Config) and fred's `Config::from_url` take it.
+    pub fn url(&self) -> String {
+        let mut addrs = self.addrs.iter().map(|(host, port)| format!("{host}:{port}"));
+        let mut url = format!("redis-cluster://{}", addrs.next().unwrap_or_default());
+        for (i, addr) in addrs.enumerate() {
+            url.push(if i == 0 { '?' } else { '&' });
+            url.push_str("node=");
+            url.push_str(&addr);
+        }
+        url
+    }
+
+    /// Node `i` (see [`urls`](Self::urls)) of a local cluster; `None` for an
+    /// external cluster or an index out of range.
+    pub fn node(&self, i: usize) -> Option<&RedisServer> {
+        self.nodes.get(i)
+    }
+
+    /// Mutable node `i`, to [`kill`](RedisServer::kill),
+    /// [`stop`](RedisServer::stop) or [`restart`](RedisServer::restart) it. A
+    /// restart reuses the port and directory, so the node reads its
+    /// `nodes.conf` and rejoins; follow it with
+    /// [`wait_until_ok`](Self::wait_until_ok).
+    pub fn node_mut(&mut self, i: usize) -> Option<&mut RedisServer> {
+        self.nodes.get_mut(i)
+    }
+
+    /// `redis://host:port` of the current masters that serve slots, sorted,
+    /// as one reachable node's `CLUSTER NODES` sees them (this changes after
+    /// a failover).
+    pub async fn masters(&self) -> Result<Vec<String>, HarnessError> {
+        let mut last_err = None;
+        for (host, port) in self.live_addrs() {
+            match raw_command(&host, port, &["CLUSTER", "NODES"]).await {
+                Ok(Ok(text)) => return Ok(parse_masters(&text)),
+                Ok(Err(e)) => last_err = Some(format!("{host}:{port}: {e}")),
+                Err(e) => last_err = Some(format!("{host}:{port}: {e}")),
+            }
+        }
+        Err(HarnessError::ClusterFailed {
+            reason: "no node answered CLUSTER NODES".into(),
+            details: last_err.unwrap_or_default(),
+        })
+    }
+
+    /// Waits until every running node reports `cluster_state:ok` with all
+    /// 16384 slots assigned and ok, knows every node and sees every master
+    /// (for clusters built here), and every replica's link to its master is
+    /// up and synced.
+    pub async fn wait_until_ok(&self, timeout: Duration) -> Result<(), HarnessError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut not_ready = None;
+            for (host, port) in self.live_addrs() {
+                if let Err(why) = node_ready(&host, port, self.expected).await {
+                    not_ready = Some(format!("{host}:{port}: {why}"));
+                    break;
+                }
+            }
+            let Some(why) = not_ready else { return Ok(()) };
+            if Instant::now() >= deadline {
+                return Err(HarnessError::ClusterFailed {
+                    reason: format!("not ready within {timeout:?}"),
+                    details: format!("{why}\n{}", self.log_tails()),
+                });
+            }
+            tokio::time::sleep(CLUSTER_POLL_INTERVAL).await;
+        }
+    }
+
+    /// Joins the fresh nodes with `redis-cli --cluster create`.
+    async fn create(&self, replicas: usize) -> Result<(), HarnessError> {
+        let cli = find_redis_cli().ok_or(HarnessError::NoRedis)?;
+        let mut cmd = tokio::process::Command::new(&cli);
+        cmd.arg("--cluster").arg("create");
+        cmd.args(self.addrs.iter().map(|(host, port)| format!("{host}:{port}")));
+        cmd.arg("--cluster-replicas").arg(replicas.to_string()).arg("--cluster-yes");
+        cmd.stdin(Stdio::null()).kill_on_drop(true);
+        let failed = |reason: String, details: String| HarnessError::ClusterFailed { reason, details };
+        let output = match tokio::time::timeout(CLUSTER_TIMEOUT, cmd.output()).await {
+            Ok(Ok(output)) => output,
+            Ok(Err(e)) => return Err(failed(format!("cannot run {}: {e}", cli.display()), String::new())),
+            Err(_) => {
+                return Err(failed(
+                    format!("redis-cli --cluster create took over {CLUSTER_TIMEOUT:?}"),
+                    self.log_tails(),
+                ))
+            }
+        };
+        if !output.status.success() {
+            return Err(failed(
+                format!("redis-cli --cluster create exited with {}", output.status),
+                format!(
+                    "{}{}\n{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr),
+                    self.log_tails()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Addresses of the nodes that should be up: all of an external cluster,
+    /// the running ones of a local cluster.
+    fn live_addrs(&self) -> Vec<(String, u16)> {
+        if self.nodes.is_empty() {
+            return self.addrs.clone();
+        }
+        self.nodes.iter().filter(|n| n.pid().is_some()).map(|n| (HOST.to_owned(), n.port())).collect()
+    }
+
+    /// The end of every local node's log, for errors.
+    fn log_tails(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("--- redis log of node {} ---\n{}", n.port(), log_tail(&n.log_path())))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// Why the node at `host:port` is not (yet) a healthy member of the cluster.
+async fn node_ready(host: &str, port: u16, expected: Option<Expected>) -> Result<(), String> {
+    let info = match raw_command(host, port, &["CLUSTER", "INFO"]).await {
+        Ok(Ok(text)) => text,
+        Ok(Err(e)) => return Err(format!("CLUSTER INFO: {e}")),
+        Err(e) => return Err(format!("CLUSTER INFO: {e}")),
+    };
+    let field = |name: &str| info_field(&info, name).unwrap_or_default();
+    let slots = CLUSTER_SLOTS.to_string();
+    if field("cluster_state") != "ok" {
+        return Err(format!("cluster_state:{}", field("cluster_state")));
+    }
+    for name in ["cluster_slots_assigned", "cluster_slots_ok"] {
+        if field(name) != slots {
+            return Err(format!("{name}:{}", field(name)));
+        }
+    }
+    if let Some(expected) = expected {
+        if field("cluster_known_nodes") != expected.nodes.to_string() {
+            return Err(format!(
+                "cluster_known_nodes:{} of {}",
+                field("cluster_known_nodes"),
+                expected.nodes
+            ));
+        }
+        if field("cluster_size") != expected.masters.to_string() {
+            return Err(format!("cluster_size:{} of {}", field("cluster_size"), expected.masters));
+        }
+    }
+    let repl = match raw_command(host, port, &["INFO", "replication"]).await {
+        Ok(Ok(text)) => text,
+        Ok(Err(e)) => return Err(format!("INFO replication: {e}")),
+        Err(e) => return Err(format!("INFO replication: {e}")),
+    };
+    if info_field(&repl, "role") == Some("slave") {
+        let link = info_field(&repl, "master_link_status").unwrap_or_default();
+        let syncing = info_field(&repl, "master_sync_in_progress").unwrap_or_default();
+        if link != "up" || syncing != "0" {
+            return Err(format!("replica: master_link_status:{link} master_sync_in_progress:{syncing}"));
+        }
+    }
+    Ok(())
+}
+
+/// The value of `name:value` in an INFO-style reply.
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')).map(str::trim)
+}
+
+/// `redis://ip:port` of each master with slots in a `CLUSTER NODES` reply.
+fn parse_masters(nodes: &str) -> Vec<String> {
+    let mut masters: Vec<String> = nodes
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let flags: Vec<&str> = fields.get(2)?.split(',').collect();
+            let healthy = flags.contains(&"master")
+                && !flags.iter().any(|f| matches!(*f, "fail" | "fail?" | "handshake" | "noaddr"));
+            // Fields 8.. are slot ranges; a master without any serves nothing.
+            if !healthy || fields.len() <= 8 {
+                return None;
+            }
+            // `ip:port@cport[,hostname]`
+            let addr = fields.get(1)?.split(['@', ',']).next()?;
+            Some(format!("redis://{addr}"))
+        })
+        .collect();
+    masters.sort();
+    masters
+}
+
+/// `host:port` pairs from a comma-separated list; a `redis://` prefix and a
+/// trailing `/` are allowed.
+fn parse_host_ports(list: &str) -> Result<Vec<(String, u16)>, HarnessError> {
+    let bad = |entry: &str| {
+        HarnessError::Config(format!("{CLUSTER_URLS_ENV}: {entry:?} is not host:port (in {list:?})"))
+    };
+    let addrs = list
+        .split(',')
+        .map(str::trim)
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| {
+            let addr = entry.strip_prefix("redis://").unwrap_or(entry).trim_end_matches('/');
+            let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad(entry))?;
+            let port = port.parse::<u16>().map_err(|_| bad(entry))?;
+            if host.is_empty() {
+                return Err(bad(entry));
+            }
+            Ok((host.to_owned(), port))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if addrs.is_empty() {
+        return Err(HarnessError::Config(format!("{CLUSTER_URLS_ENV} names no node")));
+    }
+    Ok(addrs)
+}
+
+/// Which Redis deployment a test runs against; see [`TestBackend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Topology {
+    /// One Redis: [`TestRedis`] (`REDIS_URL` or a local server).
+    Single,
+    /// A Redis Cluster: [`RedisCluster::start`] (`REDIS_CLUSTER_URLS` or 3
+    /// local masters).
+    Cluster,
+}
+
+impl Topology {
+    /// Both topologies, for a test that loops over them.
+    pub const ALL: [Topology; 2] = [Topology::Single, Topology::Cluster];
+
+    /// `SLUICEGATE_TEST_TOPOLOGY` (`single` or `cluster`, default `single`):
+    /// lets CI run a whole suite once per topology.
+    pub fn from_env() -> Result<Topology, HarnessError> {
+        match std::env::var(TOPOLOGY_ENV) {
+            Ok(v) if !v.trim().is_empty() => v.parse(),
+            _ => Ok(Topology::Single),
+        }
+    }
+
+    /// `"single"` or `"cluster"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Single => "single",
+            Topology::Cluster => "cluster",
+        }
+    }
+}
+
+impl std::str::FromStr for Topology {
+    type Err = HarnessError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "single" | "standalone" => Ok(Topology::Single),
+            "cluster" => Ok(Topology::Cluster),
+            other => Err(HarnessError::Config(format!(
+                "unknown topology {other:?} (in {TOPOLOGY_ENV}?): expected \"single\" or \"cluster\""
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A Redis of either [`Topology`] behind one interface, so an integration
+/// test can be written once and run against both:
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), sluicegate::testing::HarnessError> {
+/// use sluicegate::testing::{unique_namespace, TestBackend, Topology};
+///
+/// let backend = TestBackend::start(Topology::from_env()?).await?;
+/// let ns = unique_namespace("demo");
+/// let config = sluicegate::Config::new(backend.url()).namespace(&ns);
+/// // ... run producers and workers with `config` ...
+/// assert!(backend.keys_in_namespace(&ns).await?.is_empty());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct TestBackend {
+    url: String,
+    inner: BackendKind,
+}
+
+#[derive(Debug)]
+enum BackendKind {
+    Single(TestRedis),
+    Cluster(RedisCluster),
+}
+
+impl TestBackend {
+    /// A [`TestRedis`] for [`Topology::Single`], a [`RedisCluster::start`]
+    /// for [`Topology::Cluster`].
+    pub async fn start(topology: Topology) -> Result<TestBackend, HarnessError> {
+        Ok(match topology {
+            Topology::Single => {
+                let redis = TestRedis::start().await?;
+                TestBackend { url: redis.url().to_owned(), inner: BackendKind::Single(redis) }
+            }
+            Topology::Cluster => {
+                let cluster = RedisCluster::start().await?;
+                TestBackend { url: cluster.url(), inner: BackendKind::Cluster(cluster) }
+            }
+        })
+    }
+
+    /// Which topology this is.
+    pub fn topology(&self) -> Topology {
+        match self.inner {
+            BackendKind::Single(_) => Topology::Single,
+            BackendKind::Cluster(_) => Topology::Cluster,
+        }
+    }
+
+    /// The URL for [`Config::new`](crate::Config::new): `redis://...` or
+    /// `redis-cluster://...`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// All keys `<ns>:*`, on every master of a cluster; see [`keys_in_namespace`].
+    pub async fn keys_in_namespace(&self, ns: &str) -> Result<Vec<String>, HarnessError> {
+        keys_in_namespace(&self.url, ns).await
+    }
+
+    /// The single server, for [`Topology::Single`].
+    pub fn single(&self) -> Option<&TestRedis> {
+        match &self.inner {
+            BackendKind::Single(redis) => Some(redis),
+            BackendKind::Cluster(_) => None,
+        }
+    }
+
+    /// Mutable single server (e.g. to kill it), for [`Topology::Single`].
+    pub fn single_mut(&mut self) -> Option<&mut TestRedis> {
+        match &mut self.inner {
+            BackendKind::Single(redis) => Some(redis),
+            BackendKind::Cluster(_) => None,
+        }
+    }
+
+    /// The cluster, for [`Topology::Cluster`].
+    pub fn cluster(&self) -> Option<&RedisCluster> {
+        match &self.inner {
+            BackendKind::Cluster(cluster) => Some(cluster),
+            BackendKind::Single(_) => None,
+        }
+    }
+
+    /// Mutable cluster (e.g. to kill a node), for [`Topology::Cluster`].
+    pub fn cluster_mut(&mut self) -> Option<&mut RedisCluster> {
+        match &mut self.inner {
+            BackendKind::Cluster(cluster) => Some(cluster),
+            BackendKind::Single(_) => None,
+        }
+    }
+}
+
 /// A key prefix unique to one test, `t-<prefix>-<8 hex digits>`, so parallel
 /// tests sharing a server never see each other's keys.
 pub fn unique_namespace(prefix: &str) -> String {
     format!("t-{prefix}-{:08x}", rand::thread_rng().gen::<u32>())
 }
 
-/// Connects a fred [`Client`] to `url` (standalone Redis).
+/// Connects a fred [`Client`] to `url`: a standalone Redis (`redis://`), or a
+/// cluster (`redis-cluster://`, e.g. [`RedisCluster::url`]).
 pub async fn connect(url: &str) -> Result<Client, HarnessError> {
     let client = Builder::from_config(Config::from_url(url)?).build()?;
     client.init().await?;
     Ok(client)
 }
 
-/// All keys named `<ns>:*` on the (standalone) server at `url`, via `SCAN`.
-/// Names that are not UTF-8 are converted lossily.
+/// All keys named `<ns>:*` at `url`, via `SCAN`: on the server of a
+/// `redis://` URL, or on every master of a `redis-cluster://` URL (such as
+/// [`RedisCluster::url`]). Names that are not UTF-8 are converted lossily.
 pub async fn keys_in_namespace(url: &str, ns: &str) -> Result<Vec<String>, HarnessError> {
     let client = connect(url).await?;
     let pattern = format!("{}:*", escape_glob(ns));
     let mut keys = Vec::new();
     let mut cursor = String::from("0");
     let result = async {
+        if client.is_clustered() {
+            // SCAN on each primary of fred's (fresh) view of the cluster.
+            let found: Vec<Key> =
+                client.scan_cluster_buffered(pattern.clone(), Some(1000), None).try_collect().await?;
+            keys.extend(found.iter().map(|key| String::from_utf8_lossy(key.as_bytes()).into_owned()));
+            return Ok(());
+        }
         loop {
             let (next, page): (String, Vec<Bytes>) =
                 client.scan_page(cursor.clone(), pattern.clone(), Some(1000), None).await?;
@@ -521,6 +1112,28 @@ pub async fn keys_in_namespace(url: &str, ns: &str) -> Result<Vec<String>, Harne
     // Close the connection even when the scan failed.
     let _ = client.quit().await;
     result.map(|()| keys)
+}
+
+/// How many times the server at `url` (`redis://`, one node) has run each
+/// command since its start or last `CONFIG RESETSTAT`, from `INFO
+/// commandstats`: lower-case name (`fcall`, `brpop`, `client|setname`) to
+/// `calls`. Commands run inside scripts and functions are counted too.
+pub async fn command_calls(url: &str) -> Result<BTreeMap<String, u64>, HarnessError> {
+    let client = connect(url).await?;
+    let info: Result<String, _> = client.info(Some(InfoKind::CommandStats)).await;
+    let _ = client.quit().await;
+    Ok(parse_commandstats(&info?))
+}
+
+/// `cmdstat_<name>:calls=<n>,usec=...` lines to `name -> n`.
+fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = stats.split(',').find_map(|kv| kv.strip_prefix("calls="))?.parse().ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect()
 }
 
 /// Escapes the glob characters of `MATCH` so a namespace matches literally.
@@ -545,6 +1158,20 @@ fn find_redis_server() -> Option<PathBuf> {
     std::env::split_paths(&path).map(|dir| dir.join("redis-server")).find(|bin| bin.is_file())
 }
 
+/// `REDIS_CLI_BIN` if set, else `redis-cli` next to the `redis-server` in use,
+/// else `redis-cli` on `PATH`.
+fn find_redis_cli() -> Option<PathBuf> {
+    if let Some(bin) = std::env::var_os("REDIS_CLI_BIN").filter(|bin| !bin.is_empty()) {
+        return Some(bin.into());
+    }
+    let sibling = find_redis_server().and_then(|server| Some(server.parent()?.join("redis-cli")));
+    if let Some(cli) = sibling.filter(|cli| cli.is_file()) {
+        return Some(cli);
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join("redis-cli")).find(|bin| bin.is_file())
+}
+
 /// A fresh directory under the system temp dir, unique to this server.
 fn make_temp_dir() -> io::Result<PathBuf> {
     loop {
@@ -562,21 +1189,47 @@ fn make_temp_dir() -> io::Result<PathBuf> {
     }
 }
 
+/// Ports (client and cluster bus) held by the live [`RedisServer`]s of this
+/// process, including servers that are killed and will be restarted on the
+/// same port. Parallel tests run in one process, so this stops one test from
+/// picking a port (or a bus port) of another test's server, e.g. while that
+/// server is down between a kill and a restart.
+static RESERVED_PORTS: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+fn reserved_ports() -> std::sync::MutexGuard<'static, BTreeSet<u16>> {
+    RESERVED_PORTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A random port in [`PORT_RANGE`] that can be bound right now, along with its
-/// cluster bus port. We pick it ourselves rather than binding port 0 because
+/// cluster bus port; both are reserved (see [`RESERVED_PORTS`]) until
+/// [`release_port`]. We pick it ourselves rather than binding port 0 because
 /// the OS hands out ports from the ephemeral range, which may exceed 55535
-/// and is shared with outgoing connections. Someone may still take the port
-/// before redis binds it; callers retry with another port then.
+/// and is shared with outgoing connections. Another process may still take
+/// the port before redis binds it; callers retry with another port then.
 fn free_port() -> io::Result<u16> {
     let mut rng = rand::thread_rng();
+    let mut reserved = reserved_ports();
     for _ in 0..100 {
         let port = rng.gen_range(PORT_RANGE);
+        let bus = port + CLUSTER_BUS_OFFSET;
+        if reserved.contains(&port) || reserved.contains(&bus) {
+            continue;
+        }
         let bindable = |p: u16| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok();
-        if bindable(port) && bindable(port + CLUSTER_BUS_OFFSET) {
+        if bindable(port) && bindable(bus) {
+            reserved.insert(port);
+            reserved.insert(bus);
             return Ok(port);
         }
     }
     Err(io::Error::new(io::ErrorKind::AddrInUse, format!("no free port found in {PORT_RANGE:?}")))
+}
+
+/// Undoes the reservation of [`free_port`].
+fn release_port(port: u16) {
+    let mut reserved = reserved_ports();
+    reserved.remove(&port);
+    reserved.remove(&(port + CLUSTER_BUS_OFFSET));
 }
 
 /// Asks whoever listens on `port` for `PING` and its process id. Returns the
@@ -612,6 +1265,49 @@ async fn probe(port: u16) -> Option<u32> {
     }
 }
 
+/// Sends one command on a fresh connection to `host:port` and returns the
+/// reply as text (a simple or bulk string, or an integer); a Redis error
+/// reply is `Ok(Err(message))`. A tiny RESP client for health probes, where
+/// a fred client (with its own connection management) would be overkill.
+async fn raw_command(host: &str, port: u16, args: &[&str]) -> io::Result<Result<String, String>> {
+    let exchange = async {
+        let mut request = format!("*{}\r\n", args.len()).into_bytes();
+        for arg in args {
+            request.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+            request.extend_from_slice(arg.as_bytes());
+            request.extend_from_slice(b"\r\n");
+        }
+        let mut stream = TcpStream::connect((host, port)).await?;
+        stream.write_all(&request).await?;
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        reader.read_line(&mut line).await?;
+        let line = line.trim_end_matches(['\r', '\n']);
+        let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("unexpected reply {line:?}"));
+        let mut chars = line.chars();
+        let kind = chars.next().ok_or_else(bad)?;
+        let rest = chars.as_str();
+        match kind {
+            '+' | ':' => Ok(Ok(rest.to_owned())),
+            '-' => Ok(Err(rest.to_owned())),
+            '$' => {
+                let len: i64 = rest.parse().map_err(|_| bad())?;
+                let Ok(len) = usize::try_from(len) else {
+                    return Ok(Ok(String::new())); // $-1: nil
+                };
+                let mut body = vec![0; len + 2];
+                reader.read_exact(&mut body).await?;
+                body.truncate(len);
+                Ok(Ok(String::from_utf8_lossy(&body).into_owned()))
+            }
+            _ => Err(bad()),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(2), exchange).await.map_err(|_| {
+        io::Error::new(io::ErrorKind::TimedOut, format!("no reply from {host}:{port} within 2 s"))
+    })?
+}
+
 /// The log written since byte `offset`, i.e. by the latest run.
 fn read_log_from(path: &Path, offset: u64) -> String {
     let mut buf = Vec::new();
@@ -640,7 +1336,7 @@ fn log_tail(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fred::prelude::ClientLike;
+    use fred::prelude::{ClientLike, ServerInterface};
 
     /// PING through fred, proving the URL works for a real client too.
     async fn ping(url: &str) -> Result<String, HarnessError> {
@@ -773,6 +1469,167 @@ mod tests {
         assert!(keys_in_namespace(redis.url(), &ns).await?.is_empty());
         client.quit().await?;
         Ok(())
+    }
+
+    /// The masters holding at least one of `keys`, by `DBSIZE` on each.
+    async fn masters_with_keys(cluster: &RedisCluster) -> Result<usize, HarnessError> {
+        let mut with_keys = 0;
+        for url in cluster.masters().await? {
+            let client = connect(&url).await?;
+            let size: u64 = client.dbsize().await?;
+            client.quit().await?;
+            with_keys += usize::from(size > 0);
+        }
+        Ok(with_keys)
+    }
+
+    #[tokio::test]
+    async fn two_clusters_form_in_parallel_and_keys_are_scanned_on_every_master() -> Result<(), HarnessError>
+    {
+        let (a, b) = tokio::join!(RedisCluster::builder().start(), RedisCluster::builder().start());
+        let (a, b) = (a?, b?);
+        let ports = |c: &RedisCluster| c.urls().into_iter().collect::<BTreeSet<_>>();
+        assert!(ports(&a).is_disjoint(&ports(&b)), "{:?} / {:?}", a.urls(), b.urls());
+        for cluster in [&a, &b] {
+            assert!(!cluster.is_external());
+            assert_eq!(cluster.urls().len(), 3);
+            let mut urls = cluster.urls();
+            urls.sort();
+            assert_eq!(cluster.masters().await?, urls);
+            let addrs: Vec<String> =
+                cluster.urls().iter().map(|u| u.trim_start_matches("redis://").to_owned()).collect();
+            let expected = format!("redis-cluster://{}?node={}&node={}", addrs[0], addrs[1], addrs[2]);
+            assert_eq!(cluster.url(), expected);
+        }
+
+        let ns = unique_namespace("cscan");
+        let client = connect(&a.url()).await?;
+        assert!(client.is_clustered());
+        for i in 0..300 {
+            let () = client.set(format!("{ns}:k{i}"), i, None, None, false).await?;
+        }
+        let value: Option<i64> = client.get(format!("{ns}:k299")).await?;
+        assert_eq!(value, Some(299));
+        client.quit().await?;
+        let keys = keys_in_namespace(&a.url(), &ns).await?;
+        assert_eq!(keys.len(), 300);
+        assert_eq!(masters_with_keys(&a).await?, 3, "300 keys spread over all 3 masters");
+        assert!(keys_in_namespace(&b.url(), &ns).await?.is_empty());
+        // On one node only, the scan sees that node's share.
+        let one = keys_in_namespace(&a.urls()[0], &ns).await?;
+        assert!(!one.is_empty() && one.len() < 300, "{}", one.len());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_killed_master_rejoins_after_restart() -> Result<(), HarnessError> {
+        let mut cluster = RedisCluster::builder().start().await?;
+        let before = cluster.masters().await?;
+        let node = cluster.node_mut(1).ok_or(HarnessError::NoRedis)?;
+        let port = node.port();
+        node.kill()?;
+        assert!(cluster.masters().await.is_ok(), "the other nodes still answer");
+        let node = cluster.node_mut(1).ok_or(HarnessError::NoRedis)?;
+        node.restart().await?;
+        assert_eq!(node.port(), port);
+        cluster.wait_until_ok(Duration::from_secs(20)).await?;
+        assert_eq!(cluster.masters().await?, before, "same masters: it kept its slots via nodes.conf");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_replica_takes_over_a_killed_master_which_rejoins_as_replica() -> Result<(), HarnessError> {
+        let mut cluster = RedisCluster::builder().replicas_per_master(1).start().await?;
+        assert_eq!(cluster.urls().len(), 6);
+        let masters = cluster.masters().await?;
+        assert_eq!(masters.len(), 3);
+        let victim = cluster.urls().iter().position(|u| *u == masters[0]).ok_or(HarnessError::NoRedis)?;
+        cluster.node_mut(victim).ok_or(HarnessError::NoRedis)?.kill()?;
+        // Failover takes the node timeout (2 s) plus an election.
+        cluster.wait_until_ok(Duration::from_secs(20)).await?;
+        let after = cluster.masters().await?;
+        assert_eq!(after.len(), 3, "{after:?}");
+        assert!(!after.contains(&masters[0]), "{after:?}");
+
+        cluster.node_mut(victim).ok_or(HarnessError::NoRedis)?.restart().await?;
+        cluster.wait_until_ok(Duration::from_secs(20)).await?;
+        assert_eq!(cluster.masters().await?, after, "the old master came back as a replica");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn backend_serves_either_topology() -> Result<(), HarnessError> {
+        for topology in Topology::ALL {
+            let backend = TestBackend::start(topology).await?;
+            assert_eq!(backend.topology(), topology);
+            assert_eq!(backend.cluster().is_some(), topology == Topology::Cluster);
+            assert_eq!(backend.single().is_some(), topology == Topology::Single);
+            let ns = unique_namespace("backend");
+            let client = connect(backend.url()).await?;
+            assert_eq!(client.is_clustered(), topology == Topology::Cluster, "{}", backend.url());
+            let keys: Vec<String> = (0..20).map(|i| format!("{ns}:{i}")).collect();
+            for key in &keys {
+                let () = client.set(key.as_str(), 1, None, None, false).await?;
+            }
+            let mut found = backend.keys_in_namespace(&ns).await?;
+            found.sort();
+            let mut expected = keys.clone();
+            expected.sort();
+            assert_eq!(found, expected, "{topology}");
+            for key in keys {
+                let _: i64 = client.del(key).await?;
+            }
+            client.quit().await?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn topology_names_parse() {
+        assert_eq!("cluster".parse::<Topology>().ok(), Some(Topology::Cluster));
+        assert_eq!(" Single ".parse::<Topology>().ok(), Some(Topology::Single));
+        assert!("sentinel".parse::<Topology>().is_err());
+        assert_eq!(Topology::Cluster.to_string(), "cluster");
+    }
+
+    #[test]
+    fn host_port_lists_parse() -> Result<(), HarnessError> {
+        assert_eq!(
+            parse_host_ports("10.0.0.1:7000, redis://node-b:7001/ ,")?,
+            vec![("10.0.0.1".to_owned(), 7000), ("node-b".to_owned(), 7001)]
+        );
+        assert!(parse_host_ports("host").is_err());
+        assert!(parse_host_ports(":7000").is_err());
+        assert!(parse_host_ports("h:99999").is_err());
+        assert!(parse_host_ports(" , ").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn cluster_nodes_reply_gives_healthy_masters_with_slots() {
+        let reply = "\
+a1 127.0.0.1:30002@40002,host-b master - 0 1 2 connected 5461-10922
+a2 127.0.0.1:30001@40001 myself,master - 0 0 1 connected 0-5460
+a3 127.0.0.1:30003@40003 master,fail - 0 1 3 disconnected 10923-16383
+a4 127.0.0.1:30004@40004 slave a1 0 1 2 connected
+a5 127.0.0.1:30005@40005 master - 0 1 5 connected 10923-16383
+a6 127.0.0.1:30006@40006 master - 0 1 0 connected
+";
+        assert_eq!(
+            parse_masters(reply),
+            ["redis://127.0.0.1:30001", "redis://127.0.0.1:30002", "redis://127.0.0.1:30005"]
+        );
+    }
+
+    #[test]
+    fn commandstats_parse() {
+        let info = "# Commandstats\r\n\
+                    cmdstat_fcall:calls=12,usec=340,usec_per_call=28.33,rejected_calls=0,failed_calls=1\r\n\
+                    cmdstat_client|setname:calls=3,usec=1\r\n";
+        let calls = parse_commandstats(info);
+        assert_eq!(calls.get("fcall"), Some(&12));
+        assert_eq!(calls.get("client|setname"), Some(&3));
+        assert_eq!(calls.len(), 2);
     }
 
     #[test]

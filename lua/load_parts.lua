@@ -1,0 +1,24 @@
+-- load_parts: add a chunk of parts to a request that is loading (between submit_open and
+-- submit_commit). One call per chunk of parts is far cheaper than one XADD per part.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the submission nonce given to submit_open   ARGV[2] index of the first part
+-- ARGV[3..] payloads
+-- Returns how many parts the stream holds. Parts already there (a call re-sent after a
+-- reconnect) are skipped. Errors "SGSTATE ..." when the request is not this producer's loading
+-- request (its loading ttl ran out, and maybe another producer took the id).
+local function load_parts(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce')
+  if m[1] ~= 'loading' or m[2] ~= args[1] then
+    return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  local have = redis.call('XLEN', keys[2])
+  local first = tonumber(args[2])
+  if first > have then
+    return redis.error_reply('SGGAP parts from index ' .. have .. ' are missing before index ' .. first)
+  end
+  for i = 3, #args do
+    local index = first + i - 3
+    if index >= have then redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i]) end
+  end
+  return redis.call('XLEN', keys[2])
+end
