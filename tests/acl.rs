@@ -5,6 +5,8 @@
 
 mod support;
 
+const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Single;
+
 use std::time::Duration;
 
 use fred::prelude::*;

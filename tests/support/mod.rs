@@ -8,14 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluicegate::testing::{unique_namespace, TestRedis};
+use sluicegate::testing::{unique_namespace, TestBackend};
 use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Quantum, Worker};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// A test's own Redis (or REDIS_URL's) and a namespace no other test uses.
+/// A test's own Redis (or REDIS_URL's), single or a cluster as the test crate's `TOPOLOGY` says,
+/// and a namespace no other test uses.
 pub struct Env {
-    pub redis: TestRedis,
+    pub redis: TestBackend,
     pub config: Config,
 }
 
@@ -26,7 +27,7 @@ pub async fn env(name: &str) -> Env {
         )
         .with_test_writer()
         .try_init();
-    let redis = TestRedis::start().await.unwrap_or_else(|e| panic!("{e}"));
+    let redis = TestBackend::start(crate::TOPOLOGY).await.unwrap_or_else(|e| panic!("{e}"));
     let config = Config::new(redis.url())
         .namespace(unique_namespace(name))
         .lease(Duration::from_secs(5))

@@ -1,0 +1,188 @@
+// The body of tests/admin.rs and tests/admin_cluster.rs: written once, run against a single
+// Redis and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sluicegate::{
+    async_trait, Admin, Cancelled, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState,
+};
+use support::{env, start_worker, Job, Probe};
+
+fn fast(config: &sluicegate::Config) -> sluicegate::Config {
+    config
+        .clone()
+        .lease(Duration::from_millis(800))
+        .heartbeat(Duration::from_millis(100))
+        .recovery_interval(Duration::from_millis(200))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_counts_errors_and_timings() {
+    let env = env("status").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let parts = (0..6).map(|n| Job { n, sleep_ms: 0, fail: n % 3 == 0 });
+    let h = producer.request().priority(70).unwrap().concurrency(2).unwrap().submit(parts).await.unwrap();
+    let queued = admin.status(h.id()).await.unwrap();
+    assert_eq!(
+        (queued.state, queued.total, queued.done, queued.priority, queued.concurrency),
+        (RequestState::Queued, 6, 0, 70, 2)
+    );
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    h.wait::<u64>().await.unwrap();
+    let s = admin.status(h.id()).await.unwrap();
+    assert_eq!((s.state, s.done, s.failed, s.running), (RequestState::Failed, 6, 2, 0));
+    assert_eq!(s.errors.iter().map(|e| e.index).collect::<Vec<_>>(), [0, 3]);
+    assert!(s.started_ms.is_some() && s.finished_ms >= s.started_ms && s.started_ms >= Some(s.created_ms));
+    let err = admin.status(&sluicegate::RequestId::new("nope").unwrap()).await.unwrap_err();
+    assert!(matches!(err, sluicegate::Error::UnknownRequest(_)), "{err}");
+    w.stop().await;
+}
+
+/// Records starts, and whether a running handler saw its context cancelled.
+#[derive(Clone, Default)]
+struct Watcher {
+    starts: Arc<Mutex<Vec<Instant>>>,
+    saw_cancel: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Handler for Watcher {
+    type Input = Job;
+    type Output = u64;
+    async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        self.starts.lock().unwrap().push(Instant::now());
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(job.sleep_ms)) => Ok(job.n),
+            _ = ctx.cancelled().cancelled() => {
+                self.saw_cancel.store(true, Ordering::SeqCst);
+                Err(HandlerError::new("cancelled"))
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_mid_run_stops_new_starts_signals_running_handlers_and_records_once() {
+    let env = env("cancel").await;
+    let config = fast(&env.config);
+    let mut listener = Listener::connect(&config).await.unwrap();
+    let watcher = Watcher::default();
+    let w = start_worker(&config, watcher.clone(), 2, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    // The first parts run long, so a handler is surely running when the cancel lands.
+    let parts = (0..40).map(|n| Job::sleeping(n, if n < 2 { 3_000 } else { 50 }));
+    let h = producer.request().concurrency(2).unwrap().submit(parts).await.unwrap();
+    while watcher.starts.lock().unwrap().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(h.cancel().await.unwrap(), Cancelled::Now);
+    let cancelled_at = Instant::now();
+    assert_eq!(h.cancel().await.unwrap(), Cancelled::AlreadyFinished(RequestState::Cancelled));
+
+    let done = h.wait::<u64>().await.unwrap();
+    assert_eq!(done.state, RequestState::Cancelled);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(watcher.saw_cancel.load(Ordering::SeqCst), "running handlers see their context cancelled");
+    let late = watcher.starts.lock().unwrap().iter().filter(|t| **t > cancelled_at).count();
+    assert_eq!(late, 0, "no handler starts after the cancel");
+    let event = tokio::time::timeout(Duration::from_secs(5), listener.next()).await.unwrap().unwrap();
+    assert_eq!((event.id.as_str(), event.state), (h.id().as_str(), RequestState::Cancelled));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), listener.next()).await.is_err(),
+        "one event only"
+    );
+    w.stop().await;
+}
+
+/// Fails index 1 permanently while `broken` is set.
+#[derive(Clone)]
+struct Fragile {
+    broken: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Handler for Fragile {
+    type Input = Job;
+    type Output = u64;
+    async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        if ctx.index() == 1 && self.broken.load(Ordering::SeqCst) {
+            return Err(HandlerError::permanent("broken"));
+        }
+        Ok(job.n * 2)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeued_dead_letters_complete_a_failed_request() {
+    let env = env("requeue").await;
+    let config = fast(&env.config);
+    let broken = Arc::new(AtomicBool::new(true));
+    let w = start_worker(&config, Fragile { broken: broken.clone() }, 2, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = Admin::connect(&config).await.unwrap();
+    let h = producer.request().concurrency(2).unwrap().submit((0..4).map(Job::new)).await.unwrap();
+    let first = h.wait::<u64>().await.unwrap();
+    assert_eq!(first.state, RequestState::Failed);
+
+    broken.store(false, Ordering::SeqCst);
+    assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let done = loop {
+        if let Some(done) = h.try_completion::<u64>().await.unwrap() {
+            if done.state == RequestState::Completed {
+                break done;
+            }
+        }
+        assert!(Instant::now() < deadline, "the requeued request did not complete");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6]);
+    assert_eq!(admin.status(h.id()).await.unwrap().failed, 0);
+    let err = admin.requeue_dead(h.id()).await.unwrap_err();
+    assert!(err.to_string().contains("no dead letters"), "{err}");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
+    let env = env("stats").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let a = producer
+        .request()
+        .priority(80)
+        .unwrap()
+        .concurrency(3)
+        .unwrap()
+        .submit((0..5).map(Job::new))
+        .await
+        .unwrap();
+    let b = producer
+        .request()
+        .priority(20)
+        .unwrap()
+        .concurrency(2)
+        .unwrap()
+        .submit((0..5).map(Job::new))
+        .await
+        .unwrap();
+    let s = admin.stats().await.unwrap();
+    let waiting: Vec<(u8, u64)> = s.tokens_waiting.iter().map(|p| (p.priority, p.tokens)).collect();
+    assert_eq!(waiting, [(80, 3), (20, 2)]);
+    assert_eq!((s.active_requests, s.workers.len()), (2, 0));
+
+    let w = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
+    a.wait::<u64>().await.unwrap();
+    b.wait::<u64>().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let s = admin.stats().await.unwrap();
+    assert_eq!(s.active_requests, 0);
+    assert_eq!(s.workers.iter().map(|w| w.slots).collect::<Vec<_>>(), [3]);
+    w.stop().await;
+    assert!(admin.stats().await.unwrap().workers.is_empty(), "a stopped worker unregisters");
+}

@@ -1,0 +1,327 @@
+// The body of tests/core.rs and tests/core_cluster.rs: written once, run against a single
+// Redis and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+
+use std::time::{Duration, Instant};
+
+use sluicegate::testing::keys_in_namespace;
+use sluicegate::{Error, Listener, Producer, Quantum, RequestState};
+use support::{env, start_worker, Job, Probe};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_requests_finish_in_order_and_reach_but_never_exceed_their_limits() {
+    let env = env("fifty").await;
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 8, time: Duration::from_millis(100) };
+    let a = start_worker(&env.config, probe.clone(), 8, quantum).await;
+    let b = start_worker(&env.config, probe.clone(), 8, quantum).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+
+    let mut handles = Vec::new();
+    for r in 0..50u64 {
+        let limit = 1 + (r % 5) as u32;
+        let parts = (0..100).map(|i| Job::sleeping(r * 1000 + i, 2));
+        let h = producer.request().concurrency(limit).unwrap().submit(parts).await.unwrap();
+        handles.push((h, limit, r));
+    }
+    for (h, limit, r) in &handles {
+        let done = h.wait_timeout::<u64>(Duration::from_secs(120)).await.unwrap();
+        assert_eq!(done.state, RequestState::Completed);
+        let outputs = done.into_outputs().unwrap();
+        let expected: Vec<u64> = (0..100).map(|i| (r * 1000 + i) * 2).collect();
+        assert_eq!(outputs, expected, "results of request {r} out of order or wrong");
+        let max = probe.max_concurrency(h.id().as_str());
+        assert!(max <= *limit, "request {r}: {max} handlers ran at once, limit {limit}");
+        assert_eq!(
+            max, *limit,
+            "request {r} never reached its limit {limit}: the test could not see a violation"
+        );
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slot_runs_every_part_of_the_highest_priority_first() {
+    let env = env("prio").await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let mut ids = Vec::new();
+    // Queued before any worker exists, lowest first, so submission order cannot explain the result.
+    for p in [10u8, 50, 90] {
+        let h = producer
+            .request()
+            .priority(p)
+            .unwrap()
+            .concurrency(2)
+            .unwrap()
+            .submit((0..5).map(Job::new))
+            .await
+            .unwrap();
+        ids.push(h);
+    }
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 1, Quantum::default()).await;
+    for h in &ids {
+        h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    }
+    w.stop().await;
+    let order: Vec<String> = probe.starts().into_iter().map(|(id, _)| id).collect();
+    let expected: Vec<String> = [&ids[2], &ids[1], &ids[0]]
+        .iter()
+        .flat_map(|h| std::iter::repeat(h.id().to_string()).take(5))
+        .collect();
+    assert_eq!(order, expected, "parts must run highest priority first");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_urgent_request_gets_the_next_free_slot_within_one_quantum() {
+    let env = env("preempt").await;
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 5, time: Duration::from_secs(10) };
+    let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let huge = producer
+        .request()
+        .priority(1)
+        .unwrap()
+        .concurrency(1)
+        .unwrap()
+        .submit((0..2_000).map(|i| Job::sleeping(i, 2)))
+        .await
+        .unwrap();
+    // Let the huge request get going.
+    while probe.starts().len() < 20 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = probe.starts().len();
+    let urgent = producer.request().priority(99).unwrap().submit((0..3).map(Job::new)).await.unwrap();
+    urgent.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let starts = probe.starts();
+    let first_urgent = starts.iter().position(|(id, _)| id == urgent.id().as_str()).unwrap();
+    let huge_parts_in_between = first_urgent - before;
+    assert!(
+        huge_parts_in_between <= quantum.parts as usize,
+        "{huge_parts_in_between} low-priority parts started before the urgent one; quantum is {}",
+        quantum.parts
+    );
+    drop(huge);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_sizes_one_part_a_hundred_thousand_parts_and_a_ten_megabyte_part() {
+    let env = env("sizes").await;
+    let w = start_worker(&env.config, Probe::default(), 8, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+
+    let one = producer.request().submit([Job::new(21)]).await.unwrap();
+    assert_eq!(one.wait::<u64>().await.unwrap().into_outputs().unwrap(), [42]);
+
+    let started = Instant::now();
+    let many = producer.request().concurrency(8).unwrap().submit((0..100_000).map(Job::new)).await.unwrap();
+    let submitted = started.elapsed();
+    let done = many.wait_timeout::<u64>(Duration::from_secs(300)).await.unwrap();
+    let outputs = done.into_outputs().unwrap();
+    assert_eq!(outputs.len(), 100_000);
+    assert!(outputs.iter().enumerate().all(|(i, &o)| o == 2 * i as u64));
+    eprintln!("100,000 parts: submitted in {submitted:?}, completed in {:?}", started.elapsed());
+    w.stop().await;
+
+    // A 10 MB part, with a handler that answers with its length.
+    struct Len;
+    #[sluicegate::async_trait]
+    impl sluicegate::Handler for Len {
+        type Input = serde_bytes_compat::Blob;
+        type Output = usize;
+        async fn handle(
+            &self,
+            _: sluicegate::Context,
+            b: Self::Input,
+        ) -> Result<usize, sluicegate::HandlerError> {
+            Ok(b.0.len())
+        }
+    }
+    let w = start_worker(&env.config, Len, 1, Quantum::default()).await;
+    let big = serde_bytes_compat::Blob(vec![7u8; 10 * 1024 * 1024]);
+    let h = producer.request().submit([big]).await.unwrap();
+    assert_eq!(h.wait::<usize>().await.unwrap().into_outputs().unwrap(), [10 * 1024 * 1024]);
+    w.stop().await;
+}
+
+/// A byte blob that MessagePack stores as binary (not an array of integers).
+mod serde_bytes_compat {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    pub struct Blob(pub Vec<u8>);
+    impl Serialize for Blob {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(&self.0)
+        }
+    }
+    impl<'de> Deserialize<'de> for Blob {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl serde::de::Visitor<'_> for V {
+                type Value = Blob;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("bytes")
+                }
+                fn visit_bytes<E>(self, v: &[u8]) -> Result<Blob, E> {
+                    Ok(Blob(v.to_vec()))
+                }
+                fn visit_byte_buf<E>(self, v: Vec<u8>) -> Result<Blob, E> {
+                    Ok(Blob(v))
+                }
+            }
+            d.deserialize_byte_buf(V)
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_part_is_recorded_and_the_request_ends_failed() {
+    let env = env("fail").await;
+    let w = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let parts = (0..4).map(|n| Job { n, sleep_ms: 0, fail: n == 2 });
+    let done = producer.request().submit(parts).await.unwrap().wait::<u64>().await.unwrap();
+    assert_eq!(done.state, RequestState::Failed);
+    assert_eq!(done.results[0], Ok(0));
+    assert_eq!(done.results[1], Ok(2));
+    assert_eq!(done.results[2].as_ref().unwrap_err().message, "job 2 failed on purpose");
+    assert_eq!(done.results[3], Ok(6));
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_is_recorded_and_the_worker_keeps_going() {
+    struct Panics;
+    #[sluicegate::async_trait]
+    impl sluicegate::Handler for Panics {
+        type Input = u32;
+        type Output = u32;
+        async fn handle(&self, _: sluicegate::Context, n: u32) -> Result<u32, sluicegate::HandlerError> {
+            assert!(n != 1, "part one panics");
+            Ok(n)
+        }
+    }
+    let env = env("panic").await;
+    let w = start_worker(&env.config, Panics, 1, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let done = producer.request().submit([0u32, 1, 2]).await.unwrap().wait::<u32>().await.unwrap();
+    assert_eq!(done.state, RequestState::Failed);
+    assert!(done.results[1].as_ref().unwrap_err().message.contains("part one panics"));
+    let again = producer.request().submit([5u32]).await.unwrap().wait::<u32>().await.unwrap();
+    assert_eq!(again.into_outputs().unwrap(), [5], "the worker survived the panic");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn awkward_ids_work_and_bad_ids_and_duplicates_are_refused_clearly() {
+    let env = env("ids").await;
+    let w = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let long = "L".repeat(512);
+    for id in ["a{b}c", "}{", "x:y:z", "with spaces", "März ✓ 数据", "%41", "a|b|1", long.as_str()] {
+        let h = producer.request().id(id).unwrap().submit([Job::new(1)]).await.unwrap();
+        assert_eq!(h.id().as_str(), id);
+        assert_eq!(h.wait::<u64>().await.unwrap().into_outputs().unwrap(), [2], "id {id:?}");
+    }
+    let err = producer.request().id("x".repeat(10 * 1024)).err().expect("10 KB id refused");
+    assert!(matches!(err, Error::InvalidRequestId(_)), "{err}");
+    assert!(err.to_string().contains("at most 512 bytes"), "{err}");
+
+    let err =
+        producer.request().id("a{b}c").unwrap().submit([Job::new(1)]).await.err().expect("duplicate refused");
+    assert!(matches!(err, Error::DuplicateRequestId(_)), "{err}");
+    assert!(err.to_string().contains("already in use"), "{err}");
+
+    let err = producer.request().priority(100).err().expect("priority 100 refused");
+    assert!(err.to_string().contains("0 (lowest) to 99"), "{err}");
+    let err = producer.request().concurrency(0).err().expect("concurrency 0 refused");
+    assert!(err.to_string().contains("concurrency 0"), "{err}");
+    let err = producer.request().submit(Vec::<Job>::new()).await.err().expect("empty request refused");
+    assert!(err.to_string().contains("at least one part"), "{err}");
+
+    let err = producer
+        .handle(sluicegate::RequestId::new("never-submitted").unwrap())
+        .wait::<u64>()
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, Error::UnknownRequest(_)), "{err}");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_after_completion_returns_the_same_results_and_listeners_see_each_completion_once() {
+    let env = env("listen").await;
+    let mut first = Listener::connect(&env.config).await.unwrap();
+    let mut second = Listener::connect(&env.config).await.unwrap();
+    let w = start_worker(&env.config, Probe::default(), 4, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let mut handles = Vec::new();
+    for r in 0..10u64 {
+        handles.push(
+            producer
+                .request()
+                .concurrency(2)
+                .unwrap()
+                .submit((0..10).map(|i| Job::new(r * 10 + i)))
+                .await
+                .unwrap(),
+        );
+    }
+    let mut results = Vec::new();
+    for h in &handles {
+        results.push(h.wait::<u64>().await.unwrap().into_outputs().unwrap());
+    }
+    for (h, before) in handles.iter().zip(&results) {
+        let again = producer.handle(h.id().clone()).wait::<u64>().await.unwrap().into_outputs().unwrap();
+        assert_eq!(&again, before);
+    }
+    for listener in [&mut first, &mut second] {
+        let mut seen = Vec::new();
+        for _ in 0..handles.len() {
+            let event =
+                tokio::time::timeout(Duration::from_secs(10), listener.next()).await.unwrap().unwrap();
+            assert_eq!(event.state, RequestState::Completed);
+            seen.push(event.id);
+        }
+        let mut expected: Vec<_> = handles.iter().map(|h| h.id().clone()).collect();
+        seen.sort();
+        expected.sort();
+        assert_eq!(seen, expected, "each completion exactly once");
+        let extra = tokio::time::timeout(Duration::from_millis(300), listener.next()).await;
+        assert!(extra.is_err(), "no duplicate completion: {extra:?}");
+    }
+    // A listener that starts late replays what is retained.
+    let mut late = Listener::from_beginning(&env.config).await.unwrap();
+    for _ in 0..handles.len() {
+        tokio::time::timeout(Duration::from_secs(5), late.next()).await.unwrap().unwrap();
+    }
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_left_in_the_namespace_once_retention_has_passed() {
+    let env = env("leak").await;
+    let config = env.config.clone().retention(Duration::from_secs(1));
+    let w = start_worker(&config, Probe::default(), 4, Quantum { parts: 3, time: Duration::from_millis(50) })
+        .await;
+    let producer = Producer::connect(&config).await.unwrap();
+    for r in 0..5u64 {
+        let parts = (0..20).map(|i| Job { n: r + i, sleep_ms: 1, fail: i == 7 });
+        let h = producer.request().concurrency(3).unwrap().submit(parts).await.unwrap();
+        h.wait::<u64>().await.unwrap();
+    }
+    w.stop().await;
+    let ns = config.namespace_str().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let keys = keys_in_namespace(env.redis.url(), &ns).await.unwrap();
+        if keys.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "keys left after retention: {keys:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
