@@ -140,11 +140,8 @@ impl Bench {
         config: &Config,
         handler: Noop,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        let worker = Worker::builder(config, handler)
-            .slots(SLOTS)
-            .quantum(Quantum { parts: 64, time: Duration::from_millis(50) })
-            .build()
-            .await?;
+        let worker =
+            Worker::builder(config, handler).slots(SLOTS).quantum(Quantum::default()).build().await?;
         let stop = CancellationToken::new();
         let signal = stop.clone();
         Ok((stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await }))))
@@ -193,10 +190,9 @@ impl Bench {
         let started = Instant::now();
         producer.request().submit((0..parts).map(|_| PAYLOAD)).await?;
         let elapsed = started.elapsed();
-        let row = Row::new("submit_large", parts)
-            .rate(elapsed)
-            .cost(before, stats(&self.redis).await?)
-            .note(format!("one request, 16-byte parts, parts made lazily; bench process peak RSS {}", peak_rss()));
+        let row = Row::new("submit_large", parts).rate(elapsed).cost(before, stats(&self.redis).await?).note(
+            format!("one request, 16-byte parts, parts made lazily; bench process peak RSS {}", peak_rss()),
+        );
         self.drop_namespace(&config).await?;
         Ok(vec![row])
     }
@@ -480,7 +476,9 @@ fn print_ratios(rows: &[Row]) {
 fn peak_rss() -> String {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l["VmHWM:".len()..].trim().to_owned()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l["VmHWM:".len()..].trim().to_owned())
+        })
         .unwrap_or_else(|| "unknown".into())
 }
 

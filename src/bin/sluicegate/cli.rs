@@ -30,7 +30,7 @@ pub(crate) struct Cli {
     /// redis+unix:///path/to/socket.
     #[arg(
         long = "redis",
-        global = true,
+        global = true, help_heading = "Global options",
         env = "REDIS_URL",
         hide_env_values = true,
         default_value = DEFAULT_REDIS_URL,
@@ -39,27 +39,34 @@ pub(crate) struct Cli {
     pub(crate) redis: String,
 
     /// Key prefix shared by the producers and workers of one system [default: sluicegate].
-    #[arg(long, global = true, env = "SLUICEGATE_NAMESPACE", value_name = "NS")]
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "SLUICEGATE_NAMESPACE",
+        hide_env_values = true,
+        value_name = "NS"
+    )]
     pub(crate) namespace: Option<String>,
 
     /// Machine-readable output: one JSON object per line.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = "Global options")]
     pub(crate) json: bool,
 
     /// How long a worker's claim lasts without renewal [default: 30s].
-    #[arg(long, global = true, value_parser = duration, value_name = "DURATION")]
+    #[arg(long, global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) lease: Option<Duration>,
 
     /// How often a worker renews its claims; below --lease [default: 10s].
-    #[arg(long, global = true, value_parser = duration, value_name = "DURATION")]
+    #[arg(long, global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) heartbeat: Option<Duration>,
 
     /// How often workers look for lost work [default: 5s].
-    #[arg(long = "recovery-interval", global = true, value_parser = duration, value_name = "DURATION")]
+    #[arg(long = "recovery-interval", global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) recovery_interval: Option<Duration>,
 
     /// Give up connecting to Redis after this long.
-    #[arg(long = "connect-timeout", global = true, value_parser = duration, default_value = "5s", value_name = "DURATION")]
+    #[arg(long = "connect-timeout", global = true, help_heading = "Global options", value_parser = duration, default_value = "5s", value_name = "DURATION")]
     pub(crate) connect_timeout: Duration,
 
     #[command(subcommand)]
@@ -71,7 +78,8 @@ pub(crate) enum Command {
     /// Submit a request: each input line is one sub-request.
     #[command(after_help = "Example:\n  \
         sluicegate submit --priority 80 --concurrency 3 --max-attempts 3 --wait lines.txt\n  \
-        printf '{\"n\": 1}\\n{\"n\": 2}\\n' | sluicegate submit --id job-42 -\n\n\
+        printf '{\"n\": 1}\\n{\"n\": 2}\\n' | sluicegate submit --id job-42 -\n  \
+        tail -f urls.txt | sluicegate submit --stream --concurrency 8\n\n\
         A line that parses as JSON is sent as that JSON value; any other line is sent as a JSON string.\n\
         With --wait, results are printed one per line in input order; a failed sub-request prints\n\
         {\"error\": \"...\", \"attempts\": N, \"permanent\": BOOL}.")]
@@ -93,6 +101,12 @@ pub(crate) enum Command {
         after_help = "Example:\n  sluicegate status job-42\n  sluicegate --json status job-42 | jq .done"
     )]
     Status(IdArg),
+
+    /// Close a streamed request whose producer is gone: it completes once its parts are done.
+    #[command(
+        after_help = "Example:\n  sluicegate status job-42   # open: yes\n  sluicegate finalize job-42"
+    )]
+    Finalize(IdArg),
 
     /// Cancel a request: no sub-request of it starts afterwards.
     #[command(after_help = "Example:\n  sluicegate cancel job-42")]
@@ -150,6 +164,28 @@ pub(crate) struct SubmitArgs {
     /// The longest delay between attempts.
     #[arg(long = "backoff-max", value_parser = duration, default_value = "60s", value_name = "DURATION")]
     pub(crate) backoff_max: Duration,
+
+    /// Abandon an attempt that runs longer than this (a retryable failure) [default: none].
+    #[arg(long, value_parser = duration, value_name = "DURATION")]
+    pub(crate) timeout: Option<Duration>,
+
+    /// Start the request only this long after it is accepted (up to a recovery interval later).
+    #[arg(long, value_parser = duration, value_name = "DURATION", conflicts_with = "stream")]
+    pub(crate) delay: Option<Duration>,
+
+    /// End the request as failed at its first dead-lettered sub-request; the rest never run.
+    #[arg(long = "fail-fast")]
+    pub(crate) fail_fast: bool,
+
+    /// Streamed request: workers start on each line as soon as it is read; the request completes
+    /// after the end of the input. For input that arrives over time (a pipe, `tail -f`).
+    #[arg(long)]
+    pub(crate) stream: bool,
+
+    /// With --stream: a request still open this long after it was opened (its producer died,
+    /// say) is cancelled [default: it stays open until finalized or cancelled].
+    #[arg(long = "expire-open-after", value_parser = duration, value_name = "DURATION", requires = "stream")]
+    pub(crate) expire_open_after: Option<Duration>,
 
     /// Refuse a line longer than this many bytes (nothing is submitted).
     #[arg(long = "max-payload-bytes", default_value_t = 16 * 1024 * 1024, value_name = "BYTES")]

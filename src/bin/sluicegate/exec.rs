@@ -240,7 +240,12 @@ mod tests {
         let path = std::ffi::OsString::from("/nonexistent:/bin:/usr/bin");
         assert!(resolve("sh", Some(&path)).unwrap().ends_with("sh"));
         assert_eq!(resolve("no-such-program-xyz", Some(&path)).unwrap_err(), "not found in PATH");
-        assert!(resolve("/etc/hostname", None).unwrap_err().contains("is not executable"));
+        let plain = std::env::temp_dir().join(format!("sluicegate-plain-{}", std::process::id()));
+        std::fs::write(&plain, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let refused = resolve(&plain.display().to_string(), None);
+        std::fs::remove_file(&plain).unwrap();
+        assert!(refused.unwrap_err().ends_with("is not executable (chmod +x it)"));
         assert!(resolve("/tmp", None).unwrap_err().contains("is a directory"));
         assert!(resolve("./missing.sh", None).unwrap_err().contains("No such file"));
     }

@@ -49,6 +49,22 @@ impl fmt::Display for Failure {
 
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
+        // The library quotes ids through their Debug form (`RequestId("x")`); a person wants "x".
+        match &e {
+            Error::UnknownRequest(id) => {
+                return Self::new(
+                    Code::UnknownRequest,
+                    format!("no request with id {:?} (never submitted, or its results expired)", id.as_str()),
+                )
+            }
+            Error::DuplicateRequestId(id) => {
+                return Self::bad_input(format!(
+                    "request id {:?} is already in use; choose another --id or wait until its retention ends",
+                    id.as_str()
+                ))
+            }
+            _ => {}
+        }
         let code = match &e {
             Error::Config(_)
             | Error::InvalidRequestId(_)
@@ -110,7 +126,9 @@ mod tests {
     #[test]
     fn library_errors_map_to_documented_codes() {
         let unknown = Error::UnknownRequest(sluicegate::RequestId::new("x").unwrap());
-        assert_eq!(Failure::from(unknown).code, Code::UnknownRequest);
+        let failure = Failure::from(unknown);
+        assert_eq!(failure.code, Code::UnknownRequest);
+        assert_eq!(failure.message, "no request with id \"x\" (never submitted, or its results expired)");
         assert_eq!(Failure::from(Error::Config("bad".into())).code, Code::BadInput);
         assert_eq!(Failure::from(Error::Protocol("odd".into())).code, Code::Redis);
     }

@@ -2,7 +2,7 @@
 //! submitted in bounded memory.
 
 use std::io::{self, BufRead, Read};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::ser::Error as _;
@@ -14,6 +14,7 @@ use serde_json::Value;
 #[derive(Default, Debug)]
 pub(crate) struct InputReport {
     parts: AtomicU64,
+    at_end: AtomicBool,
     problem: Mutex<Option<String>>,
 }
 
@@ -21,6 +22,11 @@ impl InputReport {
     /// How many lines became sub-requests.
     pub(crate) fn parts(&self) -> u64 {
         self.parts.load(Ordering::Relaxed)
+    }
+
+    /// Whether the whole input was read (a submit may stop before: a duplicate id, say).
+    pub(crate) fn at_end(&self) -> bool {
+        self.at_end.load(Ordering::Relaxed)
     }
 
     /// The reason the input was refused, if it was.
@@ -90,6 +96,7 @@ impl<R: BufRead> Iterator for InputLines<R> {
             }
             Ok(None) => {
                 self.ended = true;
+                self.report.at_end.store(true, Ordering::Relaxed);
                 None
             }
             Err(problem) => {
@@ -210,7 +217,7 @@ mod tests {
         assert_eq!(lines.len(), 2, "reading stops at the first problem");
         assert!(matches!(lines[1], Part::Refused));
         assert!(sluicegate::codec::encode(&lines[1]).is_err());
-        assert_eq!(report.parts(), 1);
+        assert_eq!((report.parts(), report.at_end()), (1, false));
         assert_eq!(
             report.take_problem().as_deref(),
             Some("line 2 is not valid UTF-8 (invalid byte at column 1)")

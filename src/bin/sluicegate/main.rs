@@ -14,6 +14,7 @@ mod submit;
 mod worker;
 
 use std::future::Future;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -39,6 +40,10 @@ impl Ctx {
         connect: impl Future<Output = sluicegate::Result<T>>,
     ) -> Result<T, Failure> {
         match tokio::time::timeout(self.connect_timeout, connect).await {
+            Ok(Err(sluicegate::Error::Redis(e))) if *e.kind() == fred::error::ErrorKind::IO => Err(Failure::new(
+                Code::Redis,
+                format!("cannot connect to Redis at {}: {}", self.config.url(), io_reason(e.details())),
+            )),
             Ok(connected) => Ok(connected?),
             Err(_) => Err(Failure::new(
                 Code::Redis,
@@ -52,13 +57,32 @@ impl Ctx {
     }
 }
 
+/// The reason inside an I/O error's debug text (`Os { .., message: "Connection refused" }`,
+/// `Custom { .., error: "failed to lookup address information: .." }`): that is what a person
+/// needs, not the struct around it.
+fn io_reason(details: &str) -> &str {
+    for field in ["message: \"", "error: \""] {
+        if let Some(start) = details.find(field).map(|i| i + field.len()) {
+            if let Some(len) = details[start..].find('"') {
+                return &details[start..start + len];
+            }
+        }
+    }
+    details
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Library diagnostics (a slot that died, a failed registration) go to stderr; RUST_LOG
     // chooses how much, warnings by default.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
 
     let url = cli.redis.clone();
     let outcome = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -96,10 +120,25 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Submit(args) => submit::run(&ctx, args).await,
         Command::Worker(args) => worker::run(&ctx, args).await,
         Command::Status(args) => ops::status(&ctx, &args.id).await,
+        Command::Finalize(args) => ops::finalize(&ctx, &args.id).await,
         Command::Cancel(args) => ops::cancel(&ctx, &args.id).await,
         Command::Requeue(args) => ops::requeue(&ctx, &args.id).await,
         Command::Stats => ops::stats(&ctx).await,
         Command::Results(args) => ops::results(&ctx, args).await,
         Command::Events(args) => ops::events(&ctx, args).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_are_reduced_to_their_reason() {
+        let refused = r#"cannot connect to redis://h:1: Os { code: 111, kind: ConnectionRefused, message: "Connection refused" }"#;
+        assert_eq!(io_reason(refused), "Connection refused");
+        let dns = r#"cannot connect to x: Custom { kind: Uncategorized, error: "failed to lookup address information: Name or service not known" }"#;
+        assert_eq!(io_reason(dns), "failed to lookup address information: Name or service not known");
+        assert_eq!(io_reason("plain words"), "plain words");
     }
 }

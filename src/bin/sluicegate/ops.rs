@@ -7,7 +7,7 @@ use sluicegate::{shutdown_signal, Admin, Cancelled, Listener, Producer, RequestI
 
 use crate::cli::{EventsArgs, ResultsArgs};
 use crate::failure::{Code, Failure};
-use crate::output::{elapsed, print_results, timestamp, Out, ResultStyle};
+use crate::output::{count, elapsed, print_results, timestamp, Out, ResultStyle};
 use crate::submit::wait;
 use crate::Ctx;
 
@@ -42,6 +42,10 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
         format!("priority     {}", s.priority),
         format!("concurrency  {}", s.concurrency),
         format!(
+            "open         {}",
+            if s.open { "yes: a streamed request still taking sub-requests" } else { "no" }
+        ),
+        format!(
             "sub-requests {} total, {} done, {} failed, {} running, {} waiting for a retry",
             s.total, s.done, s.failed, s.running, s.retrying
         ),
@@ -72,6 +76,19 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
         }
     }
     lines
+}
+
+pub(crate) async fn finalize(ctx: &Ctx, id: &str) -> Result<(), Failure> {
+    let id = request_id(id)?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    admin.finalize(&id).await?;
+    let mut out = Out::new();
+    if ctx.json {
+        out.json(&json!({ "id": id.as_str(), "finalized": true }))?;
+    } else {
+        out.line(&format!("finalized {id}: it completes once its sub-requests are done"))?;
+    }
+    out.flush()
 }
 
 pub(crate) async fn cancel(ctx: &Ctx, id: &str) -> Result<(), Failure> {
@@ -105,7 +122,7 @@ pub(crate) async fn requeue(ctx: &Ctx, id: &str) -> Result<(), Failure> {
     if ctx.json {
         out.json(&json!({ "id": id.as_str(), "requeued": n }))?;
     } else {
-        out.line(&format!("requeued {n} dead-lettered sub-request(s) of {id}"))?;
+        out.line(&format!("requeued {} of {id}", count(n, "dead-lettered sub-request")))?;
     }
     out.flush()
 }

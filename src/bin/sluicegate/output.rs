@@ -104,11 +104,14 @@ pub(crate) fn outcome(completion: &Completion<Value>) -> Result<(), Failure> {
             let mut failed =
                 completion.results.iter().enumerate().filter_map(|(i, r)| Some((i, r.as_ref().err()?)));
             let first = failed.next();
-            let count = first.iter().count() + failed.count();
+            let failures = first.iter().count() + failed.count();
             let first = first.map_or(String::new(), |(i, e)| format!(" (first: #{i}: {e})"));
             Err(Failure::new(
                 Code::RequestFailed,
-                format!("request {id} failed: {count} of {total} sub-requests failed{first}"),
+                format!(
+                    "request {id} failed: {failures} of {} failed{first}",
+                    count(total as u64, "sub-request")
+                ),
             ))
         }
         RequestState::Cancelled => {
@@ -117,6 +120,15 @@ pub(crate) fn outcome(completion: &Completion<Value>) -> Result<(), Failure> {
         other => {
             Err(Failure::new(Code::Redis, format!("request {id} ended in an unexpected state: {other}")))
         }
+    }
+}
+
+/// `1 sub-request`, `2 sub-requests`.
+pub(crate) fn count(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
     }
 }
 
@@ -167,5 +179,9 @@ mod tests {
         assert_eq!(timestamp(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
         assert_eq!(elapsed(1_000, 2_250), "1.25s");
         assert_eq!(elapsed(0, 182_000), "3m 2s");
+        assert_eq!(
+            (count(1, "part"), count(0, "part"), count(2, "part")),
+            ("1 part".into(), "0 parts".into(), "2 parts".into())
+        );
     }
 }

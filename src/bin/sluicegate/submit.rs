@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use sluicegate::{shutdown_signal, Admin, Config, Producer, RequestHandle, RequestId};
+use sluicegate::{shutdown_signal, Admin, Config, Producer, RequestBuilder, RequestHandle, RequestId};
 
 use crate::cli::SubmitArgs;
 use crate::failure::{Code, Failure};
-use crate::input::{open_error, InputLines, InputReport};
-use crate::output::{print_results, Out, ResultStyle};
+use crate::input::{open_error, read_part, InputLines, InputReport};
+use crate::output::{count, print_results, Out, ResultStyle};
 use crate::Ctx;
 
 /// How often the progress bar asks for the request's counters.
@@ -21,6 +21,13 @@ const PROGRESS_POLL: Duration = Duration::from_millis(250);
 
 /// Input buffer: large reads keep a multi-gigabyte file from costing a syscall per line.
 const READ_BUFFER: usize = 256 * 1024;
+
+/// Lines read ahead of a streamed request's adds: bounds memory, and makes a slow Redis slow
+/// down the reading (backpressure) instead of buffering the input.
+const STREAM_BUFFER: usize = 1_024;
+
+/// The most lines one add of a streamed request carries.
+const STREAM_BATCH: usize = 1_000;
 
 pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     let reader: Box<dyn BufRead + Send> = match args.file.as_deref() {
@@ -37,32 +44,36 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
         .priority(args.priority)?
         .concurrency(args.concurrency)?
         .max_attempts(args.max_attempts)?
-        .backoff(args.backoff, args.backoff_max)?;
+        .backoff(args.backoff, args.backoff_max)?
+        .fail_fast(args.fail_fast);
     if let Some(id) = &args.id {
         request = request.id(id.clone())?;
     }
-    let report = Arc::new(InputReport::default());
-    let submitted = request.submit(InputLines::new(reader, args.max_payload_bytes, report.clone())).await;
-    // An input problem surfaces from the library as an encoding error of the refused part; the
-    // report has the message that names the line.
-    if let Some(problem) = report.take_problem() {
-        return Err(Failure::bad_input(format!("{problem}; nothing was submitted")));
+    if let Some(limit) = args.timeout {
+        request = request.timeout(limit)?;
     }
-    let handle = submitted?;
+    if let Some(delay) = args.delay {
+        request = request.delay(delay);
+    }
+    if let Some(expiry) = args.expire_open_after {
+        request = request.expire_open_after(expiry);
+    }
+    let (handle, parts) = if args.stream {
+        stream(ctx, request, reader, args.max_payload_bytes, !args.wait).await?
+    } else {
+        all_at_once(request, reader, args.max_payload_bytes).await?
+    };
     let id = handle.id().clone();
-    let parts = report.parts();
 
     if !args.wait {
-        let mut out = Out::new();
-        if ctx.json {
-            out.json(&json!({ "id": id.as_str(), "parts": parts }))?;
-        } else {
-            out.line(id.as_str())?;
+        // A streamed request printed its id when it opened.
+        if !args.stream {
+            print_id(ctx, &id, Some(parts))?;
         }
-        return out.flush();
+        return Ok(());
     }
     // With --wait, stdout carries only the results; the id still matters (to cancel, say).
-    eprintln!("submitted {id} ({parts} sub-requests); waiting for it to finish");
+    eprintln!("submitted {id} ({}); waiting for it to finish", count(parts, "sub-request"));
     let completion = wait(&ctx.config, &handle, parts, !ctx.json).await?;
     let style = match (ctx.json, args.raw) {
         (true, _) => ResultStyle::Tagged,
@@ -70,6 +81,124 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
         (false, false) => ResultStyle::Json,
     };
     print_results(&mut Out::new(), &completion, style)
+}
+
+fn print_id(ctx: &Ctx, id: &RequestId, parts: Option<u64>) -> Result<(), Failure> {
+    let mut out = Out::new();
+    match (ctx.json, parts) {
+        (true, Some(parts)) => out.json(&json!({ "id": id.as_str(), "parts": parts }))?,
+        (true, None) => out.json(&json!({ "id": id.as_str() }))?,
+        (false, _) => out.line(id.as_str())?,
+    }
+    out.flush()
+}
+
+/// The whole input as one request, all or nothing. Returns the handle and the number of parts.
+async fn all_at_once(
+    request: RequestBuilder<'_>,
+    reader: Box<dyn BufRead + Send>,
+    max_bytes: usize,
+) -> Result<(RequestHandle, u64), Failure> {
+    let report = Arc::new(InputReport::default());
+    let submitted = request.submit(InputLines::new(reader, max_bytes, report.clone())).await;
+    // An input problem surfaces from the library as an encoding error of the refused part; the
+    // report has the message that names the line.
+    if let Some(problem) = report.take_problem() {
+        return Err(Failure::bad_input(format!("{problem}; nothing was submitted")));
+    }
+    let parts = report.parts();
+    if parts == 0 && report.at_end() && submitted.is_err() {
+        return Err(Failure::bad_input("the input has no lines: a request needs at least one sub-request"));
+    }
+    Ok((submitted?, parts))
+}
+
+/// A streamed request: each line is added as soon as it is read (in batches when lines come
+/// faster than Redis takes them), and the request is finalized at the end of the input. A bad
+/// line cancels the request: parts before it may have run already, so all-or-nothing is not
+/// possible, but a half request must not complete as if it were whole.
+async fn stream(
+    ctx: &Ctx,
+    request: RequestBuilder<'_>,
+    reader: Box<dyn BufRead + Send>,
+    max_bytes: usize,
+    announce: bool,
+) -> Result<(RequestHandle, u64), Failure> {
+    let mut open = request.open().await?;
+    let id = open.handle().id().clone();
+    if announce {
+        print_id(ctx, &id, None)?;
+    } else {
+        eprintln!("streaming into request {id}");
+    }
+    // Reading blocks (a pipe may stay quiet for hours), so it gets a thread of its own; the
+    // bounded channel is the backpressure.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Value, String>>(STREAM_BUFFER);
+    let reading = std::thread::spawn(move || {
+        let mut reader = reader;
+        let mut buf = Vec::new();
+        for line in 1.. {
+            let part = match read_part(&mut reader, &mut buf, max_bytes, line) {
+                Ok(Some(value)) => Ok(value),
+                Ok(None) => return,
+                Err(problem) => Err(problem),
+            };
+            let stop = part.is_err();
+            if tx.blocking_send(part).is_err() || stop {
+                return;
+            }
+        }
+    });
+    let mut problem = None;
+    let mut added: Result<(), Failure> = Ok(());
+    while let Some(first) = rx.recv().await {
+        let mut batch = Vec::with_capacity(STREAM_BATCH);
+        let mut next = Some(first);
+        while let Some(part) = next.take() {
+            match part {
+                Ok(value) => batch.push(value),
+                Err(why) => {
+                    problem = Some(why);
+                    break;
+                }
+            }
+            if batch.len() < STREAM_BATCH {
+                next = rx.try_recv().ok();
+            }
+        }
+        if !batch.is_empty() {
+            if let Err(e) = open.add(batch).await {
+                added = Err(Failure::from(e));
+                break;
+            }
+        }
+        if problem.is_some() {
+            break;
+        }
+    }
+    // Dropping the receiver unblocks the reader thread if it is waiting to send.
+    drop(rx);
+    let parts = open.len();
+    if let Err(failure) = added {
+        // The request stays open: say how to close it, since this process cannot.
+        return Err(Failure::new(
+            failure.code,
+            format!("{}; request {id} is still open with {} (`sluicegate finalize {id}` or `sluicegate cancel {id}`)", failure.message, count(parts, "sub-request")),
+        ));
+    }
+    if let Some(problem) = problem {
+        let cancelled = open.handle().cancel().await;
+        let what = match cancelled {
+            Ok(_) => format!("request {id} was cancelled after {}", count(parts, "sub-request")),
+            Err(e) => {
+                format!("request {id} could not be cancelled ({e}); cancel it with `sluicegate cancel {id}`")
+            }
+        };
+        return Err(Failure::bad_input(format!("{problem}; {what}")));
+    }
+    // The thread ended (end of input) or is about to: nothing is waiting on it.
+    let _ = reading.join();
+    Ok((open.finalize().await?, parts))
 }
 
 /// Waits for the request, with a progress bar when stderr is a terminal (and `show_progress`).
