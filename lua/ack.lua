@@ -38,6 +38,13 @@ local function ack(keys, args)
       results[#results + 1] = index
       results[#results + 1] = body
       cleared[#cleared + 1] = index
+      if args[i + 4] ~= '1' then
+        -- Succeeded after retries: kept in the record, which the error record no longer is.
+        redis.call('HINCRBY', keys[1], 'retried', 1)
+        if tonumber(args[i + 4]) > tonumber(redis.call('HGET', keys[1], 'maxseen') or '1') then
+          redis.call('HSET', keys[1], 'maxseen', args[i + 4])
+        end
+      end
     elseif outcome == 'dead' then
       -- A dead letter stays pending, parked in the retry set at +inf (never due), so that
       -- requeue_dead can hand it out again with its payload.

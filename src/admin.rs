@@ -57,7 +57,9 @@ pub struct RequestStatus {
     pub retrying: u64,
     /// A streamed request still open for parts.
     pub open: bool,
-    /// Most attempts any sub-request has had so far (from the error records).
+    /// Sub-requests that succeeded after more than one attempt.
+    pub succeeded_after_retry: u64,
+    /// Most attempts any sub-request has had so far (failed, retrying or succeeded).
     pub max_attempts_seen: u32,
     /// When it was submitted (ms since the Unix epoch, Redis's clock).
     pub created_ms: u64,
@@ -165,7 +167,12 @@ impl Admin {
             .map(|(&index, record)| IndexedError { index, error: PartError::from_record(record) })
             .collect();
         errors.sort_by_key(|e| e.index);
-        let max_attempts_seen = errors.iter().map(|e| e.error.attempts).max().unwrap_or(0);
+        let max_attempts_seen = errors
+            .iter()
+            .map(|e| e.error.attempts)
+            .chain(num("maxseen").map(|m| m as u32))
+            .max()
+            .unwrap_or(0);
         errors.truncate(STATUS_ERRORS);
         let done = if state == RequestState::Completed || state == RequestState::Failed {
             total
@@ -183,6 +190,7 @@ impl Admin {
             running,
             retrying,
             max_attempts_seen,
+            succeeded_after_retry: num("retried").unwrap_or(0),
             open: meta.get("open").map(String::as_str) == Some("1"),
             created_ms: num("created").unwrap_or(0),
             started_ms: num("started"),
@@ -258,7 +266,7 @@ impl Admin {
                 }
                 return Err(match e {
                     Error::Redis(r) if r.details().contains("SGSTATE") => Error::InvalidRequest(format!(
-                        "request {id:?} has no dead letters that can be requeued (only a failed or running request has)"
+                        "request \"{id}\" has no dead letters that can be requeued (only a failed or running request has)"
                     )),
                     other => other,
                 });

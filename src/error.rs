@@ -16,10 +16,10 @@ pub enum Error {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// A request with this id exists already (running, or finished and still retained).
-    #[error("request id {0:?} is already in use; choose another id or wait until its retention ends")]
+    #[error("request id \"{0}\" is already in use; choose another id or wait until its retention ends")]
     DuplicateRequestId(RequestId),
     /// No request with this id exists (never submitted, or its retention ran out).
-    #[error("no request with id {0:?} (never submitted, or its results expired)")]
+    #[error("no request with id \"{0}\" (never submitted, or its results expired)")]
     UnknownRequest(RequestId),
     /// A payload or result could not be encoded or decoded.
     #[error("codec: {0}")]
@@ -39,7 +39,7 @@ pub enum Error {
     #[error("protocol: {0}")]
     Protocol(String),
     /// A wait ran out of time before the request finished.
-    #[error("timed out waiting for request {0:?}")]
+    #[error("timed out waiting for request \"{0}\"")]
     Timeout(RequestId),
     /// The component was shut down.
     #[error("shut down")]

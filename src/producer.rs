@@ -175,7 +175,7 @@ impl Producer {
                 Ok(_) => {}
                 Err(Error::Redis(e)) if e.details().contains("SGSTATE") => {
                     return Err(Error::InvalidRequest(format!(
-                        "request {:?} expired while loading (its loading ttl ran out)",
+                        "request \"{}\" expired while loading (its loading ttl ran out)",
                         RequestId::from_key_id(key_id).map(|i| i.to_string()).unwrap_or_default()
                     )))
                 }
@@ -447,7 +447,7 @@ impl OpenRequest {
                 Ok(v) => reply::array(v)?,
                 Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
                     return Err(Error::InvalidRequest(format!(
-                        "request {:?} is not open for parts any more (finalized or cancelled)",
+                        "request \"{}\" is not open for parts any more (finalized or cancelled)",
                         self.handle.id
                     )))
                 }
@@ -504,7 +504,7 @@ pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, no
         Ok(v) => reply::array(v)?,
         Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
             return Err(Error::InvalidRequest(format!(
-                "request {:?} is not open (finalized already, cancelled, or unknown)",
+                "request \"{}\" is not open (finalized already, cancelled, or unknown)",
                 RequestId::from_key_id(key_id).map(|i| i.to_string()).unwrap_or_default()
             )))
         }

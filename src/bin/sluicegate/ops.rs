@@ -49,7 +49,10 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
             "sub-requests {} total, {} done, {} failed, {} running, {} waiting for a retry",
             s.total, s.done, s.failed, s.running, s.retrying
         ),
-        format!("attempts     at most {} on any sub-request with an error record", s.max_attempts_seen),
+        format!(
+            "attempts     at most {} on any sub-request; {} succeeded after a retry",
+            s.max_attempts_seen, s.succeeded_after_retry
+        ),
         format!("created      {}", timestamp(s.created_ms)),
     ];
     if let Some(started) = s.started_ms {
