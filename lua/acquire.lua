@@ -4,15 +4,15 @@
 -- ARGV[5] stream consumer name   ARGV[6] lease (ms)   ARGV[7] batch: how many entries at most
 -- Returns {'run', policy, entry, ...}: the slot holds the token, leased, with a batch of entries
 --          to run one after another; policy = {max attempts, timeout ms, backoff base ms,
---          backoff max ms}; entry = {entry id, index, payload, attempt};
+--          backoff max ms, token shards of the request}; entry = {entry id, index, payload, attempt};
 --         {'park'}: no work left to hand out, the token waits in the request until work appears;
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
-  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax')
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards')
   local tok = m[1]
   if not tok then return {'drop'} end
-  local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0'}
+  local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
   local f = sg_split(tok)
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
     -- The same slot presenting the same element again: a call re-sent after a reconnect whose

@@ -4,26 +4,28 @@
 -- checks that its element really is in the list   ARGV[3] retention (ms)   ARGV[4] completion
 -- channel (for a streamed request that expired unfinalized: it is cancelled here)
 -- A scheduled request whose time has come turns queued, and its parked tokens are pushed.
--- Returns {'gone'}: no such request (expired); {'loading'}; {'finished', state, priority}: the
---         request is terminal but still active, so its finish_index was missed; or {'ok', priority, push, check, reclaimed}:
+-- Returns {'gone'}: no such request (expired); {'loading'}; {'finished', state, priority, shards}: the
+--         request is terminal but still active, so its finish_index was missed; or {'ok', priority, push, check, reclaimed, shards}:
 --         push: elements of restored or unparked tokens, to push now; check: elements queued
 --         longer than the grace, whose presence in the list must be verified (verify_tokens);
---         reclaimed: how many leases had expired.
+--         reclaimed: how many leases had expired; shards: the token shards it was submitted with
+--         (token k's elements belong on shard (home + k) % shards).
 -- A holder whose lease expired loses its token: the entry it ran goes to the orphans list and the
 -- token is re-queued under a new epoch, so the old holder is fenced and its element refused.
 local function census(keys, args)
   local state = redis.call('HGET', keys[1], 'state')
   if not state then return {'gone'} end
   if state == 'loading' then return {'loading'} end
+  local shards = redis.call('HGET', keys[1], 'shards') or '1'
   if state == 'completed' or state == 'failed' or state == 'cancelled' then
-    return {'finished', state, redis.call('HGET', keys[1], 'prio')}
+    return {'finished', state, redis.call('HGET', keys[1], 'prio'), shards}
   end
   local rid, grace = args[1], tonumber(args[2])
   local now = sg_now()
   local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline')
   if state == 'scheduled' then
     -- A delayed request waits with parked tokens; the first census after its time promotes it.
-    if tonumber(m[1] or '0') > now then return {'ok', redis.call('HGET', keys[1], 'prio'), {}, {}, 0} end
+    if tonumber(m[1] or '0') > now then return {'ok', redis.call('HGET', keys[1], 'prio'), {}, {}, 0, shards} end
     redis.call('HSET', keys[1], 'state', 'queued')
   end
   if m[2] == '1' and tonumber(m[3] or '0') > 0 and tonumber(m[3]) < now then
@@ -32,7 +34,8 @@ local function census(keys, args)
     redis.call('DEL', keys[6])
     local out = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
     out[3] = redis.call('HGET', keys[1], 'prio')
-    for i = #out, 4, -1 do out[i] = nil end
+    out[4] = shards
+    for i = #out, 5, -1 do out[i] = nil end
     return out
   end
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
@@ -82,5 +85,5 @@ local function census(keys, args)
     push[#push + 1] = sg_requeue(keys, rid, p[1], p[2], now)
     work = work - 1
   end
-  return {'ok', redis.call('HGET', keys[1], 'prio'), push, check, reclaimed}
+  return {'ok', redis.call('HGET', keys[1], 'prio'), push, check, reclaimed, shards}
 end

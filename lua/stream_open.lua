@@ -4,12 +4,12 @@
 -- ARGV[1] request key id   ARGV[2..10] as submit_open's ARGV[1..9] (id, priority, limit, ttl,
 -- max attempts, timeout, backoff base, backoff cap, nonce)   ARGV[11] expiry (ms, 0 = none): a
 -- request still open this long after it was opened is cancelled by recovery   ARGV[12] '1' =
--- fail fast
+-- fail fast   ARGV[13] token shards (optional, default 1; submit_open's ARGV[12])
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-    args[9], args[10], '0', args[12] or '0'})
+    args[9], args[10], '0', args[12] or '0', args[13] or '1'})
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
   local now = sg_now()

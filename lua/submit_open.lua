@@ -8,6 +8,8 @@
 -- a reconnect is recognised, and only its own producer can abort or commit it
 -- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
 -- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
+-- ARGV[12] token shards S the request is submitted with (optional, default 1): its token k lives
+-- on shard (home + k) % S, home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
 -- Returns 1, or the error "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- or "SGINVALID ..." when an argument is out of range.
 local function submit_open(keys, args)
@@ -24,6 +26,10 @@ local function submit_open(keys, args)
       return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
     end
   end
+  local shards = tonumber(args[12] or '1')
+  if not shards or shards < 1 or shards > 1024 or shards % 1 ~= 0 then
+    return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
+  end
   if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
@@ -35,7 +41,7 @@ local function submit_open(keys, args)
   redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'nonce', args[9], 'state', 'loading',
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
     'created', sg_now(), 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7], 'bmax', args[8],
-    'delay', tonumber(args[10] or '0') or 0, 'failfast', args[11] or '0')
+    'delay', tonumber(args[10] or '0') or 0, 'failfast', args[11] or '0', 'shards', shards)
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

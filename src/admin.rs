@@ -1,6 +1,6 @@
 //! Operating sluicegate: a request's status, cancel, requeue of dead letters, namespace stats.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use fred::prelude::*;
@@ -211,7 +211,7 @@ impl Admin {
             (millis(cfg.retention) as i64).into(),
             self.store.keys.done_channel().into(),
         ];
-        let priority: Option<u8> = self.store.client.hget(keys.meta.as_str(), "prio").await?;
+        let placement = crate::shards::placement(&self.store, &keys.meta).await?;
         let mut reply = reply::array(self.store.fcall(Func::Cancel, &keys.all(), args).await?)?.into_iter();
         let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
         match tag.as_str() {
@@ -223,9 +223,9 @@ impl Admin {
             "finished" => {
                 let _state = reply.next();
                 let sweep: Vec<Value> = reply.collect();
-                let priority = Priority::new(priority.unwrap_or(0)).unwrap_or_default();
-                let list = self.store.keys.token_list(priority).to_owned();
-                crate::worker::finish_index(&self.store, &key_id, "cancelled", &list, sweep).await?;
+                let (priority, shards) = placement.unwrap_or((Priority::default(), 1));
+                crate::shards::finish_index(&self.store, &key_id, shards, "cancelled", priority, sweep)
+                    .await?;
                 Ok(Cancelled::Now)
             }
             other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
@@ -245,24 +245,19 @@ impl Admin {
     pub async fn requeue_dead(&self, id: &RequestId) -> Result<u64> {
         let key_id = id.key_id();
         let keys = self.store.keys.request(&key_id);
-        let priority: Option<u8> = self.store.client.hget(keys.meta.as_str(), "prio").await?;
-        let Some(priority) = priority else {
+        let Some((priority, shards)) = crate::shards::placement(&self.store, &keys.meta).await? else {
             return Err(Error::UnknownRequest(id.clone()));
         };
-        let list = self.store.keys.token_list(Priority::new(priority).unwrap_or_default()).to_owned();
-        let active = self.store.keys.active();
         let lease = millis(self.store.config.lease) as i64;
         // Registered first, as at submit: if this process dies after the requeue, recovery finds
         // the reopened request and pushes its tokens. Taken back if nothing was requeued.
-        let registered =
-            crate::producer::register(&self.store, &key_id, Priority::new(priority).unwrap_or_default())
-                .await?;
+        let registered = crate::shards::register(&self.store, &key_id, shards, priority).await?;
         let reply = self.store.fcall(Func::RequeueDead, &keys.all(), vec![key_id.as_str().into()]).await;
         let mut items = match reply {
             Ok(v) => reply::array(v)?.into_iter(),
             Err(e) => {
                 if registered {
-                    crate::producer::unregister(&self.store, &key_id).await;
+                    crate::shards::unregister(&self.store, &key_id, shards).await;
                 }
                 return Err(match e {
                     Error::Redis(r) if r.details().contains("SGSTATE") => Error::InvalidRequest(format!(
@@ -274,13 +269,11 @@ impl Admin {
         };
         let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) as u64;
         if n == 0 && registered {
-            crate::producer::unregister(&self.store, &key_id).await;
+            crate::shards::unregister(&self.store, &key_id, shards).await;
         }
         let elements: Vec<Value> = items.collect();
         if !elements.is_empty() {
-            let mut args: Vec<Value> = vec![key_id.as_str().into(), lease.into(), "push".into()];
-            args.extend(elements);
-            self.store.fcall(Func::Ring, &[&list, &active], args).await?;
+            crate::shards::ring_push(&self.store, &key_id, shards, priority, lease, elements).await?;
         }
         Ok(n)
     }
@@ -288,21 +281,24 @@ impl Admin {
     /// Tokens waiting per priority, active requests, live workers.
     pub async fn stats(&self) -> Result<Stats> {
         let keys = &self.store.keys;
-        let pipe = self.store.client.pipeline();
-        for list in keys.token_lists() {
-            pipe.llen::<(), _>(list.as_str()).await?;
+        // Summed over the configured shards (each shard's lists share a slot: one pipeline each).
+        let mut waiting: BTreeMap<u8, u64> = BTreeMap::new();
+        let mut active_requests: u64 = 0;
+        for shard in 0..keys.shards() {
+            let pipe = self.store.client.pipeline();
+            for list in keys.token_lists(shard) {
+                pipe.llen::<(), _>(list.as_str()).await?;
+            }
+            let lens: Vec<u64> = pipe.all().await?;
+            for (list, n) in keys.token_lists(shard).iter().zip(lens) {
+                if let (Some((_, p)), true) = (keys.priority_of_list(list), n > 0) {
+                    *waiting.entry(p.get()).or_default() += n;
+                }
+            }
+            active_requests += self.store.client.zcard::<u64, _>(keys.active(shard)).await?;
         }
-        let lens: Vec<u64> = pipe.all().await?;
-        let tokens_waiting = keys
-            .token_lists()
-            .iter()
-            .zip(lens)
-            .filter(|(_, n)| *n > 0)
-            .filter_map(|(list, tokens)| {
-                keys.priority_of_list(list).map(|p| PriorityTokens { priority: p.get(), tokens })
-            })
-            .collect();
-        let active_requests: u64 = self.store.client.zcard(keys.active()).await?;
+        let tokens_waiting =
+            waiting.into_iter().rev().map(|(priority, tokens)| PriorityTokens { priority, tokens }).collect();
         let now = now_ms() as f64;
         let expired: Vec<String> =
             self.store.client.zrangebyscore(keys.workers(), f64::NEG_INFINITY, now, false, None).await?;

@@ -27,6 +27,7 @@ pub struct Config {
     pub(crate) recovery_interval: Duration,
     pub(crate) wait_poll: Duration,
     pub(crate) unresponsive: Duration,
+    pub(crate) token_shards: u32,
 }
 
 /// The URL used when neither the caller nor `REDIS_URL` names one.
@@ -46,6 +47,7 @@ impl Config {
             recovery_interval: Duration::from_secs(5),
             wait_poll: Duration::from_secs(2),
             unresponsive: Duration::from_secs(10),
+            token_shards: 1,
         }
     }
 
@@ -108,6 +110,19 @@ impl Config {
         self
     }
 
+    /// How many token shards (default 1): each shard has its own hash tag `{<ns>.q<s>}`, its own
+    /// 100 priority lists and its own index of active requests, so that on a Redis Cluster the
+    /// token traffic spreads over the masters that own the shards' slots. A request's tokens are
+    /// spread over the shards; a worker slot serves the shards in turn, so priority is strict
+    /// within a shard and holds across shards only within a bound (docs/architecture.md, "Shards").
+    /// 1 to 1024. Each request records the number it was submitted with, so a later change
+    /// never strands its tokens; raise it on workers first, then on producers, and lower it only
+    /// after the namespace has drained (workers serve shards `0..S` of their own setting).
+    pub fn token_shards(mut self, shards: u32) -> Self {
+        self.token_shards = shards;
+        self
+    }
+
     /// The Redis URL.
     pub fn url(&self) -> &str {
         &self.url
@@ -137,6 +152,12 @@ impl Config {
             if d.as_millis() == 0 {
                 return Err(Error::Config(format!("{name} must be at least 1 ms")));
             }
+        }
+        if !(1..=1024).contains(&self.token_shards) {
+            return Err(Error::Config(format!(
+                "token_shards must be from 1 to 1024, not {}",
+                self.token_shards
+            )));
         }
         if self.heartbeat >= self.lease {
             return Err(Error::Config(format!(

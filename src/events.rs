@@ -27,7 +27,8 @@ pub struct CompletionEvent {
     pub id: RequestId,
     /// Completed, failed or cancelled.
     pub state: RequestState,
-    /// The event's id in the events stream: a resume point for [`Listener::resume_after`].
+    /// The event's id in the events stream: a resume point for [`Listener::resume_after`]. With
+    /// several token shards, the ids reached in every shard's events stream, joined by `,`.
     pub cursor: String,
 }
 
@@ -45,7 +46,10 @@ pub struct CompletionEvent {
 pub struct Listener {
     store: Store,
     reader: Client,
-    cursor: String,
+    /// Per token shard, the id of the last event read from its events stream.
+    cursors: Vec<String>,
+    /// The shard the next blocking read waits on (with several shards, they take turns).
+    turn: usize,
     buffered: VecDeque<CompletionEvent>,
 }
 
@@ -53,12 +57,14 @@ impl Listener {
     /// Listens to completions from now on.
     pub async fn connect(config: &Config) -> Result<Self> {
         let mut listener = Self::resume_after(config, "0-0").await?;
-        let last: Value =
-            listener.store.client.xrevrange(listener.store.keys.events(), "+", "-", Some(1)).await?;
-        if let Some(entry) = reply::array(last)?.into_iter().next() {
-            let id = reply::array(entry)?.into_iter().next();
-            if let Some(id) = id {
-                listener.cursor = reply::text(&id)?;
+        for shard in 0..listener.cursors.len() {
+            let events = listener.store.keys.events(shard as u32);
+            let last: Value = listener.store.client.xrevrange(events, "+", "-", Some(1)).await?;
+            if let Some(entry) = reply::array(last)?.into_iter().next() {
+                let id = reply::array(entry)?.into_iter().next();
+                if let Some(id) = id {
+                    listener.cursors[shard] = reply::text(&id)?;
+                }
             }
         }
         Ok(listener)
@@ -69,11 +75,21 @@ impl Listener {
         Self::resume_after(config, "0-0").await
     }
 
-    /// Resumes after a [`CompletionEvent::cursor`] seen earlier.
+    /// Resumes after a [`CompletionEvent::cursor`] seen earlier. With several token shards the
+    /// cursor holds one stream id per shard, joined by `,`; a single id applies to every shard.
     pub async fn resume_after(config: &Config, cursor: &str) -> Result<Self> {
         let store = Store::connect(config).await?;
         let reader = store.blocking_client().await?;
-        Ok(Self { store, reader, cursor: cursor.to_owned(), buffered: VecDeque::new() })
+        let shards = store.keys.shards() as usize;
+        let given: Vec<&str> = cursor.split(',').collect();
+        let cursors =
+            (0..shards).map(|s| if given.len() == shards { given[s] } else { given[0] }.to_owned()).collect();
+        Ok(Self { store, reader, cursors, turn: 0, buffered: VecDeque::new() })
+    }
+
+    /// The resume point after everything read so far.
+    fn cursor(&self) -> String {
+        self.cursors.join(",")
     }
 
     /// The next completion; waits for one.
@@ -82,19 +98,38 @@ impl Listener {
             if let Some(event) = self.buffered.pop_front() {
                 return Ok(event);
             }
-            let events = self.store.keys.events();
-            let (reader, cursor) = (&self.reader, self.cursor.as_str());
-            // A dropped connection is waited out: the cursor makes the read resumable.
-            let reply: Value = retry_transient("listen", || async {
-                reader.xread(Some(256), Some(BLOCK_MS), events.as_str(), cursor).await.map_err(Error::from)
-            })
-            .await?;
-            self.buffer(reply)?;
+            let shards = self.cursors.len();
+            if shards == 1 {
+                self.read(0, Some(BLOCK_MS)).await?;
+                continue;
+            }
+            // Several shards live in different slots, so one XREAD cannot cover them: look at
+            // each without blocking, then block on one of them in turn for a share of BLOCK_MS.
+            for shard in 0..shards {
+                self.read(shard, None).await?;
+            }
+            if self.buffered.is_empty() {
+                self.turn = (self.turn + 1) % shards;
+                let block = (BLOCK_MS / shards as u64).max(10);
+                self.read(self.turn, Some(block)).await?;
+            }
         }
     }
 
+    /// One XREAD of one shard's events stream from its cursor.
+    async fn read(&mut self, shard: usize, block: Option<u64>) -> Result<()> {
+        let events = self.store.keys.events(shard as u32);
+        let (reader, cursor) = (&self.reader, self.cursors[shard].as_str());
+        // A dropped connection is waited out: the cursor makes the read resumable.
+        let reply: Value = retry_transient("listen", || async {
+            reader.xread(Some(256), block, events.as_str(), cursor).await.map_err(Error::from)
+        })
+        .await?;
+        self.buffer(shard, reply)
+    }
+
     /// XREAD reply: [[stream, [[id, [field, value, ...]], ...]]] (RESP2) or a map (RESP3).
-    fn buffer(&mut self, reply: Value) -> Result<()> {
+    fn buffer(&mut self, shard: usize, reply: Value) -> Result<()> {
         if reply.is_null() {
             return Ok(());
         }
@@ -124,9 +159,9 @@ impl Listener {
                     }
                 }
             }
-            self.cursor = id.clone();
+            self.cursors[shard] = id;
             if let (Some(id), Some(state)) = (rid, state) {
-                self.buffered.push_back(CompletionEvent { id, state, cursor: self.cursor.clone() });
+                self.buffered.push_back(CompletionEvent { id, state, cursor: self.cursor() });
             }
         }
         Ok(())

@@ -1,8 +1,8 @@
 //! The key schema: the only place a Redis key or channel name is built.
 //!
 //! Every key starts with the namespace and a colon, so `SCAN MATCH <ns>:*` finds all of them.
-//! All keys of one request share the hash tag `{<request key id>}`; all token lists (and the
-//! indexes kept beside them) share the tag `{<ns>.q0}`. Lua scripts only ever touch keys of one
+//! All keys of one request share the hash tag `{<request key id>}`; the token lists of shard `s`
+//! (and the indexes kept beside them) share the tag `{<ns>.q<s>}` (one shard, `q0`, by default). Lua scripts only ever touch keys of one
 //! tag, which makes the same code correct on Redis Cluster. docs/protocol.md documents the schema.
 
 use std::fmt;
@@ -124,55 +124,87 @@ impl Default for Namespace {
     }
 }
 
+/// The token shard a request calls home (its `active` index entry and its events live there),
+/// for a request submitted with `shards` token shards: FNV-1a (32 bit) of the key id, modulo
+/// `shards`. Token k of the request lives on shard `(home + k) % shards`.
+pub(crate) fn home_shard(key_id: &str, shards: u32) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in key_id.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % shards.max(1)
+}
+
+/// The shard of token `k` of a request with `shards` shards.
+pub(crate) fn token_shard(key_id: &str, shards: u32, k: u64) -> u32 {
+    let shards = shards.max(1);
+    ((u64::from(home_shard(key_id, shards)) + k) % u64::from(shards)) as u32
+}
+
 /// Builds the keys of one namespace.
 #[derive(Clone, Debug)]
 pub(crate) struct Keys {
     ns: String,
-    /// Every priority list, highest priority first: the BRPOP argument list.
-    token_lists: Vec<String>,
+    /// Token shards this component serves and submits to (`Config::token_shards`).
+    shards: u32,
+    /// Per shard, every priority list, highest priority first: the BRPOP argument list.
+    token_lists: Vec<Vec<String>>,
 }
 
 impl Keys {
-    pub(crate) fn new(ns: &Namespace) -> Self {
+    pub(crate) fn new(ns: &Namespace, shards: u32) -> Self {
         let ns = ns.as_str().to_owned();
-        let token_lists =
-            Priority::all_descending().map(|p| format!("{ns}:{{{ns}.q0}}:p:{}", p.get())).collect();
-        Self { ns, token_lists }
+        let shards = shards.max(1);
+        let token_lists = (0..shards)
+            .map(|s| {
+                Priority::all_descending().map(|p| format!("{ns}:{{{ns}.q{s}}}:p:{}", p.get())).collect()
+            })
+            .collect();
+        Self { ns, shards, token_lists }
     }
 
-    /// Priority lists, highest first.
-    pub(crate) fn token_lists(&self) -> &[String] {
-        &self.token_lists
+    /// How many token shards this component uses.
+    pub(crate) fn shards(&self) -> u32 {
+        self.shards
     }
 
-    pub(crate) fn token_list(&self, priority: Priority) -> &str {
-        let i = usize::from(Priority::MAX.get() - priority.get());
-        &self.token_lists[i]
+    /// Priority lists of one shard (of those configured), highest first.
+    pub(crate) fn token_lists(&self, shard: u32) -> &[String] {
+        &self.token_lists[shard as usize]
     }
 
-    /// The priority a token list key stands for.
-    pub(crate) fn priority_of_list(&self, list: &str) -> Option<Priority> {
+    /// The list of one priority on one shard (any shard, configured here or not).
+    pub(crate) fn token_list(&self, shard: u32, priority: Priority) -> String {
+        format!("{}:{{{}.q{shard}}}:p:{}", self.ns, self.ns, priority.get())
+    }
+
+    /// The shard and priority a token list key stands for.
+    pub(crate) fn priority_of_list(&self, list: &str) -> Option<(u32, Priority)> {
         let p: u8 = list.rsplit(':').next()?.parse().ok()?;
         let p = Priority::new(p).ok()?;
-        (self.token_list(p) == list).then_some(p)
+        let prefix = format!("{}:{{{}.q", self.ns, self.ns);
+        let shard: u32 = list.strip_prefix(&prefix)?.split('}').next()?.parse().ok()?;
+        (self.token_list(shard, p) == list).then_some((shard, p))
     }
 
-    /// Sorted set of the requests not yet terminal; score: when recovery should next look.
-    pub(crate) fn active(&self) -> String {
-        format!("{}:{{{}.q0}}:active", self.ns, self.ns)
+    /// Sorted set of the requests homed on `shard` not yet terminal; score: when recovery should
+    /// next look.
+    pub(crate) fn active(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:active", self.ns, self.ns)
     }
 
-    /// Stream of terminal events, trimmed to the retention.
-    pub(crate) fn events(&self) -> String {
-        format!("{}:{{{}.q0}}:events", self.ns, self.ns)
+    /// Stream of terminal events of the requests homed on `shard`, trimmed to the retention.
+    pub(crate) fn events(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:events", self.ns, self.ns)
     }
 
-    /// Sorted set of live workers; score: when their registration expires (ms).
+    /// Sorted set of live workers; score: when their registration expires (ms). On shard 0.
     pub(crate) fn workers(&self) -> String {
         format!("{}:{{{}.q0}}:workers", self.ns, self.ns)
     }
 
-    /// Hash: worker id -> JSON description (slots, pid, host, started).
+    /// Hash: worker id -> JSON description (slots, pid, host, started). On shard 0.
     pub(crate) fn worker_info(&self) -> String {
         format!("{}:{{{}.q0}}:winfo", self.ns, self.ns)
     }
@@ -245,15 +277,41 @@ mod tests {
 
     #[test]
     fn request_keys_share_one_hash_tag_and_token_lists_another() {
-        let keys = Keys::new(&Namespace::new("ns").unwrap());
+        let keys = Keys::new(&Namespace::new("ns").unwrap(), 1);
         let r = keys.request(&RequestId::new("a:b").unwrap().key_id());
         for k in r.all() {
             assert!(k.starts_with("ns:r:{a%3Ab}"), "{k}");
         }
-        assert!(keys.token_lists().iter().all(|k| k.starts_with("ns:{ns.q0}:p:")));
-        assert_eq!(keys.token_lists()[0], "ns:{ns.q0}:p:99");
-        assert_eq!(keys.priority_of_list("ns:{ns.q0}:p:7"), Some(Priority::new(7).unwrap()));
-        assert!(keys.active().contains("{ns.q0}") && keys.events().contains("{ns.q0}"));
+        assert!(keys.token_lists(0).iter().all(|k| k.starts_with("ns:{ns.q0}:p:")));
+        assert_eq!(keys.token_lists(0)[0], "ns:{ns.q0}:p:99");
+        assert_eq!(keys.priority_of_list("ns:{ns.q0}:p:7"), Some((0, Priority::new(7).unwrap())));
+        assert_eq!(keys.active(0), "ns:{ns.q0}:active");
+        assert_eq!(keys.events(0), "ns:{ns.q0}:events");
+        assert_eq!(keys.workers(), "ns:{ns.q0}:workers");
+        assert_eq!(keys.worker_info(), "ns:{ns.q0}:winfo");
+    }
+
+    #[test]
+    fn shards_have_their_own_tags_and_tokens_of_a_request_rotate_over_them() {
+        let keys = Keys::new(&Namespace::new("ns").unwrap(), 3);
+        assert_eq!(keys.token_lists(2)[99], "ns:{ns.q2}:p:0");
+        assert_eq!(keys.priority_of_list("ns:{ns.q2}:p:7"), Some((2, Priority::new(7).unwrap())));
+        assert_eq!(keys.priority_of_list("ns:{ns.qx}:p:7"), None);
+        assert_eq!(keys.active(1), "ns:{ns.q1}:active");
+        // With one shard everything is on shard 0.
+        assert_eq!(home_shard("anything", 1), 0);
+        let h = home_shard("req-1", 3);
+        assert_eq!(token_shard("req-1", 3, 0), h);
+        assert_eq!(token_shard("req-1", 3, 1), (h + 1) % 3);
+        assert_eq!(token_shard("req-1", 3, 5), (h + 2) % 3);
+        // FNV-1a 32 of "a" is 0xe40c292c.
+        assert_eq!(home_shard("a", 1 << 31), 0xe40c_292c % (1 << 31));
+        // Homes of many ids spread over the shards.
+        let mut count = [0u32; 3];
+        for i in 0..3000 {
+            count[home_shard(&format!("{i:032x}"), 3) as usize] += 1;
+        }
+        assert!(count.iter().all(|&c| (900..1100).contains(&c)), "{count:?}");
     }
 
     #[test]

@@ -58,6 +58,7 @@ mod recovery;
 mod reply;
 mod request;
 pub mod scripts;
+mod shards;
 mod store;
 pub mod testing;
 mod worker;

@@ -97,6 +97,7 @@ impl Producer {
                         nonce.as_str().into(),
                         (millis(spec.delay) as i64).into(),
                         (if spec.fail_fast { "1" } else { "0" }).into(),
+                        i64::from(self.store.keys.shards()).into(),
                     ],
                 )
                 .await;
@@ -119,7 +120,7 @@ impl Producer {
                     let _ =
                         self.store.fcall(Func::SubmitAbort, &keys.all(), vec![nonce.as_str().into()]).await;
                     if registered {
-                        unregister(&self.store, &key_id).await;
+                        crate::shards::unregister(&self.store, &key_id, self.store.keys.shards()).await;
                     }
                     return Err(e);
                 }
@@ -136,16 +137,13 @@ impl Producer {
     /// Registers a request with recovery; true when this call added it (so that a failed
     /// submit can take the registration back without touching a live request of the same id).
     pub(crate) async fn register(&self, key_id: &str, priority: Priority) -> Result<bool> {
-        register(&self.store, key_id, priority).await
+        crate::shards::register(&self.store, key_id, self.store.keys.shards(), priority).await
     }
 
     async fn push_tokens(&self, key_id: &str, priority: Priority, elements: Vec<Value>) -> Result<()> {
-        let active = self.store.keys.active();
-        let mut args: Vec<Value> =
-            vec![key_id.into(), (millis(self.store.config.lease) as i64).into(), "push".into()];
-        args.extend(elements);
-        self.store.fcall(Func::Ring, &[self.store.keys.token_list(priority), &active], args).await?;
-        Ok(())
+        let lease = millis(self.store.config.lease) as i64;
+        crate::shards::ring_push(&self.store, key_id, self.store.keys.shards(), priority, lease, elements)
+            .await
     }
 
     /// Writes the parts in pipelined chunks. Returns how many.
@@ -206,11 +204,9 @@ impl Producer {
         )?;
         // A delayed request is first looked at (and promoted) when its time comes.
         let first_check = if delay.is_zero() { self.store.config.lease } else { delay };
-        let mut args: Vec<Value> = vec![key_id.into(), (millis(first_check) as i64).into(), "push".into()];
-        args.extend(elements);
-        let active = self.store.keys.active();
-        self.store.fcall(Func::Ring, &[self.store.keys.token_list(priority), &active], args).await?;
-        Ok(())
+        let shards = self.store.keys.shards();
+        crate::shards::ring_push(&self.store, key_id, shards, priority, millis(first_check) as i64, elements)
+            .await
     }
 
     /// Reads a request's terminal record and results, or `None` while it is not terminal.
@@ -375,11 +371,12 @@ impl RequestBuilder<'_> {
                     nonce.as_str().into(),
                     (self.open_expiry.map_or(0, millis) as i64).into(),
                     (if self.fail_fast { "1" } else { "0" }).into(),
+                    i64::from(producer.store.keys.shards()).into(),
                 ],
             )
             .await;
         if opened.is_err() && registered {
-            unregister(&producer.store, &key_id).await;
+            crate::shards::unregister(&producer.store, &key_id, producer.store.keys.shards()).await;
         }
         match opened {
             Err(Error::Redis(ref r)) if r.details().contains("SGDUPLICATE") => {
@@ -469,28 +466,6 @@ impl OpenRequest {
     }
 }
 
-/// Adds a request to the active index (recovery's list); true when this call added it.
-pub(crate) async fn register(store: &Store, key_id: &str, priority: Priority) -> Result<bool> {
-    let active = store.keys.active();
-    let delay = millis(store.config.lease) as i64;
-    let added = store
-        .fcall(
-            Func::Ring,
-            &[store.keys.token_list(priority), &active],
-            vec![key_id.into(), delay.into(), "register".into()],
-        )
-        .await?;
-    Ok(reply::int(&added)? == 1)
-}
-
-/// Takes back a registration this process added for a request that did not come to be.
-pub(crate) async fn unregister(store: &Store, key_id: &str) {
-    let removed: Result<i64, _> = store.client.zrem(store.keys.active(), key_id).await;
-    if let Err(e) = removed {
-        tracing::debug!(error = %e, "could not take back a registration; recovery will drop it");
-    }
-}
-
 /// Closes a streamed request (`nonce` empty: an operator's finalize).
 pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, nonce: &str) -> Result<()> {
     let cfg = &store.config;
@@ -513,9 +488,9 @@ pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, no
     let mut items = reply.into_iter();
     if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
         let state = items.next().and_then(|v| v.as_string()).unwrap_or_default();
-        let prio: Option<u8> = store.client.hget(keys.meta.as_str(), "prio").await?;
-        let list = store.keys.token_list(Priority::new(prio.unwrap_or(0)).unwrap_or_default()).to_owned();
-        crate::worker::finish_index(store, key_id, &state, &list, items.collect()).await?;
+        let (priority, shards) =
+            crate::shards::placement(store, &keys.meta).await?.unwrap_or((Priority::default(), 1));
+        crate::shards::finish_index(store, key_id, shards, &state, priority, items.collect()).await?;
     }
     Ok(())
 }

@@ -12,6 +12,7 @@
 //!
 //! The argument that this never makes a token too many is in docs/architecture.md.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -21,6 +22,7 @@ use rand::Rng;
 
 use crate::config::millis;
 use crate::error::Result;
+use crate::keys::home_shard;
 use crate::reply;
 use crate::request::Priority;
 use crate::scripts::Func;
@@ -43,9 +45,17 @@ pub(crate) async fn run(store: Store, metrics: Arc<WorkerMetrics>) {
     }
 }
 
-/// One pass: returns how many requests it looked at.
+/// One pass over every configured shard's `active` index: returns how many requests it looked at.
 pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize> {
-    let active = store.keys.active();
+    let mut n = 0;
+    for shard in 0..store.keys.shards() {
+        n += pass_shard(store, metrics, shard).await?;
+    }
+    Ok(n)
+}
+
+async fn pass_shard(store: &Store, metrics: &WorkerMetrics, shard: u32) -> Result<usize> {
+    let active = store.keys.active(shard);
     let claim_ms = millis(store.config.lease) as i64;
     let claimed = reply::array(
         store.fcall(Func::ClaimDue, &[&active], vec![CLAIM_BATCH.into(), claim_ms.into()]).await?,
@@ -54,7 +64,7 @@ pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize
     let n = ids.len();
     stream::iter(ids)
         .for_each_concurrent(CONCURRENT, |key_id| async move {
-            if let Err(e) = census_one(store, metrics, &key_id).await {
+            if let Err(e) = census_one(store, metrics, shard, &key_id).await {
                 tracing::warn!(request = key_id, error = %e, "census failed");
             }
         })
@@ -62,7 +72,12 @@ pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize
     Ok(n)
 }
 
-async fn census_one(store: &Store, metrics: &WorkerMetrics, key_id: &str) -> Result<()> {
+/// The token shards a census reply names (absent from requests of older builds: 1).
+fn shards_of(v: Option<Value>) -> u32 {
+    v.and_then(|v| reply::int(&v).ok()).map_or(1, |s| s.clamp(1, 1024) as u32)
+}
+
+async fn census_one(store: &Store, metrics: &WorkerMetrics, shard: u32, key_id: &str) -> Result<()> {
     let keys = store.keys.request(key_id);
     let grace_ms = millis(store.config.lease) as i64;
     let args: Vec<Value> = vec![
@@ -76,33 +91,49 @@ async fn census_one(store: &Store, metrics: &WorkerMetrics, key_id: &str) -> Res
     match tag.as_str() {
         "gone" => {
             // Expired while loading (its producer died) or after its retention.
-            store.client.zrem::<i64, _, _>(store.keys.active(), key_id).await?;
+            store.client.zrem::<i64, _, _>(store.keys.active(shard), key_id).await?;
         }
         "loading" => {}
         "finished" => {
             let state = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
             let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-            let list = store.keys.token_list(Priority::new(prio as u8).unwrap_or_default()).to_owned();
+            let shards = shards_of(reply.next());
+            let priority = Priority::new(prio as u8).unwrap_or_default();
             tracing::info!(request = key_id, state, "recovery finishing a request whose finish was missed");
-            crate::worker::finish_index(store, key_id, &state, &list, Vec::new()).await?;
+            crate::shards::finish_index(store, key_id, shards, &state, priority, Vec::new()).await?;
         }
         "ok" => {
             let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
             let push = reply::array(reply.next().unwrap_or(Value::Null))?;
             let check = reply::array(reply.next().unwrap_or(Value::Null))?;
             let expired = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-            let list = store.keys.token_list(Priority::new(prio as u8).unwrap_or_default()).to_owned();
+            let shards = shards_of(reply.next());
+            let priority = Priority::new(prio as u8).unwrap_or_default();
             metrics.leases_expired.fetch_add(expired as u64, Relaxed);
             metrics.tokens_restored.fetch_add(push.len() as u64, Relaxed);
             if expired > 0 {
                 tracing::warn!(request = key_id, expired, "leases expired; their entries will run again");
             }
+            // Each token is pushed and verified on its own shard; the home shard's call, made
+            // always, also re-arms the next census.
+            let home = home_shard(key_id, shards);
+            let mut pushes = crate::shards::by_shard(key_id, shards, push);
+            let mut checks = crate::shards::by_shard(key_id, shards, check);
+            let mut on: BTreeSet<u32> = pushes.keys().chain(checks.keys()).copied().collect();
+            on.insert(home);
             let interval_ms = millis(store.config.recovery_interval) as i64;
-            let mut args: Vec<Value> = vec![key_id.into(), interval_ms.into(), (push.len() as i64).into()];
-            args.extend(push);
-            args.extend(check);
-            let missing =
-                reply::array(store.fcall(Func::VerifyTokens, &[&list, &store.keys.active()], args).await?)?;
+            let verifies = on.into_iter().map(|s| {
+                let push = pushes.remove(&s).unwrap_or_default();
+                let check = checks.remove(&s).unwrap_or_default();
+                let mut args: Vec<Value> =
+                    vec![key_id.into(), interval_ms.into(), (push.len() as i64).into()];
+                args.extend(push);
+                args.extend(check);
+                let (list, active) = (store.keys.token_list(s, priority), store.keys.active(s));
+                async move { reply::array(store.fcall(Func::VerifyTokens, &[&list, &active], args).await?) }
+            });
+            let missing: Vec<Value> =
+                futures::future::try_join_all(verifies).await?.into_iter().flatten().collect();
             if !missing.is_empty() {
                 let mut args: Vec<Value> = vec![key_id.into()];
                 args.extend(missing);
@@ -114,7 +145,7 @@ async fn census_one(store: &Store, metrics: &WorkerMetrics, key_id: &str) -> Res
                         "restoring tokens lost in flight"
                     );
                     metrics.tokens_restored.fetch_add(restored.len() as u64, Relaxed);
-                    store.client.lpush::<i64, _, _>(list.as_str(), restored).await?;
+                    crate::shards::push(store, key_id, shards, priority, restored).await?;
                 }
             }
         }

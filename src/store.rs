@@ -33,7 +33,7 @@ impl Store {
         let client = new_client(config)?;
         client.init().await.map_err(|e| connect_error(&config.url, e))?;
         check_version(&client).await?;
-        let store = Self { client, keys: Keys::new(&namespace), config: config.clone() };
+        let store = Self { client, keys: Keys::new(&namespace, config.token_shards), config: config.clone() };
         store.load_library().await?;
         Ok(store)
     }

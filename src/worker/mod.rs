@@ -13,7 +13,6 @@ use fred::interfaces::ClientLike;
 use tokio_util::sync::CancellationToken;
 
 pub use handler::{Context, Handler, HandlerError};
-pub(crate) use slot::finish_index;
 
 use crate::admin::{register_worker, unregister_worker};
 use crate::config::Config;
@@ -66,6 +65,7 @@ pub struct WorkerBuilder<H> {
     quantum: Quantum,
     max_batch: u32,
     idle_poll: Duration,
+    shard_poll: Duration,
     shutdown_grace: Duration,
 }
 
@@ -104,6 +104,15 @@ impl<H: Handler> WorkerBuilder<H> {
         self
     }
 
+    /// With more than one token shard (`Config::token_shards`): how long a slot's BRPOP waits on
+    /// one shard's lists before it moves on to the next shard (default 100 ms). A token on another
+    /// shard waits at most this long per shard for an idle slot (docs/architecture.md, "Shards").
+    /// With one shard the slot blocks for `idle_poll` instead.
+    pub fn shard_poll(mut self, d: Duration) -> Self {
+        self.shard_poll = d;
+        self
+    }
+
     /// Connects: one shared pipelined connection, plus one blocking connection per slot.
     pub async fn build(self) -> Result<Worker<H>> {
         if self.slots == 0 {
@@ -125,6 +134,14 @@ impl<H: Handler> WorkerBuilder<H> {
         if self.idle_poll < Duration::from_millis(10) {
             return Err(Error::Config("idle_poll must be at least 10 ms".into()));
         }
+        if self.shard_poll < Duration::from_millis(10)
+            || self.shard_poll + Duration::from_millis(500) > self.config.unresponsive
+        {
+            return Err(Error::Config(format!(
+                "shard_poll ({:?}) must be at least 10 ms and at least 500 ms shorter than the unresponsive timeout",
+                self.shard_poll
+            )));
+        }
         let store = Store::connect(&self.config).await?;
         let worker_id = format!("w-{}", uuid::Uuid::new_v4().simple());
         let mut blocking = Vec::with_capacity(self.slots);
@@ -139,6 +156,7 @@ impl<H: Handler> WorkerBuilder<H> {
                 quantum: self.quantum,
                 max_batch: self.max_batch,
                 idle_poll: self.idle_poll,
+                shard_poll: self.shard_poll,
                 shutdown_grace: self.shutdown_grace,
                 metrics: Arc::new(WorkerMetrics::default()),
                 leases: Leases::default(),
@@ -176,6 +194,7 @@ impl<H: Handler> Worker<H> {
             quantum: Quantum::default(),
             max_batch: 16,
             idle_poll: Duration::from_secs(1),
+            shard_poll: Duration::from_millis(100),
             shutdown_grace: Duration::from_secs(30),
         }
     }

@@ -34,6 +34,9 @@ pub(crate) struct Shared<H> {
     pub(crate) quantum: Quantum,
     pub(crate) max_batch: u32,
     pub(crate) idle_poll: Duration,
+    /// With more than one token shard: how long a BRPOP waits on one shard before the slot
+    /// moves on to the next.
+    pub(crate) shard_poll: Duration,
     pub(crate) shutdown_grace: Duration,
     pub(crate) leases: Leases,
     pub(crate) metrics: Arc<WorkerMetrics>,
@@ -49,6 +52,7 @@ struct Token {
     number: String,
     epoch: String,
     priority: Priority,
+    /// The list it was popped from (on its shard): where it goes back.
     list: String,
 }
 
@@ -59,6 +63,8 @@ struct Policy {
     timeout: Option<Duration>,
     backoff_base: Duration,
     backoff_max: Duration,
+    /// The token shards the request was submitted with.
+    shards: u32,
 }
 
 impl Policy {
@@ -104,8 +110,13 @@ enum Outcome {
 pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize, blocking: Client) {
     let holder = format!("{}/{n}", shared.worker_id);
     let mut backoff = Duration::from_millis(50);
+    // Slots serve the shards in turn, one BRPOP each, starting at different shards.
+    let shards = shared.store.keys.shards();
+    let mut shard = (n as u32) % shards;
     while !shared.stopping.is_cancelled() {
-        match take_and_serve(&shared, n, &holder, &blocking).await {
+        let took = take_and_serve(&shared, n, &holder, &blocking, shard).await;
+        shard = (shard + 1) % shards;
+        match took {
             Ok(()) => backoff = Duration::from_millis(50),
             Err(e) => {
                 tracing::warn!(slot = n, error = %e, "slot error; retrying after {backoff:?}");
@@ -117,19 +128,21 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize, blocking: 
     let _ = blocking.quit().await;
 }
 
-/// One token take: BRPOP, acquire, then serve the request until the quantum ends.
+/// One token take on one shard: BRPOP, acquire, then serve the request until the quantum ends.
 async fn take_and_serve<H: Handler>(
     shared: &Shared<H>,
     n: usize,
     holder: &str,
     blocking: &Client,
+    shard: u32,
 ) -> Result<()> {
     let store = &shared.store;
+    let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
     // The BRPOP is never abandoned mid-flight (that would pop a token into a reply nobody reads):
     // it runs to its server-side timeout, which bounds how long an idle slot takes to stop. If
     // the connection drops with a token in the reply anyway, recovery restores it.
     let popped: Option<(String, String)> =
-        match blocking.brpop(store.keys.token_lists().to_vec(), shared.idle_poll.as_secs_f64()).await {
+        match blocking.brpop(store.keys.token_lists(shard).to_vec(), wait.as_secs_f64()).await {
             Ok(v) => v,
             Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
             Err(e) => return Err(e.into()),
@@ -144,7 +157,7 @@ async fn take_and_serve<H: Handler>(
 }
 
 fn parse_token(store: &Store, list: &str, element: &str) -> Option<Token> {
-    let priority = store.keys.priority_of_list(list)?;
+    let (_, priority) = store.keys.priority_of_list(list)?;
     let mut parts = element.split('|');
     let (key_id, number, epoch) = (parts.next()?, parts.next()?, parts.next()?);
     if parts.next().is_some() || number.parse::<u32>().is_err() || epoch.parse::<u64>().is_err() {
@@ -259,7 +272,8 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
         }
         Next::Finished { state, sweep } => {
             tracing::info!(state, "request finished");
-            finish_index(store, &token.key_id, &state, &token.list, sweep).await?;
+            let shards = policy.map_or(1, |p| p.shards);
+            crate::shards::finish_index(store, &token.key_id, shards, &state, token.priority, sweep).await?;
         }
         Next::Fenced => {
             shared.metrics.fenced.fetch_add(1, Relaxed);
@@ -267,22 +281,6 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
         }
         Next::Park | Next::Drop | Next::Stale | Next::Run(..) => {}
     }
-    Ok(())
-}
-
-/// The token side of a request turning terminal: index removal, one event, stale-token sweep.
-pub(crate) async fn finish_index(
-    store: &Store,
-    key_id: &str,
-    state: &str,
-    list: &str,
-    sweep: Vec<Value>,
-) -> Result<()> {
-    let mut args: Vec<Value> =
-        vec![key_id.into(), state.into(), (millis(store.config.retention) as i64).into()];
-    args.extend(sweep);
-    let (active, events) = (store.keys.active(), store.keys.events());
-    store.fcall(Func::FinishIndex, &[&active, &events, list], args).await?;
     Ok(())
 }
 
@@ -431,14 +429,15 @@ fn parse_next(reply: Value, with_policy: bool) -> Result<Next> {
                     .iter()
                     .map(reply::int)
                     .collect::<Result<_>>()?;
-                let [max_attempts, timeout, base, cap] = p[..] else {
-                    return Err(Error::Protocol("acquire's policy has not four fields".into()));
+                let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
+                    return Err(Error::Protocol("acquire's policy has fewer than four fields".into()));
                 };
                 Some(Policy {
                     max_attempts: max_attempts.max(1) as u32,
                     timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
                     backoff_base: Duration::from_millis(base.max(0) as u64),
                     backoff_max: Duration::from_millis(cap.max(0) as u64),
+                    shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
                 })
             } else {
                 None

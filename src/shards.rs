@@ -1,0 +1,131 @@
+//! Token shards: where a request's token elements, its `active` entry and its events live.
+//!
+//! A request submitted with S shards (meta field `shards`) has a home shard
+//! `h = FNV-1a(key id) % S`: its `active` entry and its terminal event are there. Its token `k`
+//! lives on shard `(h + k) % S`: every element of `k` is pushed to, popped from, swept from and
+//! verified on that shard's list. Every call here touches the keys of one shard only.
+
+use std::collections::BTreeMap;
+
+use fred::prelude::*;
+
+use crate::config::millis;
+use crate::error::Result;
+use crate::keys::{home_shard, token_shard};
+use crate::reply;
+use crate::request::Priority;
+use crate::scripts::Func;
+use crate::store::Store;
+
+/// The token number of an element `<kid>|<k>|<epoch>` (0 if malformed: it then goes home).
+fn element_token(element: &Value) -> u64 {
+    element.as_string().and_then(|e| e.split('|').nth(1).and_then(|k| k.parse().ok())).unwrap_or(0)
+}
+
+/// Elements grouped by the shard their token lives on.
+pub(crate) fn by_shard(key_id: &str, shards: u32, elements: Vec<Value>) -> BTreeMap<u32, Vec<Value>> {
+    let mut out: BTreeMap<u32, Vec<Value>> = BTreeMap::new();
+    for e in elements {
+        out.entry(token_shard(key_id, shards, element_token(&e))).or_default().push(e);
+    }
+    out
+}
+
+/// Queues token elements of a registered request: the home shard's through `ring push` (which
+/// pushes only while the request is active, and sets its next census `delay` from now), then the
+/// other shards' with plain `LPUSH`es. The ring call is made even with no home element.
+/// If the request finished in between, other shards may get elements of a finished request:
+/// `acquire` answers `drop` to them.
+pub(crate) async fn ring_push(
+    store: &Store,
+    key_id: &str,
+    shards: u32,
+    priority: Priority,
+    delay_ms: i64,
+    elements: Vec<Value>,
+) -> Result<()> {
+    let home = home_shard(key_id, shards);
+    let mut groups = by_shard(key_id, shards, elements);
+    let mut args: Vec<Value> = vec![key_id.into(), delay_ms.into(), "push".into()];
+    args.extend(groups.remove(&home).unwrap_or_default());
+    let (list, active) = (store.keys.token_list(home, priority), store.keys.active(home));
+    store.fcall(Func::Ring, &[&list, &active], args).await?;
+    lpush_groups(store, priority, groups).await
+}
+
+/// `LPUSH`es elements onto their tokens' shard lists (one command per shard, concurrently).
+pub(crate) async fn push(
+    store: &Store,
+    key_id: &str,
+    shards: u32,
+    priority: Priority,
+    elements: Vec<Value>,
+) -> Result<()> {
+    lpush_groups(store, priority, by_shard(key_id, shards, elements)).await
+}
+
+async fn lpush_groups(store: &Store, priority: Priority, groups: BTreeMap<u32, Vec<Value>>) -> Result<()> {
+    let pushes = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
+        let list = store.keys.token_list(shard, priority);
+        async move { store.client.lpush::<i64, _, _>(list, elements).await }
+    });
+    futures::future::try_join_all(pushes).await?;
+    Ok(())
+}
+
+/// Registers a request with recovery in its home shard's `active` index; true when this call
+/// added it.
+pub(crate) async fn register(store: &Store, key_id: &str, shards: u32, priority: Priority) -> Result<bool> {
+    let home = home_shard(key_id, shards);
+    let (list, active) = (store.keys.token_list(home, priority), store.keys.active(home));
+    let delay = millis(store.config.lease) as i64;
+    let added = store
+        .fcall(Func::Ring, &[&list, &active], vec![key_id.into(), delay.into(), "register".into()])
+        .await?;
+    Ok(reply::int(&added)? == 1)
+}
+
+/// Takes back a registration this process added for a request that did not come to be.
+pub(crate) async fn unregister(store: &Store, key_id: &str, shards: u32) {
+    let active = store.keys.active(home_shard(key_id, shards));
+    let removed: Result<i64, _> = store.client.zrem(active, key_id).await;
+    if let Err(e) = removed {
+        tracing::debug!(error = %e, "could not take back a registration; recovery will drop it");
+    }
+}
+
+/// The token side of a request turning terminal: stale elements swept from their shards' lists,
+/// then, on the home shard, the index removal and the one event (`finish_index`).
+pub(crate) async fn finish_index(
+    store: &Store,
+    key_id: &str,
+    shards: u32,
+    state: &str,
+    priority: Priority,
+    sweep: Vec<Value>,
+) -> Result<()> {
+    let home = home_shard(key_id, shards);
+    let mut groups = by_shard(key_id, shards, sweep);
+    let home_sweep = groups.remove(&home).unwrap_or_default();
+    let sweeps = groups.into_iter().flat_map(|(shard, elements)| {
+        let list = store.keys.token_list(shard, priority);
+        elements.into_iter().map(move |e| {
+            let list = list.clone();
+            async move { store.client.lrem::<i64, _, _>(list, 0, e).await }
+        })
+    });
+    futures::future::try_join_all(sweeps).await?;
+    let mut args: Vec<Value> =
+        vec![key_id.into(), state.into(), (millis(store.config.retention) as i64).into()];
+    args.extend(home_sweep);
+    let (active, events, list) =
+        (store.keys.active(home), store.keys.events(home), store.keys.token_list(home, priority));
+    store.fcall(Func::FinishIndex, &[&active, &events, &list], args).await?;
+    Ok(())
+}
+
+/// A request's priority and token shards, from its meta hash; `None` if it is unknown.
+pub(crate) async fn placement(store: &Store, meta: &str) -> Result<Option<(Priority, u32)>> {
+    let (prio, shards): (Option<u8>, Option<u32>) = store.client.hmget(meta, vec!["prio", "shards"]).await?;
+    Ok(prio.map(|p| (Priority::new(p).unwrap_or_default(), shards.unwrap_or(1).max(1))))
+}

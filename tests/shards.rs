@@ -1,0 +1,377 @@
+//! Sharded token lists (`Config::token_shards`), on the 3-master local Redis Cluster: the token
+//! commands divide over the masters, limits hold, priority holds within a shard and across shards
+//! within the documented bound (docs/architecture.md, "Shards"; docs/scaling.md).
+
+#![allow(unreachable_pub, clippy::unwrap_used)]
+
+mod support;
+
+const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Cluster;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fred::prelude::{ClientLike, ClusterInterface, ListInterface};
+use sluicegate::testing::{command_calls, connect, unique_namespace};
+use sluicegate::{Config, Producer, Quantum, RequestState};
+use support::{env, start_worker, Job, Probe};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+const SHARDS: u32 = 3;
+
+/// The protocol's home shard: FNV-1a (32 bit) of the key id, modulo the shards (docs/protocol.md).
+fn home_shard(key_id: &str, shards: u32) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in key_id.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % shards
+}
+
+/// `redis://host:port` of the master serving `key`, from fred's view of the cluster.
+fn owner(client: &fred::prelude::Client, key: &str) -> String {
+    let slot = fred::util::redis_keyslot(key.as_bytes());
+    let state = client.cached_cluster_state().expect("a clustered client knows the slots");
+    format!("redis://{}", state.get_server(slot).expect("every slot is served"))
+}
+
+/// A namespace whose shard tags `{<ns>.q0}`..`{<ns>.q2}` are served by three different masters,
+/// as an operator places shards (docs/scaling.md: with S = N, check the placement).
+fn spread_namespace(client: &fred::prelude::Client, prefix: &str) -> String {
+    loop {
+        let ns = unique_namespace(prefix);
+        let mut owners: Vec<String> = (0..SHARDS).map(|s| owner(client, &format!("{{{ns}.q{s}}}"))).collect();
+        owners.sort();
+        owners.dedup();
+        if owners.len() == SHARDS as usize {
+            return ns;
+        }
+    }
+}
+
+/// Counts the top-level FCALLs of one node by function name (and their first key's shard tag),
+/// from `MONITOR`: `INFO commandstats` counts FCALL as one command, whichever function it calls.
+struct Monitor {
+    counts: Arc<Mutex<BTreeMap<String, u64>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Monitor {
+    async fn start(url: &str, ns: &str) -> Monitor {
+        let addr = url.trim_start_matches("redis://").to_owned();
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        stream.write_all(b"MONITOR\r\n").await.unwrap();
+        let mut lines = BufReader::new(stream).lines();
+        let first = lines.next_line().await.unwrap().unwrap();
+        assert_eq!(first, "+OK", "MONITOR on {addr}");
+        let counts = Arc::new(Mutex::new(BTreeMap::new()));
+        let sink = counts.clone();
+        let ns = ns.to_owned();
+        let task = tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                // +<time> [<db> <client>] "FCALL" "sg1_ring" "2" "<key>" ...; script calls say "lua]".
+                if line.contains(" lua] ") {
+                    continue;
+                }
+                let words: Vec<&str> = line.split("\" \"").collect();
+                let cmd = words.first().and_then(|w| w.rsplit('"').next()).unwrap_or_default();
+                if !cmd.eq_ignore_ascii_case("fcall") || !line.contains(&ns) {
+                    continue;
+                }
+                let name = words.get(1).map(|w| w.trim_end_matches('"')).unwrap_or_default().to_owned();
+                *sink.lock().unwrap().entry(name).or_insert(0) += 1;
+            }
+        });
+        Monitor { counts, task }
+    }
+
+    fn stop(self) -> BTreeMap<String, u64> {
+        self.task.abort();
+        let counts = self.counts.lock().unwrap().clone();
+        counts
+    }
+}
+
+/// The functions that touch token-side keys only (`{<ns>.q<s>}`).
+const TOKEN_FUNCTIONS: [&str; 4] = ["sg1_ring", "sg1_finish_index", "sg1_claim_due", "sg1_verify_tokens"];
+
+fn within(values: &[u64], tolerance: f64) -> bool {
+    let mean = values.iter().sum::<u64>() as f64 / values.len() as f64;
+    values.iter().all(|&v| (v as f64 - mean).abs() <= tolerance * mean)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters() {
+    let env = env("shdist").await;
+    let cluster = env.redis.cluster().expect("a cluster");
+    let masters = cluster.masters().await.unwrap();
+    assert_eq!(masters.len(), 3, "{masters:?}");
+    let client = connect(env.redis.url()).await.unwrap();
+    let ns = spread_namespace(&client, "shdist");
+    let config = env.config.clone().namespace(ns.clone()).token_shards(SHARDS);
+
+    let mut monitors = Vec::new();
+    for m in &masters {
+        monitors.push(Monitor::start(m, &ns).await);
+    }
+    let mut before = Vec::new();
+    for m in &masters {
+        before.push(command_calls(m).await.unwrap());
+    }
+
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 2, time: Duration::from_millis(100) };
+    let a = start_worker(&config, probe.clone(), 6, quantum).await;
+    let b = start_worker(&config, probe.clone(), 6, quantum).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    const REQUESTS: u64 = 600;
+    const PARTS: u64 = 6;
+    let started = Instant::now();
+    let mut handles = Vec::new();
+    for r in 0..REQUESTS {
+        let limit = 1 + (r % 4) as u32;
+        let parts = (0..PARTS).map(|i| Job::new(r * 100 + i));
+        handles.push(producer.request().concurrency(limit).unwrap().submit(parts).await.unwrap());
+    }
+    for h in &handles {
+        let done = h.wait_timeout::<u64>(Duration::from_secs(120)).await.unwrap();
+        assert_eq!(done.state, RequestState::Completed);
+    }
+    let elapsed = started.elapsed();
+    a.stop().await;
+    b.stop().await;
+    drop(producer);
+
+    let mut after = Vec::new();
+    for m in &masters {
+        after.push(command_calls(m).await.unwrap());
+    }
+    let fcalls: Vec<BTreeMap<String, u64>> = monitors.into_iter().map(Monitor::stop).collect();
+    let delta = |i: usize, cmd: &str| {
+        after[i].get(cmd).copied().unwrap_or(0) - before[i].get(cmd).copied().unwrap_or(0)
+    };
+    let mut brpop = Vec::new();
+    let mut lpush = Vec::new();
+    let mut token_fcall = Vec::new();
+    let mut total = Vec::new();
+    println!(
+        "token shards over 3 masters: {REQUESTS} requests x {PARTS} parts, limits 1-4, quantum 2 parts, \
+         2 workers x 6 slots, in {elapsed:?}"
+    );
+    for (i, m) in masters.iter().enumerate() {
+        let shards: Vec<u32> =
+            (0..SHARDS).filter(|s| owner(&client, &format!("{{{ns}.q{s}}}")) == *m).collect();
+        let tf: u64 = TOKEN_FUNCTIONS.iter().map(|f| fcalls[i].get(*f).copied().unwrap_or(0)).sum();
+        let request_fcall: u64 = fcalls[i].values().sum::<u64>() - tf;
+        brpop.push(delta(i, "brpop"));
+        lpush.push(delta(i, "lpush"));
+        token_fcall.push(tf);
+        total.push(delta(i, "brpop") + delta(i, "lpush") + tf);
+        println!(
+            "  {m} shards {shards:?}: brpop={} lpush={} token-fcall={tf} ({}) | token total={} | \
+             request-side fcall={request_fcall}, all fcall (commandstats)={}",
+            delta(i, "brpop"),
+            delta(i, "lpush"),
+            TOKEN_FUNCTIONS
+                .iter()
+                .map(|f| format!(
+                    "{}={}",
+                    f.trim_start_matches("sg1_"),
+                    fcalls[i].get(*f).copied().unwrap_or(0)
+                ))
+                .collect::<Vec<_>>()
+                .join(" "),
+            total[i],
+            delta(i, "fcall"),
+        );
+    }
+    let mean = total.iter().sum::<u64>() as f64 / 3.0;
+    println!(
+        "  token total per master vs mean {mean:.0}: {}",
+        total
+            .iter()
+            .map(|t| format!("{:+.1}%", (*t as f64 / mean - 1.0) * 100.0))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    assert!(within(&total, 0.2), "token commands per master {total:?} are not within 20% of even");
+    assert!(within(&brpop, 0.2), "BRPOP per master {brpop:?}");
+    assert!(within(&lpush, 0.2), "LPUSH per master {lpush:?}");
+    assert!(within(&token_fcall, 0.2), "token-side FCALL per master {token_fcall:?}");
+    client.quit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_three_shards_limits_hold_and_results_come_back_in_order() {
+    let env = env("shlimit").await;
+    let config = env.config.clone().token_shards(SHARDS);
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 8, time: Duration::from_millis(100) };
+    let a = start_worker(&config, probe.clone(), 12, quantum).await;
+    let b = start_worker(&config, probe.clone(), 12, quantum).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    // First 40 requests competing for the 24 slots (120 tokens): no request ever exceeds its
+    // limit. Then 8 requests whose 21 tokens all fit in the 24 slots at once: every request
+    // reaches its limit, so every token of every shard circulates (and the test could see a
+    // violation).
+    for (round, requests, reach) in [(0u64, 40u64, false), (1, 8, true)] {
+        let mut handles = Vec::new();
+        for r in 0..requests {
+            let limit = 1 + (r % 5) as u32;
+            let r = round * 1000 + r;
+            let parts = (0..100).map(|i| Job::sleeping(r * 1000 + i, 3));
+            let h = producer.request().concurrency(limit).unwrap().submit(parts).await.unwrap();
+            handles.push((h, limit, r));
+        }
+        for (h, limit, r) in &handles {
+            let done = h.wait_timeout::<u64>(Duration::from_secs(120)).await.unwrap();
+            assert_eq!(done.state, RequestState::Completed);
+            let outputs = done.into_outputs().unwrap();
+            let expected: Vec<u64> = (0..100).map(|i| (r * 1000 + i) * 2).collect();
+            assert_eq!(outputs, expected, "results of request {r}");
+            let max = probe.max_concurrency(h.id().as_str());
+            assert!(max <= *limit, "request {r}: {max} handlers ran at once, limit {limit}");
+            if reach {
+                assert_eq!(max, *limit, "request {r} never reached its limit {limit}");
+            }
+        }
+    }
+    a.stop().await;
+    b.stop().await;
+    // Each request's terminal event is on its home shard's events stream; a listener reads all of them,
+    // each once, and its cursor resumes on every shard.
+    let mut listener = sluicegate::Listener::from_beginning(&config).await.unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut cursor = String::new();
+    while seen.len() < 48 {
+        let event = tokio::time::timeout(Duration::from_secs(10), listener.next()).await.unwrap().unwrap();
+        assert!(seen.insert(event.id.to_string()), "duplicate event {}", event.id);
+        cursor = event.cursor;
+    }
+    assert_eq!(cursor.split(',').count(), SHARDS as usize, "{cursor}");
+    let mut resumed = sluicegate::Listener::resume_after(&config, &cursor).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(1500), resumed.next()).await.is_err(),
+        "nothing after the cursor"
+    );
+    // Nothing is left in any shard's lists or active index once everything finished.
+    let client = connect(env.redis.url()).await.unwrap();
+    let ns = config.namespace_str().to_owned();
+    for s in 0..SHARDS {
+        for p in 0..100 {
+            let len: i64 = client.llen(format!("{ns}:{{{ns}.q{s}}}:p:{p}")).await.unwrap();
+            assert_eq!(len, 0, "shard {s} list p:{p}");
+        }
+    }
+    let stats = sluicegate::Admin::connect(&config).await.unwrap().stats().await.unwrap();
+    assert_eq!(stats.active_requests, 0);
+    client.quit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_of_one_request_spread_over_the_shards_and_limit_one_requests_land_on_all_of_them() {
+    let env = env("shplace").await;
+    let config = env.config.clone().token_shards(SHARDS);
+    let ns = config.namespace_str().to_owned();
+    let producer = Producer::connect(&config).await.unwrap();
+    let client = connect(env.redis.url()).await.unwrap();
+    let lens = |p: u8| {
+        let client = client.clone();
+        let ns = ns.clone();
+        async move {
+            let mut out = Vec::new();
+            for s in 0..SHARDS {
+                out.push(client.llen::<u64, _>(format!("{ns}:{{{ns}.q{s}}}:p:{p}")).await.unwrap());
+            }
+            out
+        }
+    };
+    // One request of limit 3: one token on each shard.
+    producer
+        .request()
+        .priority(70)
+        .unwrap()
+        .concurrency(3)
+        .unwrap()
+        .submit((0..10).map(Job::new))
+        .await
+        .unwrap();
+    assert_eq!(lens(70).await, vec![1, 1, 1]);
+    // One of limit 5: two tokens on two shards, one on the third.
+    producer
+        .request()
+        .priority(60)
+        .unwrap()
+        .concurrency(5)
+        .unwrap()
+        .submit((0..10).map(Job::new))
+        .await
+        .unwrap();
+    let mut five = lens(60).await;
+    five.sort_unstable();
+    assert_eq!(five, vec![1, 2, 2]);
+    // Thirty limit-1 requests: each token on its request's home shard, all shards used.
+    let mut expected = vec![0u64; SHARDS as usize];
+    for _ in 0..30 {
+        let h = producer.request().priority(20).unwrap().submit([Job::new(1)]).await.unwrap();
+        expected[home_shard(&h.id().key_id(), SHARDS) as usize] += 1;
+    }
+    assert_eq!(lens(20).await, expected);
+    assert!(expected.iter().all(|&n| n > 0), "{expected:?}");
+    let stats = sluicegate::Admin::connect(&config).await.unwrap().stats().await.unwrap();
+    assert_eq!(stats.active_requests, 32);
+    let waiting: HashMap<u8, u64> = stats.tokens_waiting.iter().map(|t| (t.priority, t.tokens)).collect();
+    assert_eq!(waiting.get(&70), Some(&3));
+    assert_eq!(waiting.get(&60), Some(&5));
+    assert_eq!(waiting.get(&20), Some(&30));
+    client.quit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slot_over_three_shards_keeps_priority_within_each_shard_and_reaches_the_top_within_one_round() {
+    let env = env("shprio").await;
+    let config: Config = env.config.clone().token_shards(SHARDS);
+    let producer = Producer::connect(&config).await.unwrap();
+    // Queued before any worker exists, lowest first: 12 requests of limit 1 (token 0 lives on the
+    // request's home shard), 3 parts each, so one take runs a whole request.
+    let mut by_id = HashMap::new();
+    for (i, p) in [5u8, 12, 20, 28, 35, 43, 50, 58, 66, 74, 81, 90].into_iter().enumerate() {
+        let h = producer
+            .request()
+            .priority(p)
+            .unwrap()
+            .submit((0..3).map(|n| Job::new(i as u64 * 10 + n)))
+            .await
+            .unwrap();
+        by_id.insert(h.id().to_string(), (p, home_shard(&h.id().key_id(), SHARDS), h));
+    }
+    let probe = Probe::default();
+    let w = start_worker(&config, probe.clone(), 1, Quantum::default()).await;
+    for (_, _, h) in by_id.values() {
+        h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    }
+    w.stop().await;
+    let starts = probe.starts();
+    // Requests in the order they were taken (each take runs all three parts, one after another).
+    let mut taken: Vec<String> = Vec::new();
+    for (id, index) in &starts {
+        if *index == 0 {
+            taken.push(id.clone());
+        } else {
+            assert_eq!(taken.last(), Some(id), "a request's parts run in one take: {starts:?}");
+        }
+    }
+    let order: Vec<(u8, u32)> = taken.iter().map(|id| (by_id[id].0, by_id[id].1)).collect();
+    println!("one slot, 3 shards: taken (priority, shard): {order:?}");
+    // Within each shard: strictly highest priority first.
+    for s in 0..SHARDS {
+        let prios: Vec<u8> = order.iter().filter(|(_, sh)| *sh == s).map(|(p, _)| *p).collect();
+        assert!(prios.windows(2).all(|w| w[0] > w[1]), "shard {s} out of priority order: {prios:?}");
+    }
+    // Across shards: the slot visits the shards in turn, so the highest priority overall is taken
+    // within the first S takes, and every take is its shard's best at that moment.
+    let top = order.iter().position(|(p, _)| *p == 90).unwrap();
+    assert!(top < SHARDS as usize, "priority 90 taken at position {top}: {order:?}");
+}
