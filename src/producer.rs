@@ -80,39 +80,59 @@ impl Producer {
             let key_id = id.key_id();
             let keys = self.store.keys.request(&key_id);
             let nonce = uuid::Uuid::new_v4().simple().to_string();
-            let opened = self
-                .store
-                .fcall(
-                    Func::SubmitOpen,
-                    &keys.all(),
-                    vec![
-                        id.as_str().into(),
-                        i64::from(spec.priority.get()).into(),
-                        i64::from(spec.concurrency.get()).into(),
-                        (millis(self.store.config.loading_ttl) as i64).into(),
-                        i64::from(spec.retry.max_attempts).into(),
-                        (spec.retry.timeout.map_or(0, millis) as i64).into(),
-                        (millis(spec.retry.backoff_base) as i64).into(),
-                        (millis(spec.retry.backoff_max) as i64).into(),
-                        nonce.as_str().into(),
-                        (millis(spec.delay) as i64).into(),
-                        (if spec.fail_fast { "1" } else { "0" }).into(),
-                        i64::from(self.store.keys.shards()).into(),
-                    ],
-                )
-                .await;
-            if let Err(e) = opened {
-                return Err(match e {
-                    Error::Redis(ref r) if r.details().contains("SGDUPLICATE") => {
-                        Error::DuplicateRequestId(id.clone())
-                    }
-                    other => other,
-                });
+            let open_args: Vec<Value> = vec![
+                id.as_str().into(),
+                i64::from(spec.priority.get()).into(),
+                i64::from(spec.concurrency.get()).into(),
+                (millis(self.store.config.loading_ttl) as i64).into(),
+                i64::from(spec.retry.max_attempts).into(),
+                (spec.retry.timeout.map_or(0, millis) as i64).into(),
+                (millis(spec.retry.backoff_base) as i64).into(),
+                (millis(spec.retry.backoff_max) as i64).into(),
+                nonce.as_str().into(),
+                (millis(spec.delay) as i64).into(),
+                (if spec.fail_fast { "1" } else { "0" }).into(),
+                i64::from(self.store.keys.shards()).into(),
+            ];
+            // The first chunk decides: a request that fits in it is submitted in one call.
+            let mut parts = parts.into_iter();
+            let first = encode_chunk(&mut parts)?;
+            if first.is_empty() {
+                return Err(Error::InvalidRequest("a request needs at least one part".into()));
             }
+            let mut rest = parts.peekable();
+            let duplicate = |e: Error| match e {
+                Error::Redis(ref r) if r.details().contains("SGDUPLICATE") => {
+                    Error::DuplicateRequestId(id.clone())
+                }
+                other => other,
+            };
+            if rest.peek().is_none() {
+                // Registered with recovery first: a producer that dies between the submit and the
+                // push leaves a request recovery finds and completes.
+                let registered = self.register(&key_id, spec.priority).await?;
+                let total = first.len() as u64;
+                let mut args = open_args;
+                args.push(key_id.as_str().into());
+                args.extend(first);
+                let elements = match self.store.fcall(Func::SubmitSmall, &keys.all(), args).await {
+                    Ok(v) => reply::array(v)?,
+                    Err(e) => {
+                        if registered {
+                            crate::shards::unregister(&self.store, &key_id, self.store.keys.shards()).await;
+                        }
+                        return Err(duplicate(e));
+                    }
+                };
+                self.ring(&key_id, spec.priority, spec.delay, elements).await?;
+                tracing::debug!(total, "request durable and queued");
+                return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
+            }
+            self.store.fcall(Func::SubmitOpen, &keys.all(), open_args).await.map_err(duplicate)?;
             // Registered with recovery before anything can go wrong half-way: a producer that dies
             // between commit and ring leaves a request recovery finds and completes.
             let registered = self.register(&key_id, spec.priority).await?;
-            let total = match self.load(&key_id, &keys, &nonce, parts).await {
+            let total = match self.load(&key_id, &keys, &nonce, first, rest).await {
                 Ok(total) => total,
                 Err(e) => {
                     // Nothing of a half-written request is visible to workers; remove it now so the
@@ -146,29 +166,29 @@ impl Producer {
             .await
     }
 
-    /// Writes the parts in pipelined chunks. Returns how many.
-    async fn load<I, T>(&self, key_id: &str, keys: &RequestKeys, nonce: &str, parts: I) -> Result<u64>
+    /// Writes the parts in chunks, `first` (already encoded) and then the rest. Returns how many.
+    async fn load<I, T>(
+        &self,
+        key_id: &str,
+        keys: &RequestKeys,
+        nonce: &str,
+        first: Vec<Value>,
+        mut rest: I,
+    ) -> Result<u64>
     where
-        I: IntoIterator<Item = T>,
+        I: Iterator<Item = T>,
         T: Serialize,
     {
         let mut total: u64 = 0;
-        let mut parts = parts.into_iter().peekable();
-        if parts.peek().is_none() {
-            return Err(Error::InvalidRequest("a request needs at least one part".into()));
-        }
+        let mut chunk = first;
         // Chunks go one after another, each awaited: producer memory stays bounded by one chunk,
         // and a slow Redis slows the producer down.
-        while parts.peek().is_some() {
-            let mut args: Vec<Value> = vec![nonce.into(), (total as i64).into()];
-            let mut bytes = 0;
-            while bytes < LOAD_CHUNK_BYTES && args.len() < LOAD_CHUNK + 2 {
-                let Some(part) = parts.next() else { break };
-                let encoded = codec::encode(&part)?;
-                bytes += encoded.len();
-                args.push(Value::Bytes(encoded.into()));
-            }
-            total += (args.len() - 2) as u64;
+        while !chunk.is_empty() {
+            let n = chunk.len() as u64;
+            let mut args: Vec<Value> = Vec::with_capacity(chunk.len() + 2);
+            args.push(nonce.into());
+            args.push((total as i64).into());
+            args.extend(chunk);
             match self.store.fcall(Func::LoadParts, &keys.all(), args).await {
                 Ok(_) => {}
                 Err(Error::Redis(e)) if e.details().contains("SGSTATE") => {
@@ -179,6 +199,8 @@ impl Producer {
                 }
                 Err(e) => return Err(e),
             }
+            total += n;
+            chunk = encode_chunk(&mut rest)?;
         }
         Ok(total)
     }
@@ -202,6 +224,17 @@ impl Producer {
                 )
                 .await?,
         )?;
+        self.ring(key_id, priority, delay, elements).await
+    }
+
+    /// Pushes a committed request's token elements (none for a delayed one).
+    async fn ring(
+        &self,
+        key_id: &str,
+        priority: Priority,
+        delay: Duration,
+        elements: Vec<Value>,
+    ) -> Result<()> {
         // A delayed request is first looked at (and promoted) when its time comes.
         let first_check = if delay.is_zero() { self.store.config.lease } else { delay };
         let shards = self.store.keys.shards();
@@ -464,6 +497,24 @@ impl OpenRequest {
         finalize(&producer.store, &self.key_id, &self.keys, &self.nonce).await?;
         Ok(self.handle)
     }
+}
+
+/// Encodes the next chunk of parts: up to `LOAD_CHUNK` parts or `LOAD_CHUNK_BYTES` bytes (at least
+/// one part); empty when the parts are exhausted.
+fn encode_chunk<I, T>(parts: &mut I) -> Result<Vec<Value>>
+where
+    I: Iterator<Item = T>,
+    T: Serialize,
+{
+    let mut chunk = Vec::new();
+    let mut bytes = 0;
+    while bytes < LOAD_CHUNK_BYTES && chunk.len() < LOAD_CHUNK {
+        let Some(part) = parts.next() else { break };
+        let encoded = codec::encode(&part)?;
+        bytes += encoded.len();
+        chunk.push(Value::Bytes(encoded.into()));
+    }
+    Ok(chunk)
 }
 
 /// Closes a streamed request (`nonce` empty: an operator's finalize).

@@ -19,6 +19,7 @@ pub(crate) enum Func {
     SubmitOpen,
     LoadParts,
     SubmitCommit,
+    SubmitSmall,
     SubmitAbort,
     Ring,
     Acquire,
@@ -37,10 +38,11 @@ pub(crate) enum Func {
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 18] = [
+    pub(crate) const ALL: [Func; 19] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
+        Func::SubmitSmall,
         Func::SubmitAbort,
         Func::Ring,
         Func::Acquire,
@@ -64,6 +66,7 @@ impl Func {
             Func::SubmitOpen => "submit_open",
             Func::LoadParts => "load_parts",
             Func::SubmitCommit => "submit_commit",
+            Func::SubmitSmall => "submit_small",
             Func::SubmitAbort => "submit_abort",
             Func::Ring => "ring",
             Func::Acquire => "acquire",
@@ -92,6 +95,7 @@ impl Func {
             Func::SubmitOpen => include_str!("../lua/submit_open.lua"),
             Func::LoadParts => include_str!("../lua/load_parts.lua"),
             Func::SubmitCommit => include_str!("../lua/submit_commit.lua"),
+            Func::SubmitSmall => include_str!("../lua/submit_small.lua"),
             Func::SubmitAbort => include_str!("../lua/submit_abort.lua"),
             Func::Ring => include_str!("../lua/ring.lua"),
             Func::Acquire => include_str!("../lua/acquire.lua"),
