@@ -1,5 +1,6 @@
 //! Configuration shared by producers, workers and listeners.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -28,6 +29,8 @@ pub struct Config {
     pub(crate) wait_poll: Duration,
     pub(crate) unresponsive: Duration,
     pub(crate) token_shards: u32,
+    pub(crate) tls_ca_file: Option<PathBuf>,
+    pub(crate) tls_client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 /// The URL used when neither the caller nor `REDIS_URL` names one.
@@ -35,7 +38,7 @@ pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 
 impl Config {
     /// A configuration for the Redis at `url` (`redis://[user:password@]host:port[/db]`,
-    /// `redis+unix:///path/to/socket`).
+    /// `rediss://` for TLS, `redis+unix:///path/to/socket`).
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -48,6 +51,8 @@ impl Config {
             wait_poll: Duration::from_secs(2),
             unresponsive: Duration::from_secs(10),
             token_shards: 1,
+            tls_ca_file: None,
+            tls_client_cert: None,
         }
     }
 
@@ -121,6 +126,27 @@ impl Config {
     pub fn token_shards(mut self, shards: u32) -> Self {
         self.token_shards = shards;
         self
+    }
+
+    /// For `rediss://` URLs: trust the CA certificates of this PEM file (a private CA, a
+    /// self-signed server) instead of the system's roots. Read when a component connects; a
+    /// missing or unreadable file, or one without certificates, is an [`Error::Config`].
+    pub fn tls_ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls_ca_file = Some(path.into());
+        self
+    }
+
+    /// For `rediss://` URLs: present this client certificate chain (PEM) and its private key
+    /// (PEM: PKCS#8, PKCS#1 or SEC1) to a server that requires mutual TLS
+    /// (`tls-auth-clients yes`).
+    pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.tls_client_cert = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// The CA file set with [`Config::tls_ca_file`], if any.
+    pub fn tls_ca_file_path(&self) -> Option<&Path> {
+        self.tls_ca_file.as_deref()
     }
 
     /// The Redis URL.

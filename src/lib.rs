@@ -61,6 +61,8 @@ pub mod scripts;
 mod shards;
 mod store;
 pub mod testing;
+#[cfg(feature = "tls")]
+mod tls;
 mod worker;
 
 pub use admin::{

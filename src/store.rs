@@ -122,9 +122,29 @@ fn is_missing_function(e: &fred::error::Error) -> bool {
     d.contains("Function not found") || d.contains("NOSCRIPT")
 }
 
+/// The fred configuration of `config`: its URL, and for `rediss://` the TLS settings. Every client
+/// of a component is built from this (the blocking ones are clones of the pipelined one).
 fn client_config(config: &Config) -> Result<fred::prelude::Config> {
-    fred::prelude::Config::from_url(&config.url)
-        .map_err(|e| Error::Config(format!("redis URL {:?} is malformed: {}", config.url, e.details())))
+    #[allow(unused_mut)]
+    let mut fred_config = fred::prelude::Config::from_url(&config.url)
+        .map_err(|e| Error::Config(format!("redis URL {:?} is malformed: {}", config.url, e.details())))?;
+    let custom_tls = config.tls_ca_file.is_some() || config.tls_client_cert.is_some();
+    #[cfg(feature = "tls")]
+    if custom_tls {
+        if fred_config.tls.is_none() {
+            // Not the URL itself: it may carry a password.
+            return Err(Error::Config(
+                "a TLS CA file or client certificate is set, but the Redis URL does not use TLS (rediss://)"
+                    .into(),
+            ));
+        }
+        fred_config.tls = crate::tls::connector(config)?.map(Into::into);
+    }
+    #[cfg(not(feature = "tls"))]
+    if custom_tls {
+        return Err(Error::Config("TLS settings need sluicegate built with the `tls` feature".into()));
+    }
+    Ok(fred_config)
 }
 
 fn reconnect_policy() -> ReconnectPolicy {

@@ -65,6 +65,17 @@ pub(crate) struct Cli {
     #[arg(long = "recovery-interval", global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) recovery_interval: Option<Duration>,
 
+    /// For rediss:// URLs: trust the CA certificates in this PEM file (a private CA, a
+    /// self-signed server) instead of the system's roots.
+    #[arg(
+        long = "tls-ca-file",
+        global = true,
+        help_heading = "Global options",
+        env = "SLUICEGATE_TLS_CA_FILE",
+        value_name = "PATH"
+    )]
+    pub(crate) tls_ca_file: Option<PathBuf>,
+
     /// Give up connecting to Redis after this long.
     #[arg(long = "connect-timeout", global = true, help_heading = "Global options", value_parser = duration, default_value = "5s", value_name = "DURATION")]
     pub(crate) connect_timeout: Duration,

@@ -40,10 +40,21 @@ impl Ctx {
         connect: impl Future<Output = sluicegate::Result<T>>,
     ) -> Result<T, Failure> {
         match tokio::time::timeout(self.connect_timeout, connect).await {
-            Ok(Err(sluicegate::Error::Redis(e))) if *e.kind() == fred::error::ErrorKind::IO => Err(Failure::new(
-                Code::Redis,
-                format!("cannot connect to Redis at {}: {}", self.config.url(), io_reason(e.details())),
-            )),
+            Ok(Err(sluicegate::Error::Redis(e))) if *e.kind() == fred::error::ErrorKind::IO => {
+                let reason = io_reason(e.details());
+                let message = if reason.contains("InvalidCertificate(UnknownIssuer)") {
+                    format!(
+                        "cannot connect to Redis at {}: the server's TLS certificate is not trusted: {reason} \
+                         (name its CA with --tls-ca-file)",
+                        self.config.url()
+                    )
+                } else if reason.contains("InvalidCertificate") {
+                    format!("cannot connect to Redis at {}: the server's TLS certificate is refused: {reason}", self.config.url())
+                } else {
+                    format!("cannot connect to Redis at {}: {reason}", self.config.url())
+                };
+                Err(Failure::new(Code::Redis, message))
+            }
             Ok(connected) => Ok(connected?),
             Err(_) => Err(Failure::new(
                 Code::Redis,
@@ -58,14 +69,22 @@ impl Ctx {
 }
 
 /// The reason inside an I/O error's debug text (`Os { .., message: "Connection refused" }`,
-/// `Custom { .., error: "failed to lookup address information: .." }`): that is what a person
-/// needs, not the struct around it.
+/// `Custom { .., error: "failed to lookup address information: .." }`, a TLS error's
+/// `Custom { .., error: InvalidCertificate(UnknownIssuer) }`): that is what a person needs, not
+/// the struct around it.
 fn io_reason(details: &str) -> &str {
     for field in ["message: \"", "error: \""] {
         if let Some(start) = details.find(field).map(|i| i + field.len()) {
             if let Some(len) = details[start..].find('"') {
                 return &details[start..start + len];
             }
+        }
+    }
+    if let Some(start) =
+        details.find("Custom { kind: ").and_then(|i| details[i..].find("error: ").map(|j| i + j + 7))
+    {
+        if let Some(reason) = details[start..].strip_suffix(" }") {
+            return reason;
         }
     }
     details
@@ -115,6 +134,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     if let Some(interval) = cli.recovery_interval {
         config = config.recovery_interval(interval);
     }
+    if let Some(ca) = cli.tls_ca_file {
+        config = config.tls_ca_file(ca);
+    }
     let ctx = Ctx { config, json: cli.json, connect_timeout: cli.connect_timeout };
     match cli.command {
         Command::Submit(args) => submit::run(&ctx, args).await,
@@ -140,5 +162,7 @@ mod tests {
         let dns = r#"cannot connect to x: Custom { kind: Uncategorized, error: "failed to lookup address information: Name or service not known" }"#;
         assert_eq!(io_reason(dns), "failed to lookup address information: Name or service not known");
         assert_eq!(io_reason("plain words"), "plain words");
+        let tls = "cannot connect to rediss://h:1: Custom { kind: InvalidData, error: InvalidCertificate(UnknownIssuer) }";
+        assert_eq!(io_reason(tls), "InvalidCertificate(UnknownIssuer)");
     }
 }
