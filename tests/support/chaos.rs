@@ -22,13 +22,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::prelude::{
-    Builder, Client, ClientInterface, ClientLike, Config as FredConfig, HashesInterface, KeysInterface,
-    ListInterface, LuaInterface, ReconnectPolicy, SetsInterface, SortedSetsInterface,
+    Builder, Client, ClientInterface, ClientLike, ClusterInterface, Config as FredConfig, HashesInterface,
+    KeysInterface, ListInterface, LuaInterface, ReconnectPolicy, SetsInterface, SortedSetsInterface,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use sluicegate::testing::{keys_in_namespace, unique_namespace, RedisServer};
+use sluicegate::testing::{keys_in_namespace, unique_namespace, RedisCluster, RedisServer};
 use sluicegate::{Completion, Config, Listener, Producer, RequestId, RequestState};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
@@ -370,6 +370,11 @@ pub enum Fault {
     /// Crash Redis (SIGKILL) and restart it, AOF `appendfsync always`, each time the share of
     /// completed requests reaches one of `at` (ascending, each below 1.0).
     RedisRestart { at: Vec<f64> },
+    /// Run against a 3-master Redis Cluster (AOF `appendfsync always` on every node) instead of a
+    /// single Redis, and SIGKILL the master owning the token lists' slot (`{<ns>.q0}`) once the
+    /// share `at` of the requests has completed; restart it after `down` and wait until the cluster
+    /// is ok again. The handlers count themselves on a separate single Redis, untouched by the fault.
+    ClusterMasterRestart { at: f64, down: Duration },
 }
 
 /// One chaos run: the workload and its fault.
@@ -457,6 +462,8 @@ pub struct Figures {
     pub redis_restarts: u64,
     /// Requests completed at each Redis restart.
     pub completed_at_restart: Vec<usize>,
+    /// What was done to the cluster, in words (cluster runs only).
+    pub cluster_faults: Vec<String>,
     pub proxy: Option<ProxyStats>,
     /// Parts with no correct result (missing, an error, or a wrong value).
     pub lost: u64,
@@ -599,6 +606,9 @@ impl fmt::Display for Figures {
                 self.completed_at_restart.iter().map(|c| format!("{c}/{}", self.requests)).collect();
             write!(f, " redis_restarts={} (at {} completed)", self.redis_restarts, at.join(", "))?;
         }
+        for fault in &self.cluster_faults {
+            write!(f, " [{fault}]")?;
+        }
         if let Some(p) = &self.proxy {
             write!(
                 f,
@@ -708,13 +718,30 @@ pub async fn run(scenario: Scenario) -> Figures {
         Fault::RedisRestart { at } => at.clone(),
         _ => Vec::new(),
     };
+    let cluster_fault = match &s.fault {
+        Fault::ClusterMasterRestart { at, down } => Some((*at, *down)),
+        _ => None,
+    };
+    // Sluicegate's Redis in a single-Redis run; in a cluster run only the handlers' counters.
     let mut server = RedisServer::builder()
         .aof_always(!restart_at.is_empty())
         .start()
         .await
         .unwrap_or_else(|e| panic!("the chaos suite needs a redis-server of its own: {e}"));
-    // The same across restarts: the server keeps its port.
+    let mut cluster = match cluster_fault {
+        Some(_) => Some(
+            RedisCluster::builder()
+                .aof_always(true)
+                .start()
+                .await
+                .unwrap_or_else(|e| panic!("the cluster chaos run needs a local cluster: {e}")),
+        ),
+        None => None,
+    };
+    // The same across restarts: the server keeps its port. The counters live there.
     let server_url = server.url();
+    // Where sluicegate's keys live: the server, or the cluster.
+    let sg_url = cluster.as_ref().map_or_else(|| server_url.clone(), RedisCluster::url);
     let slug: String = s.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
     let namespace = unique_namespace(&format!("chaos-{}", slug.trim_matches('-')));
     let proxy = match &s.fault {
@@ -724,7 +751,7 @@ pub async fn run(scenario: Scenario) -> Figures {
         }
         _ => None,
     };
-    let config = Config::new(server_url.clone())
+    let config = Config::new(sg_url.clone())
         .namespace(namespace.clone())
         .lease(LEASE)
         .heartbeat(HEARTBEAT)
@@ -779,7 +806,16 @@ pub async fn run(scenario: Scenario) -> Figures {
     // when nothing completes for STALL_LIMIT (a lost token starves its request for good), and at
     // the scenario's timeout in any case.
     let mut completed_at_restart = Vec::new();
+    let mut cluster_faults = Vec::new();
     let everything_done = async {
+        if let (Some((share, down)), Some(cluster)) = (cluster_fault, cluster.as_mut()) {
+            let due = ((s.requests as f64) * share).ceil() as usize;
+            while completed() < due {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            completed_at_restart.push(completed());
+            cluster_faults.push(restart_token_master(cluster, &sg_url, &namespace, down).await);
+        }
         for share in &restart_at {
             let due = ((s.requests as f64) * share).ceil() as usize;
             while completed() < due {
@@ -823,7 +859,7 @@ pub async fn run(scenario: Scenario) -> Figures {
             let unfinished: Vec<&Submitted> =
                 submitted.iter().filter(|x| !progress.finished.lock().unwrap().contains(&x.r)).collect();
             let diagnosis =
-                diagnose(&server_url, &namespace, &unfinished, s.requests, [&heard_direct, &heard_second]).await;
+                diagnose(&sg_url, &namespace, &unfinished, &submitted, s.requests, [&heard_direct, &heard_second]).await;
             panic!("chaos[{}] failed: {why} (seed {}):\n{diagnosis}\nworker logs in {}", s.name, s.seed, log_dir.display());
         }
     };
@@ -841,7 +877,8 @@ pub async fn run(scenario: Scenario) -> Figures {
     pool.check_alive().await;
 
     let client = connect_with_retry(&server_url).await;
-    let tokens_outstanding = token_census(&client, &namespace, &submitted).await;
+    let sg_client = if sg_url == server_url { client.clone() } else { connect_with_retry(&sg_url).await };
+    let tokens_outstanding = token_census(&sg_client, &namespace, &submitted).await;
     let stop_took = pool.stop_all(Duration::from_secs(20)).await;
     let mut running_left = 0;
     for key in scan(&client, &format!("chaos:{namespace}:running:*")).await {
@@ -861,6 +898,7 @@ pub async fn run(scenario: Scenario) -> Figures {
         orphans_removed: pool.orphans_removed,
         redis_restarts: completed_at_restart.len() as u64,
         completed_at_restart,
+        cluster_faults,
         proxy: proxy.as_ref().map(Proxy::stats),
         wait_errors: progress.wait_errors.load(Ordering::Relaxed),
         tokens_outstanding,
@@ -878,14 +916,44 @@ pub async fn run(scenario: Scenario) -> Figures {
         f.listeners.push(listener_figures(name, &heard.lock().unwrap(), &ids));
     }
 
-    (f.keys_left, f.keys_gone_after) =
-        wait_for_empty_namespace(&server_url, &namespace, last_completion).await;
+    (f.keys_left, f.keys_gone_after) = wait_for_empty_namespace(&sg_url, &namespace, last_completion).await;
     let _ = client.quit().await;
+    let _ = sg_client.quit().await;
+    drop(cluster);
     f.total_took = began.elapsed();
     if f.problems().is_empty() {
         let _ = std::fs::remove_dir_all(&log_dir);
     }
     f
+}
+
+/// SIGKILLs the master that owns the slot of the token lists (`{<ns>.q0}`), restarts it (same port,
+/// directory, AOF and nodes.conf) after `down`, and waits until every node reports the cluster ok.
+/// Returns what it did, for the figures.
+async fn restart_token_master(cluster: &mut RedisCluster, sg_url: &str, ns: &str, down: Duration) -> String {
+    let list = format!("{ns}:{{{ns}.q0}}:p:0");
+    let slot = fred::util::redis_keyslot(list.as_bytes());
+    let client = connect_with_retry(sg_url).await;
+    let owner = client
+        .cached_cluster_state()
+        .and_then(|routing| routing.get_server(slot).map(|s| format!("redis://{}:{}", s.host, s.port)))
+        .expect("the cluster client knows the owner of every slot");
+    let _ = client.quit().await;
+    let masters = cluster.masters().await.expect("CLUSTER NODES");
+    assert!(masters.contains(&owner), "slot {slot} owner {owner} is not among the masters {masters:?}");
+    let i = cluster.urls().iter().position(|u| *u == owner).expect("the owner is a node of ours");
+    let began = Instant::now();
+    cluster.node_mut(i).expect("a local node").kill().expect("kill the master");
+    tokio::time::sleep(down).await;
+    cluster.node_mut(i).expect("a local node").restart().await.expect("the master restarts");
+    let restarted = began.elapsed();
+    cluster.wait_until_ok(Duration::from_secs(30)).await.expect("the cluster is ok again");
+    let after = cluster.masters().await.expect("CLUSTER NODES");
+    assert_eq!(after, masters, "the restarted node kept its slots");
+    format!(
+        "master {owner} (slot {slot}, {{{ns}.q0}}) SIGKILLed, up again after {restarted:.1?}, cluster ok after {:.1?}",
+        began.elapsed()
+    )
 }
 
 /// Runs the fault on the worker processes (kills, when that is the fault) and checks on them, until
@@ -1103,6 +1171,7 @@ async fn diagnose(
     url: &str,
     ns: &str,
     unfinished: &[&Submitted],
+    submitted: &[Submitted],
     requests: u64,
     heard: [&Arc<Mutex<Heard>>; 2],
 ) -> String {
@@ -1128,6 +1197,39 @@ async fn diagnose(
         out.push_str(&format!(
             "unfinished request {} ({}), limit {}: {fields:?}\n",
             sub.r, sub.id, sub.limit
+        ));
+    }
+    // Completions a listener never heard: is the event in the stream, the request still active?
+    const EVENTS_OF: &str = r"
+        local out = {}
+        for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+          local f = e[2]
+          for i = 1, #f, 2 do
+            if f[i] == 'rid' and f[i + 1] == ARGV[1] then table.insert(out, e[1]) end
+          end
+        end
+        return out";
+    let unheard = submitted
+        .iter()
+        .filter(|x| heard.iter().any(|h| !h.lock().unwrap().by_request.contains_key(x.id.as_str())));
+    for sub in unheard.take(8) {
+        let kid = sub.id.key_id();
+        let events: Vec<String> = client
+            .eval(EVENTS_OF, vec![format!("{ns}:{{{ns}.q0}}:events")], vec![kid.to_string()])
+            .await
+            .unwrap_or_default();
+        let active: Option<f64> =
+            client.zscore(format!("{ns}:{{{ns}.q0}}:active"), kid.to_string()).await.unwrap_or_default();
+        let mut meta: Vec<(String, String)> = client
+            .hgetall::<HashMap<String, String>, _>(format!("{ns}:r:{{{kid}}}"))
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        meta.sort();
+        out.push_str(&format!(
+            "unheard request {} ({}): events stream entries {events:?}, active score {active:?}, meta {meta:?}\n",
+            sub.r, sub.id
         ));
     }
     for p in 0..100 {

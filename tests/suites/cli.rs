@@ -1,0 +1,584 @@
+// The body of tests/cli.rs and tests/cli_cluster.rs: written once, run against a single Redis
+// and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+
+use std::fs;
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sluicegate::testing::{keys_in_namespace, unique_namespace, TestBackend};
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+/// Short leases and a quick recovery, so that the tests never wait for the defaults.
+const FAST: [&str; 6] = ["--lease", "2s", "--heartbeat", "300ms", "--recovery-interval", "300ms"];
+
+fn fixture(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name).display().to_string()
+}
+
+/// A test's own Redis (single or a cluster, as `TOPOLOGY` says), namespace and scratch directory.
+struct Sg {
+    redis: TestBackend,
+    ns: String,
+    dir: PathBuf,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Sg {
+    fn new(name: &str) -> Self {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let redis = runtime.block_on(TestBackend::start(TOPOLOGY)).unwrap_or_else(|e| panic!("{e}"));
+        let ns = unique_namespace(name);
+        let dir = std::env::temp_dir().join(format!("sluicegate-cli-{ns}"));
+        fs::create_dir_all(&dir).unwrap();
+        Self { redis, ns, dir, runtime }
+    }
+
+    /// `sluicegate --redis <ours> --namespace <ours> <FAST...>`, untouched by the caller's env.
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.env_remove("REDIS_URL")
+            .env_remove("SLUICEGATE_NAMESPACE")
+            .args(["--redis", self.redis.url(), "--namespace", &self.ns])
+            .args(FAST);
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command().args(args).stdin(Stdio::null()).output().unwrap()
+    }
+
+    fn run_with_input(&self, args: &[&str], input: &[u8]) -> Output {
+        let mut child = self
+            .command()
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    fn file(&self, name: &str, content: &[u8]) -> String {
+        let path = self.dir.join(name);
+        fs::write(&path, content).unwrap();
+        path.display().to_string()
+    }
+
+    /// `sluicegate worker --exec <exec>`, its stderr kept in a file for the test to read.
+    fn worker(&self, exec: &str, extra: &[&str]) -> WorkerProcess {
+        let log = self.dir.join(format!("worker-{}.log", rand_suffix()));
+        let child = self
+            .command()
+            .args(["worker", "--exec", exec, "--slots", "2"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        WorkerProcess { child, log }
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let out = self.run(&all);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// Waits until `n` workers have registered, so that work can reach all of them.
+    fn wait_for_workers(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.json(&["stats"])["workers"].as_array().map_or(0, Vec::len) < n {
+            assert!(Instant::now() < deadline, "{n} workers did not register within 10 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.runtime.block_on(keys_in_namespace(self.redis.url(), &self.ns)).unwrap()
+    }
+}
+
+impl Drop for Sg {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn rand_suffix() -> String {
+    unique_namespace("w")
+}
+
+struct WorkerProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl WorkerProcess {
+    /// SIGTERM, as a supervisor stops it; returns its stderr after asserting a clean exit 0.
+    fn stop(mut self) -> String {
+        let term = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        assert!(term.success());
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "worker did not stop within 15 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let log = fs::read_to_string(&self.log).unwrap();
+        assert_eq!(status.code(), Some(0), "worker exit after SIGTERM; its stderr:\n{log}");
+        log
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        // A failed test must not leave workers behind.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8(out.stderr.clone()).unwrap()
+}
+
+/// Asserts a failure: exit `code`, and stderr exactly `error: <message>` on one line.
+fn assert_fails(out: &Output, code: i32, message: &str) {
+    assert_eq!(stderr(out), format!("error: {message}\n"), "stderr");
+    assert_eq!(out.status.code(), Some(code), "exit code; stderr: {}", stderr(out));
+}
+
+/// "succeeded" and "retried" counts from a worker's closing line.
+fn worker_counts(log: &str) -> (u64, u64) {
+    let line = log
+        .lines()
+        .find(|l| l.starts_with("worker stopped:"))
+        .unwrap_or_else(|| panic!("no closing line in:\n{log}"));
+    let num = |word: &str| -> u64 {
+        let words: Vec<&str> = line.split([' ', ',']).filter(|w| !w.is_empty()).collect();
+        let at = words.iter().position(|w| *w == word).unwrap();
+        words[at - 1].parse().unwrap()
+    };
+    (num("succeeded"), num("retried"))
+}
+
+#[test]
+fn a_thousand_lines_through_two_exec_workers_come_back_upper_cased_line_for_line() {
+    let sg = Sg::new("cli-upper");
+    let lines: String = (0..1000).map(|i| format!("line {i:04}: the quick brown fox, {}\n", i * 7)).collect();
+    let input = sg.file("lines.txt", lines.as_bytes());
+    let upper = fixture("upper.sh");
+    let a = sg.worker(&upper, &[]);
+    let b = sg.worker(&upper, &[]);
+    sg.wait_for_workers(2);
+
+    let started = Instant::now();
+    let out = sg.run(&["submit", "--concurrency", "3", "--wait", "--raw", &input]);
+    let took = started.elapsed();
+    assert!(out.status.success(), "submit --wait: {}", stderr(&out));
+    assert_eq!(stdout(&out), lines.to_uppercase(), "the output is the upper-cased file, line for line");
+    assert!(
+        stderr(&out).starts_with("submitted "),
+        "stderr has the id, not a progress bar: {:?}",
+        stderr(&out)
+    );
+
+    let (a_done, _) = worker_counts(&a.stop());
+    let (b_done, _) = worker_counts(&b.stop());
+    assert_eq!(a_done + b_done, 1000);
+    assert!(a_done > 0 && b_done > 0, "both workers took part: {a_done} + {b_done}");
+    eprintln!("1000 sub-requests through two --exec workers in {took:?}");
+}
+
+#[test]
+fn a_script_failing_odd_lines_twice_completes_on_the_third_attempt_with_attempts_in_status() {
+    let sg = Sg::new("cli-flaky");
+    let lines: String = (1..=10).map(|i| format!("\"word {i}\"\n")).collect();
+    let input = sg.file("words.txt", lines.as_bytes());
+    let submit = sg.run(&[
+        "submit",
+        "--id",
+        "flaky-1",
+        "--concurrency",
+        "4",
+        "--max-attempts",
+        "3",
+        "--backoff",
+        "300ms",
+        "--backoff-max",
+        "600ms",
+        &input,
+    ]);
+    assert_eq!(
+        (stdout(&submit), submit.status.code()),
+        ("flaky-1\n".to_owned(), Some(0)),
+        "{}",
+        stderr(&submit)
+    );
+    let worker = sg.worker(&fixture("flaky.sh"), &[]);
+
+    // Watch the status while it runs: the failed attempts are visible until they succeed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut most_attempts_seen = 0;
+    let mut a_second_attempt_error = None;
+    let last = loop {
+        let status = sg.json(&["status", "flaky-1"]);
+        most_attempts_seen = most_attempts_seen.max(status["max_attempts_seen"].as_u64().unwrap());
+        if let Some(e) = status["errors"].as_array().unwrap().iter().find(|e| e["error"]["attempts"] == 2) {
+            a_second_attempt_error = Some(e.clone());
+        }
+        if status["state"] != "running" && status["state"] != "queued" {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "not finished within 20 s: {status}");
+        std::thread::sleep(Duration::from_millis(40));
+    };
+    assert_eq!(last["state"], "completed", "{last}");
+    assert_eq!((last["done"].as_u64(), last["failed"].as_u64()), (Some(10), Some(0)));
+    assert!(most_attempts_seen >= 2, "status showed the attempt counts while it ran");
+    // And after completion: the parts that needed retries, and how many attempts they took.
+    assert_eq!(last["max_attempts_seen"].as_u64(), Some(3), "{last}");
+    assert_eq!(last["succeeded_after_retry"].as_u64(), Some(5), "{last}");
+    let error = a_second_attempt_error.expect("an error record of a second attempt was visible");
+    assert_eq!(error["index"].as_u64().unwrap() % 2, 0, "only odd lines (even indexes) fail: {error}");
+    let message = error["error"]["error"].as_str().unwrap();
+    assert!(
+        message.contains("flaky.sh exited with 1: flaky: line ")
+            && message.ends_with(", attempt 2 fails on purpose"),
+        "the error says which attempt failed, with the script's stderr: {message}"
+    );
+
+    let human = stdout(&sg.run(&["status", "flaky-1"]));
+    assert!(human.contains("state        completed"), "{human}");
+    let results = sg.run(&["results", "flaky-1"]);
+    assert!(results.status.success(), "{}", stderr(&results));
+    assert_eq!(stdout(&results), lines.to_uppercase(), "JSON strings, upper-cased, in order");
+
+    let (succeeded, retried) = worker_counts(&worker.stop());
+    assert_eq!((succeeded, retried), (10, 10), "5 odd lines x 2 failed attempts were retried");
+}
+
+#[test]
+fn a_permanent_failure_fails_the_request_and_requeue_after_the_fix_completes_it() {
+    let sg = Sg::new("cli-requeue");
+    let fixed = sg.dir.join("fixed");
+    let script = sg.file(
+        "fragile.sh",
+        format!(
+            "#!/bin/sh\nif [ \"$SLUICEGATE_INDEX\" = 1 ] && [ ! -e '{}' ]; then echo 'bad input' >&2; exit 100; fi\ncat\n",
+            fixed.display()
+        )
+        .as_bytes(),
+    );
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let worker = sg.worker(&script, &[]);
+
+    let out = sg.run_with_input(
+        &["submit", "--id", "frag", "--max-attempts", "5", "--wait"],
+        b"{\"n\":1}\n{\"n\":2}\n{\"n\":3}\n",
+    );
+    assert_eq!(out.status.code(), Some(1), "a failed request exits 1: {}", stderr(&out));
+    let printed = stdout(&out);
+    let lines: Vec<&str> = printed.lines().collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0], "{\"n\":1}");
+    let failed: Value = serde_json::from_str(lines[1]).unwrap();
+    assert_eq!(failed["attempts"], 1, "exit 100 is not retried: {failed}");
+    assert_eq!(failed["permanent"], true);
+    assert!(
+        failed["error"].as_str().unwrap().ends_with("exited with 100 (permanent): bad input"),
+        "{failed}"
+    );
+    let last_line = stderr(&out).lines().last().unwrap_or_default().to_owned();
+    assert!(
+        last_line.starts_with("error: request frag failed: 1 of 3 sub-requests failed (first: #1: "),
+        "{last_line}"
+    );
+
+    fs::write(&fixed, b"").unwrap();
+    let requeue = sg.run(&["requeue", "frag"]);
+    assert_eq!(stdout(&requeue), "requeued 1 dead-lettered sub-request of frag\n", "{}", stderr(&requeue));
+    let results = sg.run(&["--json", "results", "--wait", "frag"]);
+    assert!(results.status.success(), "{}", stderr(&results));
+    assert_eq!(
+        stdout(&results),
+        "{\"index\":0,\"ok\":{\"n\":1}}\n{\"index\":1,\"ok\":{\"n\":2}}\n{\"index\":2,\"ok\":{\"n\":3}}\n"
+    );
+    let events = stdout(&sg.run(&["events"]));
+    let states: Vec<&str> = events.lines().map(|l| l.split_whitespace().nth(1).unwrap()).collect();
+    assert_eq!(states, ["failed", "completed"], "{events}");
+    worker.stop();
+}
+
+#[test]
+fn cancel_timeout_and_not_finished_yet() {
+    let sg = Sg::new("cli-cancel");
+    // No worker yet: the request waits.
+    let queued = sg.run_with_input(&["submit", "--id", "later"], b"a\nb\n");
+    assert!(queued.status.success(), "{}", stderr(&queued));
+    assert_fails(
+        &sg.run(&["results", "later"]),
+        5,
+        "request later has not finished yet; use `sluicegate results --wait later` or `sluicegate status later`",
+    );
+    assert_eq!(stdout(&sg.run(&["cancel", "later"])), "cancelled later\n");
+    assert_eq!(sg.json(&["cancel", "later"])["cancelled"], false, "a second cancel finds it finished");
+    let results = sg.run(&["results", "later"]);
+    assert_eq!(results.status.code(), Some(1));
+    assert!(stderr(&results).ends_with("error: request later was cancelled\n"), "{}", stderr(&results));
+
+    // A command that outlives --timeout is killed and the attempt fails (retryably).
+    let worker = sg.worker("sleep 10", &["--timeout", "300ms"]);
+    let started = Instant::now();
+    let slow = sg.run_with_input(&["submit", "--wait"], b"1\n");
+    assert!(started.elapsed() < Duration::from_secs(5), "the timeout killed the command");
+    assert_eq!(slow.status.code(), Some(1));
+    let failed: Value = serde_json::from_slice(&slow.stdout).unwrap();
+    assert_eq!(failed["error"], "sleep 10 timed out after 300ms and was killed");
+    assert_eq!(failed["permanent"], false);
+
+    let events: Vec<Value> =
+        stdout(&sg.run(&["--json", "events"])).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(events.len(), 2);
+    assert_eq!((events[0]["id"].as_str(), events[0]["state"].as_str()), (Some("later"), Some("cancelled")));
+    assert_eq!(events[1]["state"], "failed");
+    worker.stop();
+}
+
+#[test]
+fn streamed_input_runs_while_open_and_a_dead_producers_request_can_be_finalized() {
+    let sg = Sg::new("cli-stream");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    let status = |id: &str| sg.json(&["status", id]);
+    let wait_until = |id: &str, done: u64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            // Unknown until the producer has connected and opened it.
+            let out = sg.run(&["--json", "status", id]);
+            let s: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            if s["done"] == done {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{id} did not reach {done} done: {s} {}", stderr(&out));
+            std::thread::sleep(Duration::from_millis(30));
+        }
+    };
+
+    // A line is processed while the input is still open; the request completes at its end.
+    let mut producer = sg
+        .command()
+        .args(["submit", "--stream", "--id", "s1", "--concurrency", "2", "--wait", "--raw"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = producer.stdin.take().unwrap();
+    input.write_all(b"one\n").unwrap();
+    input.flush().unwrap();
+    let s = wait_until("s1", 1);
+    assert_eq!((&s["open"], &s["state"]), (&Value::Bool(true), &Value::from("running")), "{s}");
+    input.write_all(b"two\n").unwrap();
+    drop(input);
+    let out = producer.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "ONE\nTWO\n");
+
+    // A producer killed mid-stream leaves an open request that an operator finalizes.
+    let mut producer = sg
+        .command()
+        .args(["submit", "--stream", "--id", "s2"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut input = producer.stdin.take().unwrap();
+    input.write_all(b"a\n").unwrap();
+    input.flush().unwrap();
+    wait_until("s2", 1);
+    producer.kill().unwrap();
+    let out = producer.wait_with_output().unwrap();
+    assert_eq!(stdout(&out), "s2\n", "a streamed request's id is printed when it opens");
+    assert!(stdout(&sg.run(&["status", "s2"])).contains("open         yes"));
+    let finalized = sg.run(&["finalize", "s2"]);
+    assert_eq!(
+        stdout(&finalized),
+        "finalized s2: it completes once its sub-requests are done\n",
+        "{}",
+        stderr(&finalized)
+    );
+    assert_eq!(stdout(&sg.run(&["results", "--wait", "--raw", "s2"])), "A\n");
+
+    // A bad line mid-stream cancels the request: a half request must not complete as whole.
+    let out = sg.run_with_input(&["submit", "--stream", "--id", "s3"], b"fine\nbad \xff\n");
+    assert_fails(
+        &out,
+        2,
+        "line 2 is not valid UTF-8 (invalid byte at column 5); request s3 was cancelled after 1 sub-request",
+    );
+    assert_eq!(status("s3")["state"], "cancelled");
+    worker.stop();
+}
+
+#[test]
+fn a_delayed_request_does_not_start_before_its_time() {
+    let sg = Sg::new("cli-delay");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    let started = Instant::now();
+    let id = stdout(&sg.run_with_input(&["submit", "--delay", "1500ms"], b"later\n")).trim().to_owned();
+    assert_eq!(sg.json(&["status", &id])["state"], "scheduled");
+    let out = sg.run(&["results", "--wait", "--raw", &id]);
+    assert_eq!(stdout(&out), "LATER\n", "{}", stderr(&out));
+    let status = sg.json(&["status", &id]);
+    let waited = status["started_ms"].as_u64().unwrap() - status["created_ms"].as_u64().unwrap();
+    assert!(waited >= 1500, "started {waited} ms after it was submitted");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    worker.stop();
+}
+
+#[test]
+fn bad_input_is_one_line_naming_the_problem() {
+    let sg = Sg::new("cli-bad");
+
+    // Unreachable Redis: a port nobody listens on.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let out = Command::new(BIN).args(["--redis", &url, "stats"]).output().unwrap();
+    assert_fails(&out, 3, &format!("cannot connect to Redis at {url}: Connection refused"));
+
+    // A server that accepts but never answers: bounded by --connect-timeout.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let out =
+        Command::new(BIN).args(["--redis", &url, "--connect-timeout", "300ms", "stats"]).output().unwrap();
+    assert_fails(&out, 3, &format!("cannot connect to Redis at {url}: no answer within 300ms (is it running? see --redis or REDIS_URL)"));
+
+    // A password in the URL never reaches stderr.
+    let out = Command::new(BIN)
+        .args(["--redis", &format!("redis://app:s3cret@127.0.0.1:{port}"), "stats"])
+        .output()
+        .unwrap();
+    assert_fails(
+        &out,
+        3,
+        &format!("cannot connect to Redis at redis://app:***@127.0.0.1:{port}: Connection refused"),
+    );
+
+    // A malformed URL.
+    let out = Command::new(BIN).args(["--redis", "localhost:6379", "stats"]).output().unwrap();
+    assert_fails(
+        &out,
+        2,
+        "invalid configuration: redis URL \"localhost:6379\" is malformed: Invalid or missing host.",
+    );
+
+    // Unknown ids, for every command that takes one.
+    for cmd in ["status", "cancel", "results", "requeue"] {
+        assert_fails(
+            &sg.run(&[cmd, "no-such-id"]),
+            4,
+            "no request with id \"no-such-id\" (never submitted, or its results expired)",
+        );
+    }
+
+    // A command that cannot start: missing, and not executable.
+    let out = sg.run(&["worker", "--exec", "./no/such/handler.sh --fast"]);
+    assert_fails(
+        &out,
+        2,
+        "cannot start \"./no/such/handler.sh\": ./no/such/handler.sh: No such file or directory (os error 2)",
+    );
+    assert_fails(
+        &sg.run(&["worker", "--exec", "no-such-program-xyz"]),
+        2,
+        "cannot start \"no-such-program-xyz\": not found in PATH",
+    );
+    let plain = sg.file("plain.sh", b"#!/bin/sh\ncat\n");
+    assert_fails(
+        &sg.run(&["worker", "--exec", &plain]),
+        2,
+        &format!("cannot start {plain:?}: {plain} is not executable (chmod +x it)"),
+    );
+
+    // A line that is not UTF-8: nothing is submitted.
+    let out = sg.run_with_input(&["submit", "--id", "utf"], b"fine\nalso fine\nab\xffcd\n");
+    assert_fails(&out, 2, "line 3 is not valid UTF-8 (invalid byte at column 3); nothing was submitted");
+    assert_eq!(stdout(&out), "");
+    assert_fails(
+        &sg.run(&["status", "utf"]),
+        4,
+        "no request with id \"utf\" (never submitted, or its results expired)",
+    );
+
+    // An oversized payload, from a file: nothing is submitted either.
+    let big = sg.file("big.txt", format!("small\n{}\n", "x".repeat(2000)).as_bytes());
+    let out = sg.run(&["submit", "--id", "big", "--max-payload-bytes", "1000", &big]);
+    assert_fails(
+        &out,
+        2,
+        "line 2 is longer than the payload limit of 1000 bytes (--max-payload-bytes); nothing was submitted",
+    );
+    assert!(
+        sg.keys().iter().all(|k| !k.contains(":r:")),
+        "refused requests left keys behind: {:?}",
+        sg.keys()
+    );
+
+    // Empty input, a missing file, an out-of-range priority, an id in use.
+    assert_fails(
+        &sg.run_with_input(&["submit"], b""),
+        2,
+        "the input has no lines: a request needs at least one sub-request",
+    );
+    assert_fails(
+        &sg.run(&["submit", "/no/such/file"]),
+        2,
+        "cannot read /no/such/file: No such file or directory (os error 2)",
+    );
+    assert_fails(
+        &sg.run_with_input(&["submit", "--priority", "100"], b"x\n"),
+        2,
+        "invalid request: priority 100 is out of range: use 0 (lowest) to 99 (highest)",
+    );
+    assert!(sg.run_with_input(&["submit", "--id", "taken"], b"x\n").status.success());
+    assert_fails(
+        &sg.run_with_input(&["submit", "--id", "taken"], b"x\n"),
+        2,
+        "request id \"taken\" is already in use; choose another --id or wait until its retention ends",
+    );
+
+    // Usage errors are clap's, with exit 2.
+    let out = sg.run(&["submit", "--concurrency", "many"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).starts_with("error: invalid value 'many' for '--concurrency <CONCURRENCY>'"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn every_command_has_help_with_an_example() {
+    for cmd in ["submit", "worker", "status", "finalize", "cancel", "requeue", "stats", "results", "events"] {
+        let out = Command::new(BIN).args([cmd, "--help"]).output().unwrap();
+        assert!(out.status.success());
+        assert!(stdout(&out).contains("Example:\n  sluicegate "), "{cmd} --help:\n{}", stdout(&out));
+    }
+}
