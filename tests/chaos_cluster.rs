@@ -31,6 +31,16 @@ use chaos::{Fault, Scenario};
 //     cancelling its handler" for it; nothing completed it (seed 2642576437949552328); or
 // (b) every `wait()` returned Completed, but both `Listener`s missed the same one completion
 //     (heard 99/100; seed 9422434357987601527): its `finish_index` event was never read.
+// Diagnosis (seed 18113354059280940284, case (a)): the request's meta lived on a surviving master;
+// a worker wrote its terminal record ("request finished state=completed") just after the restart,
+// then every client stalled ~6.5 s (the worker's next log line, its leases lost, came 6.6 s later)
+// while fred reconnected to the restarted node. That is longer than the harness's 5 s retention:
+// the terminal record expired before `wait()` read it, and `finish_index` (event XADD + `active`
+// ZREM on the `{<ns>.q0}` master) never landed, so recovery's census later found the request
+// "gone" and dropped its `active` entry WITHOUT emitting the completion event. With a 20 s
+// retention the run passed 4 of 4. Two things to fix in sluicegate: the census's "gone" branch
+// loses the event of a request that finished but whose `finish_index` was missed; and a ~6 s
+// stall of every client on one master's restart.
 // Run it with `cargo test --test chaos_cluster -- --ignored --nocapture` (diagnosis on failure).
 #[ignore = "sluicegate loses a request or a completion event when the token-shard master restarts; see the comment"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
