@@ -8,15 +8,8 @@ use std::time::{Duration, Instant};
 use sluicegate::{
     async_trait, Admin, Cancelled, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState,
 };
-use support::{env, start_worker, Job, Probe};
+use support::{env, fast, start_worker, Job, Probe};
 
-fn fast(config: &sluicegate::Config) -> sluicegate::Config {
-    config
-        .clone()
-        .lease(Duration::from_millis(800))
-        .heartbeat(Duration::from_millis(100))
-        .recovery_interval(Duration::from_millis(200))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_counts_errors_and_timings() {

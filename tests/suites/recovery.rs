@@ -12,16 +12,8 @@ use sluicegate::testing::connect;
 use sluicegate::{
     async_trait, Config, Context, Handler, HandlerError, Producer, Quantum, RequestState, Worker,
 };
-use support::{env, start_worker, Job, Probe};
+use support::{env, fast, start_worker, Job, Probe};
 
-/// Short lease and recovery interval, so each test sees recovery within a second or two.
-fn fast(config: &Config) -> Config {
-    config
-        .clone()
-        .lease(Duration::from_millis(800))
-        .heartbeat(Duration::from_millis(200))
-        .recovery_interval(Duration::from_millis(200))
-}
 
 /// The keys a foreign client would build (docs/protocol.md), for placing faults by hand.
 struct Raw {

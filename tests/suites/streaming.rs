@@ -4,15 +4,8 @@
 use std::time::{Duration, Instant};
 
 use sluicegate::{Admin, Producer, Quantum, RequestState};
-use support::{env, start_worker, Job, Probe};
+use support::{env, fast, start_worker, Job, Probe};
 
-fn fast(config: &sluicegate::Config) -> sluicegate::Config {
-    config
-        .clone()
-        .lease(Duration::from_millis(800))
-        .heartbeat(Duration::from_millis(100))
-        .recovery_interval(Duration::from_millis(100))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parts_added_over_two_seconds_run_while_open_and_completion_waits_for_finalize() {

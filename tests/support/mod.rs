@@ -36,6 +36,15 @@ pub async fn env(name: &str) -> Env {
     Env { redis, config }
 }
 
+/// Short lease, heartbeat and recovery interval, so a test sees recovery within a second or two.
+pub fn fast(config: &Config) -> Config {
+    config
+        .clone()
+        .lease(Duration::from_millis(800))
+        .heartbeat(Duration::from_millis(100))
+        .recovery_interval(Duration::from_millis(150))
+}
+
 /// A worker running in the background until [`Running::stop`] or drop.
 pub struct Running {
     stop: CancellationToken,
