@@ -12,7 +12,7 @@
 --   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
 -- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element}: push element
---         onto the priority list; {'park'}; {'finished', state, sweep elements...}: the request
+--         onto the priority list; {'park'}; {'finished', state, gen, sweep elements...}: the request
 --         just turned terminal; {'fenced'}: this slot no longer holds the token with exactly
 --         these entries, so nothing was recorded (its lease ran out and the work moved on).
 local function ack(keys, args)

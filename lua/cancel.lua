@@ -4,7 +4,7 @@
 -- `cancelled`, and one event, like any finish.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
--- Returns {'finished', 'cancelled', sweep elements...} as ack does, or {'already', state} when
+-- Returns {'finished', 'cancelled', gen, sweep elements...} as ack does, or {'already', state} when
 -- the request was terminal before, or {'unknown'}.
 local function cancel(keys, args)
   local state = redis.call('HGET', keys[1], 'state')

@@ -4,8 +4,10 @@
 -- checks that its element really is in the list   ARGV[3] retention (ms)   ARGV[4] completion
 -- channel (for a streamed request that expired unfinalized: it is cancelled here)
 -- A scheduled request whose time has come turns queued, and its parked tokens are pushed.
--- Returns {'gone'}: no such request (expired); {'loading'}; {'finished', state, priority, shards}: the
---         request is terminal but still active, so its finish_index was missed; or {'ok', priority, push, check, reclaimed, shards}:
+-- Returns {'gone'}: no such request (expired); {'loading'}; {'finished', state, priority, shards,
+--         gen, sealed}: the request is terminal but still indexed, so the steps after its finish
+--         (finish_index, seal, unindex) are to be completed; sealed is 1 when only unindex is left;
+--         or {'ok', priority, push, check, reclaimed, shards}:
 --         push: elements of restored or unparked tokens, to push now; check: elements queued
 --         longer than the grace, whose presence in the list must be verified (verify_tokens);
 --         reclaimed: how many leases had expired; shards: the token shards it was submitted with
@@ -18,7 +20,11 @@ local function census(keys, args)
   if state == 'loading' then return {'loading'} end
   local shards = redis.call('HGET', keys[1], 'shards') or '1'
   if state == 'completed' or state == 'failed' or state == 'cancelled' then
-    return {'finished', state, redis.call('HGET', keys[1], 'prio'), shards}
+    local f = redis.call('HMGET', keys[1], 'prio', 'gen', 'sealed')
+    local gen = f[2] or '0'
+    local sealed = 0
+    if f[3] == gen then sealed = 1 end
+    return {'finished', state, f[1], shards, gen, sealed}
   end
   local rid, grace = args[1], tonumber(args[2])
   local now = sg_now()
@@ -32,11 +38,9 @@ local function census(keys, args)
     -- A streamed request whose producer never finalized it within its expiry: its input is
     -- incomplete, so it ends cancelled.
     redis.call('DEL', keys[6])
-    local out = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
-    out[3] = redis.call('HGET', keys[1], 'prio')
-    out[4] = shards
-    for i = #out, 5, -1 do out[i] = nil end
-    return out
+    -- Its tokens were parked or queued; a queued element left in a list is refused at acquire.
+    local gen = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)[3]
+    return {'finished', 'cancelled', redis.call('HGET', keys[1], 'prio'), shards, gen, 0}
   end
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local push, check, parked = {}, {}, {}

@@ -1,13 +1,25 @@
--- finish_index: the token side of a request turning terminal, done once whoever calls it.
+-- finish_index: record a finished request's one event on the token side. It is the first of three
+-- steps after a request turns terminal (then `seal` on the request's keys, then `unindex`), each
+-- repeatable: whoever runs them (the finishing slot, or recovery when that slot died) the event is
+-- written once per lifecycle, and the request stays in the index until it is sealed.
 -- KEYS[1] active-request index   KEYS[2] events stream   KEYS[3] the request's priority list
--- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] event retention (ms)
--- ARGV[4..] stale token elements to remove from the priority list
--- Returns 1 when this call recorded the event, 0 when it had been recorded already.
+-- KEYS[4] the request's finish marks (hash: `e` last lifecycle whose event was written, `o` last
+-- lifecycle reopened by requeue_dead), deleted by unindex
+-- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] retention (ms)   ARGV[4] lifecycle
+-- (`gen`) that finished   ARGV[5..] stale token elements to remove from the priority list
+-- Returns 1 when this call recorded the event, 0 when it had been recorded already (or the request
+-- has left the index, which it does only after its event).
 local function finish_index(keys, args)
-  for i = 4, #args do redis.call('LREM', keys[3], 0, args[i]) end
-  if redis.call('ZREM', keys[1], args[1]) == 0 then return 0 end
-  local now = sg_now()
+  for i = 5, #args do redis.call('LREM', keys[3], 0, args[i]) end
+  if not redis.call('ZSCORE', keys[1], args[1]) then return 0 end
+  local gen = tonumber(args[4])
+  local written = redis.call('HGET', keys[4], 'e')
+  if written and tonumber(written) >= gen then return 0 end
   local retention = tonumber(args[3])
+  redis.call('HSET', keys[4], 'e', gen)
+  -- Until unindex deletes them the marks must outlive the request's keys, which are held as long.
+  redis.call('PEXPIRE', keys[4], retention + SG_FINISH_HOLD_MS)
+  local now = sg_now()
   redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',
     'rid', args[1], 'state', args[2])
   redis.call('PEXPIRE', keys[2], retention)

@@ -125,6 +125,11 @@ end
 -- Returns the reply for the caller, whose 3rd and later items are the still-queued token elements
 -- for the token side to sweep from the priority list. A failed request keeps its stream and
 -- retry set (its dead letters) until the retention ends, so that they can be requeued.
+-- A finished request's keys are held for its retention plus this long until `seal` (run once
+-- its event is recorded on the token side) starts the retention proper; the hold only matters
+-- when nothing reaches Redis to seal it, and bounds what such a request leaves behind.
+local SG_FINISH_HOLD_MS = 3600000
+
 local function sg_finish(keys, rid, state, retention_ms, channel, now)
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local sweep = {}
@@ -141,21 +146,18 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now)
       redis.call('HDEL', keys[1], 't' .. k)
     end
   end
-  if state == 'failed' then
+  if state ~= 'failed' then
     -- Dead letters (pending entries parked in the retry set at +inf), orphans and the parts that
-    -- never ran stay requeueable for the retention.
-    redis.call('PEXPIRE', keys[2], retention_ms)
-    redis.call('PEXPIRE', keys[5], retention_ms)
-    redis.call('PEXPIRE', keys[6], retention_ms)
-  else
+    -- never ran stay requeueable while a failed request is kept; otherwise they go now.
     redis.call('DEL', keys[2], keys[5], keys[6])
   end
   redis.call('HSET', keys[1], 'state', state, 'finished', now)
-  redis.call('PEXPIRE', keys[1], retention_ms)
-  redis.call('PEXPIRE', keys[3], retention_ms)
-  redis.call('PEXPIRE', keys[4], retention_ms)
+  local hold = tonumber(retention_ms) + SG_FINISH_HOLD_MS
+  for i = 1, 6 do redis.call('PEXPIRE', keys[i], hold) end
   redis.call('PUBLISH', channel, rid .. '|' .. state)
-  local out = {'finished', state}
+  -- The lifecycle (`gen`, bumped when a failed request is reopened) names this finish in the
+  -- token-side steps that follow (finish_index, seal, unindex).
+  local out = {'finished', state, redis.call('HGET', keys[1], 'gen') or '0'}
   for _, e in ipairs(sweep) do out[#out + 1] = e end
   return out
 end

@@ -4,9 +4,9 @@
 -- terminal record and event.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id
--- Returns {n, elements...}: how many were requeued, and token elements to push onto the
--- request's priority list (re-created or unparked tokens); the caller also registers a reopened
--- request with recovery (ring 'register'). Errors "SGSTATE ..." when the request cannot be
+-- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle (`gen`) when a
+-- failed request was reopened, else 0 (the caller then marks it with ring 'reopen'); and token
+-- elements to push onto the request's priority list (re-created or unparked tokens). Errors "SGSTATE ..." when the request cannot be
 -- requeued (unknown, loading, completed, cancelled, or its retention ran out).
 local function requeue_dead(keys, args)
   local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'gen')
@@ -16,7 +16,7 @@ local function requeue_dead(keys, args)
   end
   local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
   local n = #dead
-  if n == 0 then return {0} end
+  if n == 0 then return {0, 0} end
   local now = sg_now()
   for _, id in ipairs(dead) do
     -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.
@@ -26,15 +26,16 @@ local function requeue_dead(keys, args)
   redis.call('HINCRBY', keys[1], 'extra', n)
   redis.call('HINCRBY', keys[1], 'left', n)
   redis.call('HINCRBY', keys[1], 'failed', -n)
-  local out = {n}
+  local out = {n, 0}
   if state == 'failed' then
     -- Elements of the earlier lifecycle may linger in a list: start the epochs above them.
     local gen = redis.call('HINCRBY', keys[1], 'gen', 1)
+    out[2] = gen
     local epoch = gen * 1000000000 + 1
     local ntok = math.min(tonumber(m[3]), n)
     for i = 1, 6 do redis.call('PERSIST', keys[i]) end
     redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok)
-    redis.call('HDEL', keys[1], 'finished')
+    redis.call('HDEL', keys[1], 'finished', 'sealed')
     for k = 0, ntok - 1 do
       redis.call('HSET', keys[1], 't' .. k, 'q|' .. epoch .. '|' .. now)
       out[#out + 1] = sg_element(args[1], k, epoch)

@@ -221,11 +221,9 @@ impl Admin {
                 Ok(Cancelled::AlreadyFinished(state.parse()?))
             }
             "finished" => {
-                let _state = reply.next();
-                let sweep: Vec<Value> = reply.collect();
+                let finished = crate::shards::Finished::from_reply(reply)?;
                 let (priority, shards) = placement.unwrap_or((Priority::default(), 1));
-                crate::shards::finish_index(&self.store, &key_id, shards, "cancelled", priority, sweep)
-                    .await?;
+                crate::shards::finish(&self.store, &key_id, shards, priority, finished).await?;
                 Ok(Cancelled::Now)
             }
             other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
@@ -268,8 +266,14 @@ impl Admin {
             }
         };
         let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) as u64;
+        let reopened = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
         if n == 0 && registered {
             crate::shards::unregister(&self.store, &key_id, shards).await;
+        }
+        if reopened > 0 {
+            // The finished lifecycle's own last step (unindex) may still be on its way: the mark
+            // makes it leave the reopened request in `active`.
+            crate::shards::reopen(&self.store, &key_id, shards, priority, reopened).await?;
         }
         let elements: Vec<Value> = items.collect();
         if !elements.is_empty() {

@@ -199,6 +199,12 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:events", self.ns, self.ns)
     }
 
+    /// Hash of a finished request's marks on its home shard: `e`, the last lifecycle whose event
+    /// was written; `o`, the last lifecycle reopened by requeue. Expires with the retention.
+    pub(crate) fn finish_marks(&self, shard: u32, key_id: &str) -> String {
+        format!("{}:{{{}.q{shard}}}:f:{key_id}", self.ns, self.ns)
+    }
+
     /// Sorted set of live workers; score: when their registration expires (ms). On shard 0.
     pub(crate) fn workers(&self) -> String {
         format!("{}:{{{}.q0}}:workers", self.ns, self.ns)

@@ -538,10 +538,10 @@ pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, no
     };
     let mut items = reply.into_iter();
     if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
-        let state = items.next().and_then(|v| v.as_string()).unwrap_or_default();
+        let finished = crate::shards::Finished::from_reply(items)?;
         let (priority, shards) =
             crate::shards::placement(store, &keys.meta).await?.unwrap_or((Priority::default(), 1));
-        crate::shards::finish_index(store, key_id, shards, &state, priority, items.collect()).await?;
+        crate::shards::finish(store, key_id, shards, priority, finished).await?;
     }
     Ok(())
 }

@@ -7,8 +7,9 @@
 //! tokens queued longer than the grace; `verify_tokens` pushes the restored elements and reports
 //! which listed elements are missing from the list (popped into a reply nobody read, or never
 //! pushed); `restore_tokens` re-queues those under a new epoch, but only if each is still queued
-//! with the epoch that was checked. A request found terminal but still active (its slot died
-//! before `finish_index`) is finished on the token side here.
+//! with the epoch that was checked. A request found terminal but still in `active` (its finisher
+//! died or stalled before the last step after its finish) has those steps completed here
+//! (`shards::finish`: event, seal, unindex, each done once whoever runs it).
 //!
 //! The argument that this never makes a token too many is in docs/architecture.md.
 
@@ -90,17 +91,32 @@ async fn census_one(store: &Store, metrics: &WorkerMetrics, shard: u32, key_id: 
     let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     match tag.as_str() {
         "gone" => {
-            // Expired while loading (its producer died) or after its retention.
+            // Expired while loading (its producer died), or after its retention once sealed (its
+            // event was written before the seal), or after the hold of a finish nobody completed
+            // (prelude.lua: only if no worker reached Redis for that long).
             store.client.zrem::<i64, _, _>(store.keys.active(shard), key_id).await?;
+            store.client.del::<i64, _>(store.keys.finish_marks(shard, key_id)).await?;
         }
         "loading" => {}
         "finished" => {
             let state = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
             let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
             let shards = shards_of(reply.next());
+            let gen = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            let sealed = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) == 1;
             let priority = Priority::new(prio as u8).unwrap_or_default();
-            tracing::info!(request = key_id, state, "recovery finishing a request whose finish was missed");
-            crate::shards::finish_index(store, key_id, shards, &state, priority, Vec::new()).await?;
+            if sealed {
+                // Its event was written before the seal: only the index entry is left.
+                crate::shards::seal_and_unindex(store, key_id, home_shard(key_id, shards), gen).await?;
+            } else {
+                tracing::info!(
+                    request = key_id,
+                    state,
+                    "completing the finish of a request (its finisher died or stalled)"
+                );
+                let finished = crate::shards::Finished { state, gen, sweep: Vec::new() };
+                crate::shards::finish(store, key_id, shards, priority, finished).await?;
+            }
         }
         "ok" => {
             let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);

@@ -25,6 +25,8 @@ pub(crate) enum Func {
     Acquire,
     Ack,
     FinishIndex,
+    Seal,
+    Unindex,
     Renew,
     ClaimDue,
     Census,
@@ -38,7 +40,7 @@ pub(crate) enum Func {
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 19] = [
+    pub(crate) const ALL: [Func; 21] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -48,6 +50,8 @@ impl Func {
         Func::Acquire,
         Func::Ack,
         Func::FinishIndex,
+        Func::Seal,
+        Func::Unindex,
         Func::Renew,
         Func::ClaimDue,
         Func::Census,
@@ -72,6 +76,8 @@ impl Func {
             Func::Acquire => "acquire",
             Func::Ack => "ack",
             Func::FinishIndex => "finish_index",
+            Func::Seal => "seal",
+            Func::Unindex => "unindex",
             Func::Renew => "renew",
             Func::ClaimDue => "claim_due",
             Func::Census => "census",
@@ -101,6 +107,8 @@ impl Func {
             Func::Acquire => include_str!("../lua/acquire.lua"),
             Func::Ack => include_str!("../lua/ack.lua"),
             Func::FinishIndex => include_str!("../lua/finish_index.lua"),
+            Func::Seal => include_str!("../lua/seal.lua"),
+            Func::Unindex => include_str!("../lua/unindex.lua"),
             Func::Renew => include_str!("../lua/renew.lua"),
             Func::ClaimDue => include_str!("../lua/claim_due.lua"),
             Func::Census => include_str!("../lua/census.lua"),

@@ -3,7 +3,8 @@
 //! A request submitted with S shards (meta field `shards`) has a home shard
 //! `h = FNV-1a(key id) % S`: its `active` entry and its terminal event are there. Its token `k`
 //! lives on shard `(h + k) % S`: every element of `k` is pushed to, popped from, swept from and
-//! verified on that shard's list. Every call here touches the keys of one shard only.
+//! verified on that shard's list. Every call here touches the keys of one shard only, or (`seal`)
+//! the request's own keys.
 
 use std::collections::BTreeMap;
 
@@ -94,16 +95,43 @@ pub(crate) async fn unregister(store: &Store, key_id: &str, shards: u32) {
     }
 }
 
-/// The token side of a request turning terminal: stale elements swept from their shards' lists,
-/// then, on the home shard, the index removal and the one event (`finish_index`).
-pub(crate) async fn finish_index(
+/// A request that has just turned terminal, as a finishing function reports it
+/// (`{'finished', state, gen, sweep...}`, the part after the tag).
+#[derive(Debug)]
+pub(crate) struct Finished {
+    /// The terminal state.
+    pub(crate) state: String,
+    /// The lifecycle that finished (meta `gen`: bumped each time requeue reopens the request).
+    pub(crate) gen: i64,
+    /// Stale token elements to sweep from the lists.
+    pub(crate) sweep: Vec<Value>,
+}
+
+impl Finished {
+    /// Reads the reply items that follow the `finished` tag.
+    pub(crate) fn from_reply(mut items: impl Iterator<Item = Value>) -> Result<Finished> {
+        let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+        let gen = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+        Ok(Finished { state, gen, sweep: items.collect() })
+    }
+}
+
+/// What follows a request turning terminal, on the token side and back on the request's keys; each
+/// step is repeatable, and recovery repeats whatever a dead or stalled finisher left undone (the
+/// request stays in `active` until the last step):
+/// 1. stale elements swept from their shards' lists, and on the home shard the one event of this
+///    lifecycle (`finish_index`);
+/// 2. the request's retention started (`seal`; until then its keys are held, so a finish whose
+///    event is late is neither lost nor unannounced);
+/// 3. the request leaves `active` (`unindex`).
+pub(crate) async fn finish(
     store: &Store,
     key_id: &str,
     shards: u32,
-    state: &str,
     priority: Priority,
-    sweep: Vec<Value>,
+    finished: Finished,
 ) -> Result<()> {
+    let Finished { state, gen, sweep } = finished;
     let home = home_shard(key_id, shards);
     let mut groups = by_shard(key_id, shards, sweep);
     let home_sweep = groups.remove(&home).unwrap_or_default();
@@ -115,12 +143,48 @@ pub(crate) async fn finish_index(
         })
     });
     futures::future::try_join_all(sweeps).await?;
-    let mut args: Vec<Value> =
-        vec![key_id.into(), state.into(), (millis(store.config.retention) as i64).into()];
+    let retention = millis(store.config.retention) as i64;
+    let mut args: Vec<Value> = vec![key_id.into(), state.into(), retention.into(), gen.into()];
     args.extend(home_sweep);
-    let (active, events, list) =
-        (store.keys.active(home), store.keys.events(home), store.keys.token_list(home, priority));
-    store.fcall(Func::FinishIndex, &[&active, &events, &list], args).await?;
+    let (active, events, list, marks) = (
+        store.keys.active(home),
+        store.keys.events(home),
+        store.keys.token_list(home, priority),
+        store.keys.finish_marks(home, key_id),
+    );
+    store.fcall(Func::FinishIndex, &[&active, &events, &list, &marks], args).await?;
+    seal_and_unindex(store, key_id, home, gen).await
+}
+
+/// Steps 2 and 3 of [`finish`]; alone, for a request whose event is already recorded.
+pub(crate) async fn seal_and_unindex(store: &Store, key_id: &str, home: u32, gen: i64) -> Result<()> {
+    let retention = millis(store.config.retention) as i64;
+    let keys = store.keys.request(key_id);
+    let sealed = store.fcall(Func::Seal, &keys.all(), vec![gen.into(), retention.into()]).await?;
+    if reply::int(&sealed)? == 1 {
+        let (active, marks) = (store.keys.active(home), store.keys.finish_marks(home, key_id));
+        store.fcall(Func::Unindex, &[&active, &marks], vec![key_id.into(), gen.into()]).await?;
+    }
+    Ok(())
+}
+
+/// Marks a request that requeue reopened as lifecycle `gen`, and makes sure it is in `active`.
+pub(crate) async fn reopen(
+    store: &Store,
+    key_id: &str,
+    shards: u32,
+    priority: Priority,
+    gen: i64,
+) -> Result<()> {
+    let home = home_shard(key_id, shards);
+    let (list, active, marks) = (
+        store.keys.token_list(home, priority),
+        store.keys.active(home),
+        store.keys.finish_marks(home, key_id),
+    );
+    let delay = millis(store.config.lease) as i64;
+    let args: Vec<Value> = vec![key_id.into(), delay.into(), "reopen".into(), gen.into()];
+    store.fcall(Func::Ring, &[&list, &active, &marks], args).await?;
     Ok(())
 }
 

@@ -95,7 +95,8 @@ impl Monitor {
 }
 
 /// The functions that touch token-side keys only (`{<ns>.q<s>}`).
-const TOKEN_FUNCTIONS: [&str; 4] = ["sg1_ring", "sg1_finish_index", "sg1_claim_due", "sg1_verify_tokens"];
+const TOKEN_FUNCTIONS: [&str; 5] =
+    ["sg1_ring", "sg1_finish_index", "sg1_unindex", "sg1_claim_due", "sg1_verify_tokens"];
 
 fn within(values: &[u64], tolerance: f64) -> bool {
     let mean = values.iter().sum::<u64>() as f64 / values.len() as f64;

@@ -90,7 +90,7 @@ enum Next {
     Run(Vec<Entry>, Option<Policy>),
     Requeue(String),
     Park,
-    Finished { state: String, sweep: Vec<Value> },
+    Finished(crate::shards::Finished),
     Drop,
     Stale,
     Fenced,
@@ -270,10 +270,10 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
         Next::Requeue(element) => {
             store.client.lpush::<i64, _, _>(token.list.as_str(), element).await?;
         }
-        Next::Finished { state, sweep } => {
-            tracing::info!(state, "request finished");
+        Next::Finished(finished) => {
+            tracing::info!(state = finished.state, "request finished");
             let shards = policy.map_or(1, |p| p.shards);
-            crate::shards::finish_index(store, &token.key_id, shards, &state, token.priority, sweep).await?;
+            crate::shards::finish(store, &token.key_id, shards, token.priority, finished).await?;
         }
         Next::Fenced => {
             shared.metrics.fenced.fetch_add(1, Relaxed);
@@ -464,10 +464,7 @@ fn parse_next(reply: Value, with_policy: bool) -> Result<Next> {
         }
         "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
         "park" => Next::Park,
-        "finished" => {
-            let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-            Next::Finished { state, sweep: items.collect() }
-        }
+        "finished" => Next::Finished(crate::shards::Finished::from_reply(items)?),
         "drop" => Next::Drop,
         "stale" => Next::Stale,
         "fenced" => Next::Fenced,

@@ -4,13 +4,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
-use sluicegate::testing::connect;
+use sluicegate::testing::{connect, keys_in_namespace};
 use sluicegate::{
-    async_trait, Config, Context, Handler, HandlerError, Producer, Quantum, RequestState, Worker,
+    async_trait, Config, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState, Worker,
 };
 use support::{env, fast, start_worker, Job, Probe};
 
@@ -46,6 +46,34 @@ impl Raw {
         let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
         self.client.custom::<Vec<Value>, Value>(cmd, args).await.unwrap()
     }
+    /// Acks a batch of one entry with `outcome` (`ok` and the result bytes, or `dead` and the error
+    /// record), as `holder` (token element `element`), giving the token back: the raw reply.
+    async fn ack_one(&self, element: &str, holder: &str, entry: &str, outcome: (&str, Vec<u8>), attempt: &str) -> Vec<Value> {
+        let parts: Vec<&str> = element.split('|').collect();
+        let mut args: Vec<Value> = vec!["sg1_ack".into(), 6.into()];
+        args.extend(self.request_keys(parts[0]).into_iter().map(Value::from));
+        let channel = format!("{}:done", self.ns);
+        args.extend(
+            [parts[0], parts[1], parts[2], holder, "dead-worker", "800", "0", "1000", channel.as_str(), "1"]
+                .map(Value::from),
+        );
+        let (outcome, body) = outcome;
+        args.extend([Value::from(entry), outcome.into(), Value::Bytes(body.into()), "0".into(), attempt.into()]);
+        let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
+        self.client.custom::<Vec<Value>, Value>(cmd, args).await.unwrap()
+    }
+    /// Calls a token-side function of shard 0 with `keys` (suffixes after `<ns>:{<ns>.q0}:`).
+    async fn token_fcall(&self, function: &str, keys: &[&str], args: Vec<Value>) -> Value {
+        let mut all: Vec<Value> = vec![function.into(), (keys.len() as i64).into()];
+        all.extend(keys.iter().map(|k| Value::from(format!("{0}:{{{0}.q0}}:{k}", self.ns))));
+        all.extend(args);
+        let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
+        self.client.custom::<Value, Value>(cmd, all).await.unwrap()
+    }
+    async fn in_active(&self, key_id: &str) -> bool {
+        let score: Option<f64> = self.client.zscore(format!("{0}:{{{0}.q0}}:active", self.ns), key_id).await.unwrap();
+        score.is_some()
+    }
     async fn list_len(&self, prio: u8) -> i64 {
         self.client.llen(self.list(prio)).await.unwrap()
     }
@@ -75,6 +103,121 @@ async fn tokens_survive_a_worker_killed_between_brpop_and_recording_the_token() 
     let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the lost token is restored");
     assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6, 8]);
     assert_eq!(raw.list_len(40).await, 0, "no token is left behind once the request finished");
+    w.stop().await;
+}
+
+/// The finishing worker dies right after the ack that made its request terminal, before the steps
+/// on the token side (event, seal, unindex), and no worker runs for longer than the retention (a
+/// stall of every client, as in a cluster master's restart). The finish is completed by the next
+/// worker's recovery: the record outlived the retention, the event is written once, and the keys
+/// go one retention after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finish_left_undone_by_a_dead_worker_is_completed_by_recovery_even_after_the_retention() {
+    let env = env("deadfin").await;
+    let retention = Duration::from_secs(1);
+    let config = fast(&env.config).retention(retention);
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = producer
+        .request()
+        .priority(40)
+        .unwrap()
+        .concurrency(1)
+        .unwrap()
+        .submit([Job::new(21)])
+        .await
+        .unwrap();
+    let mut listener = Listener::from_beginning(&config).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let element = raw.pop_token(40).await;
+    let reply = raw.acquire(&element, "dead-worker/0").await;
+    let entry = match &reply[..] {
+        [tag, _policy, Value::Array(entry), ..] if tag.as_str().as_deref() == Some("run") => entry.clone(),
+        other => panic!("acquire did not hand out the entry: {other:?}"),
+    };
+    let (id, attempt) = (entry[0].as_string().unwrap(), entry[3].as_string().unwrap());
+    let result = rmp_serde::to_vec(&42u64).unwrap();
+    let reply = raw.ack_one(&element, "dead-worker/0", &id, ("ok", result), &attempt).await;
+    assert_eq!(reply[0].as_str().as_deref(), Some("finished"), "{reply:?}");
+    // The worker "died" here. Twice the retention passes with no worker at all.
+    tokio::time::sleep(retention * 2 + Duration::from_millis(300)).await;
+    let meta = &raw.request_keys(h.id().key_id().as_str())[0];
+    let kept: i64 = raw.client.exists(meta.as_str()).await.unwrap();
+    assert_eq!(kept, 1, "the record of a finish not yet announced outlives the retention");
+
+    let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
+    let heard = tokio::time::timeout(Duration::from_secs(10), listener.next())
+        .await
+        .expect("recovery writes the event of the finish the dead worker left undone")
+        .unwrap();
+    assert_eq!((heard.id.key_id(), heard.state), (h.id().key_id(), RequestState::Completed));
+    let done = h.wait_timeout::<u64>(Duration::from_secs(5)).await.expect("the record is still readable");
+    assert_eq!(done.into_outputs().unwrap(), [42]);
+    let again = tokio::time::timeout(Duration::from_millis(1500), listener.next()).await;
+    assert!(again.is_err(), "the event is written once, heard again: {again:?}");
+    w.stop().await;
+    let ns = config.namespace_str().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let keys = keys_in_namespace(env.redis.url(), &ns).await.unwrap();
+        if keys.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "keys left one retention after recovery sealed it: {keys:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A failed request is requeued (reopened as lifecycle 1) while the last step after its failure
+/// (`unindex` of lifecycle 0) is still on its way from a slow finisher. That late step must leave
+/// the reopened request in recovery's index, and each lifecycle gets its one event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() {
+    let env = env("lateunidx").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&config).await.unwrap();
+    let h = producer.request().priority(40).unwrap().concurrency(1).unwrap().submit([Job::new(21)]).await.unwrap();
+    let kid = h.id().key_id();
+    let mut listener = Listener::from_beginning(&config).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &config).await;
+    // A slow worker: its one part is dead-lettered, the request fails (lifecycle 0), and the worker
+    // gets as far as the event and the seal before it stalls.
+    let element = raw.pop_token(40).await;
+    let reply = raw.acquire(&element, "slow-worker/0").await;
+    let Value::Array(entry) = &reply[2] else { panic!("acquire did not hand out the entry: {reply:?}") };
+    let (id, attempt) = (entry[0].as_string().unwrap(), entry[3].as_string().unwrap());
+    let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
+    let reply = raw.ack_one(&element, "slow-worker/0", &id, ("dead", record), &attempt).await;
+    assert_eq!(reply[..3].iter().map(|v| v.as_string().unwrap()).collect::<Vec<_>>(), ["finished", "failed", "0"]);
+    let marks = format!("f:{kid}");
+    let args: Vec<Value> = vec![kid.as_str().into(), "failed".into(), 60_000.into(), 0.into()];
+    assert_eq!(raw.token_fcall("sg1_finish_index", &["active", "events", "p:40", &marks], args).await, Value::Integer(1));
+    let mut seal: Vec<Value> = vec!["sg1_seal".into(), 6.into()];
+    seal.extend(raw.request_keys(&kid).into_iter().map(Value::from));
+    seal.extend([Value::from(0), 60_000.into()]);
+    let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
+    assert_eq!(raw.client.custom::<Value, Value>(cmd, seal).await.unwrap(), Value::Integer(1));
+
+    // The operator requeues it: lifecycle 1. Then the slow worker's unindex of lifecycle 0 lands.
+    assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
+    let late = raw.token_fcall("sg1_unindex", &["active", &marks], vec![kid.as_str().into(), 0.into()]).await;
+    assert_eq!(late, Value::Integer(0), "a late unindex of lifecycle 0 is refused");
+    assert!(raw.in_active(&kid).await, "the reopened request stays where recovery finds it");
+
+    let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
+    let mut heard = Vec::new();
+    while heard.len() < 2 {
+        let e = tokio::time::timeout(Duration::from_secs(10), listener.next())
+            .await
+            .unwrap_or_else(|_| panic!("heard only {heard:?}"))
+            .unwrap();
+        heard.push(e.state);
+    }
+    assert_eq!(heard, [RequestState::Failed, RequestState::Completed], "one event per lifecycle");
+    let done = h.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), [42]);
+    let again = tokio::time::timeout(Duration::from_millis(1500), listener.next()).await;
+    assert!(again.is_err(), "no third event: {again:?}");
     w.stop().await;
 }
 
