@@ -82,6 +82,25 @@ pub fn worker_binary() -> &'static Path {
             .args(["build", "--quiet", "--example", "chaos_worker", "--target-dir"])
             .arg(target_dir)
             .current_dir(env!("CARGO_MANIFEST_DIR"));
+        // Cargo sets these for the test it runs; a build script that watches one (ring's watches
+        // CARGO_MANIFEST_DIR) would see it change between this build and `cargo test`'s own, and
+        // rebuild ring, rustls, fred and everything above them on every test run.
+        for (var, _) in std::env::vars_os() {
+            let name = var.to_string_lossy();
+            let set_for_tests = name.starts_with("CARGO_PKG_")
+                || name.starts_with("CARGO_MANIFEST_")
+                || [
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                    "OUT_DIR",
+                ]
+                .contains(&name.as_ref());
+            if set_for_tests {
+                build.env_remove(&var);
+            }
+        }
         match profile {
             "debug" => {}
             "release" => {
