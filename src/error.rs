@@ -47,6 +47,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// Redis Cluster refused the command unexecuted because its slot is moving ([`not_executed`]).
+    pub(crate) fn is_not_executed(&self) -> bool {
+        matches!(self, Error::Redis(e) if not_executed(e))
+    }
+
     /// A fault of the connection (dropped, timed out, being re-established) rather than of the
     /// request: the same call may succeed once the client has reconnected.
     pub fn is_transient(&self) -> bool {
@@ -56,10 +61,26 @@ impl Error {
                 matches!(e.kind(), K::IO | K::Timeout | K::Canceled | K::Routing | K::Backpressure)
                     || e.details().starts_with("LOADING")
                     || e.details().contains("Connection closed")
+                    || not_executed(e)
+                    // A blocked BRPOP/XREAD woken because its master became a replica (a
+                    // failover): it took nothing, and the slot's new master will serve it.
+                    || e.details().starts_with("UNBLOCKED")
             }
             _ => false,
         }
     }
+}
+
+/// Redis Cluster refused the command without running it, because its slot is moving: `TRYAGAIN`
+/// (a command naming several keys of a slot mid-migration, some of which have moved), or a
+/// `MOVED`/`ASK` redirection, which sluicegate's clients hand back instead of following (fred 10.1
+/// follows `ASK` wrongly, see `store::new_client`); fred reports those as `Routing` "Too many
+/// redirections." after it has refreshed its slot map. Unlike a dropped connection, where the
+/// command may or may not have run, re-sending such a command is safe even when it is not
+/// idempotent (an `ack`, a token pop).
+pub(crate) fn not_executed(e: &fred::error::Error) -> bool {
+    e.details().starts_with("TRYAGAIN")
+        || (*e.kind() == fred::error::ErrorKind::Routing && e.details().starts_with("Too many redirections"))
 }
 
 /// Retries `op` while it fails with a transient error, backing off from 50 ms to 2 s.
@@ -75,6 +96,32 @@ where
                 tracing::debug!(error = %e, "{what}: transient error; retrying in {backoff:?}");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Re-sends `op` while Redis refuses it unexecuted because its slot is moving ([`not_executed`]),
+/// backing off from 10 ms to 500 ms, for at most `limit`; then returns what `op` last returned.
+/// Safe for any command, idempotent or not, since a refused command did not run.
+pub(crate) async fn retry_not_executed<T, F, Fut>(
+    what: &str,
+    limit: std::time::Duration,
+    mut op: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut backoff = std::time::Duration::from_millis(10);
+    loop {
+        match op().await {
+            Err(Error::Redis(e)) if not_executed(&e) && tokio::time::Instant::now() < deadline => {
+                tracing::debug!(error = %e, "{what}: its slot is moving; sending it again in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_millis(500));
             }
             other => return other,
         }

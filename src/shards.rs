@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use fred::prelude::*;
 
 use crate::config::millis;
-use crate::error::Result;
+use crate::error::{retry_not_executed, Result};
 use crate::keys::{home_shard, token_shard};
 use crate::reply;
 use crate::request::Priority;
@@ -68,7 +68,12 @@ pub(crate) async fn push(
 async fn lpush_groups(store: &Store, priority: Priority, groups: BTreeMap<u32, Vec<Value>>) -> Result<()> {
     let pushes = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
         let list = store.keys.token_list(shard, priority);
-        async move { store.client.lpush::<i64, _, _>(list, elements).await }
+        async move {
+            retry_not_executed("token push", store.config.unresponsive, || async {
+                Ok(store.client.lpush::<i64, _, _>(list.as_str(), elements.clone()).await?)
+            })
+            .await
+        }
     });
     futures::future::try_join_all(pushes).await?;
     Ok(())
@@ -139,7 +144,12 @@ pub(crate) async fn finish(
         let list = store.keys.token_list(shard, priority);
         elements.into_iter().map(move |e| {
             let list = list.clone();
-            async move { store.client.lrem::<i64, _, _>(list, 0, e).await }
+            async move {
+                retry_not_executed("token sweep", store.config.unresponsive, || async {
+                    Ok(store.client.lrem::<i64, _, _>(list.as_str(), 0, e.clone()).await?)
+                })
+                .await
+            }
         })
     });
     futures::future::try_join_all(sweeps).await?;

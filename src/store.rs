@@ -7,7 +7,7 @@ use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::{retry_not_executed, Error, Result};
 use crate::keys::Keys;
 use crate::scripts::{library_source, Func};
 
@@ -79,7 +79,22 @@ impl Store {
     /// slot of the first key. The call is sent as a plain pipelined command (fred would otherwise
     /// treat FCALL as blocking and serialise it); a library missing after a FUNCTION FLUSH or a
     /// failover to an empty node is loaded again and the call retried once.
+    ///
+    /// A call refused because its slot is moving (`TRYAGAIN` while the slot's keys are split over
+    /// two masters, or a `MOVED`/`ASK` our clients do not follow, see
+    /// [`not_executed`](crate::error::not_executed)) did not run, so it is re-sent until it runs
+    /// or `unresponsive_timeout` has passed ([`retry_not_executed`]). Without this a slot
+    /// migration failed every `acquire`, `ack`, `census` and submit that touched the slot (an
+    /// `ack` or `acquire` then waited a lease for recovery).
     pub(crate) async fn fcall(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
+        retry_not_executed(func.local_name(), self.config.unresponsive, || {
+            self.fcall_loaded(func, keys, args.clone())
+        })
+        .await
+    }
+
+    /// [`fcall`](Self::fcall) without the retry on a moving slot.
+    async fn fcall_loaded(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
         match self.fcall_once(func, keys, args.clone()).await {
             Err(e) if is_missing_function(&e) => {
                 tracing::info!(function = func.local_name(), "functions library missing; loading it again");
@@ -165,6 +180,15 @@ fn new_client(config: &Config) -> Result<Client> {
             // not, waiting forever.
             c.unresponsive.max_timeout = Some(config.unresponsive);
             c.unresponsive.interval = (config.unresponsive / 4).max(Duration::from_millis(50));
+            // Redirections are handed back, not followed: fred 10.1 follows `-ASK` (a slot mid-
+            // migration) by sending ASKING out of band and taking the next reply on that
+            // connection as its answer, which shifts the replies of every command pipelined there
+            // (callers get other commands' replies), and it re-sends the redirected command to
+            // the old owner, which kills the client after three bounces. With 0 fred refreshes
+            // its slot map on `-MOVED` and fails the command with "Too many redirections." (it
+            // did not run: see `error::not_executed`). `Store::fcall` re-sends such calls; the
+            // other commands go through their usual error paths. tests/cluster_topology.rs.
+            c.max_redirections = 0;
         })
         .build()?;
     Ok(client)

@@ -17,10 +17,19 @@
 //!   one test body can run against both; [`Topology::from_env`] reads
 //!   `SLUICEGATE_TEST_TOPOLOGY` for a CI matrix.
 //!
+//! * A [`RedisCluster`] can also change its topology under load: a graceful
+//!   [`failover`](RedisCluster::failover) to a replica, waiting for a killed
+//!   master's replica to be promoted
+//!   ([`wait_for_promotion`](RedisCluster::wait_for_promotion)), and moving a
+//!   slot to another master step by step
+//!   ([`begin_slot_migration`](RedisCluster::begin_slot_migration), then
+//!   [`SlotMigration`]) or at once ([`move_slot`](RedisCluster::move_slot)).
+//!
 //! Tests that share one external server should put their keys under
 //! [`unique_namespace`] and can inspect them with [`keys_in_namespace`]
 //! (which scans every master when given a `redis-cluster://` URL);
-//! [`command_calls`] reads a node's `INFO commandstats`.
+//! [`command_calls`] reads a node's `INFO commandstats`, [`error_counts`] its
+//! `INFO errorstats` (which redirections it sent).
 //!
 //! The process control here (`kill -TERM`, unix sockets) assumes a Unix host.
 //!
@@ -49,8 +58,8 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fred::prelude::{Builder, Client, ClientLike, Config, KeysInterface};
-use fred::types::{InfoKind, Key};
+use fred::prelude::{Builder, Client, ClientLike, ClusterInterface, Config, KeysInterface, Value};
+use fred::types::{ClusterHash, CustomCommand, InfoKind, Key};
 use futures::TryStreamExt;
 use rand::Rng;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -824,6 +833,388 @@ impl RedisCluster {
     }
 }
 
+/// Topology changes: failovers and slot migrations, for tests that change a
+/// cluster under load. Slot ownership spreads by gossip, so each change waits
+/// until every running node agrees on it and reports the cluster ok.
+impl RedisCluster {
+    /// The index (see [`urls`](Self::urls)) of the node at `url`
+    /// (`redis://host:port`), `None` if it is not one of ours.
+    pub fn node_index(&self, url: &str) -> Option<usize> {
+        let (host, port) = url_host_port(url).ok()?;
+        self.addrs.iter().position(|(h, p)| *h == host && *p == port)
+    }
+
+    /// `redis://host:port` of the master serving `slot`, as the first running
+    /// node that answers `CLUSTER NODES` sees it. Right after a change nodes
+    /// may disagree; [`wait_for_slot_owner`](Self::wait_for_slot_owner) waits
+    /// until all agree.
+    pub async fn master_of_slot(&self, slot: u16) -> Result<String, HarnessError> {
+        let nodes = self.any_cluster_nodes().await?;
+        slot_owner(&nodes, slot).map(|n| n.url.clone()).ok_or_else(|| HarnessError::ClusterFailed {
+            reason: format!("no healthy master serves slot {slot}"),
+            details: nodes_summary(&nodes),
+        })
+    }
+
+    /// `redis://host:port` of the healthy replicas of the master at `master`,
+    /// sorted, as the first running node that answers sees them.
+    pub async fn replicas_of(&self, master: &str) -> Result<Vec<String>, HarnessError> {
+        let nodes = self.any_cluster_nodes().await?;
+        let Some(id) = nodes.iter().find(|n| n.url == master).map(|n| n.id.clone()) else {
+            return Err(HarnessError::ClusterFailed {
+                reason: format!("{master} is not a node of this cluster"),
+                details: nodes_summary(&nodes),
+            });
+        };
+        let mut replicas: Vec<String> = nodes
+            .iter()
+            .filter(|n| n.healthy() && n.flags.iter().any(|f| f == "slave") && n.master_id == id)
+            .map(|n| n.url.clone())
+            .collect();
+        replicas.sort();
+        Ok(replicas)
+    }
+
+    /// A graceful manual failover of the master at `master`: `CLUSTER
+    /// FAILOVER` (no option) is sent to its first replica, which waits until
+    /// it has every write the master acknowledged (the master pauses its
+    /// writers meanwhile) and then takes over; the old master becomes its
+    /// replica. Waits until every running node agrees and the cluster is ok,
+    /// and returns the new master's `redis://host:port`.
+    pub async fn failover(&self, master: &str, timeout: Duration) -> Result<String, HarnessError> {
+        let deadline = Instant::now() + timeout;
+        let nodes = self.any_cluster_nodes().await?;
+        let slot = nodes.iter().find(|n| n.url == master).and_then(|n| n.slots.first()).map(|r| r.0);
+        let Some(slot) = slot else {
+            return Err(HarnessError::ClusterFailed {
+                reason: format!("{master} is not a master serving slots"),
+                details: nodes_summary(&nodes),
+            });
+        };
+        let Some(replica) = self.replicas_of(master).await?.into_iter().next() else {
+            return Err(HarnessError::Config(format!(
+                "{master} has no healthy replica to fail over to (RedisClusterBuilder::replicas_per_master)"
+            )));
+        };
+        let (host, port) = url_host_port(&replica)?;
+        ok_reply(&host, port, &["CLUSTER", "FAILOVER"]).await?;
+        self.wait_for_slot_owner(slot, &replica, deadline.saturating_duration_since(Instant::now())).await?;
+        Ok(replica)
+    }
+
+    /// Waits until every running node says the master at `owner` serves
+    /// `slot`, and then until the cluster is ok
+    /// ([`wait_until_ok`](Self::wait_until_ok)), all within `timeout`.
+    pub async fn wait_for_slot_owner(
+        &self,
+        slot: u16,
+        owner: &str,
+        timeout: Duration,
+    ) -> Result<(), HarnessError> {
+        let deadline = Instant::now() + timeout;
+        self.wait_for_agreed_owner(slot, deadline, |o| o == owner, &format!("{owner} to serve slot {slot}"))
+            .await?;
+        self.wait_until_ok(deadline.saturating_duration_since(Instant::now())).await
+    }
+
+    /// After the master at `old` was killed: waits until every running node
+    /// agrees that another master (its promoted replica) serves `slot`, and
+    /// the cluster is ok, all within `timeout`. Returns the new master's
+    /// `redis://host:port`. Promotion takes the node timeout (2 s) plus an
+    /// election.
+    pub async fn wait_for_promotion(
+        &self,
+        slot: u16,
+        old: &str,
+        timeout: Duration,
+    ) -> Result<String, HarnessError> {
+        let deadline = Instant::now() + timeout;
+        let what = format!("a master other than {old} to serve slot {slot}");
+        let new = self.wait_for_agreed_owner(slot, deadline, |o| o != old, &what).await?;
+        self.wait_until_ok(deadline.saturating_duration_since(Instant::now())).await?;
+        Ok(new)
+    }
+
+    /// Starts moving `slot` from the master serving it to the master at `to`,
+    /// the way `redis-cli --cluster reshard` does: `CLUSTER SETSLOT <slot>
+    /// IMPORTING` on `to`, then `MIGRATING` on the owner. Until
+    /// [`SlotMigration::finish`], the owner still serves the keys it holds and
+    /// answers `-ASK` for the keys it does not; a command naming several keys
+    /// of the slot of which some are missing gets `-TRYAGAIN`, on either node.
+    pub async fn begin_slot_migration(&self, slot: u16, to: &str) -> Result<SlotMigration, HarnessError> {
+        let from = self.master_of_slot(slot).await?;
+        if from == to {
+            return Err(HarnessError::Config(format!("slot {slot} is served by {to} already")));
+        }
+        let source = url_host_port(&from)?;
+        let target = url_host_port(to)?;
+        let source_id = ok_reply(&source.0, source.1, &["CLUSTER", "MYID"]).await?;
+        let target_id = ok_reply(&target.0, target.1, &["CLUSTER", "MYID"]).await?;
+        let slot_arg = slot.to_string();
+        ok_reply(&target.0, target.1, &["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &source_id]).await?;
+        ok_reply(&source.0, source.1, &["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &target_id]).await?;
+        Ok(SlotMigration { slot, source, target, target_id })
+    }
+
+    /// Moves `slot` to the master at `to` in one go:
+    /// [`begin_slot_migration`](Self::begin_slot_migration), then
+    /// [`SlotMigration::finish`].
+    pub async fn move_slot(&self, slot: u16, to: &str, timeout: Duration) -> Result<(), HarnessError> {
+        self.begin_slot_migration(slot, to).await?.finish(self, timeout).await
+    }
+
+    /// Every healthy node's `CLUSTER NODES` lines, from the first running
+    /// node that answers.
+    async fn any_cluster_nodes(&self) -> Result<Vec<NodeLine>, HarnessError> {
+        let mut last_err = String::new();
+        for (host, port) in self.live_addrs() {
+            match raw_command(&host, port, &["CLUSTER", "NODES"]).await {
+                Ok(Ok(text)) => return Ok(parse_node_lines(&text)),
+                Ok(Err(e)) => last_err = format!("{host}:{port}: {e}"),
+                Err(e) => last_err = format!("{host}:{port}: {e}"),
+            }
+        }
+        Err(HarnessError::ClusterFailed {
+            reason: "no node answered CLUSTER NODES".into(),
+            details: last_err,
+        })
+    }
+
+    /// Polls every running node's `CLUSTER NODES` until all name the same
+    /// healthy master for `slot` and `accept` takes it; returns it.
+    async fn wait_for_agreed_owner(
+        &self,
+        slot: u16,
+        deadline: Instant,
+        accept: impl Fn(&str) -> bool,
+        what: &str,
+    ) -> Result<String, HarnessError> {
+        loop {
+            let mut owners = BTreeSet::new();
+            let mut why = String::new();
+            for (host, port) in self.live_addrs() {
+                match raw_command(&host, port, &["CLUSTER", "NODES"]).await {
+                    Ok(Ok(text)) => {
+                        let nodes = parse_node_lines(&text);
+                        let owner = slot_owner(&nodes, slot).map(|n| n.url.clone());
+                        if owner.is_none() {
+                            why = format!("{host}:{port} sees no healthy owner:\n{}", nodes_summary(&nodes));
+                        }
+                        owners.insert(owner);
+                    }
+                    Ok(Err(e)) => why = format!("{host}:{port}: {e}"),
+                    Err(e) => why = format!("{host}:{port}: {e}"),
+                }
+            }
+            if let (1, Some(Some(owner))) = (owners.len(), owners.first()) {
+                if accept(owner) && why.is_empty() {
+                    return Ok(owner.clone());
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(HarnessError::ClusterFailed {
+                    reason: format!("timed out waiting for {what}; the nodes name {owners:?}"),
+                    details: format!("{why}\n{}", self.log_tails()),
+                });
+            }
+            tokio::time::sleep(CLUSTER_POLL_INTERVAL).await;
+        }
+    }
+}
+
+/// A slot on its way from one master to another; see
+/// [`RedisCluster::begin_slot_migration`].
+#[derive(Debug)]
+pub struct SlotMigration {
+    slot: u16,
+    source: (String, u16),
+    target: (String, u16),
+    target_id: String,
+}
+
+impl SlotMigration {
+    /// The slot being moved.
+    pub fn slot(&self) -> u16 {
+        self.slot
+    }
+
+    /// `redis://host:port` of the master the slot is leaving.
+    pub fn source(&self) -> String {
+        format!("redis://{}:{}", self.source.0, self.source.1)
+    }
+
+    /// `redis://host:port` of the master the slot is moving to.
+    pub fn target(&self) -> String {
+        format!("redis://{}:{}", self.target.0, self.target.1)
+    }
+
+    /// Moves up to `max` of the slot's keys still on the source to the target
+    /// with one `MIGRATE ... KEYS` (atomic per call: each key is either on
+    /// the source or on the target). Returns how many it moved: 0 once the
+    /// source holds none.
+    pub async fn migrate_keys(&self, max: usize) -> Result<usize, HarnessError> {
+        let client = connect(&self.source()).await?;
+        let moved = async {
+            let keys: Vec<Bytes> = client.cluster_get_keys_in_slot(self.slot, max as u64).await?;
+            self.migrate_with(&client, keys).await
+        }
+        .await;
+        let _ = client.quit().await;
+        moved
+    }
+
+    /// Moves the named keys (of this slot) that are still on the source to
+    /// the target with one `MIGRATE ... KEYS`, e.g. to split a group of keys
+    /// that scripts use together. Returns how many were on the source.
+    pub async fn migrate(&self, keys: &[&str]) -> Result<usize, HarnessError> {
+        let client = connect(&self.source()).await?;
+        let moved = async {
+            let present: i64 = client.exists(keys.to_vec()).await?;
+            let keys = keys.iter().map(|k| Bytes::copy_from_slice(k.as_bytes())).collect();
+            self.migrate_with(&client, keys).await?;
+            Ok::<_, HarnessError>(usize::try_from(present).unwrap_or(0))
+        }
+        .await;
+        let _ = client.quit().await;
+        moved
+    }
+
+    /// `MIGRATE host port "" 0 5000 KEYS ...` on the source; keys it does
+    /// not hold are skipped (it answers `NOKEY` when it holds none).
+    async fn migrate_with(&self, client: &Client, keys: Vec<Bytes>) -> Result<usize, HarnessError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let n = keys.len();
+        let mut args: Vec<Value> = vec![
+            self.target.0.as_str().into(),
+            i64::from(self.target.1).into(),
+            "".into(),
+            0.into(),
+            5_000.into(),
+            "KEYS".into(),
+        ];
+        args.extend(keys.into_iter().map(Value::Bytes));
+        let migrate = CustomCommand::new_static("MIGRATE", ClusterHash::Random, false);
+        let _: Value = client.custom(migrate, args).await?;
+        Ok(n)
+    }
+
+    /// Moves every key left on the source, then assigns the slot to the
+    /// target with `CLUSTER SETSLOT <slot> NODE` on the target, the source and
+    /// every other master (the order `redis-cli` uses), and waits until every
+    /// running node agrees and the cluster is ok, all within `timeout`.
+    /// Clients then get `-MOVED` for the slot from the source, and clients
+    /// blocked there on one of its keys are unblocked with `-MOVED` too.
+    pub async fn finish(self, cluster: &RedisCluster, timeout: Duration) -> Result<(), HarnessError> {
+        let deadline = Instant::now() + timeout;
+        let slot_arg = self.slot.to_string();
+        let assign = ["CLUSTER", "SETSLOT", slot_arg.as_str(), "NODE", self.target_id.as_str()];
+        loop {
+            while self.migrate_keys(100).await? > 0 {}
+            ok_reply(&self.target.0, self.target.1, &assign).await?;
+            // The source refuses while it still holds keys of the slot (one may have been written
+            // since the last MIGRATE): move those and try again.
+            match raw_command(&self.source.0, self.source.1, &assign).await? {
+                Ok(_) => break,
+                Err(e) if e.contains("still hold keys") && Instant::now() < deadline => {}
+                Err(e) => {
+                    return Err(HarnessError::ClusterFailed {
+                        reason: format!("CLUSTER SETSLOT {slot_arg} NODE on the source {}", self.source()),
+                        details: e,
+                    })
+                }
+            }
+        }
+        for master in cluster.masters().await? {
+            if master != self.source() && master != self.target() {
+                let (host, port) = url_host_port(&master)?;
+                ok_reply(&host, port, &assign).await?;
+            }
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        cluster.wait_for_slot_owner(self.slot, &self.target(), remaining).await
+    }
+}
+
+/// One line of a `CLUSTER NODES` reply.
+#[derive(Debug, Clone)]
+struct NodeLine {
+    id: String,
+    /// `redis://ip:port`
+    url: String,
+    flags: Vec<String>,
+    /// The id of its master, for a replica; `-` otherwise.
+    master_id: String,
+    /// Slot ranges it serves (migration entries in brackets are left out).
+    slots: Vec<(u16, u16)>,
+}
+
+impl NodeLine {
+    fn healthy(&self) -> bool {
+        !self.flags.iter().any(|f| matches!(f.as_str(), "fail" | "fail?" | "handshake" | "noaddr"))
+    }
+}
+
+fn parse_node_lines(text: &str) -> Vec<NodeLine> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let addr = fields.get(1)?.split(['@', ',']).next()?;
+            let slots = fields
+                .iter()
+                .skip(8)
+                .filter(|f| !f.starts_with('['))
+                .filter_map(|f| match f.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => f.parse().ok().map(|s| (s, s)),
+                })
+                .collect();
+            Some(NodeLine {
+                id: (*fields.first()?).to_owned(),
+                url: format!("redis://{addr}"),
+                flags: fields.get(2)?.split(',').map(str::to_owned).collect(),
+                master_id: (*fields.get(3)?).to_owned(),
+                slots,
+            })
+        })
+        .collect()
+}
+
+/// The healthy master that serves `slot`.
+fn slot_owner(nodes: &[NodeLine], slot: u16) -> Option<&NodeLine> {
+    nodes.iter().find(|n| {
+        n.healthy()
+            && n.flags.iter().any(|f| f == "master")
+            && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b)
+    })
+}
+
+/// `url flags slots` per node, for error messages.
+fn nodes_summary(nodes: &[NodeLine]) -> String {
+    nodes
+        .iter()
+        .map(|n| format!("{} {} {:?}", n.url, n.flags.join(","), n.slots))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `(host, port)` of a `redis://host:port` URL.
+fn url_host_port(url: &str) -> Result<(String, u16), HarnessError> {
+    let bad = || HarnessError::Config(format!("{url:?} is not redis://host:port"));
+    let addr = url.strip_prefix("redis://").ok_or_else(bad)?.trim_end_matches('/');
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    Ok((host.to_owned(), port.parse().map_err(|_| bad())?))
+}
+
+/// [`raw_command`], with a Redis error reply turned into an error naming the command.
+async fn ok_reply(host: &str, port: u16, args: &[&str]) -> Result<String, HarnessError> {
+    raw_command(host, port, args).await?.map_err(|e| HarnessError::ClusterFailed {
+        reason: format!("{} on {host}:{port} failed", args.join(" ")),
+        details: e,
+    })
+}
+
 /// Why the node at `host:port` is not (yet) a healthy member of the cluster.
 async fn node_ready(host: &str, port: u16, expected: Option<Expected>) -> Result<(), String> {
     let info = match raw_command(host, port, &["CLUSTER", "INFO"]).await {
@@ -1123,6 +1514,24 @@ pub async fn command_calls(url: &str) -> Result<BTreeMap<String, u64>, HarnessEr
     let info: Result<String, _> = client.info(Some(InfoKind::CommandStats)).await;
     let _ = client.quit().await;
     Ok(parse_commandstats(&info?))
+}
+
+/// How many error replies of each kind the server at `url` (`redis://`, one
+/// node) has sent since its start or last `CONFIG RESETSTAT`, from `INFO
+/// errorstats`: the error's first word (`MOVED`, `ASK`, `TRYAGAIN`,
+/// `UNBLOCKED`, `ERR`, ...) to its count. Shows which redirections clients
+/// met during a topology change.
+pub async fn error_counts(url: &str) -> Result<BTreeMap<String, u64>, HarnessError> {
+    let (host, port) = url_host_port(url)?;
+    let info = ok_reply(&host, port, &["INFO", "errorstats"]).await?;
+    Ok(info
+        .lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("errorstat_")?.split_once(':')?;
+            let count = stats.split(',').find_map(|kv| kv.strip_prefix("count="))?.parse().ok()?;
+            Some((name.to_owned(), count))
+        })
+        .collect())
 }
 
 /// `cmdstat_<name>:calls=<n>,usec=...` lines to `name -> n`.
@@ -1619,6 +2028,28 @@ a6 127.0.0.1:30006@40006 master - 0 1 0 connected
             parse_masters(reply),
             ["redis://127.0.0.1:30001", "redis://127.0.0.1:30002", "redis://127.0.0.1:30005"]
         );
+    }
+
+    #[test]
+    fn cluster_nodes_lines_give_slot_owners_and_replicas() {
+        let reply = "\
+a1 127.0.0.1:30001@40001 myself,master - 0 0 1 connected 0-5460 [5461->-a2]
+a2 127.0.0.1:30002@40002,host-b master - 0 1 2 connected 5461-10922 [5461-<-a1]
+a3 127.0.0.1:30003@40003 master,fail - 0 1 3 disconnected 10923-16382
+a4 127.0.0.1:30004@40004 slave a3 0 1 4 connected
+a5 127.0.0.1:30005@40005 master - 0 1 5 connected 16383
+";
+        let nodes = parse_node_lines(reply);
+        assert_eq!(nodes.len(), 5);
+        assert_eq!(nodes[0].slots, [(0, 5460)], "migration entries are left out");
+        assert_eq!(nodes[3].master_id, "a3");
+        let owner = |slot| slot_owner(&nodes, slot).map(|n| n.url.as_str());
+        assert_eq!(owner(0), Some("redis://127.0.0.1:30001"));
+        assert_eq!(owner(5461), Some("redis://127.0.0.1:30002"), "the source still owns a migrating slot");
+        assert_eq!(owner(12000), None, "a failed master serves nothing");
+        assert_eq!(owner(16383), Some("redis://127.0.0.1:30005"));
+        assert_eq!(url_host_port("redis://127.0.0.1:30002").ok(), Some(("127.0.0.1".to_owned(), 30002)));
+        assert!(url_host_port("127.0.0.1:30002").is_err());
     }
 
     #[test]

@@ -118,6 +118,12 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize, blocking: 
         shard = (shard + 1) % shards;
         match took {
             Ok(()) => backoff = Duration::from_millis(50),
+            // A BRPOP refused because the shard's slot is moving (a redirection, which our
+            // clients hand back with the slot map refreshed): the new owner is known, go now.
+            Err(e) if e.is_not_executed() => {
+                tracing::debug!(slot = n, error = %e, "token lists moving; taking again");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             Err(e) => {
                 tracing::warn!(slot = n, error = %e, "slot error; retrying after {backoff:?}");
                 tokio::time::sleep(backoff).await;
@@ -268,7 +274,12 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
     };
     match result {
         Next::Requeue(element) => {
-            store.client.lpush::<i64, _, _>(token.list.as_str(), element).await?;
+            // Re-sent while the list's slot is moving, rather than left to recovery (a lease).
+            let limit = store.config.unresponsive;
+            crate::error::retry_not_executed("token push-back", limit, || async {
+                Ok(store.client.lpush::<i64, _, _>(token.list.as_str(), element.as_str()).await?)
+            })
+            .await?;
         }
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
