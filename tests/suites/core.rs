@@ -3,9 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use sluicegate::testing::keys_in_namespace;
 use sluicegate::{Error, Listener, Producer, Quantum, RequestState};
-use support::{env, start_worker, Job, Probe};
+use support::{assert_namespace_drains, env, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_requests_finish_in_order_and_reach_but_never_exceed_their_limits() {
@@ -320,14 +319,6 @@ async fn nothing_is_left_in_the_namespace_once_retention_has_passed() {
         h.wait::<u64>().await.unwrap();
     }
     w.stop().await;
-    let ns = config.namespace_str().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let keys = keys_in_namespace(env.redis.url(), &ns).await.unwrap();
-        if keys.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "keys left after retention: {keys:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (url, ns) = (env.redis.url(), config.namespace_str());
+    assert_namespace_drains(url, ns, Duration::from_secs(10), "keys left after retention").await;
 }

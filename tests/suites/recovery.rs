@@ -4,15 +4,15 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
-use sluicegate::testing::{connect, keys_in_namespace};
+use sluicegate::testing::connect;
 use sluicegate::{
     async_trait, Config, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState, Worker,
 };
-use support::{env, fast, start_worker, Job, Probe};
+use support::{assert_namespace_drains, env, fast, start_worker, Job, Probe};
 
 
 /// The keys a foreign client would build (docs/protocol.md), for placing faults by hand.
@@ -155,16 +155,9 @@ async fn a_finish_left_undone_by_a_dead_worker_is_completed_by_recovery_even_aft
     let again = tokio::time::timeout(Duration::from_millis(1500), listener.next()).await;
     assert!(again.is_err(), "the event is written once, heard again: {again:?}");
     w.stop().await;
-    let ns = config.namespace_str().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let keys = keys_in_namespace(env.redis.url(), &ns).await.unwrap();
-        if keys.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "keys left one retention after recovery sealed it: {keys:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (url, ns) = (env.redis.url(), config.namespace_str());
+    assert_namespace_drains(url, ns, Duration::from_secs(10), "keys left one retention after recovery sealed it")
+        .await;
 }
 
 /// A failed request is requeued (reopened as lifecycle 1) while the last step after its failure

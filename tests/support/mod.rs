@@ -5,10 +5,10 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use sluicegate::testing::{unique_namespace, TestBackend};
+use sluicegate::testing::{keys_in_namespace, unique_namespace, TestBackend};
 use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Quantum, Worker};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +34,20 @@ pub async fn env(name: &str) -> Env {
         .heartbeat(Duration::from_secs(1))
         .wait_poll(Duration::from_millis(500));
     Env { redis, config }
+}
+
+/// Waits until the namespace holds no key at all, for at most `within`; panics with `what` and
+/// the keys left.
+pub async fn assert_namespace_drains(url: &str, ns: &str, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    loop {
+        let keys = keys_in_namespace(url, ns).await.unwrap();
+        if keys.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {keys:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Short lease, heartbeat and recovery interval, so a test sees recovery within a second or two.
