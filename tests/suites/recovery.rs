@@ -74,9 +74,25 @@ impl Raw {
         let score: Option<f64> = self.client.zscore(format!("{0}:{{{0}.q0}}:active", self.ns), key_id).await.unwrap();
         score.is_some()
     }
+    /// Pops the token of priority `prio` and acquires it as `holder`, as a worker that then dies
+    /// would: the element, and the first entry handed out (id, attempt).
+    async fn take_entry(&self, prio: u8, holder: &str) -> (String, String, String) {
+        let element = self.pop_token(prio).await;
+        let reply = self.acquire(&element, holder).await;
+        let entry = match &reply[..] {
+            [tag, _policy, Value::Array(entry), ..] if tag.as_str().as_deref() == Some("run") => entry.clone(),
+            other => panic!("acquire did not hand out an entry: {other:?}"),
+        };
+        (element, entry[0].as_string().unwrap(), entry[3].as_string().unwrap())
+    }
     async fn list_len(&self, prio: u8) -> i64 {
         self.client.llen(self.list(prio)).await.unwrap()
     }
+}
+
+/// Submits `jobs` at priority 40 with one token, so a raw "worker" can take that token.
+async fn one_token<I: IntoIterator<Item = Job>>(producer: &Producer, jobs: I) -> sluicegate::RequestHandle {
+    producer.request().priority(40).unwrap().concurrency(1).unwrap().submit(jobs).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -84,15 +100,7 @@ async fn tokens_survive_a_worker_killed_between_brpop_and_recording_the_token() 
     let env = env("lostpop").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
-    let h = producer
-        .request()
-        .priority(40)
-        .unwrap()
-        .concurrency(1)
-        .unwrap()
-        .submit((0..5).map(Job::new))
-        .await
-        .unwrap();
+    let h = one_token(&producer, (0..5).map(Job::new)).await;
     // The only token is popped into a reply nobody will present: the process "died" right here.
     let raw = Raw::new(env.redis.url(), &config).await;
     let _lost = raw.pop_token(40).await;
@@ -117,24 +125,10 @@ async fn a_finish_left_undone_by_a_dead_worker_is_completed_by_recovery_even_aft
     let retention = Duration::from_secs(1);
     let config = fast(&env.config).retention(retention);
     let producer = Producer::connect(&config).await.unwrap();
-    let h = producer
-        .request()
-        .priority(40)
-        .unwrap()
-        .concurrency(1)
-        .unwrap()
-        .submit([Job::new(21)])
-        .await
-        .unwrap();
+    let h = one_token(&producer, [Job::new(21)]).await;
     let mut listener = Listener::from_beginning(&config).await.unwrap();
     let raw = Raw::new(env.redis.url(), &config).await;
-    let element = raw.pop_token(40).await;
-    let reply = raw.acquire(&element, "dead-worker/0").await;
-    let entry = match &reply[..] {
-        [tag, _policy, Value::Array(entry), ..] if tag.as_str().as_deref() == Some("run") => entry.clone(),
-        other => panic!("acquire did not hand out the entry: {other:?}"),
-    };
-    let (id, attempt) = (entry[0].as_string().unwrap(), entry[3].as_string().unwrap());
+    let (element, id, attempt) = raw.take_entry(40, "dead-worker/0").await;
     let result = rmp_serde::to_vec(&42u64).unwrap();
     let reply = raw.ack_one(&element, "dead-worker/0", &id, ("ok", result), &attempt).await;
     assert_eq!(reply[0].as_str().as_deref(), Some("finished"), "{reply:?}");
@@ -169,16 +163,13 @@ async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() 
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let admin = sluicegate::Admin::connect(&config).await.unwrap();
-    let h = producer.request().priority(40).unwrap().concurrency(1).unwrap().submit([Job::new(21)]).await.unwrap();
+    let h = one_token(&producer, [Job::new(21)]).await;
     let kid = h.id().key_id();
     let mut listener = Listener::from_beginning(&config).await.unwrap();
     let raw = Raw::new(env.redis.url(), &config).await;
     // A slow worker: its one part is dead-lettered, the request fails (lifecycle 0), and the worker
     // gets as far as the event and the seal before it stalls.
-    let element = raw.pop_token(40).await;
-    let reply = raw.acquire(&element, "slow-worker/0").await;
-    let Value::Array(entry) = &reply[2] else { panic!("acquire did not hand out the entry: {reply:?}") };
-    let (id, attempt) = (entry[0].as_string().unwrap(), entry[3].as_string().unwrap());
+    let (element, id, attempt) = raw.take_entry(40, "slow-worker/0").await;
     let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
     let reply = raw.ack_one(&element, "slow-worker/0", &id, ("dead", record), &attempt).await;
     assert_eq!(reply[..3].iter().map(|v| v.as_string().unwrap()).collect::<Vec<_>>(), ["finished", "failed", "0"]);
@@ -233,19 +224,9 @@ async fn an_entry_whose_worker_died_before_acking_runs_again_with_the_next_attem
     let env = env("deadack").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
-    let h = producer
-        .request()
-        .priority(40)
-        .unwrap()
-        .concurrency(1)
-        .unwrap()
-        .submit((0..3).map(Job::new))
-        .await
-        .unwrap();
+    let h = one_token(&producer, (0..3).map(Job::new)).await;
     let raw = Raw::new(env.redis.url(), &config).await;
-    let element = raw.pop_token(40).await;
-    let reply = raw.acquire(&element, "dead-worker/0").await;
-    assert_eq!(reply[0].as_string().as_deref(), Some("run"), "{reply:?}");
+    let _held = raw.take_entry(40, "dead-worker/0").await;
     // The "worker" ran index 0 and died before its ack: nothing renews its lease.
 
     let attempts = Attempts::default();
