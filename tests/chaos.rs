@@ -13,6 +13,8 @@
 
 #![allow(unreachable_pub)]
 
+#[path = "support/census.rs"]
+mod census;
 #[path = "support/chaos.rs"]
 mod chaos;
 #[path = "support/proxy.rs"]

@@ -35,7 +35,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fred::prelude::{Client, ClientLike, HashesInterface, ListInterface, SortedSetsInterface};
+use fred::prelude::ClientLike;
 use sluicegate::testing::{
     command_calls, connect, error_counts, keys_in_namespace, unique_namespace, RedisCluster,
 };
@@ -355,8 +355,9 @@ impl Load {
         // the last completions, `finish_index`, may land just after `wait()` returned).
         let client = connect(&self.cluster_url).await.unwrap_or_else(|e| panic!("census client: {e}"));
         let census_deadline = Instant::now() + Duration::from_secs(10);
+        let labelled: Vec<(u64, RequestId)> = self.submitted.iter().map(|s| (s.r, s.id.clone())).collect();
         loop {
-            let outstanding = token_census(&client, &self.ns, &self.submitted).await;
+            let outstanding = support::census::tokens_outstanding(&client, &self.ns, &labelled).await;
             if outstanding.is_empty() || Instant::now() > census_deadline {
                 report.tokens_outstanding = outstanding;
                 break;
@@ -421,35 +422,6 @@ fn spawn_listener(mut listener: Listener, stop: CancellationToken) -> (Arc<Mutex
         }
     });
     (heard, task)
-}
-
-/// Tokens still in circulation: token fields (`t<k>`) left in a meta hash, elements in the
-/// priority lists, requests still in `active` (key names from docs/protocol.md §3).
-async fn token_census(client: &Client, ns: &str, submitted: &[Submitted]) -> Vec<String> {
-    let mut outstanding = Vec::new();
-    for sub in submitted {
-        let meta = format!("{ns}:r:{{{}}}", sub.id.key_id());
-        let fields: HashMap<String, String> = client.hgetall(&meta).await.expect("HGETALL meta");
-        for (field, value) in &fields {
-            let is_token = field
-                .strip_prefix('t')
-                .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()));
-            if is_token {
-                outstanding.push(format!("request {}: {field}={value}", sub.r));
-            }
-        }
-    }
-    for p in 0..100 {
-        let list = format!("{ns}:{{{ns}.q0}}:p:{p}");
-        let elements: Vec<String> = client.lrange(&list, 0, -1).await.expect("LRANGE");
-        outstanding.extend(elements.into_iter().map(|e| format!("{list}: {e}")));
-    }
-    let active: Vec<String> = client
-        .zrange(format!("{ns}:{{{ns}.q0}}:active"), 0, -1, None, false, None, false)
-        .await
-        .expect("ZRANGE");
-    outstanding.extend(active.into_iter().map(|a| format!("active: {a}")));
-    outstanding
 }
 
 fn metrics_summary(workers: &[RunningWorker]) -> String {

@@ -897,7 +897,8 @@ pub async fn run(scenario: Scenario) -> Figures {
 
     let client = connect_with_retry(&server_url).await;
     let sg_client = if sg_url == server_url { client.clone() } else { connect_with_retry(&sg_url).await };
-    let tokens_outstanding = token_census(&sg_client, &namespace, &submitted).await;
+    let labelled: Vec<(u64, RequestId)> = submitted.iter().map(|s| (s.r, s.id.clone())).collect();
+    let tokens_outstanding = crate::census::tokens_outstanding(&sg_client, &namespace, &labelled).await;
     let stop_took = pool.stop_all(Duration::from_secs(20)).await;
     let mut running_left = 0;
     for key in scan(&client, &format!("chaos:{namespace}:running:*")).await {
@@ -1143,45 +1144,6 @@ fn listener_figures(name: &str, heard: &Heard, ids: &HashSet<String>) -> Listene
     }
     l.unknown = heard.by_request.keys().filter(|id| !ids.contains(*id)).count() as u64;
     l
-}
-
-/// Tokens still in circulation after every request finished: token fields left in a meta hash,
-/// elements in the priority lists, requests still in `active` (key names from docs/protocol.md §3).
-///
-/// Requests that finished more than a retention ago have no meta hash any more (nothing to count);
-/// finding none at all means the key schema changed under this census, which is reported rather
-/// than passed silently.
-async fn token_census(client: &Client, ns: &str, submitted: &[Submitted]) -> Vec<String> {
-    let mut outstanding = Vec::new();
-    let mut metas_found = 0;
-    for sub in submitted {
-        let meta = format!("{ns}:r:{{{}}}", sub.id.key_id());
-        let fields: HashMap<String, String> = client.hgetall(&meta).await.expect("HGETALL meta");
-        metas_found += usize::from(!fields.is_empty());
-        for (field, value) in &fields {
-            let is_token = field
-                .strip_prefix('t')
-                .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()));
-            if is_token {
-                outstanding.push(format!("request {}: {field}={value}", sub.r));
-            }
-        }
-    }
-    for p in 0..100 {
-        let list = format!("{ns}:{{{ns}.q0}}:p:{p}");
-        let elements: Vec<String> = client.lrange(&list, 0, -1).await.expect("LRANGE");
-        outstanding.extend(elements.into_iter().map(|e| format!("{list}: {e}")));
-    }
-    let active: Vec<String> = client
-        .zrange(format!("{ns}:{{{ns}.q0}}:active"), 0, -1, None, false, None, false)
-        .await
-        .expect("ZRANGE");
-    outstanding.extend(active.into_iter().map(|a| format!("active: {a}")));
-    if metas_found == 0 {
-        outstanding
-            .push(format!("census: no meta hash found under {ns}:r:{{<key id>}}; key schema changed?"));
-    }
-    outstanding
 }
 
 /// What a run that did not finish looks like: progress, and the state of the first unfinished

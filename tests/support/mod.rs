@@ -3,6 +3,8 @@
 
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
 
+pub mod census;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
