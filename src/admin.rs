@@ -247,6 +247,15 @@ impl Admin {
             return Err(Error::UnknownRequest(id.clone()));
         };
         let lease = millis(self.store.config.lease) as i64;
+        // A failure whose finish steps were left undone (its worker died, and recovery has not
+        // come by yet) is announced first, so that its lifecycle keeps its one event.
+        let (state, gen, sealed): (Option<String>, Option<i64>, Option<i64>) =
+            self.store.client.hmget(&keys.meta, vec!["state", "gen", "sealed"]).await?;
+        if state.as_deref() == Some("failed") && sealed != Some(gen.unwrap_or(0)) {
+            let finished =
+                crate::shards::Finished { state: "failed".into(), gen: gen.unwrap_or(0), sweep: Vec::new() };
+            crate::shards::finish(&self.store, &key_id, shards, priority, finished).await?;
+        }
         // Registered first, as at submit: if this process dies after the requeue, recovery finds
         // the reopened request and pushes its tokens. Taken back if nothing was requeued.
         let registered = crate::shards::register(&self.store, &key_id, shards, priority).await?;

@@ -205,6 +205,41 @@ async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() 
     w.stop().await;
 }
 
+/// A request fails in the hands of a worker that dies right after that ack (before any of the
+/// steps after a finish), and an operator requeues its dead letter before any recovery came by.
+/// The failed lifecycle still gets its event, before the reopened one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_requeued_before_its_event_was_written_is_still_announced() {
+    let env = env("requeuefirst").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&config).await.unwrap();
+    let h = one_token(&producer, [Job::new(21)]).await;
+    let mut listener = Listener::from_beginning(&config).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let (element, id, attempt) = raw.take_entry(40, "dead-worker/0").await;
+    let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
+    let reply = raw.ack_one(&element, "dead-worker/0", &id, ("dead", record), &attempt).await;
+    assert_eq!(reply[0].as_string().as_deref(), Some("finished"), "{reply:?}");
+    // The worker "died" here; no worker (and so no recovery) runs before the requeue.
+    assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
+
+    let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
+    let mut heard = Vec::new();
+    while heard.len() < 2 {
+        let e = tokio::time::timeout(Duration::from_secs(10), listener.next())
+            .await
+            .unwrap_or_else(|_| panic!("heard only {heard:?}"))
+            .unwrap();
+        heard.push(e.state);
+    }
+    assert_eq!(heard, [RequestState::Failed, RequestState::Completed], "one event per lifecycle, in order");
+    let again = tokio::time::timeout(Duration::from_millis(1500), listener.next()).await;
+    assert!(again.is_err(), "no third event: {again:?}");
+    assert_eq!(h.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap().into_outputs().unwrap(), [42]);
+    w.stop().await;
+}
+
 /// Records the attempt number each index ran with.
 #[derive(Clone, Default)]
 struct Attempts(Arc<Mutex<HashMap<u64, Vec<u32>>>>);
