@@ -130,6 +130,13 @@ end
 -- when nothing reaches Redis to seal it, and bounds what such a request leaves behind.
 local SG_FINISH_HOLD_MS = 3600000
 
+-- The request keys a finished request keeps (by index into keys): a failed one keeps its stream,
+-- orphans and retry set (its dead letters stay requeueable); the others are deleted at the finish.
+local function sg_kept(state)
+  if state == 'failed' then return {1, 2, 3, 4, 5, 6} end
+  return {1, 3, 4}
+end
+
 local function sg_finish(keys, rid, state, retention_ms, channel, now)
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local sweep = {}
@@ -153,7 +160,7 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now)
   end
   redis.call('HSET', keys[1], 'state', state, 'finished', now)
   local hold = tonumber(retention_ms) + SG_FINISH_HOLD_MS
-  for i = 1, 6 do redis.call('PEXPIRE', keys[i], hold) end
+  for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], hold) end
   redis.call('PUBLISH', channel, rid .. '|' .. state)
   -- The lifecycle (`gen`, bumped when a failed request is reopened) names this finish in the
   -- token-side steps that follow (finish_index, seal, unindex).

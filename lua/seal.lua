@@ -11,6 +11,6 @@ local function seal(keys, args)
   if (m[2] or '0') ~= args[1] then return 0 end
   redis.call('HSET', keys[1], 'sealed', args[1])
   -- LT: only ever shortens (a key without expiry counts as infinite).
-  for i = 1, 6 do redis.call('PEXPIRE', keys[i], args[2], 'LT') end
+  for _, i in ipairs(sg_kept(m[1])) do redis.call('PEXPIRE', keys[i], args[2], 'LT') end
   return 1
 end
