@@ -4,7 +4,7 @@
 -- written once per lifecycle, and the request stays in the index until it is sealed.
 -- KEYS[1] active-request index   KEYS[2] events stream   KEYS[3] the request's priority list
 -- KEYS[4] the request's finish marks (hash: `e` last lifecycle whose event was written, `o` last
--- lifecycle reopened by requeue_dead), deleted by unindex
+-- lifecycle reopened by requeue_dead), kept for the retention after unindex
 -- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] retention (ms)   ARGV[4] lifecycle
 -- (`gen`) that finished   ARGV[5..] stale token elements to remove from the priority list
 -- Returns 1 when this call recorded the event, 0 when it had been recorded already (or the request
@@ -17,7 +17,7 @@ local function finish_index(keys, args)
   if written and tonumber(written) >= gen then return 0 end
   local retention = tonumber(args[3])
   redis.call('HSET', keys[4], 'e', gen)
-  -- Until unindex deletes them the marks must outlive the request's keys, which are held as long.
+  -- Until unindex shortens it, the marks must outlive the request's keys, which are held as long.
   redis.call('PEXPIRE', keys[4], retention + SG_FINISH_HOLD_MS)
   local now = sg_now()
   redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',

@@ -6,14 +6,18 @@
 -- ARGV[1] request key id
 -- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle (`gen`) when a
 -- failed request was reopened, else 0 (the caller then marks it with ring 'reopen'); and token
--- elements to push onto the request's priority list (re-created or unparked tokens). Errors "SGSTATE ..." when the request cannot be
--- requeued (unknown, loading, completed, cancelled, or its retention ran out).
+-- elements to push onto the request's priority list (re-created or unparked tokens). Or {-1, gen}:
+-- the request failed but its finish is not sealed yet (its event may be unwritten): nothing
+-- changed; the caller completes the steps after that finish (finish_index, seal, unindex) and
+-- calls again, so that the failed lifecycle keeps its event. Errors "SGSTATE ..." when the
+-- request cannot be requeued (unknown, loading, completed, cancelled, or its retention ran out).
 local function requeue_dead(keys, args)
-  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'gen')
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'gen', 'sealed')
   local state = m[1]
   if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
     return redis.error_reply('SGSTATE only a failed or running request has dead letters to requeue')
   end
+  if state == 'failed' and m[5] ~= (m[4] or '0') then return {-1, m[4] or '0'} end
   local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
   local n = #dead
   if n == 0 then return {0, 0} end

@@ -247,38 +247,45 @@ impl Admin {
             return Err(Error::UnknownRequest(id.clone()));
         };
         let lease = millis(self.store.config.lease) as i64;
-        // A failure whose finish steps were left undone (its worker died, and recovery has not
-        // come by yet) is announced first, so that its lifecycle keeps its one event.
-        let (state, gen, sealed): (Option<String>, Option<i64>, Option<i64>) =
-            self.store.client.hmget(&keys.meta, vec!["state", "gen", "sealed"]).await?;
-        if state.as_deref() == Some("failed") && sealed != Some(gen.unwrap_or(0)) {
-            let finished =
-                crate::shards::Finished { state: "failed".into(), gen: gen.unwrap_or(0), sweep: Vec::new() };
-            crate::shards::finish(&self.store, &key_id, shards, priority, finished).await?;
-        }
         // Registered first, as at submit: if this process dies after the requeue, recovery finds
-        // the reopened request and pushes its tokens. Taken back if nothing was requeued.
+        // the reopened request and pushes its tokens. Taken back only when the request cannot be
+        // requeued at all (completed or cancelled): after any other outcome (nothing requeued,
+        // an error whose requeue may have run anyway) a concurrent requeue may have reopened it,
+        // and recovery drops an entry that is not needed.
         let registered = crate::shards::register(&self.store, &key_id, shards, priority).await?;
-        let reply = self.store.fcall(Func::RequeueDead, &keys.all(), vec![key_id.as_str().into()]).await;
-        let mut items = match reply {
-            Ok(v) => reply::array(v)?.into_iter(),
-            Err(e) => {
-                if registered {
-                    crate::shards::unregister(&self.store, &key_id, shards).await;
-                }
-                return Err(match e {
-                    Error::Redis(r) if r.details().contains("SGSTATE") => Error::InvalidRequest(format!(
+        let mut attempts = 0;
+        let mut items = loop {
+            attempts += 1;
+            let reply = self.store.fcall(Func::RequeueDead, &keys.all(), vec![key_id.as_str().into()]).await;
+            let items = match reply {
+                Ok(v) => reply::array(v)?,
+                Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
+                    if registered {
+                        crate::shards::unregister(&self.store, &key_id, shards).await;
+                    }
+                    return Err(Error::InvalidRequest(format!(
                         "request \"{id}\" has no dead letters that can be requeued (only a failed or running request has)"
-                    )),
-                    other => other,
-                });
+                    )));
+                }
+                Err(e) => return Err(e),
+            };
+            let unsealed = items.first().map(reply::int).transpose()? == Some(-1);
+            if !unsealed {
+                break items.into_iter();
             }
+            if attempts > 3 {
+                return Err(Error::Protocol(format!(
+                    "request \"{id}\": its failure is still not sealed after completing its finish; try again"
+                )));
+            }
+            // A failure whose steps after the finish are not done (its worker died, and recovery
+            // has not come by yet): announce it first, so that its lifecycle keeps its one event.
+            let gen = items.get(1).map(reply::int).transpose()?.unwrap_or(0);
+            let finished = crate::shards::Finished { state: "failed".into(), gen, sweep: Vec::new() };
+            crate::shards::finish(&self.store, &key_id, shards, priority, finished).await?;
         };
-        let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) as u64;
+        let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0).max(0) as u64;
         let reopened = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-        if n == 0 && registered {
-            crate::shards::unregister(&self.store, &key_id, shards).await;
-        }
         if reopened > 0 {
             // The finished lifecycle's own last step (unindex) may still be on its way: the mark
             // makes it leave the reopened request in `active`.

@@ -173,7 +173,8 @@ pub(crate) async fn seal_and_unindex(store: &Store, key_id: &str, home: u32, gen
     let sealed = store.fcall(Func::Seal, &keys.all(), vec![gen.into(), retention.into()]).await?;
     if reply::int(&sealed)? == 1 {
         let (active, marks) = (store.keys.active(home), store.keys.finish_marks(home, key_id));
-        store.fcall(Func::Unindex, &[&active, &marks], vec![key_id.into(), gen.into()]).await?;
+        let args: Vec<Value> = vec![key_id.into(), gen.into(), retention.into()];
+        store.fcall(Func::Unindex, &[&active, &marks], args).await?;
     }
     Ok(())
 }

@@ -184,7 +184,7 @@ async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() 
 
     // The operator requeues it: lifecycle 1. Then the slow worker's unindex of lifecycle 0 lands.
     assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
-    let late = raw.token_fcall("sg1_unindex", &["active", &marks], vec![kid.as_str().into(), 0.into()]).await;
+    let late = raw.token_fcall("sg1_unindex", &["active", &marks], vec![kid.as_str().into(), 0.into(), 60_000.into()]).await;
     assert_eq!(late, Value::Integer(0), "a late unindex of lifecycle 0 is refused");
     assert!(raw.in_active(&kid).await, "the reopened request stays where recovery finds it");
 
@@ -205,9 +205,10 @@ async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() 
     w.stop().await;
 }
 
-/// A request fails in the hands of a worker that dies right after that ack (before any of the
+/// A request fails in the hands of a worker that stalls right after that ack (before any of the
 /// steps after a finish), and an operator requeues its dead letter before any recovery came by.
-/// The failed lifecycle still gets its event, before the reopened one's.
+/// The failed lifecycle still gets its event, before the reopened one's, and only one: the
+/// stalled worker's own finish_index, landing late, writes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failure_requeued_before_its_event_was_written_is_still_announced() {
     let env = env("requeuefirst").await;
@@ -221,8 +222,13 @@ async fn a_failure_requeued_before_its_event_was_written_is_still_announced() {
     let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
     let reply = raw.ack_one(&element, "dead-worker/0", &id, ("dead", record), &attempt).await;
     assert_eq!(reply[0].as_string().as_deref(), Some("finished"), "{reply:?}");
-    // The worker "died" here; no worker (and so no recovery) runs before the requeue.
+    // The worker stalls here; no worker (and so no recovery) runs before the requeue.
     assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
+    let kid = h.id().key_id();
+    let marks = format!("f:{kid}");
+    let args: Vec<Value> = vec![kid.as_str().into(), "failed".into(), 60_000.into(), 0.into()];
+    let late = raw.token_fcall("sg1_finish_index", &["active", "events", "p:40", &marks], args).await;
+    assert_eq!(late, Value::Integer(0), "the stalled worker's late finish_index of lifecycle 0 writes nothing");
 
     let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
     let mut heard = Vec::new();
