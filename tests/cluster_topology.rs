@@ -42,6 +42,7 @@ use sluicegate::testing::{
 use sluicegate::{
     Completion, Config, Listener, Producer, Quantum, RequestId, RequestState, Worker, WorkerMetrics,
 };
+use support::census::{spawn_listener, Heard};
 use support::{Job, Probe};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -90,13 +91,6 @@ struct Submitted {
     id: RequestId,
     limit: u32,
     priority: u8,
-}
-
-/// Completions one listener heard, per request id.
-#[derive(Default)]
-struct Heard {
-    by_request: HashMap<String, u32>,
-    errors: u64,
 }
 
 /// A worker running in the background.
@@ -397,31 +391,6 @@ impl Load {
         }
         report
     }
-}
-
-/// Reads every completion until `stop`, counting per request. A failed read is counted and
-/// retried: the listener resumes from its cursor.
-fn spawn_listener(mut listener: Listener, stop: CancellationToken) -> (Arc<Mutex<Heard>>, JoinHandle<()>) {
-    let heard = Arc::new(Mutex::new(Heard::default()));
-    let out = heard.clone();
-    let task = tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                event = listener.next() => match event {
-                    Ok(event) => {
-                        *out.lock().unwrap().by_request.entry(event.id.as_str().to_owned()).or_default() += 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "listener read failed; resuming");
-                        out.lock().unwrap().errors += 1;
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                },
-            }
-        }
-    });
-    (heard, task)
 }
 
 fn metrics_summary(workers: &[RunningWorker]) -> String {

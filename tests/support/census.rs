@@ -1,11 +1,56 @@
-//! The token census the chaos and topology tests end with (key names from docs/protocol.md §3).
+//! What the chaos and topology runs count: the completions each listener heard, and the tokens
+//! left at the end (key names from docs/protocol.md §3).
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use fred::prelude::{Client, HashesInterface, ListInterface, SortedSetsInterface};
-use sluicegate::RequestId;
+use sluicegate::{Listener, RequestId};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// What one listener task counted.
+#[derive(Default)]
+pub struct Heard {
+    pub by_request: HashMap<String, u64>,
+    pub total: u64,
+    pub errors: u64,
+}
+
+/// Reads every completion with `listener` until `stop`, counting per request. A failed read (the
+/// connection was cut, Redis restarted) is counted and retried: the listener resumes from its
+/// cursor.
+pub fn spawn_listener(
+    mut listener: Listener,
+    stop: CancellationToken,
+) -> (Arc<Mutex<Heard>>, JoinHandle<()>) {
+    let heard = Arc::new(Mutex::new(Heard::default()));
+    let out = heard.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                event = listener.next() => match event {
+                    Ok(event) => {
+                        let mut h = out.lock().unwrap();
+                        *h.by_request.entry(event.id.as_str().to_owned()).or_default() += 1;
+                        h.total += 1;
+                    }
+                    Err(e) => {
+                        // Expected under connection faults; counted in the figures.
+                        tracing::debug!(error = %e, "listener read failed; resuming");
+                        out.lock().unwrap().errors += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+            }
+        }
+    });
+    (heard, task)
+}
 
 /// Tokens still in circulation after every request finished: token fields left in a meta hash,
 /// elements in the priority lists, requests still in `active` (token shard 0). Each request comes

@@ -35,6 +35,7 @@ use tokio::process::{Child, ChildStdout, Command};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::census::{spawn_listener, Heard};
 use crate::proxy::{Proxy, ProxyChaos, ProxyStats};
 
 /// Short timings, so that recovery (lease expiry plus one recovery interval, about 1.8 s) happens
@@ -670,43 +671,6 @@ impl fmt::Display for Figures {
             self.seed
         )
     }
-}
-
-/// What one listener task counted.
-#[derive(Default)]
-struct Heard {
-    by_request: HashMap<String, u64>,
-    total: u64,
-    errors: u64,
-}
-
-/// Reads every completion with `listener` until `stop`, counting per request. A failed read (the
-/// connection was cut, Redis restarted) is counted and retried: the listener resumes from its
-/// cursor.
-fn spawn_listener(mut listener: Listener, stop: CancellationToken) -> (Arc<Mutex<Heard>>, JoinHandle<()>) {
-    let heard = Arc::new(Mutex::new(Heard::default()));
-    let out = heard.clone();
-    let task = tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                event = listener.next() => match event {
-                    Ok(event) => {
-                        let mut h = out.lock().unwrap();
-                        *h.by_request.entry(event.id.as_str().to_owned()).or_default() += 1;
-                        h.total += 1;
-                    }
-                    Err(e) => {
-                        // Expected under connection faults; counted in the figures.
-                        tracing::debug!(error = %e, "listener read failed; resuming");
-                        out.lock().unwrap().errors += 1;
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                },
-            }
-        }
-    });
-    (heard, task)
 }
 
 /// One submitted request, as the checker needs it.
