@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use futures::future::try_join_all;
-use sluicegate::testing::{connect, RedisServer};
+use sluicegate::testing::{connect, TestRedis};
 use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Producer, Quantum, Worker};
 use tokio_util::sync::CancellationToken;
 
@@ -306,16 +306,9 @@ async fn main() -> Result<(), BoxError> {
     let chosen: Vec<&str> = args.iter().map(String::as_str).filter(|a| !a.starts_with("--")).collect();
     let wants = |name: &str| chosen.is_empty() || chosen.contains(&name);
 
-    let _server;
-    let url = match std::env::var("REDIS_URL") {
-        Ok(url) => url,
-        Err(_) => {
-            let server = RedisServer::builder().start().await?;
-            let url = server.url();
-            _server = server;
-            url
-        }
-    };
+    // REDIS_URL, or a redis-server of its own (kept alive until the end).
+    let redis_env = TestRedis::start().await?;
+    let url = redis_env.url().to_owned();
     let bench = Bench { redis: connect(&url).await?, url: url.clone(), scale };
     let compare = args.iter().any(|a| a == "--compare");
     let runs = if compare { 3 } else { 1 };

@@ -3,18 +3,19 @@
 -- finished.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
--- ARGV[6] lease (ms)   ARGV[7] 1 = continue with this request, 0 = give the token back (quantum
--- used up, shutting down)   ARGV[8] retention (ms) of results once finished
--- ARGV[9] completion channel   ARGV[10] next batch: how many entries at most
--- ARGV[11..] one group of five per entry of the batch, in the order it was handed out:
+-- ARGV[6] 1 = continue with this request, 0 = give the token back (quantum used up, shutting down)
+-- ARGV[7] retention (ms) of results once finished   ARGV[8] completion channel
+-- ARGV[9] next batch: how many entries at most
+-- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
 --   entry id, outcome, body, retry delay (ms), attempt
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
 --   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
 -- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element}: push element
---         onto the priority list; {'park'}; {'finished', state, gen, sweep elements...}: the request
---         just turned terminal; {'fenced'}: this slot no longer holds the token with exactly
---         these entries, so nothing was recorded (its lease ran out and the work moved on).
+--         back (give_back); {'park', wake} as acquire; {'finished', state, lifecycle, sweep
+--         elements...}: the request just turned terminal; {'fenced'}: this slot no longer holds
+--         the token with exactly these entries, so nothing was recorded (its worker was declared
+--         dead and the work moved on, or the request was cancelled).
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -22,7 +23,7 @@ local function ack(keys, args)
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
   local ids = {}
-  for i = 11, #args, 5 do ids[#ids + 1] = args[i] end
+  for i = 10, #args, 5 do ids[#ids + 1] = args[i] end
   -- The token check is the fence: XACK alone would accept entries that were claimed by another.
   if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
     return {'fenced'}
@@ -31,7 +32,7 @@ local function ack(keys, args)
   local extra = tonumber(m[2] or '0')
   local acked, results, errors, cleared = {}, {}, {}, {}
   local failed = 0
-  for i = 11, #args, 5 do
+  for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
     if outcome == 'ok' then
       acked[#acked + 1] = id
@@ -47,11 +48,12 @@ local function ack(keys, args)
       end
     elseif outcome == 'dead' then
       -- A dead letter stays pending, parked in the retry set at +inf (never due), so that
-      -- requeue_dead can hand it out again with its payload.
-      redis.call('ZADD', keys[6], 'inf', id)
+      -- requeue_dead can hand it out again with its payload. It counts as done once: only if it is
+      -- pending and was not a dead letter already.
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if pending and redis.call('ZADD', keys[6], 'inf', id) == 1 then failed = failed + 1 end
       errors[#errors + 1] = index
       errors[#errors + 1] = body
-      failed = failed + 1
     elseif outcome == 'retry' then
       -- Stays pending (its payload with it) until sg_take_work claims it again when due.
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
@@ -70,25 +72,28 @@ local function ack(keys, args)
   if #cleared > 0 then redis.call('HDEL', keys[4], unpack(cleared)) end
   if #errors > 0 then redis.call('HSET', keys[4], unpack(errors)) end
   if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
+  -- `left` counts down by what this call really settled: entries acknowledged now (XACK counts
+  -- only those still pending) and new dead letters.
+  local settled = failed
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
-    redis.call('XACK', keys[2], 'g', unpack(acked))
+    settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
   end
-  if #acked + failed > 0 then
-    if redis.call('HINCRBY', keys[1], 'left', -(#acked + failed)) <= 0
+  if settled > 0 then
+    if redis.call('HINCRBY', keys[1], 'left', -settled) <= 0
       and redis.call('HGET', keys[1], 'open') ~= '1' then
       local state = 'completed'
       if tonumber(redis.call('HGET', keys[1], 'failed')) > 0 then state = 'failed' end
-      return sg_finish(keys, args[1], state, args[8], args[9], now)
+      return sg_finish(keys, args[1], state, args[7], args[8], now, tonumber(k))
     end
   end
   if failed > 0 and redis.call('HGET', keys[1], 'failfast') == '1' then
     -- Fail fast: the first dead letter ends the request; the parts not yet run never will
     -- (unless its dead letters are requeued: then they run too).
-    return sg_finish(keys, args[1], 'failed', args[8], args[9], now)
+    return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
   end
-  if args[7] == '1' then
-    return sg_next(keys, args[1], k, epoch, holder, args[5], tonumber(args[6]), now, extra, tonumber(args[10]))
+  if args[6] == '1' then
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
 end

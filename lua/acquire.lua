@@ -1,11 +1,12 @@
--- acquire: a worker slot presents a token element it popped, and gets sub-requests to run.
+-- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
--- ARGV[5] stream consumer name   ARGV[6] lease (ms)   ARGV[7] batch: how many entries at most
--- Returns {'run', policy, entry, ...}: the slot holds the token, leased, with a batch of entries
---          to run one after another; policy = {max attempts, timeout ms, backoff base ms,
---          backoff max ms, token shards of the request}; entry = {entry id, index, payload, attempt};
---         {'park'}: no work left to hand out, the token waits in the request until work appears;
+-- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
+--          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
+--          token shards of the request}; entry = {entry id, index, payload, attempt};
+--         {'park', wake}: no work left to hand out, the token waits in the request until work
+--          appears (wake: in how many ms a retry falls due, 0 if none);
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
@@ -29,8 +30,7 @@ local function acquire(keys, args)
   end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   local now = sg_now()
-  local next = sg_next(keys, args[1], args[2], args[3], args[4], args[5], tonumber(args[6]), now, m[2],
-    tonumber(args[7]))
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
   if next[1] ~= 'run' then return next end
   if m[3] == 'queued' then redis.call('HSET', keys[1], 'state', 'running', 'started', now) end
   table.insert(next, 2, policy)

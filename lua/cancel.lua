@@ -1,11 +1,11 @@
 -- cancel: end a request now. Its tokens are withdrawn (queued elements swept, held tokens fenced:
--- their holders' acks record nothing and their heartbeats report the lease lost, which cancels
+-- their holders' acks record nothing and their heartbeats report the hold lost, which cancels
 -- the handlers' contexts), its queued parts never run, and it gets one terminal record, state
 -- `cancelled`, and one event, like any finish.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
--- Returns {'finished', 'cancelled', gen, sweep elements...} as ack does, or {'already', state} when
--- the request was terminal before, or {'unknown'}.
+-- Returns {'finished', 'cancelled', lifecycle, sweep elements...} as ack does, or {'already', state}
+-- when the request was terminal before (or loading: it is discarded), or {'unknown'}.
 local function cancel(keys, args)
   local state = redis.call('HGET', keys[1], 'state')
   if not state then return {'unknown'} end

@@ -4,19 +4,20 @@
 -- written once per lifecycle, and the request stays in the index until it is sealed.
 -- KEYS[1] active-request index   KEYS[2] events stream   KEYS[3] the request's priority list
 -- KEYS[4] the request's finish marks (hash: `e` last lifecycle whose event was written, `o` last
--- lifecycle reopened by requeue_dead), kept for the retention after unindex
+-- lifecycle reopened by requeue_dead), kept for the retention after unindex   KEYS[5] the home
+-- shard's bell
 -- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] retention (ms)   ARGV[4] lifecycle
--- (`gen`) that finished   ARGV[5..] stale token elements to remove from the priority list
+-- that finished   ARGV[5..] stale token elements to remove from the priority list
 -- Returns 1 when this call recorded the event, 0 when it had been recorded already (or the request
 -- has left the index, which it does only after its event).
 local function finish_index(keys, args)
-  for i = 5, #args do redis.call('LREM', keys[3], 0, args[i]) end
+  sg_sweep(keys[3], keys[5], args, 5)
   if not redis.call('ZSCORE', keys[1], args[1]) then return 0 end
-  local gen = tonumber(args[4])
+  local lifecycle = tonumber(args[4])
   local written = redis.call('HGET', keys[4], 'e')
-  if written and tonumber(written) >= gen then return 0 end
+  if written and tonumber(written) >= lifecycle then return 0 end
   local retention = tonumber(args[3])
-  redis.call('HSET', keys[4], 'e', gen)
+  redis.call('HSET', keys[4], 'e', args[4])
   -- Until unindex shortens it, the marks must outlive the request's keys, which are held as long.
   redis.call('PEXPIRE', keys[4], retention + SG_FINISH_HOLD_MS)
   local now = sg_now()

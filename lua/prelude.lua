@@ -5,16 +5,30 @@
 -- (see docs/protocol.md, "Functions library"). Nothing here touches a key it was not given.
 --
 -- Token state, one hash field `t<k>` per token k in the request's meta hash:
---   q|<epoch>|<since ms>                      queued: a list element "<rid>|<k>|<epoch>" should exist
---   h|<epoch>|<holder>|<expiry ms>|<ids>     held by a worker slot, leased until expiry, with the
---                                             batch of entries "id,id,..." it was handed
---   p|<epoch>                                  parked: the request had no work to hand out
--- Only the element whose epoch matches the field is valid; every re-queue bumps the epoch, so a copy
--- of an older element (replayed pop, late push, duplicate restore) is refused when presented.
+--   q|<epoch>|<since ms>             queued: an element "<rid>|<k>|<epoch>" should be in its list
+--   h|<epoch>|<holder>|<since>|<ids> held by a worker slot (holder "<worker>/<slot>") since <since>,
+--                                    with the batch of entries "id,id,..." it was handed
+--   p|<epoch>                        parked: the request had no work to hand out
+-- Only the element whose epoch matches the field is valid; every re-queue gives the token a new,
+-- larger epoch, so a copy of an older element (a replayed take, a late push, a duplicate restore)
+-- is refused when presented. An epoch is the Redis time (ms) at which it was issued, or one more
+-- than the token's previous epoch if that is larger: epochs only grow, also across a request's
+-- lifecycles and across requests that reuse an id. Because elements are pushed at the head of a
+-- list and taken from its tail, and each is pushed just after its epoch is issued, the epoch of the
+-- tail element also says how far the list has moved on (see `verify`).
+-- A holder keeps its token while its worker is alive: the worker registry (`beat`) decides, not a
+-- per-token expiry. A dead worker's tokens are found through the `held` record its slot wrote when
+-- it took the token (`take`), and reclaimed (`reclaim`).
 
 local function sg_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A whole number as text, without the exponent notation Lua uses for large ones (lifecycles are
+-- 16 digits: created ms * 1000 + gen, exact in a double).
+local function sg_int(x)
+  return string.format('%.0f', x)
 end
 
 local function sg_split(s)
@@ -32,12 +46,61 @@ local function sg_element(rid, k, epoch)
   return rid .. '|' .. k .. '|' .. epoch
 end
 
--- Every request-side function (all but renew) takes the same six keys, all with the request's
+-- The next epoch of a token whose epoch was `epoch` (nil: a new token).
+local function sg_next_epoch(epoch, now)
+  if epoch and tonumber(epoch) >= now then return tonumber(epoch) + 1 end
+  return now
+end
+
+-- Calls `fn(k, value)` for every token field t<from> .. t<to-1> that exists, reading them in chunks
+-- (one HMGET per 500 tokens), so that a request with a large limit costs few calls.
+local function sg_each_token(keys, from, to, fn)
+  local k = from
+  while k < to do
+    local last = math.min(k + 500, to) - 1
+    local fields = {}
+    for i = k, last do fields[#fields + 1] = 't' .. i end
+    local values = redis.call('HMGET', keys[1], unpack(fields))
+    for i = k, last do
+      local v = values[i - k + 1]
+      if v then fn(i, v) end
+    end
+    k = last + 1
+  end
+end
+
+-- Runs `command key args...` over a long argument list in chunks of 1,000 (Lua's unpack has a
+-- limit on arguments); the chunks must stay whole pairs for HSET (1,000 is even).
+local function sg_chunked(command, key, list)
+  local i = 1
+  while i <= #list do
+    local last = math.min(i + 999, #list)
+    redis.call(command, key, unpack(list, i, last))
+    i = last + 1
+  end
+end
+
+-- HSETs field/value pairs in chunks.
+local function sg_hset_many(key, pairs_list) sg_chunked('HSET', key, pairs_list) end
+
+-- HDELs fields in chunks.
+local function sg_hdel_many(key, fields) sg_chunked('HDEL', key, fields) end
+
+-- Every request-side function (all but holds) takes the same six keys, all with the request's
 -- hash tag:
 --   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
---   keys[5] orphans list (entries whose holder lost its lease)   keys[6] retry sorted set (due ms)
+--   keys[5] orphans list (entries whose holder died)   keys[6] retry sorted set (due ms)
 -- The meta field `extra` counts the entries in orphans and retry, so that the hot path (ack)
 -- looks at them only when there are any.
+
+-- The lifecycle of a request: created ms * 1000 + gen (gen counts reopenings by requeue_dead).
+-- It names a finish in the token-side steps that follow it (finish_index, seal, unindex) and is
+-- unique across requests that reuse an id, so a later request's finish is never taken for an
+-- earlier one's.
+local function sg_lifecycle(keys)
+  local m = redis.call('HMGET', keys[1], 'created', 'gen')
+  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+end
 
 -- Delivers one specific pending entry to this consumer: {id, payload, attempt} or nil when the
 -- entry no longer exists. The delivery count that XCLAIM raises is the attempt number.
@@ -88,10 +151,19 @@ local function sg_take_work(keys, consumer, now, extra, want)
   return got
 end
 
+-- When the earliest retry that is not due yet falls due (ms), or nil: when a parked token should be
+-- woken for it.
+local function sg_next_retry(keys, now)
+  local next = redis.call('ZRANGEBYSCORE', keys[6], '(' .. now, '(inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if next[2] then return tonumber(next[2]) end
+  return nil
+end
+
 -- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
 -- under the one token), or parks the token when there is none.
--- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park'}.
-local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now, extra, want)
+-- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
+-- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
   local work = sg_take_work(keys, consumer, now, extra, want)
   if #work > 0 then
     local ids = {}
@@ -100,12 +172,13 @@ local function sg_next(keys, rid, k, epoch, holder, consumer, lease_ms, now, ext
       ids[i] = w[1]
       reply[i + 1] = {w[1], sg_index(w[1]), w[2], w[3]}
     end
-    redis.call('HSET', keys[1], 't' .. k,
-      'h|' .. epoch .. '|' .. holder .. '|' .. (now + lease_ms) .. '|' .. table.concat(ids, ','))
+    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
     return reply
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
-  return {'park'}
+  redis.call('HINCRBY', keys[1], 'npark', 1)
+  local due = sg_next_retry(keys, now)
+  return {'park', due and math.max(due - now, 1) or 0}
 end
 
 -- An entry whose holder is gone goes back to the front of the work (sg_take_work).
@@ -114,15 +187,35 @@ local function sg_orphan(keys, entry)
   redis.call('HINCRBY', keys[1], 'extra', 1)
 end
 
--- Puts token k back in circulation under a new epoch; returns the element to push.
+-- Puts token k (epoch `epoch`) back in circulation under a new epoch; returns the element to push.
 local function sg_requeue(keys, rid, k, epoch, now)
-  local next_epoch = tonumber(epoch) + 1
+  local next_epoch = sg_next_epoch(epoch, now)
   redis.call('HSET', keys[1], 't' .. k, 'q|' .. next_epoch .. '|' .. now)
   return sg_element(rid, k, next_epoch)
 end
 
+-- Wakes up to `n` parked tokens (the meta field `npark` counts them, so this costs nothing when
+-- none is parked). Returns the elements to push.
+local function sg_unpark(keys, rid, n, now)
+  local out = {}
+  local parked = tonumber(redis.call('HGET', keys[1], 'npark') or '0')
+  if n <= 0 or parked <= 0 then return out end
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local from = 0
+  while from < ntok and #out < n do
+    sg_each_token(keys, from, math.min(from + 500, ntok), function(k, tok)
+      if #out < n and string.sub(tok, 1, 2) == 'p|' then
+        out[#out + 1] = sg_requeue(keys, rid, k, sg_split(tok)[2], now)
+      end
+    end)
+    from = from + 500
+  end
+  if #out > 0 then redis.call('HINCRBY', keys[1], 'npark', -#out) end
+  return out
+end
+
 -- Turns a request terminal: one terminal record (the meta hash's state), one event, cleanup.
--- Returns the reply for the caller, whose 3rd and later items are the still-queued token elements
+-- Returns the reply for the caller, whose 4th and later items are the still-queued token elements
 -- for the token side to sweep from the priority list. A failed request keeps its stream and
 -- retry set (its dead letters) until the retention ends, so that they can be requeued.
 -- A finished request's keys are held for its retention plus this long until `seal` (run once
@@ -137,34 +230,117 @@ local function sg_kept(state)
   return {1, 3, 4}
 end
 
-local function sg_finish(keys, rid, state, retention_ms, channel, now)
+-- `except` (optional): a token number whose batch the caller has just recorded (the ack that
+-- finishes the request); its entries are where that ack put them, not orphans.
+local function sg_finish(keys, rid, state, retention_ms, channel, now, except)
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
-  local sweep = {}
-  for k = 0, ntok - 1 do
-    local tok = redis.call('HGET', keys[1], 't' .. k)
-    if tok then
-      local f = sg_split(tok)
-      if f[1] == 'q' then sweep[#sweep + 1] = sg_element(rid, k, f[2]) end
-      -- A failed request may be requeued: entries other slots still held (fail fast) become
-      -- orphans, handed out again if it is.
-      if f[1] == 'h' and state == 'failed' then
-        for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
-      end
-      redis.call('HDEL', keys[1], 't' .. k)
+  local sweep, fields = {}, {}
+  local maxep = tonumber(redis.call('HGET', keys[1], 'maxep') or '0')
+  sg_each_token(keys, 0, ntok, function(k, tok)
+    local f = sg_split(tok)
+    maxep = math.max(maxep, tonumber(f[2]))
+    if f[1] == 'q' then sweep[#sweep + 1] = sg_element(rid, k, f[2]) end
+    -- A failed request may be requeued: entries other slots still held (fail fast) become
+    -- orphans, handed out again if it is.
+    if f[1] == 'h' and state == 'failed' and k ~= except then
+      for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
     end
-  end
+    fields[#fields + 1] = 't' .. k
+  end)
+  sg_hdel_many(keys[1], fields)
   if state ~= 'failed' then
     -- Dead letters (pending entries parked in the retry set at +inf), orphans and the parts that
     -- never ran stay requeueable while a failed request is kept; otherwise they go now.
     redis.call('DEL', keys[2], keys[5], keys[6])
   end
-  redis.call('HSET', keys[1], 'state', state, 'finished', now)
+  redis.call('HSET', keys[1], 'state', state, 'finished', now, 'maxep', maxep, 'npark', 0)
   local hold = tonumber(retention_ms) + SG_FINISH_HOLD_MS
   for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], hold) end
   redis.call('PUBLISH', channel, rid .. '|' .. state)
-  -- The lifecycle (`gen`, bumped when a failed request is reopened) names this finish in the
-  -- token-side steps that follow (finish_index, seal, unindex).
-  local out = {'finished', state, redis.call('HGET', keys[1], 'gen') or '0'}
+  local out = {'finished', state, sg_lifecycle(keys)}
   for _, e in ipairs(sweep) do out[#out + 1] = e end
   return out
+end
+
+-- Whether Redis time `now` is past a submit's deadline (ARGV given as ms; '' or absent: none).
+local function sg_late(deadline, now)
+  return deadline and deadline ~= '' and tonumber(deadline) > 0 and now > tonumber(deadline)
+end
+
+-- The refusal of a step that runs past the deadline its caller's arm gave it (Redis time, ms; 0 or
+-- absent: none): recovery's look, armed for the step, may have come and gone before it, and the
+-- caller arms again and retries (shards::armed). Nil when the step is in time.
+local function sg_step_late(deadline)
+  if sg_late(deadline, sg_now()) then
+    return redis.error_reply('SGLATE the step came after its deadline ' .. deadline .. '; arm again and retry')
+  end
+  return nil
+end
+
+-- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
+-- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
+-- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.
+local SG_HELD_TTL_MS = 3600000
+
+-- How long a shard's bell outlives its last push: bells are only wake-ups (an idle slot also
+-- takes after each idle poll), so one that is lost only delays a take, and one too many only wakes
+-- a slot for nothing; the expiry keeps strays from lasting.
+local SG_BELL_TTL_MS = 600000
+
+-- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
+-- slots block on one key and then take the highest priority with `take`.
+local function sg_push(list, bell, elements, from)
+  local i, n = from or 1, 0
+  while i <= #elements do
+    local last = math.min(i + 999, #elements)
+    redis.call('LPUSH', list, unpack(elements, i, last))
+    local bells = {}
+    for b = i, last do bells[#bells + 1] = '1' end
+    redis.call('LPUSH', bell, unpack(bells))
+    n = n + last - i + 1
+    i = last + 1
+  end
+  if n > 0 then redis.call('PEXPIRE', bell, SG_BELL_TTL_MS) end
+  return n
+end
+
+-- The epoch in an element "<rid>|<k>|<epoch>" (nil if malformed).
+local function sg_element_epoch(element)
+  local epoch = string.match(element or '', '^[^|]*|[^|]*|(%d+)$')
+  return epoch and tonumber(epoch)
+end
+
+-- Removes stale elements (of a finished request's queued tokens) from a list, with the bell of
+-- each: at most 64 of them, each only if it is within the 1,000 elements nearest the head, so that
+-- the cost is bounded however long the list and however many tokens the request had. The others
+-- stay until a slot takes them, when acquire answers 'drop' (the request is finished).
+local SG_SWEEP_MAX = 64
+
+local function sg_sweep(list, bell, elements, from)
+  from = from or 1
+  for i = from, math.min(#elements, from + SG_SWEEP_MAX - 1) do
+    if redis.call('LPOS', list, elements[i], 'MAXLEN', 1000) then
+      redis.call('LREM', list, 1, elements[i])
+      redis.call('RPOP', bell)
+    end
+  end
+end
+
+-- Recovery's re-arm of a request's next look to `due` (ms): set as computed when the score is still
+-- the one recovery's claim wrote (`claim`, from claim_due), so that a look planned far off is not
+-- brought forward for nothing; otherwise someone asked for a look since (a push, an arm), and the
+-- look only moves earlier, so that theirs is not put off. Either way, a look armed before a step
+-- (`armed`, the key beside `active`) that was not yet due when the claim was made bounds the new
+-- look: the census may have run before that step.
+local function sg_rearm(active, rid, due, claim, armed)
+  local score = redis.call('ZSCORE', active, rid)
+  if not score then return 0 end
+  local step = armed and redis.call('ZSCORE', armed, rid)
+  if step then due = math.min(due, tonumber(step)) end
+  if claim and claim ~= '' and tonumber(score) == tonumber(claim) then
+    redis.call('ZADD', active, 'XX', due, rid)
+  else
+    redis.call('ZADD', active, 'XX', 'LT', due, rid)
+  end
+  return 1
 end

@@ -1,23 +1,41 @@
 -- requeue_dead: hand a request's dead letters out again, each with a fresh set of attempts. A
 -- running request simply gets the work back; a failed one is reopened (state `running`, keys
--- persisted again, tokens re-created under epochs above any earlier one) and will end with a new
--- terminal record and event.
+-- persisted again, its full set of tokens re-created under epochs above any earlier one) and will
+-- end with a new terminal record and event.
 -- KEYS[1..6] the request's keys (prelude.lua)
--- ARGV[1] request key id
--- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle (`gen`) when a
--- failed request was reopened, else 0 (the caller then marks it with ring 'reopen'); and token
--- elements to push onto the request's priority list (re-created or unparked tokens). Or {-1, gen}:
--- the request failed but its finish is not sealed yet (its event may be unwritten): nothing
--- changed; the caller completes the steps after that finish (finish_index, seal, unindex) and
--- calls again, so that the failed lifecycle keeps its event. Errors "SGSTATE ..." when the
--- request cannot be requeued (unknown, loading, completed, cancelled, or its retention ran out).
+-- ARGV[1] request key id   ARGV[2] the lifecycle to reopen a failed request as ('' when the caller
+-- has not marked one yet, see below)   ARGV[3] the deadline of the caller's arm (sg_step_late)
+-- ARGV[4] 'resume' (recovery): complete a requeue whose caller died after `reopen` marked ARGV[2],
+-- only if the request is still the failed lifecycle just before it; otherwise do nothing ({0, 0})
+-- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle when a failed
+-- request was reopened, else 0; and token elements to push (re-created or woken tokens). For a
+-- failed request, nothing changes and the reply says what to do first:
+--   {-1, lifecycle}: its finish is not sealed yet (its event may be unwritten): complete the steps
+--   after that finish (finish_index, seal, unindex) and call again;
+--   {-2, next lifecycle}: call `reopen` on the home shard with that lifecycle (it indexes the
+--   request again and marks the lifecycle, so that no late unindex of the failed one removes it),
+--   then call again with ARGV[2] set to it.
+-- Errors "SGSTATE ..." when the request cannot be requeued (unknown, loading, completed,
+-- cancelled, or its retention ran out), "SGLATE ..." past the deadline.
 local function requeue_dead(keys, args)
-  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'gen', 'sealed')
+  local late = sg_step_late(args[3])
+  if late then return late end
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep')
   local state = m[1]
-  if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
-    return redis.error_reply('SGSTATE only a failed or running request has dead letters to requeue')
+  if args[4] == 'resume' then
+    if state ~= 'failed' then return {0, 0} end
+    local lifecycle = sg_lifecycle(keys)
+    if m[4] ~= lifecycle or args[2] ~= sg_int(tonumber(lifecycle) + 1) then return {0, 0} end
   end
-  if state == 'failed' and m[5] ~= (m[4] or '0') then return {-1, m[4] or '0'} end
+  if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
+    return redis.error_reply('SGSTATE only a failed, running or queued request has dead letters to requeue')
+  end
+  local lifecycle = sg_lifecycle(keys)
+  if state == 'failed' then
+    if m[4] ~= lifecycle then return {-1, lifecycle} end
+    local next = sg_int(tonumber(lifecycle) + 1)
+    if args[2] ~= next then return {-2, next} end
+  end
   local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
   local n = #dead
   if n == 0 then return {0, 0} end
@@ -30,32 +48,25 @@ local function requeue_dead(keys, args)
   redis.call('HINCRBY', keys[1], 'extra', n)
   redis.call('HINCRBY', keys[1], 'left', n)
   redis.call('HINCRBY', keys[1], 'failed', -n)
-  local out = {n, 0}
   if state == 'failed' then
+    redis.call('HINCRBY', keys[1], 'gen', 1)
     -- Elements of the earlier lifecycle may linger in a list: start the epochs above them.
-    local gen = redis.call('HINCRBY', keys[1], 'gen', 1)
-    out[2] = gen
-    local epoch = gen * 1000000000 + 1
-    local ntok = math.min(tonumber(m[3]), n)
+    local epoch = sg_next_epoch(m[6], now)
+    local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
     for i = 1, 6 do redis.call('PERSIST', keys[i]) end
-    redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok)
+    redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
     redis.call('HDEL', keys[1], 'finished', 'sealed')
+    local out, fields = {n, args[2]}, {}
     for k = 0, ntok - 1 do
-      redis.call('HSET', keys[1], 't' .. k, 'q|' .. epoch .. '|' .. now)
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'q|' .. epoch .. '|' .. now
       out[#out + 1] = sg_element(args[1], k, epoch)
     end
+    sg_hset_many(keys[1], fields)
     return out
   end
   -- Running: parked tokens come back for the work.
-  local woken = 0
-  for k = 0, tonumber(m[2]) - 1 do
-    if woken >= n then break end
-    local tok = redis.call('HGET', keys[1], 't' .. k)
-    local f = tok and sg_split(tok)
-    if f and f[1] == 'p' then
-      out[#out + 1] = sg_requeue(keys, args[1], k, f[2], now)
-      woken = woken + 1
-    end
-  end
+  local out = {n, 0}
+  for _, e in ipairs(sg_unpark(keys, args[1], n, now)) do out[#out + 1] = e end
   return out
 end

@@ -3,7 +3,7 @@
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
 -- ARGV[4] the nonce given at stream_open, or '' for an operator finalizing another's request
--- Returns {'open'} (parts still to run), {'finished', state, gen, sweep...} as ack, or errors
+-- Returns {'open'} (parts still to run), {'finished', state, lifecycle, sweep...} as ack, or errors
 -- "SGSTATE ..." when the request is not open.
 local function stream_finalize(keys, args)
   local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed', 'state')

@@ -8,10 +8,13 @@
 -- a reconnect is recognised, and only its own producer can abort or commit it
 -- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
 -- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
--- ARGV[12] token shards S the request is submitted with (optional, default 1): its token k lives
--- on shard (home + k) % S, home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
--- Returns 1, or the error "SGDUPLICATE ..." when the id is already in use (live or retained),
--- or "SGINVALID ..." when an argument is out of range.
+-- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
+-- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
+-- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
+-- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
+-- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
+local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
+
 local function submit_open(keys, args)
   local prio, limit = tonumber(args[2]), tonumber(args[3])
   if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
@@ -26,6 +29,10 @@ local function submit_open(keys, args)
       return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
     end
   end
+  local delay = tonumber(args[10] or '0')
+  if not delay or delay < 0 or delay % 1 ~= 0 or delay > SG_MAX_DELAY_MS then
+    return redis.error_reply('SGINVALID delay must be a whole number of ms from 0 to ten years')
+  end
   local shards = tonumber(args[12] or '1')
   if not shards or shards < 1 or shards > 1024 or shards % 1 ~= 0 then
     return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
@@ -38,10 +45,14 @@ local function submit_open(keys, args)
   if redis.call('EXISTS', keys[2]) == 1 then
     return redis.error_reply('SGDUPLICATE request id is already in use')
   end
-  redis.call('HSET', keys[1], 'v', 1, 'id', args[1], 'nonce', args[9], 'state', 'loading',
+  local now = sg_now()
+  if sg_late(args[13], now) then
+    return redis.error_reply('SGLATE the submit came too long after its registration; nothing was written')
+  end
+  redis.call('HSET', keys[1], 'v', 2, 'id', args[1], 'nonce', args[9], 'state', 'loading',
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
-    'created', sg_now(), 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7], 'bmax', args[8],
-    'delay', tonumber(args[10] or '0') or 0, 'failfast', args[11] or '0', 'shards', shards)
+    'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
+    'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

@@ -2,13 +2,18 @@
 -- index, unless requeue_dead has reopened it since (the index entry then belongs to the new
 -- lifecycle).
 -- KEYS[1] active-request index   KEYS[2] the request's finish marks (finish_index)
--- ARGV[1] request key id   ARGV[2] the lifecycle (`gen`) that finished   ARGV[3] retention (ms)
--- Returns 1 when the request left the index, 0 otherwise. The marks stay for the retention, as the
+-- KEYS[3] registration times   KEYS[4] the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] the lifecycle that finished   ARGV[3] retention (ms)
+-- Returns 1 when the request left the index, 0 when it was not there, or the newer lifecycle a
+-- requeue marked (reopen) when the entry stays for it: recovery then completes that requeue if it
+-- was left half-way (requeue_dead with 'resume'). The marks stay for the retention, as the
 -- record does: a late finish_index of this lifecycle (its finisher stalled while others completed
 -- the steps, and the request was requeued and so indexed again) then finds its event written.
 local function unindex(keys, args)
   local reopened = redis.call('HGET', keys[2], 'o')
-  if reopened and tonumber(reopened) > tonumber(args[2]) then return 0 end
+  if reopened and tonumber(reopened) > tonumber(args[2]) then return tonumber(reopened) end
   redis.call('PEXPIRE', keys[2], args[3])
+  redis.call('HDEL', keys[3], args[1])
+  redis.call('ZREM', keys[4], args[1])
   return redis.call('ZREM', keys[1], args[1])
 end

@@ -1,7 +1,6 @@
 //! Operating sluicegate: a request's status, cancel, requeue of dead letters, namespace stats.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use fred::prelude::*;
 use serde::Serialize;
@@ -13,7 +12,10 @@ use crate::producer::PartError;
 use crate::reply;
 use crate::request::{Priority, RequestState};
 use crate::scripts::Func;
+use crate::shards::{Finished, Look, Placement};
 use crate::store::Store;
+use crate::worker::registry;
+pub use crate::worker::WorkerInfo;
 
 /// At most this many errors are listed in a [`RequestStatus`].
 pub const STATUS_ERRORS: usize = 100;
@@ -114,22 +116,6 @@ pub struct PriorityTokens {
     pub tokens: u64,
 }
 
-/// A live worker, as it registered itself.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-#[non_exhaustive]
-pub struct WorkerInfo {
-    /// Its id (its stream consumer name).
-    pub id: String,
-    /// Handlers it runs at once.
-    pub slots: usize,
-    /// Its process id.
-    pub pid: u32,
-    /// Its host name.
-    pub host: String,
-    /// When it started (ms since the Unix epoch).
-    pub started_ms: u64,
-}
-
 impl Admin {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
@@ -221,9 +207,9 @@ impl Admin {
                 Ok(Cancelled::AlreadyFinished(state.parse()?))
             }
             "finished" => {
-                let finished = crate::shards::Finished::from_reply(reply)?;
-                let (priority, shards) = placement.unwrap_or((Priority::default(), 1));
-                crate::shards::finish(&self.store, &key_id, shards, priority, finished).await?;
+                let finished = Finished::from_reply(reply)?;
+                let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
+                crate::shards::finish(&self.store, &key_id, place, finished).await?;
                 Ok(Cancelled::Now)
             }
             other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
@@ -243,59 +229,54 @@ impl Admin {
     pub async fn requeue_dead(&self, id: &RequestId) -> Result<u64> {
         let key_id = id.key_id();
         let keys = self.store.keys.request(&key_id);
-        let Some((priority, shards)) = crate::shards::placement(&self.store, &keys.meta).await? else {
+        let Some(place) = crate::shards::placement(&self.store, &keys.meta).await? else {
             return Err(Error::UnknownRequest(id.clone()));
         };
-        let lease = millis(self.store.config.lease) as i64;
-        // Registered first, as at submit: if this process dies after the requeue, recovery finds
-        // the reopened request and pushes its tokens. Taken back only when the request cannot be
-        // requeued at all (completed or cancelled): after any other outcome (nothing requeued,
-        // an error whose requeue may have run anyway) a concurrent requeue may have reopened it,
-        // and recovery drops an entry that is not needed.
-        let registered = crate::shards::register(&self.store, &key_id, shards, priority).await?;
-        let mut attempts = 0;
-        let mut items = loop {
-            attempts += 1;
-            let reply = self.store.fcall(Func::RequeueDead, &keys.all(), vec![key_id.as_str().into()]).await;
-            let items = match reply {
-                Ok(v) => reply::array(v)?,
+        // A failed request is reopened only after its own lifecycle is announced and sealed, and
+        // after `reopen` indexed it again and marked the new lifecycle (so that no late unindex of
+        // the failed one removes it): requeue_dead says which step is missing, in that order.
+        // Recovery looks after each call, in case this process dies between waking tokens and
+        // pushing them (a request not indexed, a failed one, is indexed again by `reopen` with its
+        // own look).
+        let grace = millis(self.store.config.grace()) as i64;
+        let mut reopen_as = String::new();
+        for _ in 0..4 {
+            let requeued =
+                crate::shards::requeue_dead(&self.store, &key_id, place.shards, &reopen_as, false).await;
+            let items = match requeued {
+                Ok(items) => items,
                 Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
-                    if registered {
-                        crate::shards::unregister(&self.store, &key_id, shards).await;
-                    }
                     return Err(Error::InvalidRequest(format!(
-                        "request \"{id}\" has no dead letters that can be requeued (only a failed or running request has)"
+                        "request \"{id}\" has no dead letters that can be requeued (only a failed, running or queued request has)"
                     )));
                 }
                 Err(e) => return Err(e),
             };
-            let unsealed = items.first().map(reply::int).transpose()? == Some(-1);
-            if !unsealed {
-                break items.into_iter();
+            let mut items = items.into_iter();
+            let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            match n {
+                -1 => {
+                    // A failure whose steps after the finish are not done (its worker died, and
+                    // recovery has not come by yet): announce it first, so that its lifecycle keeps
+                    // its one event.
+                    let finished = Finished { state: "failed".into(), lifecycle, sweep: Vec::new() };
+                    crate::shards::finish(&self.store, &key_id, place, finished).await?;
+                }
+                -2 => {
+                    crate::shards::reopen(&self.store, &key_id, place.shards, lifecycle).await?;
+                    reopen_as = lifecycle.to_string();
+                }
+                n => {
+                    let elements: Vec<Value> = items.collect();
+                    if !elements.is_empty() {
+                        crate::shards::push(&self.store, &key_id, place, Look::More, grace, elements).await?;
+                    }
+                    return Ok(n.max(0) as u64);
+                }
             }
-            if attempts > 3 {
-                return Err(Error::Protocol(format!(
-                    "request \"{id}\": its failure is still not sealed after completing its finish; try again"
-                )));
-            }
-            // A failure whose steps after the finish are not done (its worker died, and recovery
-            // has not come by yet): announce it first, so that its lifecycle keeps its one event.
-            let gen = items.get(1).map(reply::int).transpose()?.unwrap_or(0);
-            let finished = crate::shards::Finished { state: "failed".into(), gen, sweep: Vec::new() };
-            crate::shards::finish(&self.store, &key_id, shards, priority, finished).await?;
-        };
-        let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0).max(0) as u64;
-        let reopened = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-        if reopened > 0 {
-            // The finished lifecycle's own last step (unindex) may still be on its way: the mark
-            // makes it leave the reopened request in `active`.
-            crate::shards::reopen(&self.store, &key_id, shards, priority, reopened).await?;
         }
-        let elements: Vec<Value> = items.collect();
-        if !elements.is_empty() {
-            crate::shards::ring_push(&self.store, &key_id, shards, priority, lease, elements).await?;
-        }
-        Ok(n)
+        Err(Error::Protocol(format!("request \"{id}\" kept changing while it was being requeued; try again")))
     }
 
     /// Tokens waiting per priority, active requests, live workers.
@@ -319,56 +300,7 @@ impl Admin {
         }
         let tokens_waiting =
             waiting.into_iter().rev().map(|(priority, tokens)| PriorityTokens { priority, tokens }).collect();
-        let now = now_ms() as f64;
-        let expired: Vec<String> =
-            self.store.client.zrangebyscore(keys.workers(), f64::NEG_INFINITY, now, false, None).await?;
-        if !expired.is_empty() {
-            let _: i64 = self.store.client.zrem(keys.workers(), expired.clone()).await?;
-            let _: i64 = self.store.client.hdel(keys.worker_info(), expired).await?;
-        }
-        let live: Vec<String> =
-            self.store.client.zrangebyscore(keys.workers(), now, f64::INFINITY, false, None).await?;
-        let mut workers = Vec::new();
-        if !live.is_empty() {
-            let infos: Vec<Option<String>> = self.store.client.hmget(keys.worker_info(), live).await?;
-            workers = infos.into_iter().flatten().filter_map(|j| serde_json::from_str(&j).ok()).collect();
-        }
+        let workers = registry::live(&self.store).await?;
         Ok(Stats { tokens_waiting, active_requests, workers })
     }
-}
-
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
-/// A worker's registration, renewed with its heartbeat.
-pub(crate) async fn register_worker(store: &Store, info: &WorkerInfo) -> Result<()> {
-    let ttl = 3 * millis(store.config.heartbeat);
-    let json = serde_json::to_string(info).map_err(|e| Error::Codec(e.to_string()))?;
-    let (workers, infos) = (store.keys.workers(), store.keys.worker_info());
-    let now = now_ms();
-    // Workers that died without unregistering are pruned by the live ones; and both keys expire
-    // when no worker is left to refresh them, so a namespace whose workers were all killed
-    // leaks nothing.
-    let dead: Vec<String> =
-        store.client.zrangebyscore(workers.as_str(), f64::NEG_INFINITY, now as f64, false, None).await?;
-    if !dead.is_empty() {
-        let _: i64 = store.client.zrem(workers.as_str(), dead.clone()).await?;
-        let _: i64 = store.client.hdel(infos.as_str(), dead).await?;
-    }
-    let _: i64 = store.client.hset(infos.as_str(), (info.id.as_str(), json)).await?;
-    let _: i64 = store
-        .client
-        .zadd(workers.as_str(), None, None, false, false, ((now + ttl) as f64, info.id.as_str()))
-        .await?;
-    let _: bool = store.client.pexpire(workers.as_str(), ttl as i64, None).await?;
-    let _: bool = store.client.pexpire(infos.as_str(), ttl as i64, None).await?;
-    Ok(())
-}
-
-/// Removes a worker's registration at a clean shutdown.
-pub(crate) async fn unregister_worker(store: &Store, id: &str) -> Result<()> {
-    let _: i64 = store.client.zrem(store.keys.workers(), id).await?;
-    let _: i64 = store.client.hdel(store.keys.worker_info(), id).await?;
-    Ok(())
 }

@@ -26,6 +26,7 @@ pub struct Config {
     pub(crate) heartbeat: Duration,
     pub(crate) loading_ttl: Duration,
     pub(crate) recovery_interval: Duration,
+    pub(crate) census_interval: Duration,
     pub(crate) wait_poll: Duration,
     pub(crate) unresponsive: Duration,
     pub(crate) token_shards: u32,
@@ -44,10 +45,11 @@ impl Config {
             url: url.into(),
             namespace: Namespace::default().as_str().to_owned(),
             retention: Duration::from_secs(24 * 3600),
-            lease: Duration::from_secs(30),
-            heartbeat: Duration::from_secs(10),
+            lease: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(500),
             loading_ttl: Duration::from_secs(3600),
-            recovery_interval: Duration::from_secs(5),
+            recovery_interval: Duration::from_millis(200),
+            census_interval: Duration::from_secs(60),
             wait_poll: Duration::from_secs(2),
             unresponsive: Duration::from_secs(10),
             token_shards: 1,
@@ -74,14 +76,19 @@ impl Config {
         self
     }
 
-    /// How long a worker's claim on a token and its running sub-request lasts without renewal
-    /// (default 30 s). A worker that stops renewing loses its claim after this.
+    /// How long a worker may go unheard before it is declared dead (default 2 s): then other
+    /// workers take back the tokens its slots held and run their sub-requests again. A worker's
+    /// heartbeat runs on a thread of its own, so handlers that are slow or keep the CPU busy never
+    /// starve it; only a process that is gone, frozen or cut off from Redis for this long is
+    /// declared dead (its late results are then refused, see `docs/architecture.md`).
     pub fn lease(mut self, d: Duration) -> Self {
         self.lease = d;
         self
     }
 
-    /// How often a worker renews its leases (default 10 s); must be well below the lease.
+    /// How often a worker beats (default 500 ms): renews its registration, takes its share of
+    /// noticing dead workers, and checks that its slots still hold their tokens (a cancelled
+    /// request's handlers are told within this time). Must be well below the lease.
     pub fn heartbeat(mut self, d: Duration) -> Self {
         self.heartbeat = d;
         self
@@ -94,9 +101,20 @@ impl Config {
         self
     }
 
-    /// How often workers look for lost tokens and expired leases (default 5 s).
+    /// How often a worker looks for recovery work that has fallen due (default 200 ms): delayed
+    /// requests whose time has come, a request whose producer died between its two last calls,
+    /// and the backstop census below. One cheap call per token shard.
     pub fn recovery_interval(mut self, d: Duration) -> Self {
         self.recovery_interval = d;
+        self
+    }
+
+    /// Every request not yet finished is looked at by recovery at least this often (default
+    /// 60 s), whatever else happens: the backstop for what no event announces (an element lost
+    /// with a failover's asynchronous replication, say). Its cost grows with the number of active
+    /// requests: about one call per request and interval, spread over the workers.
+    pub fn census_interval(mut self, d: Duration) -> Self {
+        self.census_interval = d;
         self
     }
 
@@ -149,6 +167,11 @@ impl Config {
         self.tls_ca_file.as_deref()
     }
 
+    /// The lease: how long a worker may go unheard before it is declared dead.
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
+
     /// The Redis URL.
     pub fn url(&self) -> &str {
         &self.url
@@ -171,6 +194,7 @@ impl Config {
             ("heartbeat", self.heartbeat),
             ("loading_ttl", self.loading_ttl),
             ("recovery_interval", self.recovery_interval),
+            ("census_interval", self.census_interval),
             ("wait_poll", self.wait_poll),
             ("unresponsive_timeout", self.unresponsive),
         ];
@@ -185,9 +209,10 @@ impl Config {
                 self.token_shards
             )));
         }
-        if self.heartbeat >= self.lease {
+        if self.heartbeat.saturating_mul(2) > self.lease {
             return Err(Error::Config(format!(
-                "heartbeat ({:?}) must be shorter than the lease ({:?}), or leases expire between renewals",
+                "heartbeat ({:?}) must be at most half the lease ({:?}), or a worker that misses one beat is \
+                 declared dead",
                 self.heartbeat, self.lease
             )));
         }
@@ -198,6 +223,15 @@ impl Config {
 impl Default for Config {
     fn default() -> Self {
         Self::from_env()
+    }
+}
+
+impl Config {
+    /// How long a token may wait queued before recovery checks that its element is in its list
+    /// (and the margin for clock differences between Redis masters, whose times epochs are): two
+    /// leases.
+    pub(crate) fn grace(&self) -> Duration {
+        self.lease.saturating_mul(2)
     }
 }
 

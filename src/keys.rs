@@ -194,6 +194,35 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:active", self.ns, self.ns)
     }
 
+    /// Sorted set of the looks asked for before a step (arm with a deadline, `shards::armed`);
+    /// score: when that look is due (ms). Beside `active`, which keeps only the earliest look, so
+    /// that a census that begins before such a look is due does not cancel it.
+    pub(crate) fn armed(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:armed", self.ns, self.ns)
+    }
+
+    /// List of wake-ups for idle slots of `shard`: one per element pushed (push, give_back,
+    /// verify). An idle slot blocks on it alone, then takes the highest priority with `take`.
+    pub(crate) fn bell(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:bell", self.ns, self.ns)
+    }
+
+    /// Hash of what the slots took on `shard`: holder `<worker>/<slot>` -> `<element>|<take id>|<list>`.
+    pub(crate) fn held(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:held", self.ns, self.ns)
+    }
+
+    /// Hash of when the requests homed on `shard` were registered (key id -> ms), while indexed.
+    pub(crate) fn registrations(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:reg", self.ns, self.ns)
+    }
+
+    /// Sorted set of dead workers claimed for reaping; score: when the claim runs out (ms). On
+    /// shard 0.
+    pub(crate) fn reaping(&self) -> String {
+        format!("{}:{{{}.q0}}:reaping", self.ns, self.ns)
+    }
+
     /// Stream of terminal events of the requests homed on `shard`, trimmed to the retention.
     pub(crate) fn events(&self, shard: u32) -> String {
         format!("{}:{{{}.q{shard}}}:events", self.ns, self.ns)
@@ -205,7 +234,8 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:f:{key_id}", self.ns, self.ns)
     }
 
-    /// Sorted set of live workers; score: when their registration expires (ms). On shard 0.
+    /// Sorted set of live workers; score: when their registration expires (ms, Redis time). On
+    /// shard 0.
     pub(crate) fn workers(&self) -> String {
         format!("{}:{{{}.q0}}:workers", self.ns, self.ns)
     }
@@ -245,7 +275,7 @@ pub(crate) struct RequestKeys {
     pub(crate) results: String,
     /// Hash: index -> error record (JSON: error, attempts, permanent).
     pub(crate) errors: String,
-    /// List: entries whose holder lost its lease, to hand out again first.
+    /// List: entries whose holder lost its token (declared dead, fail-fast), to hand out again first.
     pub(crate) orphans: String,
     /// Sorted set: entries waiting to be retried, scored by when (ms).
     pub(crate) retry: String,

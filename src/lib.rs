@@ -48,6 +48,8 @@
 //! functions precisely enough to write a client in another language.
 
 mod admin;
+#[cfg(test)]
+mod check;
 pub mod codec;
 mod config;
 mod error;

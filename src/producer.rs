@@ -17,6 +17,7 @@ use crate::keys::{RequestId, RequestKeys};
 use crate::reply;
 use crate::request::{Concurrency, Priority, RequestState};
 use crate::scripts::Func;
+use crate::shards::{Look, Placement};
 use crate::store::Store;
 
 /// Parts sent per call while a request loads (and at most this many bytes, unless one part is
@@ -45,6 +46,12 @@ impl Producer {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
         Ok(Self { store: Store::connect(config).await?, doorbell: Arc::new(OnceCell::new()) })
+    }
+
+    /// A producer on a store of the checker's.
+    #[cfg(test)]
+    pub(crate) fn from_store(store: Store) -> Self {
+        Self { store, doorbell: Arc::new(OnceCell::new()) }
     }
 
     /// Starts describing a request; finish with [`RequestBuilder::submit`].
@@ -77,9 +84,21 @@ impl Producer {
         };
         let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
         async {
+            check_duration("delay", spec.delay)?;
             let key_id = id.key_id();
             let keys = self.store.keys.request(&key_id);
             let nonce = uuid::Uuid::new_v4().simple().to_string();
+            let place = Placement { priority: spec.priority, shards: self.store.keys.shards() };
+            // The first chunk decides: a request that fits in it is submitted in one call.
+            let mut parts = parts.into_iter();
+            let first = encode_chunk(&mut parts, self.load_chunk())?;
+            if first.is_empty() {
+                return Err(Error::InvalidRequest("a request needs at least one part".into()));
+            }
+            // Registered with recovery before it exists: a producer that dies after creating it but
+            // before pushing its tokens leaves a request recovery finds and completes. Never taken
+            // back (it may be the winner's, when two producers submit one id).
+            let registration = crate::shards::register(&self.store, &key_id, place).await?;
             let open_args: Vec<Value> = vec![
                 id.as_str().into(),
                 i64::from(spec.priority.get()).into(),
@@ -92,78 +111,51 @@ impl Producer {
                 nonce.as_str().into(),
                 (millis(spec.delay) as i64).into(),
                 (if spec.fail_fast { "1" } else { "0" }).into(),
-                i64::from(self.store.keys.shards()).into(),
+                i64::from(place.shards).into(),
+                registration.deadline(&self.store).into(),
             ];
-            // The first chunk decides: a request that fits in it is submitted in one call.
-            let mut parts = parts.into_iter();
-            let first = encode_chunk(&mut parts)?;
-            if first.is_empty() {
-                return Err(Error::InvalidRequest("a request needs at least one part".into()));
-            }
+            let refused = |e: Error| submit_error(&id, e);
             let mut rest = parts.peekable();
-            let duplicate = |e: Error| match e {
-                Error::Redis(ref r) if r.details().contains("SGDUPLICATE") => {
-                    Error::DuplicateRequestId(id.clone())
-                }
-                other => other,
-            };
-            if rest.peek().is_none() {
-                // Registered with recovery first: a producer that dies between the submit and the
-                // push leaves a request recovery finds and completes.
-                let registered = self.register(&key_id, spec.priority).await?;
-                let total = first.len() as u64;
+            let elements = if rest.peek().is_none() {
                 let mut args = open_args;
                 args.push(key_id.as_str().into());
                 args.extend(first);
-                let elements = match self.store.fcall(Func::SubmitSmall, &keys.all(), args).await {
-                    Ok(v) => reply::array(v)?,
+                reply::array(self.store.fcall(Func::SubmitSmall, &keys.all(), args).await.map_err(refused)?)?
+            } else {
+                self.store.fcall(Func::SubmitOpen, &keys.all(), open_args).await.map_err(refused)?;
+                let total = match self.load(&key_id, &keys, &nonce, first, rest).await {
+                    Ok(total) => total,
                     Err(e) => {
-                        if registered {
-                            crate::shards::unregister(&self.store, &key_id, self.store.keys.shards()).await;
-                        }
-                        return Err(duplicate(e));
+                        // Nothing of a half-written request is visible to workers; remove it now so
+                        // the id can be used again (it would expire after the loading ttl anyway).
+                        let _ = self
+                            .store
+                            .fcall(Func::SubmitAbort, &keys.all(), vec![nonce.as_str().into()])
+                            .await;
+                        return Err(e);
                     }
                 };
-                self.ring(&key_id, spec.priority, spec.delay, elements).await?;
-                tracing::debug!(total, "request durable and queued");
-                return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
-            }
-            self.store.fcall(Func::SubmitOpen, &keys.all(), open_args).await.map_err(duplicate)?;
-            // Registered with recovery before anything can go wrong half-way: a producer that dies
-            // between commit and ring leaves a request recovery finds and completes.
-            let registered = self.register(&key_id, spec.priority).await?;
-            let total = match self.load(&key_id, &keys, &nonce, first, rest).await {
-                Ok(total) => total,
-                Err(e) => {
-                    // Nothing of a half-written request is visible to workers; remove it now so the
-                    // id can be used again (it would expire after the loading ttl anyway).
-                    let _ =
-                        self.store.fcall(Func::SubmitAbort, &keys.all(), vec![nonce.as_str().into()]).await;
-                    if registered {
-                        crate::shards::unregister(&self.store, &key_id, self.store.keys.shards()).await;
-                    }
-                    return Err(e);
-                }
+                // From here on the request may be committed: never delete it on error.
+                let args: Vec<Value> =
+                    vec![key_id.as_str().into(), (total as i64).into(), nonce.as_str().into()];
+                reply::array(self.store.fcall(Func::SubmitCommit, &keys.all(), args).await.map_err(refused)?)?
             };
-            // From here on the request may be committed: never delete it on error.
-            self.commit_and_ring(&key_id, &keys, spec.priority, total, &nonce, spec.delay).await?;
-            tracing::debug!(total, "request durable and queued");
+            // A delayed request is first looked at (and promoted) when its time comes.
+            let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
+            crate::shards::push(
+                &self.store,
+                &key_id,
+                place,
+                Look::First(registration),
+                millis(next) as i64,
+                elements,
+            )
+            .await?;
+            tracing::debug!("request durable and queued");
             Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
         .instrument(span)
         .await
-    }
-
-    /// Registers a request with recovery; true when this call added it (so that a failed
-    /// submit can take the registration back without touching a live request of the same id).
-    pub(crate) async fn register(&self, key_id: &str, priority: Priority) -> Result<bool> {
-        crate::shards::register(&self.store, key_id, self.store.keys.shards(), priority).await
-    }
-
-    async fn push_tokens(&self, key_id: &str, priority: Priority, elements: Vec<Value>) -> Result<()> {
-        let lease = millis(self.store.config.lease) as i64;
-        crate::shards::ring_push(&self.store, key_id, self.store.keys.shards(), priority, lease, elements)
-            .await
     }
 
     /// Writes the parts in chunks, `first` (already encoded) and then the rest. Returns how many.
@@ -200,46 +192,9 @@ impl Producer {
                 Err(e) => return Err(e),
             }
             total += n;
-            chunk = encode_chunk(&mut rest)?;
+            chunk = encode_chunk(&mut rest, self.load_chunk())?;
         }
         Ok(total)
-    }
-
-    /// Makes the loaded request runnable and puts its tokens on its priority list.
-    async fn commit_and_ring(
-        &self,
-        key_id: &str,
-        keys: &RequestKeys,
-        priority: Priority,
-        total: u64,
-        nonce: &str,
-        delay: Duration,
-    ) -> Result<()> {
-        let elements = reply::array(
-            self.store
-                .fcall(
-                    Func::SubmitCommit,
-                    &keys.all(),
-                    vec![key_id.into(), (total as i64).into(), nonce.into()],
-                )
-                .await?,
-        )?;
-        self.ring(key_id, priority, delay, elements).await
-    }
-
-    /// Pushes a committed request's token elements (none for a delayed one).
-    async fn ring(
-        &self,
-        key_id: &str,
-        priority: Priority,
-        delay: Duration,
-        elements: Vec<Value>,
-    ) -> Result<()> {
-        // A delayed request is first looked at (and promoted) when its time comes.
-        let first_check = if delay.is_zero() { self.store.config.lease } else { delay };
-        let shards = self.store.keys.shards();
-        crate::shards::ring_push(&self.store, key_id, shards, priority, millis(first_check) as i64, elements)
-            .await
     }
 
     /// Reads a request's terminal record and results, or `None` while it is not terminal.
@@ -270,6 +225,15 @@ impl Producer {
             });
         }
         Ok(Some(Completion { id: id.clone(), state, results }))
+    }
+
+    /// Parts per load call: [`LOAD_CHUNK`], or the checker's smaller chunk.
+    fn load_chunk(&self) -> usize {
+        #[cfg(test)]
+        if let Some(gate) = &self.store.gate {
+            return gate.load_chunk;
+        }
+        LOAD_CHUNK
     }
 
     async fn doorbell(&self) -> Result<&Doorbell> {
@@ -379,14 +343,18 @@ impl RequestBuilder<'_> {
         if !self.delay.is_zero() {
             return Err(Error::InvalidRequest("a streamed request cannot be delayed".into()));
         }
+        if let Some(expiry) = self.open_expiry {
+            check_duration("open expiry", expiry)?;
+        }
         let producer = self.producer.clone();
         let id = self.id.unwrap_or_else(RequestId::generate);
         let key_id = id.key_id();
         let keys = producer.store.keys.request(&key_id);
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let cfg = &producer.store.config;
-        let registered = producer.register(&key_id, self.priority).await?;
-        let opened = producer
+        let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
+        let registration = crate::shards::register(&producer.store, &key_id, place).await?;
+        producer
             .store
             .fcall(
                 Func::StreamOpen,
@@ -404,28 +372,24 @@ impl RequestBuilder<'_> {
                     nonce.as_str().into(),
                     (self.open_expiry.map_or(0, millis) as i64).into(),
                     (if self.fail_fast { "1" } else { "0" }).into(),
-                    i64::from(producer.store.keys.shards()).into(),
+                    i64::from(place.shards).into(),
+                    registration.deadline(&producer.store).into(),
                 ],
             )
-            .await;
-        if opened.is_err() && registered {
-            crate::shards::unregister(&producer.store, &key_id, producer.store.keys.shards()).await;
-        }
-        match opened {
-            Err(Error::Redis(ref r)) if r.details().contains("SGDUPLICATE") => {
-                return Err(Error::DuplicateRequestId(id))
-            }
-            Err(e) => return Err(e),
-            Ok(_) => {}
-        }
-        Ok(OpenRequest {
-            handle: RequestHandle { id, producer },
-            key_id,
-            keys,
-            nonce,
-            priority: self.priority,
-            added: 0,
-        })
+            .await
+            .map_err(|e| submit_error(&id, e))?;
+        // Its first look: when it expires unfinalized, or the census interval.
+        let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
+        crate::shards::push(
+            &producer.store,
+            &key_id,
+            place,
+            Look::First(registration),
+            millis(next) as i64,
+            Vec::new(),
+        )
+        .await?;
+        Ok(OpenRequest { handle: RequestHandle { id, producer }, key_id, keys, nonce, place, added: 0 })
     }
 }
 
@@ -437,7 +401,7 @@ pub struct OpenRequest {
     key_id: String,
     keys: RequestKeys,
     nonce: String,
-    priority: Priority,
+    place: Placement,
     added: u64,
 }
 
@@ -469,11 +433,21 @@ impl OpenRequest {
             let mut args: Vec<Value> =
                 vec![self.key_id.as_str().into(), self.nonce.as_str().into(), (self.added as i64).into()];
             let before = args.len();
-            for part in parts.by_ref().take(1_000) {
+            for part in parts.by_ref().take(self.handle.producer.load_chunk().min(1_000)) {
                 args.push(Value::Bytes(codec::encode(&part)?.into()));
             }
             let n = (args.len() - before) as u64;
-            let elements = match store.fcall(Func::StreamAppend, &self.keys.all(), args).await {
+            // Recovery is asked to look after the parts go in: if this process dies between the
+            // append and the push of the tokens it wakes, they are restored (verify).
+            let keys = self.keys.all();
+            let appended = crate::shards::armed(store, &self.key_id, self.place.shards, |deadline| {
+                let mut args = args.clone();
+                args.insert(before, deadline.into());
+                let keys = &keys;
+                async move { store.fcall(Func::StreamAppend, keys, args).await }
+            })
+            .await;
+            let elements = match appended {
                 Ok(v) => reply::array(v)?,
                 Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
                     return Err(Error::InvalidRequest(format!(
@@ -485,7 +459,8 @@ impl OpenRequest {
             };
             self.added += n;
             if !elements.is_empty() {
-                self.handle.producer.push_tokens(&self.key_id, self.priority, elements).await?;
+                let next = millis(store.config.census_interval) as i64;
+                crate::shards::push(store, &self.key_id, self.place, Look::More, next, elements).await?;
             }
         }
         Ok(())
@@ -499,16 +474,41 @@ impl OpenRequest {
     }
 }
 
-/// Encodes the next chunk of parts: up to `LOAD_CHUNK` parts or `LOAD_CHUNK_BYTES` bytes (at least
+/// The longest delay or open expiry accepted: ten years (the functions refuse longer ones too).
+const MAX_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+fn check_duration(what: &str, d: Duration) -> Result<()> {
+    if d > MAX_DELAY {
+        return Err(Error::InvalidRequest(format!("{what} {d:?} is too long: at most ten years")));
+    }
+    Ok(())
+}
+
+/// The error of a refused submit, by its SG code.
+fn submit_error(id: &RequestId, e: Error) -> Error {
+    match e {
+        Error::Redis(ref r) if r.details().contains("SGDUPLICATE") => Error::DuplicateRequestId(id.clone()),
+        Error::Redis(ref r) if r.details().contains("SGLATE") => Error::InvalidRequest(format!(
+            "request \"{id}\" was not created: its producer took longer than half the loading ttl between \
+             registering it and creating it; nothing was written, submit it again"
+        )),
+        Error::Redis(ref r) if r.details().contains("SGINVALID") => {
+            Error::InvalidRequest(r.details().trim_start_matches("SGINVALID ").to_owned())
+        }
+        other => other,
+    }
+}
+
+/// Encodes the next chunk of parts: up to `max` parts or `LOAD_CHUNK_BYTES` bytes (at least
 /// one part); empty when the parts are exhausted.
-fn encode_chunk<I, T>(parts: &mut I) -> Result<Vec<Value>>
+fn encode_chunk<I, T>(parts: &mut I, max: usize) -> Result<Vec<Value>>
 where
     I: Iterator<Item = T>,
     T: Serialize,
 {
     let mut chunk = Vec::new();
     let mut bytes = 0;
-    while bytes < LOAD_CHUNK_BYTES && chunk.len() < LOAD_CHUNK {
+    while bytes < LOAD_CHUNK_BYTES && chunk.len() < max {
         let Some(part) = parts.next() else { break };
         let encoded = codec::encode(&part)?;
         bytes += encoded.len();
@@ -539,9 +539,10 @@ pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, no
     let mut items = reply.into_iter();
     if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
         let finished = crate::shards::Finished::from_reply(items)?;
-        let (priority, shards) =
-            crate::shards::placement(store, &keys.meta).await?.unwrap_or((Priority::default(), 1));
-        crate::shards::finish(store, key_id, shards, priority, finished).await?;
+        let place = crate::shards::placement(store, &keys.meta)
+            .await?
+            .unwrap_or(Placement { priority: Priority::default(), shards: 1 });
+        crate::shards::finish(store, key_id, place, finished).await?;
     }
     Ok(())
 }

@@ -1,15 +1,15 @@
 //! The server-side half of sluicegate: the Redis Functions library assembled from `lua/`.
 //!
 //! Every multi-step state change is one function, named for the transition, whose keys all share
-//! one hash tag. The library is versioned by name (`sluicegate_v1`, functions `sg1_<name>`), so a
+//! one hash tag. The library is versioned by name (`sluicegate_v2`, functions `sg2_<name>`), so a
 //! future protocol can be loaded beside this one while old workers drain. Why Functions rather
 //! than EVALSHA: docs/architecture.md, "Server-side logic".
 
 /// Protocol version: part of the library and function names, and stored in each request.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The library name as loaded into Redis.
-pub const LIBRARY_NAME: &str = "sluicegate_v1";
+pub const LIBRARY_NAME: &str = "sluicegate_v2";
 
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
 
@@ -21,47 +21,74 @@ pub(crate) enum Func {
     SubmitCommit,
     SubmitSmall,
     SubmitAbort,
-    Ring,
-    Acquire,
-    Ack,
-    FinishIndex,
-    Seal,
-    Unindex,
-    Renew,
-    ClaimDue,
-    Census,
-    VerifyTokens,
-    RestoreTokens,
-    Cancel,
-    RequeueDead,
     StreamOpen,
     StreamAppend,
     StreamFinalize,
+    Register,
+    Push,
+    Reopen,
+    Arm,
+    Take,
+    Untake,
+    Acquire,
+    Ack,
+    GiveBack,
+    Release,
+    Holds,
+    FinishIndex,
+    Sweep,
+    Seal,
+    Unindex,
+    ClaimDue,
+    Census,
+    Verify,
+    Restore,
+    Reclaim,
+    DropGone,
+    Cancel,
+    RequeueDead,
+    Beat,
+    Reaped,
 }
 
 impl Func {
-    pub(crate) const ALL: [Func; 21] = [
+    /// Every transition, in library order: a file may call a function defined before it
+    /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
+    /// `submit_open`).
+    pub(crate) const ALL: [Func; 33] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
         Func::SubmitSmall,
         Func::SubmitAbort,
-        Func::Ring,
-        Func::Acquire,
-        Func::Ack,
-        Func::FinishIndex,
-        Func::Seal,
-        Func::Unindex,
-        Func::Renew,
-        Func::ClaimDue,
-        Func::Census,
-        Func::VerifyTokens,
-        Func::RestoreTokens,
-        Func::Cancel,
-        Func::RequeueDead,
         Func::StreamOpen,
         Func::StreamAppend,
         Func::StreamFinalize,
+        Func::Register,
+        Func::Push,
+        Func::Reopen,
+        Func::Arm,
+        Func::Take,
+        Func::Untake,
+        Func::Acquire,
+        Func::Ack,
+        Func::GiveBack,
+        Func::Release,
+        Func::Holds,
+        Func::FinishIndex,
+        Func::Sweep,
+        Func::Seal,
+        Func::Unindex,
+        Func::ClaimDue,
+        Func::Census,
+        Func::Verify,
+        Func::Restore,
+        Func::Reclaim,
+        Func::DropGone,
+        Func::Cancel,
+        Func::RequeueDead,
+        Func::Beat,
+        Func::Reaped,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -72,28 +99,46 @@ impl Func {
             Func::SubmitCommit => "submit_commit",
             Func::SubmitSmall => "submit_small",
             Func::SubmitAbort => "submit_abort",
-            Func::Ring => "ring",
-            Func::Acquire => "acquire",
-            Func::Ack => "ack",
-            Func::FinishIndex => "finish_index",
-            Func::Seal => "seal",
-            Func::Unindex => "unindex",
-            Func::Renew => "renew",
-            Func::ClaimDue => "claim_due",
-            Func::Census => "census",
-            Func::VerifyTokens => "verify_tokens",
-            Func::RestoreTokens => "restore_tokens",
-            Func::Cancel => "cancel",
-            Func::RequeueDead => "requeue_dead",
             Func::StreamOpen => "stream_open",
             Func::StreamAppend => "stream_append",
             Func::StreamFinalize => "stream_finalize",
+            Func::Register => "register",
+            Func::Push => "push",
+            Func::Reopen => "reopen",
+            Func::Arm => "arm",
+            Func::Take => "take",
+            Func::Untake => "untake",
+            Func::Acquire => "acquire",
+            Func::Ack => "ack",
+            Func::GiveBack => "give_back",
+            Func::Release => "release",
+            Func::Holds => "holds",
+            Func::FinishIndex => "finish_index",
+            Func::Sweep => "sweep",
+            Func::Seal => "seal",
+            Func::Unindex => "unindex",
+            Func::ClaimDue => "claim_due",
+            Func::Census => "census",
+            Func::Verify => "verify",
+            Func::Restore => "restore",
+            Func::Reclaim => "reclaim",
+            Func::DropGone => "drop_gone",
+            Func::Cancel => "cancel",
+            Func::RequeueDead => "requeue_dead",
+            Func::Beat => "beat",
+            Func::Reaped => "reaped",
         }
     }
 
     /// The name to FCALL.
     pub(crate) fn fcall_name(self) -> String {
         format!("sg{PROTOCOL_VERSION}_{}", self.local_name())
+    }
+
+    /// Functions that only read, registered `no-writes`: callable with FCALL_RO, on replicas, and
+    /// while Redis is at its memory limit.
+    pub(crate) fn read_only(self) -> bool {
+        matches!(self, Func::Holds)
     }
 
     fn source(self) -> &'static str {
@@ -103,22 +148,34 @@ impl Func {
             Func::SubmitCommit => include_str!("../lua/submit_commit.lua"),
             Func::SubmitSmall => include_str!("../lua/submit_small.lua"),
             Func::SubmitAbort => include_str!("../lua/submit_abort.lua"),
-            Func::Ring => include_str!("../lua/ring.lua"),
-            Func::Acquire => include_str!("../lua/acquire.lua"),
-            Func::Ack => include_str!("../lua/ack.lua"),
-            Func::FinishIndex => include_str!("../lua/finish_index.lua"),
-            Func::Seal => include_str!("../lua/seal.lua"),
-            Func::Unindex => include_str!("../lua/unindex.lua"),
-            Func::Renew => include_str!("../lua/renew.lua"),
-            Func::ClaimDue => include_str!("../lua/claim_due.lua"),
-            Func::Census => include_str!("../lua/census.lua"),
-            Func::VerifyTokens => include_str!("../lua/verify_tokens.lua"),
-            Func::RestoreTokens => include_str!("../lua/restore_tokens.lua"),
-            Func::Cancel => include_str!("../lua/cancel.lua"),
-            Func::RequeueDead => include_str!("../lua/requeue_dead.lua"),
             Func::StreamOpen => include_str!("../lua/stream_open.lua"),
             Func::StreamAppend => include_str!("../lua/stream_append.lua"),
             Func::StreamFinalize => include_str!("../lua/stream_finalize.lua"),
+            Func::Register => include_str!("../lua/register.lua"),
+            Func::Push => include_str!("../lua/push.lua"),
+            Func::Reopen => include_str!("../lua/reopen.lua"),
+            Func::Arm => include_str!("../lua/arm.lua"),
+            Func::Take => include_str!("../lua/take.lua"),
+            Func::Untake => include_str!("../lua/untake.lua"),
+            Func::Acquire => include_str!("../lua/acquire.lua"),
+            Func::Ack => include_str!("../lua/ack.lua"),
+            Func::GiveBack => include_str!("../lua/give_back.lua"),
+            Func::Release => include_str!("../lua/release.lua"),
+            Func::Holds => include_str!("../lua/holds.lua"),
+            Func::FinishIndex => include_str!("../lua/finish_index.lua"),
+            Func::Sweep => include_str!("../lua/sweep.lua"),
+            Func::Seal => include_str!("../lua/seal.lua"),
+            Func::Unindex => include_str!("../lua/unindex.lua"),
+            Func::ClaimDue => include_str!("../lua/claim_due.lua"),
+            Func::Census => include_str!("../lua/census.lua"),
+            Func::Verify => include_str!("../lua/verify.lua"),
+            Func::Restore => include_str!("../lua/restore.lua"),
+            Func::Reclaim => include_str!("../lua/reclaim.lua"),
+            Func::DropGone => include_str!("../lua/drop_gone.lua"),
+            Func::Cancel => include_str!("../lua/cancel.lua"),
+            Func::RequeueDead => include_str!("../lua/requeue_dead.lua"),
+            Func::Beat => include_str!("../lua/beat.lua"),
+            Func::Reaped => include_str!("../lua/reaped.lua"),
         }
     }
 }
@@ -132,9 +189,34 @@ pub fn library_source() -> String {
         code.push('\n');
     }
     for f in Func::ALL {
-        code.push_str(&format!("redis.register_function('{}', {})\n", f.fcall_name(), f.local_name()));
+        if f.read_only() {
+            code.push_str(&format!(
+                "redis.register_function{{function_name='{}', callback={}, flags={{'no-writes'}}}}\n",
+                f.fcall_name(),
+                f.local_name()
+            ));
+        } else {
+            code.push_str(&format!("redis.register_function('{}', {})\n", f.fcall_name(), f.local_name()));
+        }
     }
     code
+}
+
+/// The library as the randomized checker loads it: identical but for the clock, which reads an
+/// offset the checker advances (`sgcheck:clock`, ms), so that leases and backoffs run out on the
+/// checker's schedule instead of the wall clock's.
+#[cfg(test)]
+pub(crate) fn checker_library_source() -> String {
+    const REAL: &str = "return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+    const VIRTUAL: &str = "return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
+                           + tonumber(redis.call('GET', 'sgcheck:clock') or '0')\n";
+    let real = library_source();
+    assert_eq!(
+        real.matches(REAL).count(),
+        1,
+        "sg_now in lua/prelude.lua changed: update the checker's clock"
+    );
+    real.replace(REAL, VIRTUAL)
 }
 
 /// Commands sluicegate's producers, workers, listeners and operators send, directly or from
@@ -152,6 +234,7 @@ const APP_COMMANDS: &[&str] = &[
     "fcall_ro",
     // blocking reads and pub/sub, sent by the client itself
     "brpop",
+    "lmpop",
     "xread",
     "subscribe",
     "unsubscribe",
@@ -163,7 +246,9 @@ const APP_COMMANDS: &[&str] = &[
     "hgetall",
     "hincrby",
     "hmget",
+    "hsetnx",
     "hset",
+    "lindex",
     "llen",
     "lpop",
     "lpos",
@@ -172,6 +257,7 @@ const APP_COMMANDS: &[&str] = &[
     "persist",
     "pexpire",
     "publish",
+    "rpop",
     "rpush",
     "time",
     "xack",
@@ -188,6 +274,7 @@ const APP_COMMANDS: &[&str] = &[
     "zadd",
     "zcard",
     "zcount",
+    "zmscore",
     "zrangebyscore",
     "zrem",
     "zscore",
@@ -226,6 +313,18 @@ mod tests {
             );
             assert!(src.contains("KEYS[1") && src.contains("Returns"), "{} lacks its header", f.local_name());
         }
-        assert!(library_source().starts_with("#!lua name=sluicegate_v1\n"));
+        assert!(library_source().starts_with("#!lua name=sluicegate_v2\n"));
+    }
+
+    /// docs/operations.md shows the rule set for namespace `myapp`: it must be the one the code
+    /// builds, or an operator following it gets a user that cannot run some transition.
+    #[test]
+    fn operations_doc_shows_the_acl_rules_the_code_builds() {
+        let doc = include_str!("../docs/operations.md");
+        let rules = super::acl_rules("myapp", false);
+        assert!(
+            doc.contains(&format!("ACL SETUSER myapp-app on >PASSWORD {rules}\n")),
+            "docs/operations.md's ACL SETUSER line differs from acl_rules(\"myapp\", false):\n{rules}"
+        );
     }
 }

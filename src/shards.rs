@@ -2,7 +2,7 @@
 //!
 //! A request submitted with S shards (meta field `shards`) has a home shard
 //! `h = FNV-1a(key id) % S`: its `active` entry and its terminal event are there. Its token `k`
-//! lives on shard `(h + k) % S`: every element of `k` is pushed to, popped from, swept from and
+//! lives on shard `(h + k) % S`: every element of `k` is pushed to, taken from, swept from and
 //! verified on that shard's list. Every call here touches the keys of one shard only, or (`seal`)
 //! the request's own keys.
 
@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use fred::prelude::*;
 
 use crate::config::millis;
-use crate::error::{retry_not_executed, Result};
+use crate::error::{Error, Result};
 use crate::keys::{home_shard, token_shard};
 use crate::reply;
 use crate::request::Priority;
@@ -32,82 +32,150 @@ pub(crate) fn by_shard(key_id: &str, shards: u32, elements: Vec<Value>) -> BTree
     out
 }
 
-/// Queues token elements of a registered request: the home shard's through `ring push` (which
-/// pushes only while the request is active, and sets its next census `delay` from now), then the
-/// other shards' with plain `LPUSH`es. The ring call is made even with no home element.
-/// If the request finished in between, other shards may get elements of a finished request:
-/// `acquire` answers `drop` to them.
-pub(crate) async fn ring_push(
-    store: &Store,
-    key_id: &str,
-    shards: u32,
-    priority: Priority,
-    delay_ms: i64,
-    elements: Vec<Value>,
-) -> Result<()> {
-    let home = home_shard(key_id, shards);
-    let mut groups = by_shard(key_id, shards, elements);
-    let mut args: Vec<Value> = vec![key_id.into(), delay_ms.into(), "push".into()];
-    args.extend(groups.remove(&home).unwrap_or_default());
-    let (list, active) = (store.keys.token_list(home, priority), store.keys.active(home));
-    store.fcall(Func::Ring, &[&list, &active], args).await?;
-    lpush_groups(store, priority, groups).await
+/// Where a request's tokens and index entry live.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Placement {
+    pub(crate) priority: Priority,
+    pub(crate) shards: u32,
 }
 
-/// `LPUSH`es elements onto their tokens' shard lists (one command per shard, concurrently).
-pub(crate) async fn push(
-    store: &Store,
-    key_id: &str,
-    shards: u32,
-    priority: Priority,
-    elements: Vec<Value>,
-) -> Result<()> {
-    lpush_groups(store, priority, by_shard(key_id, shards, elements)).await
+/// A registration: when Redis recorded it, from which the producer's deadline follows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Registration {
+    /// Redis time (ms) of the registration, on the home shard.
+    pub(crate) at_ms: i64,
+    /// The score it gave the request in the index (its first look).
+    pub(crate) look: i64,
 }
 
-async fn lpush_groups(store: &Store, priority: Priority, groups: BTreeMap<u32, Vec<Value>>) -> Result<()> {
-    let pushes = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
-        let list = store.keys.token_list(shard, priority);
-        async move {
-            retry_not_executed("token push", store.config.unresponsive, || async {
-                Ok(store.client.lpush::<i64, _, _>(list.as_str(), elements.clone()).await?)
-            })
-            .await
-        }
-    });
-    futures::future::try_join_all(pushes).await?;
-    Ok(())
-}
-
-/// Registers a request with recovery in its home shard's `active` index; true when this call
-/// added it.
-pub(crate) async fn register(store: &Store, key_id: &str, shards: u32, priority: Priority) -> Result<bool> {
-    let home = home_shard(key_id, shards);
-    let (list, active) = (store.keys.token_list(home, priority), store.keys.active(home));
-    let delay = millis(store.config.lease) as i64;
-    let added = store
-        .fcall(Func::Ring, &[&list, &active], vec![key_id.into(), delay.into(), "register".into()])
-        .await?;
-    Ok(reply::int(&added)? == 1)
-}
-
-/// Takes back a registration this process added for a request that did not come to be.
-pub(crate) async fn unregister(store: &Store, key_id: &str, shards: u32) {
-    let active = store.keys.active(home_shard(key_id, shards));
-    let removed: Result<i64, _> = store.client.zrem(active, key_id).await;
-    if let Err(e) = removed {
-        tracing::debug!(error = %e, "could not take back a registration; recovery will drop it");
+impl Registration {
+    /// The deadline to pass to the call that creates the request: half the loading ttl after the
+    /// registration (recovery drops an entry without a request only a whole loading ttl after it).
+    pub(crate) fn deadline(&self, store: &Store) -> i64 {
+        self.at_ms + millis(store.config.loading_ttl) as i64 / 2
     }
 }
 
+/// Enters a request in its home shard's `active` index before it is created. Producers never take
+/// a registration back (it may be another producer's): recovery drops one whose request never came
+/// to be (`drop_gone`).
+pub(crate) async fn register(store: &Store, key_id: &str, place: Placement) -> Result<Registration> {
+    let home = home_shard(key_id, place.shards);
+    let (active, reg) = (store.keys.active(home), store.keys.registrations(home));
+    let first_look = millis(store.config.grace()) as i64;
+    let reply = store.fcall(Func::Register, &[&active, &reg], vec![key_id.into(), first_look.into()]).await?;
+    let items = reply::array(reply)?;
+    let at_ms = items.get(1).map(reply::int).transpose()?.unwrap_or(0);
+    Ok(Registration { at_ms, look: at_ms + first_look })
+}
+
+/// How a push sets the request's next look by recovery.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Look {
+    /// The push that follows a submit, made under this registration: the next look is `next_ms`
+    /// from now unless recovery has looked since the registration (then it only moves earlier).
+    First(Registration),
+    /// Any later push: the next look only moves earlier.
+    More,
+}
+
+/// Queues token elements: the home shard's through `push` with the index (which also makes sure
+/// the request is indexed, and sets its next look `next_ms` from now as `look` says), the other
+/// shards' through `push` without. The home shard's call is made even with no home element.
+pub(crate) async fn push(
+    store: &Store,
+    key_id: &str,
+    place: Placement,
+    look: Look,
+    next_ms: i64,
+    elements: Vec<Value>,
+) -> Result<()> {
+    let home = home_shard(key_id, place.shards);
+    let mut groups = by_shard(key_id, place.shards, elements);
+    let mode = match look {
+        Look::First(r) => format!("first:{}", r.look),
+        Look::More => "more".to_owned(),
+    };
+    let mut args: Vec<Value> = vec![key_id.into(), next_ms.into(), mode.into()];
+    args.extend(groups.remove(&home).unwrap_or_default());
+    let (list, bell, active, reg) = (
+        store.keys.token_list(home, place.priority),
+        store.keys.bell(home),
+        store.keys.active(home),
+        store.keys.registrations(home),
+    );
+    store.fcall(Func::Push, &[&list, &bell, &active, &reg], args).await?;
+    push_elsewhere(store, key_id, place.priority, groups).await
+}
+
+/// Pushes elements onto their tokens' shard lists without touching the index (`push` with two
+/// keys), one call per shard.
+pub(crate) async fn push_elsewhere(
+    store: &Store,
+    key_id: &str,
+    priority: Priority,
+    groups: BTreeMap<u32, Vec<Value>>,
+) -> Result<()> {
+    let calls = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
+        let (list, bell) = (store.keys.token_list(shard, priority), store.keys.bell(shard));
+        let mut args: Vec<Value> = vec![key_id.into(), 0.into(), "more".into()];
+        args.extend(elements);
+        async move { store.fcall(Func::Push, &[&list, &bell], args).await }
+    });
+    futures::future::try_join_all(calls).await?;
+    Ok(())
+}
+
+/// Asks recovery to look at a request within `in_ms` (only ever earlier than planned).
+pub(crate) async fn arm(store: &Store, key_id: &str, shards: u32, in_ms: i64) -> Result<()> {
+    let home = home_shard(key_id, shards);
+    let (active, armed) = (store.keys.active(home), store.keys.armed(home));
+    store.fcall(Func::Arm, &[&active, &armed], vec![key_id.into(), in_ms.into()]).await?;
+    Ok(())
+}
+
+/// How many times [`armed`] re-arms a step that Redis refused as late before it gives up.
+const LATE_STEPS: usize = 5;
+
+/// Runs `step`, a call whose follow-up (a push) this process might not live to make, after asking
+/// recovery to look at the request a grace later: the look that finds what the step left undone.
+/// `step` gets the deadline (Redis time, ms; 0 when the request is not indexed) that its function
+/// checks, refusing with SGLATE once it has passed: a look is only sure to come after the step if
+/// the step runs before the look falls due. A refused step is armed and run again.
+pub(crate) async fn armed<T, F, Fut>(store: &Store, key_id: &str, shards: u32, mut step: F) -> Result<T>
+where
+    F: FnMut(i64) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let home = home_shard(key_id, shards);
+    let (active, armed) = (store.keys.active(home), store.keys.armed(home));
+    let grace = millis(store.config.grace()) as i64;
+    for _ in 0..LATE_STEPS {
+        let args: Vec<Value> = vec![key_id.into(), grace.into(), "".into(), "step".into()];
+        let due = reply::int(&store.fcall(Func::Arm, &[&active, &armed], args).await?)?;
+        // Half a grace of margin: the step runs on the request's own master, whose clock may
+        // differ a little from the home shard's.
+        let deadline = if due > 0 { due - grace / 2 } else { 0 };
+        match step(deadline).await {
+            Err(Error::Redis(e)) if e.details().contains("SGLATE") => continue,
+            other => return other,
+        }
+    }
+    Err(Error::Protocol(format!(
+        "a step on request \"{key_id}\" ran past its deadline {LATE_STEPS} times in a row: Redis is overloaded, or \
+         the clock of the request's master is ahead of its home shard's by more than half a grace ({} ms)",
+        grace / 2
+    )))
+}
+
 /// A request that has just turned terminal, as a finishing function reports it
-/// (`{'finished', state, gen, sweep...}`, the part after the tag).
+/// (`{'finished', state, lifecycle, sweep...}`, the part after the tag).
 #[derive(Debug)]
 pub(crate) struct Finished {
     /// The terminal state.
     pub(crate) state: String,
-    /// The lifecycle that finished (meta `gen`: bumped each time requeue reopens the request).
-    pub(crate) gen: i64,
+    /// The lifecycle that finished: `created * 1000 + gen` (gen counts reopenings by requeue).
+    pub(crate) lifecycle: i64,
     /// Stale token elements to sweep from the lists.
     pub(crate) sweep: Vec<Value>,
 }
@@ -116,8 +184,8 @@ impl Finished {
     /// Reads the reply items that follow the `finished` tag.
     pub(crate) fn from_reply(mut items: impl Iterator<Item = Value>) -> Result<Finished> {
         let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-        let gen = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-        Ok(Finished { state, gen, sweep: items.collect() })
+        let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+        Ok(Finished { state, lifecycle, sweep: items.collect() })
     }
 }
 
@@ -129,78 +197,105 @@ impl Finished {
 /// 2. the request's retention started (`seal`; until then its keys are held, so a finish whose
 ///    event is late is neither lost nor unannounced);
 /// 3. the request leaves `active` (`unindex`).
+///
+/// Returns the lifecycle a requeue marked (`reopen`) when the request stays indexed for it.
 pub(crate) async fn finish(
     store: &Store,
     key_id: &str,
-    shards: u32,
-    priority: Priority,
+    place: Placement,
     finished: Finished,
-) -> Result<()> {
-    let Finished { state, gen, sweep } = finished;
-    let home = home_shard(key_id, shards);
-    let mut groups = by_shard(key_id, shards, sweep);
+) -> Result<Option<i64>> {
+    let Finished { state, lifecycle, sweep } = finished;
+    let home = home_shard(key_id, place.shards);
+    let mut groups = by_shard(key_id, place.shards, sweep);
     let home_sweep = groups.remove(&home).unwrap_or_default();
-    let sweeps = groups.into_iter().flat_map(|(shard, elements)| {
-        let list = store.keys.token_list(shard, priority);
-        elements.into_iter().map(move |e| {
-            let list = list.clone();
-            async move {
-                retry_not_executed("token sweep", store.config.unresponsive, || async {
-                    Ok(store.client.lrem::<i64, _, _>(list.as_str(), 0, e.clone()).await?)
-                })
-                .await
-            }
-        })
+    let sweeps = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
+        let (list, bell) = (store.keys.token_list(shard, place.priority), store.keys.bell(shard));
+        async move { store.fcall(Func::Sweep, &[&list, &bell], elements).await }
     });
     futures::future::try_join_all(sweeps).await?;
     let retention = millis(store.config.retention) as i64;
-    let mut args: Vec<Value> = vec![key_id.into(), state.into(), retention.into(), gen.into()];
+    let mut args: Vec<Value> = vec![key_id.into(), state.into(), retention.into(), lifecycle.into()];
     args.extend(home_sweep);
-    let (active, events, list, marks) = (
+    let (active, events, list, marks, bell) = (
         store.keys.active(home),
         store.keys.events(home),
-        store.keys.token_list(home, priority),
+        store.keys.token_list(home, place.priority),
         store.keys.finish_marks(home, key_id),
+        store.keys.bell(home),
     );
-    store.fcall(Func::FinishIndex, &[&active, &events, &list, &marks], args).await?;
-    seal_and_unindex(store, key_id, home, gen).await
+    store.fcall(Func::FinishIndex, &[&active, &events, &list, &marks, &bell], args).await?;
+    seal_and_unindex(store, key_id, home, lifecycle).await
 }
 
-/// Steps 2 and 3 of [`finish`]; alone, for a request whose event is already recorded.
-pub(crate) async fn seal_and_unindex(store: &Store, key_id: &str, home: u32, gen: i64) -> Result<()> {
+/// Steps 2 and 3 of [`finish`]; alone, for a request whose event is already recorded. Returns the
+/// lifecycle a requeue marked (`reopen`) when the request stays indexed for it.
+pub(crate) async fn seal_and_unindex(
+    store: &Store,
+    key_id: &str,
+    home: u32,
+    lifecycle: i64,
+) -> Result<Option<i64>> {
     let retention = millis(store.config.retention) as i64;
     let keys = store.keys.request(key_id);
-    let sealed = store.fcall(Func::Seal, &keys.all(), vec![gen.into(), retention.into()]).await?;
+    let sealed = store.fcall(Func::Seal, &keys.all(), vec![lifecycle.into(), retention.into()]).await?;
     if reply::int(&sealed)? == 1 {
-        let (active, marks) = (store.keys.active(home), store.keys.finish_marks(home, key_id));
-        let args: Vec<Value> = vec![key_id.into(), gen.into(), retention.into()];
-        store.fcall(Func::Unindex, &[&active, &marks], args).await?;
+        let (active, marks, reg, armed) = (
+            store.keys.active(home),
+            store.keys.finish_marks(home, key_id),
+            store.keys.registrations(home),
+            store.keys.armed(home),
+        );
+        let args: Vec<Value> = vec![key_id.into(), lifecycle.into(), retention.into()];
+        let left = reply::int(&store.fcall(Func::Unindex, &[&active, &marks, &reg, &armed], args).await?)?;
+        return Ok((left > lifecycle).then_some(left));
     }
-    Ok(())
+    Ok(None)
 }
 
-/// Marks a request that requeue reopened as lifecycle `gen`, and makes sure it is in `active`.
-pub(crate) async fn reopen(
+/// One `requeue_dead` call, armed (see [`armed`]): its reply's items. `reopen_as` is the lifecycle
+/// a failed request reopens as ("" until `reopen` marked one); `resume` is recovery's completion
+/// of a requeue whose caller died after that mark.
+pub(crate) async fn requeue_dead(
     store: &Store,
     key_id: &str,
     shards: u32,
-    priority: Priority,
-    gen: i64,
-) -> Result<()> {
+    reopen_as: &str,
+    resume: bool,
+) -> Result<Vec<Value>> {
+    let keys = store.keys.request(key_id);
+    let keys = keys.all();
+    let reply = armed(store, key_id, shards, |deadline| {
+        let mut args: Vec<Value> = vec![key_id.into(), reopen_as.into(), deadline.into()];
+        if resume {
+            args.push("resume".into());
+        }
+        let keys = &keys;
+        async move { store.fcall(Func::RequeueDead, keys, args).await }
+    })
+    .await?;
+    reply::array(reply)
+}
+
+/// Before requeue reopens a failed request as `lifecycle`: indexes it again and marks the new
+/// lifecycle on the home shard, so that a late `unindex` of the failed one leaves it indexed.
+pub(crate) async fn reopen(store: &Store, key_id: &str, shards: u32, lifecycle: i64) -> Result<()> {
     let home = home_shard(key_id, shards);
-    let (list, active, marks) = (
-        store.keys.token_list(home, priority),
-        store.keys.active(home),
-        store.keys.finish_marks(home, key_id),
-    );
-    let delay = millis(store.config.lease) as i64;
-    let args: Vec<Value> = vec![key_id.into(), delay.into(), "reopen".into(), gen.into()];
-    store.fcall(Func::Ring, &[&list, &active, &marks], args).await?;
+    let (active, reg, marks) =
+        (store.keys.active(home), store.keys.registrations(home), store.keys.finish_marks(home, key_id));
+    let first_look = millis(store.config.grace()) as i64;
+    let args: Vec<Value> = vec![key_id.into(), first_look.into(), lifecycle.into()];
+    store.fcall(Func::Reopen, &[&active, &reg, &marks], args).await?;
     Ok(())
 }
 
 /// A request's priority and token shards, from its meta hash; `None` if it is unknown.
-pub(crate) async fn placement(store: &Store, meta: &str) -> Result<Option<(Priority, u32)>> {
-    let (prio, shards): (Option<u8>, Option<u32>) = store.client.hmget(meta, vec!["prio", "shards"]).await?;
-    Ok(prio.map(|p| (Priority::new(p).unwrap_or_default(), shards.unwrap_or(1).max(1))))
+pub(crate) async fn placement(store: &Store, meta: &str) -> Result<Option<Placement>> {
+    let (prio, shards): (Option<u8>, Option<u32>) = store
+        .call("hmget", meta, || async { Ok(store.client.hmget(meta, vec!["prio", "shards"]).await?) })
+        .await?;
+    Ok(prio.map(|p| Placement {
+        priority: Priority::new(p).unwrap_or_default(),
+        shards: shards.unwrap_or(1).max(1),
+    }))
 }

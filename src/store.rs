@@ -23,6 +23,9 @@ pub(crate) struct Store {
     pub(crate) client: Client,
     pub(crate) keys: Keys,
     pub(crate) config: Config,
+    /// The randomized protocol checker's hold on every call (test builds only): see `crate::check`.
+    #[cfg(test)]
+    pub(crate) gate: Option<std::sync::Arc<crate::check::gate::Gate>>,
 }
 
 impl Store {
@@ -33,7 +36,70 @@ impl Store {
         let client = new_client(config)?;
         client.init().await.map_err(|e| connect_error(&config.url, e))?;
         check_version(&client).await?;
-        let store = Self { client, keys: Keys::new(&namespace, config.token_shards), config: config.clone() };
+        let store = Self {
+            client,
+            keys: Keys::new(&namespace, config.token_shards),
+            config: config.clone(),
+            #[cfg(test)]
+            gate: None,
+        };
+        store.load_library().await?;
+        Ok(store)
+    }
+
+    /// Runs one Redis call `op` of a transition. In production it is simply awaited; under the
+    /// randomized checker (test builds) the gate decides when it runs and what fault it meets (a
+    /// lost reply, a re-send, the caller's death). Every call that producers, slots, recovery and
+    /// operators make goes through here or through [`fcall`](Self::fcall).
+    pub(crate) async fn call<T, F, Fut>(&self, what: &str, key: &str, op: F) -> Result<T>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        #[cfg(test)]
+        if let Some(gate) = &self.gate {
+            return gate.run(what, key, op).await;
+        }
+        let _ = (what, key);
+        op().await
+    }
+
+    /// How many independent calls of one transition may be in flight at once: `n`, or one under
+    /// the checker, which needs every actor to make one call at a time.
+    pub(crate) fn concurrency(&self, n: usize) -> usize {
+        #[cfg(test)]
+        if self.gate.is_some() {
+            return 1;
+        }
+        n
+    }
+
+    /// Whether choices that depend on timing or chance (batch sizes, backoff jitter) must be made
+    /// deterministically, so that a checker run replays from its seed.
+    pub(crate) fn deterministic(&self) -> bool {
+        #[cfg(test)]
+        if self.gate.is_some() {
+            return true;
+        }
+        false
+    }
+
+    /// A store for the randomized checker: every call goes through `gate`, and the library loaded
+    /// is the checker's (a virtual clock).
+    #[cfg(test)]
+    pub(crate) async fn for_checker(
+        config: &Config,
+        gate: std::sync::Arc<crate::check::gate::Gate>,
+    ) -> Result<Self> {
+        let client = new_client(config)?;
+        client.init().await.map_err(|e| connect_error(&config.url, e))?;
+        let namespace = config.validated_namespace()?;
+        let store = Self {
+            client,
+            keys: Keys::new(&namespace, config.token_shards),
+            config: config.clone(),
+            gate: Some(gate),
+        };
         store.load_library().await?;
         Ok(store)
     }
@@ -60,6 +126,10 @@ impl Store {
     /// `FUNCTION LOAD` relies on it being loaded already (by an operator, or another component);
     /// if it is not, the first call says so.
     async fn load_library(&self) -> Result<()> {
+        #[cfg(test)]
+        let code =
+            if self.gate.is_some() { crate::scripts::checker_library_source() } else { library_source() };
+        #[cfg(not(test))]
         let code = library_source();
         let loaded = if self.client.is_clustered() {
             self.client.function_load_cluster::<(), _>(true, code).await
@@ -87,8 +157,11 @@ impl Store {
     /// migration failed every `acquire`, `ack`, `census` and submit that touched the slot (an
     /// `ack` or `acquire` then waited a lease for recovery).
     pub(crate) async fn fcall(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
-        retry_not_executed(func.local_name(), self.config.unresponsive, || {
-            self.fcall_loaded(func, keys, args.clone())
+        let first = keys.first().copied().unwrap_or_default();
+        self.call(func.local_name(), first, || {
+            retry_not_executed(func.local_name(), self.config.unresponsive, || {
+                self.fcall_loaded(func, keys, args.clone())
+            })
         })
         .await
     }

@@ -367,7 +367,7 @@ impl Load {
         report.metrics = metrics_summary(&self.workers);
         for w in &self.workers {
             report.fenced += w.metrics.fenced.load(Relaxed);
-            report.leases_expired += w.metrics.leases_expired.load(Relaxed);
+            report.holds_reclaimed += w.metrics.holds_reclaimed.load(Relaxed);
             report.tokens_restored += w.metrics.tokens_restored.load(Relaxed);
         }
         for w in self.workers {
@@ -399,10 +399,10 @@ fn metrics_summary(workers: &[RunningWorker]) -> String {
         .map(|w| {
             let m = &w.metrics;
             format!(
-                "[succeeded={} fenced={} leases_expired={} tokens_restored={}]",
+                "[succeeded={} fenced={} holds_reclaimed={} tokens_restored={}]",
                 m.succeeded.load(Relaxed),
                 m.fenced.load(Relaxed),
-                m.leases_expired.load(Relaxed),
+                m.holds_reclaimed.load(Relaxed),
                 m.tokens_restored.load(Relaxed)
             )
         })
@@ -428,7 +428,7 @@ struct Report {
     tokens_outstanding: Vec<String>,
     keys_left: Vec<String>,
     fenced: u64,
-    leases_expired: u64,
+    holds_reclaimed: u64,
     tokens_restored: u64,
     metrics: String,
 }
@@ -464,7 +464,7 @@ impl fmt::Display for Report {
             f,
             "{} requests x {PARTS} parts: lost={} not_completed={} over_limit={} executions={} duplicates={} \
              wait_errors={} listener_faults={} listener_read_errors={} tokens_outstanding={} keys_left={} \
-             fenced={} leases_expired={} tokens_restored={}",
+             fenced={} holds_reclaimed={} tokens_restored={}",
             self.requests,
             self.wrong_results.len(),
             self.not_completed.len(),
@@ -477,7 +477,7 @@ impl fmt::Display for Report {
             self.tokens_outstanding.len(),
             self.keys_left.len(),
             self.fenced,
-            self.leases_expired,
+            self.holds_reclaimed,
             self.tokens_restored,
         )?;
         if !self.wait_errors.is_empty() {

@@ -95,8 +95,22 @@ impl Monitor {
 }
 
 /// The functions that touch token-side keys only (`{<ns>.q<s>}`).
-const TOKEN_FUNCTIONS: [&str; 5] =
-    ["sg1_ring", "sg1_finish_index", "sg1_unindex", "sg1_claim_due", "sg1_verify_tokens"];
+/// The functions that run on a token shard (the registry's, on shard 0 only, are left out).
+const TOKEN_FUNCTIONS: [&str; 13] = [
+    "sg2_register",
+    "sg2_push",
+    "sg2_arm",
+    "sg2_take",
+    "sg2_give_back",
+    "sg2_release",
+    "sg2_sweep",
+    "sg2_finish_index",
+    "sg2_unindex",
+    "sg2_claim_due",
+    "sg2_verify",
+    "sg2_reopen",
+    "sg2_drop_gone",
+];
 
 fn within(values: &[u64], tolerance: f64) -> bool {
     let mean = values.iter().sum::<u64>() as f64 / values.len() as f64;
@@ -179,7 +193,7 @@ async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters()
                 .iter()
                 .map(|f| format!(
                     "{}={}",
-                    f.trim_start_matches("sg1_"),
+                    f.trim_start_matches("sg2_"),
                     fcalls[i].get(*f).copied().unwrap_or(0)
                 ))
                 .collect::<Vec<_>>()

@@ -75,9 +75,10 @@ impl Context {
         format!("{}/{}", self.request_id, self.index)
     }
 
-    /// Completes when this run's claim is lost (its lease moved on, the request finished or was
-    /// cancelled) or the worker shuts down hard: a long handler should stop, its result will be
-    /// dropped.
+    /// Completes when this run's hold is lost (this worker was declared dead, the request
+    /// finished or was cancelled), the attempt timed out, or the worker shuts down hard: a long
+    /// handler should stop, its result will be dropped (after a lost hold, a failure it returns
+    /// spends no attempt).
     pub fn cancelled(&self) -> &CancellationToken {
         &self.cancelled
     }

@@ -1,22 +1,25 @@
-//! The leases a worker holds, and the heartbeat that renews them.
+//! The tokens a worker's slots hold right now, and the check that they still do.
 //!
-//! Each slot that holds a token registers it here; one heartbeat task renews all of them, one call
-//! per request, all calls in flight at once (they pipeline on the shared connection). A lease the
-//! server says is lost cancels the context of the handler running under it.
+//! Each slot that holds a token registers it here while its handler runs. Holding does not need
+//! renewing (a worker holds its tokens while it is registered alive, see `registry`), but a hold
+//! can end without the slot knowing: the request was cancelled or finished, or the worker was
+//! declared dead and its tokens moved on. The worker's liveness thread asks, for every hold older
+//! than a heartbeat, whether it still stands (`holds`, one read-only call per request) and cancels
+//! the context of the handler running under one that does not.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use fred::types::Value;
-use futures::future::join_all;
+use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::millis;
 use crate::reply;
 use crate::scripts::Func;
 use crate::store::Store;
 
-/// A token held by one slot: what the heartbeat must present to renew it.
+/// A token held by one slot: what the check must present.
 #[derive(Clone, Debug)]
 pub(crate) struct LeaseKey {
     pub(crate) meta_key: String,
@@ -27,55 +30,75 @@ pub(crate) struct LeaseKey {
 
 #[derive(Default)]
 pub(crate) struct Leases {
-    /// slot number -> the lease it holds and the cancel signal of its handler.
-    held: Mutex<HashMap<usize, (LeaseKey, CancellationToken)>>,
+    /// slot number -> the hold, when it began, and the cancel signal of its handler.
+    held: Mutex<HashMap<usize, (LeaseKey, Instant, CancellationToken)>>,
 }
 
 impl Leases {
     pub(crate) fn hold(&self, slot: usize, key: LeaseKey, cancel: CancellationToken) {
-        self.lock().insert(slot, (key, cancel));
+        self.lock().insert(slot, (key, Instant::now(), cancel));
     }
 
     pub(crate) fn release(&self, slot: usize) {
         self.lock().remove(&slot);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<usize, (LeaseKey, CancellationToken)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<usize, (LeaseKey, Instant, CancellationToken)>> {
         // A panic while holding this lock cannot leave the map inconsistent (single inserts and
         // removes), so a poisoned lock is still usable.
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Renews every held lease; cancels the handlers whose lease is gone.
-    pub(crate) async fn renew_all(&self, store: &Store) {
-        let snapshot: Vec<(LeaseKey, CancellationToken)> = self.lock().values().cloned().collect();
+    /// The holds that stand now (for a clean stop's report of what could not be handed back).
+    pub(crate) fn snapshot(&self) -> Vec<LeaseKey> {
+        self.lock().values().map(|(k, _, _)| k.clone()).collect()
+    }
+
+    /// Cancels every running handler: this worker was declared dead, its tokens moved on.
+    pub(crate) fn cancel_all(&self) {
+        for (_, _, cancel) in self.lock().values() {
+            cancel.cancel();
+        }
+    }
+
+    /// Asks whether every hold older than `age` still stands; cancels the handlers of those that
+    /// do not.
+    pub(crate) async fn check(&self, store: &Store, age: Duration) {
+        let snapshot: Vec<(LeaseKey, CancellationToken)> = self
+            .lock()
+            .values()
+            .filter(|(_, since, _)| since.elapsed() >= age)
+            .map(|(k, _, c)| (k.clone(), c.clone()))
+            .collect();
         let mut by_request: HashMap<String, Vec<(LeaseKey, CancellationToken)>> = HashMap::new();
         for (key, cancel) in snapshot {
             by_request.entry(key.meta_key.clone()).or_default().push((key, cancel));
         }
-        let lease_ms = millis(store.config.lease) as i64;
         let calls = by_request.into_iter().map(|(meta, held)| async move {
-            let mut args: Vec<Value> = vec![lease_ms.into()];
+            let mut args: Vec<Value> = Vec::new();
             for (key, _) in &held {
                 args.push(key.token.as_str().into());
                 args.push(key.epoch.as_str().into());
                 args.push(key.holder.as_str().into());
             }
-            match store.fcall(Func::Renew, &[&meta], args).await.and_then(reply::array) {
+            match store.fcall(Func::Holds, &[&meta], args).await.and_then(reply::array) {
                 Ok(lost) => {
                     for token in lost.iter().filter_map(|v| v.as_string()) {
                         for (key, cancel) in &held {
                             if key.token == token {
-                                tracing::warn!(meta_key = %key.meta_key, token, "lease lost; cancelling its handler");
+                                tracing::warn!(meta_key = %key.meta_key, token, "token no longer held; cancelling its handler");
                                 cancel.cancel();
                             }
                         }
                     }
                 }
-                // A failed renewal is retried at the next beat; the lease outlives several beats.
-                Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
+                // Checked again at the next beat.
+                Err(e) => tracing::debug!(error = %e, "hold check failed"),
             }
         });
-        join_all(calls).await;
+        futures::stream::iter(calls)
+            .buffer_unordered(store.concurrency(usize::MAX))
+            .collect::<Vec<()>>()
+            .await;
     }
 }

@@ -2,7 +2,9 @@
 
 mod handler;
 mod leases;
-mod slot;
+mod liveness;
+pub(crate) mod registry;
+pub(crate) mod slot;
 
 use std::future::Future;
 use std::sync::atomic::AtomicU64;
@@ -14,12 +16,11 @@ use tokio_util::sync::CancellationToken;
 
 pub use handler::{Context, Handler, HandlerError};
 
-use crate::admin::{register_worker, unregister_worker};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::store::Store;
-use crate::WorkerInfo;
 use leases::Leases;
+pub use registry::WorkerInfo;
 
 /// How long a slot keeps a token while its request has work, before it gives the token back so
 /// that higher priorities get through: whichever limit comes first.
@@ -47,13 +48,15 @@ pub struct WorkerMetrics {
     pub retried: AtomicU64,
     /// Sub-requests dead-lettered (out of attempts, or failed permanently).
     pub dead_lettered: AtomicU64,
-    /// Acks, results or token returns refused because this worker's lease had moved on: the
-    /// late result was dropped (another attempt's result counts).
+    /// Acks, results or token returns refused because this slot no longer held the token as it
+    /// was (this worker was declared dead, or the request was cancelled or finished): the late
+    /// result was dropped (another attempt's result counts).
     pub fenced: AtomicU64,
-    /// Tokens recovery put back in circulation (expired leases, lost elements, unparked).
+    /// Tokens this worker's recovery put back in circulation (reclaimed from dead workers, lost
+    /// elements restored, parked tokens woken).
     pub tokens_restored: AtomicU64,
-    /// Leases recovery found expired (their entries were handed out again).
-    pub leases_expired: AtomicU64,
+    /// Tokens this worker's recovery reclaimed from dead workers' slots (their batches run again).
+    pub holds_reclaimed: AtomicU64,
 }
 
 /// Configures a [`Worker`].
@@ -143,16 +146,16 @@ impl<H: Handler> WorkerBuilder<H> {
             )));
         }
         let store = Store::connect(&self.config).await?;
-        let worker_id = format!("w-{}", uuid::Uuid::new_v4().simple());
         let mut blocking = Vec::with_capacity(self.slots);
         for _ in 0..self.slots {
             blocking.push(store.blocking_client().await?);
         }
+        let (wake_tx, wakes) = tokio::sync::mpsc::unbounded_channel();
         Ok(Worker {
             shared: Arc::new(slot::Shared {
                 store,
                 handler: Arc::new(self.handler),
-                worker_id,
+                worker_id: std::sync::Mutex::new(slot::new_worker_id()),
                 quantum: self.quantum,
                 max_batch: self.max_batch,
                 idle_poll: self.idle_poll,
@@ -161,8 +164,10 @@ impl<H: Handler> WorkerBuilder<H> {
                 metrics: Arc::new(WorkerMetrics::default()),
                 leases: Leases::default(),
                 stopping: CancellationToken::new(),
+                wakes: Some(wake_tx),
             }),
             blocking,
+            wakes,
         })
     }
 }
@@ -182,6 +187,7 @@ impl<H: Handler> WorkerBuilder<H> {
 pub struct Worker<H> {
     shared: Arc<slot::Shared<H>>,
     blocking: Vec<fred::clients::Client>,
+    wakes: tokio::sync::mpsc::UnboundedReceiver<slot::Wake>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -204,9 +210,10 @@ impl<H: Handler> Worker<H> {
         self.shared.metrics.clone()
     }
 
-    /// This worker's id (its stream consumer name, and the prefix of its lease holders).
-    pub fn id(&self) -> &str {
-        &self.shared.worker_id
+    /// This worker's id (its stream consumer name, and the prefix of its slots' holder names). A
+    /// worker that was cut off from Redis longer than the lease goes on under a new id.
+    pub fn id(&self) -> String {
+        self.shared.id()
     }
 
     /// Runs until ctrl-c or SIGTERM, then stops gracefully.
@@ -216,57 +223,84 @@ impl<H: Handler> Worker<H> {
 
     /// Runs until `shutdown` completes. Then every slot stops taking tokens, lets its running
     /// handler finish (up to the shutdown grace), acks, and gives its token back: nothing waits
-    /// for a lease to expire after a clean shutdown.
+    /// for recovery after a clean shutdown. If that cannot be done (Redis unreachable), the worker
+    /// still stops, at most 5 s after the grace, and logs which tokens it could not hand
+    /// back: other workers reclaim them once its registration expires, as after a crash.
     ///
-    /// Besides its slots, every worker renews its leases and takes its share of recovery
-    /// (expired leases, lost tokens): there is no master process.
+    /// Besides its slots, every worker beats, reaps dead workers and takes its share of recovery,
+    /// on a thread of its own: there is no master process.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let shared = self.shared;
-        let mut slots = tokio::task::JoinSet::new();
-        for (n, client) in self.blocking.into_iter().enumerate() {
-            slots.spawn(slot::run(shared.clone(), n, client));
-        }
         let info = WorkerInfo {
-            id: shared.worker_id.clone(),
-            slots: slots.len(),
+            id: shared.id(),
+            slots: self.blocking.len(),
             pid: std::process::id(),
             host: hostname(),
-            started_ms: crate::admin::now_ms(),
+            started_ms: now_ms(),
+            shards: shared.store.keys.shards(),
         };
-        let heartbeat = tokio::spawn(heartbeat(shared.clone(), info));
-        let recovery = tokio::spawn(crate::recovery::run(shared.store.clone(), shared.metrics.clone()));
+        // Registered before any slot takes a token: a take record of a worker the registry does not
+        // know would be reclaimed by recovery's backstop.
+        registry::beat(&shared.store, &info, true).await?;
+        let liveness = liveness::Liveness::start(shared.clone(), info, self.wakes)?;
+        let mut slots = tokio::task::JoinSet::new();
+        let shards = shared.store.keys.shards();
+        for (n, client) in self.blocking.into_iter().enumerate() {
+            slots.spawn(slot::run(shared.clone(), slot::Slot::new(n, shards), client));
+        }
         tokio::select! {
             _ = shutdown => {}
             _ = shared.stopping.cancelled() => {}
         }
-        tracing::info!(worker = %shared.worker_id, "shutting down: finishing running handlers");
+        tracing::info!(worker = %shared.id(), "shutting down: finishing running handlers");
         shared.stopping.cancel();
-        while let Some(joined) = slots.join_next().await {
-            if let Err(e) = joined {
-                tracing::error!(error = %e, "a slot task ended abnormally");
+        let limit = shared.shutdown_grace + STOP_WAIT;
+        let drained = tokio::time::timeout(limit, async {
+            while let Some(joined) = slots.join_next().await {
+                if let Err(e) = joined {
+                    tracing::error!(error = %e, "a slot task ended abnormally");
+                }
             }
+        })
+        .await;
+        if drained.is_err() {
+            let stuck = shared.leases.snapshot();
+            slots.abort_all();
+            tracing::error!(
+                worker = %shared.id(),
+                tokens = stuck.len(),
+                held = ?stuck.iter().map(|l| format!("{} token {}", l.meta_key, l.token)).collect::<Vec<_>>(),
+                "stopping without handing back what the slots hold (Redis unreachable?): other workers reclaim it \
+                 once this worker's registration expires, as after a crash"
+            );
         }
-        heartbeat.abort();
-        recovery.abort();
-        if let Err(e) = unregister_worker(&shared.store, &shared.worker_id).await {
-            tracing::warn!(error = %e, "could not remove the worker's registration");
+        // The last calls share one bound: with Redis unreachable, the worker still stops.
+        let last = async {
+            liveness.stop(STOP_WAIT).await;
+            let id = shared.id();
+            match registry::leave(&shared.store, &id).await {
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not remove the worker's registration; it expires")
+                }
+            }
+            let _ = shared.store.client.quit().await;
+        };
+        if tokio::time::timeout(STOP_WAIT, last).await.is_err() {
+            tracing::warn!(
+                "Redis did not answer the worker's last calls; its registration expires by itself"
+            );
         }
-        let _ = shared.store.client.quit().await;
         Ok(())
     }
 }
 
-async fn heartbeat<H: Handler>(shared: Arc<slot::Shared<H>>, info: WorkerInfo) {
-    let mut tick = tokio::time::interval(shared.store.config.heartbeat);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let (_, registered) =
-            tokio::join!(shared.leases.renew_all(&shared.store), register_worker(&shared.store, &info));
-        if let Err(e) = registered {
-            tracing::warn!(error = %e, "worker registration failed");
-        }
-    }
+/// How long a stopping worker waits, beyond its shutdown grace, for its slots to hand their tokens
+/// back, and then for each of its last calls, before it stops anyway.
+pub(crate) const STOP_WAIT: Duration = Duration::from_secs(5);
+
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 fn hostname() -> String {

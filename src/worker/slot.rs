@@ -1,10 +1,16 @@
 //! One slot: take a token, run sub-requests of its request for one quantum, give the token back.
 //!
 //! Round trips per sub-request in steady state: one (the ack, which also hands out the next
-//! sub-request). Per token take: a BRPOP, an acquire, and a push when the quantum ends.
+//! sub-request). Per token take: a `take`, an `acquire`, and a `give_back` when the quantum ends;
+//! an idle slot blocks on its shard's bell (BRPOP of one key) and then takes.
+//!
+//! What a slot took is recorded on the token side (`held`) in the same step as the take, and the
+//! record ends only when the token is given back (or the slot's next take on that shard): if the
+//! worker dies, recovery finds the record and reclaims the token. A slot whose own call failed
+//! halfway (a lost reply, a dropped connection) reclaims its token itself in the same way.
 
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -18,30 +24,85 @@ use super::leases::{LeaseKey, Leases};
 use super::{Quantum, WorkerMetrics};
 use crate::codec;
 use crate::config::millis;
-use crate::error::{Error, Result};
+use crate::error::{retry_transient, Error, Result};
 use crate::keys::{RequestId, RequestKeys};
 use crate::producer::PartError;
 use crate::reply;
 use crate::request::Priority;
 use crate::scripts::Func;
+use crate::shards::Placement;
 use crate::store::Store;
+
+/// How long an aborted handler (attempt timeout, end of the shutdown grace) may take to stop before
+/// the slot warns that it ignores its cancellation (it blocks or spins).
+const ZOMBIE_WAIT: Duration = Duration::from_millis(100);
+
+/// A parked token to wake when a retry falls due: recovery looks at its request then.
+#[derive(Debug)]
+pub(crate) struct Wake {
+    pub(crate) key_id: String,
+    pub(crate) shards: u32,
+    pub(crate) at: tokio::time::Instant,
+}
 
 /// What all slots of a worker share.
 pub(crate) struct Shared<H> {
     pub(crate) store: Store,
     pub(crate) handler: Arc<H>,
-    pub(crate) worker_id: String,
+    /// This worker's id: its registration, its stream consumer name, and the prefix of its slots'
+    /// holder names. A worker that learns it was declared dead takes a new one (`Shared::renew_id`).
+    pub(crate) worker_id: Mutex<String>,
     pub(crate) quantum: Quantum,
     pub(crate) max_batch: u32,
     pub(crate) idle_poll: Duration,
-    /// With more than one token shard: how long a BRPOP waits on one shard before the slot
-    /// moves on to the next.
+    /// With more than one token shard: how long a slot waits on one shard's bell before it moves
+    /// on to the next.
     pub(crate) shard_poll: Duration,
     pub(crate) shutdown_grace: Duration,
     pub(crate) leases: Leases,
     pub(crate) metrics: Arc<WorkerMetrics>,
     /// Set when the worker stops: slots finish what runs and take no new token.
     pub(crate) stopping: CancellationToken,
+    /// Where wake-ups for parked tokens go (the worker's liveness thread); none under the checker.
+    pub(crate) wakes: Option<tokio::sync::mpsc::UnboundedSender<Wake>>,
+}
+
+impl<H> Shared<H> {
+    /// The worker's current id.
+    pub(crate) fn id(&self) -> String {
+        self.worker_id.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Takes a new id: the worker was declared dead (cut off from Redis longer than the lease), its
+    /// tokens reclaimed; it goes on as a new worker.
+    pub(crate) fn renew_id(&self) -> String {
+        let id = new_worker_id();
+        *self.worker_id.lock().unwrap_or_else(|p| p.into_inner()) = id.clone();
+        id
+    }
+}
+
+/// A new worker id: `w-` and a random UUID.
+pub(crate) fn new_worker_id() -> String {
+    format!("w-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// One slot's own state across its takes.
+pub(crate) struct Slot {
+    pub(crate) n: usize,
+    /// The id of the next take (unique within the slot's worker), and per shard the id of the last
+    /// take whose record may still be there.
+    next_take: u64,
+    last_take: Vec<Option<u64>>,
+    /// A take sent whose reply has not come (the call failed): repeated with its id, or undone
+    /// at a clean stop.
+    pending: Option<u32>,
+}
+
+impl Slot {
+    pub(crate) fn new(n: usize, shards: u32) -> Slot {
+        Slot { n, next_take: 0, last_take: vec![None; shards as usize], pending: None }
+    }
 }
 
 /// A token this slot holds.
@@ -52,8 +113,11 @@ struct Token {
     number: String,
     epoch: String,
     priority: Priority,
-    /// The list it was popped from (on its shard): where it goes back.
+    /// The shard and list it was taken from: where it goes back.
+    shard: u32,
     list: String,
+    /// The take that recorded it.
+    take: u64,
 }
 
 /// The request's retry policy, as acquire reports it.
@@ -68,12 +132,14 @@ struct Policy {
 }
 
 impl Policy {
-    /// Exponential backoff with "equal jitter": half fixed, half random, capped.
-    fn backoff(&self, attempt: u32) -> Duration {
+    /// Exponential backoff with "equal jitter": half fixed, half random, capped. `deterministic`
+    /// (the checker) takes the middle of the range instead of a random point.
+    fn backoff(&self, attempt: u32, deterministic: bool) -> Duration {
         let exp = self.backoff_base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
         let delay = exp.min(self.backoff_max);
         let half = delay / 2;
-        half + half.mul_f64(rand::thread_rng().gen::<f64>())
+        let jitter = if deterministic { 0.5 } else { rand::thread_rng().gen::<f64>() };
+        half + half.mul_f64(jitter)
     }
 }
 
@@ -89,7 +155,8 @@ struct Entry {
 enum Next {
     Run(Vec<Entry>, Option<Policy>),
     Requeue(String),
-    Park,
+    /// Parked; a retry falls due in this many ms (0: none waits).
+    Park(i64),
     Finished(crate::shards::Finished),
     Drop,
     Stale,
@@ -103,66 +170,155 @@ enum Outcome {
         message: String,
         permanent: bool,
     },
-    /// Not run (shutdown), or abandoned when shutdown's grace ran out: handed out again first.
+    /// Not run (shutdown), abandoned when shutdown's grace ran out, or failed after its hold
+    /// ended: handed out again first, no attempt spent.
     Skipped,
 }
 
-pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize, blocking: Client) {
-    let holder = format!("{}/{n}", shared.worker_id);
+pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, mut slot: Slot, blocking: Client) {
     let mut backoff = Duration::from_millis(50);
-    // Slots serve the shards in turn, one BRPOP each, starting at different shards.
+    // Slots serve the shards in turn, one take each, starting at different shards.
     let shards = shared.store.keys.shards();
-    let mut shard = (n as u32) % shards;
+    let mut shard = (slot.n as u32) % shards;
     while !shared.stopping.is_cancelled() {
-        let took = take_and_serve(&shared, n, &holder, &blocking, shard).await;
-        shard = (shard + 1) % shards;
-        match took {
-            Ok(()) => backoff = Duration::from_millis(50),
-            // A BRPOP refused because the shard's slot is moving (a redirection, which our
-            // clients hand back with the slot map refreshed): the new owner is known, go now.
+        match take_and_serve(&shared, &mut slot, &blocking, shard).await {
+            Ok(()) => {
+                backoff = Duration::from_millis(50);
+                shard = (shard + 1) % shards;
+            }
+            // A call refused because the shard's slot is moving (a redirection, which our clients
+            // hand back with the slot map refreshed): the new owner is known, go now.
             Err(e) if e.is_not_executed() => {
-                tracing::debug!(slot = n, error = %e, "token lists moving; taking again");
+                tracing::debug!(slot = slot.n, error = %e, "token lists moving; taking again");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            // The same shard again: a take whose reply was lost is repeated with its id, and gets
+            // the element it took.
             Err(e) => {
-                tracing::warn!(slot = n, error = %e, "slot error; retrying after {backoff:?}");
+                tracing::warn!(slot = slot.n, error = %e, "slot error; retrying after {backoff:?}");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
     }
+    release_all(&shared, &mut slot).await;
     let _ = blocking.quit().await;
 }
 
-/// One token take on one shard: BRPOP, acquire, then serve the request until the quantum ends.
-async fn take_and_serve<H: Handler>(
+/// At a clean stop: ends the slot's records of tokens it no longer holds, and undoes a take whose
+/// reply it never saw.
+pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot) {
+    let holder = format!("{}/{}", shared.id(), slot.n);
+    if let Some(shard) = slot.pending.take() {
+        let (held, bell) = (shared.store.keys.held(shard), shared.store.keys.bell(shard));
+        let args: Vec<Value> = vec![holder.as_str().into(), (slot.next_take as i64).into()];
+        match shared.store.fcall(Func::Untake, &[&held, &bell], args).await {
+            Ok(_) => slot.next_take += 1,
+            Err(e) => tracing::debug!(error = %e, "could not undo a take; recovery will reclaim it"),
+        }
+    }
+    for (shard, last) in slot.last_take.iter_mut().enumerate() {
+        if let Some(id) = last.take() {
+            let held = shared.store.keys.held(shard as u32);
+            let args: Vec<Value> = vec![holder.as_str().into(), (id as i64).into()];
+            if let Err(e) = shared.store.fcall(Func::Release, &[&held], args).await {
+                tracing::debug!(error = %e, "could not end a take record; recovery will");
+            }
+        }
+    }
+}
+
+/// One token take on one shard: take (after waiting on the bell if nothing is waiting), acquire,
+/// then serve the request until the quantum ends.
+pub(crate) async fn take_and_serve<H: Handler>(
     shared: &Shared<H>,
-    n: usize,
-    holder: &str,
+    slot: &mut Slot,
     blocking: &Client,
     shard: u32,
 ) -> Result<()> {
-    let store = &shared.store;
-    let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
-    // The BRPOP is never abandoned mid-flight (that would pop a token into a reply nobody reads):
-    // it runs to its server-side timeout, which bounds how long an idle slot takes to stop. If
-    // the connection drops with a token in the reply anyway, recovery restores it.
-    let popped: Option<(String, String)> =
-        match blocking.brpop(store.keys.token_lists(shard).to_vec(), wait.as_secs_f64()).await {
-            Ok(v) => v,
-            Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
-            Err(e) => return Err(e.into()),
-        };
-    let Some((list, element)) = popped else { return Ok(()) };
-    let Some(token) = parse_token(store, &list, &element) else {
-        tracing::warn!(list, element, "dropping a malformed token element");
-        return Ok(());
+    let holder = format!("{}/{}", shared.id(), slot.n);
+    // A record left on another shard (this slot's previous take there) ends before the slot moves
+    // on: on its own shard the next take would end it.
+    for s in 0..slot.last_take.len() as u32 {
+        if s != shard {
+            if let Some(id) = slot.last_take[s as usize] {
+                let held = shared.store.keys.held(s);
+                let args: Vec<Value> = vec![holder.as_str().into(), (id as i64).into()];
+                shared.store.fcall(Func::Release, &[&held], args).await?;
+                slot.last_take[s as usize] = None;
+            }
+        }
+    }
+    let token = match take(shared, slot, &holder, shard, false).await? {
+        Some(token) => token,
+        None => {
+            let store = &shared.store;
+            let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
+            // The bell is never abandoned mid-flight: it runs to its server-side timeout, which
+            // bounds how long an idle slot takes to stop. A lost bell only delays a take.
+            let bell = store.keys.bell(shard);
+            // (Under the checker, whose time is its own, the wait is a plain RPOP.)
+            let deterministic = store.deterministic();
+            let woken: bool = store
+                .call("brpop", &bell, || async {
+                    if deterministic {
+                        let rang: Option<String> = store.client.rpop(bell.as_str(), None).await?;
+                        return Ok(rang.is_some());
+                    }
+                    let rang: Option<(String, String)> =
+                        match blocking.brpop(bell.as_str(), wait.as_secs_f64()).await {
+                            Ok(v) => v,
+                            Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
+                            Err(e) => return Err(e.into()),
+                        };
+                    Ok(rang.is_some())
+                })
+                .await?;
+            match take(shared, slot, &holder, shard, woken).await? {
+                Some(token) => token,
+                None => return Ok(()),
+            }
+        }
     };
     let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.number, priority = token.priority.get());
-    serve(shared, n, holder, token).instrument(span).await
+    serve(shared, slot, &holder, token).instrument(span).await
 }
 
-fn parse_token(store: &Store, list: &str, element: &str) -> Option<Token> {
+/// `take` on one shard: pops the highest priority element and records it for this holder.
+async fn take<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    holder: &str,
+    shard: u32,
+    woken: bool,
+) -> Result<Option<Token>> {
+    let store = &shared.store;
+    let id = slot.next_take;
+    let prev = slot.last_take[shard as usize].map(|p| p.to_string()).unwrap_or_default();
+    let (held, bell) = (store.keys.held(shard), store.keys.bell(shard));
+    let mut keys: Vec<&str> = vec![&held, &bell];
+    keys.extend(store.keys.token_lists(shard).iter().map(String::as_str));
+    let args: Vec<Value> =
+        vec![holder.into(), (id as i64).into(), prev.into(), (if woken { "1" } else { "0" }).into()];
+    // On error the id is kept: the take is repeated as it was, and returns what it took.
+    slot.pending = Some(shard);
+    let reply = reply::array(store.fcall(Func::Take, &keys, args).await?)?;
+    slot.pending = None;
+    slot.last_take[shard as usize] = Some(id);
+    slot.next_take += 1;
+    let mut items = reply.into_iter();
+    let (Some(list), Some(element)) = (items.next(), items.next()) else { return Ok(None) };
+    let (list, element) = (reply::text(&list)?, reply::text(&element)?);
+    match parse_token(store, &list, &element, shard, id) {
+        Some(token) => Ok(Some(token)),
+        None => {
+            tracing::warn!(list, element, "dropping a malformed token element");
+            Ok(None)
+        }
+    }
+}
+
+fn parse_token(store: &Store, list: &str, element: &str, shard: u32, take: u64) -> Option<Token> {
     let (_, priority) = store.keys.priority_of_list(list)?;
     let mut parts = element.split('|');
     let (key_id, number, epoch) = (parts.next()?, parts.next()?, parts.next()?);
@@ -176,7 +332,9 @@ fn parse_token(store: &Store, list: &str, element: &str) -> Option<Token> {
         number: number.to_owned(),
         epoch: epoch.to_owned(),
         priority,
+        shard,
         list: list.to_owned(),
+        take,
     })
 }
 
@@ -189,6 +347,8 @@ struct Batching {
     max: u32,
     /// Exponentially weighted mean handler time (µs); None until one has run.
     mean_us: Option<f64>,
+    /// Always ask for `max` (the checker: batch sizes must not depend on timing).
+    fixed: bool,
 }
 
 impl Batching {
@@ -198,34 +358,33 @@ impl Batching {
     }
 
     fn want(&self, quantum_left: u32) -> u32 {
-        let fits = match self.mean_us {
-            None => 1.0,
-            Some(m) => BATCH_TARGET.as_secs_f64() * 1e6 / m.max(1.0),
+        let fits = match (self.fixed, self.mean_us) {
+            (true, _) => f64::from(self.max),
+            (false, None) => 1.0,
+            (false, Some(m)) => BATCH_TARGET.as_secs_f64() * 1e6 / m.max(1.0),
         };
         (fits as u32).clamp(1, self.max).min(quantum_left.max(1))
     }
 }
 
-async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: Token) -> Result<()> {
+async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, token: Token) -> Result<()> {
     let store = &shared.store;
-    let lease_ms = millis(store.config.lease) as i64;
-    let mut batching = Batching { max: shared.max_batch, mean_us: None };
-    let reply = store
-        .fcall(
-            Func::Acquire,
-            &token.keys.all(),
-            vec![
-                token.key_id.as_str().into(),
-                token.number.as_str().into(),
-                token.epoch.as_str().into(),
-                holder.into(),
-                shared.worker_id.as_str().into(),
-                lease_ms.into(),
-                i64::from(batching.want(shared.quantum.parts)).into(),
-            ],
-        )
-        .await?;
-    let mut next = parse_next(reply, true)?;
+    let consumer = shared.id();
+    let mut batching = Batching { max: shared.max_batch, mean_us: None, fixed: store.deterministic() };
+    let args: Vec<Value> = vec![
+        token.key_id.as_str().into(),
+        token.number.as_str().into(),
+        token.epoch.as_str().into(),
+        holder.into(),
+        consumer.as_str().into(),
+        i64::from(batching.want(shared.quantum.parts)).into(),
+    ];
+    let mut next =
+        match store.fcall(Func::Acquire, &token.keys.all(), args).await.and_then(|r| parse_next(r, true)) {
+            Ok(next) => next,
+            // Whether the acquire ran is unknown: recovery's own step settles it either way.
+            Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
+        };
     let mut policy = None;
     let started = Instant::now();
     let mut ran: u32 = 0;
@@ -248,7 +407,7 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
         };
         // Not a child of `stopping`: a graceful stop lets the running handler finish.
         let cancel = CancellationToken::new();
-        shared.leases.hold(n, lease.clone(), cancel.clone());
+        shared.leases.hold(slot.n, lease.clone(), cancel.clone());
         let mut outcomes = Vec::with_capacity(entries.len());
         for entry in &entries {
             // Once stopping (or once the grace ran out), the rest of the batch is handed back.
@@ -266,37 +425,131 @@ async fn serve<H: Handler>(shared: &Shared<H>, n: usize, holder: &str, token: To
             && started.elapsed() < shared.quantum.time
             && !shared.stopping.is_cancelled();
         let want = batching.want(shared.quantum.parts.saturating_sub(ran));
-        let acked = ack(shared, holder, &token, &entries, policy, outcomes, keep_going, want).await;
-        shared.leases.release(n);
-        // On error the ack's fate is unknown: either it landed, or the lease runs out and
-        // recovery hands the entries out again.
-        next = acked?;
+        let acked =
+            ack(shared, holder, &consumer, &token, &entries, policy, outcomes, keep_going, want).await;
+        shared.leases.release(slot.n);
+        next = match acked {
+            Ok(next) => next,
+            Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
+        };
     };
+    let place = Placement { priority: token.priority, shards: policy.map_or(1, |p| p.shards) };
     match result {
-        Next::Requeue(element) => {
-            // Re-sent while the list's slot is moving, rather than left to recovery (a lease).
-            let limit = store.config.unresponsive;
-            crate::error::retry_not_executed("token push-back", limit, || async {
-                Ok(store.client.lpush::<i64, _, _>(token.list.as_str(), element.as_str()).await?)
-            })
-            .await?;
-        }
+        Next::Requeue(element) => give_back(shared, holder, &token, vec![element.into()]).await?,
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
-            let shards = policy.map_or(1, |p| p.shards);
-            crate::shards::finish(store, &token.key_id, shards, token.priority, finished).await?;
+            crate::shards::finish(store, &token.key_id, place, finished).await?;
         }
+        // A retry falls due later: the token is woken then.
+        Next::Park(wake) if wake > 0 => wake_later(shared, &token.key_id, place.shards, wake).await?,
         Next::Fenced => {
             shared.metrics.fenced.fetch_add(1, Relaxed);
-            tracing::warn!("fenced: this slot's lease ran out and the work moved on; its result was dropped");
+            tracing::warn!("fenced: this slot no longer holds the token as it was (the request was cancelled, this worker was declared dead, or the ack was re-sent after it ran); its results were dropped");
+            // A re-sent ack whose first copy ran is fenced too, and that copy may have handed this
+            // slot a batch it never saw: settle it as recovery would (a no-op if the token moved on).
+            reclaim(shared, holder, &token).await?;
         }
-        Next::Park | Next::Drop | Next::Stale | Next::Run(..) => {}
+        Next::Park(_) | Next::Drop | Next::Stale | Next::Run(..) => {}
+    }
+    Ok(())
+}
+
+/// Pushes the token's new element back and ends the take's record, in one step; repeated while
+/// Redis is unreachable (the record makes recovery do it if this process dies first).
+async fn give_back<H: Handler>(
+    shared: &Shared<H>,
+    holder: &str,
+    token: &Token,
+    elements: Vec<Value>,
+) -> Result<()> {
+    let store = &shared.store;
+    let (held, bell) = (store.keys.held(token.shard), store.keys.bell(token.shard));
+    let mut args: Vec<Value> = vec![holder.into(), (token.take as i64).into()];
+    args.extend(elements);
+    let keys = [held.as_str(), bell.as_str(), token.list.as_str()];
+    retry_transient("give back", || store.fcall(Func::GiveBack, &keys, args.clone())).await?;
+    Ok(())
+}
+
+/// After a call of this slot failed halfway (its reply lost, the connection dropped), the slot
+/// cannot know where its token is: it runs recovery's own step on it (`reclaim`), which puts the
+/// token back in circulation whatever the failed call did, and then returns the error. If that
+/// step fails too (not for want of Redis, which it waits out), the take's record is left to
+/// recovery: the slot forgets it, so that its next take on the shard keeps it as a lost record
+/// (`take`), which recovery's backstop reclaims, instead of ending it.
+async fn reclaim_own<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    holder: &str,
+    token: &Token,
+    error: Error,
+) -> Result<()> {
+    tracing::warn!(error = %error, "a call failed halfway; reclaiming the token");
+    if let Err(e) = reclaim(shared, holder, token).await {
+        slot.last_take[token.shard as usize] = None;
+        tracing::error!(error = %e, "could not reclaim the token; leaving its take record to recovery");
+        return Err(e);
+    }
+    Err(error)
+}
+
+/// Recovery's step (`reclaim`) on this slot's own token: whatever a call of unknown fate did, the
+/// token ends up in circulation (its batch, if this slot held one, orphaned and run again first).
+/// Recovery is asked to look at the request within a grace first: the slot's take record may be
+/// gone already (this worker was declared dead and reaped meanwhile), and without a record nothing
+/// else would cover the new epoch `reclaim` issues if this process died before pushing it.
+async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) -> Result<()> {
+    let store = &shared.store;
+    let meta = token.keys.meta.as_str();
+    let shards =
+        retry_transient("placement", || crate::shards::placement(store, meta)).await?.map_or(1, |p| p.shards);
+    let args: Vec<Value> = vec![
+        token.key_id.as_str().into(),
+        token.number.as_str().into(),
+        token.epoch.as_str().into(),
+        holder.into(),
+    ];
+    let keys = token.keys.all();
+    let reply = retry_transient("reclaim", || {
+        crate::shards::armed(store, &token.key_id, shards, |deadline| {
+            let mut args = args.clone();
+            args.push(deadline.into());
+            let keys = &keys;
+            async move { store.fcall(Func::Reclaim, keys, args).await }
+        })
+    })
+    .await?;
+    let mut items = reply::array(reply)?.into_iter();
+    match items.next().map(|v| reply::text(&v)).transpose()?.as_deref() {
+        Some("push") => give_back(shared, holder, token, items.collect()).await?,
+        Some("finished") => crate::recovery::finish_reported(store, &token.key_id, items).await?,
+        Some("wake") => {
+            let wake = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);
+            wake_later(shared, &token.key_id, shards, wake).await?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A parked token whose retry falls due in `wake` ms: recovery is asked to look then (in case this
+/// process dies), and this worker wakes it itself at that time.
+async fn wake_later<H: Handler>(shared: &Shared<H>, key_id: &str, shards: u32, wake: i64) -> Result<()> {
+    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, wake)).await?;
+    if let Some(wakes) = &shared.wakes {
+        let at = tokio::time::Instant::now() + Duration::from_millis(wake.max(0) as u64);
+        let _ = wakes.send(Wake { key_id: key_id.to_owned(), shards, at });
     }
     Ok(())
 }
 
 /// Runs the handler in its own task, so that a panic is caught and recorded, not fatal; applies
 /// the request's per-attempt timeout and the worker's shutdown grace.
+///
+/// A handler aborted at its timeout (or at the end of the grace) that does not stop, because it
+/// blocks or spins and so never reaches an await, still runs: the slot waits for it to end before
+/// it reports the outcome, keeping its token meanwhile, so that no other part of the request
+/// starts in its place and the limit holds (invariant 2). Such a handler is logged.
 async fn run_handler<H: Handler>(
     shared: &Shared<H>,
     token: &Token,
@@ -330,21 +583,43 @@ async fn run_handler<H: Handler>(
         shared.stopping.cancelled().await;
         tokio::time::sleep(shared.shutdown_grace).await;
     };
-    let joined = tokio::select! {
-        joined = &mut task => joined,
+    let (abandoned, why) = tokio::select! {
+        joined = &mut task => {
+            // Cancelled from outside (its hold ended, or this worker was declared dead): a failure
+            // it returns is the cancellation's, not the sub-request's, so no attempt is spent
+            // (if the ack still gets through, the entry is handed back as after a clean stop).
+            let outcome = outcome_of(joined);
+            return match outcome {
+                Outcome::Failed { .. } if cancel.is_cancelled() => Outcome::Skipped,
+                other => other,
+            };
+        }
         _ = timeout => {
-            cancel.cancel();
-            task.abort();
             let limit = policy.timeout.unwrap_or_default();
-            return Outcome::Failed { message: format!("attempt timed out after {limit:?}"), permanent: false };
+            (Outcome::Failed { message: format!("attempt timed out after {limit:?}"), permanent: false }, "timed out")
         }
         _ = grace_over => {
-            cancel.cancel();
-            task.abort();
             tracing::warn!(index = entry.index, "shutdown grace ran out; handing the sub-request back");
-            return Outcome::Skipped;
+            (Outcome::Skipped, "outlived the shutdown grace")
         }
     };
+    cancel.cancel();
+    task.abort();
+    // An abort takes effect at the handler's next await: one that blocks or spins goes on.
+    if tokio::time::timeout(ZOMBIE_WAIT, &mut task).await.is_err() {
+        tracing::warn!(
+            index = entry.index,
+            "a handler that {why} ignores its cancellation (it blocks or spins): its slot keeps the token \
+             until it ends, so that the request's limit holds"
+        );
+        let _ = task.await;
+    }
+    abandoned
+}
+
+fn outcome_of<O: serde::Serialize>(
+    joined: std::result::Result<std::result::Result<O, super::HandlerError>, tokio::task::JoinError>,
+) -> Outcome {
     match joined {
         Ok(Ok(output)) => match codec::encode(&output) {
             Ok(bytes) => Outcome::Done(bytes.into()),
@@ -368,6 +643,7 @@ async fn run_handler<H: Handler>(
 async fn ack<H: Handler>(
     shared: &Shared<H>,
     holder: &str,
+    consumer: &str,
     token: &Token,
     entries: &[Entry],
     policy: Policy,
@@ -382,8 +658,7 @@ async fn ack<H: Handler>(
         token.number.as_str().into(),
         token.epoch.as_str().into(),
         holder.into(),
-        shared.worker_id.as_str().into(),
-        (millis(store.config.lease) as i64).into(),
+        consumer.into(),
         (if keep_going { "1" } else { "0" }).into(),
         (millis(store.config.retention) as i64).into(),
         store.keys.done_channel().into(),
@@ -408,7 +683,7 @@ async fn ack<H: Handler>(
                     ("dead", body, Duration::ZERO)
                 } else {
                     m.retried.fetch_add(1, Relaxed);
-                    let delay = policy.backoff(entry.attempt);
+                    let delay = policy.backoff(entry.attempt, store.deterministic());
                     tracing::info!(index = entry.index, attempt = entry.attempt, ?delay, error = %record.message, "sub-request will be retried");
                     ("retry", body, delay)
                 }
@@ -474,7 +749,7 @@ fn parse_next(reply: Value, with_policy: bool) -> Result<Next> {
             Next::Run(entries, policy)
         }
         "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
-        "park" => Next::Park,
+        "park" => Next::Park(items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0)),
         "finished" => Next::Finished(crate::shards::Finished::from_reply(items)?),
         "drop" => Next::Drop,
         "stale" => Next::Stale,

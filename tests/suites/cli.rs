@@ -582,3 +582,64 @@ fn every_command_has_help_with_an_example() {
         assert!(stdout(&out).contains("Example:\n  sluicegate "), "{cmd} --help:\n{}", stdout(&out));
     }
 }
+
+/// A worker sent SIGTERM while Redis is unreachable (crashed, cut off) stops within its shutdown
+/// grace plus a bounded wait, and says what it could not hand back; other workers reclaim that once
+/// its registration expires, as after a crash. (It used to keep retrying forever.)
+#[test]
+fn a_worker_sent_sigterm_while_redis_is_unreachable_stops_and_says_what_it_left() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut redis = runtime.block_on(sluicegate::testing::RedisServer::start()).unwrap();
+    let ns = unique_namespace("noredis");
+    let dir = std::env::temp_dir().join(format!("sluicegate-cli-{ns}"));
+    fs::create_dir_all(&dir).unwrap();
+    let base = |args: &[&str]| {
+        let mut cmd = Command::new(BIN);
+        cmd.env_remove("REDIS_URL").args(["--redis", &redis.url(), "--namespace", &ns]).args(FAST).args(args);
+        cmd
+    };
+    let log = dir.join("worker.log");
+    let mut worker = base(&["worker", "--exec", "sleep 30", "--slots", "1", "--shutdown-grace", "1s"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let submitted = base(&["submit", "--id", "held"]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    {
+        let mut submitted = submitted;
+        submitted.stdin.take().unwrap().write_all(b"\"x\"\n").unwrap();
+        assert!(submitted.wait().unwrap().success());
+    }
+    // Until the worker's slot holds the request's token, running its command.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = base(&["--json", "status", "held"]).output().unwrap();
+        let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if status["running"].as_u64() == Some(1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the worker never took the request: {}", String::from_utf8_lossy(&out.stderr));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    redis.kill().unwrap();
+    let term = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap();
+    assert!(term.success());
+    let sent = Instant::now();
+    // The grace (1 s), the wait for the slots (5 s) and for the last calls (5 s), with room to spare.
+    let limit = Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = worker.try_wait().unwrap() {
+            break status;
+        }
+        if sent.elapsed() > limit {
+            let _ = worker.kill();
+            panic!("the worker was still running {limit:?} after SIGTERM; its stderr:\n{}", fs::read_to_string(&log).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = fs::read_to_string(&log).unwrap();
+    assert!(stderr.contains("without handing back"), "it says what it could not hand back:\n{stderr}");
+    assert!(status.success() || status.code().is_some(), "{status:?}");
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -15,79 +15,143 @@ use sluicegate::{
 use support::{assert_namespace_drains, env, fast, start_worker, Job, Probe};
 
 
-/// The keys a foreign client would build (docs/protocol.md), for placing faults by hand.
+/// The keys a foreign client would build (docs/protocol.md), for placing faults by hand: what a
+/// worker's slot does, call by call, so that a test can stop it exactly where the fault goes.
 struct Raw {
     client: Client,
     ns: String,
+    lease_ms: u64,
+}
+
+fn fcall(name: &str) -> String {
+    format!("sg{}_{name}", sluicegate::scripts::PROTOCOL_VERSION)
 }
 
 impl Raw {
     async fn new(url: &str, config: &Config) -> Self {
-        Self { client: connect(url).await.unwrap(), ns: config.namespace_str().to_owned() }
+        Self {
+            client: connect(url).await.unwrap(),
+            ns: config.namespace_str().to_owned(),
+            lease_ms: config.lease_duration().as_millis() as u64,
+        }
+    }
+    fn token_key(&self, suffix: &str) -> String {
+        format!("{0}:{{{0}.q0}}:{suffix}", self.ns)
     }
     fn list(&self, prio: u8) -> String {
-        format!("{0}:{{{0}.q0}}:p:{prio}", self.ns)
+        self.token_key(&format!("p:{prio}"))
     }
     fn request_keys(&self, key_id: &str) -> Vec<String> {
         let base = format!("{}:r:{{{key_id}}}", self.ns);
         ["", ":s", ":res", ":err", ":orph", ":retry"].iter().map(|s| format!("{base}{s}")).collect()
     }
-    /// BRPOP one token element, as a worker that is then killed would.
-    async fn pop_token(&self, prio: u8) -> String {
-        let (_, element): (String, String) = self.client.brpop(self.list(prio), 5.0).await.unwrap();
-        element
-    }
-    /// Presents a popped element to acquire as `holder`: the token is now held and leased.
-    async fn acquire(&self, element: &str, holder: &str) -> Vec<Value> {
-        let parts: Vec<&str> = element.split('|').collect();
-        let mut args: Vec<Value> = vec!["sg1_acquire".into(), 6.into()];
-        args.extend(self.request_keys(parts[0]).into_iter().map(Value::from));
-        args.extend([parts[0], parts[1], parts[2], holder, "dead-worker", "800", "1"].map(Value::from));
-        let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
-        self.client.custom::<Vec<Value>, Value>(cmd, args).await.unwrap()
-    }
-    /// Acks a batch of one entry with `outcome` (`ok` and the result bytes, or `dead` and the error
-    /// record), as `holder` (token element `element`), giving the token back: the raw reply.
-    async fn ack_one(&self, element: &str, holder: &str, entry: &str, outcome: (&str, Vec<u8>), attempt: &str) -> Vec<Value> {
-        let parts: Vec<&str> = element.split('|').collect();
-        let mut args: Vec<Value> = vec!["sg1_ack".into(), 6.into()];
-        args.extend(self.request_keys(parts[0]).into_iter().map(Value::from));
-        let channel = format!("{}:done", self.ns);
-        args.extend(
-            [parts[0], parts[1], parts[2], holder, "dead-worker", "800", "0", "1000", channel.as_str(), "1"]
-                .map(Value::from),
-        );
-        let (outcome, body) = outcome;
-        args.extend([Value::from(entry), outcome.into(), Value::Bytes(body.into()), "0".into(), attempt.into()]);
-        let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
-        self.client.custom::<Vec<Value>, Value>(cmd, args).await.unwrap()
-    }
-    /// Calls a token-side function of shard 0 with `keys` (suffixes after `<ns>:{<ns>.q0}:`).
-    async fn token_fcall(&self, function: &str, keys: &[&str], args: Vec<Value>) -> Value {
-        let mut all: Vec<Value> = vec![function.into(), (keys.len() as i64).into()];
-        all.extend(keys.iter().map(|k| Value::from(format!("{0}:{{{0}.q0}}:{k}", self.ns))));
+    async fn call(&self, function: &str, keys: Vec<String>, args: Vec<Value>) -> Value {
+        let mut all: Vec<Value> = vec![fcall(function).into(), (keys.len() as i64).into()];
+        all.extend(keys.into_iter().map(Value::from));
         all.extend(args);
         let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
         self.client.custom::<Value, Value>(cmd, all).await.unwrap()
     }
+    /// Registers a worker that will never beat again: it is declared dead one lease later.
+    async fn doomed_worker(&self, id: &str) {
+        let info = format!(r#"{{"id":"{id}","slots":1,"pid":0,"host":"test","started_ms":0,"shards":1}}"#);
+        let keys = vec![self.token_key("workers"), self.token_key("winfo"), self.token_key("reaping")];
+        let args: Vec<Value> =
+            vec![id.into(), (self.lease_ms as i64).into(), info.into(), "1".into(), 0.into(), 10_000.into()];
+        self.call("beat", keys, args).await;
+    }
+    /// `take` on shard 0 as `holder` (take id 1): the element, recorded as held.
+    async fn take(&self, holder: &str) -> String {
+        let mut keys = vec![self.token_key("held"), self.token_key("bell")];
+        keys.extend((0..100).rev().map(|p| self.list(p)));
+        let reply = self.call("take", keys, vec![holder.into(), 1.into(), "".into(), "0".into()]).await;
+        match reply {
+            Value::Array(items) if items.len() == 2 => items[1].as_string().unwrap(),
+            other => panic!("take found nothing: {other:?}"),
+        }
+    }
+    /// Presents an element to acquire as `holder`: the token is now held.
+    async fn acquire(&self, element: &str, holder: &str) -> Vec<Value> {
+        let parts: Vec<&str> = element.split('|').collect();
+        let consumer = holder.split('/').next().unwrap();
+        let args = [parts[0], parts[1], parts[2], holder, consumer, "1"].map(Value::from).to_vec();
+        match self.call("acquire", self.request_keys(parts[0]), args).await {
+            Value::Array(items) => items,
+            other => panic!("{other:?}"),
+        }
+    }
+    /// Acks a batch of one entry with `outcome` (`ok` and the result bytes, or `dead` and the error
+    /// record), as `holder`, giving the token back: the raw reply.
+    async fn ack_one(&self, element: &str, holder: &str, entry: &str, outcome: (&str, Vec<u8>), attempt: &str) -> Vec<Value> {
+        let parts: Vec<&str> = element.split('|').collect();
+        let consumer = holder.split('/').next().unwrap();
+        let channel = format!("{}:done", self.ns);
+        let mut args: Vec<Value> =
+            [parts[0], parts[1], parts[2], holder, consumer, "0", "1000", channel.as_str(), "1"].map(Value::from).to_vec();
+        let (outcome, body) = outcome;
+        args.extend([Value::from(entry), outcome.into(), Value::Bytes(body.into()), "0".into(), attempt.into()]);
+        match self.call("ack", self.request_keys(parts[0]), args).await {
+            Value::Array(items) => items,
+            other => panic!("{other:?}"),
+        }
+    }
+    /// Calls a token-side function of shard 0 with `keys` (suffixes after `<ns>:{<ns>.q0}:`).
+    async fn token_fcall(&self, function: &str, keys: &[&str], args: Vec<Value>) -> Value {
+        self.call(function, keys.iter().map(|k| self.token_key(k)).collect(), args).await
+    }
     async fn in_active(&self, key_id: &str) -> bool {
-        let score: Option<f64> = self.client.zscore(format!("{0}:{{{0}.q0}}:active", self.ns), key_id).await.unwrap();
+        let score: Option<f64> = self.client.zscore(self.token_key("active"), key_id).await.unwrap();
         score.is_some()
     }
-    /// Pops the token of priority `prio` and acquires it as `holder`, as a worker that then dies
-    /// would: the element, and the first entry handed out (id, attempt).
-    async fn take_entry(&self, prio: u8, holder: &str) -> (String, String, String) {
-        let element = self.pop_token(prio).await;
-        let reply = self.acquire(&element, holder).await;
+    /// Takes the token of priority `prio` and acquires it as slot 0 of a worker that then dies
+    /// (registered, never to beat again): the element, and the first entry handed out (id, attempt).
+    async fn take_entry(&self, worker: &str) -> (String, String, String) {
+        self.doomed_worker(worker).await;
+        let holder = format!("{worker}/0");
+        let element = self.take(&holder).await;
+        let reply = self.acquire(&element, &holder).await;
         let entry = match &reply[..] {
             [tag, _policy, Value::Array(entry), ..] if tag.as_str().as_deref() == Some("run") => entry.clone(),
             other => panic!("acquire did not hand out an entry: {other:?}"),
         };
         (element, entry[0].as_string().unwrap(), entry[3].as_string().unwrap())
     }
+    /// A worker (`worker`, dying after) takes the only token of `kid`'s one-part request and
+    /// dead-letters the part: the request fails. Then the steps after that finish run up to the seal
+    /// (`finish_index`, `seal`), not `unindex`. Returns the failed lifecycle and the finish marks' key.
+    async fn fail_and_seal(&self, worker: &str, kid: &str) -> (String, String) {
+        let (element, id, attempt) = self.take_entry(worker).await;
+        let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
+        let reply = self.ack_one(&element, &format!("{worker}/0"), &id, ("dead", record), &attempt).await;
+        assert_eq!(reply[..2].iter().map(|v| v.as_string().unwrap()).collect::<Vec<_>>(), ["finished", "failed"]);
+        let lifecycle = reply[2].as_string().unwrap();
+        let marks = format!("f:{kid}");
+        let args: Vec<Value> = vec![kid.into(), "failed".into(), 60_000.into(), lifecycle.as_str().into()];
+        let indexed = self.token_fcall("finish_index", &["active", "events", "p:40", &marks, "bell"], args).await;
+        assert_eq!(indexed, Value::Integer(1));
+        let seal = self.call("seal", self.request_keys(kid), vec![lifecycle.as_str().into(), 60_000.into()]).await;
+        assert_eq!(seal, Value::Integer(1));
+        (lifecycle, marks)
+    }
     async fn list_len(&self, prio: u8) -> i64 {
         self.client.llen(self.list(prio)).await.unwrap()
     }
+}
+
+/// A requeued one-part failure: its two lifecycles are announced, failed then completed, and the
+/// request ends with the part's result (`Job::new(21)` -> 42).
+async fn hear_the_failure_then_the_completion(listener: &mut Listener, h: &sluicegate::RequestHandle) {
+    let mut heard = Vec::new();
+    while heard.len() < 2 {
+        let e = tokio::time::timeout(Duration::from_secs(10), listener.next())
+            .await
+            .unwrap_or_else(|_| panic!("heard only {heard:?}"))
+            .unwrap();
+        heard.push(e.state);
+    }
+    assert_eq!(heard, [RequestState::Failed, RequestState::Completed], "one event per lifecycle");
+    let done = h.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), [42]);
 }
 
 /// Submits `jobs` at priority 40 with one token, so a raw "worker" can take that token.
@@ -96,19 +160,21 @@ async fn one_token<I: IntoIterator<Item = Job>>(producer: &Producer, jobs: I) ->
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_survive_a_worker_killed_between_brpop_and_recording_the_token() {
+async fn a_token_taken_by_a_worker_that_died_before_acquiring_it_comes_back() {
     let env = env("lostpop").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = one_token(&producer, (0..5).map(Job::new)).await;
-    // The only token is popped into a reply nobody will present: the process "died" right here.
+    // The only token is taken by a slot whose worker dies before presenting it: the element is in
+    // that slot's take record only.
     let raw = Raw::new(env.redis.url(), &config).await;
-    let _lost = raw.pop_token(40).await;
+    raw.doomed_worker("w-dead").await;
+    let _lost = raw.take("w-dead/0").await;
     assert_eq!(raw.list_len(40).await, 0);
 
     let probe = Probe::default();
     let w = start_worker(&config, probe.clone(), 2, Quantum::default()).await;
-    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the lost token is restored");
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the dead worker's token is reclaimed");
     assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6, 8]);
     assert_eq!(raw.list_len(40).await, 0, "no token is left behind once the request finished");
     w.stop().await;
@@ -128,7 +194,7 @@ async fn a_finish_left_undone_by_a_dead_worker_is_completed_by_recovery_even_aft
     let h = one_token(&producer, [Job::new(21)]).await;
     let mut listener = Listener::from_beginning(&config).await.unwrap();
     let raw = Raw::new(env.redis.url(), &config).await;
-    let (element, id, attempt) = raw.take_entry(40, "dead-worker/0").await;
+    let (element, id, attempt) = raw.take_entry("dead-worker").await;
     let result = rmp_serde::to_vec(&42u64).unwrap();
     let reply = raw.ack_one(&element, "dead-worker/0", &id, ("ok", result), &attempt).await;
     assert_eq!(reply[0].as_str().as_deref(), Some("finished"), "{reply:?}");
@@ -169,39 +235,57 @@ async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() 
     let raw = Raw::new(env.redis.url(), &config).await;
     // A slow worker: its one part is dead-lettered, the request fails (lifecycle 0), and the worker
     // gets as far as the event and the seal before it stalls.
-    let (element, id, attempt) = raw.take_entry(40, "slow-worker/0").await;
-    let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
-    let reply = raw.ack_one(&element, "slow-worker/0", &id, ("dead", record), &attempt).await;
-    assert_eq!(reply[..3].iter().map(|v| v.as_string().unwrap()).collect::<Vec<_>>(), ["finished", "failed", "0"]);
-    let marks = format!("f:{kid}");
-    let args: Vec<Value> = vec![kid.as_str().into(), "failed".into(), 60_000.into(), 0.into()];
-    assert_eq!(raw.token_fcall("sg1_finish_index", &["active", "events", "p:40", &marks], args).await, Value::Integer(1));
-    let mut seal: Vec<Value> = vec!["sg1_seal".into(), 6.into()];
-    seal.extend(raw.request_keys(&kid).into_iter().map(Value::from));
-    seal.extend([Value::from(0), 60_000.into()]);
-    let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
-    assert_eq!(raw.client.custom::<Value, Value>(cmd, seal).await.unwrap(), Value::Integer(1));
+    let (lifecycle, marks) = raw.fail_and_seal("slow-worker", &kid).await;
 
-    // The operator requeues it: lifecycle 1. Then the slow worker's unindex of lifecycle 0 lands.
+    // The operator requeues it: the next lifecycle. Then the slow worker's unindex of the failed
+    // one lands.
     assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
-    let late = raw.token_fcall("sg1_unindex", &["active", &marks], vec![kid.as_str().into(), 0.into(), 60_000.into()]).await;
-    assert_eq!(late, Value::Integer(0), "a late unindex of lifecycle 0 is refused");
+    let args: Vec<Value> = vec![kid.as_str().into(), lifecycle.as_str().into(), 60_000.into()];
+    let late = raw.token_fcall("unindex", &["active", &marks, "reg", "armed"], args).await;
+    let next = lifecycle.parse::<i64>().unwrap() + 1;
+    assert_eq!(late, Value::Integer(next), "a late unindex of the failed lifecycle is refused, naming the new one");
     assert!(raw.in_active(&kid).await, "the reopened request stays where recovery finds it");
 
     let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
-    let mut heard = Vec::new();
-    while heard.len() < 2 {
-        let e = tokio::time::timeout(Duration::from_secs(10), listener.next())
-            .await
-            .unwrap_or_else(|_| panic!("heard only {heard:?}"))
-            .unwrap();
-        heard.push(e.state);
-    }
-    assert_eq!(heard, [RequestState::Failed, RequestState::Completed], "one event per lifecycle");
-    let done = h.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap();
-    assert_eq!(done.into_outputs().unwrap(), [42]);
+    hear_the_failure_then_the_completion(&mut listener, &h).await;
     let again = tokio::time::timeout(Duration::from_millis(1500), listener.next()).await;
     assert!(again.is_err(), "no third event: {again:?}");
+    w.stop().await;
+}
+
+/// An operator's requeue dies after `reopen` marked the next lifecycle and before `requeue_dead`
+/// reopened the request: recovery completes the requeue (it used to leave the request failed and
+/// in its index, looked at every five leases until the retention ran out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_whose_operator_died_after_reopen_is_completed_by_recovery() {
+    let env = env("halfrequeue").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = one_token(&producer, [Job::new(21)]).await;
+    let kid = h.id().key_id();
+    let mut listener = Listener::from_beginning(&config).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &config).await;
+    // A worker dead-letters the one part: the request fails (lifecycle L) and its finish steps run.
+    let (lifecycle, marks) = raw.fail_and_seal("a-worker", &kid).await;
+    let args: Vec<Value> = vec![kid.as_str().into(), lifecycle.as_str().into(), 60_000.into()];
+    assert_eq!(raw.token_fcall("unindex", &["active", &marks, "reg", "armed"], args).await, Value::Integer(1));
+
+    // The operator's requeue: `reopen` marks lifecycle L + 1 and indexes the request again; the
+    // operator dies before its `requeue_dead`.
+    let next = (lifecycle.parse::<i64>().unwrap() + 1).to_string();
+    let args: Vec<Value> = vec![kid.as_str().into(), 0.into(), next.as_str().into()];
+    raw.token_fcall("reopen", &["active", "reg", &marks], args).await;
+    assert!(raw.in_active(&kid).await);
+
+    let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
+    hear_the_failure_then_the_completion(&mut listener, &h).await;
+    let left = tokio::time::timeout(Duration::from_secs(5), async {
+        while raw.in_active(&kid).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(left.is_ok(), "the completed request left recovery's index");
     w.stop().await;
 }
 
@@ -218,17 +302,18 @@ async fn a_failure_requeued_before_its_event_was_written_is_still_announced() {
     let h = one_token(&producer, [Job::new(21)]).await;
     let mut listener = Listener::from_beginning(&config).await.unwrap();
     let raw = Raw::new(env.redis.url(), &config).await;
-    let (element, id, attempt) = raw.take_entry(40, "dead-worker/0").await;
+    let (element, id, attempt) = raw.take_entry("dead-worker").await;
     let record = br#"{"error":"broken","attempts":1,"permanent":true}"#.to_vec();
     let reply = raw.ack_one(&element, "dead-worker/0", &id, ("dead", record), &attempt).await;
     assert_eq!(reply[0].as_string().as_deref(), Some("finished"), "{reply:?}");
+    let lifecycle = reply[2].as_string().unwrap();
     // The worker stalls here; no worker (and so no recovery) runs before the requeue.
     assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
     let kid = h.id().key_id();
     let marks = format!("f:{kid}");
-    let args: Vec<Value> = vec![kid.as_str().into(), "failed".into(), 60_000.into(), 0.into()];
-    let late = raw.token_fcall("sg1_finish_index", &["active", "events", "p:40", &marks], args).await;
-    assert_eq!(late, Value::Integer(0), "the stalled worker's late finish_index of lifecycle 0 writes nothing");
+    let args: Vec<Value> = vec![kid.as_str().into(), "failed".into(), 60_000.into(), lifecycle.as_str().into()];
+    let late = raw.token_fcall("finish_index", &["active", "events", "p:40", &marks, "bell"], args).await;
+    assert_eq!(late, Value::Integer(0), "the stalled worker's late finish_index of the failed lifecycle writes nothing");
 
     let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
     let mut heard = Vec::new();
@@ -267,8 +352,8 @@ async fn an_entry_whose_worker_died_before_acking_runs_again_with_the_next_attem
     let producer = Producer::connect(&config).await.unwrap();
     let h = one_token(&producer, (0..3).map(Job::new)).await;
     let raw = Raw::new(env.redis.url(), &config).await;
-    let _held = raw.take_entry(40, "dead-worker/0").await;
-    // The "worker" ran index 0 and died before its ack: nothing renews its lease.
+    let _held = raw.take_entry("dead-worker").await;
+    // The "worker" ran index 0 and died before its ack: its registration lapses.
 
     let attempts = Attempts::default();
     let w = start_worker(&config, attempts.clone(), 2, Quantum::default()).await;
@@ -278,8 +363,8 @@ async fn an_entry_whose_worker_died_before_acking_runs_again_with_the_next_attem
     w.stop().await;
 }
 
-/// Index 0's first attempt stalls the whole runtime it runs on (a GC pause, a frozen VM), so its
-/// worker cannot renew the lease either.
+/// Index 0's first attempt blocks its thread for longer than the lease (a CPU-bound handler,
+/// a blocking call).
 struct Staller;
 
 #[async_trait]
@@ -295,14 +380,16 @@ impl Handler for Staller {
     }
 }
 
+/// A worker whose handler blocks every thread of its runtime for three leases is alive: its
+/// heartbeat runs on a thread of its own. Nobody takes its part over, and its result counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_worker_past_its_lease_is_fenced_and_the_other_attempt_result_is_kept() {
-    let env = env("stall").await;
+async fn a_worker_busy_in_a_blocking_handler_is_never_declared_dead() {
+    let env = env("busy").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = producer.request().concurrency(1).unwrap().submit((0..3).map(Job::new)).await.unwrap();
 
-    // The staller runs on a runtime of its own, with one thread: the stall freezes its heartbeat.
+    // The staller runs on a runtime of its own, with one thread, which the handler blocks.
     let (metrics_tx, metrics_rx) = std::sync::mpsc::channel();
     let stall_config = config.clone();
     let staller = std::thread::spawn(move || {
@@ -322,13 +409,34 @@ async fn a_stalled_worker_past_its_lease_is_fenced_and_the_other_attempt_result_
     tokio::time::sleep(Duration::from_millis(300)).await;
     let w = start_worker(&config, Staller, 1, Quantum::default()).await;
     let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
-    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4], "the late result (999999) never counts");
+    assert_eq!(done.into_outputs().unwrap(), [999_999, 2, 4], "the busy worker's result is kept: nobody ran index 0 again");
     staller.join().unwrap();
-    assert_eq!(
-        stalled_metrics.fenced.load(Relaxed),
-        1,
-        "the stalled worker's late ack was fenced and counted"
-    );
+    assert_eq!(stalled_metrics.fenced.load(Relaxed), 0, "the busy worker was never fenced");
+    assert_eq!(w.metrics().holds_reclaimed.load(Relaxed), 0, "nobody reclaimed its token");
+    w.stop().await;
+}
+
+/// A worker that stops beating (frozen, cut off) while its slot runs a part is declared dead after
+/// a lease: its part runs elsewhere as the next attempt, and its late ack is fenced: it records
+/// nothing and counts nothing down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_stops_beating_is_fenced_and_the_other_attempt_result_is_kept() {
+    let env = env("stall").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = one_token(&producer, (0..3).map(Job::new)).await;
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let (element, id, attempt) = raw.take_entry("frozen").await;
+    let attempts = Attempts::default();
+    let w = start_worker(&config, attempts.clone(), 1, Quantum::default()).await;
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4]);
+    assert_eq!(attempts.0.lock().unwrap()[&0], [2], "index 0 ran again elsewhere, as attempt 2");
+    // The frozen worker wakes up and acks its stale result.
+    let late = raw.ack_one(&element, "frozen/0", &id, ("ok", rmp_serde::to_vec(&999_999u64).unwrap()), &attempt).await;
+    assert_eq!(late[0].as_string().as_deref(), Some("fenced"), "{late:?}");
+    let again = h.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(again.into_outputs().unwrap(), [0, 2, 4], "the late result never counts");
     w.stop().await;
 }
 
@@ -483,4 +591,372 @@ async fn fail_fast_ends_the_request_at_the_first_dead_letter() {
     assert!(never_ran >= 48 - 16, "the rest was not run: only {never_ran} of 48 never ran");
     drop(probe);
     w.stop().await;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Defects found by an adversarial read (issue 11), each with the test that fails on the code that
+// had it.
+
+/// Fails every part permanently while `failing` is set; counts the runs of each index after.
+#[derive(Clone, Default)]
+struct Flip {
+    failing: Arc<std::sync::atomic::AtomicBool>,
+    runs_after: Arc<Mutex<HashMap<u64, u32>>>,
+    running: Arc<Mutex<(u32, u32)>>,
+    sleep: Duration,
+}
+
+#[async_trait]
+impl Handler for Flip {
+    type Input = Job;
+    type Output = u64;
+    async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        if self.failing.load(Relaxed) && ctx.index() == 0 || self.failing.load(Relaxed) && job.fail {
+            return Err(HandlerError::permanent("broken until the fix"));
+        }
+        if !self.failing.load(Relaxed) {
+            *self.runs_after.lock().unwrap().entry(ctx.index()).or_default() += 1;
+        }
+        {
+            let mut r = self.running.lock().unwrap();
+            r.0 += 1;
+            r.1 = r.1.max(r.0);
+        }
+        tokio::time::sleep(self.sleep).await;
+        self.running.lock().unwrap().0 -= 1;
+        Ok(job.n * 2)
+    }
+}
+
+/// The ack that dead-letters a request's last part turns it failed; that part is then a dead letter
+/// only, not also an orphan of the token whose ack it was (which made requeue hand it out twice,
+/// count it down twice, and end the request `completed` while another part had no result).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_failure_hands_each_dead_letter_out_once_and_completes_with_every_result() {
+    let env = env("requeue-once").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&config).await.unwrap();
+    let flip = Flip { failing: Arc::new(true.into()), sleep: Duration::from_millis(20), ..Flip::default() };
+    let w = start_worker(&config, flip.clone(), 2, Quantum::default()).await;
+    let jobs: Vec<Job> = (0..3).map(|n| Job { n, sleep_ms: 0, fail: true }).collect();
+    let h = producer.request().concurrency(2).unwrap().submit(jobs).await.unwrap();
+    let failed = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(failed.state, RequestState::Failed);
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let keys = raw.request_keys(&h.id().key_id());
+    let orphans: Vec<String> = raw.client.lrange(keys[4].as_str(), 0, -1).await.unwrap();
+    assert!(orphans.is_empty(), "a dead letter is also listed as an orphan: {orphans:?}");
+
+    flip.failing.store(false, Relaxed);
+    assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 3);
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!((done.state, done.into_outputs().unwrap()), (RequestState::Completed, vec![0, 2, 4]));
+    let runs = flip.runs_after.lock().unwrap().clone();
+    assert_eq!(runs, HashMap::from([(0, 1), (1, 1), (2, 1)]), "each dead letter ran once after the requeue");
+    w.stop().await;
+}
+
+/// Producers racing to submit the same ids: for each id exactly one is accepted, and every
+/// accepted request runs (a loser used to take back the winner's registration with recovery, so
+/// the winner's tokens were never pushed and its request stayed queued forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producers_racing_on_the_same_ids_never_strand_the_requests_they_accept() {
+    let env = env("dup-race").await;
+    let config = fast(&env.config);
+    let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
+    let ids: Vec<String> = (0..200).map(|i| format!("race-{i}")).collect();
+    let mut producers = Vec::new();
+    for _ in 0..4 {
+        let (config, ids) = (config.clone(), ids.clone());
+        producers.push(tokio::spawn(async move {
+            let producer = Producer::connect(&config).await.unwrap();
+            let mut accepted = Vec::new();
+            for id in ids {
+                match producer.request().id(id).unwrap().submit([Job::new(7)]).await {
+                    Ok(h) => accepted.push(h),
+                    Err(sluicegate::Error::DuplicateRequestId(_)) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            accepted
+        }));
+    }
+    let mut accepted = Vec::new();
+    for p in producers {
+        accepted.extend(p.await.unwrap());
+    }
+    let mut by_id: HashMap<String, u32> = HashMap::new();
+    for h in &accepted {
+        *by_id.entry(h.id().to_string()).or_default() += 1;
+    }
+    assert_eq!(by_id.len(), ids.len(), "every id accepted once");
+    assert!(by_id.values().all(|&n| n == 1), "an id accepted twice");
+    for h in &accepted {
+        let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{}: {e}", h.id()));
+        assert_eq!(done.into_outputs().unwrap(), [14]);
+    }
+    w.stop().await;
+}
+
+/// A producer that stalls between registering a request and creating it, until recovery could
+/// drop the registration, is refused: it cannot create a request nobody would recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_that_stalls_past_its_deadline_creates_nothing() {
+    let env = env("late-submit").await;
+    let config = fast(&env.config).loading_ttl(Duration::from_secs(2));
+    let _loads_the_library = Producer::connect(&config).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let kid = "stalled";
+    let grace = config.lease_duration().as_millis() as i64 * 2;
+    let reply = raw.token_fcall("register", &["active", "reg"], vec![kid.into(), grace.into()]).await;
+    let registered_at = match reply {
+        Value::Array(items) => items[1].as_i64().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    // The deadline is half the loading ttl after the registration; the stall outlasts it.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let payload = Value::Bytes(rmp_serde::to_vec(&Job::new(1)).unwrap().into());
+    let mut args: Vec<Value> =
+        ["stalled", "50", "1", "2000", "1", "0", "0", "0", "nonce", "0", "0", "1"].map(Value::from).to_vec();
+    args.push((registered_at + 1_000).into());
+    args.push(kid.into());
+    args.push(payload);
+    let mut all: Vec<Value> = vec![fcall("submit_small").into(), 6.into()];
+    all.extend(raw.request_keys(kid).into_iter().map(Value::from));
+    all.extend(args);
+    let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
+    let refused = raw.client.custom::<Value, Value>(cmd, all).await.unwrap_err();
+    assert!(refused.details().starts_with("SGLATE"), "{refused:?}");
+    let meta: i64 = raw.client.exists(raw.request_keys(kid)[0].as_str()).await.unwrap();
+    assert_eq!(meta, 0, "nothing was created");
+    // And recovery drops the registration once no producer can create the request any more.
+    let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while raw.in_active(kid).await {
+        assert!(std::time::Instant::now() < deadline, "the registration of a request never created stays");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w.stop().await;
+}
+
+/// A request with 10,000 tokens: no single call of its life (submit, census, cancel) blocks Redis
+/// for long. Census used to re-list every queued token at each pass and check each with an
+/// `LPOS` over the whole list: about 1.3 s per pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_ten_thousand_tokens_never_blocks_redis_for_long() {
+    let env = env("bigtok").await;
+    let config = fast(&env.config).census_interval(Duration::from_millis(500));
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let slowlog = |args: Vec<Value>| {
+        let client = raw.client.clone();
+        async move {
+            let cmd = CustomCommand::new_static("SLOWLOG", ClusterHash::Random, false);
+            client.custom::<Value, Value>(cmd, args).await.unwrap()
+        }
+    };
+    // Every call over 50 ms is logged (the target is 10 ms; this machine is shared).
+    let set = CustomCommand::new_static("CONFIG", ClusterHash::Random, false);
+    let _: Value = raw.client.custom(set, vec!["SET", "slowlog-log-slower-than", "50000"]).await.unwrap();
+    slowlog(vec!["RESET".into()]).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = producer
+        .request()
+        .priority(40)
+        .unwrap()
+        .concurrency(10_000)
+        .unwrap()
+        .submit((0..10_000).map(Job::new))
+        .await
+        .unwrap();
+    // One worker slot, so almost every token waits queued past the grace while recovery looks.
+    let w = start_worker(&config, Probe::default(), 1, Quantum { parts: 1, time: Duration::from_secs(1) }).await;
+    tokio::time::sleep(config.lease_duration() * 2 + Duration::from_secs(3)).await;
+    h.cancel().await.unwrap();
+    w.stop().await;
+    // Recovery's calls stay under 50 ms. Creating and cancelling the request are single calls over
+    // all 10,000 tokens (about 30 to 45 ms here): they are only held to stay linear (under 200 ms).
+    let logged = slowlog(vec!["GET".into(), 100.into()]).await;
+    let Value::Array(entries) = &logged else { panic!("SLOWLOG GET replied {logged:?}") };
+    for entry in entries {
+        let Value::Array(fields) = entry else { panic!("a SLOWLOG entry {entry:?}") };
+        let micros = fields[2].as_i64().unwrap();
+        let call: Vec<String> = match &fields[3] {
+            Value::Array(args) => args.iter().take(2).filter_map(Value::as_string).collect(),
+            other => panic!("a SLOWLOG entry's arguments {other:?}"),
+        };
+        let whole_request = call.iter().any(|a| a == "sg2_cancel" || a == "sg2_submit_commit");
+        let limit = if whole_request { 200_000 } else { 50_000 };
+        assert!(micros < limit, "{call:?} took {micros} µs (at most {limit} µs); all calls over 50 ms: {logged:?}");
+    }
+}
+
+/// A handler that blocks or spins past its attempt timeout cannot be stopped; its slot keeps the
+/// token until it ends, so no other part of its request starts beside it.
+// Four runtime threads: the blocked one must not be the only one left to run the other slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_ignores_its_timeout_never_runs_beside_another_part_of_its_request() {
+    struct Blocker(Arc<Mutex<(u32, u32)>>);
+    #[async_trait]
+    impl Handler for Blocker {
+        type Input = Job;
+        type Output = u64;
+        async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+            {
+                let mut r = self.0.lock().unwrap();
+                r.0 += 1;
+                r.1 = r.1.max(r.0);
+            }
+            if ctx.index() == 0 && ctx.attempt() == 1 {
+                // Blocks (so its abort cannot stop it), in place, so other tasks go on meanwhile.
+                tokio::task::block_in_place(|| std::thread::sleep(Duration::from_millis(800)));
+            } else {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            self.0.lock().unwrap().0 -= 1;
+            Ok(job.n * 2)
+        }
+    }
+    let env = env("zombie").await;
+    let config = fast(&env.config);
+    let running = Arc::new(Mutex::new((0, 0)));
+    let w = start_worker(&config, Blocker(running.clone()), 3, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = producer
+        .request()
+        .concurrency(1)
+        .unwrap()
+        .max_attempts(2)
+        .unwrap()
+        .timeout(Duration::from_millis(100))
+        .unwrap()
+        .backoff(Duration::from_millis(10), Duration::from_millis(10))
+        .unwrap()
+        .submit((0..4).map(Job::new))
+        .await
+        .unwrap();
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6]);
+    assert_eq!(running.lock().unwrap().1, 1, "never more handlers of the request at once than its limit");
+    w.stop().await;
+}
+
+/// A delay too long to represent is refused, not run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delay_too_long_is_refused_not_run_at_once() {
+    let env = env("delay-overflow").await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    for delay in [Duration::MAX, Duration::from_secs(u64::MAX / 1000), Duration::from_secs(11 * 365 * 24 * 3600)] {
+        let refused = producer.request().delay(delay).submit([Job::new(1)]).await;
+        match refused {
+            Err(sluicegate::Error::InvalidRequest(why)) => assert!(why.contains("delay"), "{why}"),
+            Err(other) => panic!("{other}"),
+            Ok(h) => panic!("a delay of {delay:?} was accepted as request {}", h.id()),
+        }
+    }
+    let keys = sluicegate::testing::keys_in_namespace(env.redis.url(), env.config.namespace_str()).await.unwrap();
+    assert!(keys.is_empty(), "a refused request left keys: {keys:?}");
+}
+
+/// A failed request that is requeued runs again with its full limit (it used to get one token per
+/// dead letter requeued: a fail-fast request whose other parts never ran then ran them one by one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_failure_runs_with_its_full_limit_again() {
+    let env = env("requeue-limit").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&config).await.unwrap();
+    let flip = Flip { failing: Arc::new(true.into()), sleep: Duration::from_millis(100), ..Flip::default() };
+    let w = start_worker(&config, flip.clone(), 4, Quantum::default()).await;
+    let h = producer.request().concurrency(4).unwrap().fail_fast(true).submit((0..12).map(Job::new)).await.unwrap();
+    assert_eq!(h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().state, RequestState::Failed);
+    // Handlers of the failed lifecycle still running (fail fast stops none) finish first.
+    while flip.running.lock().unwrap().0 > 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    *flip.running.lock().unwrap() = (0, 0);
+    flip.failing.store(false, Relaxed);
+    admin.requeue_dead(h.id()).await.unwrap();
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.state, RequestState::Completed);
+    assert_eq!(flip.running.lock().unwrap().1, 4, "the reopened request ran with all 4 of its tokens");
+    w.stop().await;
+}
+
+/// A request reusing the id of an earlier one whose finish marks outlive its record (they can, by
+/// up to the retention, when the earlier finisher died between its steps) gets its own event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_id_gets_its_own_event_while_the_marks_of_the_earlier_request_remain() {
+    let env = env("reuse-id").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut listener = Listener::connect(&config).await.unwrap();
+    let w = start_worker(&config, Probe::default(), 1, Quantum::default()).await;
+    let first = producer.request().id("again").unwrap().priority(40).unwrap().submit([Job::new(1)]).await.unwrap();
+    first.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(10), listener.next()).await.unwrap().unwrap();
+    assert_eq!(heard.id.as_str(), "again");
+    // The earlier request's record is gone (its retention ran out); its finish marks remain.
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let marks = raw.token_key("f:again");
+    let _: i64 = raw.client.persist(marks.as_str()).await.unwrap();
+    let kept: i64 = raw.client.exists(marks.as_str()).await.unwrap();
+    assert_eq!(kept, 1, "the marks are there");
+    let _: i64 = raw.client.del(raw.request_keys("again")).await.unwrap();
+
+    let second = producer.request().id("again").unwrap().priority(40).unwrap().submit([Job::new(2)]).await.unwrap();
+    assert_eq!(second.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap().into_outputs().unwrap(), [4]);
+    let heard = tokio::time::timeout(Duration::from_secs(10), listener.next())
+        .await
+        .expect("the second request's completion is announced")
+        .unwrap();
+    assert_eq!((heard.id.as_str(), heard.state), ("again", RequestState::Completed));
+    let _: i64 = raw.client.del(marks.as_str()).await.unwrap();
+    w.stop().await;
+}
+
+/// With thousands of active requests and a single surviving worker, at the default settings, a
+/// crashed worker's part runs again within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_workers_part_runs_again_within_seconds_among_thousands_of_active_requests() {
+    #[derive(Clone, Default)]
+    struct Stuck(Arc<Mutex<Vec<std::time::Instant>>>);
+    #[async_trait]
+    impl Handler for Stuck {
+        type Input = Job;
+        type Output = u64;
+        async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+            if ctx.priority().get() == 90 {
+                self.0.lock().unwrap().push(std::time::Instant::now());
+                if ctx.attempt() == 1 {
+                    ctx.cancelled().cancelled().await;
+                }
+            }
+            Ok(job.n * 2)
+        }
+    }
+    let env = env("crash-among-many").await;
+    // The default timings: lease 2 s, heartbeat 500 ms, recovery interval 200 ms.
+    let config = Config::new(env.redis.url()).namespace(env.config.namespace_str());
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut waiting = Vec::new();
+    for i in 0..3_000 {
+        waiting.push(producer.request().priority(10).unwrap().submit([Job::new(i)]).await.unwrap());
+    }
+    let urgent = producer.request().priority(90).unwrap().submit([Job::new(21)]).await.unwrap();
+    let stuck = Stuck::default();
+    let doomed = start_worker(&config, stuck.clone(), 1, Quantum::default()).await;
+    while stuck.0.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    doomed.crash();
+    let crashed_at = std::time::Instant::now();
+    let survivor = start_worker(&config, stuck.clone(), 1, Quantum::default()).await;
+    let done = urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), [42]);
+    let rerun = stuck.0.lock().unwrap()[1];
+    let took = rerun - crashed_at;
+    assert!(took < Duration::from_secs(10), "the crashed worker's part ran again only after {took:?}");
+    survivor.stop().await;
+    drop(waiting);
 }

@@ -65,9 +65,22 @@ pub fn fast(config: &Config) -> Config {
 pub struct Running {
     stop: CancellationToken,
     task: Option<JoinHandle<sluicegate::Result<()>>>,
+    metrics: Arc<sluicegate::WorkerMetrics>,
 }
 
 impl Running {
+    pub fn metrics(&self) -> Arc<sluicegate::WorkerMetrics> {
+        self.metrics.clone()
+    }
+
+    /// Drops the worker's task without a clean stop, as a crash would: its slots stop where they
+    /// are, it stops beating, and other workers reclaim what it held once its lease has passed.
+    pub fn crash(mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+
     pub async fn stop(mut self) {
         self.stop.cancel();
         if let Some(task) = self.task.take() {
@@ -97,8 +110,9 @@ pub async fn start_worker<H: Handler>(
         .expect("worker builds");
     let stop = CancellationToken::new();
     let signal = stop.clone();
+    let metrics = worker.metrics();
     let task = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
-    Running { stop, task: Some(task) }
+    Running { stop, task: Some(task), metrics }
 }
 
 /// The probe's input: a number to double, and how to behave.

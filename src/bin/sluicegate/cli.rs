@@ -53,15 +53,16 @@ pub(crate) struct Cli {
     #[arg(long, global = true, help_heading = "Global options")]
     pub(crate) json: bool,
 
-    /// How long a worker's claim lasts without renewal [default: 30s].
+    /// How long a worker stays alive in the registry without a heartbeat; a killed worker's work
+    /// comes back about this long after it died [default: 2s].
     #[arg(long, global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) lease: Option<Duration>,
 
-    /// How often a worker renews its claims; below --lease [default: 10s].
+    /// How often a worker beats the registry; at most half of --lease [default: 500ms].
     #[arg(long, global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) heartbeat: Option<Duration>,
 
-    /// How often workers look for lost work [default: 5s].
+    /// How often workers poll for requests that asked recovery to look at them [default: 200ms].
     #[arg(long = "recovery-interval", global = true, help_heading = "Global options", value_parser = duration, value_name = "DURATION")]
     pub(crate) recovery_interval: Option<Duration>,
 

@@ -1,11 +1,11 @@
--- restore_tokens: re-queue tokens whose element verify_tokens found missing, under a new epoch,
--- but only if each is still queued with the epoch that was checked: if a worker acquired it in
--- the meantime (the element was in flight), nothing happens, and a late push of the old element
--- is refused by acquire. Restoring therefore never makes a token too many.
+-- restore: re-queue tokens whose element verify found missing, under a new epoch, but only if each
+-- is still queued with the epoch that was checked: if a worker acquired it in the meantime (the
+-- element was in flight), nothing happens, and a late push of the old element is refused by
+-- acquire. Restoring therefore never makes a token too many.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2..] missing elements "<rid>|<k>|<epoch>"
 -- Returns the new elements, to push onto the request's priority list.
-local function restore_tokens(keys, args)
+local function restore(keys, args)
   local now = sg_now()
   local out = {}
   for i = 2, #args do

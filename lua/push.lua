@@ -1,0 +1,21 @@
+-- push: put token elements on a priority list of their shard, each with a wake-up on the shard's
+-- bell; on the request's home shard, also make sure the request is in recovery's index.
+-- KEYS[1] the priority list   KEYS[2] the shard's bell   KEYS[3] (home shard only) the active-request
+-- index   KEYS[4] (home shard only) the registration times
+-- ARGV[1] request key id   ARGV[2] next look (ms from now)   ARGV[3] 'first:<score>' (the push
+-- that follows a submit, with the score its registration wrote: while that score is still there,
+-- the next look is set to ARGV[2], however far; if recovery has looked since, only moved earlier)
+-- or 'more' (the next look only ever moves earlier)   ARGV[4..] elements
+-- Returns the number of elements pushed. An element of a request that finished in the meantime is
+-- refused by acquire when taken ('drop'), and the index entry by recovery, so a late or repeated
+-- push is harmless; a push never silently does nothing.
+local function push(keys, args)
+  if keys[3] then
+    local due = sg_now() + tonumber(args[2])
+    if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
+      sg_rearm(keys[3], args[1], due, string.match(args[3], '^first:(%d+)$'))
+    end
+    redis.call('HSETNX', keys[4], args[1], sg_now())
+  end
+  return sg_push(keys[1], keys[2], args, 4)
+end

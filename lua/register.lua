@@ -1,0 +1,20 @@
+-- register: enter a request in recovery's index before it is created, so that whatever happens to
+-- its producer afterwards, recovery finds it. Run on the request's home shard.
+-- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
+-- KEYS[2] the registration times (hash: key id -> ms)
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
+-- Returns {added, now}: added is 1 if this call entered it (0 if it was there), now the Redis time
+-- (ms) of the registration. The producer must create the request before now + half the loading
+-- ttl (the deadline it passes to submit_open, submit_small or stream_open): recovery drops a
+-- registration whose request does not exist only once the loading ttl has passed since it was
+-- registered (by any producer: each registration restarts that time), so a request can never be
+-- created after its registration was dropped. Producers never take a registration back: it may
+-- be another producer's (the same id submitted twice).
+local function register(keys, args)
+  local now = sg_now()
+  local added = redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
+  -- The latest registration's time, not the first's: a producer's deadline counts from its own
+  -- registration, and recovery must not drop the entry before that deadline has passed.
+  redis.call('HSET', keys[2], args[1], now)
+  return {added, now}
+end

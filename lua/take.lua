@@ -1,0 +1,38 @@
+-- take: a worker slot takes the token element of the highest priority waiting on a shard, and
+-- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
+-- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
+-- death is noticed by `beat`, and recovery reclaims what the record names).
+-- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
+-- KEYS[3..102] the shard's priority lists, highest first
+-- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
+-- the slot's previous take on this shard ('' if none): its record, if still there, is done with
+-- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
+-- bells and elements stay about even)
+-- Returns {list, element}, or {} when every list is empty. The same call re-sent (the same take id:
+-- its first reply was lost) returns the element it took the first time.
+local function take(keys, args)
+  local holder, id = args[1], args[2]
+  local held = redis.call('HGET', keys[1], holder)
+  if held then
+    local f = sg_split(held)
+    if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
+    if f[4] ~= args[3] then
+      -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
+      -- name no live slot uses.
+      redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
+    end
+  end
+  local lmpop = {'LMPOP', #keys - 2}
+  for i = 3, #keys do lmpop[#lmpop + 1] = keys[i] end
+  lmpop[#lmpop + 1] = 'RIGHT'
+  local popped = redis.call(unpack(lmpop))
+  if not popped then
+    if held then redis.call('HDEL', keys[1], holder) end
+    return {}
+  end
+  local element = popped[2][1]
+  redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
+  redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
+  if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
+  return {popped[1], element}
+end

@@ -1,0 +1,112 @@
+//! The checker's hold on every Redis call and every handler run of the code under test.
+//!
+//! Each actor (a producer's submit, one token take of a slot, a recovery pass, an operator's
+//! command) runs as its own task. Whenever it is about to call Redis ([`Gate::run`], reached
+//! through `Store::call`) or its handler is about to run ([`Gate::handler`]), it parks and tells
+//! the scheduler, which resumes exactly one parked thing at a time. So the interleaving of all
+//! calls is the scheduler's choice, replayable from its seed, and so are the faults each call
+//! meets. Events carry no actor id: only one actor runs at a time, so whatever parks next belongs
+//! to the actor the scheduler resumed last.
+
+use std::future::Future;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::{Error, Result};
+
+/// What happens to one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Fault {
+    /// It runs and its caller gets the reply.
+    None,
+    /// It runs, and its caller gets a connection error instead of the reply.
+    LoseReply,
+    /// It runs twice (fred re-sends in-flight commands after a reconnect); the caller gets the
+    /// second reply.
+    Resend,
+    /// It runs, and its caller dies before it sees the reply.
+    DieAfter,
+    /// It does not run, and its caller gets an error that is not the connection's.
+    Refuse,
+}
+
+/// How one handler run ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Verdict {
+    /// Returns the part's output.
+    Ok,
+    /// A retryable failure.
+    Fail,
+    /// A permanent failure.
+    Permanent,
+}
+
+/// What a parked actor is waiting for.
+pub(crate) enum Event {
+    /// About to make a call: `what` (a function or command name) on `key`.
+    Call { what: String, key: String, resume: oneshot::Sender<Fault> },
+    /// The call of a [`Fault::DieAfter`] has run; the actor is to be dropped.
+    Dying,
+    /// A handler is about to run sub-request `index` (attempt `attempt`) of request `request`.
+    Handler { request: String, index: u64, attempt: u32, resume: oneshot::Sender<Verdict> },
+}
+
+/// The scheduler's end: shared by every store and handler of one checker world.
+pub(crate) struct Gate {
+    events: mpsc::UnboundedSender<Event>,
+    /// Parts per load call (the real chunk is 2,000 parts: the checker wants several chunks).
+    pub(crate) load_chunk: usize,
+}
+
+impl Gate {
+    pub(crate) fn new(load_chunk: usize) -> (Gate, mpsc::UnboundedReceiver<Event>) {
+        let (events, rx) = mpsc::unbounded_channel();
+        (Gate { events, load_chunk }, rx)
+    }
+
+    /// Parks until the scheduler resumes this call, then runs it with the fault it chose. A call
+    /// whose actor the scheduler drops never returns.
+    pub(crate) async fn run<T, F, Fut>(&self, what: &str, key: &str, op: F) -> Result<T>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let (resume, decided) = oneshot::channel();
+        let _ = self.events.send(Event::Call { what: what.to_owned(), key: key.to_owned(), resume });
+        let Ok(fault) = decided.await else { return std::future::pending().await };
+        match fault {
+            Fault::None => op().await,
+            Fault::LoseReply => {
+                let _ = op().await;
+                Err(Error::Redis(fred::error::Error::new(
+                    fred::error::ErrorKind::IO,
+                    "connection reset after the call ran (a fault injected by the checker)",
+                )))
+            }
+            Fault::Resend => {
+                let _ = op().await;
+                op().await
+            }
+            Fault::Refuse => Err(Error::Redis(fred::error::Error::new(
+                fred::error::ErrorKind::Unknown,
+                "OOM command not allowed when used memory > 'maxmemory' (a fault injected by the checker)",
+            ))),
+            Fault::DieAfter => {
+                let _ = op().await;
+                let _ = self.events.send(Event::Dying);
+                std::future::pending().await
+            }
+        }
+    }
+
+    /// Parks a handler run until the scheduler says how it ends.
+    pub(crate) async fn handler(&self, request: String, index: u64, attempt: u32) -> Verdict {
+        let (resume, decided) = oneshot::channel();
+        let _ = self.events.send(Event::Handler { request, index, attempt, resume });
+        match decided.await {
+            Ok(v) => v,
+            // The scheduler dropped its actor: this run never ends.
+            Err(_) => std::future::pending().await,
+        }
+    }
+}

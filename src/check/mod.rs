@@ -1,0 +1,432 @@
+//! The randomized model-based protocol checker (test builds only).
+//!
+//! It drives the real code (producers' submits, slots' token takes, recovery passes, operators'
+//! commands) against the real Functions library on a redis-server of its own, with every Redis
+//! call parked at a gate (`gate.rs`) so that a seeded scheduler chooses the interleaving and the
+//! faults: a reply lost after the call ran, a call re-sent, a call refused (not run, an error that
+//! is not the connection's, as `OOM` would be), a process killed between any two of
+//! its calls, time that runs past leases (the library's clock is virtual, see
+//! `scripts::checker_library_source`), a Redis crash and restart from its AOF. After every step
+//! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
+//! sequence it drains everything to completion and checks that every accepted part ended with a
+//! result or a dead letter, one event per lifecycle, and that nothing is left without an expiry.
+//!
+//! ```text
+//! cargo test --lib check::                         # the CI budget (about 2 minutes)
+//! SLUICEGATE_CHECK_SECS=3600 cargo test --release --lib check:: -- --ignored --nocapture   # long
+//! SLUICEGATE_CHECK_SEED=1234 cargo test --lib check::   # replays one seed (and shrinks it)
+//! SLUICEGATE_CHECK_REPLAY=target/checker/failure-1234.json cargo test --lib check::
+//! ```
+//!
+//! A failure prints its seed and the shortest sequence the shrinker found, and writes that
+//! sequence to `target/checker/failure-<seed>.json`. Once fixed, the sequence goes to
+//! `src/check/found/<defect>.json`, which `recorded_failures_stay_fixed` replays in every run.
+
+pub(crate) mod gate;
+mod model;
+mod ops;
+mod world;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fred::prelude::*;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::testing::RedisServer;
+use ops::{draw, Mix, Op, SLOTS, WORKERS};
+use world::World;
+
+/// Drain rounds before a request still unfinished counts as stuck. Each round advances the clock
+/// by `DRAIN_TICK`: with a 1 s lease and a recovery pass per round, a lost token is back within
+/// two or three rounds.
+const DRAIN_ROUNDS: usize = 40;
+const DRAIN_TICK: u32 = 300;
+
+/// A run that broke an invariant: where, and why.
+#[derive(Debug, Clone)]
+pub(crate) struct Failure {
+    /// Index of the operation after which the invariant broke (`len` for the drain).
+    pub(crate) at: usize,
+    pub(crate) message: String,
+}
+
+impl Failure {
+    /// The failure without its particulars (ids, numbers): what shrinking must preserve.
+    fn kind(&self) -> String {
+        let head = self.message.split(['[', '{']).next().unwrap_or_default();
+        head.split_whitespace()
+            .filter(|w| !w.chars().any(|c| c.is_ascii_digit()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// One redis-server for one runner thread, with `appendfsync always` so that a restart loses
+/// nothing acknowledged.
+struct Server {
+    redis: RedisServer,
+    admin: Client,
+    conns: world::Connections,
+}
+
+impl Server {
+    async fn start() -> Server {
+        let redis = RedisServer::builder().aof_always(true).start().await.unwrap_or_else(|e| panic!("{e}"));
+        // Reconnects by itself across the restarts of `Op::Restart`.
+        let config = fred::prelude::Config::from_url(&redis.url()).expect("a valid url");
+        let admin = Builder::from_config(config)
+            .set_policy(ReconnectPolicy::new_constant(0, 20))
+            .build()
+            .expect("a client");
+        admin.init().await.expect("the checker's server answers");
+        let conns = World::connections(&redis.url()).await.unwrap_or_else(|e| panic!("{e}"));
+        Server { redis, admin, conns }
+    }
+
+    async fn reset(&self) {
+        let _: () = self.admin.flushall(false).await.expect("FLUSHALL on the checker's own server");
+    }
+}
+
+/// Runs `ops` from a clean server, then drains; `Err` on the first broken invariant.
+async fn run(server: &mut Server, ops: &[Op]) -> Result<(), Failure> {
+    server.reset().await;
+    let mut world = World::new(&mut server.conns, server.admin.clone());
+    let result = play(server, &mut world, ops).await;
+    world.end(&mut server.conns);
+    result
+}
+
+async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), Failure> {
+    let fail = |at: usize| move |message: String| Failure { at, message };
+    let profile = std::env::var("SLUICEGATE_CHECK_PROFILE").is_ok();
+    let t0 = Instant::now();
+    let mut in_checks = Duration::ZERO;
+    let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
+    for (at, op) in ops.iter().enumerate() {
+        if trace {
+            eprintln!("{at:>3} {op}  [parked: {}]", world.parked.len());
+        }
+        if *op == Op::Restart {
+            // Every actor is parked before its next call: none is in the middle of one.
+            server.redis.kill().map_err(|e| fail(at)(e.to_string()))?;
+            server.redis.restart().await.map_err(|e| fail(at)(e.to_string()))?;
+        } else {
+            world.apply(op).await.map_err(fail(at))?;
+        }
+        let c = Instant::now();
+        model::check_step(world).await.map_err(fail(at))?;
+        in_checks += c.elapsed();
+    }
+    let t1 = Instant::now();
+    drain(world).await.map_err(fail(ops.len()))?;
+    let t2 = Instant::now();
+    world.stop_workers().await.map_err(fail(ops.len()))?;
+    model::check_end(world).await.map_err(fail(ops.len()))?;
+    if profile {
+        eprintln!("ops {:?} (checks {:?}), drain {:?}, end {:?}", t1 - t0, in_checks, t2 - t1, t2.elapsed());
+    }
+    Ok(())
+}
+
+/// No more faults: every parked call and handler goes on, slots take, workers beat and recover,
+/// time passes, an operator finalizes streamed requests whose producer died; until every request
+/// is finished and nothing runs.
+async fn drain(world: &mut World) -> Result<(), String> {
+    use gate::{Fault, Verdict};
+    let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
+    for round in 0..DRAIN_ROUNDS {
+        if trace {
+            eprintln!(
+                "drain round {round} [parked: {}, actors: {}]",
+                world.parked.len(),
+                world.actor_count()
+            );
+        }
+        // Everything parked goes on until it parks again or ends, for a bounded number of steps.
+        for _ in 0..200 {
+            if world.parked.is_empty() {
+                break;
+            }
+            let parked = world.parked.remove(0);
+            world.resume(parked, Fault::None, Verdict::Ok).await?;
+            model::check_step(world).await?;
+        }
+        let (seen, _) = model::snapshot(world).await?;
+        let unfinished: Vec<u8> = seen
+            .iter()
+            .filter(|(_, s)| {
+                !s.meta.is_empty()
+                    && !s.terminal()
+                    && s.meta.get("state").map(String::as_str) != Some("loading")
+            })
+            .map(|(i, _)| *i)
+            .collect();
+        let indexed = seen.values().filter(|s| s.indexed).count();
+        // Only registrations of requests that never came to be are left: let their time run out.
+        let idle = unfinished.is_empty() && world.actor_count() == 0;
+        // Every dead worker reaped: the registry holds only the live ones, none is being reaped.
+        let live: Vec<String> = world.live_workers().into_iter().map(|(_, id)| id).collect();
+        let registered = model::registry(world).await?;
+        let ns = world.config.namespace_str();
+        let reaping: i64 =
+            world.reader.zcard(format!("{ns}:{{{ns}.q0}}:reaping")).await.map_err(|e| e.to_string())?;
+        let held: Vec<String> =
+            world.reader.hkeys(format!("{ns}:{{{ns}.q0}}:held")).await.map_err(|e| e.to_string())?;
+        // Stale elements (of finished requests, or older epochs) are taken and dropped by slots.
+        let mut queued = 0;
+        for p in [10, 50, 90] {
+            let n: i64 =
+                world.reader.llen(format!("{ns}:{{{ns}.q0}}:p:{p}")).await.map_err(|e| e.to_string())?;
+            queued += n;
+        }
+        let reaped = queued == 0
+            && reaping == 0
+            && registered.keys().all(|w| live.contains(w))
+            && held
+                .iter()
+                .all(|h| live.iter().any(|w| h.strip_prefix(w.as_str()).is_some_and(|s| s.starts_with('/'))));
+        if idle && indexed == 0 && reaped {
+            return Ok(());
+        }
+        if round == DRAIN_ROUNDS - 1 {
+            let states: Vec<String> =
+                unfinished.iter().map(|i| format!("{}: {:?}", world::request_id(*i), seen[i].meta)).collect();
+            let indexed: Vec<String> = seen
+                .iter()
+                .filter(|(_, s)| s.indexed)
+                .map(|(i, s)| format!("{} ({:?})", world::request_id(*i), s.meta.get("state")))
+                .collect();
+            let held: Vec<(String, String)> =
+                world.reader.hgetall(format!("{ns}:{{{ns}.q0}}:held")).await.map_err(|e| e.to_string())?;
+            let scores: Vec<(String, f64)> = world
+                .reader
+                .zrange(format!("{ns}:{{{ns}.q0}}:active"), 0, -1, None, false, None, true)
+                .await
+                .map_err(|e| e.to_string())?;
+            let (_, now) = model::snapshot(world).await?;
+            let looks: Vec<String> =
+                scores.iter().map(|(k, s)| format!("{k} in {} ms", *s as i64 - now as i64)).collect();
+            let mut lists = Vec::new();
+            for p in [10, 50, 90] {
+                let l: Vec<String> = world
+                    .reader
+                    .lrange(format!("{ns}:{{{ns}.q0}}:p:{p}"), 0, -1)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                lists.push((p, l));
+            }
+            return Err(format!(
+                "liveness: still unfinished after the drain: [{}]; indexed: {indexed:?}; actors: {}; held: {held:?}; \
+                 lists: {lists:?}; live workers: {live:?}; next looks: {looks:?}",
+                states.join("; "),
+                world.actor_count()
+            ));
+        }
+        for i in &unfinished {
+            let open = seen[i].meta.get("open").map(String::as_str) == Some("1");
+            if open && !world.busy_with(&world::request_id(*i).key_id()) {
+                world.apply(&Op::Finalize { request: *i }).await?;
+            }
+        }
+        for w in 0..WORKERS {
+            world.apply(&Op::Beat { worker: w }).await?;
+            for slot in 0..SLOTS {
+                world.apply(&Op::Take { worker: w, slot }).await?;
+            }
+        }
+        world.apply(&Op::Recover { worker: (round % WORKERS as usize) as u8 }).await?;
+        let tick =
+            if idle && indexed > 0 { world.config.loading_ttl.as_millis() as u32 / 2 } else { DRAIN_TICK };
+        world.apply(&Op::Advance { ms: tick }).await?;
+        model::check_step(world).await?;
+    }
+    Ok(())
+}
+
+/// Draws the sequence of seed `seed`.
+fn sequence(seed: u64, mix: &Mix) -> Vec<Op> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..mix.len).map(|_| draw(&mut rng, mix)).collect()
+}
+
+/// Removes operations while the failure (its kind) stays: chunks first, then single ones.
+async fn shrink(
+    server: &mut Server,
+    mut ops: Vec<Op>,
+    failure: &Failure,
+    budget: Duration,
+) -> (Vec<Op>, Failure) {
+    let started = Instant::now();
+    let kind = failure.kind();
+    let mut best = failure.clone();
+    ops.truncate((failure.at + 1).min(ops.len()));
+    let mut chunk = (ops.len() / 2).max(1);
+    loop {
+        let mut progressed = false;
+        let mut i = 0;
+        while i < ops.len() && started.elapsed() < budget {
+            let mut candidate = ops.clone();
+            candidate.drain(i..(i + chunk).min(candidate.len()));
+            match run(server, &candidate).await {
+                Err(f) if f.kind() == kind => {
+                    candidate.truncate((f.at + 1).min(candidate.len()));
+                    ops = candidate;
+                    best = f;
+                    progressed = true;
+                }
+                _ => i += chunk,
+            }
+        }
+        if started.elapsed() >= budget || (chunk == 1 && !progressed) {
+            return (ops, best);
+        }
+        if !progressed {
+            chunk = (chunk / 2).max(1);
+        }
+    }
+}
+
+fn report(seed: u64, ops: &[Op], failure: &Failure, tried: u64) -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target").join("checker");
+    let _ = std::fs::create_dir_all(&dir);
+    let path = dir.join(format!("failure-{seed}.json"));
+    let _ = std::fs::write(&path, serde_json::to_vec_pretty(ops).unwrap_or_default());
+    let listing: Vec<String> = ops.iter().enumerate().map(|(i, op)| format!("  {i:>3} {op}")).collect();
+    format!(
+        "the protocol checker broke an invariant after {tried} sequences\n  seed {seed} (replay: \
+         SLUICEGATE_CHECK_SEED={seed})\n  {}\n  shortest sequence found ({} operations, replay: \
+         SLUICEGATE_CHECK_REPLAY={}):\n{}",
+        failure.message,
+        ops.len(),
+        path.display(),
+        listing.join("\n")
+    )
+}
+
+/// Runs sequences on `threads` runners until `budget` is spent or one fails.
+fn search(budget: Duration, threads: usize, mix: Mix) -> Result<(u64, u64), String> {
+    let base: u64 = match std::env::var("SLUICEGATE_CHECK_SEED") {
+        Ok(s) => s.parse().expect("SLUICEGATE_CHECK_SEED is a number"),
+        Err(_) => match std::env::var("SLUICEGATE_CHECK_SEED_BASE") {
+            Ok(s) => s.parse().expect("SLUICEGATE_CHECK_SEED_BASE is a number"),
+            Err(_) => rand::random::<u32>().into(),
+        },
+    };
+    let fixed = std::env::var("SLUICEGATE_CHECK_SEED").is_ok();
+    let replay: Option<Vec<Op>> = std::env::var("SLUICEGATE_CHECK_REPLAY").ok().map(|p| {
+        serde_json::from_slice(&std::fs::read(&p).expect("SLUICEGATE_CHECK_REPLAY names a file"))
+            .expect("a sequence")
+    });
+    let threads =
+        std::env::var("SLUICEGATE_CHECK_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(threads);
+    eprintln!("protocol checker: seeds from {base}, {} s, {threads} runner(s)", budget.as_secs());
+    let next = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let found: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+    let steps = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + budget;
+    let runners: Vec<_> = (0..threads)
+        .map(|_| {
+            let (next, stop, found, steps, replay) =
+                (next.clone(), stop.clone(), found.clone(), steps.clone(), replay.clone());
+            std::thread::spawn(move || {
+                let rt =
+                    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+                rt.block_on(async {
+                    let mut server = Server::start().await;
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        let seed = base + n;
+                        let ops = match &replay {
+                            Some(ops) => ops.clone(),
+                            None => sequence(seed, &mix),
+                        };
+                        let result = run(&mut server, &ops).await;
+                        steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
+                        if let Err(failure) = result {
+                            if stop.swap(true, Ordering::Relaxed) {
+                                return;
+                            }
+                            let shrink_for =
+                                if std::env::var("SLUICEGATE_CHECK_NOSHRINK").is_ok() { 0 } else { 90 };
+                            let (min, why) =
+                                shrink(&mut server, ops, &failure, Duration::from_secs(shrink_for)).await;
+                            *found.lock().expect("no panic holds it") = Some(report(seed, &min, &why, n + 1));
+                            return;
+                        }
+                        if fixed || replay.is_some() {
+                            stop.store(true, Ordering::Relaxed);
+                        }
+                    }
+                });
+            })
+        })
+        .collect();
+    for r in runners {
+        r.join().map_err(|_| "a checker runner panicked".to_string())?;
+    }
+    if let Some(report) = found.lock().expect("no panic holds it").take() {
+        return Err(report);
+    }
+    Ok((next.load(Ordering::Relaxed), steps.load(Ordering::Relaxed)))
+}
+
+fn budget(default: u64) -> Duration {
+    Duration::from_secs(
+        std::env::var("SLUICEGATE_CHECK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(default),
+    )
+}
+
+const CI_MIX: Mix = Mix { len: 60, faults: 0.12, restarts: true };
+
+/// The CI budget: about two minutes of sequences, seeds varying per run and printed.
+#[test]
+fn randomized_interleavings_keep_every_invariant() {
+    match search(budget(110), 2, CI_MIX) {
+        Ok((sequences, steps)) => {
+            eprintln!("protocol checker: {sequences} sequences, {steps} operations, no invariant broken")
+        }
+        Err(report) => panic!("{report}"),
+    }
+}
+
+/// The long mode: `SLUICEGATE_CHECK_SECS` (default an hour), longer sequences.
+#[test]
+#[ignore = "long search: SLUICEGATE_CHECK_SECS=3600 cargo test --release --lib check:: -- --ignored"]
+fn randomized_interleavings_keep_every_invariant_long() {
+    let mix = Mix { len: 150, ..CI_MIX };
+    match search(budget(3600), 2, mix) {
+        Ok((sequences, steps)) => {
+            eprintln!("protocol checker: {sequences} sequences, {steps} operations, no invariant broken")
+        }
+        Err(report) => panic!("{report}"),
+    }
+}
+
+/// Every failure the search found and that was fixed is kept in `src/check/found/` (the shrunk
+/// sequence of its report, named for the defect) and replayed here, so that it stays fixed.
+#[test]
+fn recorded_failures_stay_fixed() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/check/found");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("src/check/found exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    rt.block_on(async {
+        let mut server = Server::start().await;
+        for file in files {
+            let ops: Vec<Op> = serde_json::from_slice(&std::fs::read(&file).expect("readable"))
+                .unwrap_or_else(|e| panic!("{}: not a sequence: {e}", file.display()));
+            if let Err(failure) = run(&mut server, &ops).await {
+                panic!("{} fails again after operation {}: {}", file.display(), failure.at, failure.message);
+            }
+        }
+    });
+}

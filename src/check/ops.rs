@@ -1,0 +1,173 @@
+//! The operations a checker sequence is made of, and the seeded generator that draws them.
+//!
+//! A sequence is data: replaying the same operations against a fresh Redis reproduces the run
+//! (every choice the code under test makes is deterministic under the checker, see
+//! `Store::deterministic`). Operations that pick among what is parked (`Step`, `Kill`) hold an
+//! index taken modulo the number of candidates, so that a shrunk sequence still replays.
+
+use std::fmt;
+
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::gate::{Fault, Verdict};
+
+/// Requests are drawn from a small pool of ids, so that producers race on the same id.
+pub(crate) const REQUEST_IDS: u8 = 6;
+/// Worker processes (each with [`SLOTS`] slots), replaced by a new incarnation when killed.
+pub(crate) const WORKERS: u8 = 3;
+pub(crate) const SLOTS: u8 = 2;
+pub(crate) const PRODUCERS: u8 = 3;
+
+/// How a request is submitted.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Shape {
+    /// `submit` of `parts` parts (one call when they fit in a chunk, else open/load/commit).
+    Whole { parts: u8, delay_ms: u32 },
+    /// `open`, then `add` of each count in turn, then `finalize` if `finalize`.
+    Streamed { adds: Vec<u8>, finalize: bool },
+}
+
+/// One request as a producer submits it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Submit {
+    pub(crate) producer: u8,
+    pub(crate) request: u8,
+    pub(crate) shape: Shape,
+    pub(crate) limit: u8,
+    pub(crate) priority: u8,
+    pub(crate) max_attempts: u8,
+    pub(crate) backoff_ms: u32,
+    pub(crate) fail_fast: bool,
+}
+
+/// One step of a sequence.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Op {
+    /// A producer starts submitting.
+    Submit(Submit),
+    /// Slot `slot` of worker `worker` takes one token and serves it (if it is idle).
+    Take {
+        worker: u8,
+        slot: u8,
+    },
+    /// Worker `worker` renews the leases its slots hold.
+    Beat {
+        worker: u8,
+    },
+    /// Worker `worker` runs one recovery pass.
+    Recover {
+        worker: u8,
+    },
+    /// An operator cancels, requeues the dead letters of, or finalizes a request.
+    Cancel {
+        request: u8,
+    },
+    Requeue {
+        request: u8,
+    },
+    Finalize {
+        request: u8,
+    },
+    /// Resumes one parked call (with `fault`) or handler run (ending as `verdict`).
+    Step {
+        pick: u16,
+        fault: Fault,
+        verdict: Verdict,
+    },
+    /// Time passes (the functions' clock; leases and backoffs run out by it).
+    Advance {
+        ms: u32,
+    },
+    /// The process of a parked actor dies (SIGKILL): a producer, an operator, or a whole worker.
+    Kill {
+        pick: u16,
+    },
+    /// redis-server is killed and restarted from its append-only file (`appendfsync always`).
+    Restart,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Submit(s) => write!(f, "{s:?}"),
+            other => write!(f, "{other:?}"),
+        }
+    }
+}
+
+/// How a sequence is drawn.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Mix {
+    /// Operations before the drain.
+    pub(crate) len: usize,
+    /// Share of `Step`s that meet a fault.
+    pub(crate) faults: f64,
+    /// Allow `Restart`.
+    pub(crate) restarts: bool,
+}
+
+/// Draws one operation.
+pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
+    let roll = rng.gen_range(0..1000);
+    match roll {
+        0..=449 => {
+            Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict: draw_verdict(rng) }
+        }
+        450..=599 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
+        600..=689 => Op::Submit(draw_submit(rng)),
+        690..=739 => Op::Recover { worker: rng.gen_range(0..WORKERS) },
+        740..=789 => Op::Beat { worker: rng.gen_range(0..WORKERS) },
+        790..=869 => Op::Advance {
+            ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
+        },
+        870..=899 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        900..=919 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
+        920..=939 => Op::Finalize { request: rng.gen_range(0..REQUEST_IDS) },
+        940..=996 => Op::Kill { pick: rng.gen() },
+        // A restart costs a few hundred ms of reconnects: about one sequence in six has one.
+        _ if mix.restarts && rng.gen_bool(0.9) => Op::Advance { ms: 100 },
+        _ if mix.restarts => Op::Restart,
+        _ => Op::Advance { ms: 100 },
+    }
+}
+
+fn draw_fault(rng: &mut StdRng, share: f64) -> Fault {
+    if !rng.gen_bool(share) {
+        return Fault::None;
+    }
+    match rng.gen_range(0..4) {
+        0 => Fault::LoseReply,
+        1 => Fault::Resend,
+        2 => Fault::Refuse,
+        _ => Fault::DieAfter,
+    }
+}
+
+fn draw_verdict(rng: &mut StdRng) -> Verdict {
+    match rng.gen_range(0..10) {
+        0..=5 => Verdict::Ok,
+        6..=8 => Verdict::Fail,
+        _ => Verdict::Permanent,
+    }
+}
+
+fn draw_submit(rng: &mut StdRng) -> Submit {
+    let shape = if rng.gen_bool(0.25) {
+        let adds = (0..rng.gen_range(1..=3)).map(|_| rng.gen_range(1..=3)).collect();
+        Shape::Streamed { adds, finalize: rng.gen_bool(0.85) }
+    } else {
+        let delay_ms = if rng.gen_bool(0.15) { rng.gen_range(100..1500) } else { 0 };
+        Shape::Whole { parts: rng.gen_range(1..=5), delay_ms }
+    };
+    Submit {
+        producer: rng.gen_range(0..PRODUCERS),
+        request: rng.gen_range(0..REQUEST_IDS),
+        shape,
+        limit: rng.gen_range(1..=3),
+        priority: [10, 50, 90][rng.gen_range(0..3)],
+        max_attempts: rng.gen_range(1..=3),
+        backoff_ms: if rng.gen_bool(0.5) { 0 } else { rng.gen_range(50..600) },
+        fail_fast: rng.gen_bool(0.2),
+    }
+}

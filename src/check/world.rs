@@ -1,0 +1,695 @@
+//! One checker run: the processes (producers, workers, an operator), the actors they run, and the
+//! scheduler that resumes one parked call at a time.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::prelude::*;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::gate::{Event, Fault, Gate, Verdict};
+use super::model::{Model, Outcome};
+use super::ops::{Op, Shape, Submit, SLOTS, WORKERS};
+use crate::admin::Cancelled;
+use crate::config::Config;
+use crate::keys::RequestId;
+use crate::store::Store;
+use crate::worker::{slot, Context, Handler, HandlerError, Quantum, WorkerMetrics};
+use crate::{async_trait, Admin, Producer};
+
+/// How long an actor may take to reach its next call before the run is declared stuck (a call
+/// that is not gated, or a hang in the code under test). Generous: BRPOPs block for real.
+const STEP_LIMIT: Duration = Duration::from_secs(10);
+
+/// The checker's handler: each run parks until the scheduler gives its verdict. Part `n` yields
+/// `3 n`.
+pub(crate) struct CheckHandler {
+    gate: Arc<Gate>,
+}
+
+#[async_trait]
+impl Handler for CheckHandler {
+    type Input = u64;
+    type Output = u64;
+    async fn handle(&self, ctx: Context, n: u64) -> Result<u64, HandlerError> {
+        match self.gate.handler(ctx.request_id().to_string(), ctx.index(), ctx.attempt()).await {
+            Verdict::Ok => Ok(n * 3),
+            Verdict::Fail => Err(HandlerError::new("a failure chosen by the checker")),
+            Verdict::Permanent => Err(HandlerError::permanent("a permanent failure chosen by the checker")),
+        }
+    }
+}
+
+/// Who runs an actor: a SIGKILL takes the whole process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Process {
+    Producer(u8),
+    Operator,
+    /// Worker `index`, incarnation `n`.
+    Worker(u8, u32),
+}
+
+/// What an actor does (the request indexes are for traces).
+#[derive(Clone, Debug)]
+#[allow(dead_code)]
+pub(crate) enum Task {
+    Submit(Submit),
+    Take { slot: u8 },
+    Beat,
+    Recover,
+    Cancel(u8),
+    Requeue(u8),
+    Finalize(u8),
+}
+
+struct Actor {
+    task: Option<JoinHandle<Outcome>>,
+    process: Process,
+    what: Task,
+}
+
+/// Something parked: an actor's next call, or a handler run.
+pub(crate) enum Parked {
+    Call { actor: u64, what: String, key: String, resume: oneshot::Sender<Fault> },
+    Handler { actor: u64, request: String, index: u64, attempt: u32, resume: oneshot::Sender<Verdict> },
+}
+
+impl Parked {
+    fn actor(&self) -> u64 {
+        match self {
+            Parked::Call { actor, .. } | Parked::Handler { actor, .. } => *actor,
+        }
+    }
+}
+
+/// One worker process.
+struct WorkerProc {
+    incarnation: u32,
+    shared: Arc<slot::Shared<CheckHandler>>,
+    /// What each slot keeps across its takes.
+    slots: Vec<Arc<tokio::sync::Mutex<slot::Slot>>>,
+    /// The actor each slot runs, if any.
+    busy: [Option<u64>; SLOTS as usize],
+    /// Whether its next beat is a first one (at its start, and after it learned it was declared
+    /// dead and took a new id).
+    first_beat: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// What a runner's worlds share.
+pub(crate) struct Connections {
+    config: Config,
+    gate: Arc<Gate>,
+    store: Store,
+    blocking: Vec<Client>,
+    events: Option<mpsc::UnboundedReceiver<Event>>,
+}
+
+/// A sequence's world, on a redis-server of its own (the runner flushes it between sequences).
+pub(crate) struct World {
+    pub(crate) config: Config,
+    store: Store,
+    gate: Arc<Gate>,
+    events: mpsc::UnboundedReceiver<Event>,
+    /// Ungated: what the invariants read.
+    pub(crate) reader: Client,
+    /// One blocking connection per worker slot (reused by later incarnations).
+    blocking: Vec<Client>,
+    workers: Vec<Option<WorkerProc>>,
+    incarnations: [u32; WORKERS as usize],
+    actors: HashMap<u64, Actor>,
+    next_actor: u64,
+    pub(crate) parked: Vec<Parked>,
+    producers_busy: [bool; super::ops::PRODUCERS as usize],
+    pub(crate) model: Model,
+    /// The ms the functions' clock runs ahead of Redis's.
+    pub(crate) clock_ms: u64,
+}
+
+/// Shortens every expiry of the namespace by ARGV[1] ms (deleting what that expires).
+const AGE_KEYS: &str = r"
+local cursor = '0'
+local by = tonumber(ARGV[1])
+repeat
+  local page = redis.call('SCAN', cursor, 'MATCH', ARGV[2], 'COUNT', 1000)
+  cursor = page[1]
+  for _, key in ipairs(page[2]) do
+    local ttl = redis.call('PTTL', key)
+    if ttl > 0 then
+      if ttl <= by then redis.call('DEL', key) else redis.call('PEXPIRE', key, ttl - by) end
+    end
+  end
+until cursor == '0'
+return 0
+";
+
+pub(crate) fn request_id(index: u8) -> RequestId {
+    RequestId::new(format!("r{index}")).expect("a valid id")
+}
+
+impl World {
+    /// The configuration of every component of a world.
+    pub(crate) fn config(url: &str) -> Config {
+        Config::new(url)
+            .namespace("ck")
+            .lease(Duration::from_millis(1000))
+            .heartbeat(Duration::from_millis(300))
+            .retention(Duration::from_secs(24 * 3600))
+            .loading_ttl(Duration::from_secs(3600))
+    }
+
+    /// The connections a world's processes share (kept across the worlds of one runner: making
+    /// them, and loading the library, is most of a short sequence's time otherwise).
+    pub(crate) async fn connections(url: &str) -> crate::Result<Connections> {
+        let config = Self::config(url);
+        let (gate, events) = Gate::new(2);
+        let gate = Arc::new(gate);
+        let store = Store::for_checker(&config, gate.clone()).await?;
+        let mut blocking = Vec::new();
+        for _ in 0..(WORKERS * SLOTS) {
+            blocking.push(store.blocking_client().await?);
+        }
+        Ok(Connections { config, gate, store, blocking, events: Some(events) })
+    }
+
+    pub(crate) fn new(conns: &mut Connections, reader: Client) -> World {
+        let mut events = conns.events.take().expect("one world at a time");
+        // Nothing of an earlier world may reach this one.
+        while events.try_recv().is_ok() {}
+        let (config, gate, store, blocking) =
+            (conns.config.clone(), conns.gate.clone(), conns.store.clone(), conns.blocking.clone());
+        World {
+            config,
+            store,
+            gate,
+            events,
+            reader,
+            blocking,
+            workers: (0..WORKERS).map(|_| None).collect(),
+            incarnations: [0; WORKERS as usize],
+            actors: HashMap::new(),
+            next_actor: 0,
+            parked: Vec::new(),
+            producers_busy: [false; super::ops::PRODUCERS as usize],
+            model: Model::default(),
+            clock_ms: 0,
+        }
+    }
+
+    /// Ends the world: aborts what still runs, and hands the event receiver back.
+    pub(crate) fn end(mut self, conns: &mut Connections) {
+        for (_, mut actor) in self.actors.drain() {
+            if let Some(task) = actor.task.take() {
+                task.abort();
+            }
+        }
+        self.parked.clear();
+        conns.events = Some(self.events);
+    }
+
+    /// The worker process `w`, started (as a new incarnation) if it is not running. A new worker's
+    /// first beat is made before anything else, as `Worker::run_until` does.
+    async fn worker(&mut self, w: u8) -> Result<&mut WorkerProc, String> {
+        if self.workers[w as usize].is_none() {
+            self.incarnations[w as usize] += 1;
+            let incarnation = self.incarnations[w as usize];
+            let shared = Arc::new(slot::Shared {
+                store: self.store.clone(),
+                handler: Arc::new(CheckHandler { gate: self.gate.clone() }),
+                worker_id: std::sync::Mutex::new(worker_id(w, incarnation)),
+                quantum: Quantum { parts: 3, time: Duration::from_secs(3600) },
+                max_batch: 2,
+                // An idle slot's wait on the bell: short, since the checker's time is its own.
+                idle_poll: Duration::from_millis(1),
+                shard_poll: Duration::from_millis(1),
+                shutdown_grace: Duration::from_secs(3600),
+                leases: Default::default(),
+                metrics: Arc::new(WorkerMetrics::default()),
+                stopping: CancellationToken::new(),
+                wakes: None,
+            });
+            let slots = (0..SLOTS)
+                .map(|n| Arc::new(tokio::sync::Mutex::new(slot::Slot::new(n as usize, 1))))
+                .collect();
+            let first_beat = Arc::new(std::sync::atomic::AtomicBool::new(true));
+            self.workers[w as usize] =
+                Some(WorkerProc { incarnation, shared, slots, busy: [None; SLOTS as usize], first_beat });
+            self.apply_beat(w).await?;
+            // The first beat runs to its end at once.
+            while let Some(i) = self.parked.iter().position(|p| {
+                self.actors.get(&p.actor()).is_some_and(|a| {
+                    matches!(a.what, Task::Beat) && a.process == Process::Worker(w, incarnation)
+                })
+            }) {
+                let parked = self.parked.remove(i);
+                self.resume(parked, Fault::None, Verdict::Ok).await?;
+            }
+        }
+        self.workers[w as usize].as_mut().ok_or_else(|| format!("worker {w} died during its first beat"))
+    }
+
+    /// Starts a beat of worker `w`: its registration, reaping of the dead workers it claims, and
+    /// the check of its slots' holds.
+    async fn apply_beat(&mut self, w: u8) -> Result<(), String> {
+        let p = self.workers[w as usize].as_ref().ok_or("no such worker")?;
+        let (shared, process, first) =
+            (p.shared.clone(), Process::Worker(w, p.incarnation), p.first_beat.clone());
+        self.spawn(process, Task::Beat, async move {
+            let info = crate::worker::WorkerInfo {
+                id: shared.id(),
+                slots: SLOTS as usize,
+                pid: 0,
+                host: "checker".into(),
+                started_ms: 0,
+                shards: 1,
+            };
+            let store = &shared.store;
+            match crate::worker::registry::beat(store, &info, first.load(Relaxed)).await {
+                Ok(found) => {
+                    first.store(false, Relaxed);
+                    if !found.alive {
+                        shared.leases.cancel_all();
+                        shared.renew_id();
+                        first.store(true, Relaxed);
+                    }
+                    for (id, described) in found.dead {
+                        if let Err(e) =
+                            crate::recovery::reap(store, &shared.metrics, &id, described.as_ref()).await
+                        {
+                            return Outcome::Error(e.to_string());
+                        }
+                    }
+                }
+                Err(e) => return Outcome::Error(e.to_string()),
+            }
+            shared.leases.check(store, Duration::ZERO).await;
+            Outcome::Done
+        })
+        .await
+    }
+
+    /// Applies one operation; `Err` names a broken invariant or a stuck actor.
+    pub(crate) async fn apply(&mut self, op: &Op) -> Result<(), String> {
+        match op {
+            Op::Submit(s) => {
+                if self.producers_busy[s.producer as usize] {
+                    return Ok(());
+                }
+                self.producers_busy[s.producer as usize] = true;
+                self.model.submitting(s);
+                let producer = Producer::from_store(self.store.clone());
+                let s2 = s.clone();
+                self.spawn(Process::Producer(s.producer), Task::Submit(s.clone()), async move {
+                    submit(&producer, &s2).await
+                })
+                .await
+            }
+            Op::Take { worker, slot } => {
+                let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
+                self.worker(*worker).await?;
+                let id = self.next_actor;
+                let w = self.worker(*worker).await?;
+                if w.busy[*slot as usize].is_some() {
+                    return Ok(());
+                }
+                let (shared, state) = (w.shared.clone(), w.slots[*slot as usize].clone());
+                let process = Process::Worker(*worker, w.incarnation);
+                w.busy[*slot as usize] = Some(id);
+                self.spawn(process, Task::Take { slot: *slot }, async move {
+                    let mut state = state.lock().await;
+                    match slot::take_and_serve(&shared, &mut state, &blocking, 0).await {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Beat { worker } => {
+                self.worker(*worker).await?;
+                self.apply_beat(*worker).await
+            }
+            Op::Recover { worker } => {
+                let w = self.worker(*worker).await?;
+                let (shared, process) = (w.shared.clone(), Process::Worker(*worker, w.incarnation));
+                self.spawn(process, Task::Recover, async move {
+                    if let Err(e) = crate::recovery::pass(&shared.store, &shared.metrics).await {
+                        return Outcome::Error(e.to_string());
+                    }
+                    match crate::recovery::scan_held(&shared.store, &shared.metrics).await {
+                        Ok(_) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Cancel { request } => {
+                let admin = Admin::from_store(self.store.clone());
+                let id = request_id(*request);
+                self.spawn(Process::Operator, Task::Cancel(*request), async move {
+                    match admin.cancel(&id).await {
+                        // Already cancelled: maybe by this very call, re-sent after it ran.
+                        Ok(Cancelled::Now | Cancelled::AlreadyFinished(crate::RequestState::Cancelled)) => {
+                            Outcome::Cancelled
+                        }
+                        Ok(_) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Requeue { request } => {
+                let admin = Admin::from_store(self.store.clone());
+                let id = request_id(*request);
+                self.spawn(Process::Operator, Task::Requeue(*request), async move {
+                    match admin.requeue_dead(&id).await {
+                        Ok(n) => Outcome::Requeued(n),
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Finalize { request } => {
+                let admin = Admin::from_store(self.store.clone());
+                let id = request_id(*request);
+                self.spawn(Process::Operator, Task::Finalize(*request), async move {
+                    match admin.finalize(&id).await {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Step { pick, fault, verdict } => {
+                if self.parked.is_empty() {
+                    return Ok(());
+                }
+                let parked = self.parked.remove(*pick as usize % self.parked.len());
+                self.resume(parked, *fault, *verdict).await
+            }
+            Op::Advance { ms } => {
+                self.clock_ms += u64::from(*ms);
+                let _: () = self
+                    .reader
+                    .set("sgcheck:clock", self.clock_ms, None, None, false)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                // Expiries age by the same amount: Redis expires keys by its own clock, which the
+                // checker does not move.
+                let pattern = format!("{}:*", self.config.namespace_str());
+                let _: Value = self
+                    .reader
+                    .eval(AGE_KEYS, Vec::<String>::new(), vec![ms.to_string(), pattern])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(())
+            }
+            Op::Kill { pick } => {
+                if self.parked.is_empty() {
+                    return Ok(());
+                }
+                let actor = self.parked[*pick as usize % self.parked.len()].actor();
+                if let Some(process) = self.actors.get(&actor).map(|a| a.process) {
+                    self.kill(process);
+                }
+                Ok(())
+            }
+            Op::Restart => Ok(()), // done by the runner, which owns the server
+        }
+    }
+
+    /// Starts an actor and runs it to its first park (or its end).
+    async fn spawn<F>(&mut self, process: Process, what: Task, body: F) -> Result<(), String>
+    where
+        F: std::future::Future<Output = Outcome> + Send + 'static,
+    {
+        let id = self.next_actor;
+        self.next_actor += 1;
+        let task = tokio::spawn(body);
+        self.actors.insert(id, Actor { task: Some(task), process, what });
+        self.run_until_parked(id).await
+    }
+
+    /// Resumes one parked thing and runs its actor to its next park (or its end).
+    pub(crate) async fn resume(
+        &mut self,
+        parked: Parked,
+        fault: Fault,
+        verdict: Verdict,
+    ) -> Result<(), String> {
+        let actor = parked.actor();
+        if std::env::var("SLUICEGATE_CHECK_TRACE").is_ok() {
+            let what = self.actors.get(&actor).map(|a| format!("{:?}", a.what)).unwrap_or_default();
+            match &parked {
+                Parked::Call { what: call, key, .. } => {
+                    eprintln!("      actor {actor} {what}: {call} {key} ({fault:?})")
+                }
+                Parked::Handler { request, index, attempt, .. } => {
+                    eprintln!("      actor {actor} {what}: handler {request}[{index}] attempt {attempt} -> {verdict:?}")
+                }
+            }
+        }
+        match parked {
+            Parked::Call { resume, what, key, .. } => {
+                self.model.call(actor, &what, &key, fault);
+                let _ = resume.send(fault);
+            }
+            Parked::Handler { resume, request, index, attempt, .. } => {
+                self.model.verdict(&request, index, attempt, verdict);
+                let _ = resume.send(verdict);
+            }
+        }
+        self.run_until_parked(actor).await
+    }
+
+    async fn run_until_parked(&mut self, id: u64) -> Result<(), String> {
+        let Some(mut task) = self.actors.get_mut(&id).and_then(|a| a.task.take()) else { return Ok(()) };
+        let limit = tokio::time::sleep(STEP_LIMIT);
+        tokio::pin!(limit);
+        let event = tokio::select! {
+            biased;
+            ev = self.events.recv() => Some(ev),
+            end = &mut task => {
+                let outcome = end.unwrap_or_else(|e| Outcome::Error(format!("actor panicked: {e}")));
+                self.finished(id, outcome);
+                return Ok(());
+            }
+            _ = &mut limit => None,
+        };
+        let actor = self.actors.get_mut(&id).expect("a running actor is known");
+        match event {
+            Some(Some(Event::Call { what, key, resume })) => {
+                actor.task = Some(task);
+                self.parked.push(Parked::Call { actor: id, what, key, resume });
+                Ok(())
+            }
+            Some(Some(Event::Handler { request, index, attempt, resume })) => {
+                actor.task = Some(task);
+                self.model.handler_started(id, &request, index, attempt);
+                self.parked.push(Parked::Handler { actor: id, request, index, attempt, resume });
+                Ok(())
+            }
+            Some(Some(Event::Dying)) => {
+                actor.task = Some(task);
+                let process = actor.process;
+                self.kill(process);
+                Ok(())
+            }
+            Some(None) => Err("the checker's event channel closed".into()),
+            None => {
+                let what = actor.what.clone();
+                task.abort();
+                Err(format!("actor {id} ({what:?}) reached no call within {STEP_LIMIT:?}"))
+            }
+        }
+    }
+
+    fn finished(&mut self, id: u64, outcome: Outcome) {
+        if std::env::var("SLUICEGATE_CHECK_TRACE").is_ok() {
+            eprintln!("      actor {id} ended: {outcome:?}");
+        }
+        if let Some(actor) = self.actors.remove(&id) {
+            self.release(id, &actor);
+            self.model.ended(&actor.what, outcome);
+        }
+    }
+
+    /// Forgets what an actor occupied (its slot, its producer).
+    fn release(&mut self, id: u64, actor: &Actor) {
+        match (actor.process, &actor.what) {
+            (Process::Worker(w, inc), Task::Take { slot }) => {
+                if let Some(proc_) = self.workers[w as usize].as_mut().filter(|p| p.incarnation == inc) {
+                    if proc_.busy[*slot as usize] == Some(id) {
+                        proc_.busy[*slot as usize] = None;
+                    }
+                }
+            }
+            (Process::Producer(p), _) => self.producers_busy[p as usize] = false,
+            _ => {}
+        }
+    }
+
+    /// SIGKILL: every actor of `process` dies where it is parked; a worker's handlers with it.
+    pub(crate) fn kill(&mut self, process: Process) {
+        let dead: Vec<u64> =
+            self.actors.iter().filter(|(_, a)| a.process == process).map(|(id, _)| *id).collect();
+        for id in &dead {
+            if let Some(mut actor) = self.actors.remove(id) {
+                if let Some(task) = actor.task.take() {
+                    task.abort();
+                }
+                self.release(*id, &actor);
+                self.model.died(*id, &actor.what);
+            }
+        }
+        self.parked.retain(|p| !dead.contains(&p.actor()));
+        if let Process::Worker(w, inc) = process {
+            if self.workers[w as usize].as_ref().is_some_and(|p| p.incarnation == inc) {
+                self.workers[w as usize] = None;
+            }
+        }
+    }
+
+    /// Stops every worker process cleanly, as `Worker::run_until` does at its end: its slots end
+    /// their take records and it leaves the registry (calls made outside the gate).
+    pub(crate) async fn stop_workers(&mut self) -> Result<(), String> {
+        // The drain left no actor running; whatever is left (none) stops here, workers stay.
+        for (_, mut actor) in self.actors.drain() {
+            if let Some(task) = actor.task.take() {
+                task.abort();
+            }
+        }
+        self.parked.clear();
+        let mut plain = self.store.clone();
+        plain.gate = None;
+        for w in self.workers.iter_mut() {
+            let Some(p) = w.take() else { continue };
+            let shared = slot::Shared {
+                store: plain.clone(),
+                handler: p.shared.handler.clone(),
+                worker_id: std::sync::Mutex::new(p.shared.id()),
+                quantum: p.shared.quantum,
+                max_batch: p.shared.max_batch,
+                idle_poll: p.shared.idle_poll,
+                shard_poll: p.shared.shard_poll,
+                shutdown_grace: p.shared.shutdown_grace,
+                leases: Default::default(),
+                metrics: p.shared.metrics.clone(),
+                stopping: CancellationToken::new(),
+                wakes: None,
+            };
+            for state in &p.slots {
+                slot::release_all(&shared, &mut *state.lock().await).await;
+            }
+            crate::worker::registry::leave(&plain, &shared.id()).await.map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The workers alive now, as (index, worker id).
+    pub(crate) fn live_workers(&self) -> Vec<(u8, String)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(w, p)| p.as_ref().map(|p| (w as u8, p.shared.id())))
+            .collect()
+    }
+
+    /// The holder (`<worker id>/<slot>`) of the slot actor `actor`, if it is one.
+    pub(crate) fn holder_of(&self, actor: u64) -> Option<String> {
+        let a = self.actors.get(&actor)?;
+        match (a.process, &a.what) {
+            (Process::Worker(w, inc), Task::Take { slot }) => {
+                let p = self.workers[w as usize].as_ref().filter(|p| p.incarnation == inc)?;
+                Some(format!("{}/{slot}", p.shared.id()))
+            }
+            _ => None,
+        }
+    }
+
+    pub(crate) fn actor_count(&self) -> usize {
+        self.actors.len()
+    }
+
+    /// Whether an actor that touches request `kid` is mid-way (parked between its calls).
+    pub(crate) fn busy_with(&self, kid: &str) -> bool {
+        self.actors.keys().any(|id| self.model.touched(*id, kid))
+    }
+}
+
+fn worker_id(w: u8, incarnation: u32) -> String {
+    format!("w{w}i{incarnation}")
+}
+
+/// The payload of part `index` of request `request`: distinct across requests.
+pub(crate) fn payload(request: u8, index: u64) -> u64 {
+    u64::from(request) * 1000 + index + 1
+}
+
+async fn submit(producer: &Producer, s: &Submit) -> Outcome {
+    let id = request_id(s.request).to_string();
+    let builder = || -> crate::Result<crate::producer::RequestBuilder<'_>> {
+        let b = producer
+            .request()
+            .id(id.clone())?
+            .priority(s.priority)?
+            .concurrency(u32::from(s.limit))?
+            .max_attempts(u32::from(s.max_attempts))?
+            .backoff(
+                Duration::from_millis(u64::from(s.backoff_ms)),
+                Duration::from_millis(u64::from(s.backoff_ms) * 4),
+            )?
+            .fail_fast(s.fail_fast);
+        Ok(b)
+    };
+    let result = match &s.shape {
+        Shape::Whole { parts, delay_ms } => {
+            let parts: Vec<u64> = (0..u64::from(*parts)).map(|i| payload(s.request, i)).collect();
+            match builder() {
+                Ok(b) => b
+                    .delay(Duration::from_millis(u64::from(*delay_ms)))
+                    .submit(parts)
+                    .await
+                    .map(|_| u64::from(*parts_len(&s.shape))),
+                Err(e) => Err(e),
+            }
+        }
+        Shape::Streamed { adds, finalize } => {
+            let mut open = match builder() {
+                Ok(b) => match b.open().await {
+                    Ok(o) => o,
+                    Err(e) => return Outcome::from_submit(Err(e)),
+                },
+                Err(e) => return Outcome::from_submit(Err(e)),
+            };
+            let mut next = 0u64;
+            for n in adds {
+                let parts: Vec<u64> = (next..next + u64::from(*n)).map(|i| payload(s.request, i)).collect();
+                if let Err(e) = open.add(parts).await {
+                    return Outcome::Streamed {
+                        added: next,
+                        ambiguous: u64::from(*n),
+                        error: Some(e.to_string()),
+                    };
+                }
+                next += u64::from(*n);
+            }
+            if *finalize {
+                if let Err(e) = open.finalize().await {
+                    return Outcome::Streamed { added: next, ambiguous: 0, error: Some(e.to_string()) };
+                }
+            }
+            return Outcome::Streamed { added: next, ambiguous: 0, error: None };
+        }
+    };
+    Outcome::from_submit(result)
+}
+
+fn parts_len(shape: &Shape) -> &u8 {
+    match shape {
+        Shape::Whole { parts, .. } => parts,
+        Shape::Streamed { .. } => &0,
+    }
+}

@@ -1,0 +1,137 @@
+//! The worker registry (shard 0): which workers are alive, by Redis's clock.
+//!
+//! A worker registers on its first beat and beats every `heartbeat` from a thread of its own
+//! (`worker::liveness`); a registration not renewed within the lease has expired, and the next beat
+//! of any worker claims the dead worker for reaping (`beat.lua`), after which recovery reclaims
+//! the tokens its slots held (`recovery::reap`). A worker that finds its own registration gone
+//! (it was cut off longer than the lease) takes a new id.
+
+use fred::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::config::millis;
+use crate::error::{Error, Result};
+use crate::reply;
+use crate::scripts::Func;
+use crate::store::Store;
+
+/// A live worker, as it registered itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct WorkerInfo {
+    /// Its id (its stream consumer name).
+    pub id: String,
+    /// Handlers it runs at once.
+    pub slots: usize,
+    /// Its process id.
+    pub pid: u32,
+    /// Its host name.
+    pub host: String,
+    /// When it started (ms since the Unix epoch).
+    pub started_ms: u64,
+    /// The token shards it serves (its slots' take records may be on any of them).
+    #[serde(default = "one")]
+    pub shards: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// What a beat found.
+pub(crate) struct Beat {
+    /// False when this worker had been declared dead: it must take a new id.
+    pub(crate) alive: bool,
+    /// Dead workers this beat claimed for reaping, with what they registered.
+    pub(crate) dead: Vec<(String, Option<WorkerInfo>)>,
+}
+
+/// Dead workers one beat claims at most.
+const REAP_BATCH: i64 = 16;
+
+/// One beat of worker `info.id`: renews (or, `first`, makes) its registration and claims dead
+/// workers for reaping.
+pub(crate) async fn beat(store: &Store, info: &WorkerInfo, first: bool) -> Result<Beat> {
+    let (workers, winfo, reaping) = (store.keys.workers(), store.keys.worker_info(), store.keys.reaping());
+    let json = serde_json::to_string(info).map_err(|e| Error::Codec(e.to_string()))?;
+    let lease = millis(store.config.lease) as i64;
+    // A reaper that dies leaves its claim; another claims the worker again after a few leases.
+    let claim = lease.saturating_mul(5);
+    let args: Vec<Value> = vec![
+        info.id.as_str().into(),
+        lease.into(),
+        json.into(),
+        (if first { "1" } else { "0" }).into(),
+        REAP_BATCH.into(),
+        claim.into(),
+    ];
+    let mut items =
+        reply::array(store.fcall(Func::Beat, &[&workers, &winfo, &reaping], args).await?)?.into_iter();
+    let alive = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1) == 1;
+    let mut dead = Vec::new();
+    while let (Some(id), Some(described)) = (items.next(), items.next()) {
+        let id = reply::text(&id)?;
+        let described = reply::text(&described).ok().and_then(|j| serde_json::from_str(&j).ok());
+        dead.push((id, described));
+    }
+    Ok(Beat { alive, dead })
+}
+
+/// Takes a worker out of the registry: at its clean stop, or once recovery reaped it.
+pub(crate) async fn leave(store: &Store, id: &str) -> Result<()> {
+    let (workers, winfo, reaping) = (store.keys.workers(), store.keys.worker_info(), store.keys.reaping());
+    store.fcall(Func::Reaped, &[&workers, &winfo, &reaping], vec![id.into()]).await?;
+    Ok(())
+}
+
+/// For each worker id, whether it is gone: neither registered (alive, or dead and waiting to be
+/// claimed) nor being reaped. Recovery reclaims only a gone worker's tokens itself; the others' are
+/// the reaper's (or their own).
+pub(crate) async fn gone(store: &Store, ids: &[String]) -> Result<Vec<bool>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (workers, reaping) = (store.keys.workers(), store.keys.reaping());
+    let score = |key: String| {
+        let ids = ids.to_vec();
+        async move {
+            let key2 = key.clone();
+            store
+                .call("zmscore", &key2, || {
+                    let (key, ids) = (key.clone(), ids.clone());
+                    async move {
+                        let scores: Vec<Option<f64>> = store
+                            .client
+                            .custom(
+                                fred::cmd!("ZMSCORE"),
+                                std::iter::once(key).chain(ids).collect::<Vec<String>>(),
+                            )
+                            .await?;
+                        Ok(scores)
+                    }
+                })
+                .await
+        }
+    };
+    let registered = score(workers).await?;
+    let reaped = score(reaping).await?;
+    Ok(registered.iter().zip(&reaped).map(|(r, p)| r.is_none() && p.is_none()).collect())
+}
+
+/// The registered workers whose registration has not expired, by Redis's clock.
+pub(crate) async fn live(store: &Store) -> Result<Vec<WorkerInfo>> {
+    let (workers, winfo) = (store.keys.workers(), store.keys.worker_info());
+    // The registry's own master's clock, which wrote the expiries.
+    let slot = fred::util::redis_keyslot(workers.as_bytes());
+    let time = fred::cmd!("TIME", hash: fred::types::ClusterHash::Custom(slot));
+    let (secs, micros): (u64, u64) = store.client.custom(time, Vec::<Value>::new()).await?;
+    let now = (secs * 1000 + micros / 1000) as f64;
+    let ids: Vec<String> =
+        store.client.zrangebyscore(workers.as_str(), now, f64::INFINITY, false, None).await?;
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let infos: Vec<Option<String>> = store.client.hmget(winfo.as_str(), ids).await?;
+    // (Fields "<id>|lapsed" are not descriptions: never asked for here.)
+    Ok(infos.into_iter().flatten().filter_map(|j| serde_json::from_str(&j).ok()).collect())
+}
