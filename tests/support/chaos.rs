@@ -80,7 +80,7 @@ pub fn worker_binary() -> &'static Path {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = std::process::Command::new(cargo);
         build
-            .args(["build", "--quiet", "--example", "chaos_worker", "--target-dir"])
+            .args(["build", "--example", "chaos_worker", "--target-dir"])
             .arg(target_dir)
             .current_dir(env!("CARGO_MANIFEST_DIR"));
         // Cargo sets these for the test it runs; a build script that watches one (ring's watches
@@ -111,8 +111,34 @@ pub fn worker_binary() -> &'static Path {
                 build.args(["--profile", other]);
             }
         }
-        let status = build.status().expect("cargo runs");
-        assert!(status.success(), "cargo build --example chaos_worker failed: {status}");
+        // Bounded, and its output kept: a build that waits on a lock or fails says so rather
+        // than hang the suite or fail in silence.
+        let out_path =
+            std::env::temp_dir().join(format!("sluicegate-chaos-build-{}.log", std::process::id()));
+        let out = std::fs::File::create(&out_path).expect("build log file");
+        let mut child =
+            build.stdout(out.try_clone().expect("build log file")).stderr(out).spawn().expect("cargo runs");
+        let limit = Duration::from_secs(900);
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("waiting for cargo") {
+                break status;
+            }
+            if started.elapsed() > limit {
+                let _ = child.kill();
+                panic!(
+                    "cargo build --example chaos_worker still running after {limit:?}:\n{}",
+                    log_tail(&out_path, 30)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            status.success(),
+            "cargo build --example chaos_worker failed ({status}):\n{}",
+            log_tail(&out_path, 30)
+        );
+        let _ = std::fs::remove_file(&out_path);
         let bin = profile_dir.join("examples").join(format!("chaos_worker{}", std::env::consts::EXE_SUFFIX));
         assert!(bin.is_file(), "{} missing after the build", bin.display());
         bin
@@ -519,6 +545,8 @@ pub struct Figures {
     pub keys_gone_after: Duration,
     /// How long the graceful stop of all workers took.
     pub stop_took: Duration,
+    /// From the end of the run until recovery had taken every finished request out of the index.
+    pub index_settled_after: Duration,
     /// Submit of the first request to completion of the last.
     pub run_took: Duration,
     /// The whole test, set-up and leak check included.
@@ -657,7 +685,8 @@ impl fmt::Display for Figures {
         write!(
             f,
             " listeners[{}] (read errors {}) tokens_outstanding={} keys_left={} orphaned_handlers={} \
-             wait_errors={} elapsed={:.1?} (run {:.1?}, stop {:.1?}, keys gone after {:.1?}) seed={}",
+             wait_errors={} elapsed={:.1?} (run {:.1?}, index settled after {:.1?}, stop {:.1?}, keys gone \
+             after {:.1?}) seed={}",
             listeners.join(" "),
             read_errors.join("/"),
             self.tokens_outstanding.len(),
@@ -666,6 +695,7 @@ impl fmt::Display for Figures {
             self.wait_errors,
             self.total_took,
             self.run_took,
+            self.index_settled_after,
             self.stop_took,
             self.keys_gone_after,
             self.seed
@@ -684,6 +714,58 @@ struct Submitted {
 /// Runs `scenario` and returns its figures; panics (with a diagnosis) only when the run does not
 /// finish within its timeout or the set-up fails.
 pub async fn run(scenario: Scenario) -> Figures {
+    // Every step of a run is bounded on its own, but a bound can be missed (an await with none, a
+    // blocking call): a run that outlives its scenario's timeout by far says where it was rather
+    // than hang the suite. The run goes in a task of its own, so this clock keeps going even if
+    // that task blocks its thread.
+    // Built (or found up to date) first, bounded on its own: a build is not part of the run.
+    worker_binary();
+    let limit = scenario.timeout + Duration::from_secs(180);
+    let (name, seed) = (scenario.name.clone(), scenario.seed);
+    let phase = Phase::default();
+    let mut task = tokio::spawn(run_phased(scenario, phase.clone()));
+    match tokio::time::timeout(limit, &mut task).await {
+        Ok(Ok(figures)) => figures,
+        Ok(Err(e)) => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => {
+            let (step, since) = phase.now();
+            let why = format!(
+                "chaos[{name}] hung: not done {limit:?} after it began, in step \"{step}\" for {since:?} (seed {seed})"
+            );
+            // Past the test harness's capture, so that it shows even if the panic cannot unwind.
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{why}\n").as_bytes());
+            task.abort();
+            panic!("{why}");
+        }
+    }
+}
+
+/// The step a run is in and since when; `SLUICEGATE_CHAOS_TRACE=1` also prints each step.
+#[derive(Clone)]
+struct Phase(Arc<Mutex<(&'static str, Instant)>>);
+
+impl Default for Phase {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(("starting", Instant::now()))))
+    }
+}
+
+impl Phase {
+    fn set(&self, step: &'static str) {
+        *self.0.lock().unwrap() = (step, Instant::now());
+        if std::env::var("SLUICEGATE_CHAOS_TRACE").is_ok_and(|v| v == "1") {
+            let _ =
+                std::io::Write::write_all(&mut std::io::stderr(), format!("chaos step: {step}\n").as_bytes());
+        }
+    }
+
+    fn now(&self) -> (&'static str, Duration) {
+        let (step, since) = *self.0.lock().unwrap();
+        (step, since.elapsed())
+    }
+}
+
+async fn run_phased(scenario: Scenario, phase: Phase) -> Figures {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             // fred warns about every connection a fault closes: expected here, so quiet by default.
@@ -692,8 +774,6 @@ pub async fn run(scenario: Scenario) -> Figures {
         )
         .with_test_writer()
         .try_init();
-    // Built (or found up to date) before the clock starts: a build is not part of the run.
-    worker_binary();
     let began = Instant::now();
     let s = scenario;
     let mut rng = StdRng::seed_from_u64(s.seed);
@@ -706,6 +786,7 @@ pub async fn run(scenario: Scenario) -> Figures {
         _ => None,
     };
     // Sluicegate's Redis in a single-Redis run; in a cluster run only the handlers' counters.
+    phase.set("starting redis");
     let mut server = RedisServer::builder()
         .aof_always(!restart_at.is_empty())
         .start()
@@ -763,7 +844,9 @@ pub async fn run(scenario: Scenario) -> Figures {
         log_dir: log_dir.clone(),
     };
 
+    phase.set("starting the workers");
     let pool = WorkerPool::start(settings, s.workers, rng.gen()).await;
+    phase.set("connecting listeners and the producer");
     // Listening starts before the first submit, so each must see every completion.
     let stop_listening = CancellationToken::new();
     let (heard_direct, listen_direct) =
@@ -783,6 +866,7 @@ pub async fn run(scenario: Scenario) -> Figures {
     let run_began = Instant::now();
     let progress = Progress::default();
     let completed = || progress.finished.lock().unwrap().len();
+    phase.set("submitting");
     let (submitted, waiters) = submit_all(&producer, &s, &mut rng, &progress).await;
 
     // Until every request is done and both listeners heard of each; a watchdog fails the run early
@@ -836,9 +920,11 @@ pub async fn run(scenario: Scenario) -> Figures {
             }
         }
     };
+    phase.set("running (the watchdog is on)");
     let completions: Vec<Completion<u64>> = tokio::select! {
         done = everything_done => done,
         why = watchdog => {
+            phase.set("diagnosing a stalled run");
             let unfinished: Vec<&Submitted> =
                 submitted.iter().filter(|x| !progress.finished.lock().unwrap().contains(&x.r)).collect();
             let diagnosis =
@@ -850,6 +936,7 @@ pub async fn run(scenario: Scenario) -> Figures {
     let last_completion = Instant::now();
 
     // Faults off; give late duplicates (a second completion event, say) a moment to show.
+    phase.set("stopping the faults");
     stop_faults.cancel();
     let mut pool = pool_task.await.expect("fault task");
     if let Some(p) = &proxy {
@@ -857,17 +944,27 @@ pub async fn run(scenario: Scenario) -> Figures {
         p.wait_unstalled().await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
+    phase.set("checking the workers are alive");
     pool.check_alive().await;
 
+    phase.set("connecting the census");
     let client = connect_with_retry(&server_url).await;
     let sg_client = if sg_url == server_url { client.clone() } else { connect_with_retry(&sg_url).await };
+    // With the workers still running: a worker killed while it finished a request leaves the last
+    // steps of that finish (the request leaving the index) to recovery, which does them once the
+    // dead worker is reaped, a lease and a beat later. Only then is the count final.
+    phase.set("waiting for recovery to settle the index");
+    let index_settled_after = wait_for_settled_index(&sg_client, &namespace).await;
+    phase.set("counting tokens");
     let labelled: Vec<(u64, RequestId)> = submitted.iter().map(|s| (s.r, s.id.clone())).collect();
     let tokens_outstanding = crate::census::tokens_outstanding(&sg_client, &namespace, &labelled).await;
+    phase.set("stopping the workers");
     let stop_took = pool.stop_all(Duration::from_secs(20)).await;
     let mut running_left = 0;
     for key in scan(&client, &format!("chaos:{namespace}:running:*")).await {
         running_left += client.zcard::<u64, _>(key).await.expect("ZCARD");
     }
+    phase.set("stopping the listeners");
     stop_listening.cancel();
     let _ = listen_direct.await;
     let _ = listen_second.await;
@@ -889,10 +986,12 @@ pub async fn run(scenario: Scenario) -> Figures {
         running_left,
         worker_problems: pool.problems.clone(),
         stop_took,
+        index_settled_after,
         run_took,
         log_dir: log_dir.clone(),
         ..Figures::default()
     };
+    phase.set("checking results and counters");
     check_results(&mut f, &s, &submitted, &completions);
     check_counters(&mut f, &client, &namespace, &s, &submitted, &completions).await;
     let ids: HashSet<String> = submitted.iter().map(|x| x.id.as_str().to_owned()).collect();
@@ -900,9 +999,11 @@ pub async fn run(scenario: Scenario) -> Figures {
         f.listeners.push(listener_figures(name, &heard.lock().unwrap(), &ids));
     }
 
+    phase.set("waiting for the namespace to empty");
     (f.keys_left, f.keys_gone_after) = wait_for_empty_namespace(&sg_url, &namespace, last_completion).await;
     let _ = client.quit().await;
     let _ = sg_client.quit().await;
+    phase.set("stopping redis");
     drop(cluster);
     f.total_took = began.elapsed();
     if f.problems().is_empty() {
@@ -1022,6 +1123,20 @@ async fn submit_all(
         }));
     }
     (submitted, waiters)
+}
+
+/// Polls the index of active requests (token shard 0) until it is empty, for at most ten leases;
+/// returns how long that took. What is still there after it is reported by the token census.
+async fn wait_for_settled_index(client: &Client, ns: &str) -> Duration {
+    let started = Instant::now();
+    let active = format!("{ns}:{{{ns}.q0}}:active");
+    while started.elapsed() < LEASE * 10 {
+        if client.zcard::<u64, _>(&active).await.unwrap_or(1) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
 }
 
 /// Polls the namespace until it is empty or a retention (plus 10 s of slack for expiry) has passed
