@@ -9,9 +9,9 @@ use crate::config::{millis, Config};
 use crate::error::{Error, Result};
 use crate::keys::RequestId;
 use crate::producer::PartError;
+use crate::protocol::{Code, Func, Refusal};
 use crate::reply;
 use crate::request::{Priority, RequestState};
-use crate::scripts::Func;
 use crate::shards::{Finished, Look, Placement};
 use crate::store::Store;
 use crate::worker::registry;
@@ -245,10 +245,8 @@ impl Admin {
                 crate::shards::requeue_dead(&self.store, &key_id, place.shards, &reopen_as, false).await;
             let items = match requeued {
                 Ok(items) => items,
-                Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
-                    return Err(Error::InvalidRequest(format!(
-                        "request \"{id}\" has no dead letters that can be requeued (only a failed, running or queued request has)"
-                    )));
+                Err(e) if Refusal::is(&e, Code::State).is_some() => {
+                    return Err(Error::NoDeadLetters(id.clone()))
                 }
                 Err(e) => return Err(e),
             };

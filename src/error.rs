@@ -26,7 +26,19 @@ pub enum Error {
     Codec(String),
     /// Redis answered with an error, or could not be reached.
     #[error("redis: {0}")]
-    Redis(#[from] fred::error::Error),
+    Redis(RedisError),
+    /// A request was not created because its loading time ran out before its producer had
+    /// written it whole (a producer that stalled, or lost Redis for that long); nothing of it is
+    /// kept: submit it again.
+    #[error("request \"{0}\" was not created: its loading time ran out before its producer had written it; nothing of it is kept, submit it again")]
+    Expired(RequestId),
+    /// A streamed request takes no more parts (finalized, cancelled, or unknown).
+    #[error("request \"{0}\" is not open for parts (finalized already, cancelled, or unknown)")]
+    NotOpen(RequestId),
+    /// A request has no dead letters that can be requeued (only a failed, running or queued
+    /// request has).
+    #[error("request \"{0}\" has no dead letters that can be requeued (only a failed, running or queued request has)")]
+    NoDeadLetters(RequestId),
     /// The Redis server is older than sluicegate needs.
     #[error("redis server {found} is too old: sluicegate needs Redis {needed} or newer (it runs as a Redis Functions library)")]
     UnsupportedRedis {
@@ -46,10 +58,79 @@ pub enum Error {
     Shutdown,
 }
 
+impl From<fred::error::Error> for Error {
+    fn from(e: fred::error::Error) -> Self {
+        Error::Redis(RedisError(e))
+    }
+}
+
+/// An error reply from Redis, or a fault of the connection to it. It wraps the error of the Redis
+/// client sluicegate is built on (fred), so that the client's types stay out of sluicegate's API.
+#[derive(Debug)]
+pub struct RedisError(pub(crate) fred::error::Error);
+
+impl RedisError {
+    /// Redis's words, or the client's for a connection fault: `NOPERM this user has no
+    /// permissions to run the 'fcall' command`, say.
+    pub fn message(&self) -> &str {
+        self.0.details()
+    }
+
+    /// The error code Redis put first in its reply (`NOPERM`, `WRONGPASS`, `OOM`, `BUSY`, ...),
+    /// if the reply had one.
+    pub fn code(&self) -> Option<&str> {
+        let word = self.message().split(' ').next()?;
+        (!word.is_empty() && word.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')).then_some(word)
+    }
+
+    /// The connection could not be made or broke (refused, unreachable, TLS refused): nothing
+    /// Redis said.
+    pub fn is_connection(&self) -> bool {
+        *self.0.kind() == fred::error::ErrorKind::IO
+    }
+
+    /// For a connection fault, the reason inside the I/O error's text (`Os { .., message:
+    /// "Connection refused" }`, a TLS error's `Custom { .., error: InvalidCertificate(..) }`):
+    /// what a person needs, not the struct around it. Otherwise the whole message.
+    pub fn reason(&self) -> &str {
+        io_reason(self.message())
+    }
+}
+
+fn io_reason(details: &str) -> &str {
+    for field in ["message: \"", "error: \""] {
+        if let Some(start) = details.find(field).map(|i| i + field.len()) {
+            if let Some(len) = details[start..].find('"') {
+                return &details[start..start + len];
+            }
+        }
+    }
+    if let Some(start) =
+        details.find("Custom { kind: ").and_then(|i| details[i..].find("error: ").map(|j| i + j + 7))
+    {
+        if let Some(reason) = details[start..].strip_suffix(" }") {
+            return reason;
+        }
+    }
+    details
+}
+
+impl std::fmt::Display for RedisError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for RedisError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
 impl Error {
     /// Redis Cluster refused the command unexecuted because its slot is moving ([`not_executed`]).
     pub(crate) fn is_not_executed(&self) -> bool {
-        matches!(self, Error::Redis(e) if not_executed(e))
+        matches!(self, Error::Redis(e) if not_executed(&e.0))
     }
 
     /// A fault of the connection (dropped, timed out, being re-established) rather than of the
@@ -57,7 +138,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         use fred::error::ErrorKind as K;
         match self {
-            Error::Redis(e) => {
+            Error::Redis(RedisError(e)) => {
                 matches!(e.kind(), K::IO | K::Timeout | K::Canceled | K::Routing | K::Backpressure)
                     || e.details().starts_with("LOADING")
                     || e.details().contains("Connection closed")
@@ -118,7 +199,9 @@ where
     let mut backoff = std::time::Duration::from_millis(10);
     loop {
         match op().await {
-            Err(Error::Redis(e)) if not_executed(&e) && tokio::time::Instant::now() < deadline => {
+            Err(Error::Redis(RedisError(e)))
+                if not_executed(&e) && tokio::time::Instant::now() < deadline =>
+            {
                 tracing::debug!(error = %e, "{what}: its slot is moving; sending it again in {backoff:?}");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(std::time::Duration::from_millis(500));
@@ -130,3 +213,29 @@ where
 
 /// `Result` with sluicegate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_are_reduced_to_their_reason() {
+        let refused = r#"cannot connect to redis://h:1: Os { code: 111, kind: ConnectionRefused, message: "Connection refused" }"#;
+        assert_eq!(io_reason(refused), "Connection refused");
+        let dns = r#"cannot connect to x: Custom { kind: Uncategorized, error: "failed to lookup address information: Name or service not known" }"#;
+        assert_eq!(io_reason(dns), "failed to lookup address information: Name or service not known");
+        assert_eq!(io_reason("plain words"), "plain words");
+        let tls = "cannot connect to rediss://h:1: Custom { kind: InvalidData, error: InvalidCertificate(UnknownIssuer) }";
+        assert_eq!(io_reason(tls), "InvalidCertificate(UnknownIssuer)");
+    }
+
+    #[test]
+    fn redis_error_codes_are_the_first_word_when_it_is_one() {
+        let e = |text: &str| {
+            RedisError(fred::error::Error::new(fred::error::ErrorKind::Unknown, text.to_owned()))
+        };
+        assert_eq!(e("NOPERM no permissions").code(), Some("NOPERM"));
+        assert_eq!(e("OOM command not allowed").code(), Some("OOM"));
+        assert_eq!(e("connection refused").code(), None);
+    }
+}

@@ -56,10 +56,10 @@ mod error;
 mod events;
 mod keys;
 mod producer;
+pub mod protocol;
 mod recovery;
 mod reply;
 mod request;
-pub mod scripts;
 mod shards;
 mod store;
 pub mod testing;
@@ -72,7 +72,7 @@ pub use admin::{
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
-pub use error::{Error, Result};
+pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Listener};
 pub use keys::{Namespace, RequestId, MAX_REQUEST_ID_BYTES};
 pub use producer::{

@@ -14,9 +14,9 @@ use crate::codec;
 use crate::config::{millis, Config};
 use crate::error::{retry_transient, Error, Result};
 use crate::keys::{RequestId, RequestKeys};
+use crate::protocol::{Code, Func, Refusal};
 use crate::reply;
 use crate::request::{Concurrency, Priority, RequestState};
-use crate::scripts::Func;
 use crate::shards::{Look, Placement};
 use crate::store::Store;
 
@@ -183,13 +183,7 @@ impl Producer {
             args.extend(chunk);
             match self.store.fcall(Func::LoadParts, &keys.all(), args).await {
                 Ok(_) => {}
-                Err(Error::Redis(e)) if e.details().contains("SGSTATE") => {
-                    return Err(Error::InvalidRequest(format!(
-                        "request \"{}\" expired while loading (its loading ttl ran out)",
-                        RequestId::from_key_id(key_id).map(|i| i.to_string()).unwrap_or_default()
-                    )))
-                }
-                Err(e) => return Err(e),
+                Err(e) => return Err(refused(&RequestId::from_key_id(key_id)?, e)),
             }
             total += n;
             chunk = encode_chunk(&mut rest, self.load_chunk())?;
@@ -449,13 +443,10 @@ impl OpenRequest {
             .await;
             let elements = match appended {
                 Ok(v) => reply::array(v)?,
-                Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
-                    return Err(Error::InvalidRequest(format!(
-                        "request \"{}\" is not open for parts any more (finalized or cancelled)",
-                        self.handle.id
-                    )))
+                Err(e) if Refusal::is(&e, Code::State).is_some() => {
+                    return Err(Error::NotOpen(self.handle.id.clone()))
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(refused(&self.handle.id, e)),
             };
             self.added += n;
             if !elements.is_empty() {
@@ -484,18 +475,28 @@ fn check_duration(what: &str, d: Duration) -> Result<()> {
     Ok(())
 }
 
-/// The error of a refused submit, by its SG code.
+/// The error of a refused submit (open, load, commit; at once or streamed).
 fn submit_error(id: &RequestId, e: Error) -> Error {
-    match e {
-        Error::Redis(ref r) if r.details().contains("SGDUPLICATE") => Error::DuplicateRequestId(id.clone()),
-        Error::Redis(ref r) if r.details().contains("SGLATE") => Error::InvalidRequest(format!(
-            "request \"{id}\" was not created: its producer took longer than half the loading ttl between \
-             registering it and creating it; nothing was written, submit it again"
+    match Refusal::of(&e).map(|r| r.code) {
+        Some(Code::Duplicate) => Error::DuplicateRequestId(id.clone()),
+        Some(Code::Late) => Error::Expired(id.clone()),
+        _ => refused(id, e),
+    }
+}
+
+/// The error of a refusal whose meaning does not depend on the call: an argument out of range,
+/// parts missing that the producer sent (a write lost between producer and Redis), or a request
+/// no longer loading (its loading time ran out). Any other error is returned as it is.
+fn refused(id: &RequestId, e: Error) -> Error {
+    let Some(r) = Refusal::of(&e) else { return e };
+    match r.code {
+        Code::Invalid => Error::InvalidRequest(r.why),
+        Code::Gap | Code::Incomplete => Error::Protocol(format!(
+            "request \"{id}\": Redis does not hold every part this producer sent ({}); submit it again",
+            r.why
         )),
-        Error::Redis(ref r) if r.details().contains("SGINVALID") => {
-            Error::InvalidRequest(r.details().trim_start_matches("SGINVALID ").to_owned())
-        }
-        other => other,
+        Code::State => Error::Expired(id.clone()),
+        Code::Duplicate | Code::Late => e,
     }
 }
 
@@ -528,11 +529,8 @@ pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, no
     ];
     let reply = match store.fcall(Func::StreamFinalize, &keys.all(), args).await {
         Ok(v) => reply::array(v)?,
-        Err(Error::Redis(r)) if r.details().contains("SGSTATE") => {
-            return Err(Error::InvalidRequest(format!(
-                "request \"{}\" is not open (finalized already, cancelled, or unknown)",
-                RequestId::from_key_id(key_id).map(|i| i.to_string()).unwrap_or_default()
-            )))
+        Err(e) if Refusal::is(&e, Code::State).is_some() => {
+            return Err(Error::NotOpen(RequestId::from_key_id(key_id)?))
         }
         Err(e) => return Err(e),
     };
@@ -697,7 +695,7 @@ impl Doorbell {
                 match messages.recv().await {
                     Ok(msg) => {
                         if let Some(text) = msg.value.as_string() {
-                            let rid = text.split('|').next().unwrap_or_default().to_owned();
+                            let rid = crate::protocol::doorbell_key_id(&text).to_owned();
                             let _ = fan_out.send(rid);
                         }
                     }

@@ -27,9 +27,9 @@ use futures::stream::{self, StreamExt};
 use crate::config::millis;
 use crate::error::Result;
 use crate::keys::{home_shard, token_shard};
+use crate::protocol::{Func, TakeRecord};
 use crate::reply;
 use crate::request::Priority;
-use crate::scripts::Func;
 use crate::shards::{Finished, Placement};
 use crate::store::Store;
 use crate::worker::registry::{self, WorkerInfo};
@@ -304,27 +304,6 @@ async fn reclaim_dead_holders(
     Ok(())
 }
 
-/// A take record: `<element>|<take id>|<list>`, the element `<kid>|<k>|<epoch>`.
-struct Record {
-    key_id: String,
-    k: i64,
-    epoch: String,
-    take: String,
-    list: String,
-}
-
-fn parse_record(record: &str) -> Option<Record> {
-    let f: Vec<&str> = record.splitn(5, '|').collect();
-    let [key_id, k, epoch, take, list] = f[..] else { return None };
-    Some(Record {
-        key_id: key_id.into(),
-        k: k.parse().ok()?,
-        epoch: epoch.into(),
-        take: take.into(),
-        list: list.into(),
-    })
-}
-
 /// Puts a token a dead slot had taken back in circulation (`reclaim`), and ends the slot's record
 /// in the same step as the push (`give_back`, when the record is known: `take`), or completes the
 /// finish the slot left undone.
@@ -423,7 +402,7 @@ async fn reclaim_record(
     field: &str,
     record: &str,
 ) -> Result<()> {
-    let Some(r) = parse_record(record) else {
+    let Some(r) = TakeRecord::parse(record) else {
         tracing::warn!(field, record, "dropping a malformed take record");
         let held = store.keys.held(shard);
         let _: i64 = store
@@ -433,7 +412,9 @@ async fn reclaim_record(
     };
     // The holder the token field names: the record's field, without a "/lost/<take>" suffix.
     let holder = field.split("/lost/").next().unwrap_or(field);
-    reclaim(store, metrics, &r.key_id, r.k, &r.epoch, holder, shard, &r.list, Some((field, &r.take))).await
+    let (t, epoch) = (&r.token, r.token.epoch.to_string());
+    reclaim(store, metrics, &t.key_id, i64::from(t.k), &epoch, holder, shard, &r.list, Some((field, &r.take)))
+        .await
 }
 
 /// The backstop for take records: any whose worker is gone from the registry (and not being

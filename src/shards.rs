@@ -13,14 +13,14 @@ use fred::prelude::*;
 use crate::config::millis;
 use crate::error::{Error, Result};
 use crate::keys::{home_shard, token_shard};
+use crate::protocol::{Code, Func, Refusal, TokenElement};
 use crate::reply;
 use crate::request::Priority;
-use crate::scripts::Func;
 use crate::store::Store;
 
-/// The token number of an element `<kid>|<k>|<epoch>` (0 if malformed: it then goes home).
+/// The token number of an element (0 if malformed: it then goes home).
 fn element_token(element: &Value) -> u64 {
-    element.as_string().and_then(|e| e.split('|').nth(1).and_then(|k| k.parse().ok())).unwrap_or(0)
+    element.as_string().and_then(|e| TokenElement::token_of(&e)).map_or(0, u64::from)
 }
 
 /// Elements grouped by the shard their token lives on.
@@ -157,7 +157,7 @@ where
         // differ a little from the home shard's.
         let deadline = if due > 0 { due - grace / 2 } else { 0 };
         match step(deadline).await {
-            Err(Error::Redis(e)) if e.details().contains("SGLATE") => continue,
+            Err(e) if Refusal::is(&e, Code::Late).is_some() => continue,
             other => return other,
         }
     }

@@ -9,7 +9,7 @@ use fred::types::{ClusterHash, CustomCommand};
 use crate::config::Config;
 use crate::error::{retry_not_executed, Error, Result};
 use crate::keys::Keys;
-use crate::scripts::{library_source, Func};
+use crate::protocol::{library_source, Func};
 
 /// The oldest Redis with everything sluicegate uses (Redis Functions, FUNCTION LOAD REPLACE).
 pub(crate) const MIN_REDIS: (u32, u32) = (7, 0);
@@ -128,7 +128,7 @@ impl Store {
     async fn load_library(&self) -> Result<()> {
         #[cfg(test)]
         let code =
-            if self.gate.is_some() { crate::scripts::checker_library_source() } else { library_source() };
+            if self.gate.is_some() { crate::protocol::checker_library_source() } else { library_source() };
         #[cfg(not(test))]
         let code = library_source();
         let loaded = if self.client.is_clustered() {
@@ -177,7 +177,7 @@ impl Store {
                         Error::Config(format!(
                             "the sluicegate functions library ({}) is not loaded on this Redis, and this user may \
                              not load it (FUNCTION LOAD): connect once as a user that may",
-                            crate::scripts::LIBRARY_NAME
+                            crate::protocol::LIBRARY_NAME
                         ))
                     } else {
                         Error::from(e)
@@ -268,7 +268,7 @@ fn new_client(config: &Config) -> Result<Client> {
 }
 
 fn connect_error(url: &str, e: fred::error::Error) -> Error {
-    Error::Redis(fred::error::Error::new(
+    Error::from(fred::error::Error::new(
         e.kind().clone(),
         format!("cannot connect to {url}: {}", e.details()),
     ))

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
-use sluicegate::scripts::acl_rules;
+use sluicegate::protocol::acl_rules;
 use sluicegate::testing::connect;
 use sluicegate::{Admin, Config, Listener, Producer, Quantum, RequestState};
 use support::{env, start_worker, Job, Probe};

@@ -78,7 +78,7 @@ impl Gate {
             Fault::None => op().await,
             Fault::LoseReply => {
                 let _ = op().await;
-                Err(Error::Redis(fred::error::Error::new(
+                Err(Error::from(fred::error::Error::new(
                     fred::error::ErrorKind::IO,
                     "connection reset after the call ran (a fault injected by the checker)",
                 )))
@@ -87,7 +87,7 @@ impl Gate {
                 let _ = op().await;
                 op().await
             }
-            Fault::Refuse => Err(Error::Redis(fred::error::Error::new(
+            Fault::Refuse => Err(Error::from(fred::error::Error::new(
                 fred::error::ErrorKind::Unknown,
                 "OOM command not allowed when used memory > 'maxmemory' (a fault injected by the checker)",
             ))),

@@ -428,8 +428,8 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 s.meta.get("id").and_then(|id| RequestId::new(id.clone()).ok()).map(|r| r.key_id())
             };
             let stale = elements.iter().all(|el| {
-                let kid = el.split('|').next().unwrap_or_default();
-                seen.values().filter(|s| kid_of(s).as_deref() == Some(kid)).all(Seen::terminal)
+                let kid = crate::protocol::TokenElement::parse(el).map(|t| t.key_id);
+                seen.values().filter(|s| kid.is_some() && kid_of(s) == kid).all(Seen::terminal)
             });
             if stale {
                 continue;

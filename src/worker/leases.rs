@@ -15,8 +15,8 @@ use fred::types::Value;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+use crate::protocol::Func;
 use crate::reply;
-use crate::scripts::Func;
 use crate::store::Store;
 
 /// A token held by one slot: what the check must present.

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::millis;
 use crate::error::{Error, Result};
+use crate::protocol::Func;
 use crate::reply;
-use crate::scripts::Func;
 use crate::store::Store;
 
 /// A live worker, as it registered itself.

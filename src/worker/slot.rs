@@ -27,9 +27,9 @@ use crate::config::millis;
 use crate::error::{retry_transient, Error, Result};
 use crate::keys::{RequestId, RequestKeys};
 use crate::producer::PartError;
+use crate::protocol::{Func, TokenElement};
 use crate::reply;
 use crate::request::Priority;
-use crate::scripts::Func;
 use crate::shards::Placement;
 use crate::store::Store;
 
@@ -320,17 +320,13 @@ async fn take<H: Handler>(
 
 fn parse_token(store: &Store, list: &str, element: &str, shard: u32, take: u64) -> Option<Token> {
     let (_, priority) = store.keys.priority_of_list(list)?;
-    let mut parts = element.split('|');
-    let (key_id, number, epoch) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() || number.parse::<u32>().is_err() || epoch.parse::<u64>().is_err() {
-        return None;
-    }
+    let TokenElement { key_id, k, epoch } = TokenElement::parse(element)?;
     Some(Token {
-        request_id: RequestId::from_key_id(key_id).ok()?,
-        keys: store.keys.request(key_id),
-        key_id: key_id.to_owned(),
-        number: number.to_owned(),
-        epoch: epoch.to_owned(),
+        request_id: RequestId::from_key_id(&key_id).ok()?,
+        keys: store.keys.request(&key_id),
+        key_id,
+        number: k.to_string(),
+        epoch: epoch.to_string(),
         priority,
         shard,
         list: list.to_owned(),
@@ -532,14 +528,16 @@ async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) ->
     Ok(())
 }
 
-/// A parked token whose retry falls due in `wake` ms: recovery is asked to look then (in case this
-/// process dies), and this worker wakes it itself at that time.
+/// A parked token whose retry falls due in `wake` ms: this worker wakes it itself at that time,
+/// and recovery is asked to look then too (in case this process dies). The own wake comes first:
+/// if Redis refuses the arm, the retry is still on time while this process lives (else the census
+/// backstop wakes it).
 async fn wake_later<H: Handler>(shared: &Shared<H>, key_id: &str, shards: u32, wake: i64) -> Result<()> {
-    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, wake)).await?;
     if let Some(wakes) = &shared.wakes {
         let at = tokio::time::Instant::now() + Duration::from_millis(wake.max(0) as u64);
         let _ = wakes.send(Wake { key_id: key_id.to_owned(), shards, at });
     }
+    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, wake)).await?;
     Ok(())
 }
 

@@ -24,7 +24,7 @@ struct Raw {
 }
 
 fn fcall(name: &str) -> String {
-    format!("sg{}_{name}", sluicegate::scripts::PROTOCOL_VERSION)
+    format!("sg{}_{name}", sluicegate::protocol::PROTOCOL_VERSION)
 }
 
 impl Raw {

@@ -70,6 +70,9 @@ impl From<Error> for Failure {
             | Error::InvalidRequestId(_)
             | Error::InvalidRequest(_)
             | Error::DuplicateRequestId(_)
+            | Error::Expired(_)
+            | Error::NotOpen(_)
+            | Error::NoDeadLetters(_)
             | Error::Codec(_) => Code::BadInput,
             Error::UnknownRequest(_) => Code::UnknownRequest,
             // Redis, an unsupported server, a protocol mismatch, and whatever the library adds

@@ -40,8 +40,8 @@ impl Ctx {
         connect: impl Future<Output = sluicegate::Result<T>>,
     ) -> Result<T, Failure> {
         match tokio::time::timeout(self.connect_timeout, connect).await {
-            Ok(Err(sluicegate::Error::Redis(e))) if *e.kind() == fred::error::ErrorKind::IO => {
-                let reason = io_reason(e.details());
+            Ok(Err(sluicegate::Error::Redis(e))) if e.is_connection() => {
+                let reason = e.reason();
                 let message = if reason.contains("InvalidCertificate(UnknownIssuer)") {
                     format!(
                         "cannot connect to Redis at {}: the server's TLS certificate is not trusted: {reason} \
@@ -66,28 +66,6 @@ impl Ctx {
             )),
         }
     }
-}
-
-/// The reason inside an I/O error's debug text (`Os { .., message: "Connection refused" }`,
-/// `Custom { .., error: "failed to lookup address information: .." }`, a TLS error's
-/// `Custom { .., error: InvalidCertificate(UnknownIssuer) }`): that is what a person needs, not
-/// the struct around it.
-fn io_reason(details: &str) -> &str {
-    for field in ["message: \"", "error: \""] {
-        if let Some(start) = details.find(field).map(|i| i + field.len()) {
-            if let Some(len) = details[start..].find('"') {
-                return &details[start..start + len];
-            }
-        }
-    }
-    if let Some(start) =
-        details.find("Custom { kind: ").and_then(|i| details[i..].find("error: ").map(|j| i + j + 7))
-    {
-        if let Some(reason) = details[start..].strip_suffix(" }") {
-            return reason;
-        }
-    }
-    details
 }
 
 fn main() -> ExitCode {
@@ -148,21 +126,5 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Stats => ops::stats(&ctx).await,
         Command::Results(args) => ops::results(&ctx, args).await,
         Command::Events(args) => ops::events(&ctx, args).await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn io_errors_are_reduced_to_their_reason() {
-        let refused = r#"cannot connect to redis://h:1: Os { code: 111, kind: ConnectionRefused, message: "Connection refused" }"#;
-        assert_eq!(io_reason(refused), "Connection refused");
-        let dns = r#"cannot connect to x: Custom { kind: Uncategorized, error: "failed to lookup address information: Name or service not known" }"#;
-        assert_eq!(io_reason(dns), "failed to lookup address information: Name or service not known");
-        assert_eq!(io_reason("plain words"), "plain words");
-        let tls = "cannot connect to rediss://h:1: Custom { kind: InvalidData, error: InvalidCertificate(UnknownIssuer) }";
-        assert_eq!(io_reason(tls), "InvalidCertificate(UnknownIssuer)");
     }
 }

@@ -11,7 +11,7 @@ pub const PROTOCOL_VERSION: u32 = 2;
 /// The library name as loaded into Redis.
 pub const LIBRARY_NAME: &str = "sluicegate_v2";
 
-const PRELUDE: &str = include_str!("../lua/prelude.lua");
+const PRELUDE: &str = include_str!("../../lua/prelude.lua");
 
 /// One state transition of the protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,39 +143,39 @@ impl Func {
 
     fn source(self) -> &'static str {
         match self {
-            Func::SubmitOpen => include_str!("../lua/submit_open.lua"),
-            Func::LoadParts => include_str!("../lua/load_parts.lua"),
-            Func::SubmitCommit => include_str!("../lua/submit_commit.lua"),
-            Func::SubmitSmall => include_str!("../lua/submit_small.lua"),
-            Func::SubmitAbort => include_str!("../lua/submit_abort.lua"),
-            Func::StreamOpen => include_str!("../lua/stream_open.lua"),
-            Func::StreamAppend => include_str!("../lua/stream_append.lua"),
-            Func::StreamFinalize => include_str!("../lua/stream_finalize.lua"),
-            Func::Register => include_str!("../lua/register.lua"),
-            Func::Push => include_str!("../lua/push.lua"),
-            Func::Reopen => include_str!("../lua/reopen.lua"),
-            Func::Arm => include_str!("../lua/arm.lua"),
-            Func::Take => include_str!("../lua/take.lua"),
-            Func::Untake => include_str!("../lua/untake.lua"),
-            Func::Acquire => include_str!("../lua/acquire.lua"),
-            Func::Ack => include_str!("../lua/ack.lua"),
-            Func::GiveBack => include_str!("../lua/give_back.lua"),
-            Func::Release => include_str!("../lua/release.lua"),
-            Func::Holds => include_str!("../lua/holds.lua"),
-            Func::FinishIndex => include_str!("../lua/finish_index.lua"),
-            Func::Sweep => include_str!("../lua/sweep.lua"),
-            Func::Seal => include_str!("../lua/seal.lua"),
-            Func::Unindex => include_str!("../lua/unindex.lua"),
-            Func::ClaimDue => include_str!("../lua/claim_due.lua"),
-            Func::Census => include_str!("../lua/census.lua"),
-            Func::Verify => include_str!("../lua/verify.lua"),
-            Func::Restore => include_str!("../lua/restore.lua"),
-            Func::Reclaim => include_str!("../lua/reclaim.lua"),
-            Func::DropGone => include_str!("../lua/drop_gone.lua"),
-            Func::Cancel => include_str!("../lua/cancel.lua"),
-            Func::RequeueDead => include_str!("../lua/requeue_dead.lua"),
-            Func::Beat => include_str!("../lua/beat.lua"),
-            Func::Reaped => include_str!("../lua/reaped.lua"),
+            Func::SubmitOpen => include_str!("../../lua/submit_open.lua"),
+            Func::LoadParts => include_str!("../../lua/load_parts.lua"),
+            Func::SubmitCommit => include_str!("../../lua/submit_commit.lua"),
+            Func::SubmitSmall => include_str!("../../lua/submit_small.lua"),
+            Func::SubmitAbort => include_str!("../../lua/submit_abort.lua"),
+            Func::StreamOpen => include_str!("../../lua/stream_open.lua"),
+            Func::StreamAppend => include_str!("../../lua/stream_append.lua"),
+            Func::StreamFinalize => include_str!("../../lua/stream_finalize.lua"),
+            Func::Register => include_str!("../../lua/register.lua"),
+            Func::Push => include_str!("../../lua/push.lua"),
+            Func::Reopen => include_str!("../../lua/reopen.lua"),
+            Func::Arm => include_str!("../../lua/arm.lua"),
+            Func::Take => include_str!("../../lua/take.lua"),
+            Func::Untake => include_str!("../../lua/untake.lua"),
+            Func::Acquire => include_str!("../../lua/acquire.lua"),
+            Func::Ack => include_str!("../../lua/ack.lua"),
+            Func::GiveBack => include_str!("../../lua/give_back.lua"),
+            Func::Release => include_str!("../../lua/release.lua"),
+            Func::Holds => include_str!("../../lua/holds.lua"),
+            Func::FinishIndex => include_str!("../../lua/finish_index.lua"),
+            Func::Sweep => include_str!("../../lua/sweep.lua"),
+            Func::Seal => include_str!("../../lua/seal.lua"),
+            Func::Unindex => include_str!("../../lua/unindex.lua"),
+            Func::ClaimDue => include_str!("../../lua/claim_due.lua"),
+            Func::Census => include_str!("../../lua/census.lua"),
+            Func::Verify => include_str!("../../lua/verify.lua"),
+            Func::Restore => include_str!("../../lua/restore.lua"),
+            Func::Reclaim => include_str!("../../lua/reclaim.lua"),
+            Func::DropGone => include_str!("../../lua/drop_gone.lua"),
+            Func::Cancel => include_str!("../../lua/cancel.lua"),
+            Func::RequeueDead => include_str!("../../lua/requeue_dead.lua"),
+            Func::Beat => include_str!("../../lua/beat.lua"),
+            Func::Reaped => include_str!("../../lua/reaped.lua"),
         }
     }
 }
@@ -316,11 +316,28 @@ mod tests {
         assert!(library_source().starts_with("#!lua name=sluicegate_v2\n"));
     }
 
+    /// Clients in other languages load the library from `lua/dist/` (docs/protocol.md §2): it must
+    /// be exactly what the Rust loads. `SLUICEGATE_BLESS=1` rewrites it after a change in `lua/`.
+    #[test]
+    fn the_checked_in_library_is_the_one_the_rust_loads() {
+        let path = format!("{}/lua/dist/{LIBRARY_NAME}.lua", env!("CARGO_MANIFEST_DIR"));
+        let built = library_source();
+        if std::env::var("SLUICEGATE_BLESS").is_ok_and(|v| v == "1") {
+            std::fs::write(&path, &built).expect("write the checked-in library");
+        }
+        let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            checked_in == built,
+            "{path} differs from library_source(): after a change in lua/, run \
+             `SLUICEGATE_BLESS=1 cargo test --lib protocol::` and commit the file"
+        );
+    }
+
     /// docs/operations.md shows the rule set for namespace `myapp`: it must be the one the code
     /// builds, or an operator following it gets a user that cannot run some transition.
     #[test]
     fn operations_doc_shows_the_acl_rules_the_code_builds() {
-        let doc = include_str!("../docs/operations.md");
+        let doc = include_str!("../../docs/operations.md");
         let rules = super::acl_rules("myapp", false);
         assert!(
             doc.contains(&format!("ACL SETUSER myapp-app on >PASSWORD {rules}\n")),

@@ -1,0 +1,1503 @@
+#!lua name=sluicegate_v2
+
+-- prelude.lua: helpers shared by every sluicegate function.
+--
+-- The library is assembled as: the `#!lua name=...` header, this prelude, every transition file in
+-- lua/ (each defines one local function), then one redis.register_function per transition
+-- (see docs/protocol.md, "Functions library"). Nothing here touches a key it was not given.
+--
+-- Token state, one hash field `t<k>` per token k in the request's meta hash:
+--   q|<epoch>|<since ms>             queued: an element "<rid>|<k>|<epoch>" should be in its list
+--   h|<epoch>|<holder>|<since>|<ids> held by a worker slot (holder "<worker>/<slot>") since <since>,
+--                                    with the batch of entries "id,id,..." it was handed
+--   p|<epoch>                        parked: the request had no work to hand out
+-- Only the element whose epoch matches the field is valid; every re-queue gives the token a new,
+-- larger epoch, so a copy of an older element (a replayed take, a late push, a duplicate restore)
+-- is refused when presented. An epoch is the Redis time (ms) at which it was issued, or one more
+-- than the token's previous epoch if that is larger: epochs only grow, also across a request's
+-- lifecycles and across requests that reuse an id. Because elements are pushed at the head of a
+-- list and taken from its tail, and each is pushed just after its epoch is issued, the epoch of the
+-- tail element also says how far the list has moved on (see `verify`).
+-- A holder keeps its token while its worker is alive: the worker registry (`beat`) decides, not a
+-- per-token expiry. A dead worker's tokens are found through the `held` record its slot wrote when
+-- it took the token (`take`), and reclaimed (`reclaim`).
+
+local function sg_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A whole number as text, without the exponent notation Lua uses for large ones (lifecycles are
+-- 16 digits: created ms * 1000 + gen, exact in a double).
+local function sg_int(x)
+  return string.format('%.0f', x)
+end
+
+local function sg_split(s)
+  local out = {}
+  for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
+  return out
+end
+
+-- Entry ids are "0-<index + 1>": the sub-request index is the sequence number minus one.
+local function sg_index(entry_id)
+  return tonumber(string.match(entry_id, '^0%-(%d+)$')) - 1
+end
+
+local function sg_element(rid, k, epoch)
+  return rid .. '|' .. k .. '|' .. epoch
+end
+
+-- The next epoch of a token whose epoch was `epoch` (nil: a new token).
+local function sg_next_epoch(epoch, now)
+  if epoch and tonumber(epoch) >= now then return tonumber(epoch) + 1 end
+  return now
+end
+
+-- Calls `fn(k, value)` for every token field t<from> .. t<to-1> that exists, reading them in chunks
+-- (one HMGET per 500 tokens), so that a request with a large limit costs few calls.
+local function sg_each_token(keys, from, to, fn)
+  local k = from
+  while k < to do
+    local last = math.min(k + 500, to) - 1
+    local fields = {}
+    for i = k, last do fields[#fields + 1] = 't' .. i end
+    local values = redis.call('HMGET', keys[1], unpack(fields))
+    for i = k, last do
+      local v = values[i - k + 1]
+      if v then fn(i, v) end
+    end
+    k = last + 1
+  end
+end
+
+-- Runs `command key args...` over a long argument list in chunks of 1,000 (Lua's unpack has a
+-- limit on arguments); the chunks must stay whole pairs for HSET (1,000 is even).
+local function sg_chunked(command, key, list)
+  local i = 1
+  while i <= #list do
+    local last = math.min(i + 999, #list)
+    redis.call(command, key, unpack(list, i, last))
+    i = last + 1
+  end
+end
+
+-- HSETs field/value pairs in chunks.
+local function sg_hset_many(key, pairs_list) sg_chunked('HSET', key, pairs_list) end
+
+-- HDELs fields in chunks.
+local function sg_hdel_many(key, fields) sg_chunked('HDEL', key, fields) end
+
+-- Every request-side function (all but holds) takes the same six keys, all with the request's
+-- hash tag:
+--   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
+--   keys[5] orphans list (entries whose holder died)   keys[6] retry sorted set (due ms)
+-- The meta field `extra` counts the entries in orphans and retry, so that the hot path (ack)
+-- looks at them only when there are any.
+
+-- The lifecycle of a request: created ms * 1000 + gen (gen counts reopenings by requeue_dead).
+-- It names a finish in the token-side steps that follow it (finish_index, seal, unindex) and is
+-- unique across requests that reuse an id, so a later request's finish is never taken for an
+-- earlier one's.
+local function sg_lifecycle(keys)
+  local m = redis.call('HMGET', keys[1], 'created', 'gen')
+  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+end
+
+-- Delivers one specific pending entry to this consumer: {id, payload, attempt} or nil when the
+-- entry no longer exists. The delivery count that XCLAIM raises is the attempt number.
+local function sg_claim(keys, consumer, id)
+  local claimed = redis.call('XCLAIM', keys[2], 'g', consumer, 0, id)
+  local entry = claimed[1]
+  if not entry or not entry[2] then return nil end
+  local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)
+  local attempt = 1
+  if pending[1] then attempt = tonumber(pending[1][4]) end
+  return {entry[1], entry[2][2], attempt}
+end
+
+-- Splits a held token's entry list "id,id,..." (empty string: none).
+local function sg_ids(list)
+  local out = {}
+  for id in string.gmatch(list, '[^,]+') do out[#out + 1] = id end
+  return out
+end
+
+-- Up to `want` pieces of work for a token holder: orphaned entries first (their holder died),
+-- then retries that are due, then new entries. `extra` is the meta field of that name (or nil).
+-- Returns a list of {id, payload, attempt}.
+local function sg_take_work(keys, consumer, now, extra, want)
+  want = math.max(want or 1, 1)
+  local got = {}
+  if extra and tonumber(extra) > 0 then
+    while #got < want do
+      local id = redis.call('LPOP', keys[5])
+      if not id then break end
+      redis.call('HINCRBY', keys[1], 'extra', -1)
+      got[#got + 1] = sg_claim(keys, consumer, id)
+    end
+    while #got < want do
+      local due = redis.call('ZRANGEBYSCORE', keys[6], '-inf', now, 'LIMIT', 0, 1)
+      if not due[1] then break end
+      redis.call('ZREM', keys[6], due[1])
+      redis.call('HINCRBY', keys[1], 'extra', -1)
+      got[#got + 1] = sg_claim(keys, consumer, due[1])
+    end
+  end
+  if #got < want then
+    local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', want - #got, 'STREAMS', keys[2], '>')
+    if reply and reply[1] then
+      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2][2], 1} end
+    end
+  end
+  return got
+end
+
+-- When the earliest retry that is not due yet falls due (ms), or nil: when a parked token should be
+-- woken for it.
+local function sg_next_retry(keys, now)
+  local next = redis.call('ZRANGEBYSCORE', keys[6], '(' .. now, '(inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if next[2] then return tonumber(next[2]) end
+  return nil
+end
+
+-- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
+-- under the one token), or parks the token when there is none.
+-- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
+-- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
+  local work = sg_take_work(keys, consumer, now, extra, want)
+  if #work > 0 then
+    local ids = {}
+    local reply = {'run'}
+    for i, w in ipairs(work) do
+      ids[i] = w[1]
+      reply[i + 1] = {w[1], sg_index(w[1]), w[2], w[3]}
+    end
+    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+    return reply
+  end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  redis.call('HINCRBY', keys[1], 'npark', 1)
+  local due = sg_next_retry(keys, now)
+  return {'park', due and math.max(due - now, 1) or 0}
+end
+
+-- An entry whose holder is gone goes back to the front of the work (sg_take_work).
+local function sg_orphan(keys, entry)
+  redis.call('RPUSH', keys[5], entry)
+  redis.call('HINCRBY', keys[1], 'extra', 1)
+end
+
+-- Puts token k (epoch `epoch`) back in circulation under a new epoch; returns the element to push.
+local function sg_requeue(keys, rid, k, epoch, now)
+  local next_epoch = sg_next_epoch(epoch, now)
+  redis.call('HSET', keys[1], 't' .. k, 'q|' .. next_epoch .. '|' .. now)
+  return sg_element(rid, k, next_epoch)
+end
+
+-- Wakes up to `n` parked tokens (the meta field `npark` counts them, so this costs nothing when
+-- none is parked). Returns the elements to push.
+local function sg_unpark(keys, rid, n, now)
+  local out = {}
+  local parked = tonumber(redis.call('HGET', keys[1], 'npark') or '0')
+  if n <= 0 or parked <= 0 then return out end
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local from = 0
+  while from < ntok and #out < n do
+    sg_each_token(keys, from, math.min(from + 500, ntok), function(k, tok)
+      if #out < n and string.sub(tok, 1, 2) == 'p|' then
+        out[#out + 1] = sg_requeue(keys, rid, k, sg_split(tok)[2], now)
+      end
+    end)
+    from = from + 500
+  end
+  if #out > 0 then redis.call('HINCRBY', keys[1], 'npark', -#out) end
+  return out
+end
+
+-- Turns a request terminal: one terminal record (the meta hash's state), one event, cleanup.
+-- Returns the reply for the caller, whose 4th and later items are the still-queued token elements
+-- for the token side to sweep from the priority list. A failed request keeps its stream and
+-- retry set (its dead letters) until the retention ends, so that they can be requeued.
+-- A finished request's keys are held for its retention plus this long until `seal` (run once
+-- its event is recorded on the token side) starts the retention proper; the hold only matters
+-- when nothing reaches Redis to seal it, and bounds what such a request leaves behind.
+local SG_FINISH_HOLD_MS = 3600000
+
+-- The request keys a finished request keeps (by index into keys): a failed one keeps its stream,
+-- orphans and retry set (its dead letters stay requeueable); the others are deleted at the finish.
+local function sg_kept(state)
+  if state == 'failed' then return {1, 2, 3, 4, 5, 6} end
+  return {1, 3, 4}
+end
+
+-- `except` (optional): a token number whose batch the caller has just recorded (the ack that
+-- finishes the request); its entries are where that ack put them, not orphans.
+local function sg_finish(keys, rid, state, retention_ms, channel, now, except)
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local sweep, fields = {}, {}
+  local maxep = tonumber(redis.call('HGET', keys[1], 'maxep') or '0')
+  sg_each_token(keys, 0, ntok, function(k, tok)
+    local f = sg_split(tok)
+    maxep = math.max(maxep, tonumber(f[2]))
+    if f[1] == 'q' then sweep[#sweep + 1] = sg_element(rid, k, f[2]) end
+    -- A failed request may be requeued: entries other slots still held (fail fast) become
+    -- orphans, handed out again if it is.
+    if f[1] == 'h' and state == 'failed' and k ~= except then
+      for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+    end
+    fields[#fields + 1] = 't' .. k
+  end)
+  sg_hdel_many(keys[1], fields)
+  if state ~= 'failed' then
+    -- Dead letters (pending entries parked in the retry set at +inf), orphans and the parts that
+    -- never ran stay requeueable while a failed request is kept; otherwise they go now.
+    redis.call('DEL', keys[2], keys[5], keys[6])
+  end
+  redis.call('HSET', keys[1], 'state', state, 'finished', now, 'maxep', maxep, 'npark', 0)
+  local hold = tonumber(retention_ms) + SG_FINISH_HOLD_MS
+  for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], hold) end
+  redis.call('PUBLISH', channel, rid .. '|' .. state)
+  local out = {'finished', state, sg_lifecycle(keys)}
+  for _, e in ipairs(sweep) do out[#out + 1] = e end
+  return out
+end
+
+-- Whether Redis time `now` is past a submit's deadline (ARGV given as ms; '' or absent: none).
+local function sg_late(deadline, now)
+  return deadline and deadline ~= '' and tonumber(deadline) > 0 and now > tonumber(deadline)
+end
+
+-- The refusal of a step that runs past the deadline its caller's arm gave it (Redis time, ms; 0 or
+-- absent: none): recovery's look, armed for the step, may have come and gone before it, and the
+-- caller arms again and retries (shards::armed). Nil when the step is in time.
+local function sg_step_late(deadline)
+  if sg_late(deadline, sg_now()) then
+    return redis.error_reply('SGLATE the step came after its deadline ' .. deadline .. '; arm again and retry')
+  end
+  return nil
+end
+
+-- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
+-- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
+-- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.
+local SG_HELD_TTL_MS = 3600000
+
+-- How long a shard's bell outlives its last push: bells are only wake-ups (an idle slot also
+-- takes after each idle poll), so one that is lost only delays a take, and one too many only wakes
+-- a slot for nothing; the expiry keeps strays from lasting.
+local SG_BELL_TTL_MS = 600000
+
+-- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
+-- slots block on one key and then take the highest priority with `take`.
+local function sg_push(list, bell, elements, from)
+  local i, n = from or 1, 0
+  while i <= #elements do
+    local last = math.min(i + 999, #elements)
+    redis.call('LPUSH', list, unpack(elements, i, last))
+    local bells = {}
+    for b = i, last do bells[#bells + 1] = '1' end
+    redis.call('LPUSH', bell, unpack(bells))
+    n = n + last - i + 1
+    i = last + 1
+  end
+  if n > 0 then redis.call('PEXPIRE', bell, SG_BELL_TTL_MS) end
+  return n
+end
+
+-- The epoch in an element "<rid>|<k>|<epoch>" (nil if malformed).
+local function sg_element_epoch(element)
+  local epoch = string.match(element or '', '^[^|]*|[^|]*|(%d+)$')
+  return epoch and tonumber(epoch)
+end
+
+-- Removes stale elements (of a finished request's queued tokens) from a list, with the bell of
+-- each: at most 64 of them, each only if it is within the 1,000 elements nearest the head, so that
+-- the cost is bounded however long the list and however many tokens the request had. The others
+-- stay until a slot takes them, when acquire answers 'drop' (the request is finished).
+local SG_SWEEP_MAX = 64
+
+local function sg_sweep(list, bell, elements, from)
+  from = from or 1
+  for i = from, math.min(#elements, from + SG_SWEEP_MAX - 1) do
+    if redis.call('LPOS', list, elements[i], 'MAXLEN', 1000) then
+      redis.call('LREM', list, 1, elements[i])
+      redis.call('RPOP', bell)
+    end
+  end
+end
+
+-- Recovery's re-arm of a request's next look to `due` (ms): set as computed when the score is still
+-- the one recovery's claim wrote (`claim`, from claim_due), so that a look planned far off is not
+-- brought forward for nothing; otherwise someone asked for a look since (a push, an arm), and the
+-- look only moves earlier, so that theirs is not put off. Either way, a look armed before a step
+-- (`armed`, the key beside `active`) that was not yet due when the claim was made bounds the new
+-- look: the census may have run before that step.
+local function sg_rearm(active, rid, due, claim, armed)
+  local score = redis.call('ZSCORE', active, rid)
+  if not score then return 0 end
+  local step = armed and redis.call('ZSCORE', armed, rid)
+  if step then due = math.min(due, tonumber(step)) end
+  if claim and claim ~= '' and tonumber(score) == tonumber(claim) then
+    redis.call('ZADD', active, 'XX', due, rid)
+  else
+    redis.call('ZADD', active, 'XX', 'LT', due, rid)
+  end
+  return 1
+end
+
+-- submit_open: create a request in state `loading`, invisible to workers (no token exists yet).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request id as the producer gave it   ARGV[2] priority   ARGV[3] concurrency limit
+-- ARGV[4] loading ttl (ms): a producer that dies mid-submit leaves keys that expire by themselves
+-- ARGV[5] max attempts per sub-request   ARGV[6] per-attempt timeout (ms, 0 = none)
+-- ARGV[7] retry backoff base (ms)   ARGV[8] retry backoff cap (ms)
+-- ARGV[9] submission nonce: a random value of this submit, so that the same call re-sent after
+-- a reconnect is recognised, and only its own producer can abort or commit it
+-- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
+-- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
+-- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
+-- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
+-- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
+-- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
+-- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
+local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
+
+local function submit_open(keys, args)
+  local prio, limit = tonumber(args[2]), tonumber(args[3])
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
+  end
+  for i = 4, 8 do
+    local v = tonumber(args[i])
+    if not v or v < 0 or v % 1 ~= 0 then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
+    end
+  end
+  local delay = tonumber(args[10] or '0')
+  if not delay or delay < 0 or delay % 1 ~= 0 or delay > SG_MAX_DELAY_MS then
+    return redis.error_reply('SGINVALID delay must be a whole number of ms from 0 to ten years')
+  end
+  local shards = tonumber(args[12] or '1')
+  if not shards or shards < 1 or shards > 1024 or shards % 1 ~= 0 then
+    return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
+  end
+  if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  if redis.call('EXISTS', keys[1]) == 1 then
+    if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  if redis.call('EXISTS', keys[2]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  local now = sg_now()
+  if sg_late(args[13], now) then
+    return redis.error_reply('SGLATE the submit came too long after its registration; nothing was written')
+  end
+  redis.call('HSET', keys[1], 'v', 2, 'id', args[1], 'nonce', args[9], 'state', 'loading',
+    'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
+    'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
+    'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
+  -- The group starts at 0 so that every entry added afterwards is delivered once.
+  redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
+  redis.call('PEXPIRE', keys[1], args[4])
+  redis.call('PEXPIRE', keys[2], args[4])
+  return 1
+end
+
+-- load_parts: add a chunk of parts to a request that is loading (between submit_open and
+-- submit_commit). One call per chunk of parts is far cheaper than one XADD per part.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the submission nonce given to submit_open   ARGV[2] index of the first part
+-- ARGV[3..] payloads
+-- Returns how many parts the stream holds. Parts already there (a call re-sent after a
+-- reconnect) are skipped. Errors "SGSTATE ..." when the request is not this producer's loading
+-- request (its loading ttl ran out, and maybe another producer took the id).
+local function load_parts(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce')
+  if m[1] ~= 'loading' or m[2] ~= args[1] then
+    return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  local have = redis.call('XLEN', keys[2])
+  local first = tonumber(args[2])
+  if first > have then
+    return redis.error_reply('SGGAP parts from index ' .. have .. ' are missing before index ' .. first)
+  end
+  for i = 3, #args do
+    local index = first + i - 3
+    if index >= have then redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i]) end
+  end
+  return redis.call('XLEN', keys[2])
+end
+
+-- submit_commit: make a fully loaded request runnable, atomically.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id (encoded, as in the keys)   ARGV[2] number of parts the producer added
+-- ARGV[3] the submission nonce given to submit_open
+-- Returns the token elements "<rid>|<k>|<epoch>" to push onto the request's priority list (none
+-- for a delayed request), or an error "SGSTATE ..." (not loading: its loading ttl ran out, or
+-- another producer's request) or "SGINCOMPLETE ..." (parts missing). The same call re-sent after
+-- a reconnect returns the elements of the tokens still queued.
+local function submit_commit(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce', 'ntok')
+  if m[2] ~= args[3] then
+    return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  if m[1] ~= 'loading' then
+    local out = {}
+    sg_each_token(keys, 0, tonumber(m[3]), function(k, tok)
+      local f = sg_split(tok)
+      if f[1] == 'q' then out[#out + 1] = sg_element(args[1], k, f[2]) end
+    end)
+    return out
+  end
+  local total = tonumber(args[2])
+  if not total or total < 1 then
+    return redis.error_reply('SGINVALID a request needs at least one part')
+  end
+  if redis.call('XLEN', keys[2]) ~= total then
+    return redis.error_reply('SGINCOMPLETE the stream does not hold every part')
+  end
+  local now = sg_now()
+  local ntok = math.min(tonumber(redis.call('HGET', keys[1], 'limit')), total)
+  redis.call('PERSIST', keys[1])
+  redis.call('PERSIST', keys[2])
+  redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'left', total, 'ntok', ntok, 'queued', now)
+  local delay = tonumber(redis.call('HGET', keys[1], 'delay') or '0')
+  local fields, out = {}, {}
+  if delay > 0 then
+    -- Scheduled: tokens wait parked, and no worker can see the request until recovery promotes
+    -- it (census) once its time has come.
+    redis.call('HSET', keys[1], 'state', 'scheduled', 'eligible', now + delay, 'npark', ntok)
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'p|' .. now
+    end
+  else
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'q|' .. now .. '|' .. now
+      out[#out + 1] = sg_element(args[1], k, now)
+    end
+  end
+  sg_hset_many(keys[1], fields)
+  return out
+end
+
+-- submit_small: a whole request in one call, for one that fits in one chunk of parts:
+-- submit_open, load_parts and submit_commit in one atomic step. The producer registers the
+-- request with recovery (register) before, and pushes the elements (push) after, as for any
+-- submit.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1..13] as submit_open's   ARGV[14] request key id   ARGV[15..] payloads
+-- Returns the token elements to push, or submit_open's / submit_commit's errors. The same call
+-- re-sent after a reconnect returns the elements of the tokens still queued.
+local function submit_small(keys, args)
+  local open_args = {}
+  for i = 1, 13 do open_args[i] = args[i] end
+  local opened = submit_open(keys, open_args)
+  if type(opened) == 'table' and opened.err then return opened end
+  if redis.call('HGET', keys[1], 'state') ~= 'loading' then
+    -- The same call re-sent after it ran: answer as it did (the elements of the queued tokens).
+    return submit_commit(keys, {args[14], '0', args[9]})
+  end
+  local load_args = {args[9], '0'}
+  for i = 15, #args do load_args[#load_args + 1] = args[i] end
+  local loaded = load_parts(keys, load_args)
+  if type(loaded) == 'table' and loaded.err then return loaded end
+  return submit_commit(keys, {args[14], tostring(#args - 14), args[9]})
+end
+
+-- submit_abort: a producer gives up a submit that failed while loading: its keys go at once,
+-- rather than when the loading ttl ends. Only the producer that opened it (same nonce) can.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the submission nonce
+-- Returns 1 when the keys were deleted, 0 when they were not this producer's loading request.
+local function submit_abort(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce')
+  if m[1] ~= 'loading' or m[2] ~= args[1] then return 0 end
+  redis.call('DEL', keys[1], keys[2])
+  return 1
+end
+
+-- stream_open: start a streamed request: runnable at once, its parts added over time with
+-- stream_append, complete only after stream_finalize and every part done.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2..10] as submit_open's ARGV[1..9] (id, priority, limit, ttl,
+-- max attempts, timeout, backoff base, backoff cap, nonce)   ARGV[11] expiry (ms, 0 = none): a
+-- request still open this long after it was opened is cancelled by recovery   ARGV[12] '1' =
+-- fail fast   ARGV[13] token shards (submit_open's ARGV[12])   ARGV[14] deadline (submit_open's
+-- ARGV[13])
+-- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
+-- submit_open's errors.
+local function stream_open(keys, args)
+  local expiry = tonumber(args[11])
+  if not expiry or expiry < 0 or expiry % 1 ~= 0 or expiry > SG_MAX_DELAY_MS then
+    return redis.error_reply('SGINVALID open expiry must be a whole number of ms from 0 to ten years')
+  end
+  local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or ''})
+  if type(opened) == 'table' and opened.err then return opened end
+  if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
+  local now = sg_now()
+  local ntok = tonumber(args[4])
+  local deadline = 0
+  if expiry > 0 then deadline = now + expiry end
+  redis.call('PERSIST', keys[1])
+  redis.call('PERSIST', keys[2])
+  redis.call('HSET', keys[1], 'state', 'queued', 'open', 1, 'open_deadline', deadline, 'ntok', ntok,
+    'queued', now, 'npark', ntok)
+  local fields = {}
+  for k = 0, ntok - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(keys[1], fields)
+  return {}
+end
+
+-- stream_append: add parts to an open streamed request; parked tokens wake up for them. The
+-- producer arms recovery (arm) before this call and pushes the elements (push) after it.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] the nonce given at stream_open   ARGV[3] index of the first
+-- part   ARGV[4] the deadline of the producer's arm (sg_step_late)   ARGV[5..] payloads
+-- Returns the token elements to push. The same call re-sent after a reconnect adds nothing
+-- twice (parts below the request's total are skipped). Errors "SGSTATE ..." when the request is
+-- not open (finalized, cancelled, unknown) or not this producer's, "SGGAP ..." when parts before
+-- ARGV[3] are missing, "SGLATE ..." past the deadline.
+local function stream_append(keys, args)
+  local late = sg_step_late(args[4])
+  if late then return late end
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state')
+  if m[1] ~= '1' or m[2] ~= args[2] or m[4] == 'cancelled' or m[4] == 'failed' or m[4] == 'completed' then
+    return redis.error_reply('SGSTATE the request is not open for parts (finalized, cancelled or unknown)')
+  end
+  local total = tonumber(m[3])
+  local first = tonumber(args[3])
+  if first > total then
+    return redis.error_reply('SGGAP parts from index ' .. total .. ' are missing before index ' .. first)
+  end
+  local added = 0
+  for i = 5, #args do
+    local index = first + i - 5
+    if index >= total then
+      redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i])
+      added = added + 1
+    end
+  end
+  redis.call('HINCRBY', keys[1], 'total', added)
+  redis.call('HINCRBY', keys[1], 'left', added)
+  return sg_unpark(keys, args[1], added, sg_now())
+end
+
+-- stream_finalize: no more parts will come; the request completes when every part is done
+-- (at once, if they all are).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- ARGV[4] the nonce given at stream_open, or '' for an operator finalizing another's request
+-- Returns {'open'} (parts still to run), {'finished', state, lifecycle, sweep...} as ack, or errors
+-- "SGSTATE ..." when the request is not open.
+local function stream_finalize(keys, args)
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed', 'state')
+  local terminal = m[5] == 'completed' or m[5] == 'failed' or m[5] == 'cancelled'
+  if m[1] ~= '1' or terminal or (args[4] ~= '' and m[2] ~= args[4]) then
+    return redis.error_reply('SGSTATE the request is not open (finalized already, cancelled or unknown)')
+  end
+  redis.call('HSET', keys[1], 'open', 0)
+  if tonumber(m[3]) > 0 then return {'open'} end
+  local state = 'completed'
+  if tonumber(m[4]) > 0 then state = 'failed' end
+  return sg_finish(keys, args[1], state, args[2], args[3], sg_now())
+end
+
+-- register: enter a request in recovery's index before it is created, so that whatever happens to
+-- its producer afterwards, recovery finds it. Run on the request's home shard.
+-- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
+-- KEYS[2] the registration times (hash: key id -> ms)
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
+-- Returns {added, now}: added is 1 if this call entered it (0 if it was there), now the Redis time
+-- (ms) of the registration. The producer must create the request before now + half the loading
+-- ttl (the deadline it passes to submit_open, submit_small or stream_open): recovery drops a
+-- registration whose request does not exist only once the loading ttl has passed since it was
+-- registered (by any producer: each registration restarts that time), so a request can never be
+-- created after its registration was dropped. Producers never take a registration back: it may
+-- be another producer's (the same id submitted twice).
+local function register(keys, args)
+  local now = sg_now()
+  local added = redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
+  -- The latest registration's time, not the first's: a producer's deadline counts from its own
+  -- registration, and recovery must not drop the entry before that deadline has passed.
+  redis.call('HSET', keys[2], args[1], now)
+  return {added, now}
+end
+
+-- push: put token elements on a priority list of their shard, each with a wake-up on the shard's
+-- bell; on the request's home shard, also make sure the request is in recovery's index.
+-- KEYS[1] the priority list   KEYS[2] the shard's bell   KEYS[3] (home shard only) the active-request
+-- index   KEYS[4] (home shard only) the registration times
+-- ARGV[1] request key id   ARGV[2] next look (ms from now)   ARGV[3] 'first:<score>' (the push
+-- that follows a submit, with the score its registration wrote: while that score is still there,
+-- the next look is set to ARGV[2], however far; if recovery has looked since, only moved earlier)
+-- or 'more' (the next look only ever moves earlier)   ARGV[4..] elements
+-- Returns the number of elements pushed. An element of a request that finished in the meantime is
+-- refused by acquire when taken ('drop'), and the index entry by recovery, so a late or repeated
+-- push is harmless; a push never silently does nothing.
+local function push(keys, args)
+  if keys[3] then
+    local due = sg_now() + tonumber(args[2])
+    if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
+      sg_rearm(keys[3], args[1], due, string.match(args[3], '^first:(%d+)$'))
+    end
+    redis.call('HSETNX', keys[4], args[1], sg_now())
+  end
+  return sg_push(keys[1], keys[2], args, 4)
+end
+
+-- reopen: before requeue_dead reopens a failed request, enter it in recovery's index again and
+-- mark the new lifecycle, so that a late `unindex` of the failed lifecycle leaves it there. Run on
+-- the home shard, after the failed lifecycle's own steps (finish_index, seal, unindex) are done.
+-- KEYS[1] active-request index   KEYS[2] registration times   KEYS[3] the request's finish marks
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
+-- ARGV[3] the lifecycle about to start (the failed one's plus one)
+-- Returns 1 if this call entered the request in the index, 0 if it was there.
+local function reopen(keys, args)
+  local now = sg_now()
+  -- Kept (no expiry) while the reopened request runs; its own finish_index sets one.
+  redis.call('HSET', keys[3], 'o', args[3])
+  redis.call('PERSIST', keys[3])
+  redis.call('HSETNX', keys[2], args[1], now)
+  return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
+end
+
+-- arm: ask recovery to look at a request by a given time (only ever earlier than planned): before a
+-- step whose follow-up (a push) its caller might not live to make, and when a parked token should
+-- be woken for a retry.
+-- KEYS[1] the active-request index (home shard)   KEYS[2] the looks armed before a step
+-- ARGV[1] request key id   ARGV[2] in how long (ms; relative, so no client clock is involved)
+-- ARGV[3] (recovery only, optional) the score its claim wrote: if it is still there, the look is
+-- set to ARGV[2] even if that is later (sg_rearm)   ARGV[4] (optional) 'step': the look comes
+-- before a step, which is to run before it is due; it is kept in KEYS[2] too, so that a census
+-- that begins before it is due (and so maybe before the step) does not cancel it (claim_due,
+-- sg_rearm)
+-- Returns when the look is due (ms, Redis time) if the request is indexed, else 0.
+local function arm(keys, args)
+  local due = sg_now() + tonumber(args[2])
+  if sg_rearm(keys[1], args[1], due, args[3], keys[2]) == 0 then return 0 end
+  if args[4] == 'step' then redis.call('ZADD', keys[2], 'GT', due, args[1]) end
+  return due
+end
+
+-- take: a worker slot takes the token element of the highest priority waiting on a shard, and
+-- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
+-- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
+-- death is noticed by `beat`, and recovery reclaims what the record names).
+-- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
+-- KEYS[3..102] the shard's priority lists, highest first
+-- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
+-- the slot's previous take on this shard ('' if none): its record, if still there, is done with
+-- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
+-- bells and elements stay about even)
+-- Returns {list, element}, or {} when every list is empty. The same call re-sent (the same take id:
+-- its first reply was lost) returns the element it took the first time.
+local function take(keys, args)
+  local holder, id = args[1], args[2]
+  local held = redis.call('HGET', keys[1], holder)
+  if held then
+    local f = sg_split(held)
+    if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
+    if f[4] ~= args[3] then
+      -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
+      -- name no live slot uses.
+      redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
+    end
+  end
+  local lmpop = {'LMPOP', #keys - 2}
+  for i = 3, #keys do lmpop[#lmpop + 1] = keys[i] end
+  lmpop[#lmpop + 1] = 'RIGHT'
+  local popped = redis.call(unpack(lmpop))
+  if not popped then
+    if held then redis.call('HDEL', keys[1], holder) end
+    return {}
+  end
+  local element = popped[2][1]
+  redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
+  redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
+  if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
+  return {popped[1], element}
+end
+
+-- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
+-- the element goes back to the tail of its list, where it was taken from, and the record ends.
+-- KEYS[1] the shard's held records   KEYS[2] the shard's bell
+-- ARGV[1] holder   ARGV[2] the take id
+-- Returns 1 if the take had happened (and is undone), 0 if there is no record of it.
+local function untake(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if not held then return 0 end
+  local f = sg_split(held)
+  if f[4] ~= args[2] then return 0 end
+  redis.call('HDEL', keys[1], args[1])
+  redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
+  redis.call('LPUSH', keys[2], '1')
+  redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
+  return 1
+end
+
+-- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
+-- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
+--          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
+--          token shards of the request}; entry = {entry id, index, payload, attempt};
+--         {'park', wake}: no work left to hand out, the token waits in the request until work
+--          appears (wake: in how many ms a retry falls due, 0 if none);
+--         {'drop'}: the request is finished, cancelled or unknown: forget the element;
+--         {'stale'}: the element is not the token's current one (old epoch, or not queued).
+local function acquire(keys, args)
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards')
+  local tok = m[1]
+  if not tok then return {'drop'} end
+  local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
+  local f = sg_split(tok)
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same slot presenting the same element again: a call re-sent after a reconnect whose
+    -- first reply was lost. Hand out the entries it already holds instead of stranding them.
+    local reply = {'run', policy}
+    for _, id in ipairs(sg_ids(f[5])) do
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if entry and pending then
+        reply[#reply + 1] = {id, sg_index(id), entry[2][2], tonumber(pending[4])}
+      end
+    end
+    if #reply > 2 then return reply end
+  end
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  local now = sg_now()
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
+  if next[1] ~= 'run' then return next end
+  if m[3] == 'queued' then redis.call('HSET', keys[1], 'state', 'running', 'started', now) end
+  table.insert(next, 2, policy)
+  return next
+end
+
+-- ack: a slot reports the outcomes of the batch it was handed and, in the same step, either gets
+-- the next batch (it keeps its token), or gives the token back, or learns that the request is
+-- finished.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] 1 = continue with this request, 0 = give the token back (quantum used up, shutting down)
+-- ARGV[7] retention (ms) of results once finished   ARGV[8] completion channel
+-- ARGV[9] next batch: how many entries at most
+-- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
+--   entry id, outcome, body, retry delay (ms), attempt
+--   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
+--   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
+--   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
+-- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element}: push element
+--         back (give_back); {'park', wake} as acquire; {'finished', state, lifecycle, sweep
+--         elements...}: the request just turned terminal; {'fenced'}: this slot no longer holds
+--         the token with exactly these entries, so nothing was recorded (its worker was declared
+--         dead and the work moved on, or the request was cancelled).
+local function ack(keys, args)
+  local k, epoch, holder = args[2], args[3], args[4]
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local tok = m[1]
+  if not tok then return {'fenced'} end
+  local f = sg_split(tok)
+  local ids = {}
+  for i = 10, #args, 5 do ids[#ids + 1] = args[i] end
+  -- The token check is the fence: XACK alone would accept entries that were claimed by another.
+  if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
+    return {'fenced'}
+  end
+  local now = sg_now()
+  local extra = tonumber(m[2] or '0')
+  local acked, results, errors, cleared = {}, {}, {}, {}
+  local failed = 0
+  for i = 10, #args, 5 do
+    local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
+    if outcome == 'ok' then
+      acked[#acked + 1] = id
+      results[#results + 1] = index
+      results[#results + 1] = body
+      cleared[#cleared + 1] = index
+      if args[i + 4] ~= '1' then
+        -- Succeeded after retries: kept in the record, which the error record no longer is.
+        redis.call('HINCRBY', keys[1], 'retried', 1)
+        if tonumber(args[i + 4]) > tonumber(redis.call('HGET', keys[1], 'maxseen') or '1') then
+          redis.call('HSET', keys[1], 'maxseen', args[i + 4])
+        end
+      end
+    elseif outcome == 'dead' then
+      -- A dead letter stays pending, parked in the retry set at +inf (never due), so that
+      -- requeue_dead can hand it out again with its payload. It counts as done once: only if it is
+      -- pending and was not a dead letter already.
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if pending and redis.call('ZADD', keys[6], 'inf', id) == 1 then failed = failed + 1 end
+      errors[#errors + 1] = index
+      errors[#errors + 1] = body
+    elseif outcome == 'retry' then
+      -- Stays pending (its payload with it) until sg_take_work claims it again when due.
+      redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
+      errors[#errors + 1] = index
+      errors[#errors + 1] = body
+      extra = extra + 1
+    else
+      -- Skipped: it did not run, so the delivery it had does not count as an attempt.
+      redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(args[i + 4]) - 1, 0), 'JUSTID')
+      redis.call('RPUSH', keys[5], id)
+      extra = extra + 1
+    end
+  end
+  if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
+  if #results > 0 then redis.call('HSET', keys[3], unpack(results)) end
+  if #cleared > 0 then redis.call('HDEL', keys[4], unpack(cleared)) end
+  if #errors > 0 then redis.call('HSET', keys[4], unpack(errors)) end
+  if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
+  -- `left` counts down by what this call really settled: entries acknowledged now (XACK counts
+  -- only those still pending) and new dead letters.
+  local settled = failed
+  if #acked > 0 then
+    -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
+    settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
+  end
+  if settled > 0 then
+    if redis.call('HINCRBY', keys[1], 'left', -settled) <= 0
+      and redis.call('HGET', keys[1], 'open') ~= '1' then
+      local state = 'completed'
+      if tonumber(redis.call('HGET', keys[1], 'failed')) > 0 then state = 'failed' end
+      return sg_finish(keys, args[1], state, args[7], args[8], now, tonumber(k))
+    end
+  end
+  if failed > 0 and redis.call('HGET', keys[1], 'failfast') == '1' then
+    -- Fail fast: the first dead letter ends the request; the parts not yet run never will
+    -- (unless its dead letters are requeued: then they run too).
+    return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
+  end
+  if args[6] == '1' then
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
+  end
+  return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+end
+
+-- give_back: push a token's new element back (a slot at the end of its quantum, after ack answered
+-- 'requeue'; recovery after reclaim), and end the take's record, in one step: while the record is
+-- there, the push has not happened, so whoever finds it after its slot died (recovery) knows that
+-- the token still needs pushing.
+-- The elements are pushed whether or not the record is still there: an element is only ever issued
+-- to be pushed, and pushing one that is no longer current is harmless (acquire refuses it), while
+-- not pushing the current one would lose the token (recovery may have ended the record, or the slot
+-- itself, after a newer epoch was issued).
+-- KEYS[1] the shard's held records   KEYS[2] the shard's bell   KEYS[3] the priority list
+-- ARGV[1] holder   ARGV[2] the take id its record must carry to be ended   ARGV[3..] elements
+-- Returns the number of elements pushed.
+local function give_back(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if held and sg_split(held)[4] == args[2] then redis.call('HDEL', keys[1], args[1]) end
+  return sg_push(keys[3], keys[2], args, 3)
+end
+
+-- release: end a slot's record of holding a token it no longer holds (parked, finished, dropped,
+-- fenced), when the slot moves to another shard or stops. (On its own shard the slot's next take
+-- ends the record anyway.)
+-- KEYS[1] the shard's held records
+-- ARGV[1] holder   ARGV[2] the take id the record must carry
+-- Returns 1 if a record was removed.
+local function release(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if not held or sg_split(held)[4] ~= args[2] then return 0 end
+  return redis.call('HDEL', keys[1], args[1])
+end
+
+-- holds: which of the tokens one worker's slots hold on one request they no longer hold (the
+-- request finished or was cancelled, or their worker was declared dead and recovery moved the
+-- tokens on): the worker cancels the handlers running under them. Reads only.
+-- KEYS[1] meta hash (holds touches no other key of the request)
+-- ARGV[1..] triples: token k, epoch, holder
+-- Returns the token numbers no longer held by that holder at that epoch.
+local function holds(keys, args)
+  local lost = {}
+  for i = 1, #args, 3 do
+    local k, epoch, holder = args[i], args[i + 1], args[i + 2]
+    local tok = redis.call('HGET', keys[1], 't' .. k)
+    local f = tok and sg_split(tok)
+    if not (f and f[1] == 'h' and f[2] == epoch and f[3] == holder) then lost[#lost + 1] = k end
+  end
+  return lost
+end
+
+-- finish_index: record a finished request's one event on the token side. It is the first of three
+-- steps after a request turns terminal (then `seal` on the request's keys, then `unindex`), each
+-- repeatable: whoever runs them (the finishing slot, or recovery when that slot died) the event is
+-- written once per lifecycle, and the request stays in the index until it is sealed.
+-- KEYS[1] active-request index   KEYS[2] events stream   KEYS[3] the request's priority list
+-- KEYS[4] the request's finish marks (hash: `e` last lifecycle whose event was written, `o` last
+-- lifecycle reopened by requeue_dead), kept for the retention after unindex   KEYS[5] the home
+-- shard's bell
+-- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] retention (ms)   ARGV[4] lifecycle
+-- that finished   ARGV[5..] stale token elements to remove from the priority list
+-- Returns 1 when this call recorded the event, 0 when it had been recorded already (or the request
+-- has left the index, which it does only after its event).
+local function finish_index(keys, args)
+  sg_sweep(keys[3], keys[5], args, 5)
+  if not redis.call('ZSCORE', keys[1], args[1]) then return 0 end
+  local lifecycle = tonumber(args[4])
+  local written = redis.call('HGET', keys[4], 'e')
+  if written and tonumber(written) >= lifecycle then return 0 end
+  local retention = tonumber(args[3])
+  redis.call('HSET', keys[4], 'e', args[4])
+  -- Until unindex shortens it, the marks must outlive the request's keys, which are held as long.
+  redis.call('PEXPIRE', keys[4], retention + SG_FINISH_HOLD_MS)
+  local now = sg_now()
+  redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',
+    'rid', args[1], 'state', args[2])
+  redis.call('PEXPIRE', keys[2], retention)
+  return 1
+end
+
+-- sweep: remove a finished request's stale elements from a list of a shard other than its home
+-- (finish_index sweeps the home shard's), within the 1,000 elements nearest the head.
+-- KEYS[1] the priority list   KEYS[2] the shard's bell
+-- ARGV[1..] elements
+-- Returns 1.
+local function sweep(keys, args)
+  sg_sweep(keys[1], keys[2], args, 1)
+  return 1
+end
+
+-- seal: start a finished request's retention, once its event is recorded (finish_index). Until
+-- then its keys are held (prelude.lua, SG_FINISH_HOLD_MS), so that a finish whose token side is
+-- delayed (the finishing worker died or stalled) is neither lost nor left unannounced.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the lifecycle that finished   ARGV[2] retention (ms)
+-- Returns 1 when the request is that finished lifecycle, now sealed (again: a repeat never extends
+-- the retention); 0 when it is not (reopened by requeue_dead, or gone).
+local function seal(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if state ~= 'completed' and state ~= 'failed' and state ~= 'cancelled' then return 0 end
+  if sg_lifecycle(keys) ~= args[1] then return 0 end
+  redis.call('HSET', keys[1], 'sealed', args[1])
+  -- LT: only ever shortens (a key without expiry counts as infinite).
+  for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], args[2], 'LT') end
+  return 1
+end
+
+-- unindex: the last step of a finish (after finish_index and seal): the request leaves recovery's
+-- index, unless requeue_dead has reopened it since (the index entry then belongs to the new
+-- lifecycle).
+-- KEYS[1] active-request index   KEYS[2] the request's finish marks (finish_index)
+-- KEYS[3] registration times   KEYS[4] the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] the lifecycle that finished   ARGV[3] retention (ms)
+-- Returns 1 when the request left the index, 0 when it was not there, or the newer lifecycle a
+-- requeue marked (reopen) when the entry stays for it: recovery then completes that requeue if it
+-- was left half-way (requeue_dead with 'resume'). The marks stay for the retention, as the
+-- record does: a late finish_index of this lifecycle (its finisher stalled while others completed
+-- the steps, and the request was requeued and so indexed again) then finds its event written.
+local function unindex(keys, args)
+  local reopened = redis.call('HGET', keys[2], 'o')
+  if reopened and tonumber(reopened) > tonumber(args[2]) then return tonumber(reopened) end
+  redis.call('PEXPIRE', keys[2], args[3])
+  redis.call('HDEL', keys[3], args[1])
+  redis.call('ZREM', keys[4], args[1])
+  return redis.call('ZREM', keys[1], args[1])
+end
+
+-- claim_due: take the requests whose census is due, so that concurrent workers spread the work
+-- and do not census the same request at once (a double census would still be safe: every
+-- restore is a compare-and-set on the token's epoch).
+-- KEYS[1] the active-request index   KEYS[2] the looks armed before a step (arm)
+-- ARGV[1] at most this many requests   ARGV[2] claim (ms): others skip them for this long
+-- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
+-- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
+-- is served by this census (its step ran before it fell due); one that is not due yet stays, and
+-- the next look is set no later than it.
+local function claim_due(keys, args)
+  local now = sg_now()
+  local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
+  local out = {}
+  local claim = now + tonumber(args[2])
+  for _, rid in ipairs(due) do
+    redis.call('ZADD', keys[1], claim, rid)
+    local armed = redis.call('ZSCORE', keys[2], rid)
+    if armed and tonumber(armed) <= now then redis.call('ZREM', keys[2], rid) end
+    out[#out + 1] = rid
+    out[#out + 1] = claim
+  end
+  return out
+end
+
+-- census: recovery's look at one request, in chunks of tokens: run by any worker for a request it
+-- claimed (claim_due), when the request asked to be looked at (registration, arm, a retry or a
+-- delay falling due) and at least once per census interval.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] grace (ms): how long a token may be queued before recovery
+-- checks that its element is in the list   ARGV[3] retention (ms)   ARGV[4] completion channel
+-- (for a streamed request that expired unfinalized: it is cancelled here)   ARGV[5] first token
+-- of this chunk   ARGV[6] tokens per chunk   ARGV[7] the next look (ms) when nothing in this
+-- chunk is due sooner: the census interval for the first chunk, the previous chunk's look for
+-- the others
+-- Returns {'gone'}: no such request (expired, or not created yet: drop_gone); {'loading'};
+--         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal but
+--         still indexed, so the steps after its finish (finish_index, seal, unindex) are to be
+--         completed; sealed is 1 when only unindex is left;
+--         or {'ok', priority, shards, next, look, push, check, held}: next: the first token of the
+--         next chunk (-1 after the last); look: in how many ms the request wants its next look,
+--         counting this chunk and ARGV[7] (the last chunk's is the request's); push: elements of
+--         woken tokens, to push now; check: elements queued longer than the grace, whose presence
+--         in their list must be verified (verify; the look comes again after as long as the
+--         oldest has waited, since verify may not be able to tell yet); held: {k, epoch, holder}
+--         of every held token, for recovery to check that the holder's worker lives. Token k's
+--         elements belong on shard (home + k) % shards.
+-- In the first chunk: a scheduled request whose time has come turns queued; a streamed request
+-- past its expiry is cancelled; parked tokens are woken while work waits for them; the stream is
+-- trimmed.
+local function census(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return {'gone'} end
+  if state == 'loading' then return {'loading'} end
+  local rid, grace = args[1], tonumber(args[2])
+  local shards = redis.call('HGET', keys[1], 'shards') or '1'
+  local prio = redis.call('HGET', keys[1], 'prio')
+  if state == 'completed' or state == 'failed' or state == 'cancelled' then
+    local lifecycle = sg_lifecycle(keys)
+    local sealed = 0
+    if redis.call('HGET', keys[1], 'sealed') == lifecycle then sealed = 1 end
+    return {'finished', state, prio, shards, lifecycle, sealed}
+  end
+  local now = sg_now()
+  local from, count = tonumber(args[5]), tonumber(args[6])
+  local look = tonumber(args[7])
+  local push, check, held = {}, {}, {}
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark')
+  if from == 0 then
+    if state == 'scheduled' then
+      -- A delayed request waits with parked tokens; the first census after its time promotes it.
+      local eligible = tonumber(m[1] or '0')
+      if eligible > now then
+        return {'ok', prio, shards, -1, eligible - now, {}, {}, {}}
+      end
+      redis.call('HSET', keys[1], 'state', 'queued')
+    end
+    if m[2] == '1' and tonumber(m[3] or '0') > 0 then
+      if tonumber(m[3]) < now then
+        -- A streamed request whose producer never finalized it within its expiry: its input is
+        -- incomplete, so it ends cancelled.
+        redis.call('DEL', keys[6])
+        local f = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
+        return {'finished', 'cancelled', prio, shards, f[3], 0}
+      end
+      look = math.min(look, tonumber(m[3]) - now)
+    end
+    -- Acked entries are not deleted one by one; drop every stream node older than the oldest
+    -- entry still pending (or, with none pending, than the last one delivered).
+    local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+    local delivered = '0-0'
+    for i = 1, #group, 2 do
+      if group[i] == 'last-delivered-id' then delivered = group[i + 1] end
+    end
+    local oldest = redis.call('XPENDING', keys[2], 'g')[2]
+    if not oldest and delivered ~= '0-0' then oldest = '0-' .. (sg_index(delivered) + 2) end
+    if oldest then redis.call('XTRIM', keys[2], 'MINID', '~', oldest) end
+    -- Parked tokens go back into circulation while there is work they could take: orphans, due
+    -- retries, and entries never delivered (the stream's newest id past the group's last
+    -- delivered one; XINFO's lag is unknown once entries were deleted, so compare ids).
+    local work = redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now)
+    local newest = redis.call('XREVRANGE', keys[2], '+', '-', 'COUNT', 1)[1]
+    if newest and sg_index(newest[1]) > sg_index(delivered) then
+      work = work + sg_index(newest[1]) - sg_index(delivered)
+    end
+    push = sg_unpark(keys, rid, work, now)
+    if tonumber(redis.call('HGET', keys[1], 'npark') or '0') > 0 then
+      -- Still parked tokens: wake them when the next retry falls due.
+      local due = sg_next_retry(keys, now)
+      if due then look = math.min(look, due - now) end
+    end
+  end
+  local ntok = tonumber(m[4] or '0')
+  local to = math.min(from + count, ntok)
+  sg_each_token(keys, from, to, function(k, tok)
+    local f = sg_split(tok)
+    if f[1] == 'q' then
+      local since = tonumber(f[3] or '0')
+      if since + grace <= now then
+        check[#check + 1] = sg_element(rid, k, f[2])
+        -- verify can only tell for sure that an element is missing once its list's tail has moved
+        -- a grace past it; until then it may be there, or may never have been pushed (its pusher
+        -- died). Look again after as long again as it has waited: a token never pushed is found
+        -- within about twice the time its element would have waited in the list, at a cost of
+        -- one look per doubling of that wait (at most one per census interval).
+        look = math.min(look, math.max(grace, now - since))
+      else
+        look = math.min(look, since + grace - now)
+      end
+    elseif f[1] == 'h' then
+      held[#held + 1] = {k, f[2], f[3]}
+    end
+  end)
+  local next = to
+  if to >= ntok then next = -1 end
+  return {'ok', prio, shards, next, math.max(look, 1), push, check, held}
+end
+
+-- verify: recovery's token-side step after a census: push woken or restored elements, and report
+-- which of the elements that should be waiting in the list are not there (taken by a worker that
+-- died before recording it, in an older protocol; or never pushed, because whoever was to push
+-- them died first). Also sets, on the home shard, when recovery next looks at the request.
+-- The presence test costs O(1) whatever the list's length: elements are pushed at the head just
+-- after their epoch is issued (an epoch is a time) and taken from the tail, so the list holds no
+-- element older than its tail's epoch. An element whose epoch is more than the grace below the
+-- tail's, or any element when the list is empty, is not in the list. (The grace absorbs clock
+-- differences between masters, whose times the epochs are; a wrong "missing" only makes restore
+-- issue a newer element, and the older copy is refused when taken.)
+-- KEYS[1] the priority list   KEYS[2] the shard's bell   KEYS[3] (home shard only) the active index
+-- KEYS[4] (home shard only) the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] next look (ms from now; read on the home shard)   ARGV[3] grace
+-- (ms)   ARGV[4] n: how many elements to push   ARGV[5 .. 4+n] elements to push
+-- ARGV[5+n ..] elements to check; on the home shard, the last argument is the score recovery's
+-- claim wrote ('' if none): the next look is set as for arm (sg_rearm)
+-- Returns the checked elements that are missing from the list. When some are, the next look is
+-- set a grace from now instead, so that it comes soon if the restore they call for never happens
+-- (its caller died).
+local function verify(keys, args)
+  local n = tonumber(args[4])
+  sg_push(keys[1], keys[2], {unpack(args, 5, 4 + n)})
+  local grace = tonumber(args[3])
+  local last = #args
+  local claim = nil
+  if keys[3] then
+    claim = args[last]
+    last = last - 1
+  end
+  local tail = redis.call('LINDEX', keys[1], -1)
+  local tail_epoch = sg_element_epoch(tail)
+  local missing = {}
+  for i = 5 + n, last do
+    local epoch = sg_element_epoch(args[i])
+    if not tail or (tail ~= args[i] and tail_epoch and epoch and tail_epoch > epoch + grace) then
+      missing[#missing + 1] = args[i]
+    end
+  end
+  if keys[3] then
+    local look = tonumber(args[2])
+    if #missing > 0 then look = math.min(look, grace) end
+    sg_rearm(keys[3], args[1], sg_now() + look, claim, keys[4])
+  end
+  return missing
+end
+
+-- restore: re-queue tokens whose element verify found missing, under a new epoch, but only if each
+-- is still queued with the epoch that was checked: if a worker acquired it in the meantime (the
+-- element was in flight), nothing happens, and a late push of the old element is refused by
+-- acquire. Restoring therefore never makes a token too many.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2..] missing elements "<rid>|<k>|<epoch>"
+-- Returns the new elements, to push onto the request's priority list.
+local function restore(keys, args)
+  local now = sg_now()
+  local out = {}
+  for i = 2, #args do
+    local f = sg_split(args[i])
+    local k, epoch = f[2], f[3]
+    local tok = redis.call('HGET', keys[1], 't' .. k)
+    if tok then
+      local t = sg_split(tok)
+      if t[1] == 'q' and t[2] == epoch then out[#out + 1] = sg_requeue(keys, args[1], k, epoch, now) end
+    end
+  end
+  return out
+end
+
+-- reclaim: recovery's step for a token a dead worker's slot had taken (its `held` record named
+-- element "<rid>|<k>|<epoch>"): put the token back in circulation if the slot's death left it out.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] k   ARGV[3] the epoch the slot took   ARGV[4] its holder
+-- ARGV[5] (a slot's own reclaim) the deadline of its arm (sg_step_late: errors "SGLATE ..." past it)
+-- Returns {'push', element}: push it (give_back, which also ends the record) — the token was taken
+--         and never acquired, or held by that slot (its batch becomes orphans, run again first), or
+--         re-queued by the slot's last ack whose push (give_back) never ran (a higher epoch, still
+--         queued: a newer element is issued, so that a push of the older one that did happen is
+--         merely refused when taken);
+--         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal (the
+--         slot may have died between its finish and the steps after it: census's reply);
+--         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
+--         wake-up of a retry that falls due in that many ms): recovery is to look then (arm); a
+--         parked token with work waiting now is woken at once ('push');
+--         {'none'}: nothing to do (parked with no retry waiting, held by another, or the request is
+--         gone).
+local function reclaim(keys, args)
+  local late = sg_step_late(args[5])
+  if late then return late end
+  local rid, k, epoch, holder = args[1], args[2], args[3], args[4]
+  local tok = redis.call('HGET', keys[1], 't' .. k)
+  if not tok then
+    local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed')
+    if m[1] == 'completed' or m[1] == 'failed' or m[1] == 'cancelled' then
+      local lifecycle = sg_lifecycle(keys)
+      local sealed = 0
+      if m[4] == lifecycle then sealed = 1 end
+      return {'finished', m[1], m[2], m[3] or '1', lifecycle, sealed}
+    end
+    return {'none'}
+  end
+  local f = sg_split(tok)
+  local now = sg_now()
+  if f[1] == 'h' and f[2] == epoch and f[3] == holder then
+    for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+    return {'push', sg_requeue(keys, rid, k, f[2], now)}
+  end
+  if f[1] == 'q' and tonumber(f[2]) >= tonumber(epoch) then
+    return {'push', sg_requeue(keys, rid, k, f[2], now)}
+  end
+  if f[1] == 'p' then
+    -- Parked by the slot, which died before it asked for a wake-up: wake it now if work waits (an
+    -- orphan, a retry due), else when the next retry falls due.
+    if redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now) > 0 then
+      redis.call('HINCRBY', keys[1], 'npark', -1)
+      return {'push', sg_requeue(keys, rid, k, f[2], now)}
+    end
+    local due = sg_next_retry(keys, now)
+    if due then return {'wake', math.max(due - now, 1)} end
+  end
+  return {'none'}
+end
+
+-- drop_gone: what recovery does with an index entry whose request does not exist (census said
+-- 'gone'): its producer died before creating it, or it was never created (the id was in use), or
+-- its keys expired (a loading ttl, or the retention of a finish nobody sealed). The entry is
+-- dropped only once the loading ttl has passed since it was registered, so that no producer can
+-- still create the request (its deadline, register.lua, is half that); until then the next look
+-- is set to that time.
+-- KEYS[1] active-request index   KEYS[2] registration times   KEYS[3] the request's finish marks
+-- KEYS[4] the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] the loading ttl (ms)   ARGV[3] the score recovery's claim wrote
+-- (sg_rearm: a push that came since keeps the look it set)   ARGV[4] the grace (ms)
+-- Returns 1 when the entry was dropped, 0 when it was kept.
+local function drop_gone(keys, args)
+  local now = sg_now()
+  local registered = tonumber(redis.call('HGET', keys[2], args[1]) or '0')
+  local ttl, grace = tonumber(args[2]), tonumber(args[4])
+  local drop_at = registered + ttl
+  if drop_at > now then
+    -- Until its deadline (half the ttl, plus a grace for clocks) the request may still be created,
+    -- its creator dying before it pushes: look again soon. After it, only the drop is left.
+    local next = drop_at
+    if now < registered + ttl / 2 + grace then next = now + grace end
+    sg_rearm(keys[1], args[1], next, args[3], keys[4])
+    return 0
+  end
+  redis.call('ZREM', keys[1], args[1])
+  redis.call('ZREM', keys[4], args[1])
+  redis.call('HDEL', keys[2], args[1])
+  redis.call('DEL', keys[3])
+  return 1
+end
+
+-- cancel: end a request now. Its tokens are withdrawn (queued elements swept, held tokens fenced:
+-- their holders' acks record nothing and their heartbeats report the hold lost, which cancels
+-- the handlers' contexts), its queued parts never run, and it gets one terminal record, state
+-- `cancelled`, and one event, like any finish.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- Returns {'finished', 'cancelled', lifecycle, sweep elements...} as ack does, or {'already', state}
+-- when the request was terminal before (or loading: it is discarded), or {'unknown'}.
+local function cancel(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return {'unknown'} end
+  if state == 'completed' or state == 'failed' or state == 'cancelled' then return {'already', state} end
+  if state == 'loading' then
+    redis.call('DEL', keys[1], keys[2])
+    return {'already', 'loading'}
+  end
+  redis.call('DEL', keys[6])
+  return sg_finish(keys, args[1], 'cancelled', args[2], args[3], sg_now())
+end
+
+-- requeue_dead: hand a request's dead letters out again, each with a fresh set of attempts. A
+-- running request simply gets the work back; a failed one is reopened (state `running`, keys
+-- persisted again, its full set of tokens re-created under epochs above any earlier one) and will
+-- end with a new terminal record and event.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] the lifecycle to reopen a failed request as ('' when the caller
+-- has not marked one yet, see below)   ARGV[3] the deadline of the caller's arm (sg_step_late)
+-- ARGV[4] 'resume' (recovery): complete a requeue whose caller died after `reopen` marked ARGV[2],
+-- only if the request is still the failed lifecycle just before it; otherwise do nothing ({0, 0})
+-- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle when a failed
+-- request was reopened, else 0; and token elements to push (re-created or woken tokens). For a
+-- failed request, nothing changes and the reply says what to do first:
+--   {-1, lifecycle}: its finish is not sealed yet (its event may be unwritten): complete the steps
+--   after that finish (finish_index, seal, unindex) and call again;
+--   {-2, next lifecycle}: call `reopen` on the home shard with that lifecycle (it indexes the
+--   request again and marks the lifecycle, so that no late unindex of the failed one removes it),
+--   then call again with ARGV[2] set to it.
+-- Errors "SGSTATE ..." when the request cannot be requeued (unknown, loading, completed,
+-- cancelled, or its retention ran out), "SGLATE ..." past the deadline.
+local function requeue_dead(keys, args)
+  local late = sg_step_late(args[3])
+  if late then return late end
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep')
+  local state = m[1]
+  if args[4] == 'resume' then
+    if state ~= 'failed' then return {0, 0} end
+    local lifecycle = sg_lifecycle(keys)
+    if m[4] ~= lifecycle or args[2] ~= sg_int(tonumber(lifecycle) + 1) then return {0, 0} end
+  end
+  if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
+    return redis.error_reply('SGSTATE only a failed, running or queued request has dead letters to requeue')
+  end
+  local lifecycle = sg_lifecycle(keys)
+  if state == 'failed' then
+    if m[4] ~= lifecycle then return {-1, lifecycle} end
+    local next = sg_int(tonumber(lifecycle) + 1)
+    if args[2] ~= next then return {-2, next} end
+  end
+  local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
+  local n = #dead
+  if n == 0 then return {0, 0} end
+  local now = sg_now()
+  for _, id in ipairs(dead) do
+    -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.
+    redis.call('XCLAIM', keys[2], 'g', 'requeue', 0, id, 'RETRYCOUNT', 0, 'JUSTID')
+    redis.call('ZADD', keys[6], now, id)
+  end
+  redis.call('HINCRBY', keys[1], 'extra', n)
+  redis.call('HINCRBY', keys[1], 'left', n)
+  redis.call('HINCRBY', keys[1], 'failed', -n)
+  if state == 'failed' then
+    redis.call('HINCRBY', keys[1], 'gen', 1)
+    -- Elements of the earlier lifecycle may linger in a list: start the epochs above them.
+    local epoch = sg_next_epoch(m[6], now)
+    local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
+    for i = 1, 6 do redis.call('PERSIST', keys[i]) end
+    redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
+    redis.call('HDEL', keys[1], 'finished', 'sealed')
+    local out, fields = {n, args[2]}, {}
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'q|' .. epoch .. '|' .. now
+      out[#out + 1] = sg_element(args[1], k, epoch)
+    end
+    sg_hset_many(keys[1], fields)
+    return out
+  end
+  -- Running: parked tokens come back for the work.
+  local out = {n, 0}
+  for _, e in ipairs(sg_unpark(keys, args[1], n, now)) do out[#out + 1] = e end
+  return out
+end
+
+-- beat: a worker's heartbeat in the worker registry (shard 0), and its share of noticing dead
+-- workers. A worker is alive while its registration has not expired (Redis time: no client clock
+-- is involved); one not heard from for a lease is dead, and the beat of any other worker claims it
+-- for reaping: recovery then reclaims every token its slots had taken (their `held` records).
+-- KEYS[1] the registry (sorted set: worker id -> expiry ms)   KEYS[2] worker descriptions (hash:
+-- worker id -> JSON; and "<worker id>|lapsed" -> when its registration was last found lapsed)
+-- KEYS[3] workers being reaped (sorted set: worker id -> claim expiry ms)
+-- ARGV[1] worker id   ARGV[2] lease (ms)   ARGV[3] its description (JSON, stored on the first
+-- beat)   ARGV[4] '1' on the worker's first beat   ARGV[5] at most this many dead workers to claim
+-- ARGV[6] claim (ms): a dead worker claimed by a reaper that dies is claimed again after this
+-- Returns {alive, dead id, dead description, ...}: alive is 0 when this worker had been declared
+-- dead (it must take a new id: its tokens are being, or were, reclaimed), else 1.
+local function beat(keys, args)
+  local now = sg_now()
+  local id, lease = args[1], tonumber(args[2])
+  local alive = 1
+  -- A beat that finds its own registration expired (this worker, or the registry, could not be
+  -- reached for a lease: a stalled process, a partition, the registry's master restarting) does
+  -- not reap: the other workers were most likely cut off alike, and get a lease to beat again.
+  local lapsed = false
+  if args[4] == '1' then
+    redis.call('ZADD', keys[1], now + lease, id)
+    redis.call('HSET', keys[2], id, args[3])
+  else
+    local own = redis.call('ZSCORE', keys[1], id)
+    if own then
+      lapsed = tonumber(own) < now
+      redis.call('ZADD', keys[1], 'XX', now + lease, id)
+    else
+      alive = 0
+    end
+  end
+  -- The registry goes when no worker is left to beat (a namespace whose workers were all killed
+  -- leaves nothing); dead workers' take records are then found by recovery's scan of them.
+  for i = 1, 3 do redis.call('PEXPIRE', keys[i], lease * 6) end
+  local out = {alive}
+  -- For a lease after its lapse, a worker does not reap: the others get that long to come back
+  -- (their own beats meet the same outage, and their reconnects take time).
+  local quiet = id .. '|lapsed'
+  if lapsed then
+    redis.call('HSET', keys[2], quiet, now)
+    return out
+  end
+  local since = redis.call('HGET', keys[2], quiet)
+  if since then
+    if tonumber(since) + lease > now then return out end
+    redis.call('HDEL', keys[2], quiet)
+  end
+  local max, claim = tonumber(args[5]), tonumber(args[6])
+  local dead = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, max)
+  local stuck = redis.call('ZRANGEBYSCORE', keys[3], '-inf', now, 'LIMIT', 0, max)
+  for _, list in ipairs({dead, stuck}) do
+    for _, w in ipairs(list) do
+      redis.call('ZREM', keys[1], w)
+      redis.call('ZADD', keys[3], now + claim, w)
+      -- Outlives the claim by a lease, so a stuck claim is found again; no longer, so a claim
+      -- whose reaper was killed along with every other worker does not outstay them for long.
+      redis.call('PEXPIRE', keys[3], math.max(lease * 6, claim + lease))
+      out[#out + 1] = w
+      out[#out + 1] = redis.call('HGET', keys[2], w) or ''
+    end
+  end
+  return out
+end
+
+-- reaped: a worker leaves the registry: it stopped cleanly, or recovery reclaimed every token its
+-- slots had taken after it died.
+-- KEYS[1] the registry   KEYS[2] worker descriptions   KEYS[3] workers being reaped
+-- ARGV[1] worker id
+-- Returns 1.
+local function reaped(keys, args)
+  redis.call('ZREM', keys[1], args[1])
+  redis.call('ZREM', keys[3], args[1])
+  redis.call('HDEL', keys[2], args[1], args[1] .. '|lapsed')
+  return 1
+end
+
+redis.register_function('sg2_submit_open', submit_open)
+redis.register_function('sg2_load_parts', load_parts)
+redis.register_function('sg2_submit_commit', submit_commit)
+redis.register_function('sg2_submit_small', submit_small)
+redis.register_function('sg2_submit_abort', submit_abort)
+redis.register_function('sg2_stream_open', stream_open)
+redis.register_function('sg2_stream_append', stream_append)
+redis.register_function('sg2_stream_finalize', stream_finalize)
+redis.register_function('sg2_register', register)
+redis.register_function('sg2_push', push)
+redis.register_function('sg2_reopen', reopen)
+redis.register_function('sg2_arm', arm)
+redis.register_function('sg2_take', take)
+redis.register_function('sg2_untake', untake)
+redis.register_function('sg2_acquire', acquire)
+redis.register_function('sg2_ack', ack)
+redis.register_function('sg2_give_back', give_back)
+redis.register_function('sg2_release', release)
+redis.register_function{function_name='sg2_holds', callback=holds, flags={'no-writes'}}
+redis.register_function('sg2_finish_index', finish_index)
+redis.register_function('sg2_sweep', sweep)
+redis.register_function('sg2_seal', seal)
+redis.register_function('sg2_unindex', unindex)
+redis.register_function('sg2_claim_due', claim_due)
+redis.register_function('sg2_census', census)
+redis.register_function('sg2_verify', verify)
+redis.register_function('sg2_restore', restore)
+redis.register_function('sg2_reclaim', reclaim)
+redis.register_function('sg2_drop_gone', drop_gone)
+redis.register_function('sg2_cancel', cancel)
+redis.register_function('sg2_requeue_dead', requeue_dead)
+redis.register_function('sg2_beat', beat)
+redis.register_function('sg2_reaped', reaped)
