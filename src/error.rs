@@ -26,7 +26,7 @@ pub enum Error {
     Codec(String),
     /// Redis answered with an error, or could not be reached.
     #[error("redis: {0}")]
-    Redis(RedisError),
+    Redis(#[source] RedisError),
     /// A request was not created because its loading time ran out before its producer had
     /// written it whole (a producer that stalled, or lost Redis for that long); nothing of it is
     /// kept: submit it again.
