@@ -5,14 +5,14 @@ use std::collections::{BTreeMap, HashMap};
 use fred::prelude::*;
 use serde::Serialize;
 
-use crate::config::{millis, Config};
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::keys::RequestId;
 use crate::producer::PartError;
-use crate::protocol::{Code, Func, Refusal};
-use crate::reply;
+use crate::protocol::operators::{self, Cancel, Requeued};
+use crate::protocol::{Code, Finished, Refusal};
 use crate::request::{Priority, RequestState};
-use crate::shards::{Finished, Look, Placement};
+use crate::shards::{Look, Placement};
 use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::WorkerInfo;
@@ -191,28 +191,15 @@ impl Admin {
     pub async fn cancel(&self, id: &RequestId) -> Result<Cancelled> {
         let key_id = id.key_id();
         let keys = self.store.keys.request(&key_id);
-        let cfg = &self.store.config;
-        let args: Vec<Value> = vec![
-            key_id.as_str().into(),
-            (millis(cfg.retention) as i64).into(),
-            self.store.keys.done_channel().into(),
-        ];
         let placement = crate::shards::placement(&self.store, &keys.meta).await?;
-        let mut reply = reply::array(self.store.fcall(Func::Cancel, &keys.all(), args).await?)?.into_iter();
-        let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-        match tag.as_str() {
-            "unknown" => Err(Error::UnknownRequest(id.clone())),
-            "already" => {
-                let state = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-                Ok(Cancelled::AlreadyFinished(state.parse()?))
-            }
-            "finished" => {
-                let finished = Finished::from_reply(reply)?;
+        match operators::cancel(&self.store, &key_id).await? {
+            Cancel::Unknown => Err(Error::UnknownRequest(id.clone())),
+            Cancel::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
+            Cancel::Finished(finished) => {
                 let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
                 crate::shards::finish(&self.store, &key_id, place, finished).await?;
                 Ok(Cancelled::Now)
             }
-            other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
         }
     }
 
@@ -238,35 +225,31 @@ impl Admin {
         // Recovery looks after each call, in case this process dies between waking tokens and
         // pushing them (a request not indexed, a failed one, is indexed again by `reopen` with its
         // own look).
-        let grace = millis(self.store.config.grace()) as i64;
+        let grace = self.store.config.grace();
         let mut reopen_as = String::new();
         for _ in 0..4 {
             let requeued =
                 crate::shards::requeue_dead(&self.store, &key_id, place.shards, &reopen_as, false).await;
-            let items = match requeued {
-                Ok(items) => items,
+            let requeued = match requeued {
+                Ok(requeued) => requeued,
                 Err(e) if Refusal::is(&e, Code::State).is_some() => {
                     return Err(Error::NoDeadLetters(id.clone()))
                 }
                 Err(e) => return Err(e),
             };
-            let mut items = items.into_iter();
-            let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-            let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-            match n {
-                -1 => {
+            match requeued {
+                Requeued::FinishFirst(lifecycle) => {
                     // A failure whose steps after the finish are not done (its worker died, and
                     // recovery has not come by yet): announce it first, so that its lifecycle keeps
                     // its one event.
                     let finished = Finished { state: "failed".into(), lifecycle, sweep: Vec::new() };
                     crate::shards::finish(&self.store, &key_id, place, finished).await?;
                 }
-                -2 => {
+                Requeued::ReopenFirst(lifecycle) => {
                     crate::shards::reopen(&self.store, &key_id, place.shards, lifecycle).await?;
                     reopen_as = lifecycle.to_string();
                 }
-                n => {
-                    let elements: Vec<Value> = items.collect();
+                Requeued::Done { n, elements } => {
                     if !elements.is_empty() {
                         crate::shards::push(&self.store, &key_id, place, Look::More, grace, elements).await?;
                     }

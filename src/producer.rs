@@ -142,15 +142,8 @@ impl Producer {
             };
             // A delayed request is first looked at (and promoted) when its time comes.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
-            crate::shards::push(
-                &self.store,
-                &key_id,
-                place,
-                Look::First(registration),
-                millis(next) as i64,
-                elements,
-            )
-            .await?;
+            crate::shards::push(&self.store, &key_id, place, Look::First(registration), next, elements)
+                .await?;
             tracing::debug!("request durable and queued");
             Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
@@ -374,15 +367,8 @@ impl RequestBuilder<'_> {
             .map_err(|e| submit_error(&id, e))?;
         // Its first look: when it expires unfinalized, or the census interval.
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
-        crate::shards::push(
-            &producer.store,
-            &key_id,
-            place,
-            Look::First(registration),
-            millis(next) as i64,
-            Vec::new(),
-        )
-        .await?;
+        crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
+            .await?;
         Ok(OpenRequest { handle: RequestHandle { id, producer }, key_id, keys, nonce, place, added: 0 })
     }
 }
@@ -450,7 +436,7 @@ impl OpenRequest {
             };
             self.added += n;
             if !elements.is_empty() {
-                let next = millis(store.config.census_interval) as i64;
+                let next = store.config.census_interval;
                 crate::shards::push(store, &self.key_id, self.place, Look::More, next, elements).await?;
             }
         }
@@ -536,7 +522,7 @@ pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, no
     };
     let mut items = reply.into_iter();
     if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
-        let finished = crate::shards::Finished::from_reply(items)?;
+        let finished = crate::protocol::Finished::from_reply(items)?;
         let place = crate::shards::placement(store, &keys.meta)
             .await?
             .unwrap_or(Placement { priority: Priority::default(), shards: 1 });

@@ -27,10 +27,12 @@ use futures::stream::{self, StreamExt};
 use crate::config::millis;
 use crate::error::Result;
 use crate::keys::{home_shard, token_shard};
-use crate::protocol::{Func, TakeRecord};
+use crate::protocol::index::{self, Arming};
+use crate::protocol::operators::Requeued;
+use crate::protocol::{Finished, Func, TakeRecord};
 use crate::reply;
 use crate::request::Priority;
-use crate::shards::{Finished, Placement};
+use crate::shards::Placement;
 use crate::store::Store;
 use crate::worker::registry::{self, WorkerInfo};
 use crate::worker::WorkerMetrics;
@@ -115,12 +117,15 @@ pub(crate) async fn finish_reported(
 /// completed here, so the request neither stays failed nor lingers in the index; otherwise
 /// (already reopened) nothing happens.
 async fn resume_requeue(store: &Store, key_id: &str, place: Placement, lifecycle: i64) -> Result<()> {
-    let items =
+    let requeued =
         crate::shards::requeue_dead(store, key_id, place.shards, &lifecycle.to_string(), true).await?;
-    let elements: Vec<Value> = items.into_iter().skip(2).collect();
+    let elements = match requeued {
+        Requeued::Done { elements, .. } => elements,
+        Requeued::FinishFirst(_) | Requeued::ReopenFirst(_) => Vec::new(),
+    };
     if !elements.is_empty() {
         tracing::warn!(request = key_id, "completing a requeue whose caller died half-way");
-        let grace = millis(store.config.grace()) as i64;
+        let grace = store.config.grace();
         crate::shards::push(store, key_id, place, crate::shards::Look::More, grace, elements).await?;
     }
     Ok(())
@@ -135,7 +140,8 @@ pub(crate) async fn census(
     key_id: &str,
     claim: Option<i64>,
 ) -> Result<()> {
-    let claim: Value = claim.map_or(Value::from(""), Value::from);
+    let claimed = claim;
+    let claim: Value = index::claim_arg(claim);
     let keys = store.keys.request(key_id);
     let cfg = &store.config;
     let grace = millis(cfg.grace()) as i64;
@@ -172,9 +178,7 @@ pub(crate) async fn census(
             "loading" => {
                 // Its producer is writing it, or died doing so (the keys expire with the loading
                 // ttl), or committed it just now and may die before it pushes: look again soon.
-                let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
-                let args: Vec<Value> = vec![key_id.into(), grace.into(), claim.clone()];
-                store.fcall(Func::Arm, &[&active, &armed], args).await?;
+                index::arm(store, key_id, shard, cfg.grace(), Arming::Census { claim: claimed }).await?;
                 return Ok(());
             }
             "finished" => return finish_reported(store, key_id, reply).await,
@@ -259,6 +263,7 @@ async fn verify(
             "restoring tokens whose elements were lost"
         );
         metrics.tokens_restored.fetch_add(restored.len() as u64, Relaxed);
+        let grace = store.config.grace();
         crate::shards::push(store, key_id, place, crate::shards::Look::More, grace, restored).await?;
     }
     Ok(())
@@ -341,10 +346,7 @@ async fn reclaim(
                     store.fcall(Func::GiveBack, &[&held, &bell, list], args).await?;
                 }
                 None => {
-                    let bell = store.keys.bell(shard);
-                    let mut args: Vec<Value> = vec![key_id.into(), 0.into(), "more".into()];
-                    args.extend(element);
-                    store.fcall(Func::Push, &[list, &bell], args).await?;
+                    index::push(store, key_id, shard, list, element).await?;
                 }
             }
         }
@@ -356,6 +358,7 @@ async fn reclaim(
         }
         Some("wake") => {
             let wake = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);
+            let wake = std::time::Duration::from_millis(wake.max(0) as u64);
             crate::shards::arm(store, key_id, placement_shards(store, key_id).await?, wake).await?;
             if let Some((record_holder, take)) = take {
                 end_record(record_holder, take).await?;

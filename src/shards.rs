@@ -7,14 +7,17 @@
 //! the request's own keys.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use fred::prelude::*;
 
 use crate::config::millis;
 use crate::error::{Error, Result};
 use crate::keys::{home_shard, token_shard};
-use crate::protocol::{Code, Func, Refusal, TokenElement};
-use crate::reply;
+use crate::protocol::finish::Unindexed;
+use crate::protocol::index::{Arming, PushLook};
+use crate::protocol::operators::Requeued;
+use crate::protocol::{finish, index, operators, Code, Finished, Refusal, TokenElement};
 use crate::request::Priority;
 use crate::store::Store;
 
@@ -61,12 +64,10 @@ impl Registration {
 /// to be (`drop_gone`).
 pub(crate) async fn register(store: &Store, key_id: &str, place: Placement) -> Result<Registration> {
     let home = home_shard(key_id, place.shards);
-    let (active, reg) = (store.keys.active(home), store.keys.registrations(home));
-    let first_look = millis(store.config.grace()) as i64;
-    let reply = store.fcall(Func::Register, &[&active, &reg], vec![key_id.into(), first_look.into()]).await?;
-    let items = reply::array(reply)?;
-    let at_ms = items.get(1).map(reply::int).transpose()?.unwrap_or(0);
-    Ok(Registration { at_ms, look: at_ms + first_look })
+    let first_look = store.config.grace();
+    let registered = index::register(store, key_id, home, first_look).await?;
+    let at_ms = registered.at_ms;
+    Ok(Registration { at_ms, look: at_ms + millis(first_look) as i64 })
 }
 
 /// How a push sets the request's next look by recovery.
@@ -80,31 +81,24 @@ pub(crate) enum Look {
 }
 
 /// Queues token elements: the home shard's through `push` with the index (which also makes sure
-/// the request is indexed, and sets its next look `next_ms` from now as `look` says), the other
+/// the request is indexed, and sets its next look `next` from now as `look` says), the other
 /// shards' through `push` without. The home shard's call is made even with no home element.
 pub(crate) async fn push(
     store: &Store,
     key_id: &str,
     place: Placement,
     look: Look,
-    next_ms: i64,
+    next: Duration,
     elements: Vec<Value>,
 ) -> Result<()> {
     let home = home_shard(key_id, place.shards);
     let mut groups = by_shard(key_id, place.shards, elements);
-    let mode = match look {
-        Look::First(r) => format!("first:{}", r.look),
-        Look::More => "more".to_owned(),
+    let look = match look {
+        Look::First(r) => PushLook::First { score: r.look },
+        Look::More => PushLook::More,
     };
-    let mut args: Vec<Value> = vec![key_id.into(), next_ms.into(), mode.into()];
-    args.extend(groups.remove(&home).unwrap_or_default());
-    let (list, bell, active, reg) = (
-        store.keys.token_list(home, place.priority),
-        store.keys.bell(home),
-        store.keys.active(home),
-        store.keys.registrations(home),
-    );
-    store.fcall(Func::Push, &[&list, &bell, &active, &reg], args).await?;
+    let home_elements = groups.remove(&home).unwrap_or_default();
+    index::push_home(store, key_id, home, place.priority, next, look, home_elements).await?;
     push_elsewhere(store, key_id, place.priority, groups).await
 }
 
@@ -117,20 +111,16 @@ pub(crate) async fn push_elsewhere(
     groups: BTreeMap<u32, Vec<Value>>,
 ) -> Result<()> {
     let calls = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
-        let (list, bell) = (store.keys.token_list(shard, priority), store.keys.bell(shard));
-        let mut args: Vec<Value> = vec![key_id.into(), 0.into(), "more".into()];
-        args.extend(elements);
-        async move { store.fcall(Func::Push, &[&list, &bell], args).await }
+        let list = store.keys.token_list(shard, priority);
+        async move { index::push(store, key_id, shard, &list, elements).await }
     });
     futures::future::try_join_all(calls).await?;
     Ok(())
 }
 
-/// Asks recovery to look at a request within `in_ms` (only ever earlier than planned).
-pub(crate) async fn arm(store: &Store, key_id: &str, shards: u32, in_ms: i64) -> Result<()> {
-    let home = home_shard(key_id, shards);
-    let (active, armed) = (store.keys.active(home), store.keys.armed(home));
-    store.fcall(Func::Arm, &[&active, &armed], vec![key_id.into(), in_ms.into()]).await?;
+/// Asks recovery to look at a request within `within` (only ever earlier than planned).
+pub(crate) async fn arm(store: &Store, key_id: &str, shards: u32, within: Duration) -> Result<()> {
+    index::arm(store, key_id, home_shard(key_id, shards), within, Arming::Look).await?;
     Ok(())
 }
 
@@ -148,14 +138,12 @@ where
     Fut: std::future::Future<Output = Result<T>>,
 {
     let home = home_shard(key_id, shards);
-    let (active, armed) = (store.keys.active(home), store.keys.armed(home));
     let grace = millis(store.config.grace()) as i64;
     for _ in 0..LATE_STEPS {
-        let args: Vec<Value> = vec![key_id.into(), grace.into(), "".into(), "step".into()];
-        let due = reply::int(&store.fcall(Func::Arm, &[&active, &armed], args).await?)?;
+        let due = index::arm(store, key_id, home, store.config.grace(), Arming::Step).await?;
         // Half a grace of margin: the step runs on the request's own master, whose clock may
         // differ a little from the home shard's.
-        let deadline = if due > 0 { due - grace / 2 } else { 0 };
+        let deadline = due.map_or(0, |due| due - grace / 2);
         match step(deadline).await {
             Err(e) if Refusal::is(&e, Code::Late).is_some() => continue,
             other => return other,
@@ -166,27 +154,6 @@ where
          the clock of the request's master is ahead of its home shard's by more than half a grace ({} ms)",
         grace / 2
     )))
-}
-
-/// A request that has just turned terminal, as a finishing function reports it
-/// (`{'finished', state, lifecycle, sweep...}`, the part after the tag).
-#[derive(Debug)]
-pub(crate) struct Finished {
-    /// The terminal state.
-    pub(crate) state: String,
-    /// The lifecycle that finished: `created * 1000 + gen` (gen counts reopenings by requeue).
-    pub(crate) lifecycle: i64,
-    /// Stale token elements to sweep from the lists.
-    pub(crate) sweep: Vec<Value>,
-}
-
-impl Finished {
-    /// Reads the reply items that follow the `finished` tag.
-    pub(crate) fn from_reply(mut items: impl Iterator<Item = Value>) -> Result<Finished> {
-        let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-        let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-        Ok(Finished { state, lifecycle, sweep: items.collect() })
-    }
 }
 
 /// What follows a request turning terminal, on the token side and back on the request's keys; each
@@ -210,21 +177,11 @@ pub(crate) async fn finish(
     let mut groups = by_shard(key_id, place.shards, sweep);
     let home_sweep = groups.remove(&home).unwrap_or_default();
     let sweeps = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
-        let (list, bell) = (store.keys.token_list(shard, place.priority), store.keys.bell(shard));
-        async move { store.fcall(Func::Sweep, &[&list, &bell], elements).await }
+        let list = store.keys.token_list(shard, place.priority);
+        async move { finish::sweep(store, shard, &list, elements).await }
     });
     futures::future::try_join_all(sweeps).await?;
-    let retention = millis(store.config.retention) as i64;
-    let mut args: Vec<Value> = vec![key_id.into(), state.into(), retention.into(), lifecycle.into()];
-    args.extend(home_sweep);
-    let (active, events, list, marks, bell) = (
-        store.keys.active(home),
-        store.keys.events(home),
-        store.keys.token_list(home, place.priority),
-        store.keys.finish_marks(home, key_id),
-        store.keys.bell(home),
-    );
-    store.fcall(Func::FinishIndex, &[&active, &events, &list, &marks, &bell], args).await?;
+    finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
     seal_and_unindex(store, key_id, home, lifecycle).await
 }
 
@@ -236,24 +193,16 @@ pub(crate) async fn seal_and_unindex(
     home: u32,
     lifecycle: i64,
 ) -> Result<Option<i64>> {
-    let retention = millis(store.config.retention) as i64;
-    let keys = store.keys.request(key_id);
-    let sealed = store.fcall(Func::Seal, &keys.all(), vec![lifecycle.into(), retention.into()]).await?;
-    if reply::int(&sealed)? == 1 {
-        let (active, marks, reg, armed) = (
-            store.keys.active(home),
-            store.keys.finish_marks(home, key_id),
-            store.keys.registrations(home),
-            store.keys.armed(home),
-        );
-        let args: Vec<Value> = vec![key_id.into(), lifecycle.into(), retention.into()];
-        let left = reply::int(&store.fcall(Func::Unindex, &[&active, &marks, &reg, &armed], args).await?)?;
-        return Ok((left > lifecycle).then_some(left));
+    if finish::seal(store, key_id, lifecycle).await? {
+        return Ok(match finish::unindex(store, key_id, home, lifecycle).await? {
+            Unindexed::StaysFor(next) => Some(next),
+            Unindexed::Done => None,
+        });
     }
     Ok(None)
 }
 
-/// One `requeue_dead` call, armed (see [`armed`]): its reply's items. `reopen_as` is the lifecycle
+/// One `requeue_dead` call, armed (see [`armed`]). `reopen_as` is the lifecycle
 /// a failed request reopens as ("" until `reopen` marked one); `resume` is recovery's completion
 /// of a requeue whose caller died after that mark.
 pub(crate) async fn requeue_dead(
@@ -262,30 +211,17 @@ pub(crate) async fn requeue_dead(
     shards: u32,
     reopen_as: &str,
     resume: bool,
-) -> Result<Vec<Value>> {
-    let keys = store.keys.request(key_id);
-    let keys = keys.all();
-    let reply = armed(store, key_id, shards, |deadline| {
-        let mut args: Vec<Value> = vec![key_id.into(), reopen_as.into(), deadline.into()];
-        if resume {
-            args.push("resume".into());
-        }
-        let keys = &keys;
-        async move { store.fcall(Func::RequeueDead, keys, args).await }
+) -> Result<Requeued> {
+    armed(store, key_id, shards, |deadline| {
+        operators::requeue_dead(store, key_id, reopen_as, deadline, resume)
     })
-    .await?;
-    reply::array(reply)
+    .await
 }
 
 /// Before requeue reopens a failed request as `lifecycle`: indexes it again and marks the new
 /// lifecycle on the home shard, so that a late `unindex` of the failed one leaves it indexed.
 pub(crate) async fn reopen(store: &Store, key_id: &str, shards: u32, lifecycle: i64) -> Result<()> {
-    let home = home_shard(key_id, shards);
-    let (active, reg, marks) =
-        (store.keys.active(home), store.keys.registrations(home), store.keys.finish_marks(home, key_id));
-    let first_look = millis(store.config.grace()) as i64;
-    let args: Vec<Value> = vec![key_id.into(), first_look.into(), lifecycle.into()];
-    store.fcall(Func::Reopen, &[&active, &reg, &marks], args).await?;
+    index::reopen(store, key_id, home_shard(key_id, shards), store.config.grace(), lifecycle).await?;
     Ok(())
 }
 

@@ -1,17 +1,44 @@
-//! The Rust side of the protocol with Redis: the Functions library (assembled from `lua/`), the
-//! values that cross between Rust and Lua as text (token elements, take records), and the errors
-//! the library answers with.
+//! The Rust side of the protocol with Redis: the Functions library (assembled from `lua/`), one
+//! typed Rust function per function of the library, the values that cross between Rust and Lua
+//! as text (token elements, take records), and the errors the library answers with.
 //!
 //! Everything here follows docs/protocol.md, which other languages' clients are written against;
-//! the library text itself is checked in as `lua/dist/sluicegate_v2.lua` for them.
+//! the library text itself is checked in as `lua/dist/sluicegate_v2.lua` for them. This module is
+//! the only place that builds FCALL arguments and reads the replies: producers, slots, recovery
+//! and operators call the typed functions, grouped as docs/protocol.md §5 groups the transitions
+//! ([`submit`], [`index`], [`tokens`], [`finish`], [`recovery`], [`operators`], [`registry`]).
+//! Each function computes its keys from [`Keys`](crate::keys::Keys), takes durations as
+//! [`Duration`], and returns its reply decoded into a type named for what the Lua returns.
+//!
+//! To add a transition, or an argument to one: write (or change) `lua/<name>.lua`, whose header
+//! lists its exact KEYS, ARGV and Returns; add its [`Func`] variant (and its place in
+//! [`Func::ALL`]); write its typed function in the file of its group here, with its reply type;
+//! document it in its section of docs/protocol.md §5; then run
+//! `SLUICEGATE_BLESS=1 cargo test --lib protocol::` to update `lua/dist/`.
+
+use std::time::Duration;
+
+use fred::types::Value;
+
+use crate::config::millis;
 
 mod element;
+pub(crate) mod finish;
+pub(crate) mod index;
 mod library;
+pub(crate) mod operators;
 mod refusal;
+pub(crate) mod registry;
 
 pub(crate) use element::{doorbell_key_id, TakeRecord, TokenElement};
+pub(crate) use finish::Finished;
 #[cfg(test)]
 pub(crate) use library::checker_library_source;
 pub(crate) use library::Func;
 pub use library::{acl_rules, library_source, LIBRARY_NAME, PROTOCOL_VERSION};
 pub(crate) use refusal::{Code, Refusal};
+
+/// A duration as the functions take it: whole milliseconds.
+fn ms(d: Duration) -> Value {
+    (millis(d) as i64).into()
+}

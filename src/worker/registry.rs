@@ -6,13 +6,14 @@
 //! the tokens its slots held (`recovery::reap`). A worker that finds its own registration gone
 //! (it was cut off longer than the lease) takes a new id.
 
+use std::time::Duration;
+
 use fred::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::config::millis;
 use crate::error::{Error, Result};
-use crate::protocol::Func;
-use crate::reply;
+use crate::protocol::registry::{self as calls, BeatArgs};
 use crate::store::Store;
 
 /// A live worker, as it registered itself.
@@ -52,36 +53,24 @@ const REAP_BATCH: i64 = 16;
 /// One beat of worker `info.id`: renews (or, `first`, makes) its registration and claims dead
 /// workers for reaping.
 pub(crate) async fn beat(store: &Store, info: &WorkerInfo, first: bool) -> Result<Beat> {
-    let (workers, winfo, reaping) = (store.keys.workers(), store.keys.worker_info(), store.keys.reaping());
     let json = serde_json::to_string(info).map_err(|e| Error::Codec(e.to_string()))?;
-    let lease = millis(store.config.lease) as i64;
+    let lease = store.config.lease;
     // A reaper that dies leaves its claim; another claims the worker again after a few leases.
-    let claim = lease.saturating_mul(5);
-    let args: Vec<Value> = vec![
-        info.id.as_str().into(),
-        lease.into(),
-        json.into(),
-        (if first { "1" } else { "0" }).into(),
-        REAP_BATCH.into(),
-        claim.into(),
-    ];
-    let mut items =
-        reply::array(store.fcall(Func::Beat, &[&workers, &winfo, &reaping], args).await?)?.into_iter();
-    let alive = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1) == 1;
-    let mut dead = Vec::new();
-    while let (Some(id), Some(described)) = (items.next(), items.next()) {
-        let id = reply::text(&id)?;
-        let described = reply::text(&described).ok().and_then(|j| serde_json::from_str(&j).ok());
-        dead.push((id, described));
-    }
-    Ok(Beat { alive, dead })
+    let claim = Duration::from_millis(millis(lease).saturating_mul(5));
+    let args =
+        BeatArgs { worker: &info.id, lease, description: &json, first, claim_at_most: REAP_BATCH, claim };
+    let reply = calls::beat(store, args).await?;
+    let dead = reply
+        .dead
+        .into_iter()
+        .map(|(id, described)| (id, described.and_then(|j| serde_json::from_str(&j).ok())))
+        .collect();
+    Ok(Beat { alive: reply.alive, dead })
 }
 
 /// Takes a worker out of the registry: at its clean stop, or once recovery reaped it.
 pub(crate) async fn leave(store: &Store, id: &str) -> Result<()> {
-    let (workers, winfo, reaping) = (store.keys.workers(), store.keys.worker_info(), store.keys.reaping());
-    store.fcall(Func::Reaped, &[&workers, &winfo, &reaping], vec![id.into()]).await?;
-    Ok(())
+    calls::reaped(store, id).await
 }
 
 /// For each worker id, whether it is gone: neither registered (alive, or dead and waiting to be

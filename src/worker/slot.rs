@@ -157,7 +157,7 @@ enum Next {
     Requeue(String),
     /// Parked; a retry falls due in this many ms (0: none waits).
     Park(i64),
-    Finished(crate::shards::Finished),
+    Finished(crate::protocol::Finished),
     Drop,
     Stale,
     Fenced,
@@ -537,7 +537,8 @@ async fn wake_later<H: Handler>(shared: &Shared<H>, key_id: &str, shards: u32, w
         let at = tokio::time::Instant::now() + Duration::from_millis(wake.max(0) as u64);
         let _ = wakes.send(Wake { key_id: key_id.to_owned(), shards, at });
     }
-    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, wake)).await?;
+    let within = Duration::from_millis(wake.max(0) as u64);
+    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, within)).await?;
     Ok(())
 }
 
@@ -748,7 +749,7 @@ fn parse_next(reply: Value, with_policy: bool) -> Result<Next> {
         }
         "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
         "park" => Next::Park(items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0)),
-        "finished" => Next::Finished(crate::shards::Finished::from_reply(items)?),
+        "finished" => Next::Finished(crate::protocol::Finished::from_reply(items)?),
         "drop" => Next::Drop,
         "stale" => Next::Stale,
         "fenced" => Next::Fenced,

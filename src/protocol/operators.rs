@@ -1,0 +1,80 @@
+//! Operators' transitions (docs/protocol.md §5, "Operators"): `cancel` and `requeue_dead`, on a
+//! request's keys.
+
+use fred::types::Value;
+
+use super::{ms, Finished, Func};
+use crate::error::{Error, Result};
+use crate::reply;
+use crate::store::Store;
+
+/// What `cancel` answers.
+#[derive(Debug)]
+pub(crate) enum Cancel {
+    /// `{'finished', 'cancelled', lifecycle, sweep...}`: this call cancelled it.
+    Finished(Finished),
+    /// `{'already', state}`: it was terminal before (or loading, and was discarded).
+    Already(String),
+    /// `{'unknown'}`.
+    Unknown,
+}
+
+/// `cancel`: ends request `key_id` now.
+pub(crate) async fn cancel(store: &Store, key_id: &str) -> Result<Cancel> {
+    let keys = store.keys.request(key_id);
+    let args: Vec<Value> = vec![key_id.into(), ms(store.config.retention), store.keys.done_channel().into()];
+    let mut reply = reply::array(store.fcall(Func::Cancel, &keys.all(), args).await?)?.into_iter();
+    let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+    match tag.as_str() {
+        "unknown" => Ok(Cancel::Unknown),
+        "already" => {
+            Ok(Cancel::Already(reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()))
+        }
+        "finished" => Ok(Cancel::Finished(Finished::from_reply(reply)?)),
+        other => Err(Error::Protocol(format!("unexpected cancel reply {other:?}"))),
+    }
+}
+
+/// What `requeue_dead` answers: `{n, reopened, elements...}`, or for a failed request the step
+/// to take first.
+#[derive(Debug)]
+pub(crate) enum Requeued {
+    /// `{-1, lifecycle}`: the failed lifecycle's finish is not sealed yet: complete the steps
+    /// after it, then call again.
+    FinishFirst(i64),
+    /// `{-2, lifecycle}`: call `reopen` with this lifecycle, then call again with it.
+    ReopenFirst(i64),
+    /// Done: how many dead letters were requeued, and token elements to push. (The reply's second
+    /// item, the lifecycle a failed request was reopened as, is not needed by any caller.)
+    Done {
+        /// Dead letters requeued.
+        n: i64,
+        /// Elements of re-created or woken tokens, to push.
+        elements: Vec<Value>,
+    },
+}
+
+/// `requeue_dead` on request `key_id`: `reopen_as` is the lifecycle a failed request reopens as
+/// ('' until `reopen` marked one), `deadline` the one of the caller's arm (SGLATE past it),
+/// `resume` recovery's completion of a requeue whose caller died after that mark.
+pub(crate) async fn requeue_dead(
+    store: &Store,
+    key_id: &str,
+    reopen_as: &str,
+    deadline: i64,
+    resume: bool,
+) -> Result<Requeued> {
+    let keys = store.keys.request(key_id);
+    let mut args: Vec<Value> = vec![key_id.into(), reopen_as.into(), deadline.into()];
+    if resume {
+        args.push("resume".into());
+    }
+    let mut items = reply::array(store.fcall(Func::RequeueDead, &keys.all(), args).await?)?.into_iter();
+    let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+    let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+    Ok(match n {
+        -1 => Requeued::FinishFirst(lifecycle),
+        -2 => Requeued::ReopenFirst(lifecycle),
+        n => Requeued::Done { n, elements: items.collect() },
+    })
+}
