@@ -206,9 +206,7 @@ impl Admin {
     /// Finalizes a streamed request whose producer is gone: no more parts will come, and it
     /// completes once the parts it has are done.
     pub async fn finalize(&self, id: &RequestId) -> Result<()> {
-        let key_id = id.key_id();
-        let keys = self.store.keys.request(&key_id);
-        crate::producer::finalize(&self.store, &key_id, &keys, "").await
+        crate::producer::finalize(&self.store, &id.key_id(), "").await
     }
 
     /// Hands a request's dead letters out again, each with a fresh set of attempts; a failed

@@ -11,11 +11,11 @@ use tokio::sync::{broadcast, OnceCell};
 use tracing::Instrument;
 
 use crate::codec;
-use crate::config::{millis, Config};
+use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
-use crate::keys::{RequestId, RequestKeys};
-use crate::protocol::{Code, Func, Refusal};
-use crate::reply;
+use crate::keys::RequestId;
+use crate::protocol::submit::{self, Finalized, NewRequest};
+use crate::protocol::{Code, Refusal};
 use crate::request::{Concurrency, Priority, RequestState};
 use crate::shards::{Look, Placement};
 use crate::store::Store;
@@ -86,7 +86,6 @@ impl Producer {
         async {
             check_duration("delay", spec.delay)?;
             let key_id = id.key_id();
-            let keys = self.store.keys.request(&key_id);
             let nonce = uuid::Uuid::new_v4().simple().to_string();
             let place = Placement { priority: spec.priority, shards: self.store.keys.shards() };
             // The first chunk decides: a request that fits in it is submitted in one call.
@@ -99,46 +98,37 @@ impl Producer {
             // before pushing its tokens leaves a request recovery finds and completes. Never taken
             // back (it may be the winner's, when two producers submit one id).
             let registration = crate::shards::register(&self.store, &key_id, place).await?;
-            let open_args: Vec<Value> = vec![
-                id.as_str().into(),
-                i64::from(spec.priority.get()).into(),
-                i64::from(spec.concurrency.get()).into(),
-                (millis(self.store.config.loading_ttl) as i64).into(),
-                i64::from(spec.retry.max_attempts).into(),
-                (spec.retry.timeout.map_or(0, millis) as i64).into(),
-                (millis(spec.retry.backoff_base) as i64).into(),
-                (millis(spec.retry.backoff_max) as i64).into(),
-                nonce.as_str().into(),
-                (millis(spec.delay) as i64).into(),
-                (if spec.fail_fast { "1" } else { "0" }).into(),
-                i64::from(place.shards).into(),
-                registration.deadline(&self.store).into(),
-            ];
+            let req = NewRequest {
+                id: &id,
+                key_id: &key_id,
+                priority: spec.priority,
+                concurrency: spec.concurrency,
+                max_attempts: spec.retry.max_attempts,
+                timeout: spec.retry.timeout,
+                backoff_base: spec.retry.backoff_base,
+                backoff_max: spec.retry.backoff_max,
+                nonce: &nonce,
+                fail_fast: spec.fail_fast,
+                shards: place.shards,
+                deadline: registration.deadline(&self.store),
+            };
             let refused = |e: Error| submit_error(&id, e);
             let mut rest = parts.peekable();
             let elements = if rest.peek().is_none() {
-                let mut args = open_args;
-                args.push(key_id.as_str().into());
-                args.extend(first);
-                reply::array(self.store.fcall(Func::SubmitSmall, &keys.all(), args).await.map_err(refused)?)?
+                submit::submit_small(&self.store, &req, spec.delay, first).await.map_err(refused)?
             } else {
-                self.store.fcall(Func::SubmitOpen, &keys.all(), open_args).await.map_err(refused)?;
-                let total = match self.load(&key_id, &keys, &nonce, first, rest).await {
+                submit::submit_open(&self.store, &req, spec.delay).await.map_err(refused)?;
+                let total = match self.load(&key_id, &nonce, first, rest).await {
                     Ok(total) => total,
                     Err(e) => {
                         // Nothing of a half-written request is visible to workers; remove it now so
                         // the id can be used again (it would expire after the loading ttl anyway).
-                        let _ = self
-                            .store
-                            .fcall(Func::SubmitAbort, &keys.all(), vec![nonce.as_str().into()])
-                            .await;
+                        let _ = submit::submit_abort(&self.store, &key_id, &nonce).await;
                         return Err(e);
                     }
                 };
                 // From here on the request may be committed: never delete it on error.
-                let args: Vec<Value> =
-                    vec![key_id.as_str().into(), (total as i64).into(), nonce.as_str().into()];
-                reply::array(self.store.fcall(Func::SubmitCommit, &keys.all(), args).await.map_err(refused)?)?
+                submit::submit_commit(&self.store, &key_id, total, &nonce).await.map_err(refused)?
             };
             // A delayed request is first looked at (and promoted) when its time comes.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
@@ -152,14 +142,7 @@ impl Producer {
     }
 
     /// Writes the parts in chunks, `first` (already encoded) and then the rest. Returns how many.
-    async fn load<I, T>(
-        &self,
-        key_id: &str,
-        keys: &RequestKeys,
-        nonce: &str,
-        first: Vec<Value>,
-        mut rest: I,
-    ) -> Result<u64>
+    async fn load<I, T>(&self, key_id: &str, nonce: &str, first: Vec<Value>, mut rest: I) -> Result<u64>
     where
         I: Iterator<Item = T>,
         T: Serialize,
@@ -170,11 +153,7 @@ impl Producer {
         // and a slow Redis slows the producer down.
         while !chunk.is_empty() {
             let n = chunk.len() as u64;
-            let mut args: Vec<Value> = Vec::with_capacity(chunk.len() + 2);
-            args.push(nonce.into());
-            args.push((total as i64).into());
-            args.extend(chunk);
-            match self.store.fcall(Func::LoadParts, &keys.all(), args).await {
+            match submit::load_parts(&self.store, key_id, nonce, total, chunk).await {
                 Ok(_) => {}
                 Err(e) => return Err(refused(&RequestId::from_key_id(key_id)?, e)),
             }
@@ -336,40 +315,32 @@ impl RequestBuilder<'_> {
         let producer = self.producer.clone();
         let id = self.id.unwrap_or_else(RequestId::generate);
         let key_id = id.key_id();
-        let keys = producer.store.keys.request(&key_id);
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let cfg = &producer.store.config;
         let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
         let registration = crate::shards::register(&producer.store, &key_id, place).await?;
-        producer
-            .store
-            .fcall(
-                Func::StreamOpen,
-                &keys.all(),
-                vec![
-                    key_id.as_str().into(),
-                    id.as_str().into(),
-                    i64::from(self.priority.get()).into(),
-                    i64::from(self.concurrency.get()).into(),
-                    (millis(cfg.loading_ttl) as i64).into(),
-                    i64::from(self.retry.max_attempts).into(),
-                    (self.retry.timeout.map_or(0, millis) as i64).into(),
-                    (millis(self.retry.backoff_base) as i64).into(),
-                    (millis(self.retry.backoff_max) as i64).into(),
-                    nonce.as_str().into(),
-                    (self.open_expiry.map_or(0, millis) as i64).into(),
-                    (if self.fail_fast { "1" } else { "0" }).into(),
-                    i64::from(place.shards).into(),
-                    registration.deadline(&producer.store).into(),
-                ],
-            )
+        let req = NewRequest {
+            id: &id,
+            key_id: &key_id,
+            priority: self.priority,
+            concurrency: self.concurrency,
+            max_attempts: self.retry.max_attempts,
+            timeout: self.retry.timeout,
+            backoff_base: self.retry.backoff_base,
+            backoff_max: self.retry.backoff_max,
+            nonce: &nonce,
+            fail_fast: self.fail_fast,
+            shards: place.shards,
+            deadline: registration.deadline(&producer.store),
+        };
+        submit::stream_open(&producer.store, &req, self.open_expiry)
             .await
             .map_err(|e| submit_error(&id, e))?;
         // Its first look: when it expires unfinalized, or the census interval.
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
         crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
             .await?;
-        Ok(OpenRequest { handle: RequestHandle { id, producer }, key_id, keys, nonce, place, added: 0 })
+        Ok(OpenRequest { handle: RequestHandle { id, producer }, key_id, nonce, place, added: 0 })
     }
 }
 
@@ -379,7 +350,6 @@ impl RequestBuilder<'_> {
 pub struct OpenRequest {
     handle: RequestHandle,
     key_id: String,
-    keys: RequestKeys,
     nonce: String,
     place: Placement,
     added: u64,
@@ -410,25 +380,20 @@ impl OpenRequest {
         let mut parts = parts.into_iter().peekable();
         let store = &self.handle.producer.store;
         while parts.peek().is_some() {
-            let mut args: Vec<Value> =
-                vec![self.key_id.as_str().into(), self.nonce.as_str().into(), (self.added as i64).into()];
-            let before = args.len();
+            let mut chunk: Vec<Value> = Vec::new();
             for part in parts.by_ref().take(self.handle.producer.load_chunk().min(1_000)) {
-                args.push(Value::Bytes(codec::encode(&part)?.into()));
+                chunk.push(Value::Bytes(codec::encode(&part)?.into()));
             }
-            let n = (args.len() - before) as u64;
+            let n = chunk.len() as u64;
             // Recovery is asked to look after the parts go in: if this process dies between the
             // append and the push of the tokens it wakes, they are restored (verify).
-            let keys = self.keys.all();
-            let appended = crate::shards::armed(store, &self.key_id, self.place.shards, |deadline| {
-                let mut args = args.clone();
-                args.insert(before, deadline.into());
-                let keys = &keys;
-                async move { store.fcall(Func::StreamAppend, keys, args).await }
+            let (key_id, nonce, first) = (self.key_id.as_str(), self.nonce.as_str(), self.added);
+            let appended = crate::shards::armed(store, key_id, self.place.shards, |deadline| {
+                submit::stream_append(store, key_id, nonce, first, deadline, chunk.clone())
             })
             .await;
             let elements = match appended {
-                Ok(v) => reply::array(v)?,
+                Ok(elements) => elements,
                 Err(e) if Refusal::is(&e, Code::State).is_some() => {
                     return Err(Error::NotOpen(self.handle.id.clone()))
                 }
@@ -446,7 +411,7 @@ impl OpenRequest {
     /// No more parts: the request completes once every part is done.
     pub async fn finalize(self) -> Result<RequestHandle> {
         let producer = &self.handle.producer;
-        finalize(&producer.store, &self.key_id, &self.keys, &self.nonce).await?;
+        finalize(&producer.store, &self.key_id, &self.nonce).await?;
         Ok(self.handle)
     }
 }
@@ -505,25 +470,17 @@ where
 }
 
 /// Closes a streamed request (`nonce` empty: an operator's finalize).
-pub(crate) async fn finalize(store: &Store, key_id: &str, keys: &RequestKeys, nonce: &str) -> Result<()> {
-    let cfg = &store.config;
-    let args: Vec<Value> = vec![
-        key_id.into(),
-        (millis(cfg.retention) as i64).into(),
-        store.keys.done_channel().into(),
-        nonce.into(),
-    ];
-    let reply = match store.fcall(Func::StreamFinalize, &keys.all(), args).await {
-        Ok(v) => reply::array(v)?,
+pub(crate) async fn finalize(store: &Store, key_id: &str, nonce: &str) -> Result<()> {
+    let finalized = match submit::stream_finalize(store, key_id, nonce).await {
+        Ok(finalized) => finalized,
         Err(e) if Refusal::is(&e, Code::State).is_some() => {
             return Err(Error::NotOpen(RequestId::from_key_id(key_id)?))
         }
         Err(e) => return Err(e),
     };
-    let mut items = reply.into_iter();
-    if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
-        let finished = crate::protocol::Finished::from_reply(items)?;
-        let place = crate::shards::placement(store, &keys.meta)
+    if let Finalized::Finished(finished) = finalized {
+        let meta = store.keys.request(key_id).meta;
+        let place = crate::shards::placement(store, &meta)
             .await?
             .unwrap_or(Placement { priority: Priority::default(), shards: 1 });
         crate::shards::finish(store, key_id, place, finished).await?;

@@ -29,6 +29,7 @@ mod library;
 pub(crate) mod operators;
 mod refusal;
 pub(crate) mod registry;
+pub(crate) mod submit;
 
 pub(crate) use element::{doorbell_key_id, TakeRecord, TokenElement};
 pub(crate) use finish::Finished;

@@ -1,0 +1,175 @@
+//! Submitting requests (docs/protocol.md §5, "Submitting"): at once (`submit_open`, `load_parts`,
+//! `submit_commit`, or `submit_small` for a request that fits in one chunk; `submit_abort` to give
+//! up), or streamed (`stream_open`, `stream_append`, `stream_finalize`). All on a request's keys.
+
+use std::time::Duration;
+
+use fred::types::Value;
+
+use super::{ms, Finished, Func};
+use crate::error::Result;
+use crate::keys::RequestId;
+use crate::reply;
+use crate::request::{Concurrency, Priority};
+use crate::store::Store;
+
+/// What a new request is created with (`submit_open`'s ARGV[1..9], [11..13]; `stream_open` and
+/// `submit_small` take the same).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NewRequest<'a> {
+    /// The id as the producer gave it.
+    pub(crate) id: &'a RequestId,
+    /// Its key id (`id.key_id()`): its keys follow from it.
+    pub(crate) key_id: &'a str,
+    /// Its priority.
+    pub(crate) priority: Priority,
+    /// Its concurrency limit.
+    pub(crate) concurrency: Concurrency,
+    /// Runs per sub-request at most.
+    pub(crate) max_attempts: u32,
+    /// Per-attempt timeout, if any.
+    pub(crate) timeout: Option<Duration>,
+    /// Retry backoff base.
+    pub(crate) backoff_base: Duration,
+    /// Retry backoff cap.
+    pub(crate) backoff_max: Duration,
+    /// This submit's random nonce: a re-sent call is recognised, and only this producer may load,
+    /// commit, abort or append.
+    pub(crate) nonce: &'a str,
+    /// Whether the first dead letter ends the request as failed.
+    pub(crate) fail_fast: bool,
+    /// The token shards it is submitted with.
+    pub(crate) shards: u32,
+    /// Redis time (ms) by which it must be created (its registration's deadline).
+    pub(crate) deadline: i64,
+}
+
+impl NewRequest<'_> {
+    /// `submit_open`'s arguments, with `delay_or_expiry` as ARGV[10] (a delay; for `stream_open`,
+    /// the open expiry).
+    fn args(&self, store: &Store, delay_or_expiry: Duration) -> Vec<Value> {
+        vec![
+            self.id.as_str().into(),
+            i64::from(self.priority.get()).into(),
+            i64::from(self.concurrency.get()).into(),
+            ms(store.config.loading_ttl),
+            i64::from(self.max_attempts).into(),
+            ms(self.timeout.unwrap_or(Duration::ZERO)),
+            ms(self.backoff_base),
+            ms(self.backoff_max),
+            self.nonce.into(),
+            ms(delay_or_expiry),
+            (if self.fail_fast { "1" } else { "0" }).into(),
+            i64::from(self.shards).into(),
+            self.deadline.into(),
+        ]
+    }
+}
+
+/// `submit_small`: the whole request in one call, `delay` before it runs. Returns the token
+/// elements to push.
+pub(crate) async fn submit_small(
+    store: &Store,
+    req: &NewRequest<'_>,
+    delay: Duration,
+    parts: Vec<Value>,
+) -> Result<Vec<Value>> {
+    let keys = store.keys.request(req.key_id);
+    let mut args = req.args(store, delay);
+    args.push(req.key_id.into());
+    args.extend(parts);
+    reply::array(store.fcall(Func::SubmitSmall, &keys.all(), args).await?)
+}
+
+/// `submit_open`: creates the request in state `loading`, `delay` before it runs once committed.
+pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Duration) -> Result<()> {
+    let keys = store.keys.request(req.key_id);
+    // Returns 1: nothing to read.
+    store.fcall(Func::SubmitOpen, &keys.all(), req.args(store, delay)).await?;
+    Ok(())
+}
+
+/// `load_parts`: adds `parts`, the first of them part number `first`, to loading request
+/// `key_id`. Returns how many parts its stream holds.
+pub(crate) async fn load_parts(
+    store: &Store,
+    key_id: &str,
+    nonce: &str,
+    first: u64,
+    parts: Vec<Value>,
+) -> Result<i64> {
+    let keys = store.keys.request(key_id);
+    let mut args: Vec<Value> = Vec::with_capacity(parts.len() + 2);
+    args.push(nonce.into());
+    args.push((first as i64).into());
+    args.extend(parts);
+    reply::int(&store.fcall(Func::LoadParts, &keys.all(), args).await?)
+}
+
+/// `submit_commit`: makes loading request `key_id`, of `total` parts, runnable. Returns the token
+/// elements to push.
+pub(crate) async fn submit_commit(
+    store: &Store,
+    key_id: &str,
+    total: u64,
+    nonce: &str,
+) -> Result<Vec<Value>> {
+    let keys = store.keys.request(key_id);
+    let args: Vec<Value> = vec![key_id.into(), (total as i64).into(), nonce.into()];
+    reply::array(store.fcall(Func::SubmitCommit, &keys.all(), args).await?)
+}
+
+/// `submit_abort`: deletes loading request `key_id` if it is this producer's (`nonce`). Returns
+/// whether its keys were deleted.
+pub(crate) async fn submit_abort(store: &Store, key_id: &str, nonce: &str) -> Result<bool> {
+    let keys = store.keys.request(key_id);
+    Ok(reply::int(&store.fcall(Func::SubmitAbort, &keys.all(), vec![nonce.into()]).await?)? == 1)
+}
+
+/// `stream_open`: starts a streamed request, cancelled by recovery if still open `expiry` after
+/// (never, if `None`). Its tokens start parked: the elements it returns are none, and not read.
+pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Option<Duration>) -> Result<()> {
+    let keys = store.keys.request(req.key_id);
+    let mut args: Vec<Value> = vec![req.key_id.into()];
+    args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
+    store.fcall(Func::StreamOpen, &keys.all(), args).await?;
+    Ok(())
+}
+
+/// `stream_append`: adds `parts`, the first of them part number `first`, to open request
+/// `key_id`; `deadline` is the one of the producer's arm. Returns the token elements to push.
+pub(crate) async fn stream_append(
+    store: &Store,
+    key_id: &str,
+    nonce: &str,
+    first: u64,
+    deadline: i64,
+    parts: Vec<Value>,
+) -> Result<Vec<Value>> {
+    let keys = store.keys.request(key_id);
+    let mut args: Vec<Value> = Vec::with_capacity(parts.len() + 4);
+    args.extend([key_id.into(), nonce.into(), (first as i64).into(), deadline.into()]);
+    args.extend(parts);
+    reply::array(store.fcall(Func::StreamAppend, &keys.all(), args).await?)
+}
+
+/// What `stream_finalize` answers.
+#[derive(Debug)]
+pub(crate) enum Finalized {
+    /// `{'open'}`: parts are still to run (or any reply but a finish).
+    Open,
+    /// `{'finished', ...}`: every part was done; the request just turned terminal.
+    Finished(Finished),
+}
+
+/// `stream_finalize`: no more parts for request `key_id` (`nonce` empty: an operator's finalize).
+pub(crate) async fn stream_finalize(store: &Store, key_id: &str, nonce: &str) -> Result<Finalized> {
+    let keys = store.keys.request(key_id);
+    let args: Vec<Value> =
+        vec![key_id.into(), ms(store.config.retention), store.keys.done_channel().into(), nonce.into()];
+    let mut items = reply::array(store.fcall(Func::StreamFinalize, &keys.all(), args).await?)?.into_iter();
+    if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
+        return Ok(Finalized::Finished(Finished::from_reply(items)?));
+    }
+    Ok(Finalized::Open)
+}
