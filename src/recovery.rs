@@ -24,14 +24,12 @@ use std::sync::atomic::Ordering::Relaxed;
 use fred::prelude::*;
 use futures::stream::{self, StreamExt};
 
-use crate::config::millis;
 use crate::error::Result;
 use crate::keys::{home_shard, token_shard};
 use crate::protocol::index::{self, Arming};
 use crate::protocol::operators::Requeued;
-use crate::protocol::{Finished, Func, TakeRecord};
-use crate::reply;
-use crate::request::Priority;
+use crate::protocol::recovery::{self as calls, Census, HeldToken, Rearm, Reclaimed, Unfinished};
+use crate::protocol::{tokens, Finished, TakeRecord};
 use crate::shards::Placement;
 use crate::store::Store;
 use crate::worker::registry::{self, WorkerInfo};
@@ -53,48 +51,24 @@ pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize
 }
 
 async fn pass_shard(store: &Store, metrics: &WorkerMetrics, shard: u32) -> Result<usize> {
-    let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
     // Others skip a claimed request for a few leases; a claimer that dies is replaced after that.
-    let claim_ms = millis(store.config.lease.saturating_mul(5)) as i64;
-    let claimed = reply::array(
-        store.fcall(Func::ClaimDue, &[&active, &armed], vec![CLAIM_BATCH.into(), claim_ms.into()]).await?,
-    )?;
-    let pairs: Vec<(String, i64)> = claimed
-        .chunks(2)
-        .filter_map(|p| match p {
-            [kid, claim] => Some((kid.as_string()?, claim.as_i64()?)),
-            _ => None,
-        })
-        .collect();
-    let n = pairs.len();
-    stream::iter(pairs)
-        .for_each_concurrent(store.concurrency(CONCURRENT), |(key_id, claim)| async move {
-            if let Err(e) = census(store, metrics, shard, &key_id, Some(claim)).await {
-                tracing::warn!(request = key_id, error = %e, "census failed");
+    let claimed = calls::claim_due(store, shard, CLAIM_BATCH, store.config.lease.saturating_mul(5)).await?;
+    let n = claimed.len();
+    stream::iter(claimed)
+        .for_each_concurrent(store.concurrency(CONCURRENT), |c| async move {
+            if let Err(e) = census(store, metrics, shard, &c.key_id, Some(c.claim)).await {
+                tracing::warn!(request = c.key_id, error = %e, "census failed");
             }
         })
         .await;
     Ok(n)
 }
 
-/// The token shards a reply names (absent from requests of older builds: 1).
-fn shards_of(v: Option<Value>) -> u32 {
-    v.and_then(|v| reply::int(&v).ok()).map_or(1, |s| s.clamp(1, 1024) as u32)
-}
-
-/// Completes the steps after a finish, from the reply items after a 'finished' tag of census or
-/// reclaim: `state, priority, shards, lifecycle, sealed`.
-pub(crate) async fn finish_reported(
-    store: &Store,
-    key_id: &str,
-    mut items: impl Iterator<Item = Value>,
-) -> Result<()> {
-    let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-    let prio = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-    let shards = shards_of(items.next());
-    let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-    let sealed = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) == 1;
-    let place = Placement { priority: Priority::new(prio as u8).unwrap_or_default(), shards };
+/// Completes the steps after a finish of a request found terminal but still indexed (census's or
+/// reclaim's report).
+pub(crate) async fn finish_reported(store: &Store, key_id: &str, unfinished: Unfinished) -> Result<()> {
+    let Unfinished { state, priority, shards, lifecycle, sealed } = unfinished;
+    let place = Placement { priority, shards };
     let reopened = if sealed {
         // Its event was written before the seal: only the index entry is left.
         crate::shards::seal_and_unindex(store, key_id, home_shard(key_id, shards), lifecycle).await?
@@ -140,73 +114,43 @@ pub(crate) async fn census(
     key_id: &str,
     claim: Option<i64>,
 ) -> Result<()> {
-    let claimed = claim;
-    let claim: Value = index::claim_arg(claim);
-    let keys = store.keys.request(key_id);
     let cfg = &store.config;
-    let grace = millis(cfg.grace()) as i64;
     let mut from: i64 = 0;
     // Each chunk's reply carries the earliest look asked for so far; the next chunk starts from it,
     // so that the last chunk's look (the one verify sets) accounts for every chunk.
-    let mut look_so_far = millis(cfg.census_interval) as i64;
+    let mut look_so_far = crate::config::millis(cfg.census_interval) as i64;
     loop {
-        let args: Vec<Value> = vec![
-            key_id.into(),
-            grace.into(),
-            (millis(cfg.retention) as i64).into(),
-            store.keys.done_channel().into(),
-            from.into(),
-            CENSUS_CHUNK.into(),
-            look_so_far.into(),
-        ];
-        let mut reply = reply::array(store.fcall(Func::Census, &keys.all(), args).await?)?.into_iter();
-        let tag = reply.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-        match tag.as_str() {
-            "gone" => {
+        let chunk = match calls::census(store, key_id, from, CENSUS_CHUNK, look_so_far).await? {
+            Census::Gone => {
                 // Not created (yet), or expired: dropped once no producer can still create it.
-                let (active, reg, marks, armed) = (
-                    store.keys.active(shard),
-                    store.keys.registrations(shard),
-                    store.keys.finish_marks(shard, key_id),
-                    store.keys.armed(shard),
-                );
-                let ttl = millis(cfg.loading_ttl) as i64;
-                let args: Vec<Value> = vec![key_id.into(), ttl.into(), claim.clone(), grace.into()];
-                store.fcall(Func::DropGone, &[&active, &reg, &marks, &armed], args).await?;
+                calls::drop_gone(store, key_id, shard, claim).await?;
                 return Ok(());
             }
-            "loading" => {
+            Census::Loading => {
                 // Its producer is writing it, or died doing so (the keys expire with the loading
                 // ttl), or committed it just now and may die before it pushes: look again soon.
-                index::arm(store, key_id, shard, cfg.grace(), Arming::Census { claim: claimed }).await?;
+                index::arm(store, key_id, shard, cfg.grace(), Arming::Census { claim }).await?;
                 return Ok(());
             }
-            "finished" => return finish_reported(store, key_id, reply).await,
-            "ok" => {}
-            other => {
+            Census::Finished(unfinished) => return finish_reported(store, key_id, unfinished).await,
+            Census::Chunk(chunk) => chunk,
+            Census::Unexpected(other) => {
                 tracing::warn!(request = key_id, reply = other, "unexpected census reply");
                 return Ok(());
             }
-        }
-        let prio = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-        let shards = shards_of(reply.next());
-        let next = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(-1);
-        let look = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);
-        look_so_far = look;
-        let push = reply::array(reply.next().unwrap_or(Value::Null))?;
-        let check = reply::array(reply.next().unwrap_or(Value::Null))?;
-        let held = reply::array(reply.next().unwrap_or(Value::Null))?;
-        let place = Placement { priority: Priority::new(prio as u8).unwrap_or_default(), shards };
-        metrics.tokens_restored.fetch_add(push.len() as u64, Relaxed);
+        };
+        look_so_far = chunk.look;
+        let place = Placement { priority: chunk.priority, shards: chunk.shards };
+        metrics.tokens_restored.fetch_add(chunk.push.len() as u64, Relaxed);
         // The home shard's verify sets the next look: only after the last chunk, whose reply
         // carries it, and always made, so that the look is set even with nothing to push or check.
-        let last = next < 0;
-        verify(store, metrics, key_id, place, push, check, last.then_some((look, claim.clone()))).await?;
-        reclaim_dead_holders(store, metrics, key_id, place, held).await?;
-        if last {
-            return Ok(());
+        let rearm = chunk.next.is_none().then_some(Rearm { look: chunk.look, claim });
+        verify(store, metrics, key_id, place, chunk.push, chunk.check, rearm).await?;
+        reclaim_dead_holders(store, metrics, key_id, place, chunk.held).await?;
+        match chunk.next {
+            Some(next) => from = next,
+            None => return Ok(()),
         }
-        from = next;
     }
 }
 
@@ -218,44 +162,26 @@ async fn verify(
     place: Placement,
     push: Vec<Value>,
     check: Vec<Value>,
-    look: Option<(i64, Value)>,
+    rearm: Option<Rearm>,
 ) -> Result<()> {
     let home = home_shard(key_id, place.shards);
     let mut pushes = crate::shards::by_shard(key_id, place.shards, push);
     let mut checks = crate::shards::by_shard(key_id, place.shards, check);
     let mut on: BTreeSet<u32> = pushes.keys().chain(checks.keys()).copied().collect();
-    if look.is_some() {
+    if rearm.is_some() {
         on.insert(home);
     }
-    let grace = millis(store.config.grace()) as i64;
     let mut missing: Vec<Value> = Vec::new();
     for s in on {
         let push = pushes.remove(&s).unwrap_or_default();
         let check = checks.remove(&s).unwrap_or_default();
-        let rearm = look.as_ref().filter(|_| s == home);
-        let next = rearm.map_or(0, |(l, _)| *l);
-        let mut args: Vec<Value> = vec![key_id.into(), next.into(), grace.into(), (push.len() as i64).into()];
-        args.extend(push);
-        args.extend(check);
-        if let Some((_, claim)) = rearm {
-            args.push(claim.clone());
-        }
-        let (list, bell, active, armed) = (
-            store.keys.token_list(s, place.priority),
-            store.keys.bell(s),
-            store.keys.active(s),
-            store.keys.armed(s),
-        );
-        let keys: Vec<&str> =
-            if rearm.is_some() { vec![&list, &bell, &active, &armed] } else { vec![&list, &bell] };
-        missing.extend(reply::array(store.fcall(Func::Verify, &keys, args).await?)?);
+        let rearm = rearm.filter(|_| s == home);
+        missing.extend(calls::verify(store, key_id, s, place.priority, push, check, rearm).await?);
     }
     if missing.is_empty() {
         return Ok(());
     }
-    let mut args: Vec<Value> = vec![key_id.into()];
-    args.extend(missing);
-    let restored = reply::array(store.fcall(Func::Restore, &store.keys.request(key_id).all(), args).await?)?;
+    let restored = calls::restore(store, key_id, missing).await?;
     if !restored.is_empty() {
         tracing::warn!(
             request = key_id,
@@ -276,15 +202,9 @@ async fn reclaim_dead_holders(
     metrics: &WorkerMetrics,
     key_id: &str,
     place: Placement,
-    held: Vec<Value>,
+    held: Vec<HeldToken>,
 ) -> Result<()> {
-    let mut holds = Vec::new();
-    for h in held {
-        let f = reply::array(h)?;
-        if let [k, epoch, holder] = &f[..] {
-            holds.push((reply::int(k)?, reply::text(epoch)?, reply::text(holder)?));
-        }
-    }
+    let holds: Vec<(i64, String, String)> = held.into_iter().map(|h| (h.k, h.epoch, h.holder)).collect();
     let workers: Vec<String> = holds
         .iter()
         .map(|(_, _, h)| h.split('/').next().unwrap_or_default().to_owned())
@@ -324,47 +244,36 @@ async fn reclaim(
     list: &str,
     take: Option<(&str, &str)>,
 ) -> Result<()> {
-    let keys = store.keys.request(key_id);
-    let args: Vec<Value> = vec![key_id.into(), k.into(), epoch.into(), holder.into()];
-    let mut reply = reply::array(store.fcall(Func::Reclaim, &keys.all(), args).await?)?.into_iter();
-    let held = store.keys.held(shard);
     let end_record = |record_holder: &str, take: &str| {
-        let args: Vec<Value> = vec![record_holder.into(), take.into()];
-        let held = held.clone();
-        async move { store.fcall(Func::Release, &[&held], args).await.map(|_| ()) }
+        let (record_holder, take) = (record_holder.to_owned(), take.to_owned());
+        async move { tokens::release(store, shard, &record_holder, &take).await.map(|_| ()) }
     };
-    match reply.next().map(|v| reply::text(&v)).transpose()?.as_deref() {
-        Some("push") => {
+    match calls::reclaim(store, key_id, k, epoch, holder, None).await? {
+        Reclaimed::Push(element) => {
             metrics.holds_reclaimed.fetch_add(1, Relaxed);
             metrics.tokens_restored.fetch_add(1, Relaxed);
-            let element: Vec<Value> = reply.collect();
             match take {
                 Some((record_holder, take)) => {
-                    let bell = store.keys.bell(shard);
-                    let mut args: Vec<Value> = vec![record_holder.into(), take.into()];
-                    args.extend(element);
-                    store.fcall(Func::GiveBack, &[&held, &bell, list], args).await?;
+                    tokens::give_back(store, shard, list, record_holder, take, element).await?;
                 }
                 None => {
                     index::push(store, key_id, shard, list, element).await?;
                 }
             }
         }
-        Some("finished") => {
-            finish_reported(store, key_id, reply).await?;
+        Reclaimed::Finished(unfinished) => {
+            finish_reported(store, key_id, unfinished).await?;
             if let Some((record_holder, take)) = take {
                 end_record(record_holder, take).await?;
             }
         }
-        Some("wake") => {
-            let wake = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);
-            let wake = std::time::Duration::from_millis(wake.max(0) as u64);
+        Reclaimed::Wake(wake) => {
             crate::shards::arm(store, key_id, placement_shards(store, key_id).await?, wake).await?;
             if let Some((record_holder, take)) = take {
                 end_record(record_holder, take).await?;
             }
         }
-        _ => {
+        Reclaimed::Nothing => {
             if let Some((record_holder, take)) = take {
                 end_record(record_holder, take).await?;
             }

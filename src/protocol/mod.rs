@@ -27,9 +27,11 @@ pub(crate) mod finish;
 pub(crate) mod index;
 mod library;
 pub(crate) mod operators;
+pub(crate) mod recovery;
 mod refusal;
 pub(crate) mod registry;
 pub(crate) mod submit;
+pub(crate) mod tokens;
 
 pub(crate) use element::{doorbell_key_id, TakeRecord, TokenElement};
 pub(crate) use finish::Finished;

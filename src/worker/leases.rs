@@ -11,12 +11,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use fred::types::Value;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::protocol::Func;
-use crate::reply;
+use crate::protocol::tokens::{self, Hold};
 use crate::store::Store;
 
 /// A token held by one slot: what the check must present.
@@ -75,15 +73,13 @@ impl Leases {
             by_request.entry(key.meta_key.clone()).or_default().push((key, cancel));
         }
         let calls = by_request.into_iter().map(|(meta, held)| async move {
-            let mut args: Vec<Value> = Vec::new();
-            for (key, _) in &held {
-                args.push(key.token.as_str().into());
-                args.push(key.epoch.as_str().into());
-                args.push(key.holder.as_str().into());
-            }
-            match store.fcall(Func::Holds, &[&meta], args).await.and_then(reply::array) {
+            let holds: Vec<Hold<'_>> = held
+                .iter()
+                .map(|(key, _)| Hold { k: &key.token, epoch: &key.epoch, holder: &key.holder })
+                .collect();
+            match tokens::holds(store, &meta, &holds).await {
                 Ok(lost) => {
-                    for token in lost.iter().filter_map(|v| v.as_string()) {
+                    for token in lost {
                         for (key, cancel) in &held {
                             if key.token == token {
                                 tracing::warn!(meta_key = %key.meta_key, token, "token no longer held; cancelling its handler");

@@ -23,12 +23,12 @@ use super::handler::{Context, Handler};
 use super::leases::{LeaseKey, Leases};
 use super::{Quantum, WorkerMetrics};
 use crate::codec;
-use crate::config::millis;
 use crate::error::{retry_transient, Error, Result};
 use crate::keys::{RequestId, RequestKeys};
 use crate::producer::PartError;
-use crate::protocol::{Func, TokenElement};
-use crate::reply;
+use crate::protocol::recovery::{self as calls, Reclaimed};
+use crate::protocol::tokens::{self, Entry, Next, Policy, Report};
+use crate::protocol::TokenElement;
 use crate::request::Priority;
 use crate::shards::Placement;
 use crate::store::Store;
@@ -107,28 +107,16 @@ impl Slot {
 
 /// A token this slot holds.
 struct Token {
-    key_id: String,
+    /// The element it was taken as: request key id, token number, epoch.
+    element: TokenElement,
     request_id: RequestId,
     keys: RequestKeys,
-    number: String,
-    epoch: String,
     priority: Priority,
     /// The shard and list it was taken from: where it goes back.
     shard: u32,
     list: String,
     /// The take that recorded it.
     take: u64,
-}
-
-/// The request's retry policy, as acquire reports it.
-#[derive(Clone, Copy)]
-struct Policy {
-    max_attempts: u32,
-    timeout: Option<Duration>,
-    backoff_base: Duration,
-    backoff_max: Duration,
-    /// The token shards the request was submitted with.
-    shards: u32,
 }
 
 impl Policy {
@@ -141,26 +129,6 @@ impl Policy {
         let jitter = if deterministic { 0.5 } else { rand::thread_rng().gen::<f64>() };
         half + half.mul_f64(jitter)
     }
-}
-
-/// One sub-request handed to this slot.
-struct Entry {
-    id: String,
-    index: u64,
-    payload: Bytes,
-    attempt: u32,
-}
-
-/// What the server answered to acquire or ack.
-enum Next {
-    Run(Vec<Entry>, Option<Policy>),
-    Requeue(String),
-    /// Parked; a retry falls due in this many ms (0: none waits).
-    Park(i64),
-    Finished(crate::protocol::Finished),
-    Drop,
-    Stale,
-    Fenced,
 }
 
 /// How one run of the handler ended.
@@ -210,18 +178,14 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, mut slot: Slot, bloc
 pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot) {
     let holder = format!("{}/{}", shared.id(), slot.n);
     if let Some(shard) = slot.pending.take() {
-        let (held, bell) = (shared.store.keys.held(shard), shared.store.keys.bell(shard));
-        let args: Vec<Value> = vec![holder.as_str().into(), (slot.next_take as i64).into()];
-        match shared.store.fcall(Func::Untake, &[&held, &bell], args).await {
+        match tokens::untake(&shared.store, shard, &holder, slot.next_take).await {
             Ok(_) => slot.next_take += 1,
             Err(e) => tracing::debug!(error = %e, "could not undo a take; recovery will reclaim it"),
         }
     }
     for (shard, last) in slot.last_take.iter_mut().enumerate() {
         if let Some(id) = last.take() {
-            let held = shared.store.keys.held(shard as u32);
-            let args: Vec<Value> = vec![holder.as_str().into(), (id as i64).into()];
-            if let Err(e) = shared.store.fcall(Func::Release, &[&held], args).await {
+            if let Err(e) = tokens::release(&shared.store, shard as u32, &holder, &id.to_string()).await {
                 tracing::debug!(error = %e, "could not end a take record; recovery will");
             }
         }
@@ -242,9 +206,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
     for s in 0..slot.last_take.len() as u32 {
         if s != shard {
             if let Some(id) = slot.last_take[s as usize] {
-                let held = shared.store.keys.held(s);
-                let args: Vec<Value> = vec![holder.as_str().into(), (id as i64).into()];
-                shared.store.fcall(Func::Release, &[&held], args).await?;
+                tokens::release(&shared.store, s, &holder, &id.to_string()).await?;
                 slot.last_take[s as usize] = None;
             }
         }
@@ -280,7 +242,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
             }
         }
     };
-    let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.number, priority = token.priority.get());
+    let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.element.k, priority = token.priority.get());
     serve(shared, slot, &holder, token).instrument(span).await
 }
 
@@ -294,21 +256,14 @@ async fn take<H: Handler>(
 ) -> Result<Option<Token>> {
     let store = &shared.store;
     let id = slot.next_take;
-    let prev = slot.last_take[shard as usize].map(|p| p.to_string()).unwrap_or_default();
-    let (held, bell) = (store.keys.held(shard), store.keys.bell(shard));
-    let mut keys: Vec<&str> = vec![&held, &bell];
-    keys.extend(store.keys.token_lists(shard).iter().map(String::as_str));
-    let args: Vec<Value> =
-        vec![holder.into(), (id as i64).into(), prev.into(), (if woken { "1" } else { "0" }).into()];
+    let prev = slot.last_take[shard as usize];
     // On error the id is kept: the take is repeated as it was, and returns what it took.
     slot.pending = Some(shard);
-    let reply = reply::array(store.fcall(Func::Take, &keys, args).await?)?;
+    let taken = tokens::take(store, shard, holder, id, prev, woken).await?;
     slot.pending = None;
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
-    let mut items = reply.into_iter();
-    let (Some(list), Some(element)) = (items.next(), items.next()) else { return Ok(None) };
-    let (list, element) = (reply::text(&list)?, reply::text(&element)?);
+    let Some(tokens::Taken { list, element }) = taken else { return Ok(None) };
     match parse_token(store, &list, &element, shard, id) {
         Some(token) => Ok(Some(token)),
         None => {
@@ -320,13 +275,11 @@ async fn take<H: Handler>(
 
 fn parse_token(store: &Store, list: &str, element: &str, shard: u32, take: u64) -> Option<Token> {
     let (_, priority) = store.keys.priority_of_list(list)?;
-    let TokenElement { key_id, k, epoch } = TokenElement::parse(element)?;
+    let element = TokenElement::parse(element)?;
     Some(Token {
-        request_id: RequestId::from_key_id(&key_id).ok()?,
-        keys: store.keys.request(&key_id),
-        key_id,
-        number: k.to_string(),
-        epoch: epoch.to_string(),
+        request_id: RequestId::from_key_id(&element.key_id).ok()?,
+        keys: store.keys.request(&element.key_id),
+        element,
         priority,
         shard,
         list: list.to_owned(),
@@ -367,27 +320,19 @@ async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, to
     let store = &shared.store;
     let consumer = shared.id();
     let mut batching = Batching { max: shared.max_batch, mean_us: None, fixed: store.deterministic() };
-    let args: Vec<Value> = vec![
-        token.key_id.as_str().into(),
-        token.number.as_str().into(),
-        token.epoch.as_str().into(),
-        holder.into(),
-        consumer.as_str().into(),
-        i64::from(batching.want(shared.quantum.parts)).into(),
-    ];
-    let mut next =
-        match store.fcall(Func::Acquire, &token.keys.all(), args).await.and_then(|r| parse_next(r, true)) {
-            Ok(next) => next,
-            // Whether the acquire ran is unknown: recovery's own step settles it either way.
-            Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
-        };
+    let want = batching.want(shared.quantum.parts);
+    let mut next = match tokens::acquire(store, &token.element, holder, &consumer, want).await {
+        Ok(next) => next,
+        // Whether the acquire ran is unknown: recovery's own step settles it either way.
+        Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
+    };
     let mut policy = None;
     let started = Instant::now();
     let mut ran: u32 = 0;
     let lease = LeaseKey {
         meta_key: token.keys.meta.clone(),
-        token: token.number.clone(),
-        epoch: token.epoch.clone(),
+        token: token.element.k.to_string(),
+        epoch: token.element.epoch.to_string(),
         holder: holder.to_owned(),
     };
     let result = loop {
@@ -434,10 +379,12 @@ async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, to
         Next::Requeue(element) => give_back(shared, holder, &token, vec![element.into()]).await?,
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
-            crate::shards::finish(store, &token.key_id, place, finished).await?;
+            crate::shards::finish(store, &token.element.key_id, place, finished).await?;
         }
         // A retry falls due later: the token is woken then.
-        Next::Park(wake) if wake > 0 => wake_later(shared, &token.key_id, place.shards, wake).await?,
+        Next::Park(wake) if !wake.is_zero() => {
+            wake_later(shared, &token.element.key_id, place.shards, wake).await?
+        }
         Next::Fenced => {
             shared.metrics.fenced.fetch_add(1, Relaxed);
             tracing::warn!("fenced: this slot no longer holds the token as it was (the request was cancelled, this worker was declared dead, or the ack was re-sent after it ran); its results were dropped");
@@ -459,11 +406,11 @@ async fn give_back<H: Handler>(
     elements: Vec<Value>,
 ) -> Result<()> {
     let store = &shared.store;
-    let (held, bell) = (store.keys.held(token.shard), store.keys.bell(token.shard));
-    let mut args: Vec<Value> = vec![holder.into(), (token.take as i64).into()];
-    args.extend(elements);
-    let keys = [held.as_str(), bell.as_str(), token.list.as_str()];
-    retry_transient("give back", || store.fcall(Func::GiveBack, &keys, args.clone())).await?;
+    let take = token.take.to_string();
+    retry_transient("give back", || {
+        tokens::give_back(store, token.shard, &token.list, holder, &take, elements.clone())
+    })
+    .await?;
     Ok(())
 }
 
@@ -499,46 +446,35 @@ async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) ->
     let meta = token.keys.meta.as_str();
     let shards =
         retry_transient("placement", || crate::shards::placement(store, meta)).await?.map_or(1, |p| p.shards);
-    let args: Vec<Value> = vec![
-        token.key_id.as_str().into(),
-        token.number.as_str().into(),
-        token.epoch.as_str().into(),
-        holder.into(),
-    ];
-    let keys = token.keys.all();
-    let reply = retry_transient("reclaim", || {
-        crate::shards::armed(store, &token.key_id, shards, |deadline| {
-            let mut args = args.clone();
-            args.push(deadline.into());
-            let keys = &keys;
-            async move { store.fcall(Func::Reclaim, keys, args).await }
+    let TokenElement { key_id, k, epoch } = &token.element;
+    let epoch = epoch.to_string();
+    let reclaimed = retry_transient("reclaim", || {
+        crate::shards::armed(store, key_id, shards, |deadline| {
+            calls::reclaim(store, key_id, i64::from(*k), &epoch, holder, Some(deadline))
         })
     })
     .await?;
-    let mut items = reply::array(reply)?.into_iter();
-    match items.next().map(|v| reply::text(&v)).transpose()?.as_deref() {
-        Some("push") => give_back(shared, holder, token, items.collect()).await?,
-        Some("finished") => crate::recovery::finish_reported(store, &token.key_id, items).await?,
-        Some("wake") => {
-            let wake = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);
-            wake_later(shared, &token.key_id, shards, wake).await?;
+    match reclaimed {
+        Reclaimed::Push(elements) => give_back(shared, holder, token, elements).await?,
+        Reclaimed::Finished(unfinished) => {
+            crate::recovery::finish_reported(store, key_id, unfinished).await?
         }
-        _ => {}
+        Reclaimed::Wake(wake) => wake_later(shared, key_id, shards, wake).await?,
+        Reclaimed::Nothing => {}
     }
     Ok(())
 }
 
-/// A parked token whose retry falls due in `wake` ms: this worker wakes it itself at that time,
+/// A parked token whose retry falls due in `wake`: this worker wakes it itself at that time,
 /// and recovery is asked to look then too (in case this process dies). The own wake comes first:
 /// if Redis refuses the arm, the retry is still on time while this process lives (else the census
 /// backstop wakes it).
-async fn wake_later<H: Handler>(shared: &Shared<H>, key_id: &str, shards: u32, wake: i64) -> Result<()> {
+async fn wake_later<H: Handler>(shared: &Shared<H>, key_id: &str, shards: u32, wake: Duration) -> Result<()> {
     if let Some(wakes) = &shared.wakes {
-        let at = tokio::time::Instant::now() + Duration::from_millis(wake.max(0) as u64);
+        let at = tokio::time::Instant::now() + wake;
         let _ = wakes.send(Wake { key_id: key_id.to_owned(), shards, at });
     }
-    let within = Duration::from_millis(wake.max(0) as u64);
-    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, within)).await?;
+    retry_transient("arm", || crate::shards::arm(&shared.store, key_id, shards, wake)).await?;
     Ok(())
 }
 
@@ -652,107 +588,34 @@ async fn ack<H: Handler>(
 ) -> Result<Next> {
     let store = &shared.store;
     let m = &shared.metrics;
-    let mut args: Vec<Value> = vec![
-        token.key_id.as_str().into(),
-        token.number.as_str().into(),
-        token.epoch.as_str().into(),
-        holder.into(),
-        consumer.into(),
-        (if keep_going { "1" } else { "0" }).into(),
-        (millis(store.config.retention) as i64).into(),
-        store.keys.done_channel().into(),
-        i64::from(want).into(),
-    ];
+    let mut reports = Vec::with_capacity(entries.len());
     for (entry, outcome) in entries.iter().zip(outcomes) {
-        let (kind, body, delay): (&str, Value, Duration) = match outcome {
+        let reported = match outcome {
             Outcome::Done(bytes) => {
                 m.succeeded.fetch_add(1, Relaxed);
-                ("ok", Value::Bytes(bytes), Duration::ZERO)
+                tokens::Outcome::Ok(bytes)
             }
-            Outcome::Skipped => ("skip", "".into(), Duration::ZERO),
+            Outcome::Skipped => tokens::Outcome::Skip,
             Outcome::Failed { message, permanent } => {
                 let last = permanent || entry.attempt >= policy.max_attempts;
                 let record = PartError { message, attempts: entry.attempt, permanent };
-                let body = Value::Bytes(
-                    serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?.into(),
-                );
+                let body: Bytes =
+                    serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?.into();
                 if last {
                     m.dead_lettered.fetch_add(1, Relaxed);
                     tracing::warn!(index = entry.index, attempt = entry.attempt, error = %record.message, "sub-request dead-lettered");
-                    ("dead", body, Duration::ZERO)
+                    tokens::Outcome::Dead(body)
                 } else {
                     m.retried.fetch_add(1, Relaxed);
                     let delay = policy.backoff(entry.attempt, store.deterministic());
                     tracing::info!(index = entry.index, attempt = entry.attempt, ?delay, error = %record.message, "sub-request will be retried");
-                    ("retry", body, delay)
+                    tokens::Outcome::Retry { record: body, delay }
                 }
             }
         };
-        args.extend([
-            entry.id.as_str().into(),
-            kind.into(),
-            body,
-            (millis(delay) as i64).into(),
-            i64::from(entry.attempt).into(),
-        ]);
+        reports.push(Report { id: &entry.id, outcome: reported, attempt: entry.attempt });
     }
-    let reply = store
-        .fcall(Func::Ack, &token.keys.all(), args)
+    tokens::ack(store, &token.element, holder, consumer, keep_going, want, reports)
         .instrument(tracing::debug_span!("ack", entries = entries.len()))
-        .await?;
-    parse_next(reply, false)
-}
-
-/// Reads an acquire (`with_policy`) or ack reply.
-fn parse_next(reply: Value, with_policy: bool) -> Result<Next> {
-    let mut items = reply::array(reply)?.into_iter();
-    let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-    Ok(match tag.as_str() {
-        "run" => {
-            let policy = if with_policy {
-                let p: Vec<i64> = reply::array(items.next().unwrap_or(Value::Null))?
-                    .iter()
-                    .map(reply::int)
-                    .collect::<Result<_>>()?;
-                let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
-                    return Err(Error::Protocol("acquire's policy has fewer than four fields".into()));
-                };
-                Some(Policy {
-                    max_attempts: max_attempts.max(1) as u32,
-                    timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
-                    backoff_base: Duration::from_millis(base.max(0) as u64),
-                    backoff_max: Duration::from_millis(cap.max(0) as u64),
-                    shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
-                })
-            } else {
-                None
-            };
-            let mut entries = Vec::new();
-            for item in items {
-                let mut f = reply::array(item)?.into_iter();
-                let (Some(id), Some(index), Some(payload), Some(attempt)) =
-                    (f.next(), f.next(), f.next(), f.next())
-                else {
-                    return Err(Error::Protocol("short entry in a 'run' reply".into()));
-                };
-                entries.push(Entry {
-                    id: reply::text(&id)?,
-                    index: reply::int(&index)? as u64,
-                    payload: reply::bytes(payload)?,
-                    attempt: reply::int(&attempt)? as u32,
-                });
-            }
-            if entries.is_empty() {
-                return Err(Error::Protocol("a 'run' reply without entries".into()));
-            }
-            Next::Run(entries, policy)
-        }
-        "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
-        "park" => Next::Park(items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0)),
-        "finished" => Next::Finished(crate::protocol::Finished::from_reply(items)?),
-        "drop" => Next::Drop,
-        "stale" => Next::Stale,
-        "fenced" => Next::Fenced,
-        other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
-    })
+        .await
 }

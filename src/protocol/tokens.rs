@@ -1,0 +1,290 @@
+//! Taking tokens and running parts (docs/protocol.md §5, "Taking tokens and running parts"):
+//! `take`, `untake`, `give_back` and `release` on a shard's token side; `acquire`, `ack` and the
+//! read-only `holds` on a request's keys.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::types::Value;
+
+use super::{ms, Finished, Func, TokenElement};
+use crate::error::{Error, Result};
+use crate::reply;
+use crate::store::Store;
+
+/// What `take` popped: the list it came from and the element's text (parsed by the slot, which
+/// drops a malformed one).
+#[derive(Debug)]
+pub(crate) struct Taken {
+    /// The priority list the element was taken from.
+    pub(crate) list: String,
+    /// The element, `<kid>|<k>|<epoch>` when well formed.
+    pub(crate) element: String,
+}
+
+/// `take` on `shard`: pops the highest-priority element and records it for `holder` as take
+/// `take` (`previous`: the id of the slot's previous take on this shard, whose record ends).
+/// `woken`: the slot popped a bell itself. `None` when every list is empty. The same call re-sent
+/// returns what it took the first time.
+pub(crate) async fn take(
+    store: &Store,
+    shard: u32,
+    holder: &str,
+    take: u64,
+    previous: Option<u64>,
+    woken: bool,
+) -> Result<Option<Taken>> {
+    let (held, bell) = (store.keys.held(shard), store.keys.bell(shard));
+    let mut keys: Vec<&str> = vec![&held, &bell];
+    keys.extend(store.keys.token_lists(shard).iter().map(String::as_str));
+    let previous = previous.map(|p| p.to_string()).unwrap_or_default();
+    let args: Vec<Value> =
+        vec![holder.into(), (take as i64).into(), previous.into(), (if woken { "1" } else { "0" }).into()];
+    let mut items = reply::array(store.fcall(Func::Take, &keys, args).await?)?.into_iter();
+    let (Some(list), Some(element)) = (items.next(), items.next()) else { return Ok(None) };
+    Ok(Some(Taken { list: reply::text(&list)?, element: reply::text(&element)? }))
+}
+
+/// `untake` on `shard`: undoes take `take` of `holder`, whose reply was never seen. Returns
+/// whether the take had happened (and is undone).
+pub(crate) async fn untake(store: &Store, shard: u32, holder: &str, take: u64) -> Result<bool> {
+    let (held, bell) = (store.keys.held(shard), store.keys.bell(shard));
+    let args: Vec<Value> = vec![holder.into(), (take as i64).into()];
+    Ok(reply::int(&store.fcall(Func::Untake, &[&held, &bell], args).await?)? == 1)
+}
+
+/// `release` on `shard`: ends `holder`'s take record if it carries take id `take`. Returns
+/// whether a record was removed.
+pub(crate) async fn release(store: &Store, shard: u32, holder: &str, take: &str) -> Result<bool> {
+    let held = store.keys.held(shard);
+    let args: Vec<Value> = vec![holder.into(), take.into()];
+    Ok(reply::int(&store.fcall(Func::Release, &[&held], args).await?)? == 1)
+}
+
+/// `give_back` on `shard`: pushes `elements` onto `list` and ends `holder`'s take record if it
+/// carries take id `take`, in one step. Returns how many elements were pushed.
+pub(crate) async fn give_back(
+    store: &Store,
+    shard: u32,
+    list: &str,
+    holder: &str,
+    take: &str,
+    elements: Vec<Value>,
+) -> Result<i64> {
+    let (held, bell) = (store.keys.held(shard), store.keys.bell(shard));
+    let mut args: Vec<Value> = vec![holder.into(), take.into()];
+    args.extend(elements);
+    reply::int(&store.fcall(Func::GiveBack, &[&held, &bell, list], args).await?)
+}
+
+/// A request's retry policy, as `acquire` reports it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Policy {
+    /// Runs per sub-request at most.
+    pub(crate) max_attempts: u32,
+    /// Per-attempt timeout, if any.
+    pub(crate) timeout: Option<Duration>,
+    /// Retry backoff base.
+    pub(crate) backoff_base: Duration,
+    /// Retry backoff cap.
+    pub(crate) backoff_max: Duration,
+    /// The token shards the request was submitted with.
+    pub(crate) shards: u32,
+}
+
+/// One sub-request handed to a slot: `{entry id, index, payload, attempt}`.
+#[derive(Debug)]
+pub(crate) struct Entry {
+    /// Its stream entry id.
+    pub(crate) id: String,
+    /// Its index in the request.
+    pub(crate) index: u64,
+    /// Its payload (MessagePack).
+    pub(crate) payload: Bytes,
+    /// Which attempt this is (1 for the first).
+    pub(crate) attempt: u32,
+}
+
+/// What `acquire` or `ack` answered.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// `{'run', [policy,] entry...}`: the slot holds the token, with a batch to run (the policy
+    /// only from `acquire`).
+    Run(Vec<Entry>, Option<Policy>),
+    /// `{'requeue', element}` (`ack`): push the element back (`give_back`).
+    Requeue(String),
+    /// `{'park', wake}`: parked; a retry falls due in `wake` (zero: none waits).
+    Park(Duration),
+    /// `{'finished', ...}` (`ack`): the request just turned terminal.
+    Finished(Finished),
+    /// `{'drop'}` (`acquire`): the request is finished, cancelled or unknown.
+    Drop,
+    /// `{'stale'}` (`acquire`): not the token's current element.
+    Stale,
+    /// `{'fenced'}` (`ack`): this slot no longer holds the token as it was; nothing recorded.
+    Fenced,
+}
+
+/// `acquire`: `holder` presents `element`, which it took, and asks for at most `want` entries
+/// (`consumer`: its worker's stream consumer name).
+pub(crate) async fn acquire(
+    store: &Store,
+    element: &TokenElement,
+    holder: &str,
+    consumer: &str,
+    want: u32,
+) -> Result<Next> {
+    let keys = store.keys.request(&element.key_id);
+    let args: Vec<Value> = vec![
+        element.key_id.as_str().into(),
+        element.k.to_string().into(),
+        element.epoch.to_string().into(),
+        holder.into(),
+        consumer.into(),
+        i64::from(want).into(),
+    ];
+    next(store.fcall(Func::Acquire, &keys.all(), args).await?, true)
+}
+
+/// How one entry of a batch ended, as `ack` records it.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// `ok`: its result (MessagePack).
+    Ok(Bytes),
+    /// `retry`: a retryable failure (its error record, JSON), retried after `delay`.
+    Retry {
+        /// The error record.
+        record: Bytes,
+        /// The backoff before the retry.
+        delay: Duration,
+    },
+    /// `dead`: dead-lettered (its error record, JSON).
+    Dead(Bytes),
+    /// `skip`: it did not run; handed out again first.
+    Skip,
+}
+
+/// One entry's report in an `ack`.
+#[derive(Debug)]
+pub(crate) struct Report<'a> {
+    /// Its stream entry id.
+    pub(crate) id: &'a str,
+    /// How it ended.
+    pub(crate) outcome: Outcome,
+    /// The attempt that ran.
+    pub(crate) attempt: u32,
+}
+
+/// `ack`: `holder` reports the batch it ran under `element`, in the order it was handed out, and
+/// either asks for at most `want` more (`keep_going`) or gives the token back.
+pub(crate) async fn ack(
+    store: &Store,
+    element: &TokenElement,
+    holder: &str,
+    consumer: &str,
+    keep_going: bool,
+    want: u32,
+    reports: Vec<Report<'_>>,
+) -> Result<Next> {
+    let keys = store.keys.request(&element.key_id);
+    let mut args: Vec<Value> = vec![
+        element.key_id.as_str().into(),
+        element.k.to_string().into(),
+        element.epoch.to_string().into(),
+        holder.into(),
+        consumer.into(),
+        (if keep_going { "1" } else { "0" }).into(),
+        ms(store.config.retention),
+        store.keys.done_channel().into(),
+        i64::from(want).into(),
+    ];
+    for r in reports {
+        let (kind, body, delay): (&str, Value, Duration) = match r.outcome {
+            Outcome::Ok(bytes) => ("ok", Value::Bytes(bytes), Duration::ZERO),
+            Outcome::Skip => ("skip", "".into(), Duration::ZERO),
+            Outcome::Dead(record) => ("dead", Value::Bytes(record), Duration::ZERO),
+            Outcome::Retry { record, delay } => ("retry", Value::Bytes(record), delay),
+        };
+        args.extend([r.id.into(), kind.into(), body, ms(delay), i64::from(r.attempt).into()]);
+    }
+    next(store.fcall(Func::Ack, &keys.all(), args).await?, false)
+}
+
+/// Reads an acquire (`with_policy`) or ack reply.
+fn next(reply: Value, with_policy: bool) -> Result<Next> {
+    let mut items = reply::array(reply)?.into_iter();
+    let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+    Ok(match tag.as_str() {
+        "run" => {
+            let policy = if with_policy {
+                let p: Vec<i64> = reply::array(items.next().unwrap_or(Value::Null))?
+                    .iter()
+                    .map(reply::int)
+                    .collect::<Result<_>>()?;
+                let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
+                    return Err(Error::Protocol("acquire's policy has fewer than four fields".into()));
+                };
+                Some(Policy {
+                    max_attempts: max_attempts.max(1) as u32,
+                    timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
+                    backoff_base: Duration::from_millis(base.max(0) as u64),
+                    backoff_max: Duration::from_millis(cap.max(0) as u64),
+                    shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
+                })
+            } else {
+                None
+            };
+            let mut entries = Vec::new();
+            for item in items {
+                let mut f = reply::array(item)?.into_iter();
+                let (Some(id), Some(index), Some(payload), Some(attempt)) =
+                    (f.next(), f.next(), f.next(), f.next())
+                else {
+                    return Err(Error::Protocol("short entry in a 'run' reply".into()));
+                };
+                entries.push(Entry {
+                    id: reply::text(&id)?,
+                    index: reply::int(&index)? as u64,
+                    payload: reply::bytes(payload)?,
+                    attempt: reply::int(&attempt)? as u32,
+                });
+            }
+            if entries.is_empty() {
+                return Err(Error::Protocol("a 'run' reply without entries".into()));
+            }
+            Next::Run(entries, policy)
+        }
+        "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
+        "park" => {
+            let wake = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
+            Next::Park(Duration::from_millis(wake.max(0) as u64))
+        }
+        "finished" => Next::Finished(Finished::from_reply(items)?),
+        "drop" => Next::Drop,
+        "stale" => Next::Stale,
+        "fenced" => Next::Fenced,
+        other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+    })
+}
+
+/// One hold to check with `holds`: token `k` at `epoch`, held by `holder`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hold<'a> {
+    /// The token number.
+    pub(crate) k: &'a str,
+    /// The epoch it was held at.
+    pub(crate) epoch: &'a str,
+    /// The slot holding it.
+    pub(crate) holder: &'a str,
+}
+
+/// `holds` (read-only) on the request whose meta hash is `meta`: which of `held` no longer
+/// stand. Returns their token numbers.
+pub(crate) async fn holds(store: &Store, meta: &str, held: &[Hold<'_>]) -> Result<Vec<String>> {
+    let mut args: Vec<Value> = Vec::with_capacity(held.len() * 3);
+    for h in held {
+        args.extend([h.k.into(), h.epoch.into(), h.holder.into()]);
+    }
+    let lost = reply::array(store.fcall(Func::Holds, &[meta], args).await?)?;
+    Ok(lost.iter().filter_map(|v| v.as_string()).collect())
+}
