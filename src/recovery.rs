@@ -24,6 +24,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use fred::prelude::*;
 use futures::stream::{self, StreamExt};
 
+use crate::config::millis;
 use crate::error::Result;
 use crate::keys::{home_shard, token_shard};
 use crate::protocol::index::{self, Arming};
@@ -118,7 +119,7 @@ pub(crate) async fn census(
     let mut from: i64 = 0;
     // Each chunk's reply carries the earliest look asked for so far; the next chunk starts from it,
     // so that the last chunk's look (the one verify sets) accounts for every chunk.
-    let mut look_so_far = crate::config::millis(cfg.census_interval) as i64;
+    let mut look_so_far = millis(cfg.census_interval) as i64;
     loop {
         let chunk = match calls::census(store, key_id, from, CENSUS_CHUNK, look_so_far).await? {
             Census::Gone => {

@@ -185,7 +185,7 @@ pub(crate) async fn finish(
     seal_and_unindex(store, key_id, home, lifecycle).await
 }
 
-/// Steps 2 and 3 of [`finish`]; alone, for a request whose event is already recorded. Returns the
+/// Steps 2 and 3 of [`finish()`]; alone, for a request whose event is already recorded. Returns the
 /// lifecycle a requeue marked (`reopen`) when the request stays indexed for it.
 pub(crate) async fn seal_and_unindex(
     store: &Store,

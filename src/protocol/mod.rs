@@ -6,13 +6,14 @@
 //! the library text itself is checked in as `lua/dist/sluicegate_v2.lua` for them. This module is
 //! the only place that builds FCALL arguments and reads the replies: producers, slots, recovery
 //! and operators call the typed functions, grouped as docs/protocol.md §5 groups the transitions
-//! ([`submit`], [`index`], [`tokens`], [`finish`], [`recovery`], [`operators`], [`registry`]).
-//! Each function computes its keys from [`Keys`](crate::keys::Keys), takes durations as
-//! [`Duration`], and returns its reply decoded into a type named for what the Lua returns.
+//! (`submit`, `index`, `tokens`, `finish`, `recovery`, `operators`, `registry`). Each function
+//! computes its keys from `Keys` where they follow from its arguments, takes durations as
+//! `Duration`, and returns its reply decoded into a type named for what the Lua returns; a
+//! refusal (`SG*`) comes back as the error it is, for the caller to read with `Refusal`.
 //!
 //! To add a transition, or an argument to one: write (or change) `lua/<name>.lua`, whose header
-//! lists its exact KEYS, ARGV and Returns; add its [`Func`] variant (and its place in
-//! [`Func::ALL`]); write its typed function in the file of its group here, with its reply type;
+//! lists its exact KEYS, ARGV and Returns; add its `Func` variant (and its place in `Func::ALL`,
+//! `local_name` and `source`); write its typed function in the file of its group here, with its reply type;
 //! document it in its section of docs/protocol.md §5; then run
 //! `SLUICEGATE_BLESS=1 cargo test --lib protocol::` to update `lua/dist/`.
 

@@ -13,7 +13,7 @@ use crate::reply;
 use crate::request::{Concurrency, Priority};
 use crate::store::Store;
 
-/// What a new request is created with (`submit_open`'s ARGV[1..9], [11..13]; `stream_open` and
+/// What a new request is created with (`submit_open`'s `ARGV[1..9]` and `ARGV[11..13]`; `stream_open` and
 /// `submit_small` take the same).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NewRequest<'a> {
@@ -45,7 +45,7 @@ pub(crate) struct NewRequest<'a> {
 }
 
 impl NewRequest<'_> {
-    /// `submit_open`'s arguments, with `delay_or_expiry` as ARGV[10] (a delay; for `stream_open`,
+    /// `submit_open`'s arguments, with `delay_or_expiry` as `ARGV[10]` (a delay; for `stream_open`,
     /// the open expiry).
     fn args(&self, store: &Store, delay_or_expiry: Duration) -> Vec<Value> {
         vec![
