@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use futures::future::try_join_all;
-use sluicegate::testing::{connect, TestRedis};
 use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Producer, Quantum, Worker};
+use sluicegate_testkit::{connect, TestRedis};
 use tokio_util::sync::CancellationToken;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -269,7 +269,7 @@ impl Bench {
     }
 
     async fn drop_namespace(&self, config: &Config) -> Result<(), BoxError> {
-        let keys = sluicegate::testing::keys_in_namespace(&self.url, config.namespace_str()).await?;
+        let keys = sluicegate_testkit::keys_in_namespace(&self.url, config.namespace_str()).await?;
         for chunk in keys.chunks(500) {
             let _: i64 = self.redis.del(chunk.to_vec()).await?;
         }

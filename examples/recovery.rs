@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
-use sluicegate::testing::{command_calls, connect, TestRedis};
 use sluicegate::{async_trait, Admin, Config, Context, Handler, HandlerError, Producer, Quantum, Worker};
+use sluicegate_testkit::{command_calls, connect, TestRedis};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 

@@ -62,7 +62,6 @@ mod reply;
 mod request;
 mod shards;
 mod store;
-pub mod testing;
 #[cfg(feature = "tls")]
 mod tls;
 mod worker;

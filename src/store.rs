@@ -239,7 +239,7 @@ fn reconnect_policy() -> ReconnectPolicy {
     // Retry forever (a worker outlives a Redis restart), 100 ms doubling to 1 s. The cap is short
     // because fred rebuilds a clustered client's connections as a whole: while one master is down
     // every command of the client waits, until the first attempt after that master is back. With a
-    // 5 s cap a 1.5 s master restart stalled every client ~6.5 s (tests/chaos_cluster.rs); with
+    // 5 s cap a 1.5 s master restart stalled every client ~6.5 s (tests/chaos.rs); with
     // 1 s the stall exceeds the outage by about a second. One connect a second is cheap for Redis.
     ReconnectPolicy::new_exponential(0, 100, 1_000, 2)
 }

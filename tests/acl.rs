@@ -5,20 +5,20 @@
 
 mod support;
 
-const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Single;
+const TOPOLOGY: sluicegate_testkit::Topology = sluicegate_testkit::Topology::Single;
 
 use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use sluicegate::protocol::acl_rules;
-use sluicegate::testing::connect;
 use sluicegate::{Admin, Config, Listener, Producer, Quantum, RequestState};
-use support::{env, start_worker, Job, Probe};
+use sluicegate_testkit::connect;
+use support::{env_on, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_happy_path_runs_as_a_least_privilege_user() {
-    let env = env("acl").await;
+    let env = env_on(TOPOLOGY, "acl").await;
     let ns = env.config.namespace_str().to_owned();
     let admin_conn = connect(env.redis.url()).await.unwrap();
     // The operator's one-time step: load the library (any component with the right does it).

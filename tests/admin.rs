@@ -1,9 +1,10 @@
 //! Operating a running system: status, cancel, requeue of dead letters, stats.
+//!
+//! One binary, two topologies: `single::` runs the suite on one redis-server, `cluster::` on a
+//! 3-master Redis Cluster (`cargo test --test admin cluster::` runs only those).
 
 #![allow(unreachable_pub, clippy::unwrap_used)]
 
 mod support;
 
-const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Single;
-
-include!("suites/admin.rs");
+sluicegate_testkit::per_topology!(include!("suites/admin.rs"););

@@ -9,6 +9,7 @@
 //! SLUICEGATE_SOAK=1 cargo test --test chaos -- --nocapture  # 1000 requests per run, 4 restarts
 //! SLUICEGATE_CHAOS_SKIP=kill,cut cargo test --test chaos    # leave faults out (checks the harness)
 //! SLUICEGATE_CHAOS_SEED=42 ...                              # replay a workload
+//! cargo test --test chaos cluster -- --nocapture           # the cluster run alone
 //! ```
 
 #![allow(unreachable_pub)]
@@ -17,13 +18,11 @@
 mod census;
 #[path = "support/chaos.rs"]
 mod chaos;
-#[path = "support/proxy.rs"]
-mod proxy;
 
 use std::time::Duration;
 
 use chaos::{skipped, Fault, Scenario};
-use proxy::ProxyChaos;
+use sluicegate_testkit::proxy::ProxyChaos;
 
 /// The runs take all the machine (four worker processes, Redis, the test): one at a time, or they
 /// would starve each other's heartbeats. A tokio mutex, because the guard is held across awaits
@@ -67,4 +66,27 @@ async fn chaos_redis_restart_loses_nothing() {
     // In the middle: once 30% of the requests are done (a soak run restarts four times).
     let at = if chaos::soak() { vec![0.2, 0.4, 0.6, 0.8] } else { vec![0.3] };
     run_and_check("restart", Fault::RedisRestart { at }).await;
+}
+
+/// The same checks on a 3-master Redis Cluster, every node with AOF `appendfsync always`: once 30%
+/// of the requests are done, the master owning the token lists' slot (`{<ns>.q0}`) is SIGKILLed and
+/// restarted 1.5 s later (100 requests, 5,000 sub-requests; the soak mode runs the full 200).
+// History: this run once failed about 1 in 4 (a completion event lost, or a record expired before
+// `wait()` read it). The master's restart stalled every client ~6.5 s (fred rebuilds a clustered
+// client's connections as a whole, and the reconnect delay had grown to 5 s), longer than the 5 s
+// retention, and a request whose finishing worker stalled between its terminal ack and
+// `finish_index` had its record expire first; recovery then dropped it without its event. Fixed by
+// holding a finished request's keys until its event is written (`seal`, docs/architecture.md) and by
+// capping the reconnect delay at 1 s; tests/suites/recovery.rs covers the first deterministically.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_cluster_master_restart_loses_nothing() {
+    let fault = Fault::ClusterMasterRestart { at: 0.3, down: Duration::from_millis(1500) };
+    let mut scenario = Scenario::acceptance("cluster-restart", fault);
+    if !chaos::soak() {
+        scenario.requests = 100;
+    }
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let figures = chaos::run(scenario).await;
+    println!("{figures}");
+    figures.assert_passed();
 }

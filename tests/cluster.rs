@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use fred::prelude::{ClientLike, ClusterInterface, KeysInterface};
-use sluicegate::testing::{command_calls, connect, keys_in_namespace, unique_namespace, RedisCluster};
 use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Listener, Producer, Worker};
+use sluicegate_testkit::{command_calls, connect, keys_in_namespace, unique_namespace, RedisCluster};
 use tokio_util::sync::CancellationToken;
 
 const REQUESTS: u64 = 20;

@@ -26,9 +26,6 @@
 
 mod support;
 
-/// Unused here (each test builds the cluster it needs), but `support` refers to it.
-const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Cluster;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
@@ -36,11 +33,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fred::prelude::ClientLike;
-use sluicegate::testing::{
-    command_calls, connect, error_counts, keys_in_namespace, unique_namespace, RedisCluster,
-};
 use sluicegate::{
     Completion, Config, Listener, Producer, Quantum, RequestId, RequestState, Worker, WorkerMetrics,
+};
+use sluicegate_testkit::{
+    command_calls, connect, error_counts, keys_in_namespace, unique_namespace, RedisCluster,
 };
 use support::census::{spawn_listener, Heard};
 use support::{Job, Probe};
@@ -561,7 +558,7 @@ async fn a_sigkilled_token_master_is_replaced_by_its_replica_and_every_request_c
     let mut cluster = cluster_with_replicas(true).await;
     // A longer retention than the other tests: while the slot has no master the clients stall
     // for seconds, and a terminal record must outlive that stall until recovery has redone a
-    // missed `finish_index` (tests/chaos_cluster.rs describes what happens when it does not).
+    // missed `finish_index` (tests/chaos.rs describes what happens when it does not).
     let load = Load::start(&cluster, "promote", 2 * RETENTION).await;
     let token_slot = keyslot(&load.token_key());
     load.wait_for_completed(5, Duration::from_secs(20), "before the kill").await;

@@ -1,9 +1,10 @@
 //! The core engine's promises, each against a real redis-server.
+//!
+//! One binary, two topologies: `single::` runs the suite on one redis-server, `cluster::` on a
+//! 3-master Redis Cluster (`cargo test --test core cluster::` runs only those).
 
 #![allow(unreachable_pub, clippy::unwrap_used)]
 
 mod support;
 
-const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Single;
-
-include!("suites/core.rs");
+sluicegate_testkit::per_topology!(include!("suites/core.rs"););

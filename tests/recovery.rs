@@ -1,10 +1,11 @@
 //! Never lose work: each window in which the seed design loses a token or an entry, with the
 //! fault placed exactly there, against a real redis-server.
+//!
+//! One binary, two topologies: `single::` runs the suite on one redis-server, `cluster::` on a
+//! 3-master Redis Cluster (`cargo test --test recovery cluster::` runs only those).
 
 #![allow(unreachable_pub, clippy::unwrap_used)]
 
 mod support;
 
-const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Single;
-
-include!("suites/recovery.rs");
+sluicegate_testkit::per_topology!(include!("suites/recovery.rs"););

@@ -1,9 +1,10 @@
 //! Streamed requests (parts added over time), delayed requests, and their edges.
+//!
+//! One binary, two topologies: `single::` runs the suite on one redis-server, `cluster::` on a
+//! 3-master Redis Cluster (`cargo test --test streaming cluster::` runs only those).
 
 #![allow(unreachable_pub, clippy::unwrap_used)]
 
 mod support;
 
-const TOPOLOGY: sluicegate::testing::Topology = sluicegate::testing::Topology::Single;
-
-include!("suites/streaming.rs");
+sluicegate_testkit::per_topology!(include!("suites/streaming.rs"););

@@ -35,8 +35,8 @@ use fred::prelude::*;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use crate::testing::RedisServer;
 use ops::{draw, Mix, Op, SLOTS, WORKERS};
+use sluicegate_testkit::RedisServer;
 use world::World;
 
 /// Drain rounds before a request still unfinished counts as stuck. Each round advances the clock

@@ -1,5 +1,5 @@
-// The body of tests/admin.rs and tests/admin_cluster.rs: written once, run against a single
-// Redis and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+// The body of tests/admin.rs: written once, run against a single Redis and a 3-master Redis
+// Cluster (`per_topology!` runs it once for each).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 use sluicegate::{
     async_trait, Admin, Cancelled, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState,
 };
-use support::{env, fast, start_worker, Job, Probe};
+use crate::support::{env_on, fast, start_worker, Job, Probe};
 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_counts_errors_and_timings() {
-    let env = env("status").await;
+    let env = env_on(TOPOLOGY, "status").await;
     let config = fast(&env.config);
     let admin = Admin::connect(&config).await.unwrap();
     let producer = Producer::connect(&config).await.unwrap();
@@ -60,7 +60,7 @@ impl Handler for Watcher {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_mid_run_stops_new_starts_signals_running_handlers_and_records_once() {
-    let env = env("cancel").await;
+    let env = env_on(TOPOLOGY, "cancel").await;
     let config = fast(&env.config);
     let mut listener = Listener::connect(&config).await.unwrap();
     let watcher = Watcher::default();
@@ -111,7 +111,7 @@ impl Handler for Fragile {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeued_dead_letters_complete_a_failed_request() {
-    let env = env("requeue").await;
+    let env = env_on(TOPOLOGY, "requeue").await;
     let config = fast(&env.config);
     let broken = Arc::new(AtomicBool::new(true));
     let w = start_worker(&config, Fragile { broken: broken.clone() }, 2, Quantum::default()).await;
@@ -142,7 +142,7 @@ async fn requeued_dead_letters_complete_a_failed_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
-    let env = env("stats").await;
+    let env = env_on(TOPOLOGY, "stats").await;
     let config = fast(&env.config);
     let admin = Admin::connect(&config).await.unwrap();
     let producer = Producer::connect(&config).await.unwrap();

@@ -1,14 +1,14 @@
-// The body of tests/core.rs and tests/core_cluster.rs: written once, run against a single
-// Redis and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+// The body of tests/core.rs: written once, run against a single Redis and a 3-master Redis
+// Cluster (`per_topology!` runs it once for each).
 
 use std::time::{Duration, Instant};
 
 use sluicegate::{Error, Listener, Producer, Quantum, RequestState};
-use support::{assert_namespace_drains, env, start_worker, Job, Probe};
+use crate::support::{env_on, assert_namespace_drains, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_requests_finish_in_order_and_reach_but_never_exceed_their_limits() {
-    let env = env("fifty").await;
+    let env = env_on(TOPOLOGY, "fifty").await;
     let probe = Probe::default();
     let quantum = Quantum { parts: 8, time: Duration::from_millis(100) };
     let a = start_worker(&env.config, probe.clone(), 8, quantum).await;
@@ -47,7 +47,7 @@ async fn fifty_requests_finish_in_order_and_reach_but_never_exceed_their_limits(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_slot_runs_every_part_of_the_highest_priority_first() {
-    let env = env("prio").await;
+    let env = env_on(TOPOLOGY, "prio").await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let mut ids = Vec::new();
     // Queued before any worker exists, lowest first, so submission order cannot explain the result.
@@ -79,7 +79,7 @@ async fn one_slot_runs_every_part_of_the_highest_priority_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_urgent_request_gets_the_next_free_slot_within_one_quantum() {
-    let env = env("preempt").await;
+    let env = env_on(TOPOLOGY, "preempt").await;
     let probe = Probe::default();
     let quantum = Quantum { parts: 5, time: Duration::from_secs(10) };
     let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
@@ -114,7 +114,7 @@ async fn an_urgent_request_gets_the_next_free_slot_within_one_quantum() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_sizes_one_part_a_hundred_thousand_parts_and_a_ten_megabyte_part() {
-    let env = env("sizes").await;
+    let env = env_on(TOPOLOGY, "sizes").await;
     let w = start_worker(&env.config, Probe::default(), 8, Quantum::default()).await;
     let producer = Producer::connect(&env.config).await.unwrap();
 
@@ -183,7 +183,7 @@ mod serde_bytes_compat {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_part_is_recorded_and_the_request_ends_failed() {
-    let env = env("fail").await;
+    let env = env_on(TOPOLOGY, "fail").await;
     let w = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let parts = (0..4).map(|n| Job { n, sleep_ms: 0, fail: n == 2 });
@@ -208,7 +208,7 @@ async fn a_panicking_handler_is_recorded_and_the_worker_keeps_going() {
             Ok(n)
         }
     }
-    let env = env("panic").await;
+    let env = env_on(TOPOLOGY, "panic").await;
     let w = start_worker(&env.config, Panics, 1, Quantum::default()).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let done = producer.request().submit([0u32, 1, 2]).await.unwrap().wait::<u32>().await.unwrap();
@@ -221,7 +221,7 @@ async fn a_panicking_handler_is_recorded_and_the_worker_keeps_going() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn awkward_ids_work_and_bad_ids_and_duplicates_are_refused_clearly() {
-    let env = env("ids").await;
+    let env = env_on(TOPOLOGY, "ids").await;
     let w = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let long = "L".repeat(512);
@@ -258,7 +258,7 @@ async fn awkward_ids_work_and_bad_ids_and_duplicates_are_refused_clearly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_after_completion_returns_the_same_results_and_listeners_see_each_completion_once() {
-    let env = env("listen").await;
+    let env = env_on(TOPOLOGY, "listen").await;
     let mut first = Listener::connect(&env.config).await.unwrap();
     let mut second = Listener::connect(&env.config).await.unwrap();
     let w = start_worker(&env.config, Probe::default(), 4, Quantum::default()).await;
@@ -308,7 +308,7 @@ async fn wait_after_completion_returns_the_same_results_and_listeners_see_each_c
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_left_in_the_namespace_once_retention_has_passed() {
-    let env = env("leak").await;
+    let env = env_on(TOPOLOGY, "leak").await;
     let config = env.config.clone().retention(Duration::from_secs(1));
     let w = start_worker(&config, Probe::default(), 4, Quantum { parts: 3, time: Duration::from_millis(50) })
         .await;

@@ -1,15 +1,15 @@
-// The body of tests/streaming.rs and tests/streaming_cluster.rs: written once, run against a single
-// Redis and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+// The body of tests/streaming.rs: written once, run against a single Redis and a 3-master Redis
+// Cluster (`per_topology!` runs it once for each).
 
 use std::time::{Duration, Instant};
 
 use sluicegate::{Admin, Producer, Quantum, RequestState};
-use support::{env, fast, start_worker, Job, Probe};
+use crate::support::{env_on, fast, start_worker, Job, Probe};
 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parts_added_over_two_seconds_run_while_open_and_completion_waits_for_finalize() {
-    let env = env("stream").await;
+    let env = env_on(TOPOLOGY, "stream").await;
     let config = fast(&env.config);
     let probe = Probe::default();
     let w = start_worker(&config, probe.clone(), 2, Quantum::default()).await;
@@ -39,7 +39,7 @@ async fn parts_added_over_two_seconds_run_while_open_and_completion_waits_for_fi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delayed_request_does_not_start_before_its_time() {
-    let env = env("delay").await;
+    let env = env_on(TOPOLOGY, "delay").await;
     let config = fast(&env.config);
     let probe = Probe::default();
     let w = start_worker(&config, probe.clone(), 2, Quantum::default()).await;
@@ -61,7 +61,7 @@ async fn a_delayed_request_does_not_start_before_its_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_request_can_be_finalized_by_an_operator_or_expire_cancelled() {
-    let env = env("abandoned").await;
+    let env = env_on(TOPOLOGY, "abandoned").await;
     let config = fast(&env.config);
     let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
     let producer = Producer::connect(&config).await.unwrap();

@@ -1,4 +1,4 @@
-//! The chaos suite's harness: worker processes (`examples/chaos_worker.rs`) that it SIGKILLs and
+//! The chaos suite's harness: worker processes (`crates/sluicegate-testkit/src/bin/chaos_worker.rs`) that it SIGKILLs and
 //! restarts, one scenario runner shared by every fault, and the checker that turns what happened
 //! into the figures of the contract (lost, duplicates, max concurrency vs limit, terminal records,
 //! tokens, keys left).
@@ -28,15 +28,15 @@ use fred::prelude::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use sluicegate::testing::{keys_in_namespace, unique_namespace, RedisCluster, RedisServer};
 use sluicegate::{Completion, Config, Listener, Producer, RequestId, RequestState};
+use sluicegate_testkit::{keys_in_namespace, unique_namespace, RedisCluster, RedisServer};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::census::{spawn_listener, Heard};
-use crate::proxy::{Proxy, ProxyChaos, ProxyStats};
+use sluicegate_testkit::proxy::{Proxy, ProxyChaos, ProxyStats};
 
 /// Short timings, so that recovery (lease expiry plus one recovery interval, about 1.8 s) happens
 /// many times within one bounded run.
@@ -52,7 +52,7 @@ pub const WAIT_POLL: Duration = Duration::from_millis(500);
 /// within a lease plus a recovery interval (1.8 s), so this is many times the worst legitimate gap.
 pub const STALL_LIMIT: Duration = Duration::from_secs(30);
 
-/// A sub-request of the chaos suite: the same struct as in `examples/chaos_worker.rs`, which
+/// A sub-request of the chaos suite: the same struct as in `crates/sluicegate-testkit/src/bin/chaos_worker.rs`, which
 /// answers `n * 3`.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy)]
 pub struct Part {
@@ -63,7 +63,7 @@ pub struct Part {
 // ---------------------------------------------------------------------------------------------
 // The worker binary
 
-/// The path of the `chaos_worker` example, built for this test's profile.
+/// The path of the `chaos_worker` binary (sluicegate-testkit), built for this test's profile.
 ///
 /// Cargo is asked to build it once per test process, even when the binary exists: `cargo test
 /// --test chaos` does not build examples, and a stale worker would silently test old code. When it
@@ -71,7 +71,7 @@ pub struct Part {
 pub fn worker_binary() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        // target/<profile>/deps/chaos-<hash>  →  target/<profile>/examples/chaos_worker
+        // target/<profile>/deps/chaos-<hash>  →  target/<profile>/chaos_worker
         let exe = std::env::current_exe().expect("the test knows its own path");
         let profile_dir =
             exe.parent().and_then(Path::parent).expect("test binary lives in target/<profile>/deps");
@@ -80,7 +80,16 @@ pub fn worker_binary() -> &'static Path {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = std::process::Command::new(cargo);
         build
-            .args(["build", "--example", "chaos_worker", "--target-dir"])
+            .args([
+                "build",
+                "-p",
+                "sluicegate-testkit",
+                "--features",
+                "chaos-worker",
+                "--bin",
+                "chaos_worker",
+            ])
+            .arg("--target-dir")
             .arg(target_dir)
             .current_dir(env!("CARGO_MANIFEST_DIR"));
         // Cargo sets these for the test it runs; a build script that watches one (ring's watches
@@ -127,7 +136,7 @@ pub fn worker_binary() -> &'static Path {
             if started.elapsed() > limit {
                 let _ = child.kill();
                 panic!(
-                    "cargo build --example chaos_worker still running after {limit:?}:\n{}",
+                    "cargo build --bin chaos_worker still running after {limit:?}:\n{}",
                     log_tail(&out_path, 30)
                 );
             }
@@ -135,11 +144,11 @@ pub fn worker_binary() -> &'static Path {
         };
         assert!(
             status.success(),
-            "cargo build --example chaos_worker failed ({status}):\n{}",
+            "cargo build --bin chaos_worker failed ({status}):\n{}",
             log_tail(&out_path, 30)
         );
         let _ = std::fs::remove_file(&out_path);
-        let bin = profile_dir.join("examples").join(format!("chaos_worker{}", std::env::consts::EXE_SUFFIX));
+        let bin = profile_dir.join(format!("chaos_worker{}", std::env::consts::EXE_SUFFIX));
         assert!(bin.is_file(), "{} missing after the build", bin.display());
         bin
     })

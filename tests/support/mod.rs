@@ -10,26 +10,25 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use sluicegate::testing::{keys_in_namespace, unique_namespace, TestBackend};
 use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Quantum, Worker};
+use sluicegate_testkit::{keys_in_namespace, unique_namespace, TestBackend, Topology};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// A test's own Redis (or REDIS_URL's), single or a cluster as the test crate's `TOPOLOGY` says,
-/// and a namespace no other test uses.
+/// A test's own Redis (or REDIS_URL's) of the given topology, and a namespace no other test uses.
 pub struct Env {
     pub redis: TestBackend,
     pub config: Config,
 }
 
-pub async fn env(name: &str) -> Env {
+pub async fn env_on(topology: Topology, name: &str) -> Env {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_test_writer()
         .try_init();
-    let redis = TestBackend::start(crate::TOPOLOGY).await.unwrap_or_else(|e| panic!("{e}"));
+    let redis = TestBackend::start(topology).await.unwrap_or_else(|e| panic!("{e}"));
     let config = Config::new(redis.url())
         .namespace(unique_namespace(name))
         .lease(Duration::from_secs(5))

@@ -34,8 +34,8 @@
 //! The process control here (`kill -TERM`, unix sockets) assumes a Unix host.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), sluicegate::testing::HarnessError> {
-//! use sluicegate::testing::{RedisServer, TestRedis};
+//! # async fn demo() -> Result<(), sluicegate_testkit::HarnessError> {
+//! use sluicegate_testkit::{RedisServer, TestRedis};
 //!
 //! let redis = TestRedis::start().await?;
 //! println!("testing against {}", redis.url());
@@ -46,6 +46,36 @@
 //! # Ok(())
 //! # }
 //! ```
+
+pub mod proxy;
+pub mod tls;
+
+/// Writes a test suite once and runs it on both topologies.
+///
+/// `per_topology!(include!("suites/core.rs"););` in a test crate's root puts the suite's tests
+/// in a module `single` (one redis-server) and a module `cluster` (a 3-master Redis Cluster) of
+/// the same test binary, so `cargo test --test core cluster::` runs one of them. Inside, the
+/// constant `TOPOLOGY` names the module's [`Topology`]; pass it to [`TestBackend::start`]. The
+/// suite sees its parent's items (`use super::*`), so helper modules declared beside the macro
+/// are reachable as `crate::support::...`.
+#[macro_export]
+macro_rules! per_topology {
+    (@on $module:ident, $topology:ident, $($suite:tt)*) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[allow(dead_code)]
+            const TOPOLOGY: $crate::Topology = $crate::Topology::$topology;
+
+            $($suite)*
+        }
+    };
+    ($($suite:tt)*) => {
+        $crate::per_topology!(@on single, Single, $($suite)*);
+        $crate::per_topology!(@on cluster, Cluster, $($suite)*);
+    };
+}
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
@@ -118,7 +148,7 @@ pub enum HarnessError {
     /// No Redis could be found or started; the message says how to get one.
     #[error(
         "no redis-server on PATH: install it (apt-get install -y redis-server), set REDIS_SERVER_BIN, set \
-         REDIS_URL to an external server, or build with --features docker where Docker runs"
+         REDIS_URL to an external server, or build with --features sluicegate-testkit/docker where Docker runs"
     )]
     NoRedis,
     /// `redis-server` exited or did not become ready in time.
@@ -648,8 +678,8 @@ struct Expected {
 /// node and removes their directories.
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), sluicegate::testing::HarnessError> {
-/// use sluicegate::testing::RedisCluster;
+/// # async fn demo() -> Result<(), sluicegate_testkit::HarnessError> {
+/// use sluicegate_testkit::RedisCluster;
 ///
 /// let mut cluster = RedisCluster::builder().replicas_per_master(1).start().await?;
 /// let config = sluicegate::Config::new(cluster.url()); // redis-cluster://127.0.0.1:p1?node=...
@@ -711,7 +741,7 @@ impl RedisCluster {
     }
 
     /// `redis-cluster://h1:p1?node=h2:p2&node=...` naming every node, as
-    /// [`Config`](crate::Config) and fred's `Config::from_url` take it.
+    /// sluicegate's `Config` and fred's `Config::from_url` take it.
     pub fn url(&self) -> String {
         let mut addrs = self.addrs.iter().map(|(host, port)| format!("{host}:{port}"));
         let mut url = format!("redis-cluster://{}", addrs.next().unwrap_or_default());
@@ -1368,8 +1398,8 @@ impl std::fmt::Display for Topology {
 /// test can be written once and run against both:
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), sluicegate::testing::HarnessError> {
-/// use sluicegate::testing::{unique_namespace, TestBackend, Topology};
+/// # async fn demo() -> Result<(), sluicegate_testkit::HarnessError> {
+/// use sluicegate_testkit::{unique_namespace, TestBackend, Topology};
 ///
 /// let backend = TestBackend::start(Topology::from_env()?).await?;
 /// let ns = unique_namespace("demo");
@@ -1415,7 +1445,7 @@ impl TestBackend {
         }
     }
 
-    /// The URL for [`Config::new`](crate::Config::new): `redis://...` or
+    /// The URL for sluicegate's `Config::new`: `redis://...` or
     /// `redis-cluster://...`.
     pub fn url(&self) -> &str {
         &self.url

@@ -5,7 +5,7 @@
 //! under live workers than its limit.
 //!
 //! ```text
-//! cargo test --test storm -- --nocapture
+//! cargo test -p sluicegate-cli --test storm -- --nocapture
 //! ```
 
 #![allow(unreachable_pub, clippy::unwrap_used)]
@@ -17,8 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
-use sluicegate::testing::{unique_namespace, RedisServer};
 use sluicegate::{Config, Producer};
+use sluicegate_testkit::{unique_namespace, RedisServer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
 const WORKERS: usize = 3;

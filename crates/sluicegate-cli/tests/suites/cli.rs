@@ -1,5 +1,5 @@
-// The body of tests/cli.rs and tests/cli_cluster.rs: written once, run against a single Redis
-// and a 3-master Redis Cluster (the wrappers set TOPOLOGY).
+// The body of tests/cli.rs: written once, run against a single Redis
+// and a 3-master Redis Cluster (`per_topology!` runs it once for each).
 
 use std::fs;
 use std::io::Write;
@@ -9,7 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sluicegate::testing::{keys_in_namespace, unique_namespace, TestBackend};
+use sluicegate_testkit::{keys_in_namespace, unique_namespace, TestBackend};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
 
@@ -589,7 +589,7 @@ fn every_command_has_help_with_an_example() {
 #[test]
 fn a_worker_sent_sigterm_while_redis_is_unreachable_stops_and_says_what_it_left() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let mut redis = runtime.block_on(sluicegate::testing::RedisServer::start()).unwrap();
+    let mut redis = runtime.block_on(sluicegate_testkit::RedisServer::start()).unwrap();
     let ns = unique_namespace("noredis");
     let dir = std::env::temp_dir().join(format!("sluicegate-cli-{ns}"));
     fs::create_dir_all(&dir).unwrap();
