@@ -7,12 +7,11 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::keys::RequestId;
-use crate::producer::PartError;
-use crate::protocol::operators::{self, Cancel, Requeued};
+use crate::protocol::operators::Requeued;
 use crate::protocol::{Code, Finished, Refusal};
-use crate::request::{Priority, RequestState};
-use crate::shards::{Look, Placement};
+use crate::request::RequestId;
+use crate::request::{Cancelled, PartError, RequestState};
+use crate::shards::Look;
 use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::WorkerInfo;
@@ -84,16 +83,6 @@ pub struct IndexedError {
     pub error: PartError,
 }
 
-/// What [`Admin::cancel`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub enum Cancelled {
-    /// This call cancelled the request.
-    Now,
-    /// The request had ended before (or was still loading, and was discarded).
-    AlreadyFinished(RequestState),
-}
-
 /// A namespace at a glance.
 #[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
@@ -119,9 +108,11 @@ pub struct PriorityTokens {
 impl Admin {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
-        Ok(Self { store: Store::connect(config).await? })
+        Ok(Self { store: crate::protocol::connect(config).await? })
     }
 
+    /// An admin on the randomized checker's store.
+    #[cfg(test)]
     pub(crate) fn from_store(store: Store) -> Self {
         Self { store }
     }
@@ -189,24 +180,13 @@ impl Admin {
     /// context cancelled at their next heartbeat and their results are dropped, and it gets one
     /// `cancelled` terminal record and event.
     pub async fn cancel(&self, id: &RequestId) -> Result<Cancelled> {
-        let key_id = id.key_id();
-        let keys = self.store.keys.request(&key_id);
-        let placement = crate::shards::placement(&self.store, &keys.meta).await?;
-        match operators::cancel(&self.store, &key_id).await? {
-            Cancel::Unknown => Err(Error::UnknownRequest(id.clone())),
-            Cancel::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
-            Cancel::Finished(finished) => {
-                let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
-                crate::shards::finish(&self.store, &key_id, place, finished).await?;
-                Ok(Cancelled::Now)
-            }
-        }
+        crate::shards::cancel(&self.store, id).await
     }
 
     /// Finalizes a streamed request whose producer is gone: no more parts will come, and it
     /// completes once the parts it has are done.
     pub async fn finalize(&self, id: &RequestId) -> Result<()> {
-        crate::producer::finalize(&self.store, &id.key_id(), "").await
+        crate::shards::finalize(&self.store, &id.key_id(), "").await
     }
 
     /// Hands a request's dead letters out again, each with a fresh set of attempts; a failed

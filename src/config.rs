@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::keys::Namespace;
+use crate::request::Namespace;
 
 /// Where Redis is, which namespace to use, and the timings of the protocol.
 ///
@@ -183,7 +183,7 @@ impl Config {
     }
 
     pub(crate) fn validated_namespace(&self) -> Result<Namespace> {
-        Namespace::new(self.namespace.clone())
+        Ok(Namespace::new(self.namespace.clone())?)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {

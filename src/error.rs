@@ -1,6 +1,6 @@
 //! The one error type of sluicegate.
 
-use crate::keys::RequestId;
+use crate::request::{InvalidValue, RequestId};
 
 /// Everything that can go wrong, named so that a caller can match on it and a person can act on it.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +56,17 @@ pub enum Error {
     /// The component was shut down.
     #[error("shut down")]
     Shutdown,
+}
+
+impl From<InvalidValue> for Error {
+    fn from(invalid: InvalidValue) -> Self {
+        match invalid {
+            InvalidValue::RequestId(m) => Self::InvalidRequestId(m),
+            InvalidValue::Request(m) => Self::InvalidRequest(m),
+            InvalidValue::Namespace(m) => Self::Config(m),
+            InvalidValue::KeyId(m) | InvalidValue::State(m) => Self::Protocol(m),
+        }
+    }
 }
 
 impl From<fred::error::Error> for Error {

@@ -10,8 +10,8 @@ use fred::prelude::*;
 
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
-use crate::keys::RequestId;
 use crate::reply;
+use crate::request::RequestId;
 use crate::request::RequestState;
 use crate::store::Store;
 
@@ -78,7 +78,7 @@ impl Listener {
     /// Resumes after a [`CompletionEvent::cursor`] seen earlier. With several token shards the
     /// cursor holds one stream id per shard, joined by `,`; a single id applies to every shard.
     pub async fn resume_after(config: &Config, cursor: &str) -> Result<Self> {
-        let store = Store::connect(config).await?;
+        let store = crate::protocol::connect(config).await?;
         let reader = store.blocking_client().await?;
         let shards = store.keys.shards() as usize;
         let given: Vec<&str> = cursor.split(',').collect();

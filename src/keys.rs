@@ -5,124 +5,7 @@
 //! (and the indexes kept beside them) share the tag `{<ns>.q<s>}` (one shard, `q0`, by default). Lua scripts only ever touch keys of one
 //! tag, which makes the same code correct on Redis Cluster. docs/protocol.md documents the schema.
 
-use std::fmt;
-
-use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-
-use crate::error::{Error, Result};
-use crate::request::Priority;
-
-/// Bytes of a request id, at most. Longer ids are refused rather than hashed, so that the id a
-/// user gives is always the id they can read back.
-pub const MAX_REQUEST_ID_BYTES: usize = 512;
-
-/// Characters kept as they are in a key id; everything else (`{`, `}`, `:`, `|`, spaces, `%`,
-/// non-ASCII) is percent-encoded, which is injective, so no two ids share keys.
-const KEY_ID_SET: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.');
-
-/// The id of a request, as its producer chose it or as sluicegate generated it.
-///
-/// Any non-empty UTF-8 string of at most [`MAX_REQUEST_ID_BYTES`] bytes is a valid id.
-/// ```
-/// use sluicegate::RequestId;
-/// let id = RequestId::new("invoice {2024}: März").unwrap();
-/// assert_eq!(id.as_str(), "invoice {2024}: März");
-/// assert!(RequestId::new("").is_err());
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(String);
-
-impl RequestId {
-    /// Validates a caller-chosen id.
-    pub fn new(id: impl Into<String>) -> Result<Self> {
-        let id = id.into();
-        if id.is_empty() {
-            return Err(Error::InvalidRequestId("a request id cannot be empty".into()));
-        }
-        if id.len() > MAX_REQUEST_ID_BYTES {
-            return Err(Error::InvalidRequestId(format!(
-                "a request id is at most {MAX_REQUEST_ID_BYTES} bytes; this one has {}",
-                id.len()
-            )));
-        }
-        Ok(Self(id))
-    }
-
-    /// A new unique id: a UUIDv7 in simple form, so ids sort by creation time.
-    pub fn generate() -> Self {
-        Self(uuid::Uuid::now_v7().simple().to_string())
-    }
-
-    /// The id as given.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// The id as it appears inside keys and token elements (percent-encoded).
-    pub fn key_id(&self) -> String {
-        utf8_percent_encode(&self.0, KEY_ID_SET).to_string()
-    }
-
-    /// Reads back an id from its key form.
-    pub fn from_key_id(key_id: &str) -> Result<Self> {
-        let decoded = percent_decode_str(key_id)
-            .decode_utf8()
-            .map_err(|_| Error::Protocol(format!("key id {key_id:?} is not valid UTF-8")))?;
-        Self::new(decoded.into_owned())
-    }
-}
-
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl TryFrom<&str> for RequestId {
-    type Error = Error;
-    fn try_from(value: &str) -> Result<Self> {
-        Self::new(value)
-    }
-}
-
-impl TryFrom<String> for RequestId {
-    type Error = Error;
-    fn try_from(value: String) -> Result<Self> {
-        Self::new(value)
-    }
-}
-
-/// A validated namespace: 1 to 64 characters from `A-Z a-z 0-9 _ . -`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Namespace(String);
-
-impl Namespace {
-    /// Validates a namespace.
-    pub fn new(ns: impl Into<String>) -> Result<Self> {
-        let ns = ns.into();
-        let ok = !ns.is_empty()
-            && ns.len() <= 64
-            && ns.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-        if ok {
-            Ok(Self(ns))
-        } else {
-            Err(Error::Config(format!(
-                "namespace {ns:?} is invalid: use 1 to 64 characters from A-Z a-z 0-9 _ . -"
-            )))
-        }
-    }
-
-    /// The namespace as a string.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl Default for Namespace {
-    fn default() -> Self {
-        Self("sluicegate".into())
-    }
-}
+use crate::request::{Namespace, Priority};
 
 /// The token shard a request calls home (its `active` index entry and its events live there),
 /// for a request submitted with `shards` token shards: FNV-1a (32 bit) of the key id, modulo
@@ -291,25 +174,7 @@ impl RequestKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn awkward_ids_encode_without_braces_colons_or_bars_and_round_trip() {
-        for raw in ["a{b}c", "x:y", "with space", "März ✓", "%41", "a|b", "}{"] {
-            let id = RequestId::new(raw).unwrap();
-            let key_id = id.key_id();
-            assert!(!key_id.contains(['{', '}', ':', '|', ' ']), "{key_id}");
-            assert_eq!(RequestId::from_key_id(&key_id).unwrap(), id);
-        }
-        // "%41" must not collide with "A".
-        assert_ne!(RequestId::new("%41").unwrap().key_id(), RequestId::new("A").unwrap().key_id());
-    }
-
-    #[test]
-    fn overlong_and_empty_ids_are_refused_with_the_reason() {
-        let err = RequestId::new("x".repeat(10 * 1024)).unwrap_err().to_string();
-        assert!(err.contains("at most 512 bytes") && err.contains("10240"), "{err}");
-        assert!(RequestId::new("").unwrap_err().to_string().contains("empty"));
-    }
+    use crate::request::RequestId;
 
     #[test]
     fn request_keys_share_one_hash_tag_and_token_lists_another() {
@@ -348,13 +213,5 @@ mod tests {
             count[home_shard(&format!("{i:032x}"), 3) as usize] += 1;
         }
         assert!(count.iter().all(|&c| (900..1100).contains(&c)), "{count:?}");
-    }
-
-    #[test]
-    fn namespaces_with_key_syntax_are_refused() {
-        assert!(Namespace::new("good-ns_1.x").is_ok());
-        for bad in ["", "a:b", "a{b", "a b", "a*", &"n".repeat(65)] {
-            assert!(Namespace::new(bad).is_err(), "{bad:?}");
-        }
     }
 }

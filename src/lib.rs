@@ -55,9 +55,10 @@ mod config;
 mod error;
 mod events;
 mod keys;
+#[cfg(test)]
+mod layering;
 mod producer;
 pub mod protocol;
-mod recovery;
 mod reply;
 mod request;
 mod shards;
@@ -66,18 +67,16 @@ mod store;
 mod tls;
 mod worker;
 
-pub use admin::{
-    Admin, Cancelled, IndexedError, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
-};
+pub use admin::{Admin, IndexedError, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS};
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Listener};
-pub use keys::{Namespace, RequestId, MAX_REQUEST_ID_BYTES};
-pub use producer::{
-    Completion, OpenRequest, PartError, Producer, RequestBuilder, RequestHandle, RetryPolicy,
+pub use producer::{Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, RetryPolicy};
+pub use request::{
+    Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
+    MAX_REQUEST_ID_BYTES,
 };
-pub use request::{Concurrency, Priority, RequestState};
 pub use worker::{
     shutdown_signal, Context, Handler, HandlerError, Quantum, Worker, WorkerBuilder, WorkerMetrics,
 };

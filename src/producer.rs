@@ -13,10 +13,9 @@ use tracing::Instrument;
 use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
-use crate::keys::RequestId;
-use crate::protocol::submit::{self, Finalized, NewRequest};
+use crate::protocol::submit::{self, NewRequest};
 use crate::protocol::{Code, Refusal};
-use crate::request::{Concurrency, Priority, RequestState};
+use crate::request::{Concurrency, PartError, Priority, RequestId, RequestState};
 use crate::shards::{Look, Placement};
 use crate::store::Store;
 
@@ -45,7 +44,7 @@ pub struct Producer {
 impl Producer {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
-        Ok(Self { store: Store::connect(config).await?, doorbell: Arc::new(OnceCell::new()) })
+        Ok(Self { store: crate::protocol::connect(config).await?, doorbell: Arc::new(OnceCell::new()) })
     }
 
     /// A producer on a store of the checker's.
@@ -411,7 +410,7 @@ impl OpenRequest {
     /// No more parts: the request completes once every part is done.
     pub async fn finalize(self) -> Result<RequestHandle> {
         let producer = &self.handle.producer;
-        finalize(&producer.store, &self.key_id, &self.nonce).await?;
+        crate::shards::finalize(&producer.store, &self.key_id, &self.nonce).await?;
         Ok(self.handle)
     }
 }
@@ -469,25 +468,6 @@ where
     Ok(chunk)
 }
 
-/// Closes a streamed request (`nonce` empty: an operator's finalize).
-pub(crate) async fn finalize(store: &Store, key_id: &str, nonce: &str) -> Result<()> {
-    let finalized = match submit::stream_finalize(store, key_id, nonce).await {
-        Ok(finalized) => finalized,
-        Err(e) if Refusal::is(&e, Code::State).is_some() => {
-            return Err(Error::NotOpen(RequestId::from_key_id(key_id)?))
-        }
-        Err(e) => return Err(e),
-    };
-    if let Finalized::Finished(finished) = finalized {
-        let meta = store.keys.request(key_id).meta;
-        let place = crate::shards::placement(store, &meta)
-            .await?
-            .unwrap_or(Placement { priority: Priority::default(), shards: 1 });
-        crate::shards::finish(store, key_id, place, finished).await?;
-    }
-    Ok(())
-}
-
 /// A submitted request.
 #[derive(Clone)]
 pub struct RequestHandle {
@@ -541,7 +521,7 @@ impl RequestHandle {
 
     /// Cancels the request (see [`Admin::cancel`](crate::Admin::cancel)).
     pub async fn cancel(&self) -> Result<crate::Cancelled> {
-        crate::Admin::from_store(self.producer.store.clone()).cancel(&self.id).await
+        crate::shards::cancel(&self.producer.store, &self.id).await
     }
 
     /// [`wait`](Self::wait) with a time limit.
@@ -566,30 +546,6 @@ impl<O> Completion<O> {
     /// The outputs, or the first failure.
     pub fn into_outputs(self) -> Result<Vec<O>, PartError> {
         self.results.into_iter().collect()
-    }
-}
-
-/// Why one sub-request has no result: it was dead-lettered.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
-#[error("{message} (after {attempts} attempt(s))")]
-#[non_exhaustive]
-pub struct PartError {
-    /// The handler's last error, or why the part did not run.
-    #[serde(rename = "error")]
-    pub message: String,
-    /// How many times it ran.
-    pub attempts: u32,
-    /// Whether the handler called the failure permanent (not retried).
-    pub permanent: bool,
-}
-
-impl PartError {
-    pub(crate) fn from_record(record: &[u8]) -> Self {
-        serde_json::from_slice(record).unwrap_or_else(|_| Self {
-            message: String::from_utf8_lossy(record).into_owned(),
-            attempts: 0,
-            permanent: false,
-        })
     }
 }
 

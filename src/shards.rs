@@ -16,9 +16,11 @@ use crate::error::{Error, Result};
 use crate::keys::{home_shard, token_shard};
 use crate::protocol::finish::Unindexed;
 use crate::protocol::index::{Arming, PushLook};
+use crate::protocol::operators::Cancel;
 use crate::protocol::operators::Requeued;
+use crate::protocol::submit::{self, Finalized};
 use crate::protocol::{finish, index, operators, Code, Finished, Refusal, TokenElement};
-use crate::request::Priority;
+use crate::request::{Cancelled, Priority, RequestId};
 use crate::store::Store;
 
 /// The token number of an element (0 if malformed: it then goes home).
@@ -234,4 +236,39 @@ pub(crate) async fn placement(store: &Store, meta: &str) -> Result<Option<Placem
         priority: Priority::new(p).unwrap_or_default(),
         shards: shards.unwrap_or(1).max(1),
     }))
+}
+
+/// Cancels a request and runs the steps after its finish (`Admin::cancel`,
+/// `RequestHandle::cancel`).
+pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
+    let key_id = id.key_id();
+    let keys = store.keys.request(&key_id);
+    let placement = placement(store, &keys.meta).await?;
+    match operators::cancel(store, &key_id).await? {
+        Cancel::Unknown => Err(Error::UnknownRequest(id.clone())),
+        Cancel::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
+        Cancel::Finished(finished) => {
+            let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
+            finish(store, &key_id, place, finished).await?;
+            Ok(Cancelled::Now)
+        }
+    }
+}
+
+/// Closes a streamed request (`nonce` empty: an operator's finalize).
+pub(crate) async fn finalize(store: &Store, key_id: &str, nonce: &str) -> Result<()> {
+    let finalized = match submit::stream_finalize(store, key_id, nonce).await {
+        Ok(finalized) => finalized,
+        Err(e) if Refusal::is(&e, Code::State).is_some() => {
+            return Err(Error::NotOpen(RequestId::from_key_id(key_id)?))
+        }
+        Err(e) => return Err(e),
+    };
+    if let Finalized::Finished(finished) = finalized {
+        let meta = store.keys.request(key_id).meta;
+        let place =
+            placement(store, &meta).await?.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
+        finish(store, key_id, place, finished).await?;
+    }
+    Ok(())
 }

@@ -1,15 +1,15 @@
-//! The connection to Redis: client set-up, version check, and calls into the functions library.
+//! The connection to Redis: client set-up, version check, the clients for blocking and pub/sub,
+//! and the hook through which the randomized checker holds every call. The functions library and
+//! the calls into it are `protocol`'s.
 
 use std::time::Duration;
 
 use fred::clients::SubscriberClient;
 use fred::prelude::*;
-use fred::types::{ClusterHash, CustomCommand};
 
 use crate::config::Config;
-use crate::error::{retry_not_executed, Error, Result};
+use crate::error::{Error, Result};
 use crate::keys::Keys;
-use crate::protocol::{library_source, Func};
 
 /// The oldest Redis with everything sluicegate uses (Redis Functions, FUNCTION LOAD REPLACE).
 pub(crate) const MIN_REDIS: (u32, u32) = (7, 0);
@@ -29,7 +29,8 @@ pub(crate) struct Store {
 }
 
 impl Store {
-    /// Connects, refuses servers older than Redis 7.0, and loads the functions library.
+    /// Connects and refuses servers older than Redis 7.0. `protocol::connect` also loads the
+    /// functions library.
     pub(crate) async fn connect(config: &Config) -> Result<Self> {
         config.validate()?;
         let namespace = config.validated_namespace()?;
@@ -43,14 +44,13 @@ impl Store {
             #[cfg(test)]
             gate: None,
         };
-        store.load_library().await?;
         Ok(store)
     }
 
     /// Runs one Redis call `op` of a transition. In production it is simply awaited; under the
     /// randomized checker (test builds) the gate decides when it runs and what fault it meets (a
     /// lost reply, a re-send, the caller's death). Every call that producers, slots, recovery and
-    /// operators make goes through here or through [`fcall`](Self::fcall).
+    /// operators make goes through here (`fcall` too).
     pub(crate) async fn call<T, F, Fut>(&self, what: &str, key: &str, op: F) -> Result<T>
     where
         F: Fn() -> Fut,
@@ -84,8 +84,8 @@ impl Store {
         false
     }
 
-    /// A store for the randomized checker: every call goes through `gate`, and the library loaded
-    /// is the checker's (a virtual clock).
+    /// A store for the randomized checker: every call goes through `gate`. Its library, loaded by
+    /// `load_library`, is the checker's (a virtual clock).
     #[cfg(test)]
     pub(crate) async fn for_checker(
         config: &Config,
@@ -100,7 +100,6 @@ impl Store {
             config: config.clone(),
             gate: Some(gate),
         };
-        store.load_library().await?;
         Ok(store)
     }
 
@@ -121,93 +120,6 @@ impl Store {
         sub.manage_subscriptions();
         Ok(sub)
     }
-
-    /// Loads (or replaces) the functions library. A user whose ACL does not allow
-    /// `FUNCTION LOAD` relies on it being loaded already (by an operator, or another component);
-    /// if it is not, the first call says so.
-    async fn load_library(&self) -> Result<()> {
-        #[cfg(test)]
-        let code =
-            if self.gate.is_some() { crate::protocol::checker_library_source() } else { library_source() };
-        #[cfg(not(test))]
-        let code = library_source();
-        let loaded = if self.client.is_clustered() {
-            self.client.function_load_cluster::<(), _>(true, code).await
-        } else {
-            self.client.function_load::<Value, _>(true, code).await.map(|_| ())
-        };
-        match loaded {
-            Err(e) if e.details().starts_with("NOPERM") => {
-                tracing::debug!("not allowed to load the functions library; using the one loaded");
-                Ok(())
-            }
-            other => other.map_err(Error::from),
-        }
-    }
-
-    /// Calls one function of the library. `keys` must share a hash tag: the call is routed to the
-    /// slot of the first key. The call is sent as a plain pipelined command (fred would otherwise
-    /// treat FCALL as blocking and serialise it); a library missing after a FUNCTION FLUSH or a
-    /// failover to an empty node is loaded again and the call retried once.
-    ///
-    /// A call refused because its slot is moving (`TRYAGAIN` while the slot's keys are split over
-    /// two masters, or a `MOVED`/`ASK` our clients do not follow, see
-    /// [`not_executed`](crate::error::not_executed)) did not run, so it is re-sent until it runs
-    /// or `unresponsive_timeout` has passed ([`retry_not_executed`]). Without this a slot
-    /// migration failed every `acquire`, `ack`, `census` and submit that touched the slot (an
-    /// `ack` or `acquire` then waited a lease for recovery).
-    pub(crate) async fn fcall(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
-        let first = keys.first().copied().unwrap_or_default();
-        self.call(func.local_name(), first, || {
-            retry_not_executed(func.local_name(), self.config.unresponsive, || {
-                self.fcall_loaded(func, keys, args.clone())
-            })
-        })
-        .await
-    }
-
-    /// [`fcall`](Self::fcall) without the retry on a moving slot.
-    async fn fcall_loaded(&self, func: Func, keys: &[&str], args: Vec<Value>) -> Result<Value> {
-        match self.fcall_once(func, keys, args.clone()).await {
-            Err(e) if is_missing_function(&e) => {
-                tracing::info!(function = func.local_name(), "functions library missing; loading it again");
-                self.load_library().await?;
-                self.fcall_once(func, keys, args).await.map_err(|e| {
-                    if is_missing_function(&e) {
-                        Error::Config(format!(
-                            "the sluicegate functions library ({}) is not loaded on this Redis, and this user may \
-                             not load it (FUNCTION LOAD): connect once as a user that may",
-                            crate::protocol::LIBRARY_NAME
-                        ))
-                    } else {
-                        Error::from(e)
-                    }
-                })
-            }
-            other => other.map_err(Error::from),
-        }
-    }
-
-    async fn fcall_once(
-        &self,
-        func: Func,
-        keys: &[&str],
-        args: Vec<Value>,
-    ) -> Result<Value, fred::error::Error> {
-        let slot = keys.first().map(|k| fred::util::redis_keyslot(k.as_bytes()));
-        let cmd = CustomCommand::new("FCALL", slot.map_or(ClusterHash::Random, ClusterHash::Custom), false);
-        let mut all: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
-        all.push(func.fcall_name().into());
-        all.push((keys.len() as i64).into());
-        all.extend(keys.iter().map(|k| Value::from(*k)));
-        all.extend(args);
-        self.client.custom::<Value, Value>(cmd, all).await
-    }
-}
-
-fn is_missing_function(e: &fred::error::Error) -> bool {
-    let d = e.details();
-    d.contains("Function not found") || d.contains("NOSCRIPT")
 }
 
 /// The fred configuration of `config`: its URL, and for `rediss://` the TLS settings. Every client

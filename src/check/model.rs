@@ -8,7 +8,7 @@ use fred::prelude::*;
 use super::gate::{Fault, Verdict};
 use super::ops::{Shape, Submit, REQUEST_IDS};
 use super::world::{payload, request_id, Task, World};
-use crate::keys::RequestId;
+use crate::request::RequestId;
 
 /// How an actor's task ended (the details are for traces: `SLUICEGATE_CHECK_TRACE`).
 #[derive(Clone, Debug)]

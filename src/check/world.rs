@@ -14,9 +14,9 @@ use tokio_util::sync::CancellationToken;
 use super::gate::{Event, Fault, Gate, Verdict};
 use super::model::{Model, Outcome};
 use super::ops::{Op, Shape, Submit, SLOTS, WORKERS};
-use crate::admin::Cancelled;
 use crate::config::Config;
-use crate::keys::RequestId;
+use crate::request::Cancelled;
+use crate::request::RequestId;
 use crate::store::Store;
 use crate::worker::{slot, Context, Handler, HandlerError, Quantum, WorkerMetrics};
 use crate::{async_trait, Admin, Producer};
@@ -168,6 +168,7 @@ impl World {
         let (gate, events) = Gate::new(2);
         let gate = Arc::new(gate);
         let store = Store::for_checker(&config, gate.clone()).await?;
+        store.load_library().await?;
         let mut blocking = Vec::new();
         for _ in 0..(WORKERS * SLOTS) {
             blocking.push(store.blocking_client().await?);
@@ -277,7 +278,8 @@ impl World {
                     }
                     for (id, described) in found.dead {
                         if let Err(e) =
-                            crate::recovery::reap(store, &shared.metrics, &id, described.as_ref()).await
+                            crate::worker::recovery::reap(store, &shared.metrics, &id, described.as_ref())
+                                .await
                         {
                             return Outcome::Error(e.to_string());
                         }
@@ -335,10 +337,10 @@ impl World {
                 let w = self.worker(*worker).await?;
                 let (shared, process) = (w.shared.clone(), Process::Worker(*worker, w.incarnation));
                 self.spawn(process, Task::Recover, async move {
-                    if let Err(e) = crate::recovery::pass(&shared.store, &shared.metrics).await {
+                    if let Err(e) = crate::worker::recovery::pass(&shared.store, &shared.metrics).await {
                         return Outcome::Error(e.to_string());
                     }
-                    match crate::recovery::scan_held(&shared.store, &shared.metrics).await {
+                    match crate::worker::recovery::scan_held(&shared.store, &shared.metrics).await {
                         Ok(_) => Outcome::Done,
                         Err(e) => Outcome::Error(e.to_string()),
                     }

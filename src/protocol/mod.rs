@@ -23,6 +23,7 @@ use fred::types::Value;
 
 use crate::config::millis;
 
+mod call;
 mod element;
 pub(crate) mod finish;
 pub(crate) mod index;
@@ -34,6 +35,7 @@ pub(crate) mod registry;
 pub(crate) mod submit;
 pub(crate) mod tokens;
 
+pub(crate) use call::connect;
 pub(crate) use element::{doorbell_key_id, TakeRecord, TokenElement};
 pub(crate) use finish::Finished;
 #[cfg(test)]

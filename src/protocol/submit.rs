@@ -8,8 +8,8 @@ use fred::types::Value;
 
 use super::{ms, Finished, Func};
 use crate::error::Result;
-use crate::keys::RequestId;
 use crate::reply;
+use crate::request::RequestId;
 use crate::request::{Concurrency, Priority};
 use crate::store::Store;
 

@@ -7,8 +7,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::keys::RequestId;
 use crate::request::Priority;
+use crate::request::RequestId;
 
 /// Runs one sub-request. Workers call it concurrently from many slots, so it takes `&self`.
 ///

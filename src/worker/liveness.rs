@@ -58,7 +58,7 @@ impl Liveness {
                 runtime.block_on(async move {
                     // A connection of its own, driven by this thread's runtime.
                     let store = loop {
-                        match Store::connect(&config).await {
+                        match crate::protocol::connect(&config).await {
                             Ok(store) => break store,
                             Err(e) => {
                                 tracing::warn!(error = %e, "liveness thread cannot connect; retrying");
@@ -132,7 +132,7 @@ async fn beats<H: Handler>(shared: &Shared<H>, store: &Store, mut info: WorkerIn
                 for (id, described) in found.dead {
                     let (store, metrics) = (store.clone(), metrics.clone());
                     reaps.spawn(async move {
-                        if let Err(e) = crate::recovery::reap(&store, &metrics, &id, described.as_ref()).await {
+                        if let Err(e) = super::recovery::reap(&store, &metrics, &id, described.as_ref()).await {
                             tracing::warn!(worker = id, error = %e, "reaping failed; another beat will claim it again");
                         }
                     });
@@ -156,12 +156,12 @@ async fn chores<H: Handler>(shared: &Shared<H>, store: &Store, mut wakes: mpsc::
     loop {
         tokio::select! {
             _ = poll.tick() => {
-                if let Err(e) = crate::recovery::pass(store, &metrics).await {
+                if let Err(e) = super::recovery::pass(store, &metrics).await {
                     tracing::warn!(error = %e, "recovery pass failed; retrying next interval");
                 }
             }
             _ = backstop.tick() => {
-                if let Err(e) = crate::recovery::scan_held(store, &metrics).await {
+                if let Err(e) = super::recovery::scan_held(store, &metrics).await {
                     tracing::warn!(error = %e, "take records check failed");
                 }
             }
@@ -169,7 +169,7 @@ async fn chores<H: Handler>(shared: &Shared<H>, store: &Store, mut wakes: mpsc::
                 let (store, metrics) = (store.clone(), metrics.clone());
                 timers.spawn(async move {
                     tokio::time::sleep_until(wake.at).await;
-                    if let Err(e) = crate::recovery::look_at(&store, &metrics, &wake.key_id, wake.shards).await {
+                    if let Err(e) = super::recovery::look_at(&store, &metrics, &wake.key_id, wake.shards).await {
                         tracing::debug!(error = %e, "wake-up failed; recovery will look at the request");
                     }
                 });

@@ -3,6 +3,7 @@
 mod handler;
 mod leases;
 mod liveness;
+pub(crate) mod recovery;
 pub(crate) mod registry;
 pub(crate) mod slot;
 
@@ -18,7 +19,6 @@ pub use handler::{Context, Handler, HandlerError};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::store::Store;
 use leases::Leases;
 pub use registry::WorkerInfo;
 
@@ -145,7 +145,7 @@ impl<H: Handler> WorkerBuilder<H> {
                 self.shard_poll
             )));
         }
-        let store = Store::connect(&self.config).await?;
+        let store = crate::protocol::connect(&self.config).await?;
         let mut blocking = Vec::with_capacity(self.slots);
         for _ in 0..self.slots {
             blocking.push(store.blocking_client().await?);

@@ -24,12 +24,13 @@ use super::leases::{LeaseKey, Leases};
 use super::{Quantum, WorkerMetrics};
 use crate::codec;
 use crate::error::{retry_transient, Error, Result};
-use crate::keys::{RequestId, RequestKeys};
-use crate::producer::PartError;
+use crate::keys::RequestKeys;
 use crate::protocol::recovery::{self as calls, Reclaimed};
 use crate::protocol::tokens::{self, Entry, Next, Policy, Report};
 use crate::protocol::TokenElement;
+use crate::request::PartError;
 use crate::request::Priority;
+use crate::request::RequestId;
 use crate::shards::Placement;
 use crate::store::Store;
 
@@ -457,7 +458,7 @@ async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) ->
     match reclaimed {
         Reclaimed::Push(elements) => give_back(shared, holder, token, elements).await?,
         Reclaimed::Finished(unfinished) => {
-            crate::recovery::finish_reported(store, key_id, unfinished).await?
+            super::recovery::finish_reported(store, key_id, unfinished).await?
         }
         Reclaimed::Wake(wake) => wake_later(shared, key_id, shards, wake).await?,
         Reclaimed::Nothing => {}

@@ -16,7 +16,7 @@ use crate::Ctx;
 const EVENTS_QUIET: Duration = Duration::from_secs(1);
 
 fn request_id(id: &str) -> Result<RequestId, Failure> {
-    Ok(RequestId::new(id)?)
+    Ok(RequestId::new(id).map_err(sluicegate::Error::from)?)
 }
 
 pub(crate) async fn status(ctx: &Ctx, id: &str) -> Result<(), Failure> {

@@ -24,6 +24,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use fred::prelude::*;
 use futures::stream::{self, StreamExt};
 
+use super::registry::{self, WorkerInfo};
+use super::WorkerMetrics;
 use crate::config::millis;
 use crate::error::Result;
 use crate::keys::{home_shard, token_shard};
@@ -33,8 +35,6 @@ use crate::protocol::recovery::{self as calls, Census, HeldToken, Rearm, Reclaim
 use crate::protocol::{tokens, Finished, TakeRecord};
 use crate::shards::Placement;
 use crate::store::Store;
-use crate::worker::registry::{self, WorkerInfo};
-use crate::worker::WorkerMetrics;
 
 /// Requests claimed per pass per shard, and looked at concurrently.
 const CLAIM_BATCH: i64 = 200;
