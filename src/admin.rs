@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::protocol::operators::Requeued;
-use crate::protocol::{Code, Finished, Refusal};
+use crate::protocol::Finished;
 use crate::request::RequestId;
 use crate::request::{Cancelled, PartError, RequestState};
 use crate::shards::Look;
@@ -208,13 +208,7 @@ impl Admin {
         for _ in 0..4 {
             let requeued =
                 crate::shards::requeue_dead(&self.store, &key_id, place.shards, &reopen_as, false).await;
-            let requeued = match requeued {
-                Ok(requeued) => requeued,
-                Err(e) if Refusal::is(&e, Code::State).is_some() => {
-                    return Err(Error::NoDeadLetters(id.clone()))
-                }
-                Err(e) => return Err(e),
-            };
+            let requeued = requeued?;
             match requeued {
                 Requeued::FinishFirst(lifecycle) => {
                     // A failure whose steps after the finish are not done (its worker died, and

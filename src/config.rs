@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::request::Namespace;
+use crate::request::{InvalidValue, Namespace};
 
 /// Where Redis is, which namespace to use, and the timings of the protocol.
 ///
@@ -20,7 +20,8 @@ use crate::request::Namespace;
 #[derive(Clone, Debug)]
 pub struct Config {
     pub(crate) url: String,
-    pub(crate) namespace: String,
+    /// Validated when set; an invalid one is reported when a component connects.
+    pub(crate) namespace: std::result::Result<Namespace, InvalidValue>,
     pub(crate) retention: Duration,
     pub(crate) lease: Duration,
     pub(crate) heartbeat: Duration,
@@ -43,7 +44,7 @@ impl Config {
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
-            namespace: Namespace::default().as_str().to_owned(),
+            namespace: Ok(Namespace::default()),
             retention: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(2),
             heartbeat: Duration::from_millis(500),
@@ -64,9 +65,9 @@ impl Config {
     }
 
     /// The namespace: the prefix of every key (default `sluicegate`). 1 to 64 characters from
-    /// `A-Z a-z 0-9 _ . -`; checked when a component connects.
+    /// `A-Z a-z 0-9 _ . -`; an invalid one makes connecting fail with [`Error::Config`] naming it.
     pub fn namespace(mut self, ns: impl Into<String>) -> Self {
-        self.namespace = ns.into();
+        self.namespace = Namespace::new(ns);
         self
     }
 
@@ -177,13 +178,13 @@ impl Config {
         &self.url
     }
 
-    /// The namespace as configured (validated when a component connects).
+    /// The namespace as configured; empty if the one given is invalid (connecting says why).
     pub fn namespace_str(&self) -> &str {
-        &self.namespace
+        self.namespace.as_ref().map_or("", Namespace::as_str)
     }
 
     pub(crate) fn validated_namespace(&self) -> Result<Namespace> {
-        Ok(Namespace::new(self.namespace.clone())?)
+        Ok(self.namespace.clone()?)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
@@ -220,9 +221,11 @@ impl Config {
     }
 }
 
+/// The Redis at [`DEFAULT_REDIS_URL`] with every default setting; unlike
+/// [`Config::from_env`], it does not read the environment.
 impl Default for Config {
     fn default() -> Self {
-        Self::from_env()
+        Self::new(DEFAULT_REDIS_URL)
     }
 }
 

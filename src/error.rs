@@ -21,6 +21,9 @@ pub enum Error {
     /// No request with this id exists (never submitted, or its retention ran out).
     #[error("no request with id \"{0}\" (never submitted, or its results expired)")]
     UnknownRequest(RequestId),
+    /// An events cursor is not one (see `Cursor`'s text form).
+    #[error("invalid cursor: {0}")]
+    InvalidCursor(String),
     /// A payload or result could not be encoded or decoded.
     #[error("codec: {0}")]
     Codec(String),

@@ -5,6 +5,8 @@
 //! once even across reconnects, and a listener that starts late can replay what is retained.
 
 use std::collections::VecDeque;
+use std::fmt;
+use std::str::FromStr;
 
 use fred::prelude::*;
 
@@ -27,9 +29,67 @@ pub struct CompletionEvent {
     pub id: RequestId,
     /// Completed, failed or cancelled.
     pub state: RequestState,
-    /// The event's id in the events stream: a resume point for [`Listener::resume_after`]. With
-    /// several token shards, the ids reached in every shard's events stream, joined by `,`.
-    pub cursor: String,
+    /// Where the listener had read to when it returned this event: a resume point for
+    /// [`Listener::resume_after`].
+    pub cursor: Cursor,
+}
+
+/// A point in a namespace's events to resume listening after: the id of the last event read from
+/// every token shard's events stream.
+///
+/// Its text form (for storing it, or for `sluicegate events`) is the stream ids joined by `,`,
+/// one per token shard; a single id applies to every shard, so `0-0` is the beginning.
+/// ```
+/// use sluicegate::Cursor;
+/// let cursor: Cursor = "1732000000000-0,1732000000123-4".parse().unwrap();
+/// assert_eq!(cursor.to_string(), "1732000000000-0,1732000000123-4");
+/// assert_eq!(Cursor::beginning().to_string(), "0-0");
+/// assert!("yesterday".parse::<Cursor>().is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Cursor {
+    /// Stream ids, one per shard (or one for all).
+    ids: Vec<String>,
+}
+
+impl Cursor {
+    /// Before every retained event.
+    pub fn beginning() -> Self {
+        Self { ids: vec!["0-0".into()] }
+    }
+
+    /// The id to read after in each of `shards` events streams.
+    fn per_shard(&self, shards: usize) -> Vec<String> {
+        (0..shards)
+            .map(|s| if self.ids.len() == shards { &self.ids[s] } else { &self.ids[0] }.clone())
+            .collect()
+    }
+}
+
+impl fmt::Display for Cursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.ids.join(","))
+    }
+}
+
+impl FromStr for Cursor {
+    type Err = Error;
+
+    /// Reads the text form: stream ids (`<milliseconds>-<sequence>`) joined by `,`.
+    fn from_str(text: &str) -> Result<Self> {
+        let is_stream_id = |id: &str| {
+            let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+            [ms, seq].iter().all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        };
+        let ids: Vec<String> = text.split(',').map(|id| id.trim().to_owned()).collect();
+        if ids.iter().all(|id| is_stream_id(id)) {
+            Ok(Self { ids })
+        } else {
+            Err(Error::InvalidCursor(format!(
+                "{text:?} is not an events cursor: stream ids like 1732000000000-0, one per token shard, joined by ','"
+            )))
+        }
+    }
 }
 
 /// Receives the completion of every request of a namespace, each once.
@@ -56,7 +116,7 @@ pub struct Listener {
 impl Listener {
     /// Listens to completions from now on.
     pub async fn connect(config: &Config) -> Result<Self> {
-        let mut listener = Self::resume_after(config, "0-0").await?;
+        let mut listener = Self::resume_after(config, &Cursor::beginning()).await?;
         for shard in 0..listener.cursors.len() {
             let events = listener.store.keys.events(shard as u32);
             let last: Value = listener.store.client.xrevrange(events, "+", "-", Some(1)).await?;
@@ -72,24 +132,21 @@ impl Listener {
 
     /// Listens to every completion still retained, then to new ones.
     pub async fn from_beginning(config: &Config) -> Result<Self> {
-        Self::resume_after(config, "0-0").await
+        Self::resume_after(config, &Cursor::beginning()).await
     }
 
-    /// Resumes after a [`CompletionEvent::cursor`] seen earlier. With several token shards the
-    /// cursor holds one stream id per shard, joined by `,`; a single id applies to every shard.
-    pub async fn resume_after(config: &Config, cursor: &str) -> Result<Self> {
+    /// Resumes after a [`CompletionEvent::cursor`] seen earlier.
+    pub async fn resume_after(config: &Config, cursor: &Cursor) -> Result<Self> {
         let store = crate::protocol::connect(config).await?;
         let reader = store.blocking_client().await?;
         let shards = store.keys.shards() as usize;
-        let given: Vec<&str> = cursor.split(',').collect();
-        let cursors =
-            (0..shards).map(|s| if given.len() == shards { given[s] } else { given[0] }.to_owned()).collect();
+        let cursors = cursor.per_shard(shards);
         Ok(Self { store, reader, cursors, turn: 0, buffered: VecDeque::new() })
     }
 
     /// The resume point after everything read so far.
-    fn cursor(&self) -> String {
-        self.cursors.join(",")
+    fn cursor(&self) -> Cursor {
+        Cursor { ids: self.cursors.clone() }
     }
 
     /// The next completion; waits for one.

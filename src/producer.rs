@@ -14,7 +14,6 @@ use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
 use crate::protocol::submit::{self, NewRequest};
-use crate::protocol::{Code, Refusal};
 use crate::request::{Concurrency, PartError, Priority, RequestId, RequestState};
 use crate::shards::{Look, Placement};
 use crate::store::Store;
@@ -111,12 +110,11 @@ impl Producer {
                 shards: place.shards,
                 deadline: registration.deadline(&self.store),
             };
-            let refused = |e: Error| submit_error(&id, e);
             let mut rest = parts.peekable();
             let elements = if rest.peek().is_none() {
-                submit::submit_small(&self.store, &req, spec.delay, first).await.map_err(refused)?
+                submit::submit_small(&self.store, &req, spec.delay, first).await?
             } else {
-                submit::submit_open(&self.store, &req, spec.delay).await.map_err(refused)?;
+                submit::submit_open(&self.store, &req, spec.delay).await?;
                 let total = match self.load(&key_id, &nonce, first, rest).await {
                     Ok(total) => total,
                     Err(e) => {
@@ -127,7 +125,7 @@ impl Producer {
                     }
                 };
                 // From here on the request may be committed: never delete it on error.
-                submit::submit_commit(&self.store, &key_id, total, &nonce).await.map_err(refused)?
+                submit::submit_commit(&self.store, &key_id, total, &nonce).await?
             };
             // A delayed request is first looked at (and promoted) when its time comes.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
@@ -152,10 +150,7 @@ impl Producer {
         // and a slow Redis slows the producer down.
         while !chunk.is_empty() {
             let n = chunk.len() as u64;
-            match submit::load_parts(&self.store, key_id, nonce, total, chunk).await {
-                Ok(_) => {}
-                Err(e) => return Err(refused(&RequestId::from_key_id(key_id)?, e)),
-            }
+            submit::load_parts(&self.store, key_id, nonce, total, chunk).await?;
             total += n;
             chunk = encode_chunk(&mut rest, self.load_chunk())?;
         }
@@ -332,9 +327,7 @@ impl RequestBuilder<'_> {
             shards: place.shards,
             deadline: registration.deadline(&producer.store),
         };
-        submit::stream_open(&producer.store, &req, self.open_expiry)
-            .await
-            .map_err(|e| submit_error(&id, e))?;
+        submit::stream_open(&producer.store, &req, self.open_expiry).await?;
         // Its first look: when it expires unfinalized, or the census interval.
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
         crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
@@ -391,13 +384,7 @@ impl OpenRequest {
                 submit::stream_append(store, key_id, nonce, first, deadline, chunk.clone())
             })
             .await;
-            let elements = match appended {
-                Ok(elements) => elements,
-                Err(e) if Refusal::is(&e, Code::State).is_some() => {
-                    return Err(Error::NotOpen(self.handle.id.clone()))
-                }
-                Err(e) => return Err(refused(&self.handle.id, e)),
-            };
+            let elements = appended?;
             self.added += n;
             if !elements.is_empty() {
                 let next = store.config.census_interval;
@@ -423,31 +410,6 @@ fn check_duration(what: &str, d: Duration) -> Result<()> {
         return Err(Error::InvalidRequest(format!("{what} {d:?} is too long: at most ten years")));
     }
     Ok(())
-}
-
-/// The error of a refused submit (open, load, commit; at once or streamed).
-fn submit_error(id: &RequestId, e: Error) -> Error {
-    match Refusal::of(&e).map(|r| r.code) {
-        Some(Code::Duplicate) => Error::DuplicateRequestId(id.clone()),
-        Some(Code::Late) => Error::Expired(id.clone()),
-        _ => refused(id, e),
-    }
-}
-
-/// The error of a refusal whose meaning does not depend on the call: an argument out of range,
-/// parts missing that the producer sent (a write lost between producer and Redis), or a request
-/// no longer loading (its loading time ran out). Any other error is returned as it is.
-fn refused(id: &RequestId, e: Error) -> Error {
-    let Some(r) = Refusal::of(&e) else { return e };
-    match r.code {
-        Code::Invalid => Error::InvalidRequest(r.why),
-        Code::Gap | Code::Incomplete => Error::Protocol(format!(
-            "request \"{id}\": Redis does not hold every part this producer sent ({}); submit it again",
-            r.why
-        )),
-        Code::State => Error::Expired(id.clone()),
-        Code::Duplicate | Code::Late => e,
-    }
 }
 
 /// Encodes the next chunk of parts: up to `max` parts or `LOAD_CHUNK_BYTES` bytes (at least
@@ -549,18 +511,19 @@ impl<O> Completion<O> {
     }
 }
 
-/// What happens when a sub-request's handler fails.
+/// What happens when a sub-request's handler fails, as the request's builder set it
+/// ([`RequestBuilder::max_attempts`], [`backoff`](RequestBuilder::backoff),
+/// [`timeout`](RequestBuilder::timeout)); stored in the request's meta hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RetryPolicy {
+struct RetryPolicy {
     /// Runs at most this many times (default 1: no retry).
-    pub max_attempts: u32,
+    max_attempts: u32,
     /// Delay before the first retry; doubles each attempt, with jitter (default 1 s).
-    pub backoff_base: Duration,
+    backoff_base: Duration,
     /// The longest delay between attempts (default 60 s).
-    pub backoff_max: Duration,
+    backoff_max: Duration,
     /// Each attempt is abandoned (and counts as a retryable failure) after this long (default none).
-    pub timeout: Option<Duration>,
+    timeout: Option<Duration>,
 }
 
 impl Default for RetryPolicy {

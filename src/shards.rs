@@ -19,7 +19,7 @@ use crate::protocol::index::{Arming, PushLook};
 use crate::protocol::operators::Cancel;
 use crate::protocol::operators::Requeued;
 use crate::protocol::submit::{self, Finalized};
-use crate::protocol::{finish, index, operators, Code, Finished, Refusal, TokenElement};
+use crate::protocol::{finish, index, operators, ran_past_deadline, Finished, TokenElement};
 use crate::request::{Cancelled, Priority, RequestId};
 use crate::store::Store;
 
@@ -147,7 +147,7 @@ where
         // differ a little from the home shard's.
         let deadline = due.map_or(0, |due| due - grace / 2);
         match step(deadline).await {
-            Err(e) if Refusal::is(&e, Code::Late).is_some() => continue,
+            Err(e) if ran_past_deadline(&e) => continue,
             other => return other,
         }
     }
@@ -257,14 +257,7 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
 
 /// Closes a streamed request (`nonce` empty: an operator's finalize).
 pub(crate) async fn finalize(store: &Store, key_id: &str, nonce: &str) -> Result<()> {
-    let finalized = match submit::stream_finalize(store, key_id, nonce).await {
-        Ok(finalized) => finalized,
-        Err(e) if Refusal::is(&e, Code::State).is_some() => {
-            return Err(Error::NotOpen(RequestId::from_key_id(key_id)?))
-        }
-        Err(e) => return Err(e),
-    };
-    if let Finalized::Finished(finished) = finalized {
+    if let Finalized::Finished(finished) = submit::stream_finalize(store, key_id, nonce).await? {
         let meta = store.keys.request(key_id).meta;
         let place =
             placement(store, &meta).await?.unwrap_or(Placement { priority: Priority::default(), shards: 1 });

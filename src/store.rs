@@ -171,7 +171,7 @@ fn new_client(config: &Config) -> Result<Client> {
             // (callers get other commands' replies), and it re-sends the redirected command to
             // the old owner, which kills the client after three bounces. With 0 fred refreshes
             // its slot map on `-MOVED` and fails the command with "Too many redirections." (it
-            // did not run: see `error::not_executed`). `Store::fcall` re-sends such calls; the
+            // did not run: see `error::not_executed`). `fcall` (protocol/call.rs) re-sends such calls; the
             // other commands go through their usual error paths. tests/cluster_topology.rs.
             c.max_redirections = 0;
         })

@@ -259,13 +259,13 @@ async fn with_three_shards_limits_hold_and_results_come_back_in_order() {
     // each once, and its cursor resumes on every shard.
     let mut listener = sluicegate::Listener::from_beginning(&config).await.unwrap();
     let mut seen = std::collections::BTreeSet::new();
-    let mut cursor = String::new();
+    let mut cursor = sluicegate::Cursor::beginning();
     while seen.len() < 48 {
         let event = tokio::time::timeout(Duration::from_secs(10), listener.next()).await.unwrap().unwrap();
         assert!(seen.insert(event.id.to_string()), "duplicate event {}", event.id);
         cursor = event.cursor;
     }
-    assert_eq!(cursor.split(',').count(), SHARDS as usize, "{cursor}");
+    assert_eq!(cursor.to_string().split(',').count(), SHARDS as usize, "{cursor}");
     let mut resumed = sluicegate::Listener::resume_after(&config, &cursor).await.unwrap();
     assert!(
         tokio::time::timeout(Duration::from_millis(1500), resumed.next()).await.is_err(),

@@ -42,7 +42,13 @@ pub(crate) use finish::Finished;
 pub(crate) use library::checker_library_source;
 pub(crate) use library::Func;
 pub use library::{acl_rules, library_source, LIBRARY_NAME, PROTOCOL_VERSION};
-pub(crate) use refusal::{Code, Refusal};
+use refusal::{Code, Refusal};
+
+/// Whether `error` is the library's `SGLATE`: a step called with its arm's deadline ran past it
+/// and wrote nothing, so its caller arms again and retries (`shards::armed`).
+pub(crate) fn ran_past_deadline(error: &crate::error::Error) -> bool {
+    Refusal::is(error, Code::Late).is_some()
+}
 
 /// A duration as the functions take it: whole milliseconds.
 fn ms(d: Duration) -> Value {

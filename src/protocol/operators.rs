@@ -3,9 +3,10 @@
 
 use fred::types::Value;
 
-use super::{ms, Finished, Func};
+use super::{ms, Code, Finished, Func, Refusal};
 use crate::error::{Error, Result};
 use crate::reply;
+use crate::request::RequestId;
 use crate::store::Store;
 
 /// What `cancel` answers.
@@ -69,7 +70,15 @@ pub(crate) async fn requeue_dead(
     if resume {
         args.push("resume".into());
     }
-    let mut items = reply::array(store.fcall(Func::RequeueDead, &keys.all(), args).await?)?.into_iter();
+    let reply = match store.fcall(Func::RequeueDead, &keys.all(), args).await {
+        Ok(reply) => reply,
+        // Only a failed, running or queued request has dead letters to requeue.
+        Err(e) if Refusal::is(&e, Code::State).is_some() => {
+            return Err(Error::NoDeadLetters(RequestId::from_key_id(key_id)?))
+        }
+        Err(e) => return Err(e),
+    };
+    let mut items = reply::array(reply)?.into_iter();
     let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
     let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
     Ok(match n {

@@ -1,6 +1,8 @@
 //! The errors the Functions library answers with when it refuses a call: `SG<CODE> <why>`
-//! (docs/protocol.md §5). Recognised here only; what a refusal means depends on the function, so
-//! each caller turns it into the [`Error`](crate::Error) variant its reader can act on.
+//! (docs/protocol.md §5). Recognised here only, and private to `protocol`: what a refusal means
+//! depends on the function, so each typed call turns it into the [`Error`](crate::Error) variant
+//! its reader can act on (`SGDUPLICATE` → `DuplicateRequestId`, `SGSTATE` → `NotOpen`, `Expired`
+//! or `NoDeadLetters`, ...), or, for `SGLATE`, says so with `ran_past_deadline`.
 
 use crate::error::Error;
 

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use fred::types::Value;
 
-use super::{ms, Finished, Func};
-use crate::error::Result;
+use super::{ms, Code, Finished, Func, Refusal};
+use crate::error::{Error, Result};
 use crate::reply;
 use crate::request::RequestId;
 use crate::request::{Concurrency, Priority};
@@ -78,14 +78,17 @@ pub(crate) async fn submit_small(
     let mut args = req.args(store, delay);
     args.push(req.key_id.into());
     args.extend(parts);
-    reply::array(store.fcall(Func::SubmitSmall, &keys.all(), args).await?)
+    reply::array(store.fcall(Func::SubmitSmall, &keys.all(), args).await.map_err(|e| created(req.id, e))?)
 }
 
 /// `submit_open`: creates the request in state `loading`, `delay` before it runs once committed.
 pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Duration) -> Result<()> {
     let keys = store.keys.request(req.key_id);
     // Returns 1: nothing to read.
-    store.fcall(Func::SubmitOpen, &keys.all(), req.args(store, delay)).await?;
+    store
+        .fcall(Func::SubmitOpen, &keys.all(), req.args(store, delay))
+        .await
+        .map_err(|e| created(req.id, e))?;
     Ok(())
 }
 
@@ -103,7 +106,10 @@ pub(crate) async fn load_parts(
     args.push(nonce.into());
     args.push((first as i64).into());
     args.extend(parts);
-    reply::int(&store.fcall(Func::LoadParts, &keys.all(), args).await?)
+    match store.fcall(Func::LoadParts, &keys.all(), args).await {
+        Ok(reply) => reply::int(&reply),
+        Err(e) => Err(refused(&id_of(key_id)?, e, Error::Expired, None)),
+    }
 }
 
 /// `submit_commit`: makes loading request `key_id`, of `total` parts, runnable. Returns the token
@@ -116,7 +122,10 @@ pub(crate) async fn submit_commit(
 ) -> Result<Vec<Value>> {
     let keys = store.keys.request(key_id);
     let args: Vec<Value> = vec![key_id.into(), (total as i64).into(), nonce.into()];
-    reply::array(store.fcall(Func::SubmitCommit, &keys.all(), args).await?)
+    match store.fcall(Func::SubmitCommit, &keys.all(), args).await {
+        Ok(reply) => reply::array(reply),
+        Err(e) => Err(created(&id_of(key_id)?, e)),
+    }
 }
 
 /// `submit_abort`: deletes loading request `key_id` if it is this producer's (`nonce`). Returns
@@ -132,7 +141,7 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
     let keys = store.keys.request(req.key_id);
     let mut args: Vec<Value> = vec![req.key_id.into()];
     args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
-    store.fcall(Func::StreamOpen, &keys.all(), args).await?;
+    store.fcall(Func::StreamOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }
 
@@ -150,7 +159,10 @@ pub(crate) async fn stream_append(
     let mut args: Vec<Value> = Vec::with_capacity(parts.len() + 4);
     args.extend([key_id.into(), nonce.into(), (first as i64).into(), deadline.into()]);
     args.extend(parts);
-    reply::array(store.fcall(Func::StreamAppend, &keys.all(), args).await?)
+    match store.fcall(Func::StreamAppend, &keys.all(), args).await {
+        Ok(reply) => reply::array(reply),
+        Err(e) => Err(refused(&id_of(key_id)?, e, Error::NotOpen, None)),
+    }
 }
 
 /// What `stream_finalize` answers.
@@ -167,9 +179,49 @@ pub(crate) async fn stream_finalize(store: &Store, key_id: &str, nonce: &str) ->
     let keys = store.keys.request(key_id);
     let args: Vec<Value> =
         vec![key_id.into(), ms(store.config.retention), store.keys.done_channel().into(), nonce.into()];
-    let mut items = reply::array(store.fcall(Func::StreamFinalize, &keys.all(), args).await?)?.into_iter();
+    let reply = match store.fcall(Func::StreamFinalize, &keys.all(), args).await {
+        Ok(reply) => reply,
+        Err(e) => return Err(refused(&id_of(key_id)?, e, Error::NotOpen, None)),
+    };
+    let mut items = reply::array(reply)?.into_iter();
     if items.next().and_then(|v| v.as_string()).as_deref() == Some("finished") {
         return Ok(Finalized::Finished(Finished::from_reply(items)?));
     }
     Ok(Finalized::Open)
+}
+
+/// The error a refused submit call means to its producer. The library's refusals mean the same
+/// for every submit call (an argument out of range; parts missing that the producer sent, a write
+/// lost between producer and Redis; the id in use), except `SGSTATE` (`state`: a request no longer
+/// loading has expired, a streamed one that is not open takes no parts) and `SGLATE` (`late`: a
+/// request not created in time has expired; a streamed step past its arm's deadline is left to
+/// its caller, which arms again). Any other error is returned as it is.
+fn refused(
+    id: &RequestId,
+    e: Error,
+    state: fn(RequestId) -> Error,
+    late: Option<fn(RequestId) -> Error>,
+) -> Error {
+    let Some(r) = Refusal::of(&e) else { return e };
+    match r.code {
+        Code::Duplicate => Error::DuplicateRequestId(id.clone()),
+        Code::Invalid => Error::InvalidRequest(r.why),
+        Code::Gap | Code::Incomplete => Error::Protocol(format!(
+            "request \"{id}\": Redis does not hold every part this producer sent ({}); submit it again",
+            r.why
+        )),
+        Code::State => state(id.clone()),
+        Code::Late => late.map_or(e, |late| late(id.clone())),
+    }
+}
+
+/// [`refused`] for a call that creates a request (or commits it): refused as not loading, or too
+/// late, it has expired.
+fn created(id: &RequestId, e: Error) -> Error {
+    refused(id, e, Error::Expired, Some(Error::Expired))
+}
+
+/// The request id behind `key_id`, for an error about it.
+fn id_of(key_id: &str) -> Result<RequestId> {
+    Ok(RequestId::from_key_id(key_id)?)
 }

@@ -69,6 +69,7 @@ impl From<Error> for Failure {
             Error::Config(_)
             | Error::InvalidRequestId(_)
             | Error::InvalidRequest(_)
+            | Error::InvalidCursor(_)
             | Error::DuplicateRequestId(_)
             | Error::Expired(_)
             | Error::NotOpen(_)

@@ -218,7 +218,9 @@ pub(crate) async fn events(ctx: &Ctx, args: EventsArgs) -> Result<(), Failure> {
             }
         };
         if ctx.json {
-            out.json(&json!({ "id": event.id.as_str(), "state": event.state, "cursor": event.cursor }))?;
+            out.json(
+                &json!({ "id": event.id.as_str(), "state": event.state, "cursor": event.cursor.to_string() }),
+            )?;
         } else {
             out.line(&format!("{}  {}  {}", event.cursor, event.state, event.id))?;
         }
