@@ -125,24 +125,45 @@ pub(crate) enum Next {
     Fenced,
 }
 
-/// `acquire`: `holder` presents `element`, which it took, and asks for at most `want` entries
-/// (`consumer`: its worker's stream consumer name).
-pub(crate) async fn acquire(
-    store: &Store,
-    element: &TokenElement,
-    holder: &str,
-    consumer: &str,
-    want: u32,
-) -> Result<Next> {
-    let keys = store.keys.request(&element.key_id);
-    let args: Vec<Value> = vec![
-        element.key_id.as_str().into(),
-        element.k.to_string().into(),
-        element.epoch.to_string().into(),
-        holder.into(),
-        consumer.into(),
-        i64::from(want).into(),
-    ];
+/// A slot's hold on a token, as `acquire` and `ack` present it: the element it took, its take's
+/// holder name, and its worker's stream consumer name.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Holding<'a> {
+    /// The token element taken.
+    pub(crate) element: &'a TokenElement,
+    /// The holder (`<worker>#<slot>`), as in its take record.
+    pub(crate) holder: &'a str,
+    /// Its worker's consumer name in the request's consumer group.
+    pub(crate) consumer: &'a str,
+}
+
+impl Holding<'_> {
+    /// `ARGV[1..5]` of `acquire` and `ack`.
+    fn args(&self) -> Vec<Value> {
+        vec![
+            self.element.key_id.as_str().into(),
+            self.element.k.to_string().into(),
+            self.element.epoch.to_string().into(),
+            self.holder.into(),
+            self.consumer.into(),
+        ]
+    }
+}
+
+/// What an `ack` asks for once its batch is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Then {
+    /// Keep the token and hand out at most this many more entries.
+    More(u32),
+    /// Give the token back (quantum used up, shutting down).
+    GiveBack,
+}
+
+/// `acquire`: the slot presents the element it took and asks for at most `want` entries.
+pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> Result<Next> {
+    let keys = store.keys.request(&holding.element.key_id);
+    let mut args = holding.args();
+    args.push(i64::from(want).into());
     next(store.fcall(Func::Acquire, &keys.all(), args).await?, true)
 }
 
@@ -175,29 +196,27 @@ pub(crate) struct Report<'a> {
     pub(crate) attempt: u32,
 }
 
-/// `ack`: `holder` reports the batch it ran under `element`, in the order it was handed out, and
-/// either asks for at most `want` more (`keep_going`) or gives the token back.
+/// `ack`: the slot reports the batch it ran, in the order it was handed out, and asks for more or
+/// gives the token back (`then`).
 pub(crate) async fn ack(
     store: &Store,
-    element: &TokenElement,
-    holder: &str,
-    consumer: &str,
-    keep_going: bool,
-    want: u32,
+    holding: &Holding<'_>,
+    then: Then,
     reports: Vec<Report<'_>>,
 ) -> Result<Next> {
-    let keys = store.keys.request(&element.key_id);
-    let mut args: Vec<Value> = vec![
-        element.key_id.as_str().into(),
-        element.k.to_string().into(),
-        element.epoch.to_string().into(),
-        holder.into(),
-        consumer.into(),
-        (if keep_going { "1" } else { "0" }).into(),
+    let keys = store.keys.request(&holding.element.key_id);
+    let (keep_going, want) = match then {
+        Then::More(want) => ("1", want),
+        // ARGV[9] is read only when the slot keeps going.
+        Then::GiveBack => ("0", 0),
+    };
+    let mut args = holding.args();
+    args.extend([
+        keep_going.into(),
         ms(store.config.retention),
         store.keys.done_channel().into(),
         i64::from(want).into(),
-    ];
+    ]);
     for r in reports {
         let (kind, body, delay): (&str, Value, Duration) = match r.outcome {
             Outcome::Ok(bytes) => ("ok", Value::Bytes(bytes), Duration::ZERO),

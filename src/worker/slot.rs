@@ -26,7 +26,7 @@ use crate::codec;
 use crate::error::{retry_transient, Error, Result};
 use crate::keys::RequestKeys;
 use crate::protocol::recovery::{self as calls, Reclaimed};
-use crate::protocol::tokens::{self, Entry, Next, Policy, Report};
+use crate::protocol::tokens::{self, Entry, Holding, Next, Policy, Report, Then};
 use crate::protocol::TokenElement;
 use crate::request::PartError;
 use crate::request::Priority;
@@ -317,32 +317,87 @@ impl Batching {
     }
 }
 
+/// The quantum of one hold of a token: how much has run under it, and how big the next batch is.
+struct Turn {
+    batching: Batching,
+    started: Instant,
+    ran: u32,
+}
+
+impl Turn {
+    fn new<H: Handler>(shared: &Shared<H>) -> Self {
+        let batching = Batching { max: shared.max_batch, mean_us: None, fixed: shared.store.deterministic() };
+        Self { batching, started: Instant::now(), ran: 0 }
+    }
+
+    /// The next batch's size: what runs in about `BATCH_TARGET`, within what is left of the quantum.
+    fn want<H: Handler>(&self, shared: &Shared<H>) -> u32 {
+        self.batching.want(shared.quantum.parts.saturating_sub(self.ran))
+    }
+
+    /// After a batch: keep the token for another, or give it back (quantum used up, stopping).
+    fn then<H: Handler>(&self, shared: &Shared<H>) -> Then {
+        let keep_going = self.ran < shared.quantum.parts
+            && self.started.elapsed() < shared.quantum.time
+            && !shared.stopping.is_cancelled();
+        if keep_going {
+            Then::More(self.want(shared))
+        } else {
+            Then::GiveBack
+        }
+    }
+}
+
+/// How a hold of a token ended.
+enum Served {
+    /// The library's last answer (anything but a batch to run), and the request's policy if
+    /// `acquire` reported it.
+    Answer(Next, Option<Policy>),
+    /// An ack failed: whether it ran is unknown.
+    AckLost(Error),
+}
+
+/// Holds a token taken from the lists: acquires it, runs batches under it until its quantum is
+/// used up or the library says otherwise, then does what the last answer says.
 async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, token: Token) -> Result<()> {
-    let store = &shared.store;
     let consumer = shared.id();
-    let mut batching = Batching { max: shared.max_batch, mean_us: None, fixed: store.deterministic() };
-    let want = batching.want(shared.quantum.parts);
-    let mut next = match tokens::acquire(store, &token.element, holder, &consumer, want).await {
+    let holding = Holding { element: &token.element, holder, consumer: &consumer };
+    let mut turn = Turn::new(shared);
+    let first = match tokens::acquire(&shared.store, &holding, turn.want(shared)).await {
         Ok(next) => next,
         // Whether the acquire ran is unknown: recovery's own step settles it either way.
         Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
     };
-    let mut policy = None;
-    let started = Instant::now();
-    let mut ran: u32 = 0;
+    match run_batches(shared, slot, &holding, &token, first, &mut turn).await? {
+        Served::Answer(last, policy) => settle(shared, holder, &token, last, policy).await,
+        Served::AckLost(e) => reclaim_own(shared, slot, holder, &token, e).await,
+    }
+}
+
+/// Runs the batches `acquire` and then each `ack` hand out, while the slot keeps the token.
+async fn run_batches<H: Handler>(
+    shared: &Shared<H>,
+    slot: &Slot,
+    holding: &Holding<'_>,
+    token: &Token,
+    first: Next,
+    turn: &mut Turn,
+) -> Result<Served> {
     let lease = LeaseKey {
         meta_key: token.keys.meta.clone(),
         token: token.element.k.to_string(),
         epoch: token.element.epoch.to_string(),
-        holder: holder.to_owned(),
+        holder: holding.holder.to_owned(),
     };
-    let result = loop {
+    let mut policy = None;
+    let mut next = first;
+    loop {
         let entries = match next {
             Next::Run(entries, p) => {
                 policy = p.or(policy);
                 entries
             }
-            other => break other,
+            other => return Ok(Served::Answer(other, policy)),
         };
         let Some(policy) = policy else {
             return Err(Error::Protocol("acquire did not report the request's policy".into()));
@@ -358,29 +413,35 @@ async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, to
                 continue;
             }
             let began = Instant::now();
-            let outcome = run_handler(shared, &token, entry, policy, cancel.clone()).await;
-            batching.observe(began.elapsed());
-            ran += 1;
+            let outcome = run_handler(shared, token, entry, policy, cancel.clone()).await;
+            turn.batching.observe(began.elapsed());
+            turn.ran += 1;
             outcomes.push(outcome);
         }
-        let keep_going = ran < shared.quantum.parts
-            && started.elapsed() < shared.quantum.time
-            && !shared.stopping.is_cancelled();
-        let want = batching.want(shared.quantum.parts.saturating_sub(ran));
-        let acked =
-            ack(shared, holder, &consumer, &token, &entries, policy, outcomes, keep_going, want).await;
+        let acked = ack(shared, holding, &entries, policy, outcomes, turn.then(shared)).await;
         shared.leases.release(slot.n);
         next = match acked {
             Ok(next) => next,
-            Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
+            Err(e) => return Ok(Served::AckLost(e)),
         };
-    };
+    }
+}
+
+/// Does what the library's last answer to a hold says: give the token back, run the steps after
+/// a finish, wake a parked token when its retry falls due, or settle a fenced ack.
+async fn settle<H: Handler>(
+    shared: &Shared<H>,
+    holder: &str,
+    token: &Token,
+    last: Next,
+    policy: Option<Policy>,
+) -> Result<()> {
     let place = Placement { priority: token.priority, shards: policy.map_or(1, |p| p.shards) };
-    match result {
-        Next::Requeue(element) => give_back(shared, holder, &token, vec![element.into()]).await?,
+    match last {
+        Next::Requeue(element) => give_back(shared, holder, token, vec![element.into()]).await?,
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
-            crate::shards::finish(store, &token.element.key_id, place, finished).await?;
+            crate::shards::finish(&shared.store, &token.element.key_id, place, finished).await?;
         }
         // A retry falls due later: the token is woken then.
         Next::Park(wake) if !wake.is_zero() => {
@@ -391,7 +452,7 @@ async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, to
             tracing::warn!("fenced: this slot no longer holds the token as it was (the request was cancelled, this worker was declared dead, or the ack was re-sent after it ran); its results were dropped");
             // A re-sent ack whose first copy ran is fenced too, and that copy may have handed this
             // slot a batch it never saw: settle it as recovery would (a no-op if the token moved on).
-            reclaim(shared, holder, &token).await?;
+            reclaim(shared, holder, token).await?;
         }
         Next::Park(_) | Next::Drop | Next::Stale | Next::Run(..) => {}
     }
@@ -575,17 +636,15 @@ fn outcome_of<O: serde::Serialize>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Reports a batch's outcomes (`policy` decides which failures are retried) and asks for more or
+/// gives the token back (`then`).
 async fn ack<H: Handler>(
     shared: &Shared<H>,
-    holder: &str,
-    consumer: &str,
-    token: &Token,
+    holding: &Holding<'_>,
     entries: &[Entry],
     policy: Policy,
     outcomes: Vec<Outcome>,
-    keep_going: bool,
-    want: u32,
+    then: Then,
 ) -> Result<Next> {
     let store = &shared.store;
     let m = &shared.metrics;
@@ -616,7 +675,7 @@ async fn ack<H: Handler>(
         };
         reports.push(Report { id: &entry.id, outcome: reported, attempt: entry.attempt });
     }
-    tokens::ack(store, &token.element, holder, consumer, keep_going, want, reports)
+    tokens::ack(store, holding, then, reports)
         .instrument(tracing::debug_span!("ack", entries = entries.len()))
         .await
 }
