@@ -76,10 +76,7 @@ impl Producer {
         I: IntoIterator<Item = T>,
         T: Serialize,
     {
-        let id = match spec.id {
-            Some(id) => id,
-            None => RequestId::generate(),
-        };
+        let id = spec.id.clone().unwrap_or_else(RequestId::generate);
         let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
         async {
             check_duration("delay", spec.delay)?;
@@ -96,37 +93,9 @@ impl Producer {
             // before pushing its tokens leaves a request recovery finds and completes. Never taken
             // back (it may be the winner's, when two producers submit one id).
             let registration = crate::shards::register(&self.store, &key_id, place).await?;
-            let req = NewRequest {
-                id: &id,
-                key_id: &key_id,
-                priority: spec.priority,
-                concurrency: spec.concurrency,
-                max_attempts: spec.retry.max_attempts,
-                timeout: spec.retry.timeout,
-                backoff_base: spec.retry.backoff_base,
-                backoff_max: spec.retry.backoff_max,
-                nonce: &nonce,
-                fail_fast: spec.fail_fast,
-                shards: place.shards,
-                deadline: registration.deadline(&self.store),
-            };
-            let mut rest = parts.peekable();
-            let elements = if rest.peek().is_none() {
-                submit::submit_small(&self.store, &req, spec.delay, first).await?
-            } else {
-                submit::submit_open(&self.store, &req, spec.delay).await?;
-                let total = match self.load(&key_id, &nonce, first, rest).await {
-                    Ok(total) => total,
-                    Err(e) => {
-                        // Nothing of a half-written request is visible to workers; remove it now so
-                        // the id can be used again (it would expire after the loading ttl anyway).
-                        let _ = submit::submit_abort(&self.store, &key_id, &nonce).await;
-                        return Err(e);
-                    }
-                };
-                // From here on the request may be committed: never delete it on error.
-                submit::submit_commit(&self.store, &key_id, total, &nonce).await?
-            };
+            let req =
+                spec.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&self.store));
+            let elements = self.write(&req, spec.delay, first, parts).await?;
             // A delayed request is first looked at (and promoted) when its time comes.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
             crate::shards::push(&self.store, &key_id, place, Look::First(registration), next, elements)
@@ -136,6 +105,38 @@ impl Producer {
         }
         .instrument(span)
         .await
+    }
+
+    /// Creates the request with its parts, `first` (already encoded) and then the rest: in one
+    /// call if there is no rest, else opened, loaded chunk by chunk and committed. Returns the
+    /// token elements to push.
+    async fn write<I, T>(
+        &self,
+        req: &NewRequest<'_>,
+        delay: Duration,
+        first: Vec<Value>,
+        rest: I,
+    ) -> Result<Vec<Value>>
+    where
+        I: Iterator<Item = T>,
+        T: Serialize,
+    {
+        let mut rest = rest.peekable();
+        if rest.peek().is_none() {
+            return submit::submit_small(&self.store, req, delay, first).await;
+        }
+        submit::submit_open(&self.store, req, delay).await?;
+        let total = match self.load(req.key_id, req.nonce, first, rest).await {
+            Ok(total) => total,
+            Err(e) => {
+                // Nothing of a half-written request is visible to workers; remove it now so the id
+                // can be used again (it would expire after the loading ttl anyway).
+                let _ = submit::submit_abort(&self.store, req.key_id, req.nonce).await;
+                return Err(e);
+            }
+        };
+        // From here on the request may be committed: never delete it on error.
+        submit::submit_commit(&self.store, req.key_id, total, req.nonce).await
     }
 
     /// Writes the parts in chunks, `first` (already encoded) and then the rest. Returns how many.
@@ -297,6 +298,31 @@ impl RequestBuilder<'_> {
         producer.submit(self, parts).await
     }
 
+    /// What the request is created with, as the submit functions take it.
+    fn new_request<'a>(
+        &self,
+        id: &'a RequestId,
+        key_id: &'a str,
+        nonce: &'a str,
+        shards: u32,
+        deadline: i64,
+    ) -> NewRequest<'a> {
+        NewRequest {
+            id,
+            key_id,
+            priority: self.priority,
+            concurrency: self.concurrency,
+            max_attempts: self.retry.max_attempts,
+            timeout: self.retry.timeout,
+            backoff_base: self.retry.backoff_base,
+            backoff_max: self.retry.backoff_max,
+            nonce,
+            fail_fast: self.fail_fast,
+            shards,
+            deadline,
+        }
+    }
+
     /// Opens a streamed request: workers start on its parts as soon as they are added, and it
     /// completes only after [`OpenRequest::finalize`] and every part done. Not with `delay`.
     pub async fn open(self) -> Result<OpenRequest> {
@@ -307,26 +333,14 @@ impl RequestBuilder<'_> {
             check_duration("open expiry", expiry)?;
         }
         let producer = self.producer.clone();
-        let id = self.id.unwrap_or_else(RequestId::generate);
+        let id = self.id.clone().unwrap_or_else(RequestId::generate);
         let key_id = id.key_id();
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let cfg = &producer.store.config;
         let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
         let registration = crate::shards::register(&producer.store, &key_id, place).await?;
-        let req = NewRequest {
-            id: &id,
-            key_id: &key_id,
-            priority: self.priority,
-            concurrency: self.concurrency,
-            max_attempts: self.retry.max_attempts,
-            timeout: self.retry.timeout,
-            backoff_base: self.retry.backoff_base,
-            backoff_max: self.retry.backoff_max,
-            nonce: &nonce,
-            fail_fast: self.fail_fast,
-            shards: place.shards,
-            deadline: registration.deadline(&producer.store),
-        };
+        let req =
+            self.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&producer.store));
         submit::stream_open(&producer.store, &req, self.open_expiry).await?;
         // Its first look: when it expires unfinalized, or the census interval.
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));

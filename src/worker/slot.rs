@@ -600,18 +600,24 @@ async fn run_handler<H: Handler>(
             (Outcome::Skipped, "outlived the shutdown grace")
         }
     };
+    abandon(task, &cancel, entry.index, why).await;
+    abandoned
+}
+
+/// Stops a handler the slot no longer waits for (`why`: it timed out, or outlived the shutdown
+/// grace): cancels its context, aborts its task, and waits for it to end.
+async fn abandon<T>(mut task: tokio::task::JoinHandle<T>, cancel: &CancellationToken, index: u64, why: &str) {
     cancel.cancel();
     task.abort();
     // An abort takes effect at the handler's next await: one that blocks or spins goes on.
     if tokio::time::timeout(ZOMBIE_WAIT, &mut task).await.is_err() {
         tracing::warn!(
-            index = entry.index,
+            index,
             "a handler that {why} ignores its cancellation (it blocks or spins): its slot keeps the token \
              until it ends, so that the request's limit holds"
         );
         let _ = task.await;
     }
-    abandoned
 }
 
 fn outcome_of<O: serde::Serialize>(
