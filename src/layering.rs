@@ -3,11 +3,13 @@
 //! fails here, naming it.
 //!
 //! What counts as an import: every `crate::a::b` path in a file (in `use` lines, grouped
-//! `use crate::{a, b::c}` included, and in code), and `super::x` in a child module. A file
+//! `use crate::{a, b::c}` included, in code and in doc links), and `super::x` in a child module;
+//! a name a module re-exports (`pub use child::X`, lib.rs's included) counts as its child's. A file
 //! `src/a/b.rs` belongs to module `a`; the loops checked are between top-level modules, and between
 //! the children of one module (a child naming its parent, or a parent its children, is ownership,
 //! not a loop). Left out: `check` (the checker, compiled for tests only, reaches into `store` to
-//! inject faults) and this file.
+//! inject faults) and this file. Not seen: a dependency only through a method whose `impl` lives in
+//! another module (`impl Store` in `protocol::call`), and paths built by macros.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -24,23 +26,52 @@ fn module_of(relative: &Path) -> Vec<String> {
 }
 
 /// Every absolute module path a file names: `crate::a::b::C` gives ["a", "b", "C"]; a group
-/// `crate::{a::b, c}` gives both; `super::x` in module `m::n` gives ["m", "x"].
+/// `crate::{a::b, c}` gives both; `super::x` in module `m::n` gives ["m", "x"], and
+/// `super::super::x` there gives ["x"].
 fn imports(text: &str, module: &[String]) -> Vec<Vec<String>> {
     let mut found = Vec::new();
-    for (prefix, base) in
-        [("crate::", Vec::new()), ("super::", module[..module.len().saturating_sub(1)].to_vec())]
-    {
+    for prefix in ["crate::", "super::"] {
         let mut rest = text;
         while let Some(at) = rest.find(prefix) {
-            let before = rest[..at].chars().next_back();
+            let before = &rest[..at];
             rest = &rest[at + prefix.len()..];
-            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$') {
+            let joined =
+                before.chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$');
+            if joined {
                 continue; // `$crate::`, `foo_crate::`
             }
-            for path in expand(rest) {
-                let mut full = base.clone();
-                full.extend(path);
-                found.push(full);
+            let mut up = 0;
+            if prefix == "super::" {
+                up = 1;
+                while let Some(next) = rest.strip_prefix("super::") {
+                    (rest, up) = (next, up + 1); // past every `super::` of `super::super::`
+                }
+            }
+            let tail = rest;
+            let base = &module[..module.len().saturating_sub(up)];
+            let base = if prefix == "crate::" { &[][..] } else { base };
+            for path in expand(tail) {
+                found.push([base, &path[..]].concat());
+            }
+        }
+    }
+    found
+}
+
+/// The names a module re-exports from its children (`pub use child::{A, b::C}` in module `m`:
+/// `m::A` is `m::child::A`), so that an import of the re-exported name counts as one of the child.
+fn reexports(
+    text: &str,
+    module: &[String],
+    is_module: impl Fn(&[String]) -> bool,
+) -> Vec<(Vec<String>, Vec<String>)> {
+    let mut found = Vec::new();
+    for statement in text.split("pub use ").skip(1).chain(text.split("pub(crate) use ").skip(1)) {
+        let statement = &statement[..statement.find(';').unwrap_or(statement.len())];
+        for path in expand(statement) {
+            if path.len() >= 2 && is_module(&[module, &path[..1]].concat()) {
+                let name = path.last().expect("two segments or more").clone();
+                found.push(([module, &[name]].concat(), [module, &path[..]].concat()));
             }
         }
     }
@@ -148,39 +179,33 @@ fn the_modules_import_each_other_without_a_loop() {
     let mut files = Vec::new();
     sources(&src, &mut files);
     let mut modules = BTreeSet::new();
-    let mut uses = Vec::new();
+    let mut texts = Vec::new();
     for file in &files {
         let module = module_of(file.strip_prefix(&src).expect("under src/"));
         if module.first().is_some_and(|top| top == "check" || top == "layering") {
             continue;
         }
         let text = std::fs::read_to_string(file).expect("a readable source file");
-        for path in imports(&text, &module) {
+        if !module.is_empty() {
+            modules.insert(module.clone());
+        }
+        texts.push((module, text));
+    }
+    // `crate::Admin` names `admin::Admin`, through lib.rs's `pub use admin::{Admin, ..}`; likewise
+    // `super::Finished` in a child of `protocol` names `protocol::finish::Finished`.
+    let exported: BTreeMap<Vec<String>, Vec<String>> = texts
+        .iter()
+        .flat_map(|(module, text)| reexports(text, module, |path| modules.contains(path)))
+        .collect();
+    let mut uses = Vec::new();
+    for (module, text) in &texts {
+        for mut path in imports(text, module) {
+            if let Some(k) = (1..=path.len()).find(|&k| exported.contains_key(&path[..k])) {
+                path = [&exported[&path[..k]][..], &path[k..]].concat();
+            }
             uses.push((module.clone(), path));
         }
-        if !module.is_empty() {
-            modules.insert(module);
-        }
     }
-    // `crate::Admin` names `admin::Admin`, through lib.rs's `pub use admin::{Admin, ..}`.
-    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("src/lib.rs");
-    let mut exported = BTreeMap::new();
-    for statement in lib.split("pub use ").skip(1) {
-        for path in expand(statement) {
-            if let [module, .., name] = path.as_slice() {
-                exported.insert(name.clone(), module.clone());
-            }
-        }
-    }
-    let uses: Vec<_> = uses
-        .into_iter()
-        .map(|(from, mut to)| {
-            if let Some(module) = to.first().and_then(|name| exported.get(name)) {
-                to.insert(0, module.clone());
-            }
-            (from, to)
-        })
-        .collect();
     let is_module = |path: &[String]| modules.contains(path);
 
     // Between top-level modules.
@@ -217,13 +242,27 @@ fn the_modules_import_each_other_without_a_loop() {
 #[test]
 fn the_scan_reads_grouped_and_relative_imports() {
     let module = ["worker".to_owned(), "slot".to_owned()];
-    let text = "use crate::{error::{Error, Result}, keys};\nuse super::recovery::x; let y = crate::shards::arm(); $crate::z";
+    let text = "use crate::{error::{Error, Result}, keys};\nuse super::recovery::x; let y = crate::shards::arm(); $crate::z; super::super::store::S";
     let found: BTreeSet<String> = imports(text, &module).into_iter().map(|p| p.join("::")).collect();
-    let expected = ["error::Error", "error::Result", "keys", "worker::recovery::x", "shards::arm"];
+    let expected =
+        ["error::Error", "error::Result", "keys", "worker::recovery::x", "shards::arm", "store::S"];
     assert_eq!(found, expected.into_iter().map(str::to_owned).collect());
     let cyclic: BTreeMap<String, BTreeSet<String>> = [("a", "b"), ("b", "c"), ("c", "a")]
         .into_iter()
         .map(|(from, to)| (from.to_owned(), BTreeSet::from([to.to_owned()])))
         .collect();
     assert_eq!(find_loop(&cyclic).map(|c| c.len()), Some(4));
+
+    let protocol = ["protocol".to_owned()];
+    let children =
+        |path: &[String]| matches!(path, [p, c] if p == "protocol" && (c == "finish" || c == "library"));
+    let text = "pub(crate) use finish::Finished;\npub use library::{acl_rules, Func};\npub use fred::Value;";
+    let found: BTreeSet<(String, String)> =
+        reexports(text, &protocol, children).into_iter().map(|(n, p)| (n.join("::"), p.join("::"))).collect();
+    let expected = [
+        ("protocol::Finished", "protocol::finish::Finished"),
+        ("protocol::acl_rules", "protocol::library::acl_rules"),
+        ("protocol::Func", "protocol::library::Func"),
+    ];
+    assert_eq!(found, expected.into_iter().map(|(n, p)| (n.to_owned(), p.to_owned())).collect());
 }

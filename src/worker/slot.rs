@@ -368,6 +368,8 @@ async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, to
         // Whether the acquire ran is unknown: recovery's own step settles it either way.
         Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
     };
+    // The quantum's time counts from the first batch, not from the acquire's round trip.
+    turn.started = Instant::now();
     match run_batches(shared, slot, &holding, &token, first, &mut turn).await? {
         Served::Answer(last, policy) => settle(shared, holder, &token, last, policy).await,
         Served::AckLost(e) => reclaim_own(shared, slot, holder, &token, e).await,
