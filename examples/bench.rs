@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use futures::future::try_join_all;
-use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Producer, Quantum, Worker};
+use futures::{StreamExt, TryStreamExt};
+use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Listener, Producer, Quantum, Worker};
 use sluicegate_testkit::{connect, TestRedis};
 use tokio_util::sync::CancellationToken;
 
@@ -179,6 +180,56 @@ impl Bench {
         let run = Row::new(scenario, items).rate(elapsed).cost(before, after).note(format!(
             "{requests} x {parts}, limit {limit} per request, {SLOTS} slots, lease 30 s, recovery on"
         ));
+        Ok(vec![submit, run])
+    }
+
+    /// `requests` requests of `parts` each, queued before the worker starts (64 submits in flight,
+    /// as a loader would), then drained by one worker of 16 slots; the drain ends at the last
+    /// completion event. Rows: the submit (with Redis bytes per queued part), the drain (with the
+    /// bytes still held per part once every request has finished, i.e. the results kept).
+    async fn backlog(
+        &self,
+        scenario: &str,
+        requests: u64,
+        parts: u64,
+        limit: u32,
+    ) -> Result<Vec<Row>, BoxError> {
+        let config = self.config(scenario);
+        let producer = Producer::connect(&config).await?;
+        let mut events = Listener::connect(&config).await?;
+        let items = requests * parts;
+        let empty = stats(&self.redis).await?;
+        let started = Instant::now();
+        futures::stream::iter(0..requests)
+            .map(|_| async {
+                let request = producer.request().concurrency(limit)?;
+                request.submit((0..parts).map(|_| PAYLOAD)).await.map(drop)
+            })
+            .buffer_unordered(64)
+            .try_collect::<()>()
+            .await?;
+        let queued = stats(&self.redis).await?;
+        let mut submit = Row::new(&format!("{scenario}_submit"), items)
+            .rate(started.elapsed())
+            .cost(empty, queued)
+            .note(format!(
+                "{requests} x {parts} parts, 64 submits in flight; bytes: Redis memory per queued part"
+            ));
+        submit.bytes_per_item = Some(queued.memory.saturating_sub(empty.memory) as f64 / items as f64);
+        let started = Instant::now();
+        let (stop, task) = self.worker(&config, Noop::default()).await?;
+        for _ in 0..requests {
+            events.next().await?;
+        }
+        let elapsed = started.elapsed();
+        let drained = stats(&self.redis).await?;
+        stop.cancel();
+        task.await??;
+        let mut run = Row::new(scenario, items).rate(elapsed).cost(queued, drained).note(format!(
+            "{requests} x {parts} queued, limit {limit} per request, {SLOTS} slots: worker start -> last completion event; bytes: results kept per part"
+        ));
+        run.bytes_per_item = Some(drained.memory.saturating_sub(empty.memory) as f64 / items as f64);
+        self.drop_namespace(&config).await?;
         Ok(vec![submit, run])
     }
 
@@ -346,6 +397,18 @@ impl Bench {
         if wants("one_huge") {
             rows.extend(self.throughput("one_huge", 1, self.scaled(200_000), 16).await?);
         }
+        if wants("small_1") {
+            rows.extend(self.backlog("small_1", self.scaled(100_000), 1, 1).await?);
+        }
+        for backlog in [1_000, 10_000, 100_000] {
+            let name = format!("small_10_backlog_{}k", backlog / 1_000);
+            if wants(&name) || wants("backlog") {
+                rows.extend(self.backlog(&name, self.scaled(backlog), 10, 4).await?);
+            }
+        }
+        if wants("medium_1000") {
+            rows.extend(self.backlog("medium_1000", self.scaled(100), 1_000, 4).await?);
+        }
         if wants("submit_large") {
             rows.extend(self.submit_rate().await?);
         }
@@ -434,6 +497,13 @@ fn print_ratios(rows: &[Row]) {
         ("many_small", "plain_queue"),
         ("one_huge", "flow_huge"),
         ("one_huge", "plain_queue"),
+        ("small_1", "plain_queue"),
+        ("small_1", "plain_queue_kept"),
+        ("small_10_backlog_1k", "plain_queue"),
+        ("small_10_backlog_10k", "plain_queue"),
+        ("small_10_backlog_100k", "plain_queue"),
+        ("medium_1000", "plain_queue"),
+        ("small_1_submit", "plain_add"),
         ("many_small_submit", "flow_small_add"),
         ("submit_large", "plain_add"),
         ("memory", "memory"),

@@ -217,33 +217,56 @@ async function addBulk(q, total, opts, name = 'j') {
   }
 }
 
+// N plain jobs queued with addBulk, then drained by one Worker; `discard` sets removeOnComplete.
+// Rows: `<name>_add` (bytes: Redis memory per queued job) and `<name>_queue` (bytes: what is
+// still held per job once all completed, i.e. the results kept).
+async function plainQueue(ctx, name, N, discard) {
+  const scenario = discard ? 'plain_queue' : 'plain_queue_kept';
+  const addRow = discard ? 'plain_add' : 'plain_add_kept';
+  const q = ctx.queue(name);
+  await q.waitUntilReady();
+  const s0 = await snapshot();
+  const t0 = now();
+  await addBulk(q, N, discard ? { removeOnComplete: true } : {});
+  const t1 = now();
+  const s1 = await snapshot();
+  emit(addRow, {
+    items: N,
+    tput: N / ((t1 - t0) / 1000),
+    c: cost(s0, s1, N),
+    bytes: (s1.mem - s0.mem) / N,
+    note: `addBulk batches of ${BATCH}; bytes: Redis memory per queued job`,
+  });
+
+  const w = ctx.worker(name, async () => {}, { autorun: false });
+  const done = completionCounter(w, N);
+  await w.waitUntilReady();
+  const s2 = await snapshot();
+  const t2 = now();
+  w.run().catch((e) => ctx.failure.reject(e));
+  const t3 = await done;
+  const s3 = await snapshot();
+  emit(scenario, {
+    items: N,
+    tput: N / ((t3 - t2) / 1000),
+    c: cost(s2, s3, N),
+    bytes: (s3.mem - s0.mem) / N,
+    note:
+      `1 Worker, concurrency ${CONCURRENCY}, no-op; ${discard ? 'removeOnComplete' : 'results kept'}; ` +
+      'worker start -> last completion; bytes: results kept per job',
+  });
+}
+
 // ---------------------------------------------------------------------------- scenarios
 const scenarios = {
+  // Results discarded (removeOnComplete), as BullMQ users run a plain queue most often.
   async plain_queue(ctx) {
-    const N = scaled(100_000);
-    const q = ctx.queue('plain');
-    await q.waitUntilReady();
-    const s0 = await snapshot();
-    const t0 = now();
-    await addBulk(q, N, { removeOnComplete: true });
-    const t1 = now();
-    const s1 = await snapshot();
-    emit('plain_add', { items: N, tput: N / ((t1 - t0) / 1000), c: cost(s0, s1, N), note: `addBulk batches of ${BATCH}` });
+    await plainQueue(ctx, 'plain', scaled(100_000), true);
+  },
 
-    const w = ctx.worker('plain', async () => {}, { autorun: false });
-    const done = completionCounter(w, N);
-    await w.waitUntilReady();
-    const s2 = await snapshot();
-    const t2 = now();
-    w.run().catch((e) => ctx.failure.reject(e));
-    const t3 = await done;
-    const s3 = await snapshot();
-    emit('plain_queue', {
-      items: N,
-      tput: N / ((t3 - t2) / 1000),
-      c: cost(s2, s3, N),
-      note: `1 Worker, concurrency ${CONCURRENCY}, no-op; removeOnComplete; worker start -> last completion`,
-    });
+  // Results kept: each completed job stays in Redis with its return value.
+  async plain_queue_kept(ctx) {
+    await plainQueue(ctx, 'plain_kept', scaled(100_000), false);
   },
 
   async flow_small(ctx) {
