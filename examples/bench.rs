@@ -1,7 +1,8 @@
 //! sluicegate's benchmark: throughput, latency, Redis cost and memory, with leases and recovery on.
 //!
 //! ```text
-//! cargo run --release --example bench                      # all scenarios, own redis-server
+//! cargo run --release --example bench                      # the default scenarios, own redis-server
+//! cargo run --release --example bench -- recovery_idle      # only when named: 70 s of recovery alone
 //! cargo run --release --example bench -- many_small memory  # some scenarios
 //! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
 //! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
@@ -100,6 +101,8 @@ impl Row {
 struct Noop {
     marks: Arc<Mutex<HashMap<String, (Instant, Instant)>>>,
     track: bool,
+    /// When set, the handler does not return until this is cancelled (`recovery_idle`).
+    hold: Option<CancellationToken>,
 }
 
 #[async_trait]
@@ -113,6 +116,9 @@ impl Handler for Noop {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(ctx.request_id().to_string(), (now, now));
+        }
+        if let Some(hold) = &self.hold {
+            hold.cancelled().await;
         }
         Ok(())
     }
@@ -231,6 +237,54 @@ impl Bench {
         run.bytes_per_item = Some(drained.memory.saturating_sub(empty.memory) as f64 / items as f64);
         self.drop_namespace(&config).await?;
         Ok(vec![submit, run])
+    }
+
+    /// Recovery's own cost: `requests` 10-part requests queued, and one worker of one slot whose
+    /// handler does not return, so nothing finishes and the slot stays busy. What Redis does
+    /// meanwhile is the worker's heartbeats and recovery passes: census looks at each active
+    /// request once per census interval (60 s by default). The row gives Redis CPU per second
+    /// (`µs Redis` is per second here) and commands per second over one census interval.
+    async fn recovery_idle(&self, requests: u64) -> Result<Vec<Row>, BoxError> {
+        let config = self.config("recovery_idle");
+        let producer = Producer::connect(&config).await?;
+        futures::stream::iter(0..requests)
+            .map(|_| async {
+                let request = producer.request().concurrency(4)?;
+                request.submit((0..10).map(|_| PAYLOAD)).await.map(drop)
+            })
+            .buffer_unordered(64)
+            .try_collect::<()>()
+            .await?;
+        let hold = CancellationToken::new();
+        let handler = Noop { hold: Some(hold.clone()), ..Noop::default() };
+        let worker = Worker::builder(&config, handler).slots(1).build().await?;
+        let stop = CancellationToken::new();
+        let signal = stop.clone();
+        let task = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
+        // Past the worker's start, then one census interval.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let window = Duration::from_secs(60);
+        let before = stats(&self.redis).await?;
+        tokio::time::sleep(window).await;
+        let after = stats(&self.redis).await?;
+        // Looks that fell due and were not taken yet: recovery falling behind its census interval.
+        let ns = config.namespace_str();
+        let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as f64;
+        let overdue: i64 =
+            self.redis.zcount(format!("{ns}:{{{ns}.q0}}:active"), f64::NEG_INFINITY, now_ms).await?;
+        hold.cancel();
+        stop.cancel();
+        task.await??;
+        let secs = window.as_secs_f64();
+        let mut row = Row::new("recovery_idle", requests).note(format!(
+            "{requests} active 10-part requests, one worker of one busy slot, default recovery settings: \
+             Redis CPU µs and commands per second over {secs:.0} s (not per item); \
+             {overdue} looks overdue at the end"
+        ));
+        row.redis_cpu_us_per_item = Some((after.cpu_s - before.cpu_s) * 1e6 / secs);
+        row.redis_cmds_per_item = Some(after.calls.saturating_sub(before.calls) as f64 / secs);
+        self.drop_namespace(&config).await?;
+        Ok(vec![row])
     }
 
     async fn submit_rate(&self) -> Result<Vec<Row>, BoxError> {
@@ -355,7 +409,6 @@ async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let scale: f64 = std::env::var("BENCH_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
     let chosen: Vec<&str> = args.iter().map(String::as_str).filter(|a| !a.starts_with("--")).collect();
-    let wants = |name: &str| chosen.is_empty() || chosen.contains(&name);
 
     // REDIS_URL, or a redis-server of its own (kept alive until the end).
     let redis_env = TestRedis::start().await?;
@@ -372,7 +425,7 @@ async fn main() -> Result<(), BoxError> {
                 "note: the machine is busy with something else (load average {load}); figures will be lower"
             );
         }
-        all.extend(bench.run_all(&wants).await?);
+        all.extend(bench.run_all(&chosen).await?);
         if compare {
             all.extend(run_bullmq(&url, scale)?);
         }
@@ -389,7 +442,9 @@ async fn main() -> Result<(), BoxError> {
 }
 
 impl Bench {
-    async fn run_all(&self, wants: &dyn Fn(&str) -> bool) -> Result<Vec<Row>, BoxError> {
+    /// Runs the `chosen` scenarios, or the default set when none is chosen.
+    async fn run_all(&self, chosen: &[&str]) -> Result<Vec<Row>, BoxError> {
+        let wants = |name: &str| chosen.is_empty() || chosen.contains(&name);
         let mut rows = Vec::new();
         if wants("many_small") {
             rows.extend(self.throughput("many_small", self.scaled(1_000), 100, 4).await?);
@@ -405,6 +460,10 @@ impl Bench {
             if wants(&name) || wants("backlog") {
                 rows.extend(self.backlog(&name, self.scaled(backlog), 10, 4).await?);
             }
+        }
+        // Only when named: it watches Redis for a whole census interval.
+        if chosen.contains(&"recovery_idle") {
+            rows.extend(self.recovery_idle(self.scaled(100_000)).await?);
         }
         if wants("medium_1000") {
             rows.extend(self.backlog("medium_1000", self.scaled(100), 1_000, 4).await?);
