@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench                      # the default scenarios, own redis-server
-//! cargo run --release --example bench -- recovery_idle      # only when named: 70 s of recovery alone
+//! cargo run --release --example bench -- recovery_idle      # only when named: 150 s of recovery alone
 //! cargo run --release --example bench -- many_small memory  # some scenarios
 //! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
 //! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
@@ -239,13 +239,17 @@ impl Bench {
         Ok(vec![submit, run])
     }
 
-    /// Recovery's own cost: `requests` 10-part requests queued, and one worker of one slot whose
-    /// handler does not return, so nothing finishes and the slot stays busy. What Redis does
-    /// meanwhile is the worker's heartbeats and recovery passes: census looks at each active
-    /// request once per census interval (60 s by default). The row gives Redis CPU per second
-    /// (`µs Redis` is per second here) and commands per second over one census interval.
+    /// Recovery's own cost at the default settings (lease 2 s, census interval 60 s):
+    /// `requests` 10-part requests queued, and one worker of one slot whose handler does not
+    /// return, so nothing finishes. What Redis does meanwhile is the worker's heartbeats and
+    /// recovery: a first look at each request one grace (two leases) after its registration, then
+    /// one census look per census interval. The row gives Redis CPU µs and commands per second
+    /// over 120 s, from 30 s after the worker started, and how many looks were overdue every 10 s
+    /// of that window (a number that does not fall back to near 0 means recovery is behind).
     async fn recovery_idle(&self, requests: u64) -> Result<Vec<Row>, BoxError> {
-        let config = self.config("recovery_idle");
+        let config = Config::new(&self.url)
+            .namespace(format!("bench-recovery_idle-{}", std::process::id()))
+            .retention(Duration::from_secs(60));
         let producer = Producer::connect(&config).await?;
         futures::stream::iter(0..requests)
             .map(|_| async {
@@ -261,25 +265,34 @@ impl Bench {
         let stop = CancellationToken::new();
         let signal = stop.clone();
         let task = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
-        // Past the worker's start, then one census interval.
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        let window = Duration::from_secs(60);
+        let active = {
+            let ns = config.namespace_str();
+            format!("{ns}:{{{ns}.q0}}:active")
+        };
+        let overdue = || async {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+            let n: i64 = self.redis.zcount(&active, f64::NEG_INFINITY, now as f64).await?;
+            Ok::<i64, BoxError>(n)
+        };
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let window = Duration::from_secs(120);
         let before = stats(&self.redis).await?;
-        tokio::time::sleep(window).await;
+        let mut samples = Vec::new();
+        for _ in 0..12 {
+            samples.push(overdue().await?.to_string());
+            tokio::time::sleep(window / 12).await;
+        }
+        samples.push(overdue().await?.to_string());
         let after = stats(&self.redis).await?;
-        // Looks that fell due and were not taken yet: recovery falling behind its census interval.
-        let ns = config.namespace_str();
-        let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as f64;
-        let overdue: i64 =
-            self.redis.zcount(format!("{ns}:{{{ns}.q0}}:active"), f64::NEG_INFINITY, now_ms).await?;
         hold.cancel();
         stop.cancel();
         task.await??;
         let secs = window.as_secs_f64();
         let mut row = Row::new("recovery_idle", requests).note(format!(
-            "{requests} active 10-part requests, one worker of one busy slot, default recovery settings: \
+            "{requests} active 10-part requests, one worker of one busy slot, default settings: \
              Redis CPU µs and commands per second over {secs:.0} s (not per item); \
-             {overdue} looks overdue at the end"
+             looks overdue every 10 s: {}",
+            samples.join(" ")
         ));
         row.redis_cpu_us_per_item = Some((after.cpu_s - before.cpu_s) * 1e6 / secs);
         row.redis_cmds_per_item = Some(after.calls.saturating_sub(before.calls) as f64 / secs);
