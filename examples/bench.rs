@@ -146,9 +146,10 @@ impl Bench {
         &self,
         config: &Config,
         handler: Noop,
+        slots: usize,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
         let worker =
-            Worker::builder(config, handler).slots(SLOTS).quantum(Quantum::default()).build().await?;
+            Worker::builder(config, handler).slots(slots).quantum(Quantum::default()).build().await?;
         let stop = CancellationToken::new();
         let signal = stop.clone();
         Ok((stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await }))))
@@ -177,7 +178,7 @@ impl Bench {
             .note(format!("{requests} x {parts} parts, submitted one request after another"));
         let before = stats(&self.redis).await?;
         let started = Instant::now();
-        let (stop, task) = self.worker(&config, Noop::default()).await?;
+        let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
         try_join_all(handles.iter().map(|h| h.wait::<()>())).await?;
         let elapsed = started.elapsed();
         let after = stats(&self.redis).await?;
@@ -206,14 +207,7 @@ impl Bench {
         let items = requests * parts;
         let empty = stats(&self.redis).await?;
         let started = Instant::now();
-        futures::stream::iter(0..requests)
-            .map(|_| async {
-                let request = producer.request().concurrency(limit)?;
-                request.submit((0..parts).map(|_| PAYLOAD)).await.map(drop)
-            })
-            .buffer_unordered(64)
-            .try_collect::<()>()
-            .await?;
+        queue(&producer, requests, parts, limit).await?;
         let queued = stats(&self.redis).await?;
         let mut submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
@@ -223,7 +217,7 @@ impl Bench {
             ));
         submit.bytes_per_item = Some(queued.memory.saturating_sub(empty.memory) as f64 / items as f64);
         let started = Instant::now();
-        let (stop, task) = self.worker(&config, Noop::default()).await?;
+        let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
         for _ in 0..requests {
             events.next().await?;
         }
@@ -251,20 +245,10 @@ impl Bench {
             .namespace(format!("bench-recovery_idle-{}", std::process::id()))
             .retention(Duration::from_secs(60));
         let producer = Producer::connect(&config).await?;
-        futures::stream::iter(0..requests)
-            .map(|_| async {
-                let request = producer.request().concurrency(4)?;
-                request.submit((0..10).map(|_| PAYLOAD)).await.map(drop)
-            })
-            .buffer_unordered(64)
-            .try_collect::<()>()
-            .await?;
+        queue(&producer, requests, 10, 4).await?;
         let hold = CancellationToken::new();
         let handler = Noop { hold: Some(hold.clone()), ..Noop::default() };
-        let worker = Worker::builder(&config, handler).slots(1).build().await?;
-        let stop = CancellationToken::new();
-        let signal = stop.clone();
-        let task = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
+        let (stop, task) = self.worker(&config, handler, 1).await?;
         let active = {
             let ns = config.namespace_str();
             format!("{ns}:{{{ns}.q0}}:active")
@@ -333,7 +317,7 @@ impl Bench {
         let config = self.config("idle");
         let handler = Noop { track: true, ..Noop::default() };
         let marks = handler.marks.clone();
-        let (stop, task) = self.worker(&config, handler).await?;
+        let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         let producer = Producer::connect(&config).await?;
         let samples = self.scaled(1_000);
         let (mut start, mut finish) = (Vec::new(), Vec::new());
@@ -366,7 +350,7 @@ impl Bench {
         let flood = self.scaled(1_000_000);
         let low =
             producer.request().priority(1)?.concurrency(64)?.submit((0..flood).map(|_| PAYLOAD)).await?;
-        let (stop, task) = self.worker(&config, handler).await?;
+        let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let mut samples = Vec::new();
         for _ in 0..100 {
@@ -393,6 +377,20 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// Submits `requests` requests of `parts` parts each (limit `limit`), 64 submits in flight, as a
+/// loader would; returns once every one is accepted.
+async fn queue(producer: &Producer, requests: u64, parts: u64, limit: u32) -> Result<(), BoxError> {
+    futures::stream::iter(0..requests)
+        .map(|_| async {
+            let request = producer.request().concurrency(limit)?;
+            request.submit((0..parts).map(|_| PAYLOAD)).await.map(drop)
+        })
+        .buffer_unordered(64)
+        .try_collect::<()>()
+        .await?;
+    Ok(())
 }
 
 fn print_table(rows: &[Row]) {
