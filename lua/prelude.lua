@@ -102,8 +102,9 @@ local function sg_lifecycle(keys)
   return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
 end
 
--- Delivers one specific pending entry to this consumer: {id, payload, attempt} or nil when the
--- entry no longer exists. The delivery count that XCLAIM raises is the attempt number.
+-- Delivers one specific pending entry to this consumer: {id, fields, attempt} or nil when the
+-- entry no longer exists (fields: the entry's field/value list; a request stream's entry has one
+-- field, `p`, its payload). The delivery count that XCLAIM raises is the attempt number.
 local function sg_claim(keys, consumer, id)
   local claimed = redis.call('XCLAIM', keys[2], 'g', consumer, 0, id)
   local entry = claimed[1]
@@ -111,7 +112,7 @@ local function sg_claim(keys, consumer, id)
   local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)
   local attempt = 1
   if pending[1] then attempt = tonumber(pending[1][4]) end
-  return {entry[1], entry[2][2], attempt}
+  return {entry[1], entry[2], attempt}
 end
 
 -- Splits a held token's entry list "id,id,..." (empty string: none).
@@ -123,7 +124,7 @@ end
 
 -- Up to `want` pieces of work for a token holder: orphaned entries first (their holder died),
 -- then retries that are due, then new entries. `extra` is the meta field of that name (or nil).
--- Returns a list of {id, payload, attempt}.
+-- Returns a list of {id, fields, attempt}.
 local function sg_take_work(keys, consumer, now, extra, want)
   want = math.max(want or 1, 1)
   local got = {}
@@ -145,7 +146,7 @@ local function sg_take_work(keys, consumer, now, extra, want)
   if #got < want then
     local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', want - #got, 'STREAMS', keys[2], '>')
     if reply and reply[1] then
-      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2][2], 1} end
+      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2], 1} end
     end
   end
   return got
@@ -170,7 +171,7 @@ local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
     local reply = {'run'}
     for i, w in ipairs(work) do
       ids[i] = w[1]
-      reply[i + 1] = {w[1], sg_index(w[1]), w[2], w[3]}
+      reply[i + 1] = {w[1], sg_index(w[1]), w[2][2], w[3]}
     end
     redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
     return reply
@@ -343,4 +344,177 @@ local function sg_rearm(active, rid, due, claim, armed)
     redis.call('ZADD', active, 'XX', 'LT', due, rid)
   end
   return 1
+end
+
+-- Lanes (docs/protocol.md, "Lanes"). A lane is a long-lived request of its own, one per priority
+-- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
+-- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
+-- are taken, acquired, parked, reclaimed and restored as any request's are. Its stream carries the
+-- parts of many small requests: entry "0-<seq>" with fields p (payload), r (the request's key id),
+-- i (the part's index) and l (the request's lifecycle). Each such lane request has one record,
+-- the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot: its counters and policy, its
+-- parts not yet fed to the lane (w<i>), its results (o<i>), errors (e<i>) and dead parts'
+-- payloads (x<i>). Lane functions name records from the prefix they are given (ARGV) and the key
+-- ids in the entries; every record is in the lane's slot.
+-- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
+-- fed N at submit, and one more each time one of its parts is settled (done or dead).
+
+-- The fields of a lane entry as a table {p, r, i, l}.
+local function sg_lane_fields(fields)
+  local e = {}
+  for j = 1, #fields, 2 do e[fields[j]] = fields[j + 1] end
+  return e
+end
+
+-- The lifecycle of a lane request's record (as sg_lifecycle).
+local function sg_record_lifecycle(record)
+  local m = redis.call('HMGET', record, 'created', 'gen')
+  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+end
+
+-- Appends part i of lane request `kid` (lifecycle `lc`) to the lane.
+local function sg_lane_add(keys, kid, i, lc, payload)
+  local seq = redis.call('HINCRBY', keys[1], 'seq', 1)
+  redis.call('XADD', keys[2], '0-' .. seq, 'p', payload, 'r', kid, 'i', i, 'l', lc)
+end
+
+-- Feeds the lane the next waiting part of a lane request (requeued parts first, then parts in
+-- order), if any: called once per part of it that was settled.
+local function sg_lane_feed(keys, record, kid, lc)
+  local m = redis.call('HMGET', record, 'rq', 'nf', 'total')
+  local i
+  if m[1] and m[1] ~= '' then
+    local first, rest = string.match(m[1], '^(%d+),?(.*)$')
+    i = tonumber(first)
+    redis.call('HSET', record, 'rq', rest)
+  elseif tonumber(m[2]) < tonumber(m[3]) then
+    i = tonumber(m[2])
+    redis.call('HSET', record, 'nf', i + 1)
+  else
+    return
+  end
+  local w = redis.call('HMGET', record, 'w' .. i, 'failfast')
+  if w[1] then
+    -- A fail-fast request keeps a part's payload until the part is settled: if it fails while
+    -- the part is in the lane, a requeue feeds the part again from here.
+    if w[2] ~= '1' then redis.call('HDEL', record, 'w' .. i) end
+    sg_lane_add(keys, kid, i, lc, w[1])
+  end
+end
+
+-- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` is its
+-- HMGET 'state', 'created', 'gen'.
+local function sg_lane_live(m, lc)
+  if m[1] ~= 'queued' and m[1] ~= 'running' then return false end
+  return sg_int(tonumber(m[2]) * 1000 + tonumber(m[3] or '0')) == lc
+end
+
+-- Turns a lane request terminal: its record (kept for the retention), its one event on the
+-- shard's events stream, the completion message. Waiting parts go, except for a failed request,
+-- whose dead letters may be requeued (its parts not yet run then run too).
+local function sg_lane_finish(record, kid, state, retention, channel, events, now)
+  if state ~= 'failed' then
+    local fields = {}
+    for i = 0, tonumber(redis.call('HGET', record, 'total') or '0') - 1 do fields[#fields + 1] = 'w' .. i end
+    if #fields > 0 then sg_hdel_many(record, fields) end
+  end
+  redis.call('HSET', record, 'state', state, 'finished', now)
+  redis.call('PEXPIRE', record, retention)
+  redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  redis.call('PEXPIRE', events, retention)
+  redis.call('PUBLISH', channel, kid .. '|' .. state)
+  return sg_record_lifecycle(record)
+end
+
+-- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
+-- lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}}, or nil when its request
+-- is no longer live (then the entry is to be dropped). Marks the request running.
+local function sg_lane_entry(prefix, id, fields, attempt, now)
+  local e = sg_lane_fields(fields)
+  local record = prefix .. e.r
+  local m = redis.call('HMGET', record, 'state', 'created', 'gen', 'maxatt', 'timeout', 'bbase', 'bmax')
+  if not sg_lane_live(m, e.l) then return nil end
+  if m[1] == 'queued' then redis.call('HSET', record, 'state', 'running', 'started', now) end
+  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, {m[4], m[5], m[6], m[7]}}
+end
+
+-- Acks and deletes lane entries (of requests no longer live, or settled).
+local function sg_lane_drop(keys, ids)
+  if #ids == 0 then return end
+  redis.call('XACK', keys[2], 'g', unpack(ids))
+  redis.call('XDEL', keys[2], unpack(ids))
+end
+
+-- sg_next for a lane: hands out up to `want` entries of live requests, dropping those of requests
+-- that are no longer live (cancelled, failed fast, reopened), or parks the token.
+-- Returns {'run', entry, ...} (sg_lane_entry) or {'park', wake}.
+-- How long a lane outlives the moment it falls idle (nothing in it, every token parked, so that
+-- no element and no holder of it exists): it leaves recovery's index then and expires unless a
+-- submit revives it (sg_lane_open), so that a namespace that goes quiet keeps nothing.
+local SG_LANE_IDLE_MS = 5000
+
+-- Makes sure the lane exists and is indexed: creates it (meta hash with L parked tokens, stream and
+-- group, its entry in recovery's index, first look in `look` ms) or revives an idle one.
+local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
+  local ttl = redis.call('PTTL', keys[1])
+  if ttl == -1 then return end
+  if ttl >= 0 then
+    redis.call('PERSIST', keys[1])
+    if redis.call('PERSIST', keys[2]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
+      redis.call('ZADD', active, 'NX', now + look, lane)
+      return
+    end
+  end
+  -- Created afresh: an idle stream left without its meta is empty and goes (its last id would
+  -- refuse the new entry ids).
+  redis.call('DEL', keys[1], keys[2], keys[5], keys[6])
+  local fields = {'v', 2, 'id', lane, 'lane', 1, 'state', 'running', 'open', 1, 'prio', prio,
+    'limit', lanes, 'ntok', lanes, 'extra', 0, 'npark', lanes, 'created', now, 'gen', 0,
+    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'seq', 0, 'total', 0, 'left', 0}
+  for k = 0, lanes - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(keys[1], fields)
+  redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
+  redis.call('ZADD', active, 'NX', now + look, lane)
+end
+
+local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
+  want = math.max(want or 1, 1)
+  local reply, ids = {'run'}, {}
+  for _ = 1, 8 do
+    local work = sg_take_work(keys, consumer, now, extra, want - #ids)
+    if #work == 0 then break end
+    local dropped = {}
+    for _, w in ipairs(work) do
+      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now)
+      if entry then
+        ids[#ids + 1] = w[1]
+        reply[#reply + 1] = entry
+      else
+        dropped[#dropped + 1] = w[1]
+      end
+    end
+    sg_lane_drop(keys, dropped)
+    if #ids >= want or #dropped == 0 then break end
+    extra = redis.call('HGET', keys[1], 'extra')
+  end
+  if #ids > 0 then
+    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+    return reply
+  end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  local parked = redis.call('HINCRBY', keys[1], 'npark', 1)
+  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok')) and redis.call('XLEN', keys[2]) == 0
+    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0 then
+    -- Idle (SG_LANE_IDLE_MS).
+    local lane = redis.call('HGET', keys[1], 'id')
+    redis.call('ZREM', active, lane)
+    redis.call('ZREM', armed, lane)
+    redis.call('PEXPIRE', keys[1], SG_LANE_IDLE_MS)
+    redis.call('PEXPIRE', keys[2], SG_LANE_IDLE_MS)
+  end
+  local due = sg_next_retry(keys, now)
+  return {'park', due and math.max(due - now, 1) or 0}
 end

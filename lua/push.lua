@@ -15,7 +15,8 @@ local function push(keys, args)
     if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
       sg_rearm(keys[3], args[1], due, string.match(args[3], '^first:(%d+)$'))
     end
-    redis.call('HSETNX', keys[4], args[1], sg_now())
+    -- A lane (key id "~...") is never registered: it is created in the step that indexes it.
+    if string.sub(args[1], 1, 1) ~= '~' then redis.call('HSETNX', keys[4], args[1], sg_now()) end
   end
   return sg_push(keys[1], keys[2], args, 4)
 end

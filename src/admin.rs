@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::protocol::operators::Requeued;
 use crate::protocol::Finished;
 use crate::request::RequestId;
-use crate::request::{Cancelled, PartError, RequestState};
+use crate::request::{Cancelled, PartError, Priority, RequestState};
 use crate::shards::Look;
 use crate::store::Store;
 use crate::worker::registry;
@@ -122,7 +122,7 @@ impl Admin {
         let keys = self.store.keys.request(&id.key_id());
         let meta: HashMap<String, String> = self.store.client.hgetall(keys.meta.as_str()).await?;
         if meta.is_empty() {
-            return Err(Error::UnknownRequest(id.clone()));
+            return self.lane_status(id).await;
         }
         let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
         let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
@@ -176,6 +176,65 @@ impl Admin {
         })
     }
 
+    /// `status` of a lane request, from its record: `running` is not counted (its parts in the
+    /// lane are not told apart from those running), `retrying` counts parts whose last attempt
+    /// failed and that are not dead.
+    async fn lane_status(&self, id: &RequestId) -> Result<RequestStatus> {
+        let key_id = id.key_id();
+        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
+        if fields.is_empty() {
+            return Err(Error::UnknownRequest(id.clone()));
+        }
+        let text = |k: &str| fields.get(k).map(|v| String::from_utf8_lossy(v).into_owned());
+        let num = |k: &str| text(k).and_then(|v| v.parse::<u64>().ok());
+        let state: RequestState = text("state").unwrap_or_default().parse()?;
+        let total = num("total").unwrap_or(0);
+        let left = num("left").unwrap_or(total);
+        let mut errors: Vec<IndexedError> = fields
+            .iter()
+            .filter_map(|(k, v)| {
+                Some(IndexedError {
+                    index: k.strip_prefix('e')?.parse().ok()?,
+                    error: PartError::from_record(v),
+                })
+            })
+            .collect();
+        errors.sort_by_key(|e| e.index);
+        let dead = fields.keys().filter(|k| k.starts_with('x')).count() as u64;
+        let retrying = if state.is_terminal() { 0 } else { (errors.len() as u64).saturating_sub(dead) };
+        let max_attempts_seen = errors
+            .iter()
+            .map(|e| e.error.attempts)
+            .chain(num("maxseen").map(|m| m as u32))
+            .max()
+            .unwrap_or(0);
+        errors.truncate(STATUS_ERRORS);
+        let done = if state == RequestState::Completed || state == RequestState::Failed {
+            total
+        } else {
+            total.saturating_sub(left)
+        };
+        Ok(RequestStatus {
+            id: id.to_string(),
+            state,
+            priority: num("prio").unwrap_or(0) as u8,
+            concurrency: num("limit").unwrap_or(0) as u32,
+            total,
+            done,
+            failed: num("failed").unwrap_or(0),
+            running: 0,
+            retrying,
+            max_attempts_seen,
+            succeeded_after_retry: num("retried").unwrap_or(0),
+            open: false,
+            created_ms: num("created").unwrap_or(0),
+            started_ms: num("started"),
+            finished_ms: num("finished"),
+            errors,
+        })
+    }
+
     /// Cancels a request: no sub-request of it starts afterwards, running handlers see their
     /// context cancelled at their next heartbeat and their results are dropped, and it gets one
     /// `cancelled` terminal record and event.
@@ -195,7 +254,14 @@ impl Admin {
         let key_id = id.key_id();
         let keys = self.store.keys.request(&key_id);
         let Some(place) = crate::shards::placement(&self.store, &keys.meta).await? else {
-            return Err(Error::UnknownRequest(id.clone()));
+            // A lane request's record holds its dead letters.
+            let home = crate::shards::lane_home(&self.store, &key_id);
+            let prio: Option<u8> =
+                self.store.client.hget(self.store.keys.record(home, &key_id), "prio").await?;
+            let Some(priority) = prio.and_then(|p| Priority::new(p).ok()) else {
+                return Err(Error::UnknownRequest(id.clone()));
+            };
+            return crate::protocol::lane::requeue(&self.store, home, priority, &key_id).await;
         };
         // A failed request is reopened only after its own lifecycle is announced and sealed, and
         // after `reopen` indexed it again and marked the new lifecycle (so that no late unindex of

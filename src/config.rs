@@ -31,6 +31,7 @@ pub struct Config {
     pub(crate) wait_poll: Duration,
     pub(crate) unresponsive: Duration,
     pub(crate) token_shards: u32,
+    pub(crate) lane_tokens: u32,
     pub(crate) tls_ca_file: Option<PathBuf>,
     pub(crate) tls_client_cert: Option<(PathBuf, PathBuf)>,
 }
@@ -54,6 +55,7 @@ impl Config {
             wait_poll: Duration::from_secs(2),
             unresponsive: Duration::from_secs(10),
             token_shards: 1,
+            lane_tokens: 64,
             tls_ca_file: None,
             tls_client_cert: None,
         }
@@ -147,6 +149,18 @@ impl Config {
         self
     }
 
+    /// Small requests (at most 64 parts and 64 KB of payloads, given whole, not delayed) share a
+    /// lane per priority and token shard instead of each taking a stream of its own: one round
+    /// trip to submit, a few hundred bytes each in Redis (docs/architecture.md, "Lanes"). A lane
+    /// has `n` tokens, which it keeps: at most `n` sub-requests of a priority's small requests run
+    /// at once on one shard (each request's own limit holds too). Set on producers, when a lane is
+    /// first created; 0 turns lanes off (every request takes its own stream). Default 64, at most
+    /// 10,000.
+    pub fn lane_tokens(mut self, n: u32) -> Self {
+        self.lane_tokens = n;
+        self
+    }
+
     /// For `rediss://` URLs: trust the CA certificates of this PEM file (a private CA, a
     /// self-signed server) instead of the system's roots. Read when a component connects; a
     /// missing or unreadable file, or one without certificates, is an [`Error::Config`].
@@ -208,6 +222,12 @@ impl Config {
             return Err(Error::Config(format!(
                 "token_shards must be from 1 to 1024, not {}",
                 self.token_shards
+            )));
+        }
+        if self.lane_tokens > 10_000 {
+            return Err(Error::Config(format!(
+                "lane_tokens must be from 0 to 10000, not {}",
+                self.lane_tokens
             )));
         }
         if self.heartbeat.saturating_mul(2) > self.lease {

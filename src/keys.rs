@@ -11,6 +11,9 @@ use crate::request::{Namespace, Priority};
 /// for a request submitted with `shards` token shards: FNV-1a (32 bit) of the key id, modulo
 /// `shards`. Token k of the request lives on shard `(home + k) % shards`.
 pub(crate) fn home_shard(key_id: &str, shards: u32) -> u32 {
+    if let Some((shard, _)) = lane_of(key_id) {
+        return shard;
+    }
     let mut h: u32 = 0x811c_9dc5;
     for b in key_id.bytes() {
         h ^= u32::from(b);
@@ -19,10 +22,25 @@ pub(crate) fn home_shard(key_id: &str, shards: u32) -> u32 {
     h % shards.max(1)
 }
 
-/// The shard of token `k` of a request with `shards` shards.
+/// The shard of token `k` of a request with `shards` shards (a lane's tokens are all on its own).
 pub(crate) fn token_shard(key_id: &str, shards: u32, k: u64) -> u32 {
+    if let Some((shard, _)) = lane_of(key_id) {
+        return shard;
+    }
     let shards = shards.max(1);
     ((u64::from(home_shard(key_id, shards)) + k) % u64::from(shards)) as u32
+}
+
+/// The key id of the lane of `priority` on `shard`: `~<shard>.<priority>`. A request's key id never
+/// starts with `~` (it is percent-encoded), so lanes and requests never share keys.
+pub(crate) fn lane_key_id(shard: u32, priority: Priority) -> String {
+    format!("~{shard}.{}", priority.get())
+}
+
+/// The shard and priority of a lane's key id; `None` for a request's.
+pub(crate) fn lane_of(key_id: &str) -> Option<(u32, Priority)> {
+    let (shard, priority) = key_id.strip_prefix('~')?.split_once('.')?;
+    Some((shard.parse().ok()?, Priority::new(priority.parse().ok()?).ok()?))
 }
 
 /// Builds the keys of one namespace.
@@ -133,9 +151,25 @@ impl Keys {
         format!("{}:done", self.ns)
     }
 
-    /// The keys of one request.
+    /// The record of lane request `key_id` on `shard` (its home shard): a hash in the shard's slot.
+    pub(crate) fn record(&self, shard: u32, key_id: &str) -> String {
+        format!("{}{key_id}", self.record_prefix(shard))
+    }
+
+    /// What the records of lane requests homed on `shard` start with (the lane functions name
+    /// records from it and the key ids in the lane's entries).
+    pub(crate) fn record_prefix(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:s:", self.ns, self.ns)
+    }
+
+    /// The keys of one request; for a lane's key id (`lane_key_id`), the lane's, in its shard's slot.
     pub(crate) fn request(&self, key_id: &str) -> RequestKeys {
-        let base = format!("{}:r:{{{key_id}}}", self.ns);
+        let base = match lane_of(key_id) {
+            Some((shard, priority)) => {
+                format!("{}:{{{}.q{shard}}}:lane:{}", self.ns, self.ns, priority.get())
+            }
+            None => format!("{}:r:{{{key_id}}}", self.ns),
+        };
         RequestKeys {
             stream: format!("{base}:s"),
             results: format!("{base}:res"),
@@ -190,6 +224,22 @@ mod tests {
         assert_eq!(keys.events(0), "ns:{ns.q0}:events");
         assert_eq!(keys.workers(), "ns:{ns.q0}:workers");
         assert_eq!(keys.worker_info(), "ns:{ns.q0}:winfo");
+    }
+
+    #[test]
+    fn lanes_live_in_their_shards_slot_and_never_share_a_requests_keys() {
+        let keys = Keys::new(&Namespace::new("ns").unwrap(), 3);
+        let lane = lane_key_id(2, Priority::new(7).unwrap());
+        assert_eq!(lane, "~2.7");
+        assert_eq!(lane_of(&lane), Some((2, Priority::new(7).unwrap())));
+        assert_eq!(keys.request(&lane).meta, "ns:{ns.q2}:lane:7");
+        assert_eq!(keys.request(&lane).stream, "ns:{ns.q2}:lane:7:s");
+        assert_eq!((home_shard(&lane, 3), token_shard(&lane, 3, 5)), (2, 2));
+        assert_eq!(keys.record(1, "abc"), "ns:{ns.q1}:s:abc");
+        // A request whose id looks like a lane's is percent-encoded.
+        let id = RequestId::new("~2.7").unwrap().key_id();
+        assert_eq!(lane_of(&id), None);
+        assert!(keys.request(&id).meta.starts_with("ns:r:{"));
     }
 
     #[test]

@@ -13,6 +13,7 @@ use tracing::Instrument;
 use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
+use crate::protocol::lane;
 use crate::protocol::submit::{self, NewRequest};
 use crate::request::{Concurrency, PartError, Priority, RequestId, RequestState};
 use crate::shards::{Look, Placement};
@@ -63,6 +64,7 @@ impl Producer {
             delay: Duration::ZERO,
             open_expiry: None,
             fail_fast: false,
+            own_stream: false,
         }
     }
 
@@ -88,6 +90,13 @@ impl Producer {
             let first = encode_chunk(&mut parts, self.load_chunk())?;
             if first.is_empty() {
                 return Err(Error::InvalidRequest("a request needs at least one part".into()));
+            }
+            let mut parts = parts.peekable();
+            if self.takes_lane(&spec, &first) && parts.peek().is_none() {
+                let req = spec.new_request(&id, &key_id, &nonce, place.shards, 0);
+                lane::submit(&self.store, &req, first).await?;
+                tracing::debug!("request durable and queued in its lane");
+                return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
             }
             // Registered with recovery before it exists: a producer that dies after creating it but
             // before pushing its tokens leaves a request recovery finds and completes. Never taken
@@ -158,13 +167,25 @@ impl Producer {
         Ok(total)
     }
 
+    /// Whether a request takes its priority's lane (docs/architecture.md, "Lanes"): lanes are on,
+    /// it runs at once, and its parts, all in `first`, are few and small.
+    fn takes_lane(&self, spec: &RequestBuilder<'_>, first: &[Value]) -> bool {
+        let bytes: usize = first.iter().map(|v| v.as_bytes().map_or(0, <[u8]>::len)).sum();
+        self.store.config.lane_tokens > 0
+            && !spec.own_stream
+            && spec.delay.is_zero()
+            && first.len() <= lane::MAX_PARTS
+            && bytes <= lane::MAX_BYTES
+    }
+
     /// Reads a request's terminal record and results, or `None` while it is not terminal.
     async fn try_completion<O: DeserializeOwned>(&self, id: &RequestId) -> Result<Option<Completion<O>>> {
-        let keys = self.store.keys.request(&id.key_id());
+        let key_id = id.key_id();
+        let keys = self.store.keys.request(&key_id);
         let (state, total): (Option<String>, Option<u64>) =
             self.store.client.hmget(keys.meta.as_str(), vec!["state", "total"]).await?;
         let Some(state) = state else {
-            return Err(Error::UnknownRequest(id.clone()));
+            return self.try_lane_completion(id).await;
         };
         let state: RequestState = state.parse()?;
         if !state.is_terminal() {
@@ -173,19 +194,37 @@ impl Producer {
         let total = total.unwrap_or(0);
         let oks: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.results.as_str()).await?;
         let errs: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
-        let mut results = Vec::with_capacity(total as usize);
-        for i in 0..total {
-            results.push(match (oks.get(&i), errs.get(&i)) {
-                (Some(bytes), _) => Ok(codec::decode::<O>(bytes)?),
-                (None, Some(record)) => Err(PartError::from_record(record)),
-                (None, None) => Err(PartError {
-                    message: format!("no result recorded (request {state})"),
-                    attempts: 0,
-                    permanent: false,
-                }),
-            });
+        Ok(Some(completion(id, state, total, &oks, &errs)?))
+    }
+
+    /// `try_completion` of a lane request, from its record (results `o<i>`, errors `e<i>`).
+    async fn try_lane_completion<O: DeserializeOwned>(
+        &self,
+        id: &RequestId,
+    ) -> Result<Option<Completion<O>>> {
+        let key_id = id.key_id();
+        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
+        let text = |k: &str| fields.get(k).map(|v| String::from_utf8_lossy(v).into_owned());
+        let Some(state) = text("state") else {
+            return Err(Error::UnknownRequest(id.clone()));
+        };
+        let state: RequestState = state.parse()?;
+        if !state.is_terminal() {
+            return Ok(None);
         }
-        Ok(Some(Completion { id: id.clone(), state, results }))
+        let total = text("total").and_then(|t| t.parse().ok()).unwrap_or(0);
+        let (mut oks, mut errs) = (HashMap::new(), HashMap::new());
+        for (field, value) in fields {
+            let (kind, index) = field.split_at(1.min(field.len()));
+            let Ok(index) = index.parse::<u64>() else { continue };
+            match kind {
+                "o" => oks.insert(index, value),
+                "e" => errs.insert(index, value),
+                _ => None,
+            };
+        }
+        Ok(Some(completion(id, state, total, &oks, &errs)?))
     }
 
     /// Parts per load call: [`LOAD_CHUNK`], or the checker's smaller chunk.
@@ -202,6 +241,29 @@ impl Producer {
     }
 }
 
+/// A terminal request's completion from its results and error records, by index.
+fn completion<O: DeserializeOwned>(
+    id: &RequestId,
+    state: RequestState,
+    total: u64,
+    oks: &HashMap<u64, Vec<u8>>,
+    errs: &HashMap<u64, Vec<u8>>,
+) -> Result<Completion<O>> {
+    let mut results = Vec::with_capacity(total as usize);
+    for i in 0..total {
+        results.push(match (oks.get(&i), errs.get(&i)) {
+            (Some(bytes), _) => Ok(codec::decode::<O>(bytes)?),
+            (None, Some(record)) => Err(PartError::from_record(record)),
+            (None, None) => Err(PartError {
+                message: format!("no result recorded (request {state})"),
+                attempts: 0,
+                permanent: false,
+            }),
+        });
+    }
+    Ok(Completion { id: id.clone(), state, results })
+}
+
 /// Describes a request before it is submitted.
 #[must_use = "a request is only sent by submit()"]
 pub struct RequestBuilder<'a> {
@@ -213,6 +275,7 @@ pub struct RequestBuilder<'a> {
     delay: Duration,
     open_expiry: Option<Duration>,
     fail_fast: bool,
+    own_stream: bool,
 }
 
 impl RequestBuilder<'_> {
@@ -220,6 +283,14 @@ impl RequestBuilder<'_> {
     /// Default: the other parts still run, and the results show which failed.
     pub fn fail_fast(mut self, on: bool) -> Self {
         self.fail_fast = on;
+        self
+    }
+
+    /// Gives the request a stream of its own even when it is small enough for its priority's
+    /// lane (see [`Config::lane_tokens`]): its status then counts its running parts, and a large
+    /// lane limit cannot let its parts crowd its own. Default: a small request takes the lane.
+    pub fn own_stream(mut self, on: bool) -> Self {
+        self.own_stream = on;
         self
     }
 

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::keys::{home_shard, token_shard};
 use crate::protocol::finish::Unindexed;
 use crate::protocol::index::{Arming, PushLook};
+use crate::protocol::lane::{self, LaneCancelled};
 use crate::protocol::operators::Cancel;
 use crate::protocol::operators::Requeued;
 use crate::protocol::submit::{self, Finalized};
@@ -227,6 +228,12 @@ pub(crate) async fn reopen(store: &Store, key_id: &str, shards: u32, lifecycle: 
     Ok(())
 }
 
+/// The shard a lane request `key_id` submitted here would call home (its record is there): with
+/// this component's token shards. Producers and operators of a namespace use the same setting.
+pub(crate) fn lane_home(store: &Store, key_id: &str) -> u32 {
+    home_shard(key_id, store.keys.shards())
+}
+
 /// A request's priority and token shards, from its meta hash; `None` if it is unknown.
 pub(crate) async fn placement(store: &Store, meta: &str) -> Result<Option<Placement>> {
     let (prio, shards): (Option<u8>, Option<u32>) = store
@@ -245,7 +252,11 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
     let keys = store.keys.request(&key_id);
     let placement = placement(store, &keys.meta).await?;
     match operators::cancel(store, &key_id).await? {
-        Cancel::Unknown => Err(Error::UnknownRequest(id.clone())),
+        Cancel::Unknown => match lane::cancel(store, lane_home(store, &key_id), &key_id).await? {
+            LaneCancelled::Now => Ok(Cancelled::Now),
+            LaneCancelled::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
+            LaneCancelled::Unknown => Err(Error::UnknownRequest(id.clone())),
+        },
         Cancel::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
         Cancel::Finished(finished) => {
             let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });

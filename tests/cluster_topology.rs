@@ -118,9 +118,12 @@ struct Load {
 
 impl Load {
     /// Starts the workers and listeners, then submits the workload and a waiter per request.
-    async fn start(cluster: &RedisCluster, name: &str, retention: Duration) -> Load {
+    /// `lanes`: the requests (small enough) take lanes, whose keys live in the token slot; else
+    /// each has keys of its own, in a slot of its own.
+    async fn start(cluster: &RedisCluster, name: &str, retention: Duration, lanes: bool) -> Load {
         let ns = unique_namespace(name);
         let config = Config::new(cluster.url())
+            .lane_tokens(if lanes { 64 } else { 0 })
             .namespace(ns.clone())
             .lease(LEASE)
             .heartbeat(Duration::from_millis(300))
@@ -506,7 +509,7 @@ async fn a_graceful_failover_of_the_token_master_loses_nothing_and_completes_eve
     init_tracing();
     let began = Instant::now();
     let cluster = cluster_with_replicas(false).await;
-    let load = Load::start(&cluster, "failover", RETENTION).await;
+    let load = Load::start(&cluster, "failover", RETENTION, true).await;
     let token_slot = keyslot(&load.token_key());
     load.wait_for_completed(5, Duration::from_secs(20), "before the failover").await;
 
@@ -559,7 +562,7 @@ async fn a_sigkilled_token_master_is_replaced_by_its_replica_and_every_request_c
     // A longer retention than the other tests: while the slot has no master the clients stall
     // for seconds, and a terminal record must outlive that stall until recovery has redone a
     // missed `finish_index` (tests/chaos.rs describes what happens when it does not).
-    let load = Load::start(&cluster, "promote", 2 * RETENTION).await;
+    let load = Load::start(&cluster, "promote", 2 * RETENTION, true).await;
     let token_slot = keyslot(&load.token_key());
     load.wait_for_completed(5, Duration::from_secs(20), "before the kill").await;
 
@@ -640,7 +643,7 @@ async fn migrating_a_running_requests_slot_and_the_token_slot_loses_nothing_and_
     let began = Instant::now();
     let cluster = RedisCluster::builder().start().await.unwrap_or_else(|e| panic!("a 3-master cluster: {e}"));
     let masters = cluster.masters().await.unwrap();
-    let mut load = Load::start(&cluster, "reshard", RETENTION).await;
+    let mut load = Load::start(&cluster, "reshard", RETENTION, false).await;
     let token_slot = keyslot(&load.token_key());
     load.wait_for_completed(3, Duration::from_secs(20), "before the first migration").await;
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use fred::prelude::{ClientLike, ClusterInterface, ListInterface};
 use sluicegate::{Config, Producer, Quantum, RequestState};
 use sluicegate_testkit::{command_calls, connect, unique_namespace};
-use support::{env_on, start_worker, Job, Probe};
+use support::{env_streams, start_worker, Job, Probe};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 const SHARDS: u32 = 3;
@@ -119,7 +119,7 @@ fn within(values: &[u64], tolerance: f64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters() {
-    let env = env_on(TOPOLOGY, "shdist").await;
+    let env = env_streams(TOPOLOGY, "shdist").await;
     let cluster = env.redis.cluster().expect("a cluster");
     let masters = cluster.masters().await.unwrap();
     assert_eq!(masters.len(), 3, "{masters:?}");
@@ -220,7 +220,7 @@ async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_three_shards_limits_hold_and_results_come_back_in_order() {
-    let env = env_on(TOPOLOGY, "shlimit").await;
+    let env = env_streams(TOPOLOGY, "shlimit").await;
     let config = env.config.clone().token_shards(SHARDS);
     let probe = Probe::default();
     let quantum = Quantum { parts: 8, time: Duration::from_millis(100) };
@@ -287,7 +287,7 @@ async fn with_three_shards_limits_hold_and_results_come_back_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_of_one_request_spread_over_the_shards_and_limit_one_requests_land_on_all_of_them() {
-    let env = env_on(TOPOLOGY, "shplace").await;
+    let env = env_streams(TOPOLOGY, "shplace").await;
     let config = env.config.clone().token_shards(SHARDS);
     let ns = config.namespace_str().to_owned();
     let producer = Producer::connect(&config).await.unwrap();
@@ -346,7 +346,7 @@ async fn tokens_of_one_request_spread_over_the_shards_and_limit_one_requests_lan
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_slot_over_three_shards_keeps_priority_within_each_shard_and_reaches_the_top_within_one_round() {
-    let env = env_on(TOPOLOGY, "shprio").await;
+    let env = env_streams(TOPOLOGY, "shprio").await;
     let config: Config = env.config.clone().token_shards(SHARDS);
     let producer = Producer::connect(&config).await.unwrap();
     // Queued before any worker exists, lowest first: 12 requests of limit 1 (token 0 lives on the

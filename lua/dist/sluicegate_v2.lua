@@ -104,8 +104,9 @@ local function sg_lifecycle(keys)
   return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
 end
 
--- Delivers one specific pending entry to this consumer: {id, payload, attempt} or nil when the
--- entry no longer exists. The delivery count that XCLAIM raises is the attempt number.
+-- Delivers one specific pending entry to this consumer: {id, fields, attempt} or nil when the
+-- entry no longer exists (fields: the entry's field/value list; a request stream's entry has one
+-- field, `p`, its payload). The delivery count that XCLAIM raises is the attempt number.
 local function sg_claim(keys, consumer, id)
   local claimed = redis.call('XCLAIM', keys[2], 'g', consumer, 0, id)
   local entry = claimed[1]
@@ -113,7 +114,7 @@ local function sg_claim(keys, consumer, id)
   local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)
   local attempt = 1
   if pending[1] then attempt = tonumber(pending[1][4]) end
-  return {entry[1], entry[2][2], attempt}
+  return {entry[1], entry[2], attempt}
 end
 
 -- Splits a held token's entry list "id,id,..." (empty string: none).
@@ -125,7 +126,7 @@ end
 
 -- Up to `want` pieces of work for a token holder: orphaned entries first (their holder died),
 -- then retries that are due, then new entries. `extra` is the meta field of that name (or nil).
--- Returns a list of {id, payload, attempt}.
+-- Returns a list of {id, fields, attempt}.
 local function sg_take_work(keys, consumer, now, extra, want)
   want = math.max(want or 1, 1)
   local got = {}
@@ -147,7 +148,7 @@ local function sg_take_work(keys, consumer, now, extra, want)
   if #got < want then
     local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', want - #got, 'STREAMS', keys[2], '>')
     if reply and reply[1] then
-      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2][2], 1} end
+      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2], 1} end
     end
   end
   return got
@@ -172,7 +173,7 @@ local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
     local reply = {'run'}
     for i, w in ipairs(work) do
       ids[i] = w[1]
-      reply[i + 1] = {w[1], sg_index(w[1]), w[2], w[3]}
+      reply[i + 1] = {w[1], sg_index(w[1]), w[2][2], w[3]}
     end
     redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
     return reply
@@ -345,6 +346,179 @@ local function sg_rearm(active, rid, due, claim, armed)
     redis.call('ZADD', active, 'XX', 'LT', due, rid)
   end
   return 1
+end
+
+-- Lanes (docs/protocol.md, "Lanes"). A lane is a long-lived request of its own, one per priority
+-- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
+-- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
+-- are taken, acquired, parked, reclaimed and restored as any request's are. Its stream carries the
+-- parts of many small requests: entry "0-<seq>" with fields p (payload), r (the request's key id),
+-- i (the part's index) and l (the request's lifecycle). Each such lane request has one record,
+-- the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot: its counters and policy, its
+-- parts not yet fed to the lane (w<i>), its results (o<i>), errors (e<i>) and dead parts'
+-- payloads (x<i>). Lane functions name records from the prefix they are given (ARGV) and the key
+-- ids in the entries; every record is in the lane's slot.
+-- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
+-- fed N at submit, and one more each time one of its parts is settled (done or dead).
+
+-- The fields of a lane entry as a table {p, r, i, l}.
+local function sg_lane_fields(fields)
+  local e = {}
+  for j = 1, #fields, 2 do e[fields[j]] = fields[j + 1] end
+  return e
+end
+
+-- The lifecycle of a lane request's record (as sg_lifecycle).
+local function sg_record_lifecycle(record)
+  local m = redis.call('HMGET', record, 'created', 'gen')
+  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+end
+
+-- Appends part i of lane request `kid` (lifecycle `lc`) to the lane.
+local function sg_lane_add(keys, kid, i, lc, payload)
+  local seq = redis.call('HINCRBY', keys[1], 'seq', 1)
+  redis.call('XADD', keys[2], '0-' .. seq, 'p', payload, 'r', kid, 'i', i, 'l', lc)
+end
+
+-- Feeds the lane the next waiting part of a lane request (requeued parts first, then parts in
+-- order), if any: called once per part of it that was settled.
+local function sg_lane_feed(keys, record, kid, lc)
+  local m = redis.call('HMGET', record, 'rq', 'nf', 'total')
+  local i
+  if m[1] and m[1] ~= '' then
+    local first, rest = string.match(m[1], '^(%d+),?(.*)$')
+    i = tonumber(first)
+    redis.call('HSET', record, 'rq', rest)
+  elseif tonumber(m[2]) < tonumber(m[3]) then
+    i = tonumber(m[2])
+    redis.call('HSET', record, 'nf', i + 1)
+  else
+    return
+  end
+  local w = redis.call('HMGET', record, 'w' .. i, 'failfast')
+  if w[1] then
+    -- A fail-fast request keeps a part's payload until the part is settled: if it fails while
+    -- the part is in the lane, a requeue feeds the part again from here.
+    if w[2] ~= '1' then redis.call('HDEL', record, 'w' .. i) end
+    sg_lane_add(keys, kid, i, lc, w[1])
+  end
+end
+
+-- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` is its
+-- HMGET 'state', 'created', 'gen'.
+local function sg_lane_live(m, lc)
+  if m[1] ~= 'queued' and m[1] ~= 'running' then return false end
+  return sg_int(tonumber(m[2]) * 1000 + tonumber(m[3] or '0')) == lc
+end
+
+-- Turns a lane request terminal: its record (kept for the retention), its one event on the
+-- shard's events stream, the completion message. Waiting parts go, except for a failed request,
+-- whose dead letters may be requeued (its parts not yet run then run too).
+local function sg_lane_finish(record, kid, state, retention, channel, events, now)
+  if state ~= 'failed' then
+    local fields = {}
+    for i = 0, tonumber(redis.call('HGET', record, 'total') or '0') - 1 do fields[#fields + 1] = 'w' .. i end
+    if #fields > 0 then sg_hdel_many(record, fields) end
+  end
+  redis.call('HSET', record, 'state', state, 'finished', now)
+  redis.call('PEXPIRE', record, retention)
+  redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  redis.call('PEXPIRE', events, retention)
+  redis.call('PUBLISH', channel, kid .. '|' .. state)
+  return sg_record_lifecycle(record)
+end
+
+-- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
+-- lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}}, or nil when its request
+-- is no longer live (then the entry is to be dropped). Marks the request running.
+local function sg_lane_entry(prefix, id, fields, attempt, now)
+  local e = sg_lane_fields(fields)
+  local record = prefix .. e.r
+  local m = redis.call('HMGET', record, 'state', 'created', 'gen', 'maxatt', 'timeout', 'bbase', 'bmax')
+  if not sg_lane_live(m, e.l) then return nil end
+  if m[1] == 'queued' then redis.call('HSET', record, 'state', 'running', 'started', now) end
+  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, {m[4], m[5], m[6], m[7]}}
+end
+
+-- Acks and deletes lane entries (of requests no longer live, or settled).
+local function sg_lane_drop(keys, ids)
+  if #ids == 0 then return end
+  redis.call('XACK', keys[2], 'g', unpack(ids))
+  redis.call('XDEL', keys[2], unpack(ids))
+end
+
+-- sg_next for a lane: hands out up to `want` entries of live requests, dropping those of requests
+-- that are no longer live (cancelled, failed fast, reopened), or parks the token.
+-- Returns {'run', entry, ...} (sg_lane_entry) or {'park', wake}.
+-- How long a lane outlives the moment it falls idle (nothing in it, every token parked, so that
+-- no element and no holder of it exists): it leaves recovery's index then and expires unless a
+-- submit revives it (sg_lane_open), so that a namespace that goes quiet keeps nothing.
+local SG_LANE_IDLE_MS = 5000
+
+-- Makes sure the lane exists and is indexed: creates it (meta hash with L parked tokens, stream and
+-- group, its entry in recovery's index, first look in `look` ms) or revives an idle one.
+local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
+  local ttl = redis.call('PTTL', keys[1])
+  if ttl == -1 then return end
+  if ttl >= 0 then
+    redis.call('PERSIST', keys[1])
+    if redis.call('PERSIST', keys[2]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
+      redis.call('ZADD', active, 'NX', now + look, lane)
+      return
+    end
+  end
+  -- Created afresh: an idle stream left without its meta is empty and goes (its last id would
+  -- refuse the new entry ids).
+  redis.call('DEL', keys[1], keys[2], keys[5], keys[6])
+  local fields = {'v', 2, 'id', lane, 'lane', 1, 'state', 'running', 'open', 1, 'prio', prio,
+    'limit', lanes, 'ntok', lanes, 'extra', 0, 'npark', lanes, 'created', now, 'gen', 0,
+    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'seq', 0, 'total', 0, 'left', 0}
+  for k = 0, lanes - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(keys[1], fields)
+  redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
+  redis.call('ZADD', active, 'NX', now + look, lane)
+end
+
+local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
+  want = math.max(want or 1, 1)
+  local reply, ids = {'run'}, {}
+  for _ = 1, 8 do
+    local work = sg_take_work(keys, consumer, now, extra, want - #ids)
+    if #work == 0 then break end
+    local dropped = {}
+    for _, w in ipairs(work) do
+      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now)
+      if entry then
+        ids[#ids + 1] = w[1]
+        reply[#reply + 1] = entry
+      else
+        dropped[#dropped + 1] = w[1]
+      end
+    end
+    sg_lane_drop(keys, dropped)
+    if #ids >= want or #dropped == 0 then break end
+    extra = redis.call('HGET', keys[1], 'extra')
+  end
+  if #ids > 0 then
+    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+    return reply
+  end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  local parked = redis.call('HINCRBY', keys[1], 'npark', 1)
+  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok')) and redis.call('XLEN', keys[2]) == 0
+    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0 then
+    -- Idle (SG_LANE_IDLE_MS).
+    local lane = redis.call('HGET', keys[1], 'id')
+    redis.call('ZREM', active, lane)
+    redis.call('ZREM', armed, lane)
+    redis.call('PEXPIRE', keys[1], SG_LANE_IDLE_MS)
+    redis.call('PEXPIRE', keys[2], SG_LANE_IDLE_MS)
+  end
+  local due = sg_next_retry(keys, now)
+  return {'park', due and math.max(due - now, 1) or 0}
 end
 
 -- submit_open: create a request in state `loading`, invisible to workers (no token exists yet).
@@ -618,8 +792,9 @@ end
 -- its producer afterwards, recovery finds it. Run on the request's home shard.
 -- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
 -- KEYS[2] the registration times (hash: key id -> ms)
+-- KEYS[3] the id's lane request record on this shard (prelude.lua, "Lanes")
 -- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
--- Returns {added, now}: added is 1 if this call entered it (0 if it was there), now the Redis time
+-- Returns {added, now}, or the error "SGDUPLICATE ..." when a lane request has the id: added is 1 if this call entered it (0 if it was there), now the Redis time
 -- (ms) of the registration. The producer must create the request before now + half the loading
 -- ttl (the deadline it passes to submit_open, submit_small or stream_open): recovery drops a
 -- registration whose request does not exist only once the loading ttl has passed since it was
@@ -627,6 +802,9 @@ end
 -- created after its registration was dropped. Producers never take a registration back: it may
 -- be another producer's (the same id submitted twice).
 local function register(keys, args)
+  if keys[3] and redis.call('EXISTS', keys[3]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
   local now = sg_now()
   local added = redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
   -- The latest registration's time, not the first's: a producer's deadline counts from its own
@@ -652,7 +830,8 @@ local function push(keys, args)
     if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
       sg_rearm(keys[3], args[1], due, string.match(args[3], '^first:(%d+)$'))
     end
-    redis.call('HSETNX', keys[4], args[1], sg_now())
+    -- A lane (key id "~...") is never registered: it is created in the step that indexes it.
+    if string.sub(args[1], 1, 1) ~= '~' then redis.call('HSETNX', keys[4], args[1], sg_now()) end
   end
   return sg_push(keys[1], keys[2], args, 4)
 end
@@ -1468,6 +1647,274 @@ local function reaped(keys, args)
   return 1
 end
 
+-- lane_submit: a whole small request in one call, on its home shard's lane of its priority
+-- (prelude.lua, "Lanes"): its record, its first parts in the lane (as many as its limit), its
+-- other parts waiting in the record, and a wake-up of a parked lane token per part fed. Creates
+-- the lane (its meta hash, group and L parked tokens, its entry in recovery's index) on first use,
+-- and revives an idle one (sg_lane_open).
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the request's record
+-- KEYS[8] the lane's priority list   KEYS[9] the shard's bell   KEYS[10] the shard's active index
+-- KEYS[11] the shard's registration times   KEYS[12] the request id's finish marks on the shard
+-- ARGV[1] the lane's key id   ARGV[2] request key id   ARGV[3] request id as the producer gave it
+-- ARGV[4] submission nonce   ARGV[5] priority   ARGV[6] concurrency limit   ARGV[7] max attempts
+-- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
+-- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
+-- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14..] payloads (1 to 64)
+-- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
+-- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
+-- "SGDUPLICATE ..." when the id is in use (a lane request's record, or a request of the stream
+-- path registered or retained on this shard), "SGINVALID ..." when an argument is out of range.
+local SG_LANE_MAX_PARTS = 64
+
+local function lane_submit(keys, args)
+  local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
+  end
+  for i = 7, 10 do
+    local v = tonumber(args[i])
+    if not v or v < 0 or v % 1 ~= 0 then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
+    end
+  end
+  if tonumber(args[7]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
+    return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
+  end
+  local n = #args - 13
+  if n < 1 or n > SG_LANE_MAX_PARTS then
+    return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
+  end
+  local record = keys[7]
+  local seen = redis.call('HMGET', record, 'nonce', 'created', 'gen')
+  if seen[1] then
+    if seen[1] ~= args[4] then return redis.error_reply('SGDUPLICATE request id is already in use') end
+    return {sg_record_lifecycle(record), 0}
+  end
+  if redis.call('HGET', keys[11], args[2]) or redis.call('ZSCORE', keys[10], args[2])
+    or redis.call('EXISTS', keys[12]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  local now = sg_now()
+  sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
+  local fed = math.min(limit, n)
+  local lc = sg_int(now * 1000)
+  local fields = {'v', 2, 'id', args[3], 'nonce', args[4], 'state', 'queued', 'prio', prio,
+    'limit', limit, 'total', n, 'left', n, 'failed', 0, 'created', now, 'gen', 0, 'maxatt', args[7],
+    'timeout', args[8], 'bbase', args[9], 'bmax', args[10], 'failfast', args[11], 'nf', fed}
+  local from = fed
+  if args[11] == '1' then from = 0 end
+  for i = from, n - 1 do
+    fields[#fields + 1] = 'w' .. i
+    fields[#fields + 1] = args[14 + i]
+  end
+  redis.call('HSET', record, unpack(fields))
+  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[14 + i]) end
+  local woken = sg_unpark(keys, args[1], fed, now)
+  sg_push(keys[8], keys[9], woken)
+  return {lc, #woken}
+end
+
+-- lane_acquire: acquire for a lane token (prelude.lua, "Lanes"): the slot presents the lane token
+-- element it took and gets a batch of lane entries, which may belong to different requests.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
+-- KEYS[8] the shard's looks armed before a step
+-- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
+-- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
+--          lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}};
+--         {'park', wake}, {'drop'}, {'stale'} as acquire.
+-- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
+local function lane_acquire(keys, args)
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra')
+  local tok = m[1]
+  if not tok then return {'drop'} end
+  local f = sg_split(tok)
+  local now = sg_now()
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same call re-sent after its reply was lost: the entries it handed out, again.
+    local reply = {'run'}
+    for _, id in ipairs(sg_ids(f[5])) do
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if entry and pending then
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
+        if e then reply[#reply + 1] = e end
+      end
+    end
+    if #reply > 1 then return reply end
+  end
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
+end
+
+-- lane_ack: ack for a lane token (prelude.lua, "Lanes"): a slot reports the outcomes of the lane
+-- batch it was handed and, in the same step, gets the next batch or gives the token back. Each
+-- outcome is recorded in its request's record if that request is still live with the entry's
+-- lifecycle (else it is dropped: the request was cancelled, failed fast or reopened); a settled
+-- part feeds the lane its request's next waiting part; a request whose last part is settled
+-- finishes here (sg_lane_finish).
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's events stream
+-- KEYS[8] the shard's active index   KEYS[9] the shard's looks armed before a step
+-- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
+-- channel   ARGV[9] next batch: how many entries at most   ARGV[10] the records' key prefix
+-- ARGV[11..] one group of seven per entry, in the order handed out: entry id, outcome ('ok',
+--   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id, lifecycle
+-- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
+--         {'fenced'} as ack. Requests that finished are announced by this call itself.
+local function lane_ack(keys, args)
+  local k, epoch, holder = args[2], args[3], args[4]
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local tok = m[1]
+  if not tok then return {'fenced'} end
+  local f = sg_split(tok)
+  local ids = {}
+  for i = 11, #args, 7 do ids[#ids + 1] = args[i] end
+  if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
+    return {'fenced'}
+  end
+  local now = sg_now()
+  local extra = tonumber(m[2] or '0')
+  local prefix = args[10]
+  local gone, finished = {}, {}
+  for i = 11, #args, 7 do
+    local id, outcome, body, attempt, kid, lc = args[i], args[i + 1], args[i + 2], args[i + 4], args[i + 5], args[i + 6]
+    local record = prefix .. kid
+    local r = redis.call('HMGET', record, 'state', 'created', 'gen', 'failfast')
+    if not sg_lane_live(r, lc) or finished[kid] then
+      gone[#gone + 1] = id
+    elseif outcome == 'retry' then
+      redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
+      extra = extra + 1
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      if entry then redis.call('HSET', record, 'e' .. sg_lane_fields(entry[2]).i, body) end
+    elseif outcome == 'skip' then
+      redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
+      redis.call('RPUSH', keys[5], id)
+      extra = extra + 1
+    else
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      if entry and redis.call('XACK', keys[2], 'g', id) == 1 then
+        local e = sg_lane_fields(entry[2])
+        if outcome == 'ok' then
+          redis.call('HSET', record, 'o' .. e.i, body)
+          redis.call('HDEL', record, 'e' .. e.i)
+          if attempt ~= '1' then
+            redis.call('HINCRBY', record, 'retried', 1)
+            if tonumber(attempt) > tonumber(redis.call('HGET', record, 'maxseen') or '1') then
+              redis.call('HSET', record, 'maxseen', attempt)
+            end
+          end
+        else
+          redis.call('HSET', record, 'e' .. e.i, body, 'x' .. e.i, e.p)
+          redis.call('HINCRBY', record, 'failed', 1)
+        end
+        if r[4] == '1' then redis.call('HDEL', record, 'w' .. e.i) end
+        local left = redis.call('HINCRBY', record, 'left', -1)
+        if left <= 0 or (outcome == 'dead' and r[4] == '1') then
+          local state = 'completed'
+          if tonumber(redis.call('HGET', record, 'failed')) > 0 then state = 'failed' end
+          sg_lane_finish(record, kid, state, args[7], args[8], keys[7], now)
+          finished[kid] = true
+        else
+          sg_lane_feed(keys, record, kid, lc)
+        end
+      end
+      redis.call('XDEL', keys[2], id)
+    end
+  end
+  if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
+  sg_lane_drop(keys, gone)
+  if args[6] == '1' then
+    return sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+  end
+  return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+end
+
+-- lane_cancel: cancel for a lane request (prelude.lua, "Lanes"): its one terminal record and
+-- event now. Its parts still in the lane are acked away unrun when handed out, and the acks of
+-- those running record nothing (their lifecycle is no longer live).
+-- KEYS[1] the request's record   KEYS[2] the shard's events stream
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- Returns {'finished', 'cancelled', lifecycle}, {'already', state} when it was terminal, or
+-- {'unknown'}.
+local function lane_cancel(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return {'unknown'} end
+  if state ~= 'queued' and state ~= 'running' then return {'already', state} end
+  local lc = sg_lane_finish(keys[1], args[1], 'cancelled', args[2], args[3], keys[2], sg_now())
+  return {'finished', 'cancelled', lc}
+end
+
+-- lane_requeue: requeue_dead for a lane request (prelude.lua, "Lanes"): a failed one reopens
+-- under a new lifecycle (its old entries still in the lane are then dropped unrun), and its dead
+-- parts are fed again, with its parts not yet run, within its limit; a live one gets its dead
+-- parts back in line. Each runs with a fresh set of attempts.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the request's record
+-- KEYS[8] the lane's priority list   KEYS[9] the shard's bell   KEYS[10] the shard's active index
+-- ARGV[1] the lane's key id   ARGV[2] request key id   ARGV[3] the lane's tokens L (if it is
+-- created again)   ARGV[4] the lane's first look (ms from now) if so
+-- Returns {n, woken}: n dead letters requeued, woken lane tokens pushed. Errors "SGSTATE ..." when
+-- the request is unknown, or finished other than failed.
+local function lane_requeue(keys, args)
+  local record = keys[7]
+  local m = redis.call('HMGET', record, 'state', 'limit', 'total', 'nf', 'left', 'rq')
+  if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
+    return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
+  end
+  local flat = redis.call('HGETALL', record)
+  local dead, inflight = {}, {}
+  for j = 1, #flat, 2 do
+    local i = string.match(flat[j], '^x(%d+)$')
+    if i then dead[#dead + 1] = tonumber(i) end
+    i = string.match(flat[j], '^w(%d+)$')
+    if i and tonumber(i) < tonumber(m[4]) then inflight[#inflight + 1] = tonumber(i) end
+  end
+  table.sort(dead)
+  table.sort(inflight)
+  if #dead == 0 then return {0, 0} end
+  local now = sg_now()
+  local moves, rq = {}, {}
+  for _, i in ipairs(dead) do
+    moves[#moves + 1] = 'w' .. i
+    moves[#moves + 1] = redis.call('HGET', record, 'x' .. i)
+    rq[#rq + 1] = i
+  end
+  local xs = {}
+  for _, i in ipairs(dead) do xs[#xs + 1] = 'x' .. i end
+  redis.call('HDEL', record, unpack(xs))
+  redis.call('HSET', record, unpack(moves))
+  if m[1] == 'failed' then
+    -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
+    -- their payloads were kept (sg_lane_feed), and they are fed again.
+    for _, i in ipairs(inflight) do rq[#rq + 1] = i end
+  elseif m[6] and m[6] ~= '' then
+    table.insert(rq, 1, m[6])
+  end
+  redis.call('HSET', record, 'rq', table.concat(rq, ','))
+  redis.call('HINCRBY', record, 'failed', -#dead)
+  local left = redis.call('HINCRBY', record, 'left', #dead)
+  local feed = 0
+  if m[1] == 'failed' then
+    -- Reopened: nothing of the new lifecycle is in the lane yet.
+    redis.call('HINCRBY', record, 'gen', 1)
+    redis.call('HSET', record, 'state', 'running')
+    redis.call('HDEL', record, 'finished')
+    redis.call('PERSIST', record)
+    feed = math.min(tonumber(m[2]), left)
+  end
+  local lc = sg_record_lifecycle(record)
+  sg_lane_open(keys, args[1], redis.call('HGET', record, 'prio'), tonumber(args[3]), now, tonumber(args[4]), keys[10])
+  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc) end
+  local woken = sg_unpark(keys, args[1], feed, now)
+  sg_push(keys[8], keys[9], woken)
+  return {#dead, #woken}
+end
+
 redis.register_function('sg2_submit_open', submit_open)
 redis.register_function('sg2_load_parts', load_parts)
 redis.register_function('sg2_submit_commit', submit_commit)
@@ -1501,3 +1948,8 @@ redis.register_function('sg2_cancel', cancel)
 redis.register_function('sg2_requeue_dead', requeue_dead)
 redis.register_function('sg2_beat', beat)
 redis.register_function('sg2_reaped', reaped)
+redis.register_function('sg2_lane_submit', lane_submit)
+redis.register_function('sg2_lane_acquire', lane_acquire)
+redis.register_function('sg2_lane_ack', lane_ack)
+redis.register_function('sg2_lane_cancel', lane_cancel)
+redis.register_function('sg2_lane_requeue', lane_requeue)

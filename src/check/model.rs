@@ -154,6 +154,18 @@ pub(crate) struct Seen {
     /// Entries listed both as orphans and in the retry set (each must be in at most one: one
     /// listing is one hand-out).
     pub(crate) listed_twice: Vec<String>,
+    /// A lane request (its `meta` is its record): its results and errors by index, and whether a
+    /// token of its lane is held by a holder.
+    pub(crate) lane: Option<LaneSeen>,
+}
+
+/// What a lane request's record holds beside its fields.
+#[derive(Debug, Default)]
+pub(crate) struct LaneSeen {
+    pub(crate) results: HashMap<u64, u64>,
+    pub(crate) errors: HashMap<u64, String>,
+    /// Holders of its lane's held tokens.
+    pub(crate) holders: Vec<String>,
 }
 
 impl Seen {
@@ -204,6 +216,7 @@ pub(crate) async fn snapshot(world: &World) -> Result<(BTreeMap<u8, Seen>, u64),
         .map_err(e)?;
     for i in 0..REQUEST_IDS {
         let kid = request_id(i).key_id();
+        let _: () = pipe.hgetall(format!("{ns}:{{{ns}.q0}}:s:{kid}")).await.map_err(e)?;
         let _: () = pipe.hgetall(format!("{ns}:r:{{{kid}}}")).await.map_err(e)?;
         let _: () = pipe.hlen(format!("{ns}:r:{{{kid}}}:res")).await.map_err(e)?;
         let _: () =
@@ -221,8 +234,10 @@ pub(crate) async fn snapshot(world: &World) -> Result<(BTreeMap<u8, Seen>, u64),
     let (secs, micros): (u64, u64) = next().convert().map_err(e)?;
     let now = secs * 1000 + micros / 1000 + world.clock_ms;
     let mut out = BTreeMap::new();
+    let mut lanes: HashMap<String, Vec<String>> = HashMap::new();
     for i in 0..REQUEST_IDS {
         let kid = request_id(i).key_id();
+        let record: HashMap<String, Vec<u8>> = next().convert().map_err(e)?;
         let meta: HashMap<String, String> = next().convert().map_err(e)?;
         let results: u64 = next().convert().map_err(e)?;
         let dead: u64 = next().convert().map_err(e)?;
@@ -230,9 +245,65 @@ pub(crate) async fn snapshot(world: &World) -> Result<(BTreeMap<u8, Seen>, u64),
         let retry: Vec<String> = next().convert().map_err(e)?;
         let listed_twice = orphans.into_iter().filter(|id| retry.contains(id)).collect();
         let events = events.iter().filter(|(_, f)| f.get("rid") == Some(&kid)).count() as u64;
-        out.insert(i, Seen { meta, events, indexed: active.contains(&kid), results, dead, listed_twice });
+        if meta.is_empty() && !record.is_empty() {
+            out.insert(i, lane_seen(world, &mut lanes, &active, record, events).await?);
+            continue;
+        }
+        let lane = None;
+        out.insert(
+            i,
+            Seen { meta, events, indexed: active.contains(&kid), results, dead, listed_twice, lane },
+        );
     }
     Ok((out, now))
+}
+
+/// A lane request as `snapshot` sees it, from its record: indexed while its lane is (its parts
+/// are in the lane, or wait in the record for one of them to settle); `lanes` caches the holders
+/// of each lane's held tokens.
+async fn lane_seen(
+    world: &World,
+    lanes: &mut HashMap<String, Vec<String>>,
+    active: &[String],
+    record: HashMap<String, Vec<u8>>,
+    events: u64,
+) -> Result<Seen, String> {
+    let ns = world.config.namespace_str();
+    let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
+    let prio = record.get("prio").map(|v| text(v)).unwrap_or_default();
+    let lane_kid = format!("~0.{prio}");
+    if !lanes.contains_key(&lane_kid) {
+        let lane_meta: HashMap<String, String> =
+            world.reader.hgetall(format!("{ns}:{{{ns}.q0}}:lane:{prio}")).await.map_err(|e| e.to_string())?;
+        let holders = lane_meta
+            .iter()
+            .filter(|(k, v)| k.starts_with('t') && v.starts_with("h|"))
+            .filter_map(|(_, v)| v.split('|').nth(2).map(str::to_owned))
+            .collect();
+        lanes.insert(lane_kid.clone(), holders);
+    }
+    let mut lane = LaneSeen { holders: lanes[&lane_kid].clone(), ..LaneSeen::default() };
+    let mut meta = HashMap::new();
+    let mut dead = 0;
+    for (field, value) in record {
+        let index = field.get(1..).and_then(|i| i.parse::<u64>().ok());
+        match (field.chars().next(), index) {
+            (Some('o'), Some(index)) => {
+                lane.results.insert(index, rmp_serde::from_slice(&value).unwrap_or(u64::MAX));
+            }
+            (Some('e'), Some(index)) => {
+                lane.errors.insert(index, text(&value));
+            }
+            (Some('x'), Some(_)) => dead += 1,
+            (Some('w'), Some(_)) => {}
+            _ => {
+                meta.insert(field, text(&value));
+            }
+        }
+    }
+    let results = lane.results.len() as u64;
+    let indexed = active.contains(&lane_kid);
+    Ok(Seen { meta, events, indexed, results, dead, listed_twice: Vec::new(), lane: Some(lane) })
 }
 
 /// The invariants that hold after every step.
@@ -295,11 +366,13 @@ pub(crate) async fn check_step(world: &World) -> Result<(), String> {
         let entry = format!("0-{}", index + 1);
         let worker_live =
             workers.get(holder.split('/').next().unwrap_or_default()).is_some_and(|&expiry| expiry > now);
+        let lane_held = s.lane.as_ref().is_some_and(|l| l.holders.iter().any(|h| h.as_str() == holder));
         let under_live_lease = worker_live
-            && s.tokens().any(|(_, v)| {
-                let f: Vec<&str> = v.split('|').collect();
-                f.len() >= 5 && f[0] == "h" && f[2] == holder && f[4].split(',').any(|id| id == entry)
-            });
+            && (lane_held
+                || s.tokens().any(|(_, v)| {
+                    let f: Vec<&str> = v.split('|').collect();
+                    f.len() >= 5 && f[0] == "h" && f[2] == holder && f[4].split(',').any(|id| id == entry)
+                }));
         if under_live_lease {
             *live.entry(request.clone()).or_default() += 1;
         }
@@ -358,11 +431,18 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             }
         }
         let kid = r.key_id();
-        let results: HashMap<u64, u64> = {
-            let raw: HashMap<u64, Vec<u8>> = c.hgetall(format!("{ns}:r:{{{kid}}}:res")).await.map_err(e)?;
-            raw.into_iter().map(|(k, v)| (k, rmp_serde::from_slice(&v).unwrap_or(u64::MAX))).collect()
+        let (results, errors): (HashMap<u64, u64>, HashMap<u64, String>) = match &s.lane {
+            Some(lane) => (lane.results.clone(), lane.errors.clone()),
+            None => {
+                let raw: HashMap<u64, Vec<u8>> =
+                    c.hgetall(format!("{ns}:r:{{{kid}}}:res")).await.map_err(e)?;
+                let results = raw
+                    .into_iter()
+                    .map(|(k, v)| (k, rmp_serde::from_slice(&v).unwrap_or(u64::MAX)))
+                    .collect();
+                (results, c.hgetall(format!("{ns}:r:{{{kid}}}:err")).await.map_err(e)?)
+            }
         };
-        let errors: HashMap<u64, String> = c.hgetall(format!("{ns}:r:{{{kid}}}:err")).await.map_err(e)?;
         for index in 0..total {
             let want = payload(*i, index) * 3;
             match (results.get(&index), s.state()) {

@@ -39,6 +39,10 @@ pub(crate) struct Submit {
     pub(crate) max_attempts: u8,
     pub(crate) backoff_ms: u32,
     pub(crate) fail_fast: bool,
+    /// A small whole request takes a stream of its own instead of its lane
+    /// (`RequestBuilder::own_stream`; absent in sequences recorded before lanes).
+    #[serde(default)]
+    pub(crate) own_stream: bool,
 }
 
 /// One step of a sequence.
@@ -169,5 +173,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         max_attempts: rng.gen_range(1..=3),
         backoff_ms: if rng.gen_bool(0.5) { 0 } else { rng.gen_range(50..600) },
         fail_fast: rng.gen_bool(0.2),
+        own_stream: rng.gen_bool(0.4),
     }
 }

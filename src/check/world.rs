@@ -643,7 +643,8 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
                 Duration::from_millis(u64::from(s.backoff_ms)),
                 Duration::from_millis(u64::from(s.backoff_ms) * 4),
             )?
-            .fail_fast(s.fail_fast);
+            .fail_fast(s.fail_fast)
+            .own_stream(s.own_stream);
         Ok(b)
     };
     let result = match &s.shape {

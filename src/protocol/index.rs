@@ -9,6 +9,7 @@ use super::{ms, Func};
 use crate::error::Result;
 use crate::reply;
 use crate::request::Priority;
+use crate::request::RequestId;
 use crate::store::Store;
 
 /// What `register` answers: `{added, now}`, of which only `now` is needed (whether this call
@@ -28,7 +29,14 @@ pub(crate) async fn register(
     first_look: Duration,
 ) -> Result<Registered> {
     let (active, reg) = (store.keys.active(home), store.keys.registrations(home));
-    let reply = store.fcall(Func::Register, &[&active, &reg], vec![key_id.into(), ms(first_look)]).await?;
+    let record = store.keys.record(home, key_id);
+    let reply = store
+        .fcall(Func::Register, &[&active, &reg, &record], vec![key_id.into(), ms(first_look)])
+        .await
+        .map_err(|e| match RequestId::from_key_id(key_id) {
+            Ok(id) => super::submit::created(&id, e),
+            Err(_) => e,
+        })?;
     let items = reply::array(reply)?;
     let at_ms = items.get(1).map(reply::int).transpose()?.unwrap_or(0);
     Ok(Registered { at_ms })

@@ -49,13 +49,18 @@ pub(crate) enum Func {
     RequeueDead,
     Beat,
     Reaped,
+    LaneSubmit,
+    LaneAcquire,
+    LaneAck,
+    LaneCancel,
+    LaneRequeue,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`).
-    pub(crate) const ALL: [Func; 33] = [
+    pub(crate) const ALL: [Func; 38] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -89,6 +94,11 @@ impl Func {
         Func::RequeueDead,
         Func::Beat,
         Func::Reaped,
+        Func::LaneSubmit,
+        Func::LaneAcquire,
+        Func::LaneAck,
+        Func::LaneCancel,
+        Func::LaneRequeue,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -127,6 +137,11 @@ impl Func {
             Func::RequeueDead => "requeue_dead",
             Func::Beat => "beat",
             Func::Reaped => "reaped",
+            Func::LaneSubmit => "lane_submit",
+            Func::LaneAcquire => "lane_acquire",
+            Func::LaneAck => "lane_ack",
+            Func::LaneCancel => "lane_cancel",
+            Func::LaneRequeue => "lane_requeue",
         }
     }
 
@@ -176,6 +191,11 @@ impl Func {
             Func::RequeueDead => include_str!("../../lua/requeue_dead.lua"),
             Func::Beat => include_str!("../../lua/beat.lua"),
             Func::Reaped => include_str!("../../lua/reaped.lua"),
+            Func::LaneSubmit => include_str!("../../lua/lane_submit.lua"),
+            Func::LaneAcquire => include_str!("../../lua/lane_acquire.lua"),
+            Func::LaneAck => include_str!("../../lua/lane_ack.lua"),
+            Func::LaneCancel => include_str!("../../lua/lane_cancel.lua"),
+            Func::LaneRequeue => include_str!("../../lua/lane_requeue.lua"),
         }
     }
 }
@@ -256,6 +276,7 @@ const APP_COMMANDS: &[&str] = &[
     "lrem",
     "persist",
     "pexpire",
+    "pttl",
     "publish",
     "rpop",
     "rpush",
@@ -263,6 +284,7 @@ const APP_COMMANDS: &[&str] = &[
     "xack",
     "xadd",
     "xclaim",
+    "xdel",
     "xgroup|create",
     "xinfo|groups",
     "xlen",

@@ -27,6 +27,7 @@ mod call;
 mod element;
 pub(crate) mod finish;
 pub(crate) mod index;
+pub(crate) mod lane;
 mod library;
 pub(crate) mod operators;
 pub(crate) mod recovery;

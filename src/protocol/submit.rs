@@ -217,7 +217,7 @@ fn refused(
 
 /// [`refused`] for a call that creates a request (or commits it): refused as not loading, or too
 /// late, it has expired.
-fn created(id: &RequestId, e: Error) -> Error {
+pub(super) fn created(id: &RequestId, e: Error) -> Error {
     refused(id, e, Error::Expired, Some(Error::Expired))
 }
 

@@ -9,6 +9,7 @@ use fred::types::Value;
 
 use super::{ms, Finished, Func, TokenElement};
 use crate::error::{Error, Result};
+use crate::keys::lane_of;
 use crate::reply;
 use crate::store::Store;
 
@@ -103,6 +104,26 @@ pub(crate) struct Entry {
     pub(crate) payload: Bytes,
     /// Which attempt this is (1 for the first).
     pub(crate) attempt: u32,
+    /// For an entry of a lane: the request it belongs to.
+    pub(crate) lane: Option<LaneEntry>,
+}
+
+impl Entry {
+    /// The policy it runs under: its own request's for a lane entry, else its batch's.
+    pub(crate) fn policy(&self, batch: Policy) -> Policy {
+        self.lane.as_ref().map_or(batch, |l| l.policy)
+    }
+}
+
+/// Which request a lane entry belongs to (docs/protocol.md, "Lanes").
+#[derive(Clone, Debug)]
+pub(crate) struct LaneEntry {
+    /// The request's key id.
+    pub(crate) key_id: String,
+    /// Its lifecycle when the entry was added: an ack records nothing for another.
+    pub(crate) lifecycle: String,
+    /// Its retry policy.
+    pub(crate) policy: Policy,
 }
 
 /// What `acquire` or `ack` answered.
@@ -159,11 +180,19 @@ pub(crate) enum Then {
     GiveBack,
 }
 
-/// `acquire`: the slot presents the element it took and asks for at most `want` entries.
+/// `acquire` (`lane_acquire` for a lane's token): the slot presents the element it took and asks
+/// for at most `want` entries.
 pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> Result<Next> {
     let keys = store.keys.request(&holding.element.key_id);
     let mut args = holding.args();
     args.push(i64::from(want).into());
+    if let Some((shard, _)) = lane_of(&holding.element.key_id) {
+        args.push(store.keys.record_prefix(shard).into());
+        let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
+        let mut keys = keys.all().to_vec();
+        keys.extend([active.as_str(), armed.as_str()]);
+        return next(store.fcall(Func::LaneAcquire, &keys, args).await?, true);
+    }
     next(store.fcall(Func::Acquire, &keys.all(), args).await?, true)
 }
 
@@ -194,6 +223,8 @@ pub(crate) struct Report<'a> {
     pub(crate) outcome: Outcome,
     /// The attempt that ran.
     pub(crate) attempt: u32,
+    /// For a lane entry: its request's key id and lifecycle.
+    pub(crate) lane: Option<(&'a str, &'a str)>,
 }
 
 /// `ack`: the slot reports the batch it ran, in the order it was handed out, and asks for more or
@@ -204,7 +235,12 @@ pub(crate) async fn ack(
     then: Then,
     reports: Vec<Report<'_>>,
 ) -> Result<Next> {
-    let keys = store.keys.request(&holding.element.key_id);
+    let mut keys: Vec<String> =
+        store.keys.request(&holding.element.key_id).all().iter().map(|k| (*k).to_owned()).collect();
+    let lane = lane_of(&holding.element.key_id).map(|(shard, _)| shard);
+    if let Some(shard) = lane {
+        keys.extend([store.keys.events(shard), store.keys.active(shard), store.keys.armed(shard)]);
+    }
     let (keep_going, want) = match then {
         Then::More(want) => ("1", want),
         // ARGV[9] is read only when the slot keeps going.
@@ -217,6 +253,9 @@ pub(crate) async fn ack(
         store.keys.done_channel().into(),
         i64::from(want).into(),
     ]);
+    if let Some(shard) = lane {
+        args.push(store.keys.record_prefix(shard).into());
+    }
     for r in reports {
         let (kind, body, delay): (&str, Value, Duration) = match r.outcome {
             Outcome::Ok(bytes) => ("ok", Value::Bytes(bytes), Duration::ZERO),
@@ -225,8 +264,13 @@ pub(crate) async fn ack(
             Outcome::Retry { record, delay } => ("retry", Value::Bytes(record), delay),
         };
         args.extend([r.id.into(), kind.into(), body, ms(delay), i64::from(r.attempt).into()]);
+        if let (Some(_), Some((key_id, lifecycle))) = (lane, r.lane) {
+            args.extend([key_id.into(), lifecycle.into()]);
+        }
     }
-    next(store.fcall(Func::Ack, &keys.all(), args).await?, false)
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let func = if lane.is_some() { Func::LaneAck } else { Func::Ack };
+    next(store.fcall(func, &keys, args).await?, false)
 }
 
 /// Reads an acquire (`with_policy`) or ack reply.
@@ -235,21 +279,11 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     Ok(match tag.as_str() {
         "run" => {
-            let policy = if with_policy {
-                let p: Vec<i64> = reply::array(items.next().unwrap_or(Value::Null))?
-                    .iter()
-                    .map(reply::int)
-                    .collect::<Result<_>>()?;
-                let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
-                    return Err(Error::Protocol("acquire's policy has fewer than four fields".into()));
-                };
-                Some(Policy {
-                    max_attempts: max_attempts.max(1) as u32,
-                    timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
-                    backoff_base: Duration::from_millis(base.max(0) as u64),
-                    backoff_max: Duration::from_millis(cap.max(0) as u64),
-                    shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
-                })
+            let mut items = items.peekable();
+            // A lane's entries carry their own policies, its replies none of their own.
+            let lane = matches!(items.peek(), Some(Value::Array(e)) if e.len() == 7);
+            let mut policy = if with_policy && !lane {
+                Some(read_policy(items.next().unwrap_or(Value::Null))?)
             } else {
                 None
             };
@@ -261,15 +295,27 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
                 else {
                     return Err(Error::Protocol("short entry in a 'run' reply".into()));
                 };
+                let lane = match (f.next(), f.next(), f.next()) {
+                    (Some(key_id), Some(lifecycle), Some(p)) => Some(LaneEntry {
+                        key_id: reply::text(&key_id)?,
+                        lifecycle: reply::text(&lifecycle)?,
+                        policy: read_policy(p)?,
+                    }),
+                    _ => None,
+                };
                 entries.push(Entry {
                     id: reply::text(&id)?,
                     index: reply::int(&index)? as u64,
                     payload: reply::bytes(payload)?,
                     attempt: reply::int(&attempt)? as u32,
+                    lane,
                 });
             }
-            if entries.is_empty() {
+            let Some(first) = entries.first() else {
                 return Err(Error::Protocol("a 'run' reply without entries".into()));
+            };
+            if with_policy && lane {
+                policy = first.lane.as_ref().map(|l| l.policy);
             }
             Next::Run(entries, policy)
         }
@@ -283,6 +329,22 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
         "stale" => Next::Stale,
         "fenced" => Next::Fenced,
         other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+    })
+}
+
+/// A policy as the library reports it: `{max attempts, timeout ms, backoff base ms, backoff max ms
+/// [, token shards]}`.
+fn read_policy(value: Value) -> Result<Policy> {
+    let p: Vec<i64> = reply::array(value)?.iter().map(reply::int).collect::<Result<_>>()?;
+    let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
+        return Err(Error::Protocol("a policy has fewer than four fields".into()));
+    };
+    Ok(Policy {
+        max_attempts: max_attempts.max(1) as u32,
+        timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
+        backoff_base: Duration::from_millis(base.max(0) as u64),
+        backoff_max: Duration::from_millis(cap.max(0) as u64),
+        shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
     })
 }
 

@@ -24,6 +24,9 @@ pub(crate) struct LeaseKey {
     pub(crate) token: String,
     pub(crate) epoch: String,
     pub(crate) holder: String,
+    /// For a lane token: the record of the request whose entry runs, and its lifecycle then (the
+    /// hold ends for that handler when the request is no longer live: cancelled, failed fast).
+    pub(crate) record: Option<(String, String)>,
 }
 
 #[derive(Default)]
@@ -68,6 +71,21 @@ impl Leases {
             .filter(|(_, since, _)| since.elapsed() >= age)
             .map(|(k, _, c)| (k.clone(), c.clone()))
             .collect();
+        let records = snapshot.iter().filter_map(|(key, cancel)| Some((key.record.clone()?, cancel.clone())));
+        let lane_checks = records.map(|((record, lifecycle), cancel)| async move {
+            match lane_request_live(store, &record, &lifecycle).await {
+                Ok(false) => {
+                    tracing::warn!(record, "lane request no longer live; cancelling its handler");
+                    cancel.cancel();
+                }
+                Ok(true) => {}
+                Err(e) => tracing::debug!(error = %e, "hold check failed"),
+            }
+        });
+        futures::stream::iter(lane_checks.collect::<Vec<_>>())
+            .buffer_unordered(store.concurrency(usize::MAX))
+            .collect::<Vec<()>>()
+            .await;
         let mut by_request: HashMap<String, Vec<(LeaseKey, CancellationToken)>> = HashMap::new();
         for (key, cancel) in snapshot {
             by_request.entry(key.meta_key.clone()).or_default().push((key, cancel));
@@ -97,4 +115,15 @@ impl Leases {
             .collect::<Vec<()>>()
             .await;
     }
+}
+
+/// Whether a lane request's record is live (queued or running) at `lifecycle`, as the lane
+/// functions decide it (prelude.lua, `sg_lane_live`).
+async fn lane_request_live(store: &Store, record: &str, lifecycle: &str) -> crate::error::Result<bool> {
+    use fred::interfaces::HashesInterface;
+    let (state, created, gen): (Option<String>, Option<u64>, Option<u64>) =
+        store.client.hmget(record, vec!["state", "created", "gen"]).await?;
+    let live = matches!(state.as_deref(), Some("queued" | "running"));
+    let now = created.map(|c| (c * 1000 + gen.unwrap_or(0)).to_string());
+    Ok(live && now.as_deref() == Some(lifecycle))
 }

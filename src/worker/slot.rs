@@ -390,6 +390,7 @@ async fn run_batches<H: Handler>(
         token: token.element.k.to_string(),
         epoch: token.element.epoch.to_string(),
         holder: holding.holder.to_owned(),
+        record: None,
     };
     let mut policy = None;
     let mut next = first;
@@ -414,8 +415,19 @@ async fn run_batches<H: Handler>(
                 outcomes.push(Outcome::Skipped);
                 continue;
             }
+            // A lane entry's hold also ends with its own request (cancelled, failed fast).
+            let cancel = match &entry.lane {
+                Some(lane) => {
+                    let cancel = CancellationToken::new();
+                    let record = shared.store.keys.record(token.shard, &lane.key_id);
+                    let lease = LeaseKey { record: Some((record, lane.lifecycle.clone())), ..lease.clone() };
+                    shared.leases.hold(slot.n, lease, cancel.clone());
+                    cancel
+                }
+                None => cancel.clone(),
+            };
             let began = Instant::now();
-            let outcome = run_handler(shared, token, entry, policy, cancel.clone()).await;
+            let outcome = run_handler(shared, token, entry, entry.policy(policy), cancel).await;
             turn.batching.observe(began.elapsed());
             turn.ran += 1;
             outcomes.push(outcome);
@@ -562,15 +574,29 @@ async fn run_handler<H: Handler>(
             return Outcome::Failed { message: format!("payload does not decode: {e}"), permanent: true }
         }
     };
+    // A lane entry's request is its own, not the lane's.
+    let request_id = match &entry.lane {
+        Some(lane) => match RequestId::from_key_id(&lane.key_id) {
+            Ok(id) => id,
+            Err(e) => {
+                return Outcome::Failed {
+                    message: format!("lane entry names no request: {e}"),
+                    permanent: true,
+                }
+            }
+        },
+        None => token.request_id.clone(),
+    };
     let ctx = Context {
-        request_id: token.request_id.clone(),
+        request_id: request_id.clone(),
         index: entry.index,
         attempt: entry.attempt,
         priority: token.priority,
         cancelled: cancel.clone(),
     };
     let handler = shared.handler.clone();
-    let span = tracing::info_span!("handle", request_id = %token.request_id, index = entry.index, attempt = entry.attempt);
+    let span =
+        tracing::info_span!("handle", request_id = %request_id, index = entry.index, attempt = entry.attempt);
     let mut task = tokio::spawn(async move { handler.handle(ctx, input).await }.instrument(span));
     let timeout = async {
         match policy.timeout {
@@ -658,6 +684,7 @@ async fn ack<H: Handler>(
     let m = &shared.metrics;
     let mut reports = Vec::with_capacity(entries.len());
     for (entry, outcome) in entries.iter().zip(outcomes) {
+        let policy = entry.policy(policy);
         let reported = match outcome {
             Outcome::Done(bytes) => {
                 m.succeeded.fetch_add(1, Relaxed);
@@ -681,7 +708,8 @@ async fn ack<H: Handler>(
                 }
             }
         };
-        reports.push(Report { id: &entry.id, outcome: reported, attempt: entry.attempt });
+        let lane = entry.lane.as_ref().map(|l| (l.key_id.as_str(), l.lifecycle.as_str()));
+        reports.push(Report { id: &entry.id, outcome: reported, attempt: entry.attempt, lane });
     }
     tokens::ack(store, holding, then, reports)
         .instrument(tracing::debug_span!("ack", entries = entries.len()))

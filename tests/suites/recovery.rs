@@ -12,7 +12,7 @@ use sluicegate_testkit::connect;
 use sluicegate::{
     async_trait, Config, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState, Worker,
 };
-use crate::support::{env_on, assert_namespace_drains, fast, start_worker, Job, Probe};
+use crate::support::{env_streams, assert_namespace_drains, fast, start_worker, Job, Probe};
 
 
 /// The keys a foreign client would build (docs/protocol.md), for placing faults by hand: what a
@@ -161,7 +161,7 @@ async fn one_token<I: IntoIterator<Item = Job>>(producer: &Producer, jobs: I) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_taken_by_a_worker_that_died_before_acquiring_it_comes_back() {
-    let env = env_on(TOPOLOGY, "lostpop").await;
+    let env = env_streams(TOPOLOGY, "lostpop").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = one_token(&producer, (0..5).map(Job::new)).await;
@@ -187,7 +187,7 @@ async fn a_token_taken_by_a_worker_that_died_before_acquiring_it_comes_back() {
 /// go one retention after that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_finish_left_undone_by_a_dead_worker_is_completed_by_recovery_even_after_the_retention() {
-    let env = env_on(TOPOLOGY, "deadfin").await;
+    let env = env_streams(TOPOLOGY, "deadfin").await;
     let retention = Duration::from_secs(1);
     let config = fast(&env.config).retention(retention);
     let producer = Producer::connect(&config).await.unwrap();
@@ -225,7 +225,7 @@ async fn a_finish_left_undone_by_a_dead_worker_is_completed_by_recovery_even_aft
 /// the reopened request in recovery's index, and each lifecycle gets its one event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() {
-    let env = env_on(TOPOLOGY, "lateunidx").await;
+    let env = env_streams(TOPOLOGY, "lateunidx").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let admin = sluicegate::Admin::connect(&config).await.unwrap();
@@ -258,7 +258,7 @@ async fn a_late_unindex_of_a_failure_leaves_the_requeued_request_in_the_index() 
 /// in its index, looked at every five leases until the retention ran out).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requeue_whose_operator_died_after_reopen_is_completed_by_recovery() {
-    let env = env_on(TOPOLOGY, "halfrequeue").await;
+    let env = env_streams(TOPOLOGY, "halfrequeue").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = one_token(&producer, [Job::new(21)]).await;
@@ -295,7 +295,7 @@ async fn a_requeue_whose_operator_died_after_reopen_is_completed_by_recovery() {
 /// stalled worker's own finish_index, landing late, writes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failure_requeued_before_its_event_was_written_is_still_announced() {
-    let env = env_on(TOPOLOGY, "requeuefirst").await;
+    let env = env_streams(TOPOLOGY, "requeuefirst").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let admin = sluicegate::Admin::connect(&config).await.unwrap();
@@ -347,7 +347,7 @@ impl Handler for Attempts {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_entry_whose_worker_died_before_acking_runs_again_with_the_next_attempt_number() {
-    let env = env_on(TOPOLOGY, "deadack").await;
+    let env = env_streams(TOPOLOGY, "deadack").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = one_token(&producer, (0..3).map(Job::new)).await;
@@ -384,7 +384,7 @@ impl Handler for Staller {
 /// heartbeat runs on a thread of its own. Nobody takes its part over, and its result counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_busy_in_a_blocking_handler_is_never_declared_dead() {
-    let env = env_on(TOPOLOGY, "busy").await;
+    let env = env_streams(TOPOLOGY, "busy").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = producer.request().concurrency(1).unwrap().submit((0..3).map(Job::new)).await.unwrap();
@@ -421,7 +421,7 @@ async fn a_worker_busy_in_a_blocking_handler_is_never_declared_dead() {
 /// nothing and counts nothing down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_stops_beating_is_fenced_and_the_other_attempt_result_is_kept() {
-    let env = env_on(TOPOLOGY, "stall").await;
+    let env = env_streams(TOPOLOGY, "stall").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let h = one_token(&producer, (0..3).map(Job::new)).await;
@@ -465,7 +465,7 @@ impl Handler for Poison {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_sub_request_is_dead_lettered_after_max_attempts_and_the_rest_still_run() {
-    let env = env_on(TOPOLOGY, "poison").await;
+    let env = env_streams(TOPOLOGY, "poison").await;
     let config = fast(&env.config);
     let runs = Arc::new(Mutex::new(Vec::new()));
     let w =
@@ -494,7 +494,7 @@ async fn a_poison_sub_request_is_dead_lettered_after_max_attempts_and_the_rest_s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permanent_error_is_not_retried() {
-    let env = env_on(TOPOLOGY, "permanent").await;
+    let env = env_streams(TOPOLOGY, "permanent").await;
     let config = fast(&env.config);
     let runs = Arc::new(Mutex::new(Vec::new()));
     let w =
@@ -525,7 +525,7 @@ impl Handler for SlowFirst {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_past_its_timeout_is_abandoned_and_retried() {
-    let env = env_on(TOPOLOGY, "timeout").await;
+    let env = env_streams(TOPOLOGY, "timeout").await;
     let config = fast(&env.config);
     let w = start_worker(&config, SlowFirst, 2, Quantum::default()).await;
     let producer = Producer::connect(&config).await.unwrap();
@@ -547,7 +547,7 @@ async fn an_attempt_past_its_timeout_is_abandoned_and_retried() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_shutdown_hands_tokens_back_without_waiting_for_leases() {
-    let env = env_on(TOPOLOGY, "graceful").await;
+    let env = env_streams(TOPOLOGY, "graceful").await;
     // A lease far longer than the test: anything that waited for an expiry would time out.
     let config = env.config.clone().lease(Duration::from_secs(60)).heartbeat(Duration::from_secs(5));
     let probe = Probe::default();
@@ -573,7 +573,7 @@ async fn a_graceful_shutdown_hands_tokens_back_without_waiting_for_leases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_fast_ends_the_request_at_the_first_dead_letter() {
-    let env = env_on(TOPOLOGY, "failfast").await;
+    let env = env_streams(TOPOLOGY, "failfast").await;
     let config = fast(&env.config);
     let runs = Arc::new(Mutex::new(Vec::new()));
     let probe = Probe::default();
@@ -633,7 +633,7 @@ impl Handler for Flip {
 /// count it down twice, and end the request `completed` while another part had no result).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requeued_failure_hands_each_dead_letter_out_once_and_completes_with_every_result() {
-    let env = env_on(TOPOLOGY, "requeue-once").await;
+    let env = env_streams(TOPOLOGY, "requeue-once").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let admin = sluicegate::Admin::connect(&config).await.unwrap();
@@ -662,7 +662,7 @@ async fn a_requeued_failure_hands_each_dead_letter_out_once_and_completes_with_e
 /// the winner's tokens were never pushed and its request stayed queued forever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn producers_racing_on_the_same_ids_never_strand_the_requests_they_accept() {
-    let env = env_on(TOPOLOGY, "dup-race").await;
+    let env = env_streams(TOPOLOGY, "dup-race").await;
     let config = fast(&env.config);
     let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
     let ids: Vec<String> = (0..200).map(|i| format!("race-{i}")).collect();
@@ -703,7 +703,7 @@ async fn producers_racing_on_the_same_ids_never_strand_the_requests_they_accept(
 /// drop the registration, is refused: it cannot create a request nobody would recover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_that_stalls_past_its_deadline_creates_nothing() {
-    let env = env_on(TOPOLOGY, "late-submit").await;
+    let env = env_streams(TOPOLOGY, "late-submit").await;
     let config = fast(&env.config).loading_ttl(Duration::from_secs(2));
     let _loads_the_library = Producer::connect(&config).await.unwrap();
     let raw = Raw::new(env.redis.url(), &config).await;
@@ -745,7 +745,7 @@ async fn a_producer_that_stalls_past_its_deadline_creates_nothing() {
 /// `LPOS` over the whole list: about 1.3 s per pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_with_ten_thousand_tokens_never_blocks_redis_for_long() {
-    let env = env_on(TOPOLOGY, "bigtok").await;
+    let env = env_streams(TOPOLOGY, "bigtok").await;
     let config = fast(&env.config).census_interval(Duration::from_millis(500));
     let raw = Raw::new(env.redis.url(), &config).await;
     let slowlog = |args: Vec<Value>| {
@@ -817,7 +817,7 @@ async fn a_handler_that_ignores_its_timeout_never_runs_beside_another_part_of_it
             Ok(job.n * 2)
         }
     }
-    let env = env_on(TOPOLOGY, "zombie").await;
+    let env = env_streams(TOPOLOGY, "zombie").await;
     let config = fast(&env.config);
     let running = Arc::new(Mutex::new((0, 0)));
     let w = start_worker(&config, Blocker(running.clone()), 3, Quantum::default()).await;
@@ -844,7 +844,7 @@ async fn a_handler_that_ignores_its_timeout_never_runs_beside_another_part_of_it
 /// A delay too long to represent is refused, not run at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delay_too_long_is_refused_not_run_at_once() {
-    let env = env_on(TOPOLOGY, "delay-overflow").await;
+    let env = env_streams(TOPOLOGY, "delay-overflow").await;
     let producer = Producer::connect(&env.config).await.unwrap();
     for delay in [Duration::MAX, Duration::from_secs(u64::MAX / 1000), Duration::from_secs(11 * 365 * 24 * 3600)] {
         let refused = producer.request().delay(delay).submit([Job::new(1)]).await;
@@ -862,7 +862,7 @@ async fn a_delay_too_long_is_refused_not_run_at_once() {
 /// dead letter requeued: a fail-fast request whose other parts never ran then ran them one by one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requeued_failure_runs_with_its_full_limit_again() {
-    let env = env_on(TOPOLOGY, "requeue-limit").await;
+    let env = env_streams(TOPOLOGY, "requeue-limit").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let admin = sluicegate::Admin::connect(&config).await.unwrap();
@@ -887,7 +887,7 @@ async fn a_requeued_failure_runs_with_its_full_limit_again() {
 /// up to the retention, when the earlier finisher died between its steps) gets its own event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reused_id_gets_its_own_event_while_the_marks_of_the_earlier_request_remain() {
-    let env = env_on(TOPOLOGY, "reuse-id").await;
+    let env = env_streams(TOPOLOGY, "reuse-id").await;
     let config = fast(&env.config);
     let producer = Producer::connect(&config).await.unwrap();
     let mut listener = Listener::connect(&config).await.unwrap();
@@ -935,7 +935,7 @@ async fn a_crashed_workers_part_runs_again_within_seconds_among_thousands_of_act
             Ok(job.n * 2)
         }
     }
-    let env = env_on(TOPOLOGY, "crash-among-many").await;
+    let env = env_streams(TOPOLOGY, "crash-among-many").await;
     // The default timings: lease 2 s, heartbeat 500 ms, recovery interval 200 ms.
     let config = Config::new(env.redis.url()).namespace(env.config.namespace_str());
     let producer = Producer::connect(&config).await.unwrap();

@@ -66,6 +66,13 @@ pub async fn tokens_outstanding(client: &Client, ns: &str, requests: &[(u64, Req
         let meta = format!("{ns}:r:{{{}}}", id.key_id());
         let fields: HashMap<String, String> = client.hgetall(&meta).await.expect("HGETALL meta");
         metas_found += usize::from(!fields.is_empty());
+        // A lane request has a record on its home shard instead, and no tokens of its own (its
+        // lane's tokens are counted through the lists and `active`).
+        for shard in 0..4 {
+            let record = format!("{ns}:{{{ns}.q{shard}}}:s:{}", id.key_id());
+            let fields: HashMap<String, Vec<u8>> = client.hgetall(&record).await.expect("HGETALL record");
+            metas_found += usize::from(!fields.is_empty());
+        }
         for (field, value) in &fields {
             let is_token = field
                 .strip_prefix('t')
@@ -86,8 +93,9 @@ pub async fn tokens_outstanding(client: &Client, ns: &str, requests: &[(u64, Req
         .expect("ZRANGE");
     outstanding.extend(active.into_iter().map(|a| format!("active: {a}")));
     if metas_found == 0 && !requests.is_empty() {
-        outstanding
-            .push(format!("census: no meta hash found under {ns}:r:{{<key id>}}; key schema changed?"));
+        outstanding.push(
+            "census: no meta hash or lane record found for any request; key schema changed?".to_string(),
+        );
     }
     outstanding
 }

@@ -21,6 +21,14 @@ pub struct Env {
     pub config: Config,
 }
 
+/// `env_on` with lanes off: every request has keys of its own, for the tests that look at a
+/// request's own keys and steps (lanes are covered by the core, admin and chaos suites and the
+/// randomized checker).
+pub async fn env_streams(topology: Topology, name: &str) -> Env {
+    let Env { redis, config } = env_on(topology, name).await;
+    Env { redis, config: config.lane_tokens(0) }
+}
+
 pub async fn env_on(topology: Topology, name: &str) -> Env {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

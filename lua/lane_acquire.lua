@@ -1,0 +1,32 @@
+-- lane_acquire: acquire for a lane token (prelude.lua, "Lanes"): the slot presents the lane token
+-- element it took and gets a batch of lane entries, which may belong to different requests.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
+-- KEYS[8] the shard's looks armed before a step
+-- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
+-- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
+--          lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}};
+--         {'park', wake}, {'drop'}, {'stale'} as acquire.
+-- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
+local function lane_acquire(keys, args)
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra')
+  local tok = m[1]
+  if not tok then return {'drop'} end
+  local f = sg_split(tok)
+  local now = sg_now()
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same call re-sent after its reply was lost: the entries it handed out, again.
+    local reply = {'run'}
+    for _, id in ipairs(sg_ids(f[5])) do
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if entry and pending then
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
+        if e then reply[#reply + 1] = e end
+      end
+    end
+    if #reply > 1 then return reply end
+  end
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
+end

@@ -1,0 +1,64 @@
+-- lane_requeue: requeue_dead for a lane request (prelude.lua, "Lanes"): a failed one reopens
+-- under a new lifecycle (its old entries still in the lane are then dropped unrun), and its dead
+-- parts are fed again, with its parts not yet run, within its limit; a live one gets its dead
+-- parts back in line. Each runs with a fresh set of attempts.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the request's record
+-- KEYS[8] the lane's priority list   KEYS[9] the shard's bell   KEYS[10] the shard's active index
+-- ARGV[1] the lane's key id   ARGV[2] request key id   ARGV[3] the lane's tokens L (if it is
+-- created again)   ARGV[4] the lane's first look (ms from now) if so
+-- Returns {n, woken}: n dead letters requeued, woken lane tokens pushed. Errors "SGSTATE ..." when
+-- the request is unknown, or finished other than failed.
+local function lane_requeue(keys, args)
+  local record = keys[7]
+  local m = redis.call('HMGET', record, 'state', 'limit', 'total', 'nf', 'left', 'rq')
+  if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
+    return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
+  end
+  local flat = redis.call('HGETALL', record)
+  local dead, inflight = {}, {}
+  for j = 1, #flat, 2 do
+    local i = string.match(flat[j], '^x(%d+)$')
+    if i then dead[#dead + 1] = tonumber(i) end
+    i = string.match(flat[j], '^w(%d+)$')
+    if i and tonumber(i) < tonumber(m[4]) then inflight[#inflight + 1] = tonumber(i) end
+  end
+  table.sort(dead)
+  table.sort(inflight)
+  if #dead == 0 then return {0, 0} end
+  local now = sg_now()
+  local moves, rq = {}, {}
+  for _, i in ipairs(dead) do
+    moves[#moves + 1] = 'w' .. i
+    moves[#moves + 1] = redis.call('HGET', record, 'x' .. i)
+    rq[#rq + 1] = i
+  end
+  local xs = {}
+  for _, i in ipairs(dead) do xs[#xs + 1] = 'x' .. i end
+  redis.call('HDEL', record, unpack(xs))
+  redis.call('HSET', record, unpack(moves))
+  if m[1] == 'failed' then
+    -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
+    -- their payloads were kept (sg_lane_feed), and they are fed again.
+    for _, i in ipairs(inflight) do rq[#rq + 1] = i end
+  elseif m[6] and m[6] ~= '' then
+    table.insert(rq, 1, m[6])
+  end
+  redis.call('HSET', record, 'rq', table.concat(rq, ','))
+  redis.call('HINCRBY', record, 'failed', -#dead)
+  local left = redis.call('HINCRBY', record, 'left', #dead)
+  local feed = 0
+  if m[1] == 'failed' then
+    -- Reopened: nothing of the new lifecycle is in the lane yet.
+    redis.call('HINCRBY', record, 'gen', 1)
+    redis.call('HSET', record, 'state', 'running')
+    redis.call('HDEL', record, 'finished')
+    redis.call('PERSIST', record)
+    feed = math.min(tonumber(m[2]), left)
+  end
+  local lc = sg_record_lifecycle(record)
+  sg_lane_open(keys, args[1], redis.call('HGET', record, 'prio'), tonumber(args[3]), now, tonumber(args[4]), keys[10])
+  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc) end
+  local woken = sg_unpark(keys, args[1], feed, now)
+  sg_push(keys[8], keys[9], woken)
+  return {#dead, #woken}
+end
