@@ -124,11 +124,7 @@ impl Admin {
         if meta.is_empty() {
             return self.lane_status(id).await;
         }
-        let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
         let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
-        let total = num("total").unwrap_or(0);
-        let failed = num("failed").unwrap_or(0);
-        let left = num("left").unwrap_or(total);
         let running = meta.iter().filter(|(k, v)| k.starts_with('t') && v.starts_with("h|")).count() as u64;
         let retrying: u64 = if state.is_terminal() {
             0
@@ -139,41 +135,11 @@ impl Admin {
             waiting + orphans
         };
         let records: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
-        let mut errors: Vec<IndexedError> = records
+        let errors = records
             .iter()
             .map(|(&index, record)| IndexedError { index, error: PartError::from_record(record) })
             .collect();
-        errors.sort_by_key(|e| e.index);
-        let max_attempts_seen = errors
-            .iter()
-            .map(|e| e.error.attempts)
-            .chain(num("maxseen").map(|m| m as u32))
-            .max()
-            .unwrap_or(0);
-        errors.truncate(STATUS_ERRORS);
-        let done = if state == RequestState::Completed || state == RequestState::Failed {
-            total
-        } else {
-            total.saturating_sub(left)
-        };
-        Ok(RequestStatus {
-            id: id.to_string(),
-            state,
-            priority: num("prio").unwrap_or(0) as u8,
-            concurrency: num("limit").unwrap_or(0) as u32,
-            total,
-            done,
-            failed,
-            running,
-            retrying,
-            max_attempts_seen,
-            succeeded_after_retry: num("retried").unwrap_or(0),
-            open: meta.get("open").map(String::as_str) == Some("1"),
-            created_ms: num("created").unwrap_or(0),
-            started_ms: num("started"),
-            finished_ms: num("finished"),
-            errors,
-        })
+        status_from(id, &meta, errors, running, retrying)
     }
 
     /// `status` of a lane request, from its record: `running` is not counted (its parts in the
@@ -186,12 +152,10 @@ impl Admin {
         if fields.is_empty() {
             return Err(Error::UnknownRequest(id.clone()));
         }
-        let text = |k: &str| fields.get(k).map(|v| String::from_utf8_lossy(v).into_owned());
-        let num = |k: &str| text(k).and_then(|v| v.parse::<u64>().ok());
-        let state: RequestState = text("state").unwrap_or_default().parse()?;
-        let total = num("total").unwrap_or(0);
-        let left = num("left").unwrap_or(total);
-        let mut errors: Vec<IndexedError> = fields
+        let meta: HashMap<String, String> =
+            fields.iter().map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned())).collect();
+        let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
+        let errors: Vec<IndexedError> = fields
             .iter()
             .filter_map(|(k, v)| {
                 Some(IndexedError {
@@ -200,39 +164,9 @@ impl Admin {
                 })
             })
             .collect();
-        errors.sort_by_key(|e| e.index);
         let dead = fields.keys().filter(|k| k.starts_with('x')).count() as u64;
         let retrying = if state.is_terminal() { 0 } else { (errors.len() as u64).saturating_sub(dead) };
-        let max_attempts_seen = errors
-            .iter()
-            .map(|e| e.error.attempts)
-            .chain(num("maxseen").map(|m| m as u32))
-            .max()
-            .unwrap_or(0);
-        errors.truncate(STATUS_ERRORS);
-        let done = if state == RequestState::Completed || state == RequestState::Failed {
-            total
-        } else {
-            total.saturating_sub(left)
-        };
-        Ok(RequestStatus {
-            id: id.to_string(),
-            state,
-            priority: num("prio").unwrap_or(0) as u8,
-            concurrency: num("limit").unwrap_or(0) as u32,
-            total,
-            done,
-            failed: num("failed").unwrap_or(0),
-            running: 0,
-            retrying,
-            max_attempts_seen,
-            succeeded_after_retry: num("retried").unwrap_or(0),
-            open: false,
-            created_ms: num("created").unwrap_or(0),
-            started_ms: num("started"),
-            finished_ms: num("finished"),
-            errors,
-        })
+        status_from(id, &meta, errors, 0, retrying)
     }
 
     /// Cancels a request: no sub-request of it starts afterwards, running handlers see their
@@ -322,4 +256,46 @@ impl Admin {
         let workers = registry::live(&self.store).await?;
         Ok(Stats { tokens_waiting, active_requests, workers })
     }
+}
+
+/// A request's status from the scalar fields of its meta hash or lane record (both name them
+/// alike), its error records, and what was counted beside them.
+fn status_from(
+    id: &RequestId,
+    meta: &HashMap<String, String>,
+    mut errors: Vec<IndexedError>,
+    running: u64,
+    retrying: u64,
+) -> Result<RequestStatus> {
+    let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
+    let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
+    let total = num("total").unwrap_or(0);
+    let left = num("left").unwrap_or(total);
+    errors.sort_by_key(|e| e.index);
+    let max_attempts_seen =
+        errors.iter().map(|e| e.error.attempts).chain(num("maxseen").map(|m| m as u32)).max().unwrap_or(0);
+    errors.truncate(STATUS_ERRORS);
+    let done = if state == RequestState::Completed || state == RequestState::Failed {
+        total
+    } else {
+        total.saturating_sub(left)
+    };
+    Ok(RequestStatus {
+        id: id.to_string(),
+        state,
+        priority: num("prio").unwrap_or(0) as u8,
+        concurrency: num("limit").unwrap_or(0) as u32,
+        total,
+        done,
+        failed: num("failed").unwrap_or(0),
+        running,
+        retrying,
+        max_attempts_seen,
+        succeeded_after_retry: num("retried").unwrap_or(0),
+        open: meta.get("open").map(String::as_str) == Some("1"),
+        created_ms: num("created").unwrap_or(0),
+        started_ms: num("started"),
+        finished_ms: num("finished"),
+        errors,
+    })
 }
