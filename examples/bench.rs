@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release --example bench                      # the default scenarios, own redis-server
 //! cargo run --release --example bench -- recovery_idle      # only when named: 150 s of recovery alone
+//! cargo run --release --example bench -- window             # only when named: 2 x 10,000,000 parts
 //! cargo run --release --example bench -- many_small memory  # some scenarios
 //! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
 //! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
@@ -44,11 +45,13 @@ struct Row {
 }
 
 /// Redis-side counters, read with INFO before and after a phase.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct Stats {
     cpu_s: f64,
     calls: u64,
     memory: u64,
+    /// Per command (functions by name too): calls and µs, for `BENCH_PROFILE=1`.
+    commands: HashMap<String, (u64, u64)>,
 }
 
 async fn stats(redis: &Client) -> Result<Stats, BoxError> {
@@ -59,20 +62,96 @@ async fn stats(redis: &Client) -> Result<Stats, BoxError> {
             s.cpu_s += v.trim().parse::<f64>().unwrap_or(0.0);
         } else if let Some(v) = line.strip_prefix("used_memory:") {
             s.memory = v.trim().parse().unwrap_or(0);
-        } else if line.starts_with("cmdstat_") {
-            if let Some(calls) = line.split("calls=").nth(1).and_then(|r| r.split(',').next()) {
-                s.calls += calls.parse::<u64>().unwrap_or(0);
-            }
+        } else if let Some(rest) = line.strip_prefix("cmdstat_") {
+            let field = |name: &str| {
+                rest.split(name).nth(1).and_then(|r| r.split(',').next()).and_then(|v| v.parse::<u64>().ok())
+            };
+            let calls = field("calls=").unwrap_or(0);
+            s.calls += calls;
+            let name = rest.split(':').next().unwrap_or_default().to_string();
+            s.commands.insert(name, (calls, field("usec=").unwrap_or(0)));
         }
     }
     Ok(s)
+}
+
+/// With `BENCH_PROFILE=2`: every command from here on goes to the slow log (up to a million), so
+/// that `slowlog_report` can tell functions apart.
+async fn slowlog_on(redis: &Client) -> Result<(), BoxError> {
+    if std::env::var("BENCH_PROFILE").as_deref() != Ok("2") {
+        return Ok(());
+    }
+    let _: () = redis.custom(fred::cmd!("CONFIG"), vec!["SET", "slowlog-max-len", "1000000"]).await?;
+    let _: () = redis.custom(fred::cmd!("SLOWLOG"), vec!["RESET"]).await?;
+    let _: () = redis.custom(fred::cmd!("CONFIG"), vec!["SET", "slowlog-log-slower-than", "0"]).await?;
+    Ok(())
+}
+
+/// With `BENCH_PROFILE=2`: µs per item by command and function, from the slow log.
+async fn slowlog_report(redis: &Client, label: &str, items: u64) -> Result<(), BoxError> {
+    if std::env::var("BENCH_PROFILE").as_deref() != Ok("2") {
+        return Ok(());
+    }
+    let _: () = redis.custom(fred::cmd!("CONFIG"), vec!["SET", "slowlog-log-slower-than", "10000"]).await?;
+    let log: Value = redis.custom(fred::cmd!("SLOWLOG"), vec!["GET", "-1"]).await?;
+    let mut by: HashMap<String, (u64, u64)> = HashMap::new();
+    for entry in log.into_array() {
+        let e = entry.into_array();
+        let (Some(us), Some(args)) = (e.get(2).and_then(Value::as_i64), e.get(3)) else { continue };
+        let args: Vec<String> = args.clone().into_array().iter().filter_map(Value::as_string).collect();
+        let name = match args.first().map(|a| a.to_ascii_lowercase()) {
+            Some(c) if c == "fcall" || c == "fcall_ro" => {
+                format!("fcall {}", args.get(1).cloned().unwrap_or_default())
+            }
+            Some(c) => c,
+            None => continue,
+        };
+        let slot = by.entry(name).or_default();
+        slot.0 += 1;
+        slot.1 += us as u64;
+    }
+    let mut rows: Vec<_> = by.into_iter().collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
+    eprintln!("slow log {label}: per item, calls and µs by command and function");
+    for (name, (calls, us)) in rows.iter().take(20) {
+        eprintln!(
+            "  {name:<28} {:>8.3} calls {:>8.2} µs {:>8.1} µs/call",
+            *calls as f64 / items as f64,
+            *us as f64 / items as f64,
+            *us as f64 / *calls as f64
+        );
+    }
+    Ok(())
+}
+
+/// With `BENCH_PROFILE=1`: the commands Redis ran between two readings, most µs first, per item.
+fn profile(label: &str, before: &Stats, after: &Stats, items: u64) {
+    if std::env::var_os("BENCH_PROFILE").is_none() {
+        return;
+    }
+    let mut rows: Vec<(String, f64, f64)> = after
+        .commands
+        .iter()
+        .filter_map(|(name, (calls, usec))| {
+            let (c0, u0) = before.commands.get(name).copied().unwrap_or_default();
+            let calls = calls.saturating_sub(c0);
+            (calls > 0).then(|| {
+                (name.clone(), calls as f64 / items as f64, usec.saturating_sub(u0) as f64 / items as f64)
+            })
+        })
+        .collect();
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    eprintln!("profile {label}: per item, calls and µs inside Redis (Lua's inner calls counted too)");
+    for (name, calls, usec) in rows.iter().take(25) {
+        eprintln!("  {name:<24} {calls:>8.3} calls {usec:>8.2} µs");
+    }
 }
 
 impl Row {
     fn new(scenario: &str, items: u64) -> Self {
         Row { system: "sluicegate".into(), scenario: scenario.into(), items, ..Row::default() }
     }
-    fn cost(mut self, before: Stats, after: Stats) -> Self {
+    fn cost(mut self, before: &Stats, after: &Stats) -> Self {
         let n = self.items.max(1) as f64;
         self.redis_cpu_us_per_item = Some((after.cpu_s - before.cpu_s) * 1e6 / n);
         self.redis_cmds_per_item = Some(after.calls.saturating_sub(before.calls) as f64 / n);
@@ -135,9 +214,14 @@ impl Bench {
         ((n as f64 * self.scale).round() as u64).max(1)
     }
 
-    fn config(&self, scenario: &str) -> Config {
+    /// A scenario's settings, in a namespace of its own about as long as the default `sluicegate`
+    /// (bytes per queued request count the namespace twice, in each key's prefix and hash tag,
+    /// as BullMQ's count its `bull:<queue>:` prefix).
+    fn config(&self, _scenario: &str) -> Config {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Config::new(&self.url)
-            .namespace(format!("bench-{scenario}-{}", std::process::id()))
+            .namespace(format!("b{}.{n}", std::process::id()))
             .lease(Duration::from_secs(30))
             .retention(Duration::from_secs(60))
     }
@@ -174,7 +258,7 @@ impl Bench {
         }
         let submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
-            .cost(before, stats(&self.redis).await?)
+            .cost(&before, &stats(&self.redis).await?)
             .note(format!("{requests} x {parts} parts, submitted one request after another"));
         let before = stats(&self.redis).await?;
         let started = Instant::now();
@@ -184,7 +268,7 @@ impl Bench {
         let after = stats(&self.redis).await?;
         stop.cancel();
         task.await??;
-        let run = Row::new(scenario, items).rate(elapsed).cost(before, after).note(format!(
+        let run = Row::new(scenario, items).rate(elapsed).cost(&before, &after).note(format!(
             "{requests} x {parts}, limit {limit} per request, {SLOTS} slots, lease 30 s, recovery on"
         ));
         Ok(vec![submit, run])
@@ -209,9 +293,10 @@ impl Bench {
         let started = Instant::now();
         queue(&producer, requests, parts, limit).await?;
         let queued = stats(&self.redis).await?;
+        slowlog_on(&self.redis).await?;
         let mut submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
-            .cost(empty, queued)
+            .cost(&empty, &queued)
             .note(format!(
                 "{requests} x {parts} parts, 64 submits in flight; bytes: Redis memory per queued part"
             ));
@@ -223,9 +308,12 @@ impl Bench {
         }
         let elapsed = started.elapsed();
         let drained = stats(&self.redis).await?;
+        profile(&format!("{scenario}_submit"), &empty, &queued, items);
+        profile(scenario, &queued, &drained, items);
+        slowlog_report(&self.redis, scenario, items).await?;
         stop.cancel();
         task.await??;
-        let mut run = Row::new(scenario, items).rate(elapsed).cost(queued, drained).note(format!(
+        let mut run = Row::new(scenario, items).rate(elapsed).cost(&queued, &drained).note(format!(
             "{requests} x {parts} queued, limit {limit} per request, {SLOTS} slots: worker start -> last completion event; bytes: results kept per part"
         ));
         run.bytes_per_item = Some(drained.memory.saturating_sub(empty.memory) as f64 / items as f64);
@@ -284,6 +372,98 @@ impl Bench {
         Ok(vec![row])
     }
 
+    /// One windowed streamed request of 10,000,000 parts (scaled) with a window of 100,000
+    /// (scaled, at least 1,000), limit 16, fed by one producer in chunks of 1,000 and run by one
+    /// worker of 16 slots, its results taken with `results_from` while it runs (pages of 10,000)
+    /// or discarded. Redis's `used_memory` is sampled every second: bounded memory means those
+    /// samples stay flat whatever the number of parts.
+    async fn window(&self, discard: bool) -> Result<Vec<Row>, BoxError> {
+        let scenario = if discard { "window_discarded" } else { "window_taken" };
+        let config = self.config(scenario);
+        let producer = Producer::connect(&config).await?;
+        let parts = self.scaled(10_000_000);
+        let window = self.scaled(100_000).max(1_000);
+        let baseline = stats(&self.redis).await?;
+        let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
+        let sampling = CancellationToken::new();
+        let sampler = {
+            let (redis, sampling) = (self.redis.clone(), sampling.clone());
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                while !sampling.is_cancelled() {
+                    if let Ok(s) = stats(&redis).await {
+                        samples.push(s.memory);
+                    }
+                    tokio::select! {
+                        _ = sampling.cancelled() => {}
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+                samples
+            })
+        };
+        let before = stats(&self.redis).await?;
+        let started = Instant::now();
+        let mut open =
+            producer.request().concurrency(16)?.window(window)?.discard_results(discard).open().await?;
+        let handle = open.handle().clone();
+        let reader = (!discard).then(|| {
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                let (mut next, mut taken) = (0, 0u64);
+                loop {
+                    let page = handle.results_from::<()>(next, 10_000).await?;
+                    taken += page.results.len() as u64;
+                    next = page.next_index();
+                    if page.is_last() {
+                        return Ok::<u64, sluicegate::Error>(taken);
+                    }
+                    if page.results.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            })
+        });
+        let mut fed = 0;
+        while fed < parts {
+            let n = (parts - fed).min(1_000);
+            open.add((0..n).map(|_| PAYLOAD)).await?;
+            fed += n;
+        }
+        open.finalize().await?;
+        let taken = match reader {
+            Some(reader) => reader.await??,
+            None => 0,
+        };
+        let done = handle.wait::<()>().await?;
+        let elapsed = started.elapsed();
+        let after = stats(&self.redis).await?;
+        sampling.cancel();
+        let samples = sampler.await?;
+        stop.cancel();
+        task.await??;
+        let mb = |b: u64| b as f64 / (1 << 20) as f64;
+        let peak = samples.iter().copied().max().unwrap_or(0);
+        let mut row = Row::new(scenario, parts).rate(elapsed).cost(&before, &after).note(format!(
+            "one streamed request, window {window}, limit 16, {SLOTS} slots; results {}; {} failed; \
+             used_memory every 1 s: baseline {:.1} MB, min {:.1} MB, max {:.1} MB over {} samples; \
+             bytes: peak used_memory above the baseline per part of the window",
+            if discard { "discarded".to_owned() } else { format!("taken with results_from ({taken})") },
+            done.failed,
+            mb(baseline.memory),
+            mb(samples.iter().copied().min().unwrap_or(0)),
+            mb(peak),
+            samples.len(),
+        ));
+        row.bytes_per_item = Some(peak.saturating_sub(baseline.memory) as f64 / window as f64);
+        eprintln!(
+            "{scenario}: used_memory MB each second: {}",
+            samples.iter().map(|m| format!("{:.1}", mb(*m))).collect::<Vec<_>>().join(" ")
+        );
+        self.drop_namespace(&config).await?;
+        Ok(vec![row])
+    }
+
     async fn submit_rate(&self) -> Result<Vec<Row>, BoxError> {
         let config = self.config("submit");
         let producer = Producer::connect(&config).await?;
@@ -292,9 +472,13 @@ impl Bench {
         let started = Instant::now();
         producer.request().submit((0..parts).map(|_| PAYLOAD)).await?;
         let elapsed = started.elapsed();
-        let row = Row::new("submit_large", parts).rate(elapsed).cost(before, stats(&self.redis).await?).note(
-            format!("one request, 16-byte parts, parts made lazily; bench process peak RSS {}", peak_rss()),
-        );
+        let row = Row::new("submit_large", parts)
+            .rate(elapsed)
+            .cost(&before, &stats(&self.redis).await?)
+            .note(format!(
+                "one request, 16-byte parts, parts made lazily; bench process peak RSS {}",
+                peak_rss()
+            ));
         self.drop_namespace(&config).await?;
         Ok(vec![row])
     }
@@ -475,6 +659,11 @@ impl Bench {
         // Only when named: it watches Redis for a whole census interval.
         if chosen.contains(&"recovery_idle") {
             rows.extend(self.recovery_idle(self.scaled(100_000)).await?);
+        }
+        // Only when named: 2 x 10,000,000 parts take minutes.
+        if chosen.contains(&"window") {
+            rows.extend(self.window(false).await?);
+            rows.extend(self.window(true).await?);
         }
         if wants("medium_1000") {
             rows.extend(self.backlog("medium_1000", self.scaled(100), 1_000, 4).await?);

@@ -16,9 +16,45 @@
 --         elements...}: the request just turned terminal; {'fenced'}: this slot no longer holds
 --         the token with exactly these entries, so nothing was recorded (its worker was declared
 --         dead and the work moved on, or the request was cancelled).
+-- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
+-- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
+-- that it knows which this call settled: only those store their result, and not when the results
+-- are discarded or the part's outcome was taken already (a requeued dead letter): they count in
+-- `discarded` instead. A windowed request also trims its stream every W/4 settled acks (meta
+-- `acks`), see window_trim.
+
+-- The last entry id delivered to the group (`0-0` if none).
+local function window_delivered(keys)
+  local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+  for i = 1, #group, 2 do
+    if group[i] == 'last-delivered-id' then return group[i + 1] end
+  end
+  return '0-0'
+end
+
+-- Trims a windowed request's stream below its oldest pending entry (or, with none pending, past
+-- the last one delivered): never an entry that is pending (running, waiting for a retry, an
+-- orphan, a dead letter) or not yet delivered. When a pending entry holds the trim back (a dead
+-- letter, a retry, a slow part) and more than W/2 acked entries stay above it, meta `xdel` = 1
+-- tells the acks to XDEL the entries they settle one by one until a later trim finds the stream
+-- short again.
+local function window_trim(keys, window)
+  local pending = redis.call('XPENDING', keys[2], 'g')
+  local delivered = window_delivered(keys)
+  local oldest = pending[2]
+  if not oldest and delivered ~= '0-0' then oldest = '0-' .. (sg_index(delivered) + 2) end
+  if oldest then redis.call('XTRIM', keys[2], 'MINID', oldest) end
+  local undelivered = tonumber(redis.call('HGET', keys[1], 'total') or '0')
+  if delivered ~= '0-0' then undelivered = undelivered - sg_index(delivered) - 1 end
+  local stuck = redis.call('XLEN', keys[2]) - tonumber(pending[1]) - math.max(undelivered, 0)
+  local xdel = 0
+  if stuck > window / 2 then xdel = 1 end
+  redis.call('HSET', keys[1], 'xdel', xdel)
+end
+
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -32,13 +68,30 @@ local function ack(keys, args)
   local extra = tonumber(m[2] or '0')
   local acked, results, errors, cleared = {}, {}, {}, {}
   local failed = 0
+  local window, discard, taken = tonumber(m[3] or '0'), m[4] == '1', tonumber(m[5] or '0')
+  local one_by_one = window > 0 or discard or taken > 0
+  local settled_ok, discarded, deleted = 0, 0, {}
   for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
+    -- The outcome of a part below `taken` was handed to the reader already (a requeued dead
+    -- letter that ran again): nothing more is recorded for it.
+    local past = index < taken
     if outcome == 'ok' then
-      acked[#acked + 1] = id
-      results[#results + 1] = index
-      results[#results + 1] = body
-      cleared[#cleared + 1] = index
+      if not one_by_one then
+        acked[#acked + 1] = id
+        results[#results + 1] = index
+        results[#results + 1] = body
+      elseif redis.call('XACK', keys[2], 'g', id) == 1 then
+        settled_ok = settled_ok + 1
+        if discard or past then
+          discarded = discarded + 1
+        else
+          results[#results + 1] = index
+          results[#results + 1] = body
+        end
+        if m[6] == '1' then deleted[#deleted + 1] = id end
+      end
+      if not past then cleared[#cleared + 1] = index end
       if args[i + 4] ~= '1' then
         -- Succeeded after retries: kept in the record, which the error record no longer is.
         redis.call('HINCRBY', keys[1], 'retried', 1)
@@ -52,13 +105,17 @@ local function ack(keys, args)
       -- pending and was not a dead letter already.
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if pending and redis.call('ZADD', keys[6], 'inf', id) == 1 then failed = failed + 1 end
-      errors[#errors + 1] = index
-      errors[#errors + 1] = body
+      if not past then
+        errors[#errors + 1] = index
+        errors[#errors + 1] = body
+      end
     elseif outcome == 'retry' then
       -- Stays pending (its payload with it) until sg_take_work claims it again when due.
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
-      errors[#errors + 1] = index
-      errors[#errors + 1] = body
+      if not past then
+        errors[#errors + 1] = index
+        errors[#errors + 1] = body
+      end
       extra = extra + 1
     else
       -- Skipped: it did not run, so the delivery it had does not count as an attempt.
@@ -74,10 +131,19 @@ local function ack(keys, args)
   if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
   -- `left` counts down by what this call really settled: entries acknowledged now (XACK counts
   -- only those still pending) and new dead letters.
-  local settled = failed
+  local settled = failed + settled_ok
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
     settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
+  end
+  if discarded > 0 then redis.call('HINCRBY', keys[1], 'discarded', discarded) end
+  if #deleted > 0 then redis.call('XDEL', keys[2], unpack(deleted)) end
+  if window > 0 and settled_ok > 0 then
+    -- Every W/4 settled acks, the stream is trimmed: it holds about W entries whatever the
+    -- request's size.
+    local acks = redis.call('HINCRBY', keys[1], 'acks', settled_ok)
+    local every = math.max(math.floor(window / 4), 1)
+    if math.floor(acks / every) ~= math.floor((acks - settled_ok) / every) then window_trim(keys, window) end
   end
   if settled > 0 then
     if redis.call('HINCRBY', keys[1], 'left', -settled) <= 0

@@ -6,9 +6,15 @@
 -- Returns {'finished', 'cancelled', lifecycle}, {'already', state} when it was terminal, or
 -- {'unknown'}.
 local function lane_cancel(keys, args)
-  local state = redis.call('HGET', keys[1], 'state')
-  if not state then return {'unknown'} end
-  if state ~= 'queued' and state ~= 'running' then return {'already', state} end
-  local lc = sg_lane_finish(keys[1], args[1], 'cancelled', args[2], args[3], keys[2], sg_now())
-  return {'finished', 'cancelled', lc}
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol')
+  if not m[1] then return {'unknown'} end
+  if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
+  local now = sg_now()
+  local waiting = {}
+  for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
+  sg_hdel_many(keys[1], waiting)
+  redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
+  redis.call('PUBLISH', args[3], sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now))
+  redis.call('PEXPIRE', keys[2], args[2])
+  return {'finished', 'cancelled', m[2]}
 end

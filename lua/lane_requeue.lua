@@ -10,17 +10,19 @@
 -- the request is unknown, or finished other than failed.
 local function lane_requeue(keys, args)
   local record = keys[7]
-  local m = redis.call('HMGET', record, 'state', 'limit', 'total', 'nf', 'left', 'rq')
+  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq')
   if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
     return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
   end
+  local pol = sg_lane_policy(m[2])
+  local fed = tonumber(m[3] or pol.total)
   local flat = redis.call('HGETALL', record)
   local dead, inflight = {}, {}
   for j = 1, #flat, 2 do
     local i = string.match(flat[j], '^x(%d+)$')
     if i then dead[#dead + 1] = tonumber(i) end
     i = string.match(flat[j], '^w(%d+)$')
-    if i and tonumber(i) < tonumber(m[4]) then inflight[#inflight + 1] = tonumber(i) end
+    if i and tonumber(i) < fed then inflight[#inflight + 1] = tonumber(i) end
   end
   table.sort(dead)
   table.sort(inflight)
@@ -40,8 +42,8 @@ local function lane_requeue(keys, args)
     -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
     -- their payloads were kept (sg_lane_feed), and they are fed again.
     for _, i in ipairs(inflight) do rq[#rq + 1] = i end
-  elseif m[6] and m[6] ~= '' then
-    table.insert(rq, 1, m[6])
+  elseif m[4] and m[4] ~= '' then
+    table.insert(rq, 1, m[4])
   end
   redis.call('HSET', record, 'rq', table.concat(rq, ','))
   redis.call('HINCRBY', record, 'failed', -#dead)
@@ -49,15 +51,15 @@ local function lane_requeue(keys, args)
   local feed = 0
   if m[1] == 'failed' then
     -- Reopened: nothing of the new lifecycle is in the lane yet.
-    redis.call('HINCRBY', record, 'gen', 1)
+    redis.call('HINCRBY', record, 'lc', 1)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
-    feed = math.min(tonumber(m[2]), left)
+    feed = math.min(pol.limit, left)
   end
-  local lc = sg_record_lifecycle(record)
-  sg_lane_open(keys, args[1], redis.call('HGET', record, 'prio'), tonumber(args[3]), now, tonumber(args[4]), keys[10])
-  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc) end
+  local lc = redis.call('HGET', record, 'lc')
+  sg_lane_open(keys, args[1], pol.prio, tonumber(args[3]), now, tonumber(args[4]), keys[10])
+  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc, m[2]) end
   local woken = sg_unpark(keys, args[1], feed, now)
   sg_push(keys[8], keys[9], woken)
   return {#dead, #woken}

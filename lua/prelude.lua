@@ -86,6 +86,24 @@ local function sg_hset_many(key, pairs_list) sg_chunked('HSET', key, pairs_list)
 -- HDELs fields in chunks.
 local function sg_hdel_many(key, fields) sg_chunked('HDEL', key, fields) end
 
+-- Checks a new request's priority and limit (numbers or nil) and that args[from..to] are whole
+-- numbers of at least 0: the error reply naming the first that is not, or nil.
+local function sg_check_new(prio, limit, args, from, to)
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
+  end
+  for i = from, to do
+    local v = tonumber(args[i])
+    if not v or v < 0 or v % 1 ~= 0 then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
+    end
+  end
+  return nil
+end
+
 -- Every request-side function (all but holds) takes the same six keys, all with the request's
 -- hash tag:
 --   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
@@ -196,10 +214,11 @@ local function sg_requeue(keys, rid, k, epoch, now)
 end
 
 -- Wakes up to `n` parked tokens (the meta field `npark` counts them, so this costs nothing when
--- none is parked). Returns the elements to push.
-local function sg_unpark(keys, rid, n, now)
+-- none is parked; `parked`, if given, is its value, read by the caller). Returns the elements to
+-- push.
+local function sg_unpark(keys, rid, n, now, parked)
   local out = {}
-  local parked = tonumber(redis.call('HGET', keys[1], 'npark') or '0')
+  parked = parked or tonumber(redis.call('HGET', keys[1], 'npark') or '0')
   if n <= 0 or parked <= 0 then return out end
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local from = 0
@@ -350,12 +369,25 @@ end
 -- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
 -- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
 -- are taken, acquired, parked, reclaimed and restored as any request's are. Its stream carries the
--- parts of many small requests: entry "0-<seq>" with fields p (payload), r (the request's key id),
--- i (the part's index) and l (the request's lifecycle). Each such lane request has one record,
--- the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot: its counters and policy, its
--- parts not yet fed to the lane (w<i>), its results (o<i>), errors (e<i>) and dead parts'
--- payloads (x<i>). Lane functions name records from the prefix they are given (ARGV) and the key
--- ids in the entries; every record is in the lane's slot.
+-- parts of many small requests: one entry per part with fields p (payload), r (the request's key
+-- id), i (the part's index) and l (the request's lifecycle). Each such lane request has one
+-- record, the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot, kept lean because a
+-- queued small request is little more than it:
+--   state    queued, running, completed, failed or cancelled
+--   lc       the lifecycle, created (ms) * 1000 + generation (a requeue of a failed one adds 1)
+--   pol      its settings, "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff
+--            base ms>,<backoff cap ms>": "f" for fail fast, trailing fields at their defaults
+--            (1, 0, 1000, 60000) left out (sg_lane_pol)
+--   left     parts not settled yet        failed   parts dead (absent: none)
+--   nf       the next part to feed (absent: every part was fed at submit)   rq  requeued parts
+--   nonce    the submit's nonce, only when the producer named the id (a generated id is unique,
+--            so a record under it can only be the same submit re-sent)
+--   id       the id as the producer gave it, only when it differs from the key id
+--   started, finished, retried, maxseen as a request's meta hash has them
+--   w<i> a part not yet fed (a fail-fast request keeps it until the part is settled), o<i> a
+--   result, e<i> an error, x<i> a dead part's payload.
+-- Lane functions name records from the prefix they are given (ARGV) and the key ids in the
+-- entries; every record is in the lane's slot.
 -- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
 -- fed N at submit, and one more each time one of its parts is settled (done or dead).
 
@@ -366,83 +398,134 @@ local function sg_lane_fields(fields)
   return e
 end
 
--- The lifecycle of a lane request's record (as sg_lifecycle).
-local function sg_record_lifecycle(record)
-  local m = redis.call('HMGET', record, 'created', 'gen')
-  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+-- Whether a record's settings (its `pol` field) say fail fast (an "f" first; this is on the hot
+-- path, where splitting the string would cost more than the rest of the step).
+local function sg_lane_failfast(pol)
+  return string.byte(pol, 1) == 102
 end
 
--- Appends part i of lane request `kid` (lifecycle `lc`) to the lane.
+-- The values a record's settings leave out when they end with them: max attempts, timeout ms,
+-- backoff base ms, backoff cap ms (the Rust client's defaults).
+local SG_LANE_DEFAULTS = {'1', '0', '1000', '60000'}
+
+-- A record's settings as stored: "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,
+-- <backoff base ms>,<backoff cap ms>", "f" first for fail fast, trailing fields at their
+-- defaults (SG_LANE_DEFAULTS) left out.
+local function sg_lane_pol(prio, limit, total, maxatt, timeout, bbase, bmax, failfast)
+  local v = {prio, limit, total, maxatt, timeout, bbase, bmax}
+  local n = 7
+  while n > 3 and tostring(v[n]) == SG_LANE_DEFAULTS[n - 3] do n = n - 1 end
+  local pol = table.concat(v, ',', 1, n)
+  if failfast then pol = 'f' .. pol end
+  return pol
+end
+
+-- A record's settings (its `pol` field) as a table.
+local function sg_lane_policy(pol)
+  pol = pol or ''
+  local failfast = sg_lane_failfast(pol)
+  if failfast then pol = string.sub(pol, 2) end
+  local v = {}
+  for x in string.gmatch(pol, '[^,]+') do v[#v + 1] = x end
+  for j = 4, 7 do v[j] = v[j] or SG_LANE_DEFAULTS[j - 3] end
+  return {prio = v[1], limit = tonumber(v[2]), total = tonumber(v[3]), maxatt = v[4], timeout = v[5],
+    bbase = v[6], bmax = v[7], failfast = failfast}
+end
+
+-- Appends part i of lane request `kid` (lifecycle `lc`) to the lane. Lane entry ids are
+-- "0-<n>", n counting up, as a request's are: recovery's census counts undelivered entries from ids.
 local function sg_lane_add(keys, kid, i, lc, payload)
-  local seq = redis.call('HINCRBY', keys[1], 'seq', 1)
-  redis.call('XADD', keys[2], '0-' .. seq, 'p', payload, 'r', kid, 'i', i, 'l', lc)
+  redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', i, 'l', lc)
 end
 
--- Feeds the lane the next waiting part of a lane request (requeued parts first, then parts in
--- order), if any: called once per part of it that was settled.
-local function sg_lane_feed(keys, record, kid, lc)
-  local m = redis.call('HMGET', record, 'rq', 'nf', 'total')
-  local i
-  if m[1] and m[1] ~= '' then
-    local first, rest = string.match(m[1], '^(%d+),?(.*)$')
-    i = tonumber(first)
-    redis.call('HSET', record, 'rq', rest)
-  elseif tonumber(m[2]) < tonumber(m[3]) then
-    i = tonumber(m[2])
-    redis.call('HSET', record, 'nf', i + 1)
-  else
-    return
+-- Which waiting part of a lane request the lane is fed next (requeued parts first, then parts in
+-- order), from its record's `rq`, `nf` and `pol`: the part's index and the record fields that
+-- say it was fed, or nil when none waits.
+local function sg_lane_pick(rq, nf, pol)
+  if rq and rq ~= '' then
+    local first, rest = string.match(rq, '^(%d+),?(.*)$')
+    return tonumber(first), {'rq', rest}
   end
-  local w = redis.call('HMGET', record, 'w' .. i, 'failfast')
-  if w[1] then
-    -- A fail-fast request keeps a part's payload until the part is settled: if it fails while
-    -- the part is in the lane, a requeue feeds the part again from here.
-    if w[2] ~= '1' then redis.call('HDEL', record, 'w' .. i) end
-    sg_lane_add(keys, kid, i, lc, w[1])
+  if nf and tonumber(nf) < sg_lane_policy(pol).total then
+    return tonumber(nf), {'nf', tonumber(nf) + 1}
   end
+  return nil
 end
 
--- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` is its
--- HMGET 'state', 'created', 'gen'.
+-- Adds waiting part i of a lane request (its record's `pol` given) to the lane. A fail-fast
+-- request keeps the part's payload until the part is settled: if it fails while the part is in
+-- the lane, a requeue feeds the part again from there.
+local function sg_lane_feed_part(keys, record, kid, lc, pol, i)
+  local w = redis.call('HGET', record, 'w' .. i)
+  if not w then return end
+  if not sg_lane_failfast(pol) then redis.call('HDEL', record, 'w' .. i) end
+  sg_lane_add(keys, kid, i, lc, w)
+end
+
+-- Feeds the lane the next waiting part of a lane request, if any (sg_lane_pick).
+local function sg_lane_feed(keys, record, kid, lc, pol)
+  local m = redis.call('HMGET', record, 'rq', 'nf')
+  local i, fed = sg_lane_pick(m[1], m[2], pol)
+  if not i then return end
+  redis.call('HSET', record, unpack(fed))
+  sg_lane_feed_part(keys, record, kid, lc, pol, i)
+end
+
+-- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` starts with its
+-- HMGET 'state', 'lc'.
 local function sg_lane_live(m, lc)
-  if m[1] ~= 'queued' and m[1] ~= 'running' then return false end
-  return sg_int(tonumber(m[2]) * 1000 + tonumber(m[3] or '0')) == lc
+  return (m[1] == 'queued' or m[1] == 'running') and m[2] == lc
 end
 
--- Turns a lane request terminal: its record (kept for the retention), its one event on the
--- shard's events stream, the completion message. Waiting parts go, except for a failed request,
--- whose dead letters may be requeued (its parts not yet run then run too).
-local function sg_lane_finish(record, kid, state, retention, channel, events, now)
-  if state ~= 'failed' then
-    local fields = {}
-    for i = 0, tonumber(redis.call('HGET', record, 'total') or '0') - 1 do fields[#fields + 1] = 'w' .. i end
-    if #fields > 0 then sg_hdel_many(record, fields) end
-  end
-  redis.call('HSET', record, 'state', state, 'finished', now)
+-- Announces that a lane request turned terminal (its record's state is written): the record is
+-- kept for the retention and its one event goes on the shard's events stream. Returns its line of
+-- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
+-- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call.
+local function sg_lane_announce(record, kid, state, retention, events, now)
   redis.call('PEXPIRE', record, retention)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
-  redis.call('PEXPIRE', events, retention)
-  redis.call('PUBLISH', channel, kid .. '|' .. state)
-  return sg_record_lifecycle(record)
+  return kid .. '|' .. state
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
--- lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}}, or nil when its request
+-- lifecycle, settings (the record's `pol`, as it is)}, or nil when its request
 -- is no longer live (then the entry is to be dropped). Marks the request running.
 local function sg_lane_entry(prefix, id, fields, attempt, now)
   local e = sg_lane_fields(fields)
   local record = prefix .. e.r
-  local m = redis.call('HMGET', record, 'state', 'created', 'gen', 'maxatt', 'timeout', 'bbase', 'bmax')
+  local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
   if not sg_lane_live(m, e.l) then return nil end
   if m[1] == 'queued' then redis.call('HSET', record, 'state', 'running', 'started', now) end
-  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, {m[4], m[5], m[6], m[7]}}
+  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
 end
 
--- Acks and deletes lane entries (of requests no longer live, or settled).
+-- How long the lane's oldest pending entry may have been out before settled entries are deleted
+-- one by one rather than trimmed away behind it (sg_lane_drop).
+local SG_LANE_TRIM_MS = 1000
+
+-- Acks lane entries (of requests no longer live, or settled) and frees them. Entries are delivered
+-- in id order, so every entry older than the oldest one still pending is settled: while that one
+-- is recent the lane is trimmed up to it, whole stream nodes at a time, which costs far less than
+-- deleting entries one by one. An entry out for longer (a slow handler, a retry waiting out its
+-- backoff) would hold everything after it, so then the settled entries are deleted. Either way
+-- what is kept beyond the unsettled entries is bounded by about SG_LANE_TRIM_MS of throughput.
 local function sg_lane_drop(keys, ids)
   if #ids == 0 then return end
   redis.call('XACK', keys[2], 'g', unpack(ids))
-  redis.call('XDEL', keys[2], unpack(ids))
+  local oldest = redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1]
+  if oldest and tonumber(oldest[3]) > SG_LANE_TRIM_MS then
+    redis.call('XDEL', keys[2], unpack(ids))
+    return
+  end
+  local bound
+  if oldest then
+    bound = oldest[1]
+  else
+    local last = 0
+    for _, id in ipairs(ids) do last = math.max(last, sg_index(id)) end
+    bound = '0-' .. (last + 1)
+  end
+  redis.call('XTRIM', keys[2], 'MINID', '~', bound)
 end
 
 -- sg_next for a lane: hands out up to `want` entries of live requests, dropping those of requests
@@ -455,22 +538,24 @@ local SG_LANE_IDLE_MS = 5000
 
 -- Makes sure the lane exists and is indexed: creates it (meta hash with L parked tokens, stream and
 -- group, its entry in recovery's index, first look in `look` ms) or revives an idle one.
+-- Returns how many of its tokens are parked (its meta field `npark`).
 local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
-  local ttl = redis.call('PTTL', keys[1])
-  if ttl == -1 then return end
-  if ttl >= 0 then
+  local m = redis.call('HMGET', keys[1], 'npark', 'idle')
+  if m[1] and not m[2] then return tonumber(m[1]) end
+  if m[1] then
+    -- Idle (sg_lane_next): kept again.
     redis.call('PERSIST', keys[1])
+    redis.call('HDEL', keys[1], 'idle')
     if redis.call('PERSIST', keys[2]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
       redis.call('ZADD', active, 'NX', now + look, lane)
-      return
+      return tonumber(m[1])
     end
   end
-  -- Created afresh: an idle stream left without its meta is empty and goes (its last id would
-  -- refuse the new entry ids).
+  -- Created afresh: an idle stream left without its meta is empty and goes.
   redis.call('DEL', keys[1], keys[2], keys[5], keys[6])
   local fields = {'v', 2, 'id', lane, 'lane', 1, 'state', 'running', 'open', 1, 'prio', prio,
     'limit', lanes, 'ntok', lanes, 'extra', 0, 'npark', lanes, 'created', now, 'gen', 0,
-    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'seq', 0, 'total', 0, 'left', 0}
+    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'total', 0, 'left', 0}
   for k = 0, lanes - 1 do
     fields[#fields + 1] = 't' .. k
     fields[#fields + 1] = 'p|' .. now
@@ -478,6 +563,7 @@ local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
   sg_hset_many(keys[1], fields)
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('ZADD', active, 'NX', now + look, lane)
+  return lanes
 end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
@@ -506,9 +592,13 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
   local parked = redis.call('HINCRBY', keys[1], 'npark', 1)
-  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok')) and redis.call('XLEN', keys[2]) == 0
-    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0 then
-    -- Idle (SG_LANE_IDLE_MS).
+  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok'))
+    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0
+    and not redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1] then
+    -- Idle (SG_LANE_IDLE_MS): nothing undelivered (this take found none), pending or waiting.
+    -- What is left in the stream was settled and not trimmed yet (sg_lane_drop).
+    redis.call('XTRIM', keys[2], 'MAXLEN', 0)
+    redis.call('HSET', keys[1], 'idle', 1)
     local lane = redis.call('HGET', keys[1], 'id')
     redis.call('ZREM', active, lane)
     redis.call('ZREM', armed, lane)

@@ -5,13 +5,19 @@
 -- max attempts, timeout, backoff base, backoff cap, nonce)   ARGV[11] expiry (ms, 0 = none): a
 -- request still open this long after it was opened is cancelled by recovery   ARGV[12] '1' =
 -- fail fast   ARGV[13] token shards (submit_open's ARGV[12])   ARGV[14] deadline (submit_open's
--- ARGV[13])
+-- ARGV[13])   ARGV[15] window W (optional; 0 or absent = none): the producer keeps at most W
+-- parts unsettled, and acks trim the stream as they go (stored as `window`)   ARGV[16] '1' =
+-- discard results: `ok` results are never stored (stored as `discard`)
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
   local expiry = tonumber(args[11])
   if not expiry or expiry < 0 or expiry % 1 ~= 0 or expiry > SG_MAX_DELAY_MS then
     return redis.error_reply('SGINVALID open expiry must be a whole number of ms from 0 to ten years')
+  end
+  local window = tonumber(args[15] or '0')
+  if not window or window < 0 or window % 1 ~= 0 or window > 1e15 then
+    return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
     args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or ''})
@@ -25,6 +31,9 @@ local function stream_open(keys, args)
   redis.call('PERSIST', keys[2])
   redis.call('HSET', keys[1], 'state', 'queued', 'open', 1, 'open_deadline', deadline, 'ntok', ntok,
     'queued', now, 'npark', ntok)
+  -- Only a windowed or discarding request carries the fields: ack reads them in its one HMGET.
+  if window > 0 then redis.call('HSET', keys[1], 'window', window) end
+  if args[16] == '1' then redis.call('HSET', keys[1], 'discard', 1) end
   local fields = {}
   for k = 0, ntok - 1 do
     fields[#fields + 1] = 't' .. k

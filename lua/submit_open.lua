@@ -17,18 +17,8 @@ local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
 
 local function submit_open(keys, args)
   local prio, limit = tonumber(args[2]), tonumber(args[3])
-  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
-    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
-  end
-  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
-    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
-  end
-  for i = 4, 8 do
-    local v = tonumber(args[i])
-    if not v or v < 0 or v % 1 ~= 0 then
-      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
-    end
-  end
+  local invalid = sg_check_new(prio, limit, args, 4, 8)
+  if invalid then return invalid end
   local delay = tonumber(args[10] or '0')
   if not delay or delay < 0 or delay % 1 ~= 0 or delay > SG_MAX_DELAY_MS then
     return redis.error_reply('SGINVALID delay must be a whole number of ms from 0 to ten years')

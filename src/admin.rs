@@ -58,6 +58,16 @@ pub struct RequestStatus {
     pub retrying: u64,
     /// A streamed request still open for parts.
     pub open: bool,
+    /// A streamed request's window (`RequestBuilder::window`):
+    /// at most this many of its parts unsettled at once.
+    pub window: Option<u64>,
+    /// Its results are discarded
+    /// (`RequestBuilder::discard_results`).
+    pub discard_results: bool,
+    /// Results handed to its reader by
+    /// `RequestHandle::results_from` (the index of the
+    /// next one to take).
+    pub results_taken: u64,
     /// Sub-requests that succeeded after more than one attempt.
     pub succeeded_after_retry: u64,
     /// Most attempts any sub-request has had so far (failed, retrying or succeeded).
@@ -152,8 +162,7 @@ impl Admin {
         if fields.is_empty() {
             return Err(Error::UnknownRequest(id.clone()));
         }
-        let meta: HashMap<String, String> =
-            fields.iter().map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned())).collect();
+        let meta = crate::protocol::lane::record_meta(&fields);
         let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
         let errors: Vec<IndexedError> = fields
             .iter()
@@ -190,8 +199,10 @@ impl Admin {
         let Some(place) = crate::shards::placement(&self.store, &keys.meta).await? else {
             // A lane request's record holds its dead letters.
             let home = crate::shards::lane_home(&self.store, &key_id);
-            let prio: Option<u8> =
-                self.store.client.hget(self.store.keys.record(home, &key_id), "prio").await?;
+            let pol: Option<String> =
+                self.store.client.hget(self.store.keys.record(home, &key_id), "pol").await?;
+            let settings = pol.as_deref().map(crate::protocol::lane::Settings::parse).transpose()?;
+            let prio = settings.and_then(|s| u8::try_from(s.values[0]).ok());
             let Some(priority) = prio.and_then(|p| Priority::new(p).ok()) else {
                 return Err(Error::UnknownRequest(id.clone()));
             };
@@ -293,6 +304,9 @@ fn status_from(
         max_attempts_seen,
         succeeded_after_retry: num("retried").unwrap_or(0),
         open: meta.get("open").map(String::as_str) == Some("1"),
+        window: num("window").filter(|w| *w > 0),
+        discard_results: meta.get("discard").map(String::as_str) == Some("1"),
+        results_taken: num("taken").unwrap_or(0),
         created_ms: num("created").unwrap_or(0),
         started_ms: num("started"),
         finished_ms: num("finished"),

@@ -29,6 +29,7 @@ pub struct Config {
     pub(crate) recovery_interval: Duration,
     pub(crate) census_interval: Duration,
     pub(crate) wait_poll: Duration,
+    pub(crate) window_poll: Duration,
     pub(crate) unresponsive: Duration,
     pub(crate) token_shards: u32,
     pub(crate) lane_tokens: u32,
@@ -53,6 +54,7 @@ impl Config {
             recovery_interval: Duration::from_millis(200),
             census_interval: Duration::from_secs(60),
             wait_poll: Duration::from_secs(2),
+            window_poll: Duration::from_millis(50),
             unresponsive: Duration::from_secs(10),
             token_shards: 1,
             lane_tokens: 64,
@@ -125,6 +127,17 @@ impl Config {
     /// missed during a reconnect (default 2 s).
     pub fn wait_poll(mut self, d: Duration) -> Self {
         self.wait_poll = d;
+        self
+    }
+
+    /// How often a producer whose streamed request's window (`RequestBuilder::window`) is
+    /// full asks how many of its parts are still unsettled (default 50 ms): a shorter poll refills
+    /// the window sooner, at one cheap read-only call per poll.
+    /// ```
+    /// let config = sluicegate::Config::from_env().window_poll(std::time::Duration::from_millis(20));
+    /// ```
+    pub fn window_poll(mut self, d: Duration) -> Self {
+        self.window_poll = d;
         self
     }
 
@@ -211,6 +224,7 @@ impl Config {
             ("recovery_interval", self.recovery_interval),
             ("census_interval", self.census_interval),
             ("wait_poll", self.wait_poll),
+            ("window_poll", self.window_poll),
             ("unresponsive_timeout", self.unresponsive),
         ];
         for (name, d) in positive {

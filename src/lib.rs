@@ -72,7 +72,7 @@ pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Cursor, Listener};
-pub use producer::{Completion, OpenRequest, Producer, RequestBuilder, RequestHandle};
+pub use producer::{Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage};
 pub use request::{
     Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
     MAX_REQUEST_ID_BYTES,

@@ -65,6 +65,8 @@ impl Producer {
             open_expiry: None,
             fail_fast: false,
             own_stream: false,
+            window: 0,
+            discard: false,
         }
     }
 
@@ -82,6 +84,14 @@ impl Producer {
         let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
         async {
             check_duration("delay", spec.delay)?;
+            if spec.window > 0 || spec.discard {
+                // A whole request is bounded by what the producer hands over at once; the window
+                // paces a streamed producer (and keeps windowed requests off the lanes).
+                return Err(Error::InvalidRequest(
+                    "window and discard_results are for streamed requests: use open() and add(), not submit()"
+                        .into(),
+                ));
+            }
             let key_id = id.key_id();
             let nonce = uuid::Uuid::new_v4().simple().to_string();
             let place = Placement { priority: spec.priority, shards: self.store.keys.shards() };
@@ -93,7 +103,9 @@ impl Producer {
             }
             let mut parts = parts.peekable();
             if self.takes_lane(&spec, &first) && parts.peek().is_none() {
-                let req = spec.new_request(&id, &key_id, &nonce, place.shards, 0);
+                // A generated id is unique, so its record needs no nonce to know a re-sent submit.
+                let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
+                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0);
                 lane::submit(&self.store, &req, first).await?;
                 tracing::debug!("request durable and queued in its lane");
                 return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
@@ -182,8 +194,14 @@ impl Producer {
     async fn try_completion<O: DeserializeOwned>(&self, id: &RequestId) -> Result<Option<Completion<O>>> {
         let key_id = id.key_id();
         let keys = self.store.keys.request(&key_id);
-        let (state, total): (Option<String>, Option<u64>) =
-            self.store.client.hmget(keys.meta.as_str(), vec!["state", "total"]).await?;
+        let meta: Vec<Option<String>> = self
+            .store
+            .client
+            .hmget(keys.meta.as_str(), vec!["state", "total", "taken", "discard", "failed"])
+            .await?;
+        let num = |i: usize| meta.get(i).cloned().flatten().and_then(|v| v.parse::<u64>().ok());
+        let (state, total, taken, failed) = (meta.first().cloned().flatten(), num(1), num(2), num(4));
+        let discard = meta.get(3).cloned().flatten();
         let Some(state) = state else {
             return self.try_lane_completion(id).await;
         };
@@ -192,9 +210,26 @@ impl Producer {
             return Ok(None);
         }
         let total = total.unwrap_or(0);
+        let discard = discard.as_deref() == Some("1");
+        if discard {
+            // Its results were never stored: only the counts are left.
+            let failed = failed.unwrap_or(0);
+            return Ok(Some(Completion {
+                id: id.clone(),
+                state,
+                first: total,
+                total,
+                failed,
+                results: Vec::new(),
+            }));
+        }
         let oks: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.results.as_str()).await?;
         let errs: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
-        Ok(Some(completion(id, state, total, &oks, &errs)?))
+        // Results taken with results_from are not returned again (nor, once deleted, could be).
+        let first = taken.unwrap_or(0).min(total);
+        let mut done = completion_from(id, state, first, total, &oks, &errs)?;
+        done.failed = failed.unwrap_or(done.failed);
+        Ok(Some(done))
     }
 
     /// `try_completion` of a lane request, from its record (results `o<i>`, errors `e<i>`).
@@ -205,15 +240,15 @@ impl Producer {
         let key_id = id.key_id();
         let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
         let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
-        let text = |k: &str| fields.get(k).map(|v| String::from_utf8_lossy(v).into_owned());
-        let Some(state) = text("state") else {
+        let meta = lane::record_meta(&fields);
+        let Some(state) = meta.get("state") else {
             return Err(Error::UnknownRequest(id.clone()));
         };
         let state: RequestState = state.parse()?;
         if !state.is_terminal() {
             return Ok(None);
         }
-        let total = text("total").and_then(|t| t.parse().ok()).unwrap_or(0);
+        let total = meta.get("total").and_then(|t| t.parse().ok()).unwrap_or(0);
         let (mut oks, mut errs) = (HashMap::new(), HashMap::new());
         for (field, value) in fields {
             let (kind, index) = field.split_at(1.min(field.len()));
@@ -249,8 +284,21 @@ fn completion<O: DeserializeOwned>(
     oks: &HashMap<u64, Vec<u8>>,
     errs: &HashMap<u64, Vec<u8>>,
 ) -> Result<Completion<O>> {
-    let mut results = Vec::with_capacity(total as usize);
-    for i in 0..total {
+    completion_from(id, state, 0, total, oks, errs)
+}
+
+/// [`completion`] of the parts from `first` on (those before were taken with `results_from`):
+/// never a slot for a part taken, however many there were.
+fn completion_from<O: DeserializeOwned>(
+    id: &RequestId,
+    state: RequestState,
+    first: u64,
+    total: u64,
+    oks: &HashMap<u64, Vec<u8>>,
+    errs: &HashMap<u64, Vec<u8>>,
+) -> Result<Completion<O>> {
+    let mut results = Vec::with_capacity(total.saturating_sub(first) as usize);
+    for i in first..total {
         results.push(match (oks.get(&i), errs.get(&i)) {
             (Some(bytes), _) => Ok(codec::decode::<O>(bytes)?),
             (None, Some(record)) => Err(PartError::from_record(record)),
@@ -261,7 +309,8 @@ fn completion<O: DeserializeOwned>(
             }),
         });
     }
-    Ok(Completion { id: id.clone(), state, results })
+    let failed = errs.keys().filter(|i| **i < total && !oks.contains_key(i)).count() as u64;
+    Ok(Completion { id: id.clone(), state, first, total, failed, results })
 }
 
 /// Describes a request before it is submitted.
@@ -276,9 +325,49 @@ pub struct RequestBuilder<'a> {
     open_expiry: Option<Duration>,
     fail_fast: bool,
     own_stream: bool,
+    window: u64,
+    discard: bool,
 }
 
 impl RequestBuilder<'_> {
+    /// For [`open`](Self::open): keeps Redis's memory bounded whatever the request's size (10
+    /// million parts, a billion): [`OpenRequest::add`] waits while more than `w` of the parts
+    /// added are not settled yet (neither done nor dead-lettered), polling every
+    /// [`Config::window_poll`], and the acks trim the request's stream as they go. Its results
+    /// stay in Redis until they are taken: read them while adding, from another task, with
+    /// [`RequestHandle::results_from`], or give up on them with
+    /// [`discard_results`](Self::discard_results); [`RequestHandle::wait`] returns only the
+    /// results not taken. `w = 0` is refused; [`submit`](Self::submit) refuses a window.
+    ///
+    /// ```no_run
+    /// # async fn demo(producer: sluicegate::Producer) -> sluicegate::Result<()> {
+    /// let mut open = producer.request().window(100_000)?.discard_results(true).open().await?;
+    /// for chunk in 0..10_000u64 {
+    ///     open.add((chunk * 1_000..(chunk + 1) * 1_000).collect::<Vec<u64>>()).await?;
+    /// }
+    /// let done = open.finalize().await?.wait::<u64>().await?;
+    /// println!("{} parts, {} failed", done.total, done.failed);
+    /// # Ok(()) }
+    /// ```
+    pub fn window(mut self, w: u64) -> Result<Self> {
+        if w == 0 {
+            return Err(Error::InvalidRequest(
+                "a window must allow at least 1 part in Redis (window(0) would never let a part in)".into(),
+            ));
+        }
+        self.window = w;
+        Ok(self)
+    }
+
+    /// For [`open`](Self::open): successful parts' results are never stored (errors are): the
+    /// request's completion then carries no results, only its counts ([`Completion::total`],
+    /// [`Completion::failed`]), and [`RequestHandle::results_from`] is refused. For work whose
+    /// effect is elsewhere (writes, uploads). [`submit`](Self::submit) refuses it.
+    pub fn discard_results(mut self, on: bool) -> Self {
+        self.discard = on;
+        self
+    }
+
     /// Ends the request as `failed` at its first dead letter; its parts not yet run never will.
     /// Default: the other parts still run, and the results show which failed.
     pub fn fail_fast(mut self, on: bool) -> Self {
@@ -340,7 +429,7 @@ impl RequestBuilder<'_> {
         Ok(self)
     }
 
-    /// Chooses the request's id (default: a generated UUIDv7). An id in use is refused at submit.
+    /// Chooses the request's id (default: a generated, time-ordered id, [`RequestId::generate`]). An id in use is refused at submit.
     pub fn id(mut self, id: impl Into<String>) -> Result<Self> {
         self.id = Some(RequestId::new(id)?);
         Ok(self)
@@ -391,6 +480,8 @@ impl RequestBuilder<'_> {
             fail_fast: self.fail_fast,
             shards,
             deadline,
+            window: self.window,
+            discard: self.discard,
         }
     }
 
@@ -417,7 +508,16 @@ impl RequestBuilder<'_> {
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
         crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
             .await?;
-        Ok(OpenRequest { handle: RequestHandle { id, producer }, key_id, nonce, place, added: 0 })
+        let window = self.window;
+        Ok(OpenRequest {
+            handle: RequestHandle { id, producer },
+            key_id,
+            nonce,
+            place,
+            added: 0,
+            window,
+            outstanding: 0,
+        })
     }
 }
 
@@ -430,6 +530,9 @@ pub struct OpenRequest {
     nonce: String,
     place: Placement,
     added: u64,
+    /// The window (0 = none) and the outstanding parts the last append or poll reported.
+    window: u64,
+    outstanding: u64,
 }
 
 impl OpenRequest {
@@ -448,32 +551,61 @@ impl OpenRequest {
         self.added == 0
     }
 
-    /// Adds parts (one call per 1,000); workers may start on them at once.
+    /// Adds parts (one call per 1,000); workers may start on them at once. With a
+    /// [`window`](RequestBuilder::window) of W, each call of up to `min(1,000, W)` parts first
+    /// waits until it fits: until at most W minus its size of the parts added are unsettled.
     pub async fn add<I, T>(&mut self, parts: I) -> Result<()>
     where
         I: IntoIterator<Item = T>,
         T: Serialize,
     {
         let mut parts = parts.into_iter().peekable();
-        let store = &self.handle.producer.store;
+        let producer = self.handle.producer.clone();
+        let store = &producer.store;
+        let mut per_call = self.handle.producer.load_chunk().min(1_000);
+        if self.window > 0 {
+            per_call = per_call.min(usize::try_from(self.window).unwrap_or(usize::MAX));
+        }
         while parts.peek().is_some() {
             let mut chunk: Vec<Value> = Vec::new();
-            for part in parts.by_ref().take(self.handle.producer.load_chunk().min(1_000)) {
+            for part in parts.by_ref().take(per_call) {
                 chunk.push(Value::Bytes(codec::encode(&part)?.into()));
             }
             let n = chunk.len() as u64;
+            if self.window > 0 {
+                self.wait_for_room(n).await?;
+            }
             // Recovery is asked to look after the parts go in: if this process dies between the
             // append and the push of the tokens it wakes, they are restored (verify).
             let (key_id, nonce, first) = (self.key_id.as_str(), self.nonce.as_str(), self.added);
+            let windowed = self.window > 0;
             let appended = crate::shards::armed(store, key_id, self.place.shards, |deadline| {
-                submit::stream_append(store, key_id, nonce, first, deadline, chunk.clone())
+                submit::stream_append(store, key_id, nonce, first, deadline, windowed, chunk.clone())
             })
             .await;
-            let elements = appended?;
+            let submit::Appended { outstanding, elements } = appended?;
             self.added += n;
+            // A re-sent append that added nothing reports no count: assume the chunk went in.
+            self.outstanding = outstanding.unwrap_or(self.outstanding + n);
             if !elements.is_empty() {
                 let next = store.config.census_interval;
                 crate::shards::push(store, &self.key_id, self.place, Look::More, next, elements).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until `n` more parts fit in the window: until at most `window - n` parts are
+    /// unsettled (the count the last append reported, then polled every `window_poll`).
+    async fn wait_for_room(&mut self, n: u64) -> Result<()> {
+        let store = &self.handle.producer.store;
+        let room = self.window.saturating_sub(n);
+        while self.outstanding > room {
+            tokio::time::sleep(store.config.window_poll).await;
+            let polled = retry_transient("outstanding", || submit::outstanding(store, &self.key_id)).await?;
+            match polled {
+                Some(outstanding) => self.outstanding = outstanding,
+                None => return Err(Error::NotOpen(self.handle.id.clone())),
             }
         }
         Ok(())
@@ -530,6 +662,11 @@ impl RequestHandle {
 
     /// Waits until the request is terminal and returns its results in sub-request order.
     ///
+    /// One exception: the results of a streamed request taken with
+    /// [`results_from`](Self::results_from) are not returned again, and a request opened with
+    /// [`discard_results`](RequestBuilder::discard_results) returns none;
+    /// [`Completion::first`] says where its results start.
+    ///
     /// It subscribes before it reads the durable record, so a completion that happened before or
     /// during the call is never missed; it also re-reads the record every `wait_poll` in case a
     /// message was lost in a reconnect.
@@ -561,6 +698,75 @@ impl RequestHandle {
         }
     }
 
+    /// Up to `count` outcomes of a streamed request from part `first`, in part order, while it
+    /// runs: the page ends before the first part not settled yet (so it may be empty; poll again
+    /// later). Read it from 0 on, each call from the previous page's
+    /// [`next_index`](ResultsPage::next_index), until [`is_last`](ResultsPage::is_last): asking
+    /// from `first` says that you hold every outcome below it, which is then deleted from Redis,
+    /// so a reader that keeps up bounds the results a [windowed](RequestBuilder::window) request
+    /// keeps. After an error, call again with the same `first`: the page is still there. Results
+    /// taken this way are not returned again by [`wait`](Self::wait).
+    ///
+    /// Refused for a request that was not opened with [`RequestBuilder::open`] (a lane or whole
+    /// submit), or whose results are discarded.
+    ///
+    /// ```no_run
+    /// # async fn demo(handle: sluicegate::RequestHandle) -> sluicegate::Result<()> {
+    /// let mut next = 0;
+    /// loop {
+    ///     let page = handle.results_from::<u64>(next, 1_000).await?;
+    ///     for (i, r) in page.results.iter().enumerate() {
+    ///         println!("part {}: {r:?}", page.first + i as u64);
+    ///     }
+    ///     next = page.next_index();
+    ///     if page.is_last() { break }
+    ///     if page.results.is_empty() { tokio::time::sleep(std::time::Duration::from_millis(50)).await }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn results_from<O: DeserializeOwned>(
+        &self,
+        first: u64,
+        count: usize,
+    ) -> Result<ResultsPage<O>> {
+        let store = &self.producer.store;
+        let key_id = self.id.key_id();
+        let page = match submit::results_from(store, &key_id, first, count).await? {
+            Ok(page) => page,
+            Err(submit::PageRefused::State(why)) if why.contains("unknown") => {
+                let record = store.keys.record(crate::shards::lane_home(store, &key_id), &key_id);
+                let lane: bool = store.client.exists(record.as_str()).await?;
+                if lane {
+                    return Err(Error::InvalidRequest(format!(
+                        "request \"{}\": results_from is for streamed requests (opened with open()); wait() \
+                         returns the results of a submitted one",
+                        self.id
+                    )));
+                }
+                return Err(Error::UnknownRequest(self.id.clone()));
+            }
+            Err(
+                submit::PageRefused::State(why)
+                | submit::PageRefused::Invalid(why)
+                | submit::PageRefused::Gap(why),
+            ) => return Err(Error::InvalidRequest(format!("request \"{}\": {why}", self.id))),
+        };
+        let state: RequestState = page.state.parse()?;
+        let mut results = Vec::with_capacity(page.outcomes.len());
+        for outcome in page.outcomes {
+            results.push(match outcome {
+                submit::Outcome::Ok(bytes) => Ok(codec::decode::<O>(&bytes)?),
+                submit::Outcome::Err(record) => Err(PartError::from_record(&record)),
+                submit::Outcome::None => Err(PartError {
+                    message: format!("no result recorded (request {state})"),
+                    attempts: 0,
+                    permanent: false,
+                }),
+            });
+        }
+        Ok(ResultsPage { first: page.first, results, state, total: page.total })
+    }
+
     /// The results if the request is terminal, `None` while it runs; does not wait.
     pub async fn try_completion<O: DeserializeOwned>(&self) -> Result<Option<Completion<O>>> {
         self.producer.try_completion(&self.id).await
@@ -585,8 +791,42 @@ pub struct Completion<O> {
     pub id: RequestId,
     /// Completed, failed or cancelled.
     pub state: RequestState,
-    /// One entry per sub-request, in sub-request order.
+    /// The index of the sub-request of `results[0]`: 0, unless earlier results were taken with
+    /// [`RequestHandle::results_from`] (or discarded, see
+    /// [`RequestBuilder::discard_results`]: then it is `total`).
+    pub first: u64,
+    /// The request's number of sub-requests.
+    pub total: u64,
+    /// How many sub-requests were dead-lettered.
+    pub failed: u64,
+    /// One entry per sub-request from `first`, in sub-request order.
     pub results: Vec<Result<O, PartError>>,
+}
+
+/// A page of a streamed request's outcomes ([`RequestHandle::results_from`]).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ResultsPage<O> {
+    /// The index of the sub-request of `results[0]`.
+    pub first: u64,
+    /// Consecutive outcomes from `first`, in sub-request order (possibly none yet).
+    pub results: Vec<Result<O, PartError>>,
+    /// The request's state when the page was read.
+    pub state: RequestState,
+    /// The request's number of sub-requests, once no more can be added (finalized or terminal).
+    pub total: Option<u64>,
+}
+
+impl<O> ResultsPage<O> {
+    /// Where the next page starts.
+    pub fn next_index(&self) -> u64 {
+        self.first + self.results.len() as u64
+    }
+
+    /// Whether this page reaches the request's last sub-request: no more outcomes will come.
+    pub fn is_last(&self) -> bool {
+        self.total.is_some_and(|t| self.next_index() >= t)
+    }
 }
 
 impl<O> Completion<O> {
@@ -642,8 +882,9 @@ impl Doorbell {
                 match messages.recv().await {
                     Ok(msg) => {
                         if let Some(text) = msg.value.as_string() {
-                            let rid = crate::protocol::doorbell_key_id(&text).to_owned();
-                            let _ = fan_out.send(rid);
+                            for rid in crate::protocol::doorbell_key_ids(&text) {
+                                let _ = fan_out.send(rid.to_owned());
+                            }
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,

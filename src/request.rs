@@ -75,9 +75,17 @@ impl RequestId {
         Ok(Self(id))
     }
 
-    /// A new unique id: a UUIDv7 in simple form, so ids sort by creation time.
+    /// A new unique id: a UUIDv7's 128 bits in 22 base-62 digits (`0-9A-Za-z`, most significant
+    /// first), so ids sort by creation time, as text too, and cost little in keys and entries.
     pub fn generate() -> Self {
-        Self(uuid::Uuid::now_v7().simple().to_string())
+        const DIGITS: &[u8; 62] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+        let mut n = uuid::Uuid::now_v7().as_u128();
+        let mut id = [b'0'; 22];
+        for digit in id.iter_mut().rev() {
+            *digit = DIGITS[(n % 62) as usize];
+            n /= 62;
+        }
+        Self(id.iter().map(|&d| char::from(d)).collect())
     }
 
     /// The id as given.
@@ -327,6 +335,23 @@ pub enum Cancelled {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generated_ids_are_short_key_safe_and_sort_by_creation() {
+        let ids: Vec<RequestId> = (0..200)
+            .map(|_| {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+                RequestId::generate()
+            })
+            .collect();
+        for id in &ids {
+            assert_eq!(id.as_str().len(), 22, "{id}");
+            assert_eq!(id.key_id(), id.as_str(), "a generated id needs no escaping");
+        }
+        let mut sorted = ids.clone();
+        sorted.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        assert_eq!(sorted, ids, "generated ids sort by creation time");
+    }
 
     #[test]
     fn priority_and_concurrency_ranges_are_enforced_with_the_range_in_the_message() {

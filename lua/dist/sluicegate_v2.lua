@@ -88,6 +88,24 @@ local function sg_hset_many(key, pairs_list) sg_chunked('HSET', key, pairs_list)
 -- HDELs fields in chunks.
 local function sg_hdel_many(key, fields) sg_chunked('HDEL', key, fields) end
 
+-- Checks a new request's priority and limit (numbers or nil) and that args[from..to] are whole
+-- numbers of at least 0: the error reply naming the first that is not, or nil.
+local function sg_check_new(prio, limit, args, from, to)
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
+  end
+  for i = from, to do
+    local v = tonumber(args[i])
+    if not v or v < 0 or v % 1 ~= 0 then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
+    end
+  end
+  return nil
+end
+
 -- Every request-side function (all but holds) takes the same six keys, all with the request's
 -- hash tag:
 --   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
@@ -198,10 +216,11 @@ local function sg_requeue(keys, rid, k, epoch, now)
 end
 
 -- Wakes up to `n` parked tokens (the meta field `npark` counts them, so this costs nothing when
--- none is parked). Returns the elements to push.
-local function sg_unpark(keys, rid, n, now)
+-- none is parked; `parked`, if given, is its value, read by the caller). Returns the elements to
+-- push.
+local function sg_unpark(keys, rid, n, now, parked)
   local out = {}
-  local parked = tonumber(redis.call('HGET', keys[1], 'npark') or '0')
+  parked = parked or tonumber(redis.call('HGET', keys[1], 'npark') or '0')
   if n <= 0 or parked <= 0 then return out end
   local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
   local from = 0
@@ -352,12 +371,25 @@ end
 -- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
 -- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
 -- are taken, acquired, parked, reclaimed and restored as any request's are. Its stream carries the
--- parts of many small requests: entry "0-<seq>" with fields p (payload), r (the request's key id),
--- i (the part's index) and l (the request's lifecycle). Each such lane request has one record,
--- the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot: its counters and policy, its
--- parts not yet fed to the lane (w<i>), its results (o<i>), errors (e<i>) and dead parts'
--- payloads (x<i>). Lane functions name records from the prefix they are given (ARGV) and the key
--- ids in the entries; every record is in the lane's slot.
+-- parts of many small requests: one entry per part with fields p (payload), r (the request's key
+-- id), i (the part's index) and l (the request's lifecycle). Each such lane request has one
+-- record, the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot, kept lean because a
+-- queued small request is little more than it:
+--   state    queued, running, completed, failed or cancelled
+--   lc       the lifecycle, created (ms) * 1000 + generation (a requeue of a failed one adds 1)
+--   pol      its settings, "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff
+--            base ms>,<backoff cap ms>": "f" for fail fast, trailing fields at their defaults
+--            (1, 0, 1000, 60000) left out (sg_lane_pol)
+--   left     parts not settled yet        failed   parts dead (absent: none)
+--   nf       the next part to feed (absent: every part was fed at submit)   rq  requeued parts
+--   nonce    the submit's nonce, only when the producer named the id (a generated id is unique,
+--            so a record under it can only be the same submit re-sent)
+--   id       the id as the producer gave it, only when it differs from the key id
+--   started, finished, retried, maxseen as a request's meta hash has them
+--   w<i> a part not yet fed (a fail-fast request keeps it until the part is settled), o<i> a
+--   result, e<i> an error, x<i> a dead part's payload.
+-- Lane functions name records from the prefix they are given (ARGV) and the key ids in the
+-- entries; every record is in the lane's slot.
 -- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
 -- fed N at submit, and one more each time one of its parts is settled (done or dead).
 
@@ -368,83 +400,134 @@ local function sg_lane_fields(fields)
   return e
 end
 
--- The lifecycle of a lane request's record (as sg_lifecycle).
-local function sg_record_lifecycle(record)
-  local m = redis.call('HMGET', record, 'created', 'gen')
-  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+-- Whether a record's settings (its `pol` field) say fail fast (an "f" first; this is on the hot
+-- path, where splitting the string would cost more than the rest of the step).
+local function sg_lane_failfast(pol)
+  return string.byte(pol, 1) == 102
 end
 
--- Appends part i of lane request `kid` (lifecycle `lc`) to the lane.
+-- The values a record's settings leave out when they end with them: max attempts, timeout ms,
+-- backoff base ms, backoff cap ms (the Rust client's defaults).
+local SG_LANE_DEFAULTS = {'1', '0', '1000', '60000'}
+
+-- A record's settings as stored: "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,
+-- <backoff base ms>,<backoff cap ms>", "f" first for fail fast, trailing fields at their
+-- defaults (SG_LANE_DEFAULTS) left out.
+local function sg_lane_pol(prio, limit, total, maxatt, timeout, bbase, bmax, failfast)
+  local v = {prio, limit, total, maxatt, timeout, bbase, bmax}
+  local n = 7
+  while n > 3 and tostring(v[n]) == SG_LANE_DEFAULTS[n - 3] do n = n - 1 end
+  local pol = table.concat(v, ',', 1, n)
+  if failfast then pol = 'f' .. pol end
+  return pol
+end
+
+-- A record's settings (its `pol` field) as a table.
+local function sg_lane_policy(pol)
+  pol = pol or ''
+  local failfast = sg_lane_failfast(pol)
+  if failfast then pol = string.sub(pol, 2) end
+  local v = {}
+  for x in string.gmatch(pol, '[^,]+') do v[#v + 1] = x end
+  for j = 4, 7 do v[j] = v[j] or SG_LANE_DEFAULTS[j - 3] end
+  return {prio = v[1], limit = tonumber(v[2]), total = tonumber(v[3]), maxatt = v[4], timeout = v[5],
+    bbase = v[6], bmax = v[7], failfast = failfast}
+end
+
+-- Appends part i of lane request `kid` (lifecycle `lc`) to the lane. Lane entry ids are
+-- "0-<n>", n counting up, as a request's are: recovery's census counts undelivered entries from ids.
 local function sg_lane_add(keys, kid, i, lc, payload)
-  local seq = redis.call('HINCRBY', keys[1], 'seq', 1)
-  redis.call('XADD', keys[2], '0-' .. seq, 'p', payload, 'r', kid, 'i', i, 'l', lc)
+  redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', i, 'l', lc)
 end
 
--- Feeds the lane the next waiting part of a lane request (requeued parts first, then parts in
--- order), if any: called once per part of it that was settled.
-local function sg_lane_feed(keys, record, kid, lc)
-  local m = redis.call('HMGET', record, 'rq', 'nf', 'total')
-  local i
-  if m[1] and m[1] ~= '' then
-    local first, rest = string.match(m[1], '^(%d+),?(.*)$')
-    i = tonumber(first)
-    redis.call('HSET', record, 'rq', rest)
-  elseif tonumber(m[2]) < tonumber(m[3]) then
-    i = tonumber(m[2])
-    redis.call('HSET', record, 'nf', i + 1)
-  else
-    return
+-- Which waiting part of a lane request the lane is fed next (requeued parts first, then parts in
+-- order), from its record's `rq`, `nf` and `pol`: the part's index and the record fields that
+-- say it was fed, or nil when none waits.
+local function sg_lane_pick(rq, nf, pol)
+  if rq and rq ~= '' then
+    local first, rest = string.match(rq, '^(%d+),?(.*)$')
+    return tonumber(first), {'rq', rest}
   end
-  local w = redis.call('HMGET', record, 'w' .. i, 'failfast')
-  if w[1] then
-    -- A fail-fast request keeps a part's payload until the part is settled: if it fails while
-    -- the part is in the lane, a requeue feeds the part again from here.
-    if w[2] ~= '1' then redis.call('HDEL', record, 'w' .. i) end
-    sg_lane_add(keys, kid, i, lc, w[1])
+  if nf and tonumber(nf) < sg_lane_policy(pol).total then
+    return tonumber(nf), {'nf', tonumber(nf) + 1}
   end
+  return nil
 end
 
--- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` is its
--- HMGET 'state', 'created', 'gen'.
+-- Adds waiting part i of a lane request (its record's `pol` given) to the lane. A fail-fast
+-- request keeps the part's payload until the part is settled: if it fails while the part is in
+-- the lane, a requeue feeds the part again from there.
+local function sg_lane_feed_part(keys, record, kid, lc, pol, i)
+  local w = redis.call('HGET', record, 'w' .. i)
+  if not w then return end
+  if not sg_lane_failfast(pol) then redis.call('HDEL', record, 'w' .. i) end
+  sg_lane_add(keys, kid, i, lc, w)
+end
+
+-- Feeds the lane the next waiting part of a lane request, if any (sg_lane_pick).
+local function sg_lane_feed(keys, record, kid, lc, pol)
+  local m = redis.call('HMGET', record, 'rq', 'nf')
+  local i, fed = sg_lane_pick(m[1], m[2], pol)
+  if not i then return end
+  redis.call('HSET', record, unpack(fed))
+  sg_lane_feed_part(keys, record, kid, lc, pol, i)
+end
+
+-- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` starts with its
+-- HMGET 'state', 'lc'.
 local function sg_lane_live(m, lc)
-  if m[1] ~= 'queued' and m[1] ~= 'running' then return false end
-  return sg_int(tonumber(m[2]) * 1000 + tonumber(m[3] or '0')) == lc
+  return (m[1] == 'queued' or m[1] == 'running') and m[2] == lc
 end
 
--- Turns a lane request terminal: its record (kept for the retention), its one event on the
--- shard's events stream, the completion message. Waiting parts go, except for a failed request,
--- whose dead letters may be requeued (its parts not yet run then run too).
-local function sg_lane_finish(record, kid, state, retention, channel, events, now)
-  if state ~= 'failed' then
-    local fields = {}
-    for i = 0, tonumber(redis.call('HGET', record, 'total') or '0') - 1 do fields[#fields + 1] = 'w' .. i end
-    if #fields > 0 then sg_hdel_many(record, fields) end
-  end
-  redis.call('HSET', record, 'state', state, 'finished', now)
+-- Announces that a lane request turned terminal (its record's state is written): the record is
+-- kept for the retention and its one event goes on the shard's events stream. Returns its line of
+-- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
+-- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call.
+local function sg_lane_announce(record, kid, state, retention, events, now)
   redis.call('PEXPIRE', record, retention)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
-  redis.call('PEXPIRE', events, retention)
-  redis.call('PUBLISH', channel, kid .. '|' .. state)
-  return sg_record_lifecycle(record)
+  return kid .. '|' .. state
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
--- lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}}, or nil when its request
+-- lifecycle, settings (the record's `pol`, as it is)}, or nil when its request
 -- is no longer live (then the entry is to be dropped). Marks the request running.
 local function sg_lane_entry(prefix, id, fields, attempt, now)
   local e = sg_lane_fields(fields)
   local record = prefix .. e.r
-  local m = redis.call('HMGET', record, 'state', 'created', 'gen', 'maxatt', 'timeout', 'bbase', 'bmax')
+  local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
   if not sg_lane_live(m, e.l) then return nil end
   if m[1] == 'queued' then redis.call('HSET', record, 'state', 'running', 'started', now) end
-  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, {m[4], m[5], m[6], m[7]}}
+  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
 end
 
--- Acks and deletes lane entries (of requests no longer live, or settled).
+-- How long the lane's oldest pending entry may have been out before settled entries are deleted
+-- one by one rather than trimmed away behind it (sg_lane_drop).
+local SG_LANE_TRIM_MS = 1000
+
+-- Acks lane entries (of requests no longer live, or settled) and frees them. Entries are delivered
+-- in id order, so every entry older than the oldest one still pending is settled: while that one
+-- is recent the lane is trimmed up to it, whole stream nodes at a time, which costs far less than
+-- deleting entries one by one. An entry out for longer (a slow handler, a retry waiting out its
+-- backoff) would hold everything after it, so then the settled entries are deleted. Either way
+-- what is kept beyond the unsettled entries is bounded by about SG_LANE_TRIM_MS of throughput.
 local function sg_lane_drop(keys, ids)
   if #ids == 0 then return end
   redis.call('XACK', keys[2], 'g', unpack(ids))
-  redis.call('XDEL', keys[2], unpack(ids))
+  local oldest = redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1]
+  if oldest and tonumber(oldest[3]) > SG_LANE_TRIM_MS then
+    redis.call('XDEL', keys[2], unpack(ids))
+    return
+  end
+  local bound
+  if oldest then
+    bound = oldest[1]
+  else
+    local last = 0
+    for _, id in ipairs(ids) do last = math.max(last, sg_index(id)) end
+    bound = '0-' .. (last + 1)
+  end
+  redis.call('XTRIM', keys[2], 'MINID', '~', bound)
 end
 
 -- sg_next for a lane: hands out up to `want` entries of live requests, dropping those of requests
@@ -457,22 +540,24 @@ local SG_LANE_IDLE_MS = 5000
 
 -- Makes sure the lane exists and is indexed: creates it (meta hash with L parked tokens, stream and
 -- group, its entry in recovery's index, first look in `look` ms) or revives an idle one.
+-- Returns how many of its tokens are parked (its meta field `npark`).
 local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
-  local ttl = redis.call('PTTL', keys[1])
-  if ttl == -1 then return end
-  if ttl >= 0 then
+  local m = redis.call('HMGET', keys[1], 'npark', 'idle')
+  if m[1] and not m[2] then return tonumber(m[1]) end
+  if m[1] then
+    -- Idle (sg_lane_next): kept again.
     redis.call('PERSIST', keys[1])
+    redis.call('HDEL', keys[1], 'idle')
     if redis.call('PERSIST', keys[2]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
       redis.call('ZADD', active, 'NX', now + look, lane)
-      return
+      return tonumber(m[1])
     end
   end
-  -- Created afresh: an idle stream left without its meta is empty and goes (its last id would
-  -- refuse the new entry ids).
+  -- Created afresh: an idle stream left without its meta is empty and goes.
   redis.call('DEL', keys[1], keys[2], keys[5], keys[6])
   local fields = {'v', 2, 'id', lane, 'lane', 1, 'state', 'running', 'open', 1, 'prio', prio,
     'limit', lanes, 'ntok', lanes, 'extra', 0, 'npark', lanes, 'created', now, 'gen', 0,
-    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'seq', 0, 'total', 0, 'left', 0}
+    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'total', 0, 'left', 0}
   for k = 0, lanes - 1 do
     fields[#fields + 1] = 't' .. k
     fields[#fields + 1] = 'p|' .. now
@@ -480,6 +565,7 @@ local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
   sg_hset_many(keys[1], fields)
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('ZADD', active, 'NX', now + look, lane)
+  return lanes
 end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
@@ -508,9 +594,13 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
   local parked = redis.call('HINCRBY', keys[1], 'npark', 1)
-  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok')) and redis.call('XLEN', keys[2]) == 0
-    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0 then
-    -- Idle (SG_LANE_IDLE_MS).
+  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok'))
+    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0
+    and not redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1] then
+    -- Idle (SG_LANE_IDLE_MS): nothing undelivered (this take found none), pending or waiting.
+    -- What is left in the stream was settled and not trimmed yet (sg_lane_drop).
+    redis.call('XTRIM', keys[2], 'MAXLEN', 0)
+    redis.call('HSET', keys[1], 'idle', 1)
     local lane = redis.call('HGET', keys[1], 'id')
     redis.call('ZREM', active, lane)
     redis.call('ZREM', armed, lane)
@@ -540,18 +630,8 @@ local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
 
 local function submit_open(keys, args)
   local prio, limit = tonumber(args[2]), tonumber(args[3])
-  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
-    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
-  end
-  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
-    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
-  end
-  for i = 4, 8 do
-    local v = tonumber(args[i])
-    if not v or v < 0 or v % 1 ~= 0 then
-      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
-    end
-  end
+  local invalid = sg_check_new(prio, limit, args, 4, 8)
+  if invalid then return invalid end
   local delay = tonumber(args[10] or '0')
   if not delay or delay < 0 or delay % 1 ~= 0 or delay > SG_MAX_DELAY_MS then
     return redis.error_reply('SGINVALID delay must be a whole number of ms from 0 to ten years')
@@ -705,13 +785,19 @@ end
 -- max attempts, timeout, backoff base, backoff cap, nonce)   ARGV[11] expiry (ms, 0 = none): a
 -- request still open this long after it was opened is cancelled by recovery   ARGV[12] '1' =
 -- fail fast   ARGV[13] token shards (submit_open's ARGV[12])   ARGV[14] deadline (submit_open's
--- ARGV[13])
+-- ARGV[13])   ARGV[15] window W (optional; 0 or absent = none): the producer keeps at most W
+-- parts unsettled, and acks trim the stream as they go (stored as `window`)   ARGV[16] '1' =
+-- discard results: `ok` results are never stored (stored as `discard`)
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
   local expiry = tonumber(args[11])
   if not expiry or expiry < 0 or expiry % 1 ~= 0 or expiry > SG_MAX_DELAY_MS then
     return redis.error_reply('SGINVALID open expiry must be a whole number of ms from 0 to ten years')
+  end
+  local window = tonumber(args[15] or '0')
+  if not window or window < 0 or window % 1 ~= 0 or window > 1e15 then
+    return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
     args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or ''})
@@ -725,6 +811,9 @@ local function stream_open(keys, args)
   redis.call('PERSIST', keys[2])
   redis.call('HSET', keys[1], 'state', 'queued', 'open', 1, 'open_deadline', deadline, 'ntok', ntok,
     'queued', now, 'npark', ntok)
+  -- Only a windowed or discarding request carries the fields: ack reads them in its one HMGET.
+  if window > 0 then redis.call('HSET', keys[1], 'window', window) end
+  if args[16] == '1' then redis.call('HSET', keys[1], 'discard', 1) end
   local fields = {}
   for k = 0, ntok - 1 do
     fields[#fields + 1] = 't' .. k
@@ -739,14 +828,15 @@ end
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] the nonce given at stream_open   ARGV[3] index of the first
 -- part   ARGV[4] the deadline of the producer's arm (sg_step_late)   ARGV[5..] payloads
--- Returns the token elements to push. The same call re-sent after a reconnect adds nothing
+-- Returns the token elements to push; for a windowed request (meta `window` > 0) the reply starts
+-- with the request's outstanding parts (`left`, after this call), then the elements. The same call re-sent after a reconnect adds nothing
 -- twice (parts below the request's total are skipped). Errors "SGSTATE ..." when the request is
 -- not open (finalized, cancelled, unknown) or not this producer's, "SGGAP ..." when parts before
 -- ARGV[3] are missing, "SGLATE ..." past the deadline.
 local function stream_append(keys, args)
   local late = sg_step_late(args[4])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state')
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state', 'window')
   if m[1] ~= '1' or m[2] ~= args[2] or m[4] == 'cancelled' or m[4] == 'failed' or m[4] == 'completed' then
     return redis.error_reply('SGSTATE the request is not open for parts (finalized, cancelled or unknown)')
   end
@@ -764,8 +854,13 @@ local function stream_append(keys, args)
     end
   end
   redis.call('HINCRBY', keys[1], 'total', added)
-  redis.call('HINCRBY', keys[1], 'left', added)
-  return sg_unpark(keys, args[1], added, sg_now())
+  local left = redis.call('HINCRBY', keys[1], 'left', added)
+  local elements = sg_unpark(keys, args[1], added, sg_now())
+  if tonumber(m[5] or '0') > 0 then
+    -- A windowed producer paces itself by the parts still to settle (docs/protocol.md §6.14).
+    table.insert(elements, 1, left)
+  end
+  return elements
 end
 
 -- stream_finalize: no more parts will come; the request completes when every part is done
@@ -786,6 +881,109 @@ local function stream_finalize(keys, args)
   local state = 'completed'
   if tonumber(m[4]) > 0 then state = 'failed' end
   return sg_finish(keys, args[1], state, args[2], args[3], sg_now())
+end
+
+-- outstanding: how many parts of an open streamed request are not settled yet (added, neither
+-- done nor dead-lettered): what a windowed producer waits on before it adds more. Read-only
+-- (registered no-writes: callable with FCALL_RO, on a replica, at Redis's memory limit).
+-- KEYS[1] the request's meta hash (only this key)
+-- ARGV none
+-- Returns the meta field `left` (integer) while the request is open for parts, or -1 when it is
+-- not (finalized, cancelled, finished, expired or unknown): the producer's add then stops.
+local function outstanding(keys, args)
+  local m = redis.call('HMGET', keys[1], 'open', 'state', 'left')
+  if m[1] ~= '1' or m[2] == 'completed' or m[2] == 'failed' or m[2] == 'cancelled' or not m[2] then
+    return -1
+  end
+  return tonumber(m[3] or '0')
+end
+
+-- results_from: a page of a streamed request's outcomes, in part order, read while it runs; the
+-- outcomes of the parts before the page are deleted, so that a reader that keeps up keeps the
+-- results in Redis bounded (a windowed request's bounded memory, docs/protocol.md §6.14).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] first: the index of the first part wanted. Asking from `first` says that the reader
+-- holds every outcome below it: those records are deleted now. It must be at least the `first` of
+-- the previous call (meta `tfirst`) and at most the meta `taken`   ARGV[2] at most this many parts
+-- Returns {state, total, first, tag, body, tag, body, ...}: state as in the meta hash; total the
+-- number of parts once no more can be added (finalized, or terminal), else -1; then per part from
+-- `first`, in order: 'ok' and the result bytes, 'err' and the error record of a dead letter (or
+-- of a terminal request's last failure), 'none' and '' for a part of a terminal request that
+-- never ended (cancelled, or fail fast). The page stops before the first part not settled yet
+-- (running, waiting for a retry, not yet delivered), so it may be empty. Meta `taken` becomes
+-- the index after the page (never lower); the page stays readable until a call asks from past it,
+-- so a call re-sent after a lost reply answers the same.
+-- Errors "SGSTATE ..." when the request is unknown, or `first` is below records already deleted;
+-- "SGINVALID ..." when it is not a streamed request or its results are discarded; "SGGAP ..."
+-- when `first` is past `taken`.
+local function results_from(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'total', 'open', 'taken', 'tfirst', 'discard')
+  local state = m[1]
+  if not state then
+    return redis.error_reply('SGSTATE the request is unknown (never submitted, or its retention ran out)')
+  end
+  if not m[3] then
+    return redis.error_reply('SGINVALID results_from is for streamed requests (opened with open())')
+  end
+  if m[6] == '1' then
+    return redis.error_reply('SGINVALID the results of this request are discarded (discard_results)')
+  end
+  local first, count = tonumber(args[1]), tonumber(args[2])
+  if not first or first < 0 or first % 1 ~= 0 or not count or count < 1 then
+    return redis.error_reply('SGINVALID first must be a whole number and count at least 1')
+  end
+  local taken, tfirst = tonumber(m[4] or '0'), tonumber(m[5] or '0')
+  if first < tfirst then
+    return redis.error_reply('SGSTATE results below index ' .. tfirst .. ' were taken and deleted already')
+  end
+  if first > taken then
+    return redis.error_reply('SGGAP results from index ' .. taken .. ' were not taken before index ' .. first)
+  end
+  if first > tfirst then
+    -- The reader holds every outcome below `first`: they go (a dead letter keeps its entry,
+    -- pending, so that it can still be requeued; only its record goes).
+    local fields = {}
+    for i = tfirst, first - 1 do fields[#fields + 1] = i end
+    local deleted = 0
+    local i = 1
+    while i <= #fields do
+      local last = math.min(i + 999, #fields)
+      deleted = deleted + redis.call('HDEL', keys[3], unpack(fields, i, last))
+      redis.call('HDEL', keys[4], unpack(fields, i, last))
+      i = last + 1
+    end
+    if deleted > 0 then redis.call('HINCRBY', keys[1], 'ntaken', deleted) end
+    redis.call('HSET', keys[1], 'tfirst', first)
+  end
+  local terminal = state == 'completed' or state == 'failed' or state == 'cancelled'
+  local total = tonumber(m[2] or '0')
+  local known = -1
+  if terminal or m[3] ~= '1' then known = total end
+  local out = {state, known, first}
+  local i = first
+  while i < first + count and i < total do
+    local r = redis.call('HGET', keys[3], i)
+    if r then
+      out[#out + 1] = 'ok'
+      out[#out + 1] = r
+    else
+      local e = redis.call('HGET', keys[4], i)
+      -- An error record is final for a dead letter (in the retry set at +inf) or once the request
+      -- is terminal; otherwise the part still waits for a retry, or runs again.
+      if e and (terminal or redis.call('ZSCORE', keys[6], '0-' .. (i + 1)) == 'inf') then
+        out[#out + 1] = 'err'
+        out[#out + 1] = e
+      elseif terminal then
+        out[#out + 1] = 'none'
+        out[#out + 1] = ''
+      else
+        break
+      end
+    end
+    i = i + 1
+  end
+  if i > taken then redis.call('HSET', keys[1], 'taken', i) end
+  return out
 end
 
 -- register: enter a request in recovery's index before it is created, so that whatever happens to
@@ -983,9 +1181,45 @@ end
 --         elements...}: the request just turned terminal; {'fenced'}: this slot no longer holds
 --         the token with exactly these entries, so nothing was recorded (its worker was declared
 --         dead and the work moved on, or the request was cancelled).
+-- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
+-- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
+-- that it knows which this call settled: only those store their result, and not when the results
+-- are discarded or the part's outcome was taken already (a requeued dead letter): they count in
+-- `discarded` instead. A windowed request also trims its stream every W/4 settled acks (meta
+-- `acks`), see window_trim.
+
+-- The last entry id delivered to the group (`0-0` if none).
+local function window_delivered(keys)
+  local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+  for i = 1, #group, 2 do
+    if group[i] == 'last-delivered-id' then return group[i + 1] end
+  end
+  return '0-0'
+end
+
+-- Trims a windowed request's stream below its oldest pending entry (or, with none pending, past
+-- the last one delivered): never an entry that is pending (running, waiting for a retry, an
+-- orphan, a dead letter) or not yet delivered. When a pending entry holds the trim back (a dead
+-- letter, a retry, a slow part) and more than W/2 acked entries stay above it, meta `xdel` = 1
+-- tells the acks to XDEL the entries they settle one by one until a later trim finds the stream
+-- short again.
+local function window_trim(keys, window)
+  local pending = redis.call('XPENDING', keys[2], 'g')
+  local delivered = window_delivered(keys)
+  local oldest = pending[2]
+  if not oldest and delivered ~= '0-0' then oldest = '0-' .. (sg_index(delivered) + 2) end
+  if oldest then redis.call('XTRIM', keys[2], 'MINID', oldest) end
+  local undelivered = tonumber(redis.call('HGET', keys[1], 'total') or '0')
+  if delivered ~= '0-0' then undelivered = undelivered - sg_index(delivered) - 1 end
+  local stuck = redis.call('XLEN', keys[2]) - tonumber(pending[1]) - math.max(undelivered, 0)
+  local xdel = 0
+  if stuck > window / 2 then xdel = 1 end
+  redis.call('HSET', keys[1], 'xdel', xdel)
+end
+
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -999,13 +1233,30 @@ local function ack(keys, args)
   local extra = tonumber(m[2] or '0')
   local acked, results, errors, cleared = {}, {}, {}, {}
   local failed = 0
+  local window, discard, taken = tonumber(m[3] or '0'), m[4] == '1', tonumber(m[5] or '0')
+  local one_by_one = window > 0 or discard or taken > 0
+  local settled_ok, discarded, deleted = 0, 0, {}
   for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
+    -- The outcome of a part below `taken` was handed to the reader already (a requeued dead
+    -- letter that ran again): nothing more is recorded for it.
+    local past = index < taken
     if outcome == 'ok' then
-      acked[#acked + 1] = id
-      results[#results + 1] = index
-      results[#results + 1] = body
-      cleared[#cleared + 1] = index
+      if not one_by_one then
+        acked[#acked + 1] = id
+        results[#results + 1] = index
+        results[#results + 1] = body
+      elseif redis.call('XACK', keys[2], 'g', id) == 1 then
+        settled_ok = settled_ok + 1
+        if discard or past then
+          discarded = discarded + 1
+        else
+          results[#results + 1] = index
+          results[#results + 1] = body
+        end
+        if m[6] == '1' then deleted[#deleted + 1] = id end
+      end
+      if not past then cleared[#cleared + 1] = index end
       if args[i + 4] ~= '1' then
         -- Succeeded after retries: kept in the record, which the error record no longer is.
         redis.call('HINCRBY', keys[1], 'retried', 1)
@@ -1019,13 +1270,17 @@ local function ack(keys, args)
       -- pending and was not a dead letter already.
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if pending and redis.call('ZADD', keys[6], 'inf', id) == 1 then failed = failed + 1 end
-      errors[#errors + 1] = index
-      errors[#errors + 1] = body
+      if not past then
+        errors[#errors + 1] = index
+        errors[#errors + 1] = body
+      end
     elseif outcome == 'retry' then
       -- Stays pending (its payload with it) until sg_take_work claims it again when due.
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
-      errors[#errors + 1] = index
-      errors[#errors + 1] = body
+      if not past then
+        errors[#errors + 1] = index
+        errors[#errors + 1] = body
+      end
       extra = extra + 1
     else
       -- Skipped: it did not run, so the delivery it had does not count as an attempt.
@@ -1041,10 +1296,19 @@ local function ack(keys, args)
   if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
   -- `left` counts down by what this call really settled: entries acknowledged now (XACK counts
   -- only those still pending) and new dead letters.
-  local settled = failed
+  local settled = failed + settled_ok
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
     settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
+  end
+  if discarded > 0 then redis.call('HINCRBY', keys[1], 'discarded', discarded) end
+  if #deleted > 0 then redis.call('XDEL', keys[2], unpack(deleted)) end
+  if window > 0 and settled_ok > 0 then
+    -- Every W/4 settled acks, the stream is trimmed: it holds about W entries whatever the
+    -- request's size.
+    local acks = redis.call('HINCRBY', keys[1], 'acks', settled_ok)
+    local every = math.max(math.floor(window / 4), 1)
+    if math.floor(acks / every) ~= math.floor((acks - settled_ok) / every) then window_trim(keys, window) end
   end
   if settled > 0 then
     if redis.call('HINCRBY', keys[1], 'left', -settled) <= 0
@@ -1656,30 +1920,22 @@ end
 -- KEYS[8] the lane's priority list   KEYS[9] the shard's bell   KEYS[10] the shard's active index
 -- KEYS[11] the shard's registration times   KEYS[12] the request id's finish marks on the shard
 -- ARGV[1] the lane's key id   ARGV[2] request key id   ARGV[3] request id as the producer gave it
--- ARGV[4] submission nonce   ARGV[5] priority   ARGV[6] concurrency limit   ARGV[7] max attempts
+-- ARGV[4] submission nonce, '' when the producer generated the id   ARGV[5] priority
+-- ARGV[6] concurrency limit   ARGV[7] max attempts
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
 -- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
 -- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14..] payloads (1 to 64)
 -- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
 -- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
--- "SGDUPLICATE ..." when the id is in use (a lane request's record, or a request of the stream
--- path registered or retained on this shard), "SGINVALID ..." when an argument is out of range.
+-- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
+-- named, a request of the stream path registered or retained on this shard), "SGINVALID ..."
+-- when an argument is out of range.
 local SG_LANE_MAX_PARTS = 64
 
 local function lane_submit(keys, args)
   local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
-  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
-    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
-  end
-  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
-    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
-  end
-  for i = 7, 10 do
-    local v = tonumber(args[i])
-    if not v or v < 0 or v % 1 ~= 0 then
-      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
-    end
-  end
+  local invalid = sg_check_new(prio, limit, args, 7, 10)
+  if invalid then return invalid end
   if tonumber(args[7]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
   if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
     return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
@@ -1689,22 +1945,35 @@ local function lane_submit(keys, args)
     return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
   end
   local record = keys[7]
-  local seen = redis.call('HMGET', record, 'nonce', 'created', 'gen')
+  local seen = redis.call('HMGET', record, 'lc', 'nonce')
   if seen[1] then
-    if seen[1] ~= args[4] then return redis.error_reply('SGDUPLICATE request id is already in use') end
-    return {sg_record_lifecycle(record), 0}
+    -- A record under a generated id (no nonce) can only be this submit's, re-sent.
+    if (seen[2] or '') ~= args[4] then return redis.error_reply('SGDUPLICATE request id is already in use') end
+    return {seen[1], 0}
   end
-  if redis.call('HGET', keys[11], args[2]) or redis.call('ZSCORE', keys[10], args[2])
-    or redis.call('EXISTS', keys[12]) == 1 then
+  -- A named id may be in use on the stream path; a generated one (no nonce) is unique.
+  if args[4] ~= '' and (redis.call('HGET', keys[11], args[2]) or redis.call('ZSCORE', keys[10], args[2])
+    or redis.call('EXISTS', keys[12]) == 1) then
     return redis.error_reply('SGDUPLICATE request id is already in use')
   end
   local now = sg_now()
-  sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
+  local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
   local fed = math.min(limit, n)
   local lc = sg_int(now * 1000)
-  local fields = {'v', 2, 'id', args[3], 'nonce', args[4], 'state', 'queued', 'prio', prio,
-    'limit', limit, 'total', n, 'left', n, 'failed', 0, 'created', now, 'gen', 0, 'maxatt', args[7],
-    'timeout', args[8], 'bbase', args[9], 'bmax', args[10], 'failfast', args[11], 'nf', fed}
+  local fields = {'state', 'queued', 'lc', lc, 'left', n,
+    'pol', sg_lane_pol(prio, limit, n, args[7], args[8], args[9], args[10], args[11] == '1')}
+  if args[4] ~= '' then
+    fields[#fields + 1] = 'nonce'
+    fields[#fields + 1] = args[4]
+  end
+  if args[3] ~= args[2] then
+    fields[#fields + 1] = 'id'
+    fields[#fields + 1] = args[3]
+  end
+  if fed < n then
+    fields[#fields + 1] = 'nf'
+    fields[#fields + 1] = fed
+  end
   local from = fed
   if args[11] == '1' then from = 0 end
   for i = from, n - 1 do
@@ -1713,7 +1982,7 @@ local function lane_submit(keys, args)
   end
   redis.call('HSET', record, unpack(fields))
   for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[14 + i]) end
-  local woken = sg_unpark(keys, args[1], fed, now)
+  local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}
 end
@@ -1762,8 +2031,9 @@ end
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
 -- channel   ARGV[9] next batch: how many entries at most   ARGV[10] the records' key prefix
--- ARGV[11..] one group of seven per entry, in the order handed out: entry id, outcome ('ok',
---   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id, lifecycle
+-- ARGV[11..] one group of eight per entry, in the order handed out: entry id, outcome ('ok',
+--   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
+--   lifecycle, index
 -- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
 --         {'fenced'} as ack. Requests that finished are announced by this call itself.
 local function lane_ack(keys, args)
@@ -1773,62 +2043,88 @@ local function lane_ack(keys, args)
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
   local ids = {}
-  for i = 11, #args, 7 do ids[#ids + 1] = args[i] end
+  for i = 11, #args, 8 do ids[#ids + 1] = args[i] end
   if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
     return {'fenced'}
   end
+  -- The token holds exactly these entries under this epoch, so each is pending and is settled
+  -- here once: they are acked and freed together at the end (sg_lane_drop).
   local now = sg_now()
   local extra = tonumber(m[2] or '0')
-  local prefix = args[10]
-  local gone, finished = {}, {}
-  for i = 11, #args, 7 do
-    local id, outcome, body, attempt, kid, lc = args[i], args[i + 1], args[i + 2], args[i + 4], args[i + 5], args[i + 6]
+  local prefix, retention = args[10], args[7]
+  local settled, finished, announced = {}, {}, {}
+  for i = 11, #args, 8 do
+    local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
+      args[i + 5], args[i + 6], args[i + 7]
     local record = prefix .. kid
-    local r = redis.call('HMGET', record, 'state', 'created', 'gen', 'failfast')
+    local r = redis.call('HMGET', record, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf')
     if not sg_lane_live(r, lc) or finished[kid] then
-      gone[#gone + 1] = id
+      settled[#settled + 1] = id
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
-      local entry = redis.call('XRANGE', keys[2], id, id)[1]
-      if entry then redis.call('HSET', record, 'e' .. sg_lane_fields(entry[2]).i, body) end
+      redis.call('HSET', record, 'e' .. index, body)
     elseif outcome == 'skip' then
       redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
       redis.call('RPUSH', keys[5], id)
       extra = extra + 1
     else
-      local entry = redis.call('XRANGE', keys[2], id, id)[1]
-      if entry and redis.call('XACK', keys[2], 'g', id) == 1 then
-        local e = sg_lane_fields(entry[2])
-        if outcome == 'ok' then
-          redis.call('HSET', record, 'o' .. e.i, body)
-          redis.call('HDEL', record, 'e' .. e.i)
-          if attempt ~= '1' then
-            redis.call('HINCRBY', record, 'retried', 1)
-            if tonumber(attempt) > tonumber(redis.call('HGET', record, 'maxseen') or '1') then
-              redis.call('HSET', record, 'maxseen', attempt)
-            end
+      settled[#settled + 1] = id
+      local failfast = sg_lane_failfast(r[3])
+      local left, failed = tonumber(r[4]) - 1, tonumber(r[5] or '0')
+      local fields = {'left', left}
+      if outcome == 'ok' then
+        fields[3], fields[4] = 'o' .. index, body
+        if attempt ~= '1' then
+          redis.call('HDEL', record, 'e' .. index)
+          redis.call('HINCRBY', record, 'retried', 1)
+          if tonumber(attempt) > tonumber(redis.call('HGET', record, 'maxseen') or '1') then
+            redis.call('HSET', record, 'maxseen', attempt)
           end
-        else
-          redis.call('HSET', record, 'e' .. e.i, body, 'x' .. e.i, e.p)
-          redis.call('HINCRBY', record, 'failed', 1)
         end
-        if r[4] == '1' then redis.call('HDEL', record, 'w' .. e.i) end
-        local left = redis.call('HINCRBY', record, 'left', -1)
-        if left <= 0 or (outcome == 'dead' and r[4] == '1') then
-          local state = 'completed'
-          if tonumber(redis.call('HGET', record, 'failed')) > 0 then state = 'failed' end
-          sg_lane_finish(record, kid, state, args[7], args[8], keys[7], now)
-          finished[kid] = true
-        else
-          sg_lane_feed(keys, record, kid, lc)
+      else
+        failed = failed + 1
+        local entry = redis.call('XRANGE', keys[2], id, id)[1]
+        local payload = entry and sg_lane_fields(entry[2]).p or ''
+        fields[3], fields[4], fields[5], fields[6], fields[7], fields[8] =
+          'e' .. index, body, 'x' .. index, payload, 'failed', failed
+      end
+      if failfast then redis.call('HDEL', record, 'w' .. index) end
+      local last = left <= 0 or (outcome == 'dead' and failfast)
+      local state, feed
+      if last then
+        state = 'completed'
+        if failed > 0 then state = 'failed' end
+        fields[#fields + 1] = 'state'
+        fields[#fields + 1] = state
+        fields[#fields + 1] = 'finished'
+        fields[#fields + 1] = now
+      else
+        -- A settled part makes room for the request's next waiting part, if any.
+        local fed
+        feed, fed = sg_lane_pick(r[6], r[7], r[3])
+        if feed then
+          fields[#fields + 1] = fed[1]
+          fields[#fields + 1] = fed[2]
         end
       end
-      redis.call('XDEL', keys[2], id)
+      redis.call('HSET', record, unpack(fields))
+      if last then
+        -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
+        -- parts not yet run then run too.
+        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now)
+        finished[kid] = true
+      elseif feed then
+        sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
+      end
     end
   end
+  if #announced > 0 then
+    redis.call('PEXPIRE', keys[7], retention)
+    redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
+  end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
-  sg_lane_drop(keys, gone)
+  sg_lane_drop(keys, settled)
   if args[6] == '1' then
     return sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
   end
@@ -1843,11 +2139,17 @@ end
 -- Returns {'finished', 'cancelled', lifecycle}, {'already', state} when it was terminal, or
 -- {'unknown'}.
 local function lane_cancel(keys, args)
-  local state = redis.call('HGET', keys[1], 'state')
-  if not state then return {'unknown'} end
-  if state ~= 'queued' and state ~= 'running' then return {'already', state} end
-  local lc = sg_lane_finish(keys[1], args[1], 'cancelled', args[2], args[3], keys[2], sg_now())
-  return {'finished', 'cancelled', lc}
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol')
+  if not m[1] then return {'unknown'} end
+  if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
+  local now = sg_now()
+  local waiting = {}
+  for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
+  sg_hdel_many(keys[1], waiting)
+  redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
+  redis.call('PUBLISH', args[3], sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now))
+  redis.call('PEXPIRE', keys[2], args[2])
+  return {'finished', 'cancelled', m[2]}
 end
 
 -- lane_requeue: requeue_dead for a lane request (prelude.lua, "Lanes"): a failed one reopens
@@ -1862,17 +2164,19 @@ end
 -- the request is unknown, or finished other than failed.
 local function lane_requeue(keys, args)
   local record = keys[7]
-  local m = redis.call('HMGET', record, 'state', 'limit', 'total', 'nf', 'left', 'rq')
+  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq')
   if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
     return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
   end
+  local pol = sg_lane_policy(m[2])
+  local fed = tonumber(m[3] or pol.total)
   local flat = redis.call('HGETALL', record)
   local dead, inflight = {}, {}
   for j = 1, #flat, 2 do
     local i = string.match(flat[j], '^x(%d+)$')
     if i then dead[#dead + 1] = tonumber(i) end
     i = string.match(flat[j], '^w(%d+)$')
-    if i and tonumber(i) < tonumber(m[4]) then inflight[#inflight + 1] = tonumber(i) end
+    if i and tonumber(i) < fed then inflight[#inflight + 1] = tonumber(i) end
   end
   table.sort(dead)
   table.sort(inflight)
@@ -1892,8 +2196,8 @@ local function lane_requeue(keys, args)
     -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
     -- their payloads were kept (sg_lane_feed), and they are fed again.
     for _, i in ipairs(inflight) do rq[#rq + 1] = i end
-  elseif m[6] and m[6] ~= '' then
-    table.insert(rq, 1, m[6])
+  elseif m[4] and m[4] ~= '' then
+    table.insert(rq, 1, m[4])
   end
   redis.call('HSET', record, 'rq', table.concat(rq, ','))
   redis.call('HINCRBY', record, 'failed', -#dead)
@@ -1901,15 +2205,15 @@ local function lane_requeue(keys, args)
   local feed = 0
   if m[1] == 'failed' then
     -- Reopened: nothing of the new lifecycle is in the lane yet.
-    redis.call('HINCRBY', record, 'gen', 1)
+    redis.call('HINCRBY', record, 'lc', 1)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
-    feed = math.min(tonumber(m[2]), left)
+    feed = math.min(pol.limit, left)
   end
-  local lc = sg_record_lifecycle(record)
-  sg_lane_open(keys, args[1], redis.call('HGET', record, 'prio'), tonumber(args[3]), now, tonumber(args[4]), keys[10])
-  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc) end
+  local lc = redis.call('HGET', record, 'lc')
+  sg_lane_open(keys, args[1], pol.prio, tonumber(args[3]), now, tonumber(args[4]), keys[10])
+  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc, m[2]) end
   local woken = sg_unpark(keys, args[1], feed, now)
   sg_push(keys[8], keys[9], woken)
   return {#dead, #woken}
@@ -1923,6 +2227,8 @@ redis.register_function('sg2_submit_abort', submit_abort)
 redis.register_function('sg2_stream_open', stream_open)
 redis.register_function('sg2_stream_append', stream_append)
 redis.register_function('sg2_stream_finalize', stream_finalize)
+redis.register_function{function_name='sg2_outstanding', callback=outstanding, flags={'no-writes'}}
+redis.register_function('sg2_results_from', results_from)
 redis.register_function('sg2_register', register)
 redis.register_function('sg2_push', push)
 redis.register_function('sg2_reopen', reopen)

@@ -236,6 +236,12 @@ async fn drain(world: &mut World) -> Result<(), String> {
                 world.apply(&Op::Finalize { request: *i }).await?;
             }
         }
+        // A streamed request's reader goes on reading its pages (results_from) while it drains.
+        for (i, s) in &seen {
+            if s.meta.contains_key("open") && !s.meta.contains_key("discard") && round % 2 == 0 {
+                world.apply(&Op::ReadResults { request: *i, count: 2 }).await?;
+            }
+        }
         for w in 0..WORKERS {
             world.apply(&Op::Beat { worker: w }).await?;
             for slot in 0..SLOTS {

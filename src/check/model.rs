@@ -30,6 +30,13 @@ pub(crate) enum Outcome {
     /// This call cancelled the request.
     Cancelled,
     Requeued(u64),
+    /// A page of results read from part `first` (`Err` carries a failure's attempts), of a
+    /// request that was terminal or not when it was read.
+    Read {
+        first: u64,
+        terminal: bool,
+        results: Vec<Result<u64, u32>>,
+    },
 }
 
 impl Outcome {
@@ -56,6 +63,13 @@ pub(crate) struct Req {
     pub(crate) cancelled: bool,
     /// Parts a handler failed at least once.
     pub(crate) failed_parts: BTreeSet<u64>,
+    /// What the reader took with `results_from`, by part (`Err`: a failure), and where its next
+    /// page starts.
+    pub(crate) read: BTreeMap<u64, Result<u64, u32>>,
+    pub(crate) read_next: u64,
+    /// An operator asked to requeue its dead letters (its outstanding parts may then pass its
+    /// window).
+    pub(crate) requeue_tried: bool,
 }
 
 #[derive(Default)]
@@ -65,6 +79,8 @@ pub(crate) struct Model {
     touched: HashMap<u64, BTreeSet<String>>,
     /// Per live actor blocked in a handler: the run (request, index, attempt).
     pub(crate) running: HashMap<u64, (String, u64, u32)>,
+    /// A broken promise found outside a step's checks (a page of results that is wrong).
+    pub(crate) broken: Option<String>,
 }
 
 /// The key id in a request key `<ns>:r:{<kid>}…`.
@@ -132,6 +148,37 @@ impl Model {
             }
             (Task::Cancel(i), Outcome::Cancelled | Outcome::Error(_)) => {
                 self.requests.entry(*i).or_default().cancelled = true
+            }
+            (Task::Read(i, asked), Outcome::Read { first, terminal, results }) => {
+                let r = self.requests.entry(*i).or_default();
+                let req = request_id(*i);
+                if first != *asked {
+                    self.broken = Some(format!("{req}: a page asked from {asked} starts at {first}"));
+                    return;
+                }
+                let len = results.len() as u64;
+                for (n, got) in results.into_iter().enumerate() {
+                    let index = first + n as u64;
+                    let want = payload(*i, index) * 3;
+                    let wrong = match got {
+                        Ok(v) => v != want,
+                        // A failure is read only for a part that failed, or (attempts 0: nothing
+                        // recorded) of a request that ended before the part did.
+                        Err(0) => !terminal,
+                        Err(_) => !r.failed_parts.contains(&index),
+                    };
+                    // A page read again (its reply was lost) answers as before.
+                    let changed = r.read.get(&index).is_some_and(|before| *before != got);
+                    if wrong || changed {
+                        self.broken = Some(format!(
+                            "{req}: part {index} read as {got:?} (before: {:?}; its result is {want})",
+                            r.read.get(&index)
+                        ));
+                        return;
+                    }
+                    r.read.insert(index, got);
+                }
+                r.read_next = r.read_next.max(first + len);
             }
             _ => {}
         }
@@ -270,7 +317,8 @@ async fn lane_seen(
 ) -> Result<Seen, String> {
     let ns = world.config.namespace_str();
     let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
-    let prio = record.get("prio").map(|v| text(v)).unwrap_or_default();
+    let meta = crate::protocol::lane::record_meta(&record);
+    let prio = meta.get("prio").cloned().unwrap_or_default();
     let lane_kid = format!("~0.{prio}");
     if !lanes.contains_key(&lane_kid) {
         let lane_meta: HashMap<String, String> =
@@ -283,7 +331,6 @@ async fn lane_seen(
         lanes.insert(lane_kid.clone(), holders);
     }
     let mut lane = LaneSeen { holders: lanes[&lane_kid].clone(), ..LaneSeen::default() };
-    let mut meta = HashMap::new();
     let mut dead = 0;
     for (field, value) in record {
         let index = field.get(1..).and_then(|i| i.parse::<u64>().ok());
@@ -295,10 +342,7 @@ async fn lane_seen(
                 lane.errors.insert(index, text(&value));
             }
             (Some('x'), Some(_)) => dead += 1,
-            (Some('w'), Some(_)) => {}
-            _ => {
-                meta.insert(field, text(&value));
-            }
+            _ => {}
         }
     }
     let results = lane.results.len() as u64;
@@ -308,6 +352,9 @@ async fn lane_seen(
 
 /// The invariants that hold after every step.
 pub(crate) async fn check_step(world: &World) -> Result<(), String> {
+    if let Some(broken) = &world.model.broken {
+        return Err(broken.clone());
+    }
     let (seen, now) = snapshot(world).await?;
     for (i, s) in &seen {
         let r = request_id(*i);
@@ -333,13 +380,27 @@ pub(crate) async fn check_step(world: &World) -> Result<(), String> {
         }
         // Its counters say what is left: every part without a result or a dead letter, no more, no
         // less (a part counted down twice ends a request while another part still has to run).
+        // Results taken by the reader and deleted (`ntaken`), and results not stored (`discarded`),
+        // count as results.
         if !s.terminal() && s.state() != "loading" {
             let (total, left, failed) = (s.num("total"), s.num("left"), s.num("failed"));
-            if left + s.results + s.dead != total || failed != s.dead {
+            let results = s.results + s.num("ntaken") + s.num("discarded");
+            if left + results + s.dead != total || failed != s.dead {
                 return Err(format!(
-                    "{r}: left {left} and failed {failed}, but {} of {total} parts have results and {} are dead letters",
-                    s.results, s.dead
+                    "{r}: left {left} and failed {failed}, but {results} of {total} parts have results \
+                     ({} stored, {} taken, {} discarded) and {} are dead letters",
+                    s.results,
+                    s.num("ntaken"),
+                    s.num("discarded"),
+                    s.dead
                 ));
+            }
+            // A windowed producer never lets more than its window of parts be unsettled, unless
+            // a requeue gave some back.
+            let window = s.num("window");
+            let requeued = world.model.requests.get(i).is_some_and(|m| m.requeue_tried);
+            if window > 0 && left > window && !requeued {
+                return Err(format!("{r}: {left} parts unsettled, above its window of {window}"));
             }
         }
         // An entry waits in one place to be handed out again: listed twice, it runs twice and
@@ -430,6 +491,23 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 return Err(format!("{r}: cancelled, but nobody cancelled it"));
             }
         }
+        // Outcomes below `tfirst` were taken by the reader and deleted: it must hold each of them.
+        let tfirst = s.num("tfirst");
+        for index in 0..tfirst {
+            if !model.is_some_and(|m| m.read.contains_key(&index)) {
+                return Err(format!("{r}: part {index}'s outcome was deleted, but the reader never got it"));
+            }
+        }
+        let discard = s.meta.get("discard").map(String::as_str) == Some("1");
+        if discard && s.state() == "completed" {
+            let ok = s.results + s.num("ntaken") + s.num("discarded");
+            if s.results > 0 || ok != total {
+                return Err(format!(
+                    "{r}: completed with {total} parts, {} results stored, {ok} counted",
+                    s.results
+                ));
+            }
+        }
         let kid = r.key_id();
         let (results, errors): (HashMap<u64, u64>, HashMap<u64, String>) = match &s.lane {
             Some(lane) => (lane.results.clone(), lane.errors.clone()),
@@ -444,6 +522,19 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             }
         };
         for index in 0..total {
+            // What the reader took was checked when it was read (a requeued dead letter that ran
+            // again after its failure was taken records nothing new).
+            if let Some(read) = model.and_then(|m| m.read.get(&index)) {
+                // A failure is handed to the reader only once it is final: the part must not have
+                // succeeded since, unless an operator requeued it.
+                let requeued = model.is_some_and(|m| m.requeue_tried);
+                if read.is_err() && results.contains_key(&index) && !requeued {
+                    return Err(format!("{r}: part {index} was read as failed, then succeeded"));
+                }
+            }
+            if index < tfirst || discard || model.is_some_and(|m| m.read.contains_key(&index)) {
+                continue;
+            }
             let want = payload(*i, index) * 3;
             match (results.get(&index), s.state()) {
                 (Some(&got), _) if got != want => {
@@ -475,7 +566,7 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 _ => {}
             }
         }
-        if s.state() == "failed" && errors.is_empty() {
+        if s.state() == "failed" && errors.is_empty() && tfirst == 0 {
             return Err(format!("{r}: failed without an error record"));
         }
     }

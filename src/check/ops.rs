@@ -24,8 +24,17 @@ pub(crate) const PRODUCERS: u8 = 3;
 pub(crate) enum Shape {
     /// `submit` of `parts` parts (one call when they fit in a chunk, else open/load/commit).
     Whole { parts: u8, delay_ms: u32 },
-    /// `open`, then `add` of each count in turn, then `finalize` if `finalize`.
-    Streamed { adds: Vec<u8>, finalize: bool },
+    /// `open`, then `add` of each count in turn, then `finalize` if `finalize`; with a window
+    /// of `window` parts if it is above 0, its results discarded if `discard` (both absent in
+    /// sequences recorded before windows).
+    Streamed {
+        adds: Vec<u8>,
+        finalize: bool,
+        #[serde(default)]
+        window: u8,
+        #[serde(default)]
+        discard: bool,
+    },
 }
 
 /// One request as a producer submits it.
@@ -72,6 +81,12 @@ pub(crate) enum Op {
     },
     Finalize {
         request: u8,
+    },
+    /// A reader takes the next page (of `count` outcomes at most) of a streamed request's results
+    /// (`RequestHandle::results_from`, from where its last page ended).
+    ReadResults {
+        request: u8,
+        count: u8,
     },
     /// Resumes one parked call (with `fault`) or handler run (ending as `verdict`).
     Step {
@@ -125,10 +140,12 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
         790..=869 => Op::Advance {
             ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
         },
-        870..=899 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        870..=889 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        890..=899 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
         900..=919 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
         920..=939 => Op::Finalize { request: rng.gen_range(0..REQUEST_IDS) },
-        940..=996 => Op::Kill { pick: rng.gen() },
+        940..=979 => Op::Kill { pick: rng.gen() },
+        980..=996 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
         // A restart costs a few hundred ms of reconnects: about one sequence in six has one.
         _ if mix.restarts && rng.gen_bool(0.9) => Op::Advance { ms: 100 },
         _ if mix.restarts => Op::Restart,
@@ -157,9 +174,12 @@ fn draw_verdict(rng: &mut StdRng) -> Verdict {
 }
 
 fn draw_submit(rng: &mut StdRng) -> Submit {
-    let shape = if rng.gen_bool(0.25) {
+    let shape = if rng.gen_bool(0.3) {
         let adds = (0..rng.gen_range(1..=3)).map(|_| rng.gen_range(1..=3)).collect();
-        Shape::Streamed { adds, finalize: rng.gen_bool(0.85) }
+        // More often than not a window of 1 to 3 parts, below most such requests' sizes, so that
+        // add waits; the results discarded now and then.
+        let window = if rng.gen_bool(0.6) { rng.gen_range(1..=3) } else { 0 };
+        Shape::Streamed { adds, finalize: rng.gen_bool(0.85), window, discard: rng.gen_bool(0.2) }
     } else {
         let delay_ms = if rng.gen_bool(0.15) { rng.gen_range(100..1500) } else { 0 };
         Shape::Whole { parts: rng.gen_range(1..=5), delay_ms }

@@ -49,6 +49,8 @@ impl Handler for CheckHandler {
 pub(crate) enum Process {
     Producer(u8),
     Operator,
+    /// The process that reads results with `results_from`.
+    Reader,
     /// Worker `index`, incarnation `n`.
     Worker(u8, u32),
 }
@@ -58,12 +60,16 @@ pub(crate) enum Process {
 #[allow(dead_code)]
 pub(crate) enum Task {
     Submit(Submit),
-    Take { slot: u8 },
+    Take {
+        slot: u8,
+    },
     Beat,
     Recover,
     Cancel(u8),
     Requeue(u8),
     Finalize(u8),
+    /// A reader of request `.0`'s results, from part `.1`.
+    Read(u8, u64),
 }
 
 struct Actor {
@@ -159,6 +165,8 @@ impl World {
             .heartbeat(Duration::from_millis(300))
             .retention(Duration::from_secs(24 * 3600))
             .loading_ttl(Duration::from_secs(3600))
+            // A windowed producer's poll: the checker's time is its own.
+            .window_poll(Duration::from_millis(1))
     }
 
     /// The connections a world's processes share (kept across the worlds of one runner: making
@@ -362,7 +370,25 @@ impl World {
                 })
                 .await
             }
+            Op::ReadResults { request, count } => {
+                let producer = Producer::from_store(self.store.clone());
+                let first = self.model.requests.get(request).map_or(0, |r| r.read_next);
+                let (i, count) = (*request, usize::from(*count));
+                self.spawn(Process::Reader, Task::Read(i, first), async move {
+                    let handle = producer.handle(request_id(i));
+                    match handle.results_from::<u64>(first, count).await {
+                        Ok(page) => Outcome::Read {
+                            first: page.first,
+                            terminal: page.state.is_terminal(),
+                            results: page.results.into_iter().map(|r| r.map_err(|e| e.attempts)).collect(),
+                        },
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
             Op::Requeue { request } => {
+                self.model.requests.entry(*request).or_default().requeue_tried = true;
                 let admin = Admin::from_store(self.store.clone());
                 let id = request_id(*request);
                 self.spawn(Process::Operator, Task::Requeue(*request), async move {
@@ -659,8 +685,15 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
                 Err(e) => Err(e),
             }
         }
-        Shape::Streamed { adds, finalize } => {
-            let mut open = match builder() {
+        Shape::Streamed { adds, finalize, window, discard } => {
+            let windowed = builder().map(|b| b.discard_results(*discard)).and_then(|b| {
+                if *window > 0 {
+                    b.window(u64::from(*window))
+                } else {
+                    Ok(b)
+                }
+            });
+            let mut open = match windowed {
                 Ok(b) => match b.open().await {
                     Ok(o) => o,
                     Err(e) => return Outcome::from_submit(Err(e)),

@@ -63,10 +63,10 @@ impl fmt::Display for TakeRecord {
     }
 }
 
-/// The request key id a doorbell message (`<kid>|<state>`, published when a request turns
-/// terminal) names.
-pub(crate) fn doorbell_key_id(message: &str) -> &str {
-    message.split('|').next().unwrap_or_default()
+/// The request key ids a doorbell message names: one line `<kid>|<state>` per request that turned
+/// terminal (a lane ack announces all the requests it finished in one message).
+pub(crate) fn doorbell_key_ids(message: &str) -> impl Iterator<Item = &str> {
+    message.split('\n').filter_map(|line| line.split('|').next()).filter(|kid| !kid.is_empty())
 }
 
 #[cfg(test)]
@@ -90,6 +90,7 @@ mod tests {
         assert_eq!(r.to_string(), text);
         assert_eq!(TakeRecord::parse("abc|3|17|42"), None);
         assert_eq!(TakeRecord::parse("abc|x|17|42|l"), None);
-        assert_eq!(doorbell_key_id("abc|completed"), "abc");
+        assert_eq!(doorbell_key_ids("abc|completed").collect::<Vec<_>>(), ["abc"]);
+        assert_eq!(doorbell_key_ids("a|completed\nb|failed").collect::<Vec<_>>(), ["a", "b"]);
     }
 }

@@ -3,6 +3,8 @@
 //! one record hash per request. `lane_submit`, `lane_cancel` and `lane_requeue` here; a lane
 //! token is taken like any (`take`) and run with `lane_acquire` and `lane_ack` (`tokens`).
 
+use std::collections::HashMap;
+
 use fred::types::Value;
 
 use super::submit::NewRequest;
@@ -110,4 +112,111 @@ pub(crate) async fn requeue(store: &Store, shard: u32, priority: Priority, key_i
         Err(e) => return Err(e),
     };
     Ok(reply.first().map(reply::int).transpose()?.unwrap_or(0).max(0) as u64)
+}
+
+/// A lane request's settings as its record stores them (`pol`, prelude.lua "Lanes"):
+/// "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff base ms>,<backoff cap ms>",
+/// "f" for fail fast, trailing fields at their defaults (1, 0, 1000, 60000) left out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Settings {
+    /// Priority, limit, parts, max attempts, timeout ms, backoff base ms, backoff cap ms.
+    pub(crate) values: [u64; 7],
+    pub(crate) fail_fast: bool,
+}
+
+impl Settings {
+    const NAMES: [&'static str; 7] = ["prio", "limit", "total", "maxatt", "timeout", "bbase", "bmax"];
+    const DEFAULTS: [u64; 4] = [1, 0, 1000, 60_000];
+
+    pub(crate) fn parse(pol: &str) -> Result<Self> {
+        let bad = || Error::Protocol(format!("a lane request's settings are malformed: {pol:?}"));
+        let (fail_fast, rest) = match pol.strip_prefix('f') {
+            Some(rest) => (true, rest),
+            None => (false, pol),
+        };
+        let given: Vec<u64> = rest.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|_| bad())?;
+        if !(3..=7).contains(&given.len()) {
+            return Err(bad());
+        }
+        let mut values = [0; 7];
+        for (i, v) in values.iter_mut().enumerate() {
+            *v = given.get(i).copied().unwrap_or_else(|| Self::DEFAULTS[i - 3]);
+        }
+        Ok(Self { values, fail_fast })
+    }
+}
+
+/// The scalar fields of a lane request's record (prelude.lua, "Lanes") under the names a request's
+/// meta hash gives them (`state`, `prio`, `limit`, `total`, `left`, `failed`, `created`, `gen`,
+/// `started`, `finished`, `retried`, `maxseen`, ...), so that status and the checker read both
+/// alike. The record packs its settings into `pol` and its creation time and generation into `lc`;
+/// its per-part fields (`o<i>`, `e<i>`, `x<i>`, `w<i>`) are left out.
+pub(crate) fn record_meta(record: &HashMap<String, Vec<u8>>) -> HashMap<String, String> {
+    let per_part = |k: &str| {
+        k.len() > 1 && matches!(&k[..1], "o" | "e" | "x" | "w") && k[1..].bytes().all(|b| b.is_ascii_digit())
+    };
+    let mut meta: HashMap<String, String> = record
+        .iter()
+        .filter(|(k, _)| !per_part(k))
+        .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+        .collect();
+    if let Some(settings) = meta.remove("pol").and_then(|pol| Settings::parse(&pol).ok()) {
+        for (name, value) in Settings::NAMES.iter().zip(settings.values) {
+            meta.insert((*name).to_owned(), value.to_string());
+        }
+        meta.insert("failfast".into(), u8::from(settings.fail_fast).to_string());
+    }
+    if let Some(lc) = meta.get("lc").and_then(|v| v.parse::<u64>().ok()) {
+        meta.insert("created".into(), (lc / 1000).to_string());
+        meta.insert("gen".into(), (lc % 1000).to_string());
+    }
+    meta.entry("failed".into()).or_insert_with(|| "0".into());
+    meta
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lean_record_reads_as_a_meta_hash() {
+        let record: HashMap<String, Vec<u8>> = [
+            ("state", "running"),
+            ("lc", "1795571926989002"),
+            ("pol", "f50,4,10,3"),
+            ("left", "7"),
+            ("o0", "x"),
+            ("w9", "y"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.as_bytes().to_vec()))
+        .collect();
+        let meta = record_meta(&record);
+        let get = |k: &str| meta.get(k).map(String::as_str);
+        assert_eq!(get("prio"), Some("50"));
+        assert_eq!(get("limit"), Some("4"));
+        assert_eq!(get("total"), Some("10"));
+        assert_eq!(get("failfast"), Some("1"));
+        assert_eq!(get("maxatt"), Some("3"));
+        assert_eq!(get("bmax"), Some("60000"));
+        assert_eq!(get("created"), Some("1795571926989"));
+        assert_eq!(get("gen"), Some("2"));
+        assert_eq!(get("failed"), Some("0"));
+        assert_eq!(get("left"), Some("7"));
+        assert_eq!(get("o0"), None);
+        assert_eq!(get("w9"), None);
+    }
+
+    #[test]
+    fn settings_fill_in_their_defaults_and_refuse_what_is_malformed() {
+        let s = Settings::parse("50,1,1").unwrap();
+        assert_eq!(s.values, [50, 1, 1, 1, 0, 1000, 60_000]);
+        assert!(!s.fail_fast);
+        let s = Settings::parse("f9,2,3,4,5,6,7").unwrap();
+        assert_eq!(s.values, [9, 2, 3, 4, 5, 6, 7]);
+        assert!(s.fail_fast);
+        for bad in ["", "50,1", "50,x,1", "50,1,1,1,0,1000,60000,0", "g50,1,1"] {
+            assert!(Settings::parse(bad).is_err(), "{bad:?} accepted");
+        }
+    }
 }

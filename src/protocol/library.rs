@@ -24,6 +24,8 @@ pub(crate) enum Func {
     StreamOpen,
     StreamAppend,
     StreamFinalize,
+    Outstanding,
+    ResultsFrom,
     Register,
     Push,
     Reopen,
@@ -60,7 +62,7 @@ impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`).
-    pub(crate) const ALL: [Func; 38] = [
+    pub(crate) const ALL: [Func; 40] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -69,6 +71,8 @@ impl Func {
         Func::StreamOpen,
         Func::StreamAppend,
         Func::StreamFinalize,
+        Func::Outstanding,
+        Func::ResultsFrom,
         Func::Register,
         Func::Push,
         Func::Reopen,
@@ -112,6 +116,8 @@ impl Func {
             Func::StreamOpen => "stream_open",
             Func::StreamAppend => "stream_append",
             Func::StreamFinalize => "stream_finalize",
+            Func::Outstanding => "outstanding",
+            Func::ResultsFrom => "results_from",
             Func::Register => "register",
             Func::Push => "push",
             Func::Reopen => "reopen",
@@ -153,7 +159,7 @@ impl Func {
     /// Functions that only read, registered `no-writes`: callable with FCALL_RO, on replicas, and
     /// while Redis is at its memory limit.
     pub(crate) fn read_only(self) -> bool {
-        matches!(self, Func::Holds)
+        matches!(self, Func::Holds | Func::Outstanding)
     }
 
     fn source(self) -> &'static str {
@@ -166,6 +172,8 @@ impl Func {
             Func::StreamOpen => include_str!("../../lua/stream_open.lua"),
             Func::StreamAppend => include_str!("../../lua/stream_append.lua"),
             Func::StreamFinalize => include_str!("../../lua/stream_finalize.lua"),
+            Func::Outstanding => include_str!("../../lua/outstanding.lua"),
+            Func::ResultsFrom => include_str!("../../lua/results_from.lua"),
             Func::Register => include_str!("../../lua/register.lua"),
             Func::Push => include_str!("../../lua/push.lua"),
             Func::Reopen => include_str!("../../lua/reopen.lua"),

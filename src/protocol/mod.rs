@@ -37,7 +37,7 @@ pub(crate) mod submit;
 pub(crate) mod tokens;
 
 pub(crate) use call::connect;
-pub(crate) use element::{doorbell_key_id, TakeRecord, TokenElement};
+pub(crate) use element::{doorbell_key_ids, TakeRecord, TokenElement};
 pub(crate) use finish::Finished;
 #[cfg(test)]
 pub(crate) use library::checker_library_source;

@@ -42,6 +42,11 @@ pub(crate) struct NewRequest<'a> {
     pub(crate) shards: u32,
     /// Redis time (ms) by which it must be created (its registration's deadline).
     pub(crate) deadline: i64,
+    /// A streamed request's window: at most this many parts unsettled (0 = none; `stream_open`'s
+    /// `ARGV[15]`).
+    pub(crate) window: u64,
+    /// A streamed request whose `ok` results are never stored (`stream_open`'s `ARGV[16]`).
+    pub(crate) discard: bool,
 }
 
 impl NewRequest<'_> {
@@ -141,28 +146,129 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
     let keys = store.keys.request(req.key_id);
     let mut args: Vec<Value> = vec![req.key_id.into()];
     args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
+    args.push((req.window as i64).into());
+    args.push((if req.discard { "1" } else { "0" }).into());
     store.fcall(Func::StreamOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }
 
+/// What `stream_append` answers.
+#[derive(Debug)]
+pub(crate) struct Appended {
+    /// For a windowed request: its parts not settled yet, after this call.
+    pub(crate) outstanding: Option<u64>,
+    /// The token elements to push.
+    pub(crate) elements: Vec<Value>,
+}
+
 /// `stream_append`: adds `parts`, the first of them part number `first`, to open request
-/// `key_id`; `deadline` is the one of the producer's arm. Returns the token elements to push.
+/// `key_id`; `deadline` is the one of the producer's arm. `windowed`: the request was opened with
+/// a window, so the reply starts with its outstanding parts.
 pub(crate) async fn stream_append(
     store: &Store,
     key_id: &str,
     nonce: &str,
     first: u64,
     deadline: i64,
+    windowed: bool,
     parts: Vec<Value>,
-) -> Result<Vec<Value>> {
+) -> Result<Appended> {
     let keys = store.keys.request(key_id);
     let mut args: Vec<Value> = Vec::with_capacity(parts.len() + 4);
     args.extend([key_id.into(), nonce.into(), (first as i64).into(), deadline.into()]);
     args.extend(parts);
-    match store.fcall(Func::StreamAppend, &keys.all(), args).await {
-        Ok(reply) => reply::array(reply),
-        Err(e) => Err(refused(&id_of(key_id)?, e, Error::NotOpen, None)),
+    let mut elements = match store.fcall(Func::StreamAppend, &keys.all(), args).await {
+        Ok(reply) => reply::array(reply)?,
+        Err(e) => return Err(refused(&id_of(key_id)?, e, Error::NotOpen, None)),
+    };
+    let outstanding = if windowed && !elements.is_empty() {
+        Some(reply::int(&elements.remove(0))?.max(0) as u64)
+    } else {
+        None
+    };
+    Ok(Appended { outstanding, elements })
+}
+
+/// `outstanding`: the parts of open request `key_id` not settled yet, or `None` when it is not
+/// open for parts any more (finalized, cancelled, finished, expired or unknown).
+pub(crate) async fn outstanding(store: &Store, key_id: &str) -> Result<Option<u64>> {
+    let keys = store.keys.request(key_id);
+    let n = reply::int(&store.fcall(Func::Outstanding, &[keys.meta.as_str()], Vec::new()).await?)?;
+    Ok(u64::try_from(n).ok())
+}
+
+/// One part's outcome in a `results_from` page, as stored.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// `ok`: the result bytes (MessagePack).
+    Ok(bytes::Bytes),
+    /// `err`: the error record of a dead letter (or a terminal request's last failure).
+    Err(bytes::Bytes),
+    /// `none`: a part of a terminal request that never ended.
+    None,
+}
+
+/// What `results_from` answers.
+#[derive(Debug)]
+pub(crate) struct Page {
+    /// The request's state.
+    pub(crate) state: String,
+    /// Its number of parts once no more can be added.
+    pub(crate) total: Option<u64>,
+    /// The index of the first outcome.
+    pub(crate) first: u64,
+    /// The outcomes, in part order.
+    pub(crate) outcomes: Vec<Outcome>,
+}
+
+/// Why `results_from` refused.
+#[derive(Debug)]
+pub(crate) enum PageRefused {
+    /// `SGSTATE`: unknown request, or `first` below records deleted already (the reason).
+    State(String),
+    /// `SGINVALID`: not a streamed request, or its results are discarded (the reason).
+    Invalid(String),
+    /// `SGGAP`: `first` is past the results taken so far (the reason).
+    Gap(String),
+}
+
+/// `results_from`: up to `count` outcomes of request `key_id` from part `first`, deleting those
+/// below `first` (the reader holds them).
+pub(crate) async fn results_from(
+    store: &Store,
+    key_id: &str,
+    first: u64,
+    count: usize,
+) -> Result<std::result::Result<Page, PageRefused>> {
+    let keys = store.keys.request(key_id);
+    let args: Vec<Value> = vec![(first as i64).into(), (count.max(1) as i64).into()];
+    let reply = match store.fcall(Func::ResultsFrom, &keys.all(), args).await {
+        Ok(reply) => reply,
+        Err(e) => {
+            let Some(r) = Refusal::of(&e) else { return Err(e) };
+            return Ok(Err(match r.code {
+                Code::State => PageRefused::State(r.why),
+                Code::Gap => PageRefused::Gap(r.why),
+                Code::Invalid => PageRefused::Invalid(r.why),
+                _ => return Err(e),
+            }));
+        }
+    };
+    let mut items = reply::array(reply)?.into_iter();
+    let mut next = || items.next().ok_or_else(|| Error::Protocol("results_from: short reply".into()));
+    let state = reply::text(&next()?)?;
+    let total = u64::try_from(reply::int(&next()?)?).ok();
+    let first = reply::int(&next()?)?.max(0) as u64;
+    let mut outcomes = Vec::new();
+    while let Ok(tag) = next() {
+        let body = reply::bytes(next()?)?;
+        outcomes.push(match reply::text(&tag)?.as_str() {
+            "ok" => Outcome::Ok(body),
+            "err" => Outcome::Err(body),
+            _ => Outcome::None,
+        });
     }
+    Ok(Ok(Page { state, total, first, outcomes }))
 }
 
 /// What `stream_finalize` answers.

@@ -223,6 +223,8 @@ pub(crate) struct Report<'a> {
     pub(crate) outcome: Outcome,
     /// The attempt that ran.
     pub(crate) attempt: u32,
+    /// Its index in its request.
+    pub(crate) index: u64,
     /// For a lane entry: its request's key id and lifecycle.
     pub(crate) lane: Option<(&'a str, &'a str)>,
 }
@@ -265,7 +267,7 @@ pub(crate) async fn ack(
         };
         args.extend([r.id.into(), kind.into(), body, ms(delay), i64::from(r.attempt).into()]);
         if let (Some(_), Some((key_id, lifecycle))) = (lane, r.lane) {
-            args.extend([key_id.into(), lifecycle.into()]);
+            args.extend([key_id.into(), lifecycle.into(), (r.index as i64).into()]);
         }
     }
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -299,7 +301,7 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
                     (Some(key_id), Some(lifecycle), Some(p)) => Some(LaneEntry {
                         key_id: reply::text(&key_id)?,
                         lifecycle: reply::text(&lifecycle)?,
-                        policy: read_policy(p)?,
+                        policy: read_lane_policy(&reply::text(&p)?)?,
                     }),
                     _ => None,
                 };
@@ -330,6 +332,14 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
         "fenced" => Next::Fenced,
         other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
     })
+}
+
+/// A lane request's policy from its record's settings (`lane::Settings`): the library hands the
+/// string out as it is, so that Lua does not split it on the hot path.
+fn read_lane_policy(pol: &str) -> Result<Policy> {
+    let [_, _, _, max_attempts, timeout, base, cap] =
+        super::lane::Settings::parse(pol)?.values.map(|v| v as i64);
+    read_policy(Value::Array(vec![max_attempts.into(), timeout.into(), base.into(), cap.into()]))
 }
 
 /// A policy as the library reports it: `{max attempts, timeout ms, backoff base ms, backoff max ms

@@ -121,9 +121,8 @@ impl Leases {
 /// functions decide it (prelude.lua, `sg_lane_live`).
 async fn lane_request_live(store: &Store, record: &str, lifecycle: &str) -> crate::error::Result<bool> {
     use fred::interfaces::HashesInterface;
-    let (state, created, gen): (Option<String>, Option<u64>, Option<u64>) =
-        store.client.hmget(record, vec!["state", "created", "gen"]).await?;
+    let (state, now): (Option<String>, Option<String>) =
+        store.client.hmget(record, vec!["state", "lc"]).await?;
     let live = matches!(state.as_deref(), Some("queued" | "running"));
-    let now = created.map(|c| (c * 1000 + gen.unwrap_or(0)).to_string());
     Ok(live && now.as_deref() == Some(lifecycle))
 }

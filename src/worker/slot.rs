@@ -325,6 +325,9 @@ struct Turn {
 }
 
 impl Turn {
+    /// Each hold starts from a batch of one: handler times seen under another hold (another
+    /// request, or failures that returned at once) would size a batch that runs a slow request's
+    /// parts one after another in one slot, below its limit.
     fn new<H: Handler>(shared: &Shared<H>) -> Self {
         let batching = Batching { max: shared.max_batch, mean_us: None, fixed: shared.store.deterministic() };
         Self { batching, started: Instant::now(), ran: 0 }
@@ -709,7 +712,13 @@ async fn ack<H: Handler>(
             }
         };
         let lane = entry.lane.as_ref().map(|l| (l.key_id.as_str(), l.lifecycle.as_str()));
-        reports.push(Report { id: &entry.id, outcome: reported, attempt: entry.attempt, lane });
+        reports.push(Report {
+            id: &entry.id,
+            outcome: reported,
+            attempt: entry.attempt,
+            index: entry.index,
+            lane,
+        });
     }
     tokens::ack(store, holding, then, reports)
         .instrument(tracing::debug_span!("ack", entries = entries.len()))
