@@ -26,6 +26,10 @@ use crate::store::Store;
 pub(crate) struct Liveness {
     stop: CancellationToken,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Closes when the thread's closure returns (its sender is dropped then), so that `stop` can
+    /// wait for the thread without a blocking task: a blocking task still joining a stuck thread
+    /// would hold up the drop of the caller's runtime, and so the process's exit.
+    ended: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl Drop for Liveness {
@@ -45,9 +49,11 @@ impl Liveness {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         let config = shared.store.config.clone();
+        let (ending, ended) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("sluicegate-liveness".into())
             .spawn(move || {
+                let _ending = ending;
                 let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                     Ok(rt) => rt,
                     Err(e) => {
@@ -73,24 +79,31 @@ impl Liveness {
                         _ = stopped.cancelled() => {}
                         _ = run(&shared, &store, info, wakes) => {}
                     }
-                    let _ = fred::interfaces::ClientLike::quit(&store.client).await;
+                    // Bounded: with Redis unreachable, a QUIT waits on the reconnect policy.
+                    let quit = fred::interfaces::ClientLike::quit(&store.client);
+                    let _ = tokio::time::timeout(QUIT_WAIT, quit).await;
                 });
             })
             .map_err(|e| Error::Config(format!("cannot start the worker's liveness thread: {e}")))?;
-        Ok(Liveness { stop, thread: Some(thread) })
+        Ok(Liveness { stop, thread: Some(thread), ended: Some(ended) })
     }
 
-    /// Stops the thread and waits for it (at most `limit`).
+    /// Stops the thread and waits for it (at most `limit`). A thread that does not end in time is
+    /// left behind, detached: it holds nothing a later worker needs, and the process may exit.
     pub(crate) async fn stop(mut self, limit: Duration) {
         self.stop.cancel();
-        if let Some(thread) = self.thread.take() {
-            let joined = tokio::task::spawn_blocking(move || thread.join());
-            if tokio::time::timeout(limit, joined).await.is_err() {
-                tracing::warn!("the liveness thread did not stop in time");
-            }
+        let (Some(thread), Some(ended)) = (self.thread.take(), self.ended.take()) else { return };
+        // Ok or Closed alike: the sender is only ever dropped, when the thread's closure returns.
+        if tokio::time::timeout(limit, ended).await.is_ok() {
+            let _ = thread.join();
+        } else {
+            tracing::warn!("the liveness thread did not stop in time");
         }
     }
 }
+
+/// How long the liveness thread waits for its QUIT once stopped.
+const QUIT_WAIT: Duration = Duration::from_secs(1);
 
 async fn run<H: Handler>(
     shared: &Shared<H>,

@@ -83,7 +83,13 @@ fn main() -> ExitCode {
 
     let url = cli.redis.clone();
     let outcome = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime.block_on(run(cli)),
+        Ok(runtime) => {
+            let outcome = runtime.block_on(run(cli));
+            // A blocking task left running (a read of stdin nobody closed, a lookup) must not hold
+            // the exit: dropping the runtime would wait for it.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            outcome
+        }
         Err(e) => Err(Failure::new(Code::Redis, format!("cannot start the async runtime: {e}"))),
     };
     match outcome {
