@@ -297,6 +297,23 @@ local function sg_step_late(deadline)
   return nil
 end
 
+-- The LMPOP command over one shard's priority lists, highest first, from their common prefix:
+-- built once per prefix and kept (a library's local state lasts until it is loaded again), at
+-- most SG_LMPOP_KEPT prefixes (namespaces times shards) at a time.
+local SG_LMPOP_KEPT = 256
+local sg_lmpop_kept, sg_lmpop_count = {}, 0
+local function sg_lmpop_lists(prefix)
+  local command = sg_lmpop_kept[prefix]
+  if command then return command end
+  command = {'LMPOP', 100}
+  for p = 99, 0, -1 do command[#command + 1] = prefix .. p end
+  command[#command + 1] = 'RIGHT'
+  if sg_lmpop_count >= SG_LMPOP_KEPT then sg_lmpop_kept, sg_lmpop_count = {}, 0 end
+  sg_lmpop_kept[prefix] = command
+  sg_lmpop_count = sg_lmpop_count + 1
+  return command
+end
+
 -- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
 -- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
 -- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.

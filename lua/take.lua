@@ -2,14 +2,22 @@
 -- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
 -- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
 -- death is noticed by `beat`, and recovery reclaims what the record names).
+-- A lane's token (key id "~<shard>.<priority>") is acquired in the same call: the lane's keys are
+-- in this shard's slot, so the slot gets its first batch without an `acquire` round trip.
 -- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
--- KEYS[3..102] the shard's priority lists, highest first
+-- KEYS[3] the shard's active index   KEYS[4] the shard's looks armed before a step
 -- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
 -- the slot's previous take on this shard ('' if none): its record, if still there, is done with
 -- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
 -- bells and elements stay about even)
--- Returns {list, element}, or {} when every list is empty. The same call re-sent (the same take id:
--- its first reply was lost) returns the element it took the first time.
+-- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size
+-- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
+-- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
+-- named here rather than passed, since a hundred key arguments cost more than the pop
+-- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
+-- `lane_acquire` returns), or {} when every list is empty. The same call re-sent (the same take
+-- id: its first reply was lost) returns the element it took the first time, without a batch: the
+-- slot then acquires it, and `lane_acquire` hands out the same entries again.
 local function take(keys, args)
   local holder, id = args[1], args[2]
   local held = redis.call('HGET', keys[1], holder)
@@ -22,10 +30,7 @@ local function take(keys, args)
       redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
     end
   end
-  local lmpop = {'LMPOP', #keys - 2}
-  for i = 3, #keys do lmpop[#lmpop + 1] = keys[i] end
-  lmpop[#lmpop + 1] = 'RIGHT'
-  local popped = redis.call(unpack(lmpop))
+  local popped = redis.call(unpack(sg_lmpop_lists(args[9])))
   if not popped then
     if held then redis.call('HDEL', keys[1], holder) end
     return {}
@@ -34,5 +39,11 @@ local function take(keys, args)
   redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
   redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
   if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
-  return {popped[1], element}
+  local f = sg_split(element)
+  local priority = string.match(f[1], '^~%d+%.(%d+)$')
+  if not priority then return {popped[1], element} end
+  local base = args[7] .. priority
+  local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
+  local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
+  return {popped[1], element, acquired}
 end

@@ -49,20 +49,13 @@ pub(crate) struct Keys {
     ns: String,
     /// Token shards this component serves and submits to (`Config::token_shards`).
     shards: u32,
-    /// Per shard, every priority list, highest priority first: the BRPOP argument list.
-    token_lists: Vec<Vec<String>>,
 }
 
 impl Keys {
     pub(crate) fn new(ns: &Namespace, shards: u32) -> Self {
         let ns = ns.as_str().to_owned();
         let shards = shards.max(1);
-        let token_lists = (0..shards)
-            .map(|s| {
-                Priority::all_descending().map(|p| format!("{ns}:{{{ns}.q{s}}}:p:{}", p.get())).collect()
-            })
-            .collect();
-        Self { ns, shards, token_lists }
+        Self { ns, shards }
     }
 
     /// How many token shards this component uses.
@@ -70,14 +63,19 @@ impl Keys {
         self.shards
     }
 
-    /// Priority lists of one shard (of those configured), highest first.
-    pub(crate) fn token_lists(&self, shard: u32) -> &[String] {
-        &self.token_lists[shard as usize]
+    /// Priority lists of one shard, highest first.
+    pub(crate) fn token_lists(&self, shard: u32) -> Vec<String> {
+        Priority::all_descending().map(|p| self.token_list(shard, p)).collect()
+    }
+
+    /// What the priority lists of one shard are named: this prefix, then the priority.
+    pub(crate) fn list_prefix(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:p:", self.ns, self.ns)
     }
 
     /// The list of one priority on one shard (any shard, configured here or not).
     pub(crate) fn token_list(&self, shard: u32, priority: Priority) -> String {
-        format!("{}:{{{}.q{shard}}}:p:{}", self.ns, self.ns, priority.get())
+        format!("{}{}", self.list_prefix(shard), priority.get())
     }
 
     /// The shard and priority a token list key stands for.
@@ -163,11 +161,14 @@ impl Keys {
     }
 
     /// The keys of one request; for a lane's key id (`lane_key_id`), the lane's, in its shard's slot.
+    /// What the meta key of each lane of `shard` starts with; its priority follows.
+    pub(crate) fn lane_prefix(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:lane:", self.ns, self.ns)
+    }
+
     pub(crate) fn request(&self, key_id: &str) -> RequestKeys {
         let base = match lane_of(key_id) {
-            Some((shard, priority)) => {
-                format!("{}:{{{}.q{shard}}}:lane:{}", self.ns, self.ns, priority.get())
-            }
+            Some((shard, priority)) => format!("{}{}", self.lane_prefix(shard), priority.get()),
             None => format!("{}:r:{{{key_id}}}", self.ns),
         };
         RequestKeys {
@@ -217,8 +218,8 @@ mod tests {
         for k in r.all() {
             assert!(k.starts_with("ns:r:{a%3Ab}"), "{k}");
         }
-        assert!(keys.token_lists(0).iter().all(|k| k.starts_with("ns:{ns.q0}:p:")));
-        assert_eq!(keys.token_lists(0)[0], "ns:{ns.q0}:p:99");
+        assert_eq!(keys.list_prefix(0), "ns:{ns.q0}:p:");
+        assert_eq!(keys.token_list(0, Priority::new(99).unwrap()), "ns:{ns.q0}:p:99");
         assert_eq!(keys.priority_of_list("ns:{ns.q0}:p:7"), Some((0, Priority::new(7).unwrap())));
         assert_eq!(keys.active(0), "ns:{ns.q0}:active");
         assert_eq!(keys.events(0), "ns:{ns.q0}:events");
@@ -245,7 +246,7 @@ mod tests {
     #[test]
     fn shards_have_their_own_tags_and_tokens_of_a_request_rotate_over_them() {
         let keys = Keys::new(&Namespace::new("ns").unwrap(), 3);
-        assert_eq!(keys.token_lists(2)[99], "ns:{ns.q2}:p:0");
+        assert_eq!(keys.token_list(2, Priority::new(0).unwrap()), "ns:{ns.q2}:p:0");
         assert_eq!(keys.priority_of_list("ns:{ns.q2}:p:7"), Some((2, Priority::new(7).unwrap())));
         assert_eq!(keys.priority_of_list("ns:{ns.qx}:p:7"), None);
         assert_eq!(keys.active(1), "ns:{ns.q1}:active");

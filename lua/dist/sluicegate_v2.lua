@@ -299,6 +299,23 @@ local function sg_step_late(deadline)
   return nil
 end
 
+-- The LMPOP command over one shard's priority lists, highest first, from their common prefix:
+-- built once per prefix and kept (a library's local state lasts until it is loaded again), at
+-- most SG_LMPOP_KEPT prefixes (namespaces times shards) at a time.
+local SG_LMPOP_KEPT = 256
+local sg_lmpop_kept, sg_lmpop_count = {}, 0
+local function sg_lmpop_lists(prefix)
+  local command = sg_lmpop_kept[prefix]
+  if command then return command end
+  command = {'LMPOP', 100}
+  for p = 99, 0, -1 do command[#command + 1] = prefix .. p end
+  command[#command + 1] = 'RIGHT'
+  if sg_lmpop_count >= SG_LMPOP_KEPT then sg_lmpop_kept, sg_lmpop_count = {}, 0 end
+  sg_lmpop_kept[prefix] = command
+  sg_lmpop_count = sg_lmpop_count + 1
+  return command
+end
+
 -- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
 -- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
 -- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.
@@ -1068,18 +1085,59 @@ local function arm(keys, args)
   return due
 end
 
+-- lane_acquire: acquire for a lane token (prelude.lua, "Lanes"): the slot presents the lane token
+-- element it took and gets a batch of lane entries, which may belong to different requests.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
+-- KEYS[8] the shard's looks armed before a step
+-- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
+-- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
+--          lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}};
+--         {'park', wake}, {'drop'}, {'stale'} as acquire.
+-- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
+local function lane_acquire(keys, args)
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra')
+  local tok = m[1]
+  if not tok then return {'drop'} end
+  local f = sg_split(tok)
+  local now = sg_now()
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same call re-sent after its reply was lost: the entries it handed out, again.
+    local reply = {'run'}
+    for _, id in ipairs(sg_ids(f[5])) do
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if entry and pending then
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
+        if e then reply[#reply + 1] = e end
+      end
+    end
+    if #reply > 1 then return reply end
+  end
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
+end
+
 -- take: a worker slot takes the token element of the highest priority waiting on a shard, and
 -- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
 -- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
 -- death is noticed by `beat`, and recovery reclaims what the record names).
+-- A lane's token (key id "~<shard>.<priority>") is acquired in the same call: the lane's keys are
+-- in this shard's slot, so the slot gets its first batch without an `acquire` round trip.
 -- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
--- KEYS[3..102] the shard's priority lists, highest first
+-- KEYS[3] the shard's active index   KEYS[4] the shard's looks armed before a step
 -- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
 -- the slot's previous take on this shard ('' if none): its record, if still there, is done with
 -- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
 -- bells and elements stay about even)
--- Returns {list, element}, or {} when every list is empty. The same call re-sent (the same take id:
--- its first reply was lost) returns the element it took the first time.
+-- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size
+-- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
+-- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
+-- named here rather than passed, since a hundred key arguments cost more than the pop
+-- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
+-- `lane_acquire` returns), or {} when every list is empty. The same call re-sent (the same take
+-- id: its first reply was lost) returns the element it took the first time, without a batch: the
+-- slot then acquires it, and `lane_acquire` hands out the same entries again.
 local function take(keys, args)
   local holder, id = args[1], args[2]
   local held = redis.call('HGET', keys[1], holder)
@@ -1092,10 +1150,7 @@ local function take(keys, args)
       redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
     end
   end
-  local lmpop = {'LMPOP', #keys - 2}
-  for i = 3, #keys do lmpop[#lmpop + 1] = keys[i] end
-  lmpop[#lmpop + 1] = 'RIGHT'
-  local popped = redis.call(unpack(lmpop))
+  local popped = redis.call(unpack(sg_lmpop_lists(args[9])))
   if not popped then
     if held then redis.call('HDEL', keys[1], holder) end
     return {}
@@ -1104,20 +1159,33 @@ local function take(keys, args)
   redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
   redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
   if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
-  return {popped[1], element}
+  local f = sg_split(element)
+  local priority = string.match(f[1], '^~%d+%.(%d+)$')
+  if not priority then return {popped[1], element} end
+  local base = args[7] .. priority
+  local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
+  local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
+  return {popped[1], element, acquired}
 end
 
 -- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
 -- the element goes back to the tail of its list, where it was taken from, and the record ends.
 -- KEYS[1] the shard's held records   KEYS[2] the shard's bell
 -- ARGV[1] holder   ARGV[2] the take id
--- Returns 1 if the take had happened (and is undone), 0 if there is no record of it.
+-- A lane's token was acquired in the same call (take.lua), which may have handed out a batch:
+-- its record is kept for recovery under a name no live slot uses, and reclaim settles it (the
+-- batch becomes orphans, the token is pushed again) as for a dead slot's.
+-- Returns 1 if the take had happened (and is undone, or left to recovery), 0 if there is no record of it.
 local function untake(keys, args)
   local held = redis.call('HGET', keys[1], args[1])
   if not held then return 0 end
   local f = sg_split(held)
   if f[4] ~= args[2] then return 0 end
   redis.call('HDEL', keys[1], args[1])
+  if string.sub(f[1], 1, 1) == '~' then
+    redis.call('HSET', keys[1], args[1] .. '/lost/' .. args[2], held)
+    return 1
+  end
   redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
   redis.call('LPUSH', keys[2], '1')
   redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
@@ -1987,39 +2055,6 @@ local function lane_submit(keys, args)
   return {lc, #woken}
 end
 
--- lane_acquire: acquire for a lane token (prelude.lua, "Lanes"): the slot presents the lane token
--- element it took and gets a batch of lane entries, which may belong to different requests.
--- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
--- KEYS[8] the shard's looks armed before a step
--- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
--- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
--- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
---          lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}};
---         {'park', wake}, {'drop'}, {'stale'} as acquire.
--- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
-local function lane_acquire(keys, args)
-  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra')
-  local tok = m[1]
-  if not tok then return {'drop'} end
-  local f = sg_split(tok)
-  local now = sg_now()
-  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
-    -- The same call re-sent after its reply was lost: the entries it handed out, again.
-    local reply = {'run'}
-    for _, id in ipairs(sg_ids(f[5])) do
-      local entry = redis.call('XRANGE', keys[2], id, id)[1]
-      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
-      if entry and pending then
-        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
-        if e then reply[#reply + 1] = e end
-      end
-    end
-    if #reply > 1 then return reply end
-  end
-  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
-  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
-end
-
 -- lane_ack: ack for a lane token (prelude.lua, "Lanes"): a slot reports the outcomes of the lane
 -- batch it was handed and, in the same step, gets the next batch or gives the token back. Each
 -- outcome is recorded in its request's record if that request is still live with the entry's
@@ -2233,6 +2268,7 @@ redis.register_function('sg2_register', register)
 redis.register_function('sg2_push', push)
 redis.register_function('sg2_reopen', reopen)
 redis.register_function('sg2_arm', arm)
+redis.register_function('sg2_lane_acquire', lane_acquire)
 redis.register_function('sg2_take', take)
 redis.register_function('sg2_untake', untake)
 redis.register_function('sg2_acquire', acquire)
@@ -2255,7 +2291,6 @@ redis.register_function('sg2_requeue_dead', requeue_dead)
 redis.register_function('sg2_beat', beat)
 redis.register_function('sg2_reaped', reaped)
 redis.register_function('sg2_lane_submit', lane_submit)
-redis.register_function('sg2_lane_acquire', lane_acquire)
 redis.register_function('sg2_lane_ack', lane_ack)
 redis.register_function('sg2_lane_cancel', lane_cancel)
 redis.register_function('sg2_lane_requeue', lane_requeue)

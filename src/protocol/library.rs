@@ -61,7 +61,7 @@ pub(crate) enum Func {
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
-    /// `submit_open`).
+    /// `submit_open`; `take` calls `lane_acquire`).
     pub(crate) const ALL: [Func; 40] = [
         Func::SubmitOpen,
         Func::LoadParts,
@@ -77,6 +77,7 @@ impl Func {
         Func::Push,
         Func::Reopen,
         Func::Arm,
+        Func::LaneAcquire,
         Func::Take,
         Func::Untake,
         Func::Acquire,
@@ -99,7 +100,6 @@ impl Func {
         Func::Beat,
         Func::Reaped,
         Func::LaneSubmit,
-        Func::LaneAcquire,
         Func::LaneAck,
         Func::LaneCancel,
         Func::LaneRequeue,

@@ -21,29 +21,46 @@ pub(crate) struct Taken {
     pub(crate) list: String,
     /// The element, `<kid>|<k>|<epoch>` when well formed.
     pub(crate) element: String,
+    /// For a lane's token: what acquiring it in the same call answered.
+    pub(crate) acquired: Option<Next>,
 }
 
 /// `take` on `shard`: pops the highest-priority element and records it for `holder` as take
 /// `take` (`previous`: the id of the slot's previous take on this shard, whose record ends).
 /// `woken`: the slot popped a bell itself. `None` when every list is empty. The same call re-sent
-/// returns what it took the first time.
+/// returns what it took the first time (without a batch). A lane's token is acquired in the same
+/// call, for a first batch of at most `want` entries handed to `consumer`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn take(
     store: &Store,
     shard: u32,
     holder: &str,
+    consumer: &str,
     take: u64,
     previous: Option<u64>,
     woken: bool,
+    want: u32,
 ) -> Result<Option<Taken>> {
-    let (held, bell) = (store.keys.held(shard), store.keys.bell(shard));
-    let mut keys: Vec<&str> = vec![&held, &bell];
-    keys.extend(store.keys.token_lists(shard).iter().map(String::as_str));
+    let keys = &store.keys;
+    let (held, bell, active, armed) =
+        (keys.held(shard), keys.bell(shard), keys.active(shard), keys.armed(shard));
+    let names: [&str; 4] = [&held, &bell, &active, &armed];
     let previous = previous.map(|p| p.to_string()).unwrap_or_default();
-    let args: Vec<Value> =
-        vec![holder.into(), (take as i64).into(), previous.into(), (if woken { "1" } else { "0" }).into()];
-    let mut items = reply::array(store.fcall(Func::Take, &keys, args).await?)?.into_iter();
+    let args: Vec<Value> = vec![
+        holder.into(),
+        (take as i64).into(),
+        previous.into(),
+        (if woken { "1" } else { "0" }).into(),
+        consumer.into(),
+        i64::from(want).into(),
+        keys.lane_prefix(shard).into(),
+        keys.record_prefix(shard).into(),
+        keys.list_prefix(shard).into(),
+    ];
+    let mut items = reply::array(store.fcall(Func::Take, &names, args).await?)?.into_iter();
     let (Some(list), Some(element)) = (items.next(), items.next()) else { return Ok(None) };
-    Ok(Some(Taken { list: reply::text(&list)?, element: reply::text(&element)? }))
+    let acquired = items.next().map(|reply| next(reply, true)).transpose()?;
+    Ok(Some(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired }))
 }
 
 /// `untake` on `shard`: undoes take `take` of `holder`, whose reply was never seen. Returns

@@ -118,6 +118,8 @@ struct Token {
     list: String,
     /// The take that recorded it.
     take: u64,
+    /// A lane's token comes acquired: the first answer of its hold.
+    acquired: Option<Next>,
 }
 
 impl Policy {
@@ -260,13 +262,14 @@ async fn take<H: Handler>(
     let prev = slot.last_take[shard as usize];
     // On error the id is kept: the take is repeated as it was, and returns what it took.
     slot.pending = Some(shard);
-    let taken = tokens::take(store, shard, holder, id, prev, woken).await?;
+    let want = Turn::new(shared).want(shared);
+    let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want).await?;
     slot.pending = None;
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
-    let Some(tokens::Taken { list, element }) = taken else { return Ok(None) };
+    let Some(tokens::Taken { list, element, acquired }) = taken else { return Ok(None) };
     match parse_token(store, &list, &element, shard, id) {
-        Some(token) => Ok(Some(token)),
+        Some(token) => Ok(Some(Token { acquired, ..token })),
         None => {
             tracing::warn!(list, element, "dropping a malformed token element");
             Ok(None)
@@ -285,6 +288,7 @@ fn parse_token(store: &Store, list: &str, element: &str, shard: u32, take: u64) 
         shard,
         list: list.to_owned(),
         take,
+        acquired: None,
     })
 }
 
@@ -362,14 +366,23 @@ enum Served {
 
 /// Holds a token taken from the lists: acquires it, runs batches under it until its quantum is
 /// used up or the library says otherwise, then does what the last answer says.
-async fn serve<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str, token: Token) -> Result<()> {
+async fn serve<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    holder: &str,
+    mut token: Token,
+) -> Result<()> {
     let consumer = shared.id();
-    let holding = Holding { element: &token.element, holder, consumer: &consumer };
     let mut turn = Turn::new(shared);
-    let first = match tokens::acquire(&shared.store, &holding, turn.want(shared)).await {
-        Ok(next) => next,
-        // Whether the acquire ran is unknown: recovery's own step settles it either way.
-        Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
+    let acquired = token.acquired.take();
+    let holding = Holding { element: &token.element, holder, consumer: &consumer };
+    let first = match acquired {
+        Some(first) => first,
+        None => match tokens::acquire(&shared.store, &holding, turn.want(shared)).await {
+            Ok(next) => next,
+            // Whether the acquire ran is unknown: recovery's own step settles it either way.
+            Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
+        },
     };
     // The quantum's time counts from the first batch, not from the acquire's round trip.
     turn.started = Instant::now();

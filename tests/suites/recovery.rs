@@ -12,7 +12,7 @@ use sluicegate_testkit::connect;
 use sluicegate::{
     async_trait, Config, Context, Handler, HandlerError, Listener, Producer, Quantum, RequestState, Worker,
 };
-use crate::support::{env_streams, assert_namespace_drains, fast, start_worker, Job, Probe};
+use crate::support::{env_on, env_streams, assert_namespace_drains, fast, start_worker, Job, Probe};
 
 
 /// The keys a foreign client would build (docs/protocol.md), for placing faults by hand: what a
@@ -62,11 +62,22 @@ impl Raw {
     }
     /// `take` on shard 0 as `holder` (take id 1): the element, recorded as held.
     async fn take(&self, holder: &str) -> String {
-        let mut keys = vec![self.token_key("held"), self.token_key("bell")];
-        keys.extend((0..100).rev().map(|p| self.list(p)));
-        let reply = self.call("take", keys, vec![holder.into(), 1.into(), "".into(), "0".into()]).await;
+        let keys = vec![self.token_key("held"), self.token_key("bell"), self.token_key("active"), self.token_key("armed")];
+        let args: Vec<Value> = vec![
+            holder.into(),
+            1.into(),
+            "".into(),
+            "0".into(),
+            holder.into(),
+            1.into(),
+            self.token_key("lane:").into(),
+            self.token_key("s:").into(),
+            self.token_key("p:").into(),
+        ];
+        let reply = self.call("take", keys, args).await;
         match reply {
-            Value::Array(items) if items.len() == 2 => items[1].as_string().unwrap(),
+            // (A lane token's reply has a third item: its first batch, acquired in the same call.)
+            Value::Array(items) if items.len() >= 2 => items[1].as_string().unwrap(),
             other => panic!("take found nothing: {other:?}"),
         }
     }
@@ -133,6 +144,11 @@ impl Raw {
         assert_eq!(seal, Value::Integer(1));
         (lifecycle, marks)
     }
+    /// `untake` of take id 1 of `holder` on shard 0: whether the take had happened.
+    async fn untake(&self, holder: &str) -> bool {
+        let keys = vec![self.token_key("held"), self.token_key("bell")];
+        self.call("untake", keys, vec![holder.into(), 1.into()]).await == Value::Integer(1)
+    }
     async fn list_len(&self, prio: u8) -> i64 {
         self.client.llen(self.list(prio)).await.unwrap()
     }
@@ -177,6 +193,50 @@ async fn a_token_taken_by_a_worker_that_died_before_acquiring_it_comes_back() {
     let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the dead worker's token is reclaimed");
     assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6, 8]);
     assert_eq!(raw.list_len(40).await, 0, "no token is left behind once the request finished");
+    w.stop().await;
+}
+
+/// A lane's token is acquired by `take` itself, so the slot that took it holds a batch as soon as
+/// the take ran. If its worker dies then, the batch runs again elsewhere and the lane token comes
+/// back: the request completes with every result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_batch_handed_out_by_take_to_a_worker_that_died_runs_again() {
+    let env = env_on(TOPOLOGY, "lanepop").await;
+    let config = fast(&env.config).lane_tokens(1);
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = one_token(&producer, (0..5).map(Job::new)).await;
+    let raw = Raw::new(env.redis.url(), &config).await;
+    raw.doomed_worker("w-dead").await;
+    let _lost = raw.take("w-dead/0").await;
+    assert_eq!(raw.list_len(40).await, 0, "the lane's only token is taken");
+
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the dead slot's batch runs again");
+    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6, 8]);
+    w.stop().await;
+}
+
+/// A slot that stops without having seen its take's reply undoes the take (`untake`). A lane's
+/// take may have handed out a batch already, so its token is not pushed back as if untouched (a
+/// second holder would then run beside the batch): its record is left for recovery, which runs the
+/// batch again and restores the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untaken_lane_take_is_left_to_recovery_and_its_batch_runs_again() {
+    let env = env_on(TOPOLOGY, "laneuntake").await;
+    let config = fast(&env.config).lane_tokens(1);
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = one_token(&producer, (0..5).map(Job::new)).await;
+    let raw = Raw::new(env.redis.url(), &config).await;
+    raw.doomed_worker("w-stopped").await;
+    let _taken = raw.take("w-stopped/0").await;
+    assert!(raw.untake("w-stopped/0").await);
+    assert_eq!(raw.list_len(40).await, 0, "the token is not pushed back beside its handed-out batch");
+    let lost: Option<String> = raw.client.hget(raw.token_key("held"), "w-stopped/0/lost/1").await.unwrap();
+    assert!(lost.is_some(), "the take's record is kept for recovery");
+
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("recovery settles the untaken lane take");
+    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6, 8]);
     w.stop().await;
 }
 
