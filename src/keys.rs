@@ -63,6 +63,12 @@ impl Keys {
         self.shards
     }
 
+    /// The channel on which a push onto an empty priority list of `shard` is announced (message:
+    /// the priority), for busy slots holding a lower one to give way.
+    pub(crate) fn up_channel(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:up", self.ns, self.ns)
+    }
+
     /// Priority lists of one shard, highest first.
     pub(crate) fn token_lists(&self, shard: u32) -> Vec<String> {
         Priority::all_descending().map(|p| self.token_list(shard, p)).collect()

@@ -327,12 +327,19 @@ local SG_HELD_TTL_MS = 3600000
 local SG_BELL_TTL_MS = 600000
 
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
--- slots block on one key and then take the highest priority with `take`.
+-- slots block on one key and then take the highest priority with `take`. A push onto an empty list
+-- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
+-- holding a lower priority give their token back at the end of their batch (one per worker), so a
+-- newly waiting higher priority does not wait for their quantum to run out.
 local function sg_push(list, bell, elements, from)
   local i, n = from or 1, 0
   while i <= #elements do
     local last = math.min(i + 999, #elements)
-    redis.call('LPUSH', list, unpack(elements, i, last))
+    local len = redis.call('LPUSH', list, unpack(elements, i, last))
+    if n == 0 and len == last - i + 1 then
+      local base, priority = string.match(list, '^(.*):p:(%d+)$')
+      if base then redis.call('PUBLISH', base .. ':up', priority) end
+    end
     local bells = {}
     for b = i, last do bells[#bells + 1] = '1' end
     redis.call('LPUSH', bell, unpack(bells))

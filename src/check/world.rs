@@ -239,6 +239,7 @@ impl World {
                 metrics: Arc::new(WorkerMetrics::default()),
                 stopping: CancellationToken::new(),
                 wakes: None,
+                higher: Default::default(),
             });
             let slots = (0..SLOTS)
                 .map(|n| Arc::new(tokio::sync::Mutex::new(slot::Slot::new(n as usize, 1))))
@@ -607,6 +608,7 @@ impl World {
                 metrics: p.shared.metrics.clone(),
                 stopping: CancellationToken::new(),
                 wakes: None,
+                higher: Default::default(),
             };
             for state in &p.slots {
                 slot::release_all(&shared, &mut *state.lock().await).await;

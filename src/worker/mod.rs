@@ -1,6 +1,7 @@
 //! Workers: slots that take concurrency tokens, run the user's handler, and ack.
 
 mod handler;
+mod higher;
 mod leases;
 mod liveness;
 pub(crate) mod recovery;
@@ -146,6 +147,7 @@ impl<H: Handler> WorkerBuilder<H> {
             )));
         }
         let store = crate::protocol::connect(&self.config).await?;
+        let shards = store.keys.shards();
         let mut blocking = Vec::with_capacity(self.slots);
         for _ in 0..self.slots {
             blocking.push(store.blocking_client().await?);
@@ -165,6 +167,7 @@ impl<H: Handler> WorkerBuilder<H> {
                 leases: Leases::default(),
                 stopping: CancellationToken::new(),
                 wakes: Some(wake_tx),
+                higher: Arc::new(higher::Higher::new(shards)),
             }),
             blocking,
             wakes,
@@ -243,6 +246,7 @@ impl<H: Handler> Worker<H> {
         // know would be reclaimed by recovery's backstop.
         registry::beat(&shared.store, &info, true).await?;
         let liveness = liveness::Liveness::start(shared.clone(), info, self.wakes)?;
+        let listening = higher::listen(&shared.store, shared.higher.clone()).await;
         let mut slots = tokio::task::JoinSet::new();
         let shards = shared.store.keys.shards();
         for (n, client) in self.blocking.into_iter().enumerate() {
@@ -273,6 +277,9 @@ impl<H: Handler> Worker<H> {
                 "stopping without handing back what the slots hold (Redis unreachable?): other workers reclaim it \
                  once this worker's registration expires, as after a crash"
             );
+        }
+        if let Some(listening) = listening {
+            listening.abort();
         }
         // The last calls share one bound: with Redis unreachable, the worker still stops.
         let last = async {

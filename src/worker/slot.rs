@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::handler::{Context, Handler};
+use super::higher::Higher;
 use super::leases::{LeaseKey, Leases};
 use super::{Quantum, WorkerMetrics};
 use crate::codec;
@@ -66,6 +67,8 @@ pub(crate) struct Shared<H> {
     pub(crate) stopping: CancellationToken,
     /// Where wake-ups for parked tokens go (the worker's liveness thread); none under the checker.
     pub(crate) wakes: Option<tokio::sync::mpsc::UnboundedSender<Wake>>,
+    /// Higher priorities announced waiting, for busy slots to give way to (`higher`).
+    pub(crate) higher: Arc<Higher>,
 }
 
 impl<H> Shared<H> {
@@ -245,6 +248,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
             }
         }
     };
+    shared.higher.answered(shard, token.priority);
     let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.element.k, priority = token.priority.get());
     serve(shared, slot, &holder, token).instrument(span).await
 }
@@ -343,10 +347,13 @@ impl Turn {
     }
 
     /// After a batch: keep the token for another, or give it back (quantum used up, stopping).
-    fn then<H: Handler>(&self, shared: &Shared<H>) -> Then {
+    /// Also gives the token back when a higher priority than its own became waiting on its shard
+    /// (the first slot of this worker to end a batch gives way; `higher`).
+    fn then<H: Handler>(&self, shared: &Shared<H>, token: &Token) -> Then {
         let keep_going = self.ran < shared.quantum.parts
             && self.started.elapsed() < shared.quantum.time
-            && !shared.stopping.is_cancelled();
+            && !shared.stopping.is_cancelled()
+            && !shared.higher.claim_above(token.shard, token.priority);
         if keep_going {
             Then::More(self.want(shared))
         } else {
@@ -448,7 +455,7 @@ async fn run_batches<H: Handler>(
             turn.ran += 1;
             outcomes.push(outcome);
         }
-        let acked = ack(shared, holding, &entries, policy, outcomes, turn.then(shared)).await;
+        let acked = ack(shared, holding, &entries, policy, outcomes, turn.then(shared, token)).await;
         shared.leases.release(slot.n);
         next = match acked {
             Ok(next) => next,

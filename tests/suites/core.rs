@@ -77,6 +77,38 @@ async fn one_slot_runs_every_part_of_the_highest_priority_first() {
     assert_eq!(order, expected, "parts must run highest priority first");
 }
 
+/// A busy slot does not keep its token for the rest of its quantum once a higher priority is
+/// waiting: the push onto the empty priority list is announced, and the slot gives way at the end
+/// of its batch. With a quantum longer than the low request itself, the urgent one would otherwise
+/// start only after every low part ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_slot_gives_way_to_a_higher_priority_before_its_quantum_ends() {
+    let env = env_on(TOPOLOGY, "giveway").await;
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 100_000, time: Duration::from_secs(600) };
+    let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let low = producer
+        .request()
+        .priority(1)
+        .unwrap()
+        .concurrency(1)
+        .unwrap()
+        .submit((0..300).map(|i| Job::sleeping(i, 5)))
+        .await
+        .unwrap();
+    while probe.starts().len() < 10 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let urgent = producer.request().priority(99).unwrap().submit([Job::new(7)]).await.unwrap();
+    urgent.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let starts = probe.starts();
+    let at = starts.iter().position(|(id, _)| id == urgent.id().as_str()).expect("the urgent part ran");
+    assert!(at < 200, "the urgent part started after {at} low parts: the busy slot kept its token for its quantum");
+    low.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_urgent_request_gets_the_next_free_slot_within_one_quantum() {
     let env = env_on(TOPOLOGY, "preempt").await;
