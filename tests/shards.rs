@@ -369,15 +369,12 @@ async fn one_slot_over_three_shards_keeps_priority_within_each_shard_and_reaches
     }
     w.stop().await;
     let starts = probe.starts();
-    // Requests in the order they were taken (each take runs all three parts, one after another).
-    let mut taken: Vec<String> = Vec::new();
-    for (id, index) in &starts {
-        if *index == 0 {
-            taken.push(id.clone());
-        } else {
-            assert_eq!(taken.last(), Some(id), "a request's parts run in one take: {starts:?}");
-        }
-    }
+    // Requests in the order they were first taken (by their first part). A take usually runs all
+    // three parts; a slot may also give way after a batch when a higher priority is announced on
+    // its shard (an announcement can arrive after the slot took that token already), and then
+    // takes again on the next shard, which can only bring it to the top sooner.
+    let taken: Vec<String> =
+        starts.iter().filter(|(_, index)| *index == 0).map(|(id, _)| id.clone()).collect();
     let order: Vec<(u8, u32)> = taken.iter().map(|id| (by_id[id].0, by_id[id].1)).collect();
     println!("one slot, 3 shards: taken (priority, shard): {order:?}");
     // Within each shard: strictly highest priority first.
