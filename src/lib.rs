@@ -57,6 +57,7 @@ mod events;
 mod keys;
 #[cfg(test)]
 mod layering;
+mod loader;
 mod producer;
 pub mod protocol;
 mod reply;
@@ -72,6 +73,7 @@ pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Cursor, Listener};
+pub use loader::Loader;
 pub use producer::{Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage};
 pub use request::{
     Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,

@@ -70,6 +70,11 @@ impl Producer {
         }
     }
 
+    /// The configuration this producer connected with.
+    pub(crate) fn config(&self) -> &Config {
+        &self.store.config
+    }
+
     /// A handle on a request submitted earlier (by this or another process).
     pub fn handle(&self, id: RequestId) -> RequestHandle {
         RequestHandle { id, producer: self.clone() }
@@ -456,6 +461,12 @@ impl RequestBuilder<'_> {
     {
         let producer = self.producer;
         producer.submit(self, parts).await
+    }
+
+    /// The request's id, generated now if none was chosen, so that it is known before the submit.
+    pub(crate) fn with_id(mut self) -> (Self, RequestId) {
+        let id = self.id.get_or_insert_with(RequestId::generate).clone();
+        (self, id)
     }
 
     /// What the request is created with, as the submit functions take it.

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use fred::prelude::*;
-use sluicegate::{Admin, Error, Producer, Quantum, RequestState};
+use sluicegate::{Admin, Error, Producer, Quantum, RequestId, RequestState};
 use crate::support::{env_on, fast, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,5 +157,54 @@ async fn dead_letters_survive_the_trimming_and_can_be_requeued() {
         assert!(ids.contains(&format!("0-{}", n + 1).as_str()), "dead letter {n} was trimmed: {ids:?}");
     }
     assert_eq!(admin.requeue_dead(handle.id()).await.unwrap(), 12);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_keeps_at_most_its_window_of_parts_unfinished_across_requests() {
+    use sluicegate::Loader;
+    let env = env_on(TOPOLOGY, "window-loader").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = Admin::connect(&config).await.unwrap();
+    let err = Loader::connect(&producer, 0).await.err().expect("a window of 0 is refused");
+    assert!(err.to_string().contains("window of 0 parts"), "{err}");
+    let loader = Loader::connect(&producer, 10).await.unwrap();
+    // No worker yet: five requests of two parts fill the window.
+    let mut handles = Vec::new();
+    for r in 0..5u64 {
+        let spec = producer.request().id(format!("load-{r}")).unwrap().concurrency(2).unwrap();
+        handles.push(loader.submit(spec, [Job::new(r * 10), Job::new(r * 10 + 1)]).await.unwrap());
+    }
+    assert_eq!(loader.unfinished(), 10);
+    // A sixth waits for room, and is not in Redis meanwhile.
+    let sixth = loader.submit(producer.request().id("load-5").unwrap(), [Job::new(50)]);
+    let waited = tokio::time::timeout(Duration::from_millis(500), sixth).await;
+    assert!(waited.is_err(), "a request beyond the window was submitted");
+    let unknown = admin.status(&RequestId::new("load-5").unwrap()).await.unwrap_err();
+    assert!(matches!(unknown, Error::UnknownRequest(_)), "{unknown}");
+    // A worker frees room as requests end; one larger than the window goes alone.
+    let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
+    handles.push(loader.submit(producer.request().id("load-5").unwrap(), [Job::new(50)]).await.unwrap());
+    let big = (0..15u64).map(|n| Job::new(600 + n));
+    handles.push(loader.submit(producer.request().id("load-6").unwrap().concurrency(4).unwrap(), big).await.unwrap());
+    // A refused submit gives its room back.
+    let before = loader.unfinished();
+    let dup = loader.submit(producer.request().id("load-6").unwrap(), [Job::new(1)]).await.err().expect("refused");
+    assert!(matches!(dup, Error::DuplicateRequestId(_)), "{dup}");
+    assert!(loader.unfinished() <= before, "{} > {before}", loader.unfinished());
+    tokio::time::timeout(Duration::from_secs(60), loader.drain()).await.expect("drained").unwrap();
+    assert_eq!(loader.unfinished(), 0);
+    let mut got = Vec::new();
+    for h in &handles {
+        let done = h.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(done.state, RequestState::Completed);
+        got.push(done.into_outputs().unwrap());
+    }
+    let expected: Vec<Vec<u64>> = (0..5u64)
+        .map(|r| vec![r * 20, r * 20 + 2])
+        .chain([vec![100], (0..15u64).map(|n| (600 + n) * 2).collect()])
+        .collect();
+    assert_eq!(got, expected);
     w.stop().await;
 }
