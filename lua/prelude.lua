@@ -314,6 +314,19 @@ local function sg_lmpop_lists(prefix)
   return command
 end
 
+-- The same LMPOP without the priorities an operator paused (`paused`: priority text -> true);
+-- nil when every priority is paused. Built for each call: pauses are rare and short-lived.
+local function sg_lmpop_unpaused(prefix, paused)
+  local command = {'LMPOP', 0}
+  for p = 99, 0, -1 do
+    if not paused[tostring(p)] then command[#command + 1] = prefix .. p end
+  end
+  command[2] = #command - 2
+  if command[2] == 0 then return nil end
+  command[#command + 1] = 'RIGHT'
+  return command
+end
+
 -- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
 -- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
 -- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.

@@ -6,6 +6,7 @@
 -- in this shard's slot, so the slot gets its first batch without an `acquire` round trip.
 -- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
 -- KEYS[3] the shard's active index   KEYS[4] the shard's looks armed before a step
+-- KEYS[5] the shard's pauses (hash: 'all' or a priority -> 1; `Admin::pause`)
 -- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
 -- the slot's previous take on this shard ('' if none): its record, if still there, is done with
 -- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
@@ -15,7 +16,8 @@
 -- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
 -- named here rather than passed, since a hundred key arguments cost more than the pop
 -- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
--- `lane_acquire` returns), or {} when every list is empty. The same call re-sent (the same take
+-- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
+-- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
 -- slot then acquires it, and `lane_acquire` hands out the same entries again.
 local function take(keys, args)
@@ -30,7 +32,18 @@ local function take(keys, args)
       redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
     end
   end
-  local popped = redis.call(unpack(sg_lmpop_lists(args[9])))
+  local lmpop = sg_lmpop_lists(args[9])
+  local pauses = redis.call('HGETALL', keys[5])
+  if #pauses > 0 then
+    local paused = {}
+    for i = 1, #pauses, 2 do paused[pauses[i]] = true end
+    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
+    if not lmpop then
+      if held then redis.call('HDEL', keys[1], holder) end
+      return {'paused'}
+    end
+  end
+  local popped = redis.call(unpack(lmpop))
   if not popped then
     if held then redis.call('HDEL', keys[1], holder) end
     return {}

@@ -78,6 +78,9 @@ pub struct RequestStatus {
     pub started_ms: Option<u64>,
     /// When it turned terminal.
     pub finished_ms: Option<u64>,
+    /// Not terminal, and its priority or the whole namespace is paused ([`Admin::pause`]): no
+    /// slot takes its tokens until a resume.
+    pub paused: bool,
     /// The last error of up to [`STATUS_ERRORS`] sub-requests (dead letters and pending retries),
     /// by index.
     pub errors: Vec<IndexedError>,
@@ -103,6 +106,30 @@ pub struct Stats {
     pub active_requests: u64,
     /// Workers whose registration is fresh.
     pub workers: Vec<WorkerInfo>,
+    /// What an operator paused.
+    pub paused: Paused,
+}
+
+/// What an operator paused in a namespace ([`Admin::pause`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Paused {
+    /// The whole namespace.
+    pub all: bool,
+    /// Priorities paused one by one, highest first.
+    pub priorities: Vec<u8>,
+}
+
+impl Paused {
+    /// Nothing is paused.
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.priorities.is_empty()
+    }
+
+    /// Whether slots take no tokens of `priority`.
+    pub fn covers(&self, priority: u8) -> bool {
+        self.all || self.priorities.contains(&priority)
+    }
 }
 
 /// Token elements waiting at one priority.
@@ -129,6 +156,12 @@ impl Admin {
 
     /// The request's state and counters.
     pub async fn status(&self, id: &RequestId) -> Result<RequestStatus> {
+        let mut status = self.unpaused_status(id).await?;
+        status.paused = !status.state.is_terminal() && self.paused().await?.covers(status.priority);
+        Ok(status)
+    }
+
+    async fn unpaused_status(&self, id: &RequestId) -> Result<RequestStatus> {
         let keys = self.store.keys.request(&id.key_id());
         let meta: HashMap<String, String> = self.store.client.hgetall(keys.meta.as_str()).await?;
         if meta.is_empty() {
@@ -265,7 +298,48 @@ impl Admin {
         let tokens_waiting =
             waiting.into_iter().rev().map(|(priority, tokens)| PriorityTokens { priority, tokens }).collect();
         let workers = registry::live(&self.store).await?;
-        Ok(Stats { tokens_waiting, active_requests, workers })
+        Ok(Stats { tokens_waiting, active_requests, workers, paused: self.paused().await? })
+    }
+
+    /// Pauses the namespace (`None`) or one priority: from their next take, worker slots take no
+    /// token of it (within one idle poll for an idle slot); a slot holding one finishes its
+    /// quantum first, and running handlers finish. Submits still work. Kept in Redis, so it holds
+    /// across worker restarts until [`resume`](Self::resume). Repeating it changes nothing.
+    pub async fn pause(&self, priority: Option<Priority>) -> Result<()> {
+        let field = priority.map_or_else(|| "all".to_owned(), |p| p.get().to_string());
+        for shard in 0..self.store.keys.shards() {
+            let () = self.store.client.hset(self.store.keys.paused(shard), (field.as_str(), 1)).await?;
+        }
+        Ok(())
+    }
+
+    /// Undoes pauses: `None` resumes everything (the namespace and every priority paused one by
+    /// one); `Some(p)` resumes priority `p` only (a pause of the whole namespace stays). Slots
+    /// take again at their next take, an idle one within one idle poll.
+    pub async fn resume(&self, priority: Option<Priority>) -> Result<()> {
+        for shard in 0..self.store.keys.shards() {
+            let key = self.store.keys.paused(shard);
+            let () = match priority {
+                None => self.store.client.del(key).await?,
+                Some(p) => self.store.client.hdel(key, p.get().to_string()).await?,
+            };
+        }
+        Ok(())
+    }
+
+    /// What is paused (as the first token shard holds it; every shard holds the same, but for a
+    /// moment during a pause or resume).
+    pub async fn paused(&self) -> Result<Paused> {
+        let fields: HashMap<String, String> = self.store.client.hgetall(self.store.keys.paused(0)).await?;
+        let mut paused = Paused::default();
+        for field in fields.into_keys() {
+            match field.parse::<u8>() {
+                Ok(p) => paused.priorities.push(p),
+                Err(_) => paused.all |= field == "all",
+            }
+        }
+        paused.priorities.sort_unstable_by(|a, b| b.cmp(a));
+        Ok(paused)
     }
 }
 
@@ -311,5 +385,6 @@ fn status_from(
         started_ms: num("started"),
         finished_ms: num("finished"),
         errors,
+        paused: false,
     })
 }

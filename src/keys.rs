@@ -99,6 +99,12 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:active", self.ns, self.ns)
     }
 
+    /// Hash of what an operator paused on `shard` (`Admin::pause`): field `all` (the namespace) or
+    /// a priority's number, value `1`. Every shard holds the same fields; `take` reads its own.
+    pub(crate) fn paused(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:paused", self.ns, self.ns)
+    }
+
     /// Sorted set of the looks asked for before a step (arm with a deadline, `shards::armed`);
     /// score: when that look is due (ms). Beside `active`, which keeps only the earliest look, so
     /// that a census that begins before such a look is due does not cancel it.

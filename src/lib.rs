@@ -68,7 +68,9 @@ mod store;
 mod tls;
 mod worker;
 
-pub use admin::{Admin, IndexedError, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS};
+pub use admin::{
+    Admin, IndexedError, Paused, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
+};
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};

@@ -316,6 +316,19 @@ local function sg_lmpop_lists(prefix)
   return command
 end
 
+-- The same LMPOP without the priorities an operator paused (`paused`: priority text -> true);
+-- nil when every priority is paused. Built for each call: pauses are rare and short-lived.
+local function sg_lmpop_unpaused(prefix, paused)
+  local command = {'LMPOP', 0}
+  for p = 99, 0, -1 do
+    if not paused[tostring(p)] then command[#command + 1] = prefix .. p end
+  end
+  command[2] = #command - 2
+  if command[2] == 0 then return nil end
+  command[#command + 1] = 'RIGHT'
+  return command
+end
+
 -- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
 -- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
 -- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.
@@ -1133,6 +1146,7 @@ end
 -- in this shard's slot, so the slot gets its first batch without an `acquire` round trip.
 -- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
 -- KEYS[3] the shard's active index   KEYS[4] the shard's looks armed before a step
+-- KEYS[5] the shard's pauses (hash: 'all' or a priority -> 1; `Admin::pause`)
 -- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
 -- the slot's previous take on this shard ('' if none): its record, if still there, is done with
 -- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
@@ -1142,7 +1156,8 @@ end
 -- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
 -- named here rather than passed, since a hundred key arguments cost more than the pop
 -- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
--- `lane_acquire` returns), or {} when every list is empty. The same call re-sent (the same take
+-- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
+-- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
 -- slot then acquires it, and `lane_acquire` hands out the same entries again.
 local function take(keys, args)
@@ -1157,7 +1172,18 @@ local function take(keys, args)
       redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
     end
   end
-  local popped = redis.call(unpack(sg_lmpop_lists(args[9])))
+  local lmpop = sg_lmpop_lists(args[9])
+  local pauses = redis.call('HGETALL', keys[5])
+  if #pauses > 0 then
+    local paused = {}
+    for i = 1, #pauses, 2 do paused[pauses[i]] = true end
+    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
+    if not lmpop then
+      if held then redis.call('HDEL', keys[1], holder) end
+      return {'paused'}
+    end
+  end
+  local popped = redis.call(unpack(lmpop))
   if not popped then
     if held then redis.call('HDEL', keys[1], holder) end
     return {}

@@ -143,6 +143,14 @@ async fn drain(world: &mut World) -> Result<(), String> {
     use gate::{Fault, Verdict};
     let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
     for round in 0..DRAIN_ROUNDS {
+        // Whatever an operator paused is resumed, so that the drain can finish the work (again
+        // each round: a pause parked before the drain may land after a resume).
+        let ns = world.config.namespace_str().to_owned();
+        let paused: i64 =
+            world.reader.exists(format!("{ns}:{{{ns}.q0}}:paused")).await.map_err(|e| e.to_string())?;
+        if paused > 0 {
+            world.apply(&Op::Resume { priority: None }).await?;
+        }
         if trace {
             eprintln!(
                 "drain round {round} [parked: {}, actors: {}]",

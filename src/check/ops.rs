@@ -82,6 +82,13 @@ pub(crate) enum Op {
     Finalize {
         request: u8,
     },
+    /// An operator pauses the namespace (`None`) or one priority, or resumes it (`None`: all).
+    Pause {
+        priority: Option<u8>,
+    },
+    Resume {
+        priority: Option<u8>,
+    },
     /// A reader takes the next page (of `count` outcomes at most) of a streamed request's results
     /// (`RequestHandle::results_from`, from where its last page ended).
     ReadResults {
@@ -140,7 +147,9 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
         790..=869 => Op::Advance {
             ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
         },
-        870..=889 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        870..=881 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        882..=884 => Op::Pause { priority: draw_pause(rng) },
+        885..=889 => Op::Resume { priority: draw_pause(rng) },
         890..=899 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
         900..=919 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
         920..=939 => Op::Finalize { request: rng.gen_range(0..REQUEST_IDS) },
@@ -151,6 +160,11 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
         _ if mix.restarts => Op::Restart,
         _ => Op::Advance { ms: 100 },
     }
+}
+
+/// The whole namespace, or one of the priorities requests are drawn with.
+fn draw_pause(rng: &mut StdRng) -> Option<u8> {
+    rng.gen_bool(0.5).then(|| [10, 50, 90][rng.gen_range(0..3)])
 }
 
 fn draw_fault(rng: &mut StdRng, share: f64) -> Fault {

@@ -68,6 +68,7 @@ pub(crate) enum Task {
     Cancel(u8),
     Requeue(u8),
     Finalize(u8),
+    Pause,
     /// A reader of request `.0`'s results, from part `.1`.
     Read(u8, u64),
 }
@@ -405,6 +406,19 @@ impl World {
                 let id = request_id(*request);
                 self.spawn(Process::Operator, Task::Finalize(*request), async move {
                     match admin.finalize(&id).await {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Pause { priority } | Op::Resume { priority } => {
+                let admin = Admin::from_store(self.store.clone());
+                let priority = priority.map(|p| crate::Priority::new(p).expect("drawn in range"));
+                let pause = matches!(op, Op::Pause { .. });
+                self.spawn(Process::Operator, Task::Pause, async move {
+                    let done = if pause { admin.pause(priority).await } else { admin.resume(priority).await };
+                    match done {
                         Ok(()) => Outcome::Done,
                         Err(e) => Outcome::Error(e.to_string()),
                     }

@@ -25,9 +25,19 @@ pub(crate) struct Taken {
     pub(crate) acquired: Option<Next>,
 }
 
+/// What a `take` came back with.
+pub(crate) enum Take {
+    /// A token element, recorded as held.
+    Took(Taken),
+    /// Every priority list of the shard is empty.
+    Empty,
+    /// An operator paused the namespace, or every priority (`Admin::pause`): nothing was taken.
+    Paused,
+}
+
 /// `take` on `shard`: pops the highest-priority element and records it for `holder` as take
 /// `take` (`previous`: the id of the slot's previous take on this shard, whose record ends).
-/// `woken`: the slot popped a bell itself. `None` when every list is empty. The same call re-sent
+/// `woken`: the slot popped a bell itself. `Empty` when every list is empty, `Paused` when an operator paused the shard's priorities. The same call re-sent
 /// returns what it took the first time (without a batch). A lane's token is acquired in the same
 /// call, for a first batch of at most `want` entries handed to `consumer`.
 #[allow(clippy::too_many_arguments)]
@@ -40,11 +50,11 @@ pub(crate) async fn take(
     previous: Option<u64>,
     woken: bool,
     want: u32,
-) -> Result<Option<Taken>> {
+) -> Result<Take> {
     let keys = &store.keys;
-    let (held, bell, active, armed) =
-        (keys.held(shard), keys.bell(shard), keys.active(shard), keys.armed(shard));
-    let names: [&str; 4] = [&held, &bell, &active, &armed];
+    let (held, bell, active, armed, paused) =
+        (keys.held(shard), keys.bell(shard), keys.active(shard), keys.armed(shard), keys.paused(shard));
+    let names: [&str; 5] = [&held, &bell, &active, &armed, &paused];
     let previous = previous.map(|p| p.to_string()).unwrap_or_default();
     let args: Vec<Value> = vec![
         holder.into(),
@@ -58,9 +68,13 @@ pub(crate) async fn take(
         keys.list_prefix(shard).into(),
     ];
     let mut items = reply::array(store.fcall(Func::Take, &names, args).await?)?.into_iter();
-    let (Some(list), Some(element)) = (items.next(), items.next()) else { return Ok(None) };
+    let (list, element) = match (items.next(), items.next()) {
+        (Some(list), Some(element)) => (list, element),
+        (Some(word), None) if reply::text(&word)? == "paused" => return Ok(Take::Paused),
+        _ => return Ok(Take::Empty),
+    };
     let acquired = items.next().map(|reply| next(reply, true)).transpose()?;
-    Ok(Some(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired }))
+    Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired }))
 }
 
 /// `untake` on `shard`: undoes take `take` of `holder`, whose reply was never seen. Returns

@@ -218,8 +218,9 @@ pub(crate) async fn take_and_serve<H: Handler>(
         }
     }
     let token = match take(shared, slot, &holder, shard, false).await? {
-        Some(token) => token,
-        None => {
+        Took::Token(token) => *token,
+        Took::Paused => return paused(shared).await,
+        Took::Nothing => {
             let store = &shared.store;
             let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
             // The bell is never abandoned mid-flight: it runs to its server-side timeout, which
@@ -243,14 +244,34 @@ pub(crate) async fn take_and_serve<H: Handler>(
                 })
                 .await?;
             match take(shared, slot, &holder, shard, woken).await? {
-                Some(token) => token,
-                None => return Ok(()),
+                Took::Token(token) => *token,
+                Took::Paused => return paused(shared).await,
+                Took::Nothing => return Ok(()),
             }
         }
     };
     shared.higher.answered(shard, token.priority);
     let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.element.k, priority = token.priority.get());
     serve(shared, slot, &holder, token).instrument(span).await
+}
+
+/// While an operator has paused the namespace (`Admin::pause`), a slot asks again after an idle
+/// poll, without touching the bell: the wake-ups stay for the elements waiting.
+async fn paused<H: Handler>(shared: &Shared<H>) -> Result<()> {
+    if !shared.store.deterministic() {
+        tokio::select! {
+            _ = shared.stopping.cancelled() => {}
+            _ = tokio::time::sleep(shared.idle_poll) => {}
+        }
+    }
+    Ok(())
+}
+
+/// What a slot's `take` came back with.
+enum Took {
+    Token(Box<Token>),
+    Nothing,
+    Paused,
 }
 
 /// `take` on one shard: pops the highest priority element and records it for this holder.
@@ -260,7 +281,7 @@ async fn take<H: Handler>(
     holder: &str,
     shard: u32,
     woken: bool,
-) -> Result<Option<Token>> {
+) -> Result<Took> {
     let store = &shared.store;
     let id = slot.next_take;
     let prev = slot.last_take[shard as usize];
@@ -271,12 +292,16 @@ async fn take<H: Handler>(
     slot.pending = None;
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
-    let Some(tokens::Taken { list, element, acquired }) = taken else { return Ok(None) };
+    let tokens::Taken { list, element, acquired } = match taken {
+        tokens::Take::Took(taken) => taken,
+        tokens::Take::Empty => return Ok(Took::Nothing),
+        tokens::Take::Paused => return Ok(Took::Paused),
+    };
     match parse_token(store, &list, &element, shard, id) {
-        Some(token) => Ok(Some(Token { acquired, ..token })),
+        Some(token) => Ok(Took::Token(Box::new(Token { acquired, ..token }))),
         None => {
             tracing::warn!(list, element, "dropping a malformed token element");
-            Ok(None)
+            Ok(Took::Nothing)
         }
     }
 }

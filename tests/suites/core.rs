@@ -354,3 +354,44 @@ async fn nothing_is_left_in_the_namespace_once_retention_has_passed() {
     let (url, ns) = (env.redis.url(), config.namespace_str());
     assert_namespace_drains(url, ns, Duration::from_secs(10), "keys left after retention").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_stops_new_takes_holds_across_a_worker_restart_and_a_resume_restarts_them() {
+    use sluicegate::{Admin, Priority};
+    let env = env_on(TOPOLOGY, "pause").await;
+    let admin = Admin::connect(&env.config).await.unwrap();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 4, Quantum::default()).await;
+    // The whole namespace: a submit is accepted, and nothing of it starts over many idle polls
+    // (100 ms each), nor after the worker is replaced.
+    admin.pause(None).await.unwrap();
+    let stats = admin.stats().await.unwrap();
+    assert!(stats.paused.all, "{:?}", stats.paused);
+    let held = producer.request().concurrency(2).unwrap().submit((0..3).map(Job::new)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    w.stop().await;
+    let w = start_worker(&env.config, probe.clone(), 4, Quantum::default()).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(probe.starts().is_empty(), "ran while paused: {:?}", probe.starts());
+    let status = admin.status(held.id()).await.unwrap();
+    assert!(status.paused && status.done == 0, "{status:?}");
+    // One priority: the others run, it does not.
+    admin.resume(None).await.unwrap();
+    admin.pause(Some(Priority::new(90).unwrap())).await.unwrap();
+    let urgent = producer.request().priority(90).unwrap().submit([Job::new(7)]).await.unwrap();
+    let low = producer.request().priority(10).unwrap().submit([Job::new(8)]).await.unwrap();
+    assert_eq!(low.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![16]);
+    held.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let urgent_id = urgent.id().to_string();
+    assert!(!probe.starts().iter().any(|(id, _)| *id == urgent_id), "a paused priority ran");
+    let stats = admin.stats().await.unwrap();
+    assert!(!stats.paused.all && stats.paused.priorities == vec![90], "{:?}", stats.paused);
+    assert!(admin.status(urgent.id()).await.unwrap().paused);
+    assert!(!admin.status(low.id()).await.unwrap().paused, "a finished request is not paused");
+    admin.resume(Some(Priority::new(90).unwrap())).await.unwrap();
+    assert_eq!(urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![14]);
+    assert!(admin.stats().await.unwrap().paused.is_empty());
+    w.stop().await;
+}

@@ -62,7 +62,13 @@ impl Raw {
     }
     /// `take` on shard 0 as `holder` (take id 1): the element, recorded as held.
     async fn take(&self, holder: &str) -> String {
-        let keys = vec![self.token_key("held"), self.token_key("bell"), self.token_key("active"), self.token_key("armed")];
+        let keys = vec![
+            self.token_key("held"),
+            self.token_key("bell"),
+            self.token_key("active"),
+            self.token_key("armed"),
+            self.token_key("paused"),
+        ];
         let args: Vec<Value> = vec![
             holder.into(),
             1.into(),

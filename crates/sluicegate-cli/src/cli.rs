@@ -134,6 +134,21 @@ pub(crate) enum Command {
     )]
     Stats,
 
+    /// Stop workers taking new tokens of the namespace, or of one priority; submits still work.
+    #[command(after_help = "Example:\n  \
+        sluicegate pause                # the whole namespace\n  \
+        sluicegate pause --priority 10  # only priority 10\n\n\
+        Idle slots stop within one idle poll (1 s by default); a slot running a request finishes\n\
+        its quantum (32 sub-requests or 250 ms) first; running handlers finish. The pause is kept\n\
+        in Redis: it holds across worker restarts until `sluicegate resume`.")]
+    Pause(PauseArgs),
+
+    /// Undo `pause`: everything, or one priority.
+    #[command(after_help = "Example:\n  \
+        sluicegate resume               # the namespace and every paused priority\n  \
+        sluicegate resume --priority 10 # only priority 10 (a pause of the namespace stays)")]
+    Resume(PauseArgs),
+
     /// Print a finished request's results, one per line in input order.
     #[command(
         after_help = "Example:\n  sluicegate results job-42 > results.jsonl\n  sluicegate results --wait --raw job-42"
@@ -233,6 +248,13 @@ pub(crate) struct WorkerArgs {
     /// A command printing more than this many bytes fails permanently.
     #[arg(long = "max-output-bytes", default_value_t = 16 * 1024 * 1024, value_name = "BYTES")]
     pub(crate) max_output_bytes: usize,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PauseArgs {
+    /// Only this priority (0 to 99) [default: the whole namespace].
+    #[arg(long)]
+    pub(crate) priority: Option<u8>,
 }
 
 #[derive(Args, Debug)]

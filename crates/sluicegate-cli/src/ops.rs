@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use serde_json::json;
-use sluicegate::{shutdown_signal, Admin, Cancelled, Listener, Producer, RequestId, RequestStatus, Stats};
+use sluicegate::{
+    shutdown_signal, Admin, Cancelled, Listener, Paused, Priority, Producer, RequestId, RequestStatus, Stats,
+};
 
 use crate::cli::{EventsArgs, ResultsArgs};
 use crate::failure::{Code, Failure};
@@ -39,7 +41,11 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
     let mut lines = vec![
         format!("request      {}", s.id),
         format!("state        {}", s.state),
-        format!("priority     {}", s.priority),
+        format!(
+            "priority     {}{}",
+            s.priority,
+            if s.paused { " (paused: no slot takes it until `resume`)" } else { "" }
+        ),
         format!("concurrency  {}", s.concurrency),
         format!(
             "open         {}",
@@ -130,6 +136,37 @@ pub(crate) async fn requeue(ctx: &Ctx, id: &str) -> Result<(), Failure> {
     out.flush()
 }
 
+/// `pause` (`pause` = true) or `resume`, of the namespace or of one priority; prints what is
+/// paused afterwards.
+pub(crate) async fn pause(ctx: &Ctx, priority: Option<u8>, pause: bool) -> Result<(), Failure> {
+    let priority = priority.map(Priority::new).transpose().map_err(sluicegate::Error::from)?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    if pause {
+        admin.pause(priority).await?;
+    } else {
+        admin.resume(priority).await?;
+    }
+    let paused = admin.paused().await?;
+    let mut out = Out::new();
+    if ctx.json {
+        out.json(&paused)?;
+    } else {
+        out.line(&format!("paused           {}", paused_text(&paused)))?;
+    }
+    out.flush()
+}
+
+/// `nothing`, `the whole namespace`, `priorities 90, 10`, or both.
+fn paused_text(p: &Paused) -> String {
+    let priorities: Vec<String> = p.priorities.iter().map(u8::to_string).collect();
+    match (p.all, priorities.is_empty()) {
+        (false, true) => "nothing".into(),
+        (true, true) => "the whole namespace".into(),
+        (false, false) => format!("priority {}", priorities.join(", ")),
+        (true, false) => format!("the whole namespace (and priority {})", priorities.join(", ")),
+    }
+}
+
 pub(crate) async fn stats(ctx: &Ctx) -> Result<(), Failure> {
     let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
     let stats = admin.stats().await?;
@@ -152,6 +189,9 @@ fn now_ms() -> u64 {
 
 fn stats_lines(stats: &Stats, now_ms: u64) -> Vec<String> {
     let mut lines = vec![format!("active requests  {}", stats.active_requests)];
+    if !stats.paused.is_empty() {
+        lines.push(format!("paused           {}", paused_text(&stats.paused)));
+    }
     if stats.tokens_waiting.is_empty() {
         lines.push("tokens waiting   none".into());
     } else {

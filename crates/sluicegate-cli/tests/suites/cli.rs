@@ -575,8 +575,34 @@ fn bad_input_is_one_line_naming_the_problem() {
 }
 
 #[test]
+fn pause_holds_a_submitted_request_until_resume_and_stats_and_status_say_so() {
+    let sg = Sg::new("cli-pause");
+    let paused = sg.json(&["pause"]);
+    assert_eq!(paused["all"], true, "{paused}");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    sg.wait_for_workers(1);
+    let input = sg.file("in.txt", b"held back\n");
+    let out = sg.run(&["submit", "--id", "held", &input]);
+    assert!(out.status.success(), "submit while paused: {}", stderr(&out));
+    std::thread::sleep(Duration::from_millis(1500)); // longer than the worker's idle poll
+    let out = sg.run(&["stats"]);
+    assert!(stdout(&out).contains("paused           the whole namespace"), "{}", stdout(&out));
+    let status = sg.json(&["status", "held"]);
+    assert_eq!((status["paused"].clone(), status["done"].clone()), (Value::Bool(true), Value::from(0)), "{status}");
+    let out = sg.run(&["resume"]);
+    assert_eq!(stdout(&out), "paused           nothing\n");
+    let out = sg.run(&["results", "--wait", "--raw", "held"]);
+    assert_eq!(stdout(&out), "HELD BACK\n", "{}", stderr(&out));
+    let out = sg.run(&["pause", "--priority", "100"]);
+    assert_fails(&out, 2, "invalid request: priority 100 is out of range: use 0 (lowest) to 99 (highest)");
+    worker.stop();
+}
+
+#[test]
 fn every_command_has_help_with_an_example() {
-    for cmd in ["submit", "worker", "status", "finalize", "cancel", "requeue", "stats", "results", "events"] {
+    let commands =
+        ["submit", "worker", "status", "finalize", "cancel", "requeue", "stats", "pause", "resume", "results", "events"];
+    for cmd in commands {
         let out = Command::new(BIN).args([cmd, "--help"]).output().unwrap();
         assert!(out.status.success());
         assert!(stdout(&out).contains("Example:\n  sluicegate "), "{cmd} --help:\n{}", stdout(&out));
