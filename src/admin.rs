@@ -301,6 +301,11 @@ impl Admin {
         Ok(Stats { tokens_waiting, active_requests, workers, paused: self.paused().await? })
     }
 
+    /// The workers whose registration is fresh (as in [`stats`](Self::stats), without the rest).
+    pub async fn workers(&self) -> Result<Vec<WorkerInfo>> {
+        registry::live(&self.store).await
+    }
+
     /// Pauses the namespace (`None`) or one priority: from their next take, worker slots take no
     /// token of it (within one idle poll for an idle slot); a slot holding one finishes its
     /// quantum first, and running handlers finish. Submits still work. Kept in Redis, so it holds

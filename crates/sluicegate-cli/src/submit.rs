@@ -209,12 +209,14 @@ pub(crate) async fn wait(
     total: u64,
     show_progress: bool,
 ) -> Result<sluicegate::Completion<Value>, Failure> {
+    let warning = tokio::spawn(warn_without_workers(config.clone()));
     let bar = (show_progress && io::stderr().is_terminal()).then(|| progress_bar(total));
     let poller = bar.clone().map(|bar| tokio::spawn(poll_progress(config.clone(), handle.id().clone(), bar)));
     let waited = tokio::select! {
         done = handle.wait::<Value>() => Ok(done),
         () = shutdown_signal() => Err(()),
     };
+    warning.abort();
     if let Some(poller) = poller {
         poller.abort();
     }
@@ -228,6 +230,19 @@ pub(crate) async fn wait(
             Code::Interrupted,
             format!("stopped waiting; request {id} goes on (see `sluicegate status {id}`, `sluicegate results --wait {id}`)"),
         )),
+    }
+}
+
+/// Says once, on stderr, that nothing will run the request yet when no worker is registered in
+/// the namespace waited in (a worker started with another `--namespace` is the usual cause).
+async fn warn_without_workers(config: Config) {
+    let Ok(admin) = Admin::connect(&config).await else { return };
+    if admin.workers().await.is_ok_and(|w| w.is_empty()) {
+        let ns = config.namespace_str();
+        eprintln!(
+            "warning: no worker is registered in namespace \"{ns}\"; waiting until one starts there \
+             (sluicegate --namespace {ns} worker --exec ...)"
+        );
     }
 }
 

@@ -337,7 +337,15 @@ fn cancel_timeout_and_not_finished_yet() {
         5,
         "request later has not finished yet; use `sluicegate results --wait later` or `sluicegate status later`",
     );
+    // Waiting with no worker in the namespace says so, once, naming the namespace.
+    let mut waiting = sg.command();
+    waiting.args(["results", "--wait", "later"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let waiting = waiting.spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(stdout(&sg.run(&["cancel", "later"])), "cancelled later\n");
+    let waited = waiting.wait_with_output().unwrap();
+    let warning = format!("warning: no worker is registered in namespace \"{}\"", sg.ns);
+    assert_eq!(stderr(&waited).matches(&warning).count(), 1, "{}", stderr(&waited));
     assert_eq!(sg.json(&["cancel", "later"])["cancelled"], false, "a second cancel finds it finished");
     let results = sg.run(&["results", "later"]);
     assert_eq!(results.status.code(), Some(1));
@@ -345,9 +353,11 @@ fn cancel_timeout_and_not_finished_yet() {
 
     // A command that outlives --timeout is killed and the attempt fails (retryably).
     let worker = sg.worker("sleep 10", &["--timeout", "300ms"]);
+    sg.wait_for_workers(1);
     let started = Instant::now();
     let slow = sg.run_with_input(&["submit", "--wait"], b"1\n");
     assert!(started.elapsed() < Duration::from_secs(5), "the timeout killed the command");
+    assert!(!stderr(&slow).contains("warning"), "a worker is registered: {}", stderr(&slow));
     assert_eq!(slow.status.code(), Some(1));
     let failed: Value = serde_json::from_slice(&slow.stdout).unwrap();
     assert_eq!(failed["error"], "sleep 10 timed out after 300ms and was killed");
