@@ -663,7 +663,10 @@ async fn run_handler<H: Handler>(
             // (if the ack still gets through, the entry is handed back as after a clean stop).
             let outcome = outcome_of(joined);
             return match outcome {
-                Outcome::Failed { .. } if cancel.is_cancelled() => Outcome::Skipped,
+                Outcome::Failed { message, .. } if cancel.is_cancelled() => {
+                    tracing::info!(index = entry.index, error = %message, "sub-request cancelled (its request was cancelled, or its hold taken back); not dead-lettered");
+                    Outcome::Skipped
+                }
                 other => other,
             };
         }

@@ -10,6 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -68,14 +69,17 @@ impl Exec {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            // A timeout, a lost claim or a hard shutdown drops this future: the child goes with it.
+            // A timeout, a lost claim or a hard shutdown drops this future: the child goes with it,
+            // and `Group` takes whatever it started along.
             .kill_on_drop(true)
             // Its own process group: a ctrl-c in the worker's terminal reaches the worker, which
-            // then lets running commands finish (the shutdown grace) instead of losing them.
+            // then lets running commands finish (the shutdown grace) instead of losing them; and
+            // the group is what is killed at the end.
             .process_group(0);
         let mut child = command
             .spawn()
             .map_err(|e| HandlerError::permanent(format!("cannot start {}: {e}", self.shown)))?;
+        let group = Group::new(child.id());
         let stdin = child.stdin.take();
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
@@ -85,9 +89,18 @@ impl Exec {
                 let _ = stdin.write_all(&payload).await;
             }
         };
-        let (_, out, err) = tokio::join!(feed, read_capped(stdout, self.max_output), read_tail(stderr));
-        let status =
-            child.wait().await.map_err(|e| HandlerError::new(format!("waiting for {}: {e}", self.shown)))?;
+        // Once the command exits, what it left running in its group goes too, which also closes
+        // the pipes a background grandchild kept open, so that the reads end.
+        let exited = async {
+            let status = child.wait().await;
+            group.kill();
+            status
+        };
+        let ((_, out, err), status) = tokio::join!(
+            async { tokio::join!(feed, read_capped(stdout, self.max_output), read_tail(stderr)) },
+            exited
+        );
+        let status = status.map_err(|e| HandlerError::new(format!("waiting for {}: {e}", self.shown)))?;
         let (out, overflowed) =
             out.map_err(|e| HandlerError::new(format!("reading the output of {}: {e}", self.shown)))?;
         let tail = err.unwrap_or_default();
@@ -128,6 +141,32 @@ impl Handler for Exec {
             // The claim moved on (cancel, lost lease): the result would be dropped anyway.
             () = ctx.cancelled().cancelled() => Err(HandlerError::new(format!("{} was killed: its sub-request was cancelled or reclaimed", self.shown))),
         }
+    }
+}
+
+/// A command's process group (its pid, as `process_group(0)` made it), killed with SIGKILL when
+/// dropped: a timeout, a cancel or a shutdown ends the grandchildren too, not only the command.
+/// Killed once only: after that the group id may in time name another process's group.
+struct Group(AtomicU32);
+
+impl Group {
+    fn new(pid: Option<u32>) -> Self {
+        Self(AtomicU32::new(pid.unwrap_or(0)))
+    }
+
+    fn kill(&self) {
+        let pid = self.0.swap(0, Ordering::Relaxed);
+        if let Ok(pid @ 1..) = i32::try_from(pid) {
+            // A group already gone answers ESRCH, which is fine.
+            let _ =
+                nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

@@ -608,6 +608,70 @@ fn pause_holds_a_submitted_request_until_resume_and_stats_and_status_say_so() {
     worker.stop();
 }
 
+/// Whether process `pid` runs (a zombie, dead but not yet reaped, does not).
+fn running(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit(") ").next().is_some_and(|rest| !rest.starts_with('Z')))
+}
+
+/// Waits up to 5 s for a pid file the command wrote, then for that process to be gone.
+fn assert_ends(file: &Path, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let pid = loop {
+        if let Some(pid) = fs::read_to_string(file).ok().and_then(|t| t.trim().parse::<u32>().ok()) {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "{what}: the command never wrote {}", file.display());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    while running(pid) {
+        assert!(Instant::now() < deadline, "{what}: the grandchild {pid} outlived its command");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_exec_commands_background_children_end_with_it_on_exit_timeout_and_cancel() {
+    let sg = Sg::new("cli-group");
+    let dir = sg.dir.display().to_string();
+    // Starts a long sleep in the background (holding stdout open), notes its pid, and then exits
+    // (line "exit"), or waits for it (any other line).
+    let script = sg.file(
+        "spawner.sh",
+        format!(
+            "#!/bin/sh\nread line\nsleep 30 &\necho $! > {dir}/grandchild-$SLUICEGATE_REQUEST_ID\n\
+             if [ \"$line\" = '\"exit\"' ]; then echo '\"left one behind\"'; exit 0; fi\nwait\n"
+        )
+        .as_bytes(),
+    );
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let worker = sg.worker(&script, &["--timeout", "2s"]);
+    sg.wait_for_workers(1);
+    // The command exits at once: its result comes back (the grandchild's open stdout does not
+    // hold it) and the grandchild ends.
+    let out = sg.run_with_input(&["submit", "--id", "exits", "--wait", "--raw"], b"exit\n");
+    assert_eq!(stdout(&out), "left one behind\n", "{}", stderr(&out));
+    assert_ends(&sg.dir.join("grandchild-exits"), "exit");
+    // The command outlives its timeout: killed with its grandchild.
+    let out = sg.run_with_input(&["submit", "--id", "slow", "--wait"], b"wait\n");
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert_ends(&sg.dir.join("grandchild-slow"), "timeout");
+    // The request is cancelled while its command runs: killed with its grandchild.
+    assert!(sg.run_with_input(&["submit", "--id", "cancelled"], b"wait\n").status.success());
+    let file = sg.dir.join("grandchild-cancelled");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !file.exists() {
+        assert!(Instant::now() < deadline, "the cancelled request's command never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(stdout(&sg.run(&["cancel", "cancelled"])), "cancelled cancelled\n");
+    assert_ends(&file, "cancel");
+    // The timeout is the sub-request's failure; the cancel is not.
+    let log = worker.stop();
+    assert!(log.contains("1 succeeded, 0 retried, 1 dead-lettered"), "{log}");
+    assert!(log.contains("cancelling its handler"), "{log}");
+}
+
 #[test]
 fn every_command_has_help_with_an_example() {
     let commands =
