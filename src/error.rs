@@ -97,6 +97,12 @@ impl RedisError {
         (!word.is_empty() && word.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')).then_some(word)
     }
 
+    /// Redis refused a write because it is at its memory limit (`OOM`, `maxmemory`): the command
+    /// did not run. Reads (status, stats, events, results) still work.
+    pub fn is_full(&self) -> bool {
+        self.code() == Some("OOM")
+    }
+
     /// The connection could not be made or broke (refused, unreachable, TLS refused): nothing
     /// Redis said.
     pub fn is_connection(&self) -> bool {
@@ -131,6 +137,14 @@ fn io_reason(details: &str) -> &str {
 
 impl std::fmt::Display for RedisError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_full() {
+            return write!(
+                f,
+                "Redis is full (at its maxmemory) and refused a write: nothing was written; free memory, \
+                 raise maxmemory, or shorten the retention, then try again (Redis said: {})",
+                self.message()
+            );
+        }
         self.0.fmt(f)
     }
 }

@@ -34,6 +34,12 @@ impl Store {
                 tracing::debug!("not allowed to load the functions library; using the one loaded");
                 Ok(())
             }
+            // At maxmemory every write is refused, a library load too: reads, and the read-only
+            // functions, still work with the library already there (the first write says why).
+            Err(e) if e.details().starts_with("OOM") => {
+                tracing::debug!("Redis is at its maxmemory: using the functions library already loaded");
+                Ok(())
+            }
             other => other.map_err(Error::from),
         }
     }
