@@ -96,6 +96,18 @@ pub struct IndexedError {
     pub error: PartError,
 }
 
+/// A dead-lettered sub-request ([`Admin::dead`]): its error and the payload it was submitted with.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The sub-request's index.
+    pub index: u64,
+    /// Its last error and attempts.
+    pub error: PartError,
+    /// Its payload as stored (MessagePack, as the producer encoded it).
+    pub payload: Vec<u8>,
+}
+
 /// A namespace at a glance.
 #[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
@@ -301,6 +313,64 @@ impl Admin {
         Ok(Stats { tokens_waiting, active_requests, workers, paused: self.paused().await? })
     }
 
+    /// The request's dead letters, by index: each one's error and payload (what
+    /// [`requeue_dead`](Self::requeue_dead) would run again). Empty for a request without any;
+    /// unknown requests are an error.
+    pub async fn dead(&self, id: &RequestId) -> Result<Vec<DeadLetter>> {
+        let keys = self.store.keys.request(&id.key_id());
+        let client = &self.store.client;
+        let exists: i64 = client.exists(keys.meta.as_str()).await?;
+        if exists == 0 {
+            return self.lane_dead(id).await;
+        }
+        // Dead letters wait in the retry set with an infinite score; their payloads stay pending in
+        // the stream (entry `0-<index + 1>`), their errors in the errors hash.
+        let ids: Vec<String> = client.zrangebyscore(keys.retry.as_str(), "+inf", "+inf", false, None).await?;
+        let mut dead = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(1_000) {
+            let pipe = client.pipeline();
+            for entry in chunk {
+                pipe.xrange::<(), _, _, _>(keys.stream.as_str(), entry.as_str(), entry.as_str(), None)
+                    .await?;
+                let index = entry_index(entry)?;
+                pipe.hget::<(), _, _>(keys.errors.as_str(), index).await?;
+            }
+            let replies: Vec<Value> = pipe.all().await?;
+            for (entry, pair) in chunk.iter().zip(replies.chunks(2)) {
+                let payload = first_entry_field(&pair[0]).unwrap_or_default();
+                let record = pair[1].as_bytes().map(<[u8]>::to_vec).unwrap_or_default();
+                dead.push(DeadLetter {
+                    index: entry_index(entry)?,
+                    error: PartError::from_record(&record),
+                    payload,
+                });
+            }
+        }
+        dead.sort_by_key(|d| d.index);
+        Ok(dead)
+    }
+
+    /// `dead` of a lane request: its record keeps a dead part's payload (`x<index>`) and error
+    /// record (`e<index>`).
+    async fn lane_dead(&self, id: &RequestId) -> Result<Vec<DeadLetter>> {
+        let key_id = id.key_id();
+        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
+        if fields.is_empty() {
+            return Err(Error::UnknownRequest(id.clone()));
+        }
+        let mut dead: Vec<DeadLetter> = fields
+            .iter()
+            .filter_map(|(k, payload)| {
+                let index: u64 = k.strip_prefix('x')?.parse().ok()?;
+                let record = fields.get(&format!("e{index}")).map(Vec::as_slice).unwrap_or_default();
+                Some(DeadLetter { index, error: PartError::from_record(record), payload: payload.clone() })
+            })
+            .collect();
+        dead.sort_by_key(|d| d.index);
+        Ok(dead)
+    }
+
     /// The workers whose registration is fresh (as in [`stats`](Self::stats), without the rest).
     pub async fn workers(&self) -> Result<Vec<WorkerInfo>> {
         registry::live(&self.store).await
@@ -346,6 +416,27 @@ impl Admin {
         paused.priorities.sort_unstable_by(|a, b| b.cmp(a));
         Ok(paused)
     }
+}
+
+/// The index of stream entry `0-<index + 1>`.
+fn entry_index(entry: &str) -> Result<u64> {
+    entry
+        .strip_prefix("0-")
+        .and_then(|seq| seq.parse::<u64>().ok())
+        .and_then(|seq| seq.checked_sub(1))
+        .ok_or_else(|| Error::Protocol(format!("a dead letter's entry id {entry:?} is not 0-<index + 1>")))
+}
+
+/// The value of the first field of the first entry of an XRANGE reply (`[[id, [field, value]]]`).
+fn first_entry_field(reply: &Value) -> Option<Vec<u8>> {
+    let Value::Array(entries) = reply else { return None };
+    let Value::Array(entry) = entries.first()? else { return None };
+    let fields = match entry.get(1)? {
+        Value::Array(fields) => fields.get(1)?.clone(),
+        Value::Map(map) => map.clone().inner().into_values().next()?,
+        _ => return None,
+    };
+    fields.as_bytes().map(<[u8]>::to_vec)
 }
 
 /// A request's status from the scalar fields of its meta hash or lane record (both name them

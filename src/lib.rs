@@ -69,7 +69,7 @@ mod tls;
 mod worker;
 
 pub use admin::{
-    Admin, IndexedError, Paused, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
+    Admin, DeadLetter, IndexedError, Paused, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};

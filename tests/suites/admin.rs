@@ -179,3 +179,32 @@ async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
     w.stop().await;
     assert!(admin.stats().await.unwrap().workers.is_empty(), "a stopped worker unregisters");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_lists_each_dead_letters_error_and_payload_for_lane_and_own_stream_requests() {
+    let env = env_on(TOPOLOGY, "dead").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let parts = || (0..5).map(|n| Job { n, sleep_ms: 0, fail: n % 2 == 1 });
+    let lane = producer.request().submit(parts()).await.unwrap();
+    let own = producer.request().own_stream(true).submit(parts()).await.unwrap();
+    let fine = producer.request().submit([Job::new(9)]).await.unwrap();
+    for h in [&lane, &own, &fine] {
+        h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    }
+    for h in [&lane, &own] {
+        let dead = admin.dead(h.id()).await.unwrap();
+        let seen: Vec<(u64, Job, u32)> = dead
+            .iter()
+            .map(|d| (d.index, sluicegate::codec::decode::<Job>(&d.payload).unwrap(), d.error.attempts))
+            .collect();
+        assert_eq!(seen, vec![(1, Job { n: 1, sleep_ms: 0, fail: true }, 1), (3, Job { n: 3, sleep_ms: 0, fail: true }, 1)]);
+        assert!(dead.iter().all(|d| d.error.message == format!("job {} failed on purpose", d.index)), "{dead:?}");
+    }
+    assert!(admin.dead(fine.id()).await.unwrap().is_empty());
+    let unknown = admin.dead(&sluicegate::RequestId::new("never").unwrap()).await.unwrap_err();
+    assert!(matches!(unknown, sluicegate::Error::UnknownRequest(_)), "{unknown}");
+    w.stop().await;
+}

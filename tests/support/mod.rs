@@ -123,7 +123,7 @@ pub async fn start_worker<H: Handler>(
 }
 
 /// The probe's input: a number to double, and how to behave.
-#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 pub struct Job {
     pub n: u64,
     pub sleep_ms: u64,

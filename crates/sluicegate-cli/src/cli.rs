@@ -128,6 +128,14 @@ pub(crate) enum Command {
     #[command(after_help = "Example:\n  sluicegate requeue job-42 && sluicegate results --wait job-42")]
     Requeue(IdArg),
 
+    /// Print a request's dead-lettered sub-requests: index, attempts, error and payload.
+    #[command(after_help = "Example:\n  \
+        sluicegate dead job-42\n  \
+        sluicegate --json dead job-42 | jq -r .payload\n\n\
+        A payload is printed as JSON when it decodes as MessagePack (what `submit` and the Rust\n\
+        producer send), else as the text or bytes it is. `sluicegate requeue ID` runs them again.")]
+    Dead(IdArg),
+
     /// Tokens waiting per priority, active requests, live workers.
     #[command(
         after_help = "Example:\n  sluicegate stats\n  sluicegate --json stats | jq '.workers | length'"

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 use sluicegate::{
     shutdown_signal, Admin, Cancelled, Listener, Paused, Priority, Producer, RequestId, RequestStatus, Stats,
 };
@@ -134,6 +134,42 @@ pub(crate) async fn requeue(ctx: &Ctx, id: &str) -> Result<(), Failure> {
         out.line(&format!("requeued {} of {id}", count(n, "dead-lettered sub-request")))?;
     }
     out.flush()
+}
+
+pub(crate) async fn dead(ctx: &Ctx, id: &str) -> Result<(), Failure> {
+    let id = request_id(id)?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let dead = admin.dead(&id).await?;
+    let mut out = Out::new();
+    for d in &dead {
+        let payload = payload_json(&d.payload);
+        if ctx.json {
+            out.json(&json!({
+                "index": d.index,
+                "attempts": d.error.attempts,
+                "permanent": d.error.permanent,
+                "error": d.error.message,
+                "payload": payload,
+            }))?;
+        } else {
+            let kind = if d.error.permanent { ", permanent" } else { "" };
+            out.line(&format!("#{}  attempt {}{kind}: {}", d.index, d.error.attempts, d.error.message))?;
+            out.line(&format!("    payload: {payload}"))?;
+        }
+    }
+    if !ctx.json {
+        out.line(&format!("{} of {id}", count(dead.len() as u64, "dead-lettered sub-request")))?;
+    }
+    out.flush()
+}
+
+/// A payload as JSON: decoded from MessagePack when it is that, else its text (or, for bytes that
+/// are not text, an array of them).
+fn payload_json(bytes: &[u8]) -> Value {
+    sluicegate::codec::decode::<Value>(bytes).unwrap_or_else(|_| match std::str::from_utf8(bytes) {
+        Ok(text) => Value::String(text.to_owned()),
+        Err(_) => Value::Array(bytes.iter().map(|b| Value::from(*b)).collect()),
+    })
 }
 
 /// `pause` (`pause` = true) or `resume`, of the namespace or of one priority; prints what is

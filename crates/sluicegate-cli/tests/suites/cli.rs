@@ -311,6 +311,17 @@ fn a_permanent_failure_fails_the_request_and_requeue_after_the_fix_completes_it(
         "{last_line}"
     );
 
+    // The dead letter, with its payload decoded to JSON.
+    let dead = sg.json(&["dead", "frag"]);
+    assert_eq!((dead["index"].clone(), dead["attempts"].clone()), (Value::from(1), Value::from(1)), "{dead}");
+    assert_eq!((dead["payload"].clone(), dead["permanent"].clone()), (serde_json::json!({"n": 2}), Value::Bool(true)));
+    assert!(dead["error"].as_str().unwrap().ends_with("bad input"), "{dead}");
+    let human = stdout(&sg.run(&["dead", "frag"]));
+    let lines: Vec<&str> = human.lines().collect();
+    assert!(lines[0].starts_with("#1  attempt 1, permanent: ") && lines[0].ends_with("bad input"), "{human}");
+    assert_eq!(lines[1..], ["    payload: {\"n\":2}", "1 dead-lettered sub-request of frag"], "{human}");
+    assert_fails(&sg.run(&["dead", "nope"]), 4, "no request with id \"nope\" (never submitted, or its results expired)");
+
     fs::write(&fixed, b"").unwrap();
     let requeue = sg.run(&["requeue", "frag"]);
     assert_eq!(stdout(&requeue), "requeued 1 dead-lettered sub-request of frag\n", "{}", stderr(&requeue));
@@ -675,7 +686,10 @@ fn an_exec_commands_background_children_end_with_it_on_exit_timeout_and_cancel()
 #[test]
 fn every_command_has_help_with_an_example() {
     let commands =
-        ["submit", "worker", "status", "finalize", "cancel", "requeue", "stats", "pause", "resume", "results", "events"];
+        [
+        "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "stats", "pause", "resume", "results",
+        "events",
+    ];
     for cmd in commands {
         let out = Command::new(BIN).args([cmd, "--help"]).output().unwrap();
         assert!(out.status.success());
