@@ -3,6 +3,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use fred::prelude::*;
+use fred::types::scan::Scanner;
+use futures::StreamExt;
 use serde::Serialize;
 
 use crate::config::Config;
@@ -371,6 +373,46 @@ impl Admin {
         Ok(dead)
     }
 
+    /// Deletes every key of the namespace (requests queued, running and finished, results,
+    /// events, pauses, the registry), found with `SCAN` on every master. Refused while workers are
+    /// registered in it, unless `force` (they would go on in an empty namespace: stop them first).
+    /// Returns how many keys were deleted. Producers and listeners of the namespace see their
+    /// requests vanish; a request submitted meanwhile may survive in part, so quiesce first.
+    pub async fn purge_namespace(&self, force: bool) -> Result<u64> {
+        let ns = self.store.config.namespace_str().to_owned();
+        let workers = self.workers().await?;
+        if !workers.is_empty() && !force {
+            let ids: Vec<&str> = workers.iter().map(|w| w.id.as_str()).collect();
+            return Err(Error::Refused(format!(
+                "{} worker(s) are registered in namespace \"{ns}\" ({}): stop them first, or force the purge",
+                workers.len(),
+                ids.join(", ")
+            )));
+        }
+        let pattern = format!("{}:*", escape_glob(&ns));
+        let client = &self.store.client;
+        let mut deleted = 0;
+        if client.is_clustered() {
+            let mut pages = client.scan_cluster(pattern, Some(1_000), None);
+            while let Some(page) = pages.next().await {
+                let mut page = page?;
+                if let Some(keys) = page.take_results() {
+                    deleted += unlink_each(client, keys).await?;
+                }
+            }
+        } else {
+            let mut pages = client.scan(pattern, Some(1_000), None);
+            while let Some(page) = pages.next().await {
+                let mut page = page?;
+                if let Some(keys) = page.take_results() {
+                    deleted += unlink_each(client, keys).await?;
+                }
+            }
+        }
+        tracing::warn!(namespace = %ns, deleted, force, "purged the namespace");
+        Ok(deleted)
+    }
+
     /// The workers whose registration is fresh (as in [`stats`](Self::stats), without the rest).
     pub async fn workers(&self) -> Result<Vec<WorkerInfo>> {
         registry::live(&self.store).await
@@ -416,6 +458,28 @@ impl Admin {
         paused.priorities.sort_unstable_by(|a, b| b.cmp(a));
         Ok(paused)
     }
+}
+
+/// Unlinks keys one by one (on a cluster they live in many slots), in one pipeline.
+async fn unlink_each(client: &Client, keys: Vec<Key>) -> Result<u64> {
+    let pipe = client.pipeline();
+    for key in keys {
+        pipe.unlink::<(), _>(key).await?;
+    }
+    let counts: Vec<u64> = pipe.all().await?;
+    Ok(counts.into_iter().sum())
+}
+
+/// `text` with the glob characters of `SCAN MATCH` escaped.
+fn escape_glob(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
 }
 
 /// The index of stream entry `0-<index + 1>`.

@@ -56,6 +56,10 @@ pub enum Error {
     /// A wait ran out of time before the request finished.
     #[error("timed out waiting for request \"{0}\"")]
     Timeout(RequestId),
+    /// An operator's action was refused as it stands (workers still registered for a purge of
+    /// their namespace, say); the message says what to do.
+    #[error("refused: {0}")]
+    Refused(String),
     /// The component was shut down.
     #[error("shut down")]
     Shutdown,

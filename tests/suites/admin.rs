@@ -208,3 +208,34 @@ async fn dead_lists_each_dead_letters_error_and_payload_for_lane_and_own_stream_
     assert!(matches!(unknown, sluicegate::Error::UnknownRequest(_)), "{unknown}");
     w.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_of_a_namespace_is_refused_while_workers_run_and_then_leaves_no_key_of_it() {
+    use sluicegate_testkit::keys_in_namespace;
+    let env = env_on(TOPOLOGY, "purge").await;
+    let config = fast(&env.config);
+    // A neighbour whose name starts with ours keeps its keys.
+    let neighbour = config.clone().namespace(format!("{}x", config.namespace_str()));
+    let kept = Producer::connect(&neighbour).await.unwrap().request().submit([Job::new(1)]).await.unwrap();
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let done = producer.request().submit((0..3).map(Job::new)).await.unwrap();
+    let failed = producer.request().own_stream(true).submit([Job { n: 1, sleep_ms: 0, fail: true }]).await.unwrap();
+    done.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    failed.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    let err = admin.purge_namespace(false).await.unwrap_err();
+    assert!(matches!(err, sluicegate::Error::Refused(_)) && err.to_string().contains("1 worker(s) are registered"), "{err}");
+    w.stop().await;
+    admin.pause(None).await.unwrap();
+    producer.request().concurrency(2).unwrap().submit((0..100).map(Job::new)).await.unwrap();
+    let ns = config.namespace_str();
+    assert!(!keys_in_namespace(env.redis.url(), ns).await.unwrap().is_empty());
+    let deleted = admin.purge_namespace(false).await.unwrap();
+    assert!(deleted > 5, "{deleted}");
+    let left = keys_in_namespace(env.redis.url(), ns).await.unwrap();
+    assert!(left.is_empty(), "keys left after the purge: {left:?}");
+    assert!(!keys_in_namespace(env.redis.url(), neighbour.namespace_str()).await.unwrap().is_empty());
+    let status = Admin::connect(&neighbour).await.unwrap().status(kept.id()).await.unwrap();
+    assert_eq!(status.total, 1);
+}

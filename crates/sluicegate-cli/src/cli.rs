@@ -128,6 +128,13 @@ pub(crate) enum Command {
     #[command(after_help = "Example:\n  sluicegate requeue job-42 && sluicegate results --wait job-42")]
     Requeue(IdArg),
 
+    /// Delete every key of the namespace: all its requests, results, events and settings.
+    #[command(after_help = "Example:\n  \
+        sluicegate --namespace staging purge --all --yes\n\n\
+        Refused while workers are registered in the namespace (stop them first), unless --force.\n\
+        Keys are found with SCAN on every master and deleted with UNLINK; nothing else is touched.")]
+    Purge(PurgeArgs),
+
     /// Print a request's dead-lettered sub-requests: index, attempts, error and payload.
     #[command(after_help = "Example:\n  \
         sluicegate dead job-42\n  \
@@ -256,6 +263,21 @@ pub(crate) struct WorkerArgs {
     /// A command printing more than this many bytes fails permanently.
     #[arg(long = "max-output-bytes", default_value_t = 16 * 1024 * 1024, value_name = "BYTES")]
     pub(crate) max_output_bytes: usize,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PurgeArgs {
+    /// Everything of the namespace (the global --namespace, or SLUICEGATE_NAMESPACE).
+    #[arg(long, required = true)]
+    pub(crate) all: bool,
+
+    /// Confirms the purge: without it nothing is deleted.
+    #[arg(long)]
+    pub(crate) yes: bool,
+
+    /// Purge even while workers are registered in the namespace.
+    #[arg(long)]
+    pub(crate) force: bool,
 }
 
 #[derive(Args, Debug)]

@@ -74,6 +74,7 @@ impl From<Error> for Failure {
             | Error::Expired(_)
             | Error::NotOpen(_)
             | Error::NoDeadLetters(_)
+            | Error::Refused(_)
             | Error::Codec(_) => Code::BadInput,
             Error::UnknownRequest(_) => Code::UnknownRequest,
             // Redis, an unsupported server, a protocol mismatch, and whatever the library adds

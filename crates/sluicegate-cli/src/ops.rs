@@ -7,7 +7,7 @@ use sluicegate::{
     shutdown_signal, Admin, Cancelled, Listener, Paused, Priority, Producer, RequestId, RequestStatus, Stats,
 };
 
-use crate::cli::{EventsArgs, ResultsArgs};
+use crate::cli::{EventsArgs, PurgeArgs, ResultsArgs};
 use crate::failure::{Code, Failure};
 use crate::output::{count, elapsed, print_results, timestamp, Out, ResultStyle};
 use crate::submit::wait;
@@ -132,6 +132,24 @@ pub(crate) async fn requeue(ctx: &Ctx, id: &str) -> Result<(), Failure> {
         out.json(&json!({ "id": id.as_str(), "requeued": n }))?;
     } else {
         out.line(&format!("requeued {} of {id}", count(n, "dead-lettered sub-request")))?;
+    }
+    out.flush()
+}
+
+pub(crate) async fn purge(ctx: &Ctx, args: &PurgeArgs) -> Result<(), Failure> {
+    let ns = ctx.config.namespace_str();
+    if !args.yes {
+        return Err(Failure::bad_input(format!(
+            "purge deletes everything of namespace \"{ns}\": add --yes to confirm"
+        )));
+    }
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let deleted = admin.purge_namespace(args.force).await?;
+    let mut out = Out::new();
+    if ctx.json {
+        out.json(&json!({ "namespace": ns, "deleted_keys": deleted }))?;
+    } else {
+        out.line(&format!("purged namespace {ns}: {}", count(deleted, "key")))?;
     }
     out.flush()
 }

@@ -619,6 +619,27 @@ fn pause_holds_a_submitted_request_until_resume_and_stats_and_status_say_so() {
     worker.stop();
 }
 
+#[test]
+fn purge_all_asks_for_yes_refuses_while_a_worker_runs_and_then_leaves_no_key() {
+    let sg = Sg::new("cli-purge");
+    assert!(sg.run_with_input(&["submit", "--id", "gone"], b"a\nb\n").status.success());
+    assert_fails(
+        &sg.run(&["purge", "--all"]),
+        2,
+        &format!("purge deletes everything of namespace \"{}\": add --yes to confirm", sg.ns),
+    );
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    sg.wait_for_workers(1);
+    let refused = sg.run(&["purge", "--all", "--yes"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(stderr(&refused).contains("1 worker(s) are registered"), "{}", stderr(&refused));
+    worker.stop();
+    let out = sg.run(&["purge", "--all", "--yes"]);
+    assert!(stdout(&out).starts_with(&format!("purged namespace {}: ", sg.ns)), "{}", stderr(&out));
+    assert!(sg.keys().is_empty(), "{:?}", sg.keys());
+    assert_fails(&sg.run(&["status", "gone"]), 4, "no request with id \"gone\" (never submitted, or its results expired)");
+}
+
 /// Whether process `pid` runs (a zombie, dead but not yet reaped, does not).
 fn running(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -687,7 +708,7 @@ fn an_exec_commands_background_children_end_with_it_on_exit_timeout_and_cancel()
 fn every_command_has_help_with_an_example() {
     let commands =
         [
-        "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "stats", "pause", "resume", "results",
+        "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "purge", "stats", "pause", "resume", "results",
         "events",
     ];
     for cmd in commands {
