@@ -33,13 +33,16 @@ local function take(keys, args)
     end
   end
   local lmpop = sg_lmpop_lists(args[9])
-  local pauses = redis.call('HGETALL', keys[5])
+  -- (A caller of before pauses passes four keys: it takes as if nothing were paused.)
+  local pauses = keys[5] and redis.call('HGETALL', keys[5]) or {}
   if #pauses > 0 then
     local paused = {}
     for i = 1, #pauses, 2 do paused[pauses[i]] = true end
     lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
     if not lmpop then
       if held then redis.call('HDEL', keys[1], holder) end
+      -- A bell the slot popped stays for the elements waiting: the slot waits an idle poll.
+      if args[4] == '1' then redis.call('LPUSH', keys[2], '1') end
       return {'paused'}
     end
   end

@@ -18,6 +18,10 @@ use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::WorkerInfo;
 
+/// The most token shards a configuration may name (`Config::token_shards`): a pause is written
+/// on each of them.
+const MAX_TOKEN_SHARDS: u32 = 1024;
+
 /// At most this many errors are listed in a [`RequestStatus`].
 pub const STATUS_ERRORS: usize = 100;
 
@@ -339,7 +343,8 @@ impl Admin {
             }
             let replies: Vec<Value> = pipe.all().await?;
             for (entry, pair) in chunk.iter().zip(replies.chunks(2)) {
-                let payload = first_entry_field(&pair[0]).unwrap_or_default();
+                // Gone meanwhile (requeued and run, say): not a dead letter any more.
+                let Some(payload) = first_entry_field(&pair[0]) else { continue };
                 let record = pair[1].as_bytes().map(<[u8]>::to_vec).unwrap_or_default();
                 dead.push(DeadLetter {
                     index: entry_index(entry)?,
@@ -390,26 +395,38 @@ impl Admin {
             )));
         }
         let pattern = format!("{}:*", escape_glob(&ns));
+        let mut deleted = 0;
+        // Again while a pass finds keys: one written during a scan may be missed by it.
+        for _ in 0..5 {
+            let found = self.unlink_matching(&pattern).await?;
+            deleted += found;
+            if found == 0 {
+                break;
+            }
+        }
+        tracing::warn!(namespace = %ns, deleted, force, "purged the namespace");
+        Ok(deleted)
+    }
+
+    /// One SCAN pass over every master, unlinking what matches `pattern`.
+    async fn unlink_matching(&self, pattern: &str) -> Result<u64> {
         let client = &self.store.client;
         let mut deleted = 0;
         if client.is_clustered() {
             let mut pages = client.scan_cluster(pattern, Some(1_000), None);
             while let Some(page) = pages.next().await {
-                let mut page = page?;
-                if let Some(keys) = page.take_results() {
+                if let Some(keys) = page?.take_results() {
                     deleted += unlink_each(client, keys).await?;
                 }
             }
         } else {
             let mut pages = client.scan(pattern, Some(1_000), None);
             while let Some(page) = pages.next().await {
-                let mut page = page?;
-                if let Some(keys) = page.take_results() {
+                if let Some(keys) = page?.take_results() {
                     deleted += unlink_each(client, keys).await?;
                 }
             }
         }
-        tracing::warn!(namespace = %ns, deleted, force, "purged the namespace");
         Ok(deleted)
     }
 
@@ -424,9 +441,13 @@ impl Admin {
     /// across worker restarts until [`resume`](Self::resume). Repeating it changes nothing.
     pub async fn pause(&self, priority: Option<Priority>) -> Result<()> {
         let field = priority.map_or_else(|| "all".to_owned(), |p| p.get().to_string());
-        for shard in 0..self.store.keys.shards() {
-            let () = self.store.client.hset(self.store.keys.paused(shard), (field.as_str(), 1)).await?;
+        // On every shard a worker may use, not only on this admin's: workers and producers may be
+        // configured with more token shards than the operator's tool.
+        let pipe = self.store.client.pipeline();
+        for shard in 0..MAX_TOKEN_SHARDS {
+            pipe.hset::<(), _, _>(self.store.keys.paused(shard), (field.as_str(), 1)).await?;
         }
+        pipe.all::<Vec<Value>>().await?;
         Ok(())
     }
 
@@ -434,13 +455,15 @@ impl Admin {
     /// one); `Some(p)` resumes priority `p` only (a pause of the whole namespace stays). Slots
     /// take again at their next take, an idle one within one idle poll.
     pub async fn resume(&self, priority: Option<Priority>) -> Result<()> {
-        for shard in 0..self.store.keys.shards() {
+        let pipe = self.store.client.pipeline();
+        for shard in 0..MAX_TOKEN_SHARDS {
             let key = self.store.keys.paused(shard);
-            let () = match priority {
-                None => self.store.client.del(key).await?,
-                Some(p) => self.store.client.hdel(key, p.get().to_string()).await?,
+            match priority {
+                None => pipe.del::<(), _>(key).await?,
+                Some(p) => pipe.hdel::<(), _, _>(key, p.get().to_string()).await?,
             };
         }
+        pipe.all::<Vec<Value>>().await?;
         Ok(())
     }
 

@@ -2,10 +2,12 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::admin::Admin;
 use crate::error::{Error, Result};
 use crate::events::Listener;
 use crate::producer::{Producer, RequestBuilder, RequestHandle};
@@ -21,6 +23,11 @@ use crate::request::RequestId;
 /// [`RequestBuilder::window`]). Finished requests' results stay in Redis for their retention
 /// ([`Config::retention`](crate::Config::retention)) unless read, as any request's do.
 ///
+/// A completion the loader never hears (its event trimmed or lost in a failover, the namespace
+/// purged, a submit that failed without saying whether it happened) does not hold its room for
+/// ever: every few seconds the loader asks for the status of requests it has waited on for a
+/// while, and frees the room of those that ended or do not exist.
+///
 /// ```no_run
 /// # async fn demo() -> sluicegate::Result<()> {
 /// use sluicegate::{Config, Loader, Producer};
@@ -35,12 +42,28 @@ use crate::request::RequestId;
 pub struct Loader {
     window: u32,
     room: Arc<Semaphore>,
-    /// Requests loaded and not ended yet, with the room each holds.
-    unfinished: Arc<Mutex<HashMap<RequestId, OwnedSemaphorePermit>>>,
+    unfinished: Unfinished,
     /// Why the completion listener stopped, if it did (the loader then refuses to load).
     failed: Arc<Mutex<Option<String>>>,
     listening: tokio::task::JoinHandle<()>,
+    checking: tokio::task::JoinHandle<()>,
 }
+
+/// Requests loaded and not ended yet.
+type Unfinished = Arc<Mutex<HashMap<RequestId, Loaded>>>;
+
+/// A request loaded: the room it holds, since when it was last looked at, and whether its submit
+/// is still under way (then no status says anything yet).
+struct Loaded {
+    _room: OwnedSemaphorePermit,
+    since: Instant,
+    submitting: bool,
+}
+
+/// How often, and after how long, the loader asks for the status of requests it has not heard
+/// end; and how many it asks about each time.
+const CHECK_EVERY: Duration = Duration::from_secs(5);
+const CHECK_MAX: usize = 100;
 
 impl Loader {
     /// A loader through `producer` that keeps at most `window` parts unfinished (1 to 2^32 - 1).
@@ -53,8 +76,9 @@ impl Loader {
             ))
         })?;
         let mut listener = Listener::connect(producer.config()).await?;
+        let admin = Admin::connect(producer.config()).await?;
         let room = Arc::new(Semaphore::new(window as usize));
-        let unfinished: Arc<Mutex<HashMap<RequestId, OwnedSemaphorePermit>>> = Arc::default();
+        let unfinished: Unfinished = Arc::default();
         let failed: Arc<Mutex<Option<String>>> = Arc::default();
         let listening = {
             let (room, unfinished, failed) = (room.clone(), unfinished.clone(), failed.clone());
@@ -73,7 +97,8 @@ impl Loader {
                 }
             })
         };
-        Ok(Self { window, room, unfinished, failed, listening })
+        let checking = tokio::spawn(check(admin, unfinished.clone()));
+        Ok(Self { window, room, unfinished, failed, listening, checking })
     }
 
     /// Submits a request described by `spec` (from [`Producer::request`]) once its parts fit in
@@ -85,14 +110,31 @@ impl Loader {
     {
         let parts: Vec<T> = parts.into_iter().collect();
         let size = u32::try_from(parts.len()).unwrap_or(u32::MAX).clamp(1, self.window);
-        let permit = self.room.clone().acquire_many_owned(size).await.map_err(|_| self.stopped())?;
         let (spec, id) = spec.with_id();
-        // Known before the submit, so that a completion arriving before it returns is not missed.
-        lock(&self.unfinished).insert(id.clone(), permit);
-        let submitted = spec.submit(parts).await;
-        if submitted.is_err() {
-            lock(&self.unfinished).remove(&id);
+        if lock(&self.unfinished).contains_key(&id) {
+            return Err(Error::DuplicateRequestId(id));
         }
+        let permit = self.room.clone().acquire_many_owned(size).await.map_err(|_| self.stopped())?;
+        {
+            let mut unfinished = lock(&self.unfinished);
+            // Another of this loader's requests has that id (a retried submit): refused as Redis
+            // would, without touching its room.
+            if unfinished.contains_key(&id) {
+                return Err(Error::DuplicateRequestId(id));
+            }
+            // Known before the submit, so that a completion arriving before it returns is not missed.
+            unfinished.insert(id.clone(), Loaded { _room: permit, since: Instant::now(), submitting: true });
+        }
+        let submitting = Submitting { unfinished: &self.unfinished, id: &id };
+        let submitted = spec.submit(parts).await;
+        // A refusal that says nothing was created gives the room back now; after any other error
+        // the request may exist, and the status checks settle it.
+        if let Err(e) = &submitted {
+            if refused_whole(e) {
+                lock(&self.unfinished).remove(&id);
+            }
+        }
+        drop(submitting);
         submitted
     }
 
@@ -118,6 +160,64 @@ impl Loader {
 impl Drop for Loader {
     fn drop(&mut self) {
         self.listening.abort();
+        self.checking.abort();
+    }
+}
+
+/// Marks a submit as over when it returns or its caller drops it.
+struct Submitting<'a> {
+    unfinished: &'a Unfinished,
+    id: &'a RequestId,
+}
+
+impl Drop for Submitting<'_> {
+    fn drop(&mut self) {
+        if let Some(loaded) = lock(self.unfinished).get_mut(self.id) {
+            loaded.submitting = false;
+            loaded.since = Instant::now();
+        }
+    }
+}
+
+/// Errors after which nothing of the request is in Redis.
+fn refused_whole(e: &Error) -> bool {
+    match e {
+        Error::InvalidRequest(_)
+        | Error::InvalidRequestId(_)
+        | Error::DuplicateRequestId(_)
+        | Error::Codec(_) => true,
+        Error::Redis(redis) => redis.is_full(),
+        _ => false,
+    }
+}
+
+/// Every `CHECK_EVERY`: the status of up to `CHECK_MAX` requests not heard from for that long;
+/// those that ended, or do not exist, give their room back.
+async fn check(admin: Admin, unfinished: Unfinished) {
+    loop {
+        tokio::time::sleep(CHECK_EVERY).await;
+        let mut due: Vec<(Instant, RequestId)> = lock(&unfinished)
+            .iter()
+            .filter(|(_, l)| !l.submitting && l.since.elapsed() >= CHECK_EVERY)
+            .map(|(id, l)| (l.since, id.clone()))
+            .collect();
+        due.sort();
+        for (_, id) in due.into_iter().take(CHECK_MAX) {
+            let ended = match admin.status(&id).await {
+                Ok(status) => status.state.is_terminal(),
+                Err(Error::UnknownRequest(_)) => true,
+                Err(e) => {
+                    tracing::debug!(error = %e, "the loader could not look at a request; later");
+                    false
+                }
+            };
+            let mut unfinished = lock(&unfinished);
+            if ended {
+                unfinished.remove(&id);
+            } else if let Some(loaded) = unfinished.get_mut(&id) {
+                loaded.since = Instant::now();
+            }
+        }
     }
 }
 

@@ -208,3 +208,23 @@ async fn a_loader_keeps_at_most_its_window_of_parts_unfinished_across_requests()
     assert_eq!(got, expected);
     w.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_frees_the_room_of_a_request_whose_completion_it_never_hears() {
+    use sluicegate::Loader;
+    let env = env_on(TOPOLOGY, "window-loader-lost").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let loader = Loader::connect(&producer, 4).await.unwrap();
+    loader.submit(producer.request().id("lost").unwrap(), (0..4).map(Job::new)).await.unwrap();
+    assert_eq!(loader.unfinished(), 4);
+    // A retried submit of the same id is refused without touching the first one's room.
+    let dup = loader.submit(producer.request().id("lost").unwrap(), [Job::new(1)]).await.err().expect("refused");
+    assert!(matches!(dup, Error::DuplicateRequestId(_)), "{dup}");
+    assert_eq!(loader.unfinished(), 4);
+    // The request vanishes without an event (its namespace purged): its status says so, and the
+    // loader's periodic look frees its room.
+    Admin::connect(&config).await.unwrap().purge_namespace(true).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), loader.drain()).await.expect("the room came back").unwrap();
+    assert_eq!(loader.unfinished(), 0);
+}
