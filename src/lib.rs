@@ -82,5 +82,5 @@ pub use request::{
     MAX_REQUEST_ID_BYTES,
 };
 pub use worker::{
-    shutdown_signal, Context, Handler, HandlerError, Quantum, Worker, WorkerBuilder, WorkerMetrics,
+    shutdown_signal, Context, Handler, HandlerError, Quantum, RunTimes, Worker, WorkerBuilder, WorkerMetrics,
 };

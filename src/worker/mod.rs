@@ -58,6 +58,52 @@ pub struct WorkerMetrics {
     pub tokens_restored: AtomicU64,
     /// Tokens this worker's recovery reclaimed from dead workers' slots (their batches run again).
     pub holds_reclaimed: AtomicU64,
+    /// Slots running a handler right now.
+    pub busy_slots: AtomicU64,
+    /// How long each handler run took (every attempt).
+    pub run_time: RunTimes,
+}
+
+/// A histogram of handler run times with fixed buckets ([`RunTimes::BUCKETS`], seconds),
+/// recorded with atomics: cheap enough for every run.
+#[derive(Debug, Default)]
+pub struct RunTimes {
+    /// Runs per bucket: above the previous bucket's bound, at most this one's.
+    counts: [AtomicU64; RunTimes::BUCKETS.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl RunTimes {
+    /// The buckets' upper bounds in seconds (a last one, `+Inf`, is implied).
+    pub const BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
+
+    pub(crate) fn observe(&self, took: Duration) {
+        let secs = took.as_secs_f64();
+        let bucket = Self::BUCKETS.iter().position(|b| secs <= *b).unwrap_or(Self::BUCKETS.len());
+        self.counts[bucket].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.sum_us.fetch_add(us, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The sum of the run times in seconds, the number of runs, and per bucket its upper bound
+    /// and the runs that fell in it (not cumulative: above the previous bound), the last bucket's
+    /// bound being `f64::MAX` (`+Inf`), as the `prometheus-client` crate takes a histogram.
+    pub fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
+        let buckets: Vec<(f64, u64)> = self
+            .counts
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                (
+                    Self::BUCKETS.get(i).copied().unwrap_or(f64::MAX),
+                    n.load(std::sync::atomic::Ordering::Relaxed),
+                )
+            })
+            .collect();
+        let count = buckets.iter().map(|(_, n)| n).sum();
+        let sum = self.sum_us.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6;
+        (sum, count, buckets)
+    }
 }
 
 /// Configures a [`Worker`].

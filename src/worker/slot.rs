@@ -475,7 +475,10 @@ async fn run_batches<H: Handler>(
                 None => cancel.clone(),
             };
             let began = Instant::now();
+            shared.metrics.busy_slots.fetch_add(1, Relaxed);
             let outcome = run_handler(shared, token, entry, entry.policy(policy), cancel).await;
+            shared.metrics.busy_slots.fetch_sub(1, Relaxed);
+            shared.metrics.run_time.observe(began.elapsed());
             turn.batching.observe(began.elapsed());
             turn.ran += 1;
             outcomes.push(outcome);

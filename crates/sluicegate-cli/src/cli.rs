@@ -263,6 +263,10 @@ pub(crate) struct WorkerArgs {
     /// A command printing more than this many bytes fails permanently.
     #[arg(long = "max-output-bytes", default_value_t = 16 * 1024 * 1024, value_name = "BYTES")]
     pub(crate) max_output_bytes: usize,
+
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics, e.g. 127.0.0.1:9464.
+    #[arg(long = "metrics-addr", value_name = "ADDR")]
+    pub(crate) metrics_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args, Debug)]

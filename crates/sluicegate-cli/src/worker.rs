@@ -20,6 +20,21 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
         )
         .await?;
     let metrics = worker.metrics();
+    // Bound before the worker starts, so that a port in use is a start-up error, not a log line.
+    let exporter = match args.metrics_addr {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                Failure::bad_input(format!("cannot serve metrics on {addr} (--metrics-addr): {e}"))
+            })?;
+            let exporter = sluicegate_metrics::Exporter::new(ctx.config.namespace_str(), metrics.clone());
+            Some(tokio::spawn(async move {
+                if let Err(e) = exporter.serve(listener).await {
+                    eprintln!("error: the metrics endpoint stopped: {e}");
+                }
+            }))
+        }
+        None => None,
+    };
     // The start-up line goes to stderr, so stdout stays free for a supervisor's use; with --json it
     // is a record on stdout that a script can wait for.
     if ctx.json {
@@ -34,7 +49,11 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
             ctx.config.namespace_str()
         );
     }
-    worker.run().await?;
+    let ran = worker.run().await;
+    if let Some(exporter) = exporter {
+        exporter.abort();
+    }
+    ran?;
     let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     if !ctx.json {
         eprintln!(

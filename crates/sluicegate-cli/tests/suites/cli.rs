@@ -640,6 +640,80 @@ fn purge_all_asks_for_yes_refuses_while_a_worker_runs_and_then_leaves_no_key() {
     assert_fails(&sg.run(&["status", "gone"]), 4, "no request with id \"gone\" (never submitted, or its results expired)");
 }
 
+/// `GET /metrics` from `addr`, by hand (HTTP/1.0: the body runs to the end of the connection).
+fn scrape(addr: &str) -> (String, String) {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: sluicegate\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap();
+    (head.to_owned(), body.to_owned())
+}
+
+/// Checks the OpenMetrics text format line by line: `# HELP|TYPE|UNIT name ...` comments,
+/// samples `name{label="value",...} number`, and `# EOF` last.
+fn assert_openmetrics(text: &str) {
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.last(), Some(&"# EOF"), "{text}");
+    let name_ok = |n: &str| {
+        !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    };
+    for line in &lines[..lines.len() - 1] {
+        if let Some(comment) = line.strip_prefix("# ") {
+            let mut words = comment.splitn(3, ' ');
+            let kind = words.next().unwrap();
+            assert!(matches!(kind, "HELP" | "TYPE" | "UNIT"), "{line}");
+            assert!(name_ok(words.next().unwrap_or_default()), "{line}");
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        assert!(value.parse::<f64>().is_ok() || value == "+Inf", "value of {line}");
+        let name = series.split('{').next().unwrap();
+        assert!(name_ok(name), "{line}");
+        if let Some(labels) = series.strip_prefix(name).filter(|l| !l.is_empty()) {
+            let inner = labels.strip_prefix('{').and_then(|l| l.strip_suffix('}')).unwrap_or_else(|| panic!("{line}"));
+            for pair in inner.split(',') {
+                let (k, v) = pair.split_once('=').unwrap_or_else(|| panic!("{line}"));
+                assert!(name_ok(k) && v.starts_with('"') && v.ends_with('"'), "{line}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_worker_serves_metrics_that_count_the_work_it_did_as_openmetrics() {
+    let sg = Sg::new("cli-metrics");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let worker = sg.worker(&fixture("upper.sh"), &["--metrics-addr", &addr]);
+    sg.wait_for_workers(1);
+    let lines: String = (0..12).map(|i| format!("line {i}\n")).collect();
+    let out = sg.run_with_input(&["submit", "--concurrency", "3", "--wait"], lines.as_bytes());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (head, text) = scrape(&addr);
+    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: application/openmetrics-text"), "{head}");
+    assert_openmetrics(&text);
+    let ns = &sg.ns;
+    for sample in [
+        format!("sluicegate_subrequests_total{{namespace=\"{ns}\",outcome=\"succeeded\"}} 12"),
+        format!("sluicegate_subrequests_total{{namespace=\"{ns}\",outcome=\"dead_lettered\"}} 0"),
+        format!("sluicegate_run_seconds_count{{namespace=\"{ns}\"}} 12"),
+        format!("sluicegate_run_seconds_bucket{{le=\"+Inf\",namespace=\"{ns}\"}} 12"),
+        format!("sluicegate_slots_busy{{namespace=\"{ns}\"}} 0"),
+    ] {
+        assert!(text.lines().any(|l| l == sample), "{sample} not in:\n{text}");
+    }
+    worker.stop();
+    // A port already taken is a start-up error that names the flag.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = sg.run(&["worker", "--exec", "cat", "--metrics-addr", &addr]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("(--metrics-addr)"), "{}", stderr(&out));
+}
+
 /// Whether process `pid` runs (a zombie, dead but not yet reaped, does not).
 fn running(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))

@@ -1,0 +1,158 @@
+//! A sluicegate worker's metrics for Prometheus: OpenMetrics text at `/metrics`.
+//!
+//! Kept out of the `sluicegate` library so that a program embedding workers pulls in no HTTP
+//! server or metrics crate unless it wants them. The counters are read from
+//! [`WorkerMetrics`] at each scrape; nothing is recorded twice.
+//!
+//! ```no_run
+//! # async fn demo(worker_metrics: std::sync::Arc<sluicegate::WorkerMetrics>) -> std::io::Result<()> {
+//! let exporter = sluicegate_metrics::Exporter::new("sluicegate", worker_metrics);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:9464").await?;
+//! exporter.serve(listener).await
+//! # }
+//! ```
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use axum::http::header::CONTENT_TYPE;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+use sluicegate::WorkerMetrics;
+
+/// The content type of OpenMetrics text.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Serves one worker's metrics, labelled with its namespace.
+#[derive(Clone)]
+pub struct Exporter {
+    registry: Arc<Registry>,
+}
+
+impl Exporter {
+    /// An exporter of `metrics` (from [`sluicegate::Worker::metrics`]), every series labelled
+    /// `namespace`.
+    pub fn new(namespace: &str, metrics: Arc<WorkerMetrics>) -> Self {
+        let mut registry = Registry::with_prefix("sluicegate");
+        registry.register_collector(Box::new(WorkerCollector { namespace: namespace.to_owned(), metrics }));
+        Self { registry: Arc::new(registry) }
+    }
+
+    /// The metrics as OpenMetrics text, as a scrape gets them.
+    pub fn text(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    /// Answers `GET /metrics` on `listener` until the task is dropped or aborted.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        let app = Router::new().route(
+            "/metrics",
+            get(move || {
+                let text = self.text();
+                async move { ([(CONTENT_TYPE, OPENMETRICS)], text).into_response() }
+            }),
+        );
+        axum::serve(listener, app).await
+    }
+}
+
+/// Reads a worker's counters at each scrape.
+#[derive(Debug)]
+struct WorkerCollector {
+    namespace: String,
+    metrics: Arc<WorkerMetrics>,
+}
+
+impl Collector for WorkerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let m = &self.metrics;
+        let ns = self.namespace.as_str();
+        let mut outcomes = encoder.encode_descriptor(
+            "subrequests",
+            "Sub-request attempts this worker ended, by outcome: succeeded (result stored), retried (failed, to run again), dead_lettered (failed for good)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (outcome, count) in
+            [("succeeded", &m.succeeded), ("retried", &m.retried), ("dead_lettered", &m.dead_lettered)]
+        {
+            let labels = [("namespace", ns), ("outcome", outcome)];
+            ConstCounter::new(count.load(Relaxed)).encode(outcomes.encode_family(&labels)?)?;
+        }
+        let labels = [("namespace", ns)];
+        for (name, help, count) in [
+            (
+                "fenced_acks",
+                "Acks refused because this slot no longer held the token as it was (the request was cancelled, or this worker declared dead); their results were dropped",
+                &m.fenced,
+            ),
+            (
+                "tokens_restored",
+                "Tokens this worker's recovery put back in circulation (reclaimed from dead workers, lost elements restored, parked tokens woken)",
+                &m.tokens_restored,
+            ),
+            (
+                "holds_reclaimed",
+                "Tokens this worker's recovery took back from dead workers' slots (their batches run again)",
+                &m.holds_reclaimed,
+            ),
+        ] {
+            let counter = ConstCounter::new(count.load(Relaxed));
+            let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
+            counter.encode(family.encode_family(&labels)?)?;
+        }
+        let busy = ConstGauge::new(i64::try_from(m.busy_slots.load(Relaxed)).unwrap_or(i64::MAX));
+        let mut family = encoder.encode_descriptor(
+            "slots_busy",
+            "Slots running a handler now",
+            None,
+            busy.metric_type(),
+        )?;
+        busy.encode(family.encode_family(&labels)?)?;
+        let (sum, count, buckets) = m.run_time.snapshot();
+        let mut family = encoder.encode_descriptor(
+            "run",
+            "How long handler runs took (every attempt)",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        family
+            .encode_family(&labels)?
+            .encode_histogram::<Vec<(String, String)>>(sum, count, &buckets, None)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_names_every_series_with_its_namespace_and_ends_with_eof() {
+        let metrics = Arc::new(WorkerMetrics::default());
+        metrics.succeeded.fetch_add(3, Relaxed);
+        metrics.dead_lettered.fetch_add(1, Relaxed);
+        let text = Exporter::new("ns1", metrics).text();
+        assert!(
+            text.contains("sluicegate_subrequests_total{namespace=\"ns1\",outcome=\"succeeded\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sluicegate_subrequests_total{namespace=\"ns1\",outcome=\"dead_lettered\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("sluicegate_run_seconds_count{namespace=\"ns1\"} 0\n"), "{text}");
+        assert!(text.contains("# TYPE sluicegate_slots_busy gauge\n"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+}
