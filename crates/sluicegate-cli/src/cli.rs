@@ -164,6 +164,13 @@ pub(crate) enum Command {
         sluicegate resume --priority 10 # only priority 10 (a pause of the namespace stays)")]
     Resume(PauseArgs),
 
+    /// Serve the namespace's gauges for Prometheus (backlog, active requests, workers, pauses).
+    #[command(after_help = "Example:\n  \
+        sluicegate metrics --listen 127.0.0.1:9465\n\n\
+        Read from Redis at each scrape by this one process, not by every worker; each worker\n\
+        serves its own counters with `worker --metrics-addr`. Runs until ctrl-c or SIGTERM.")]
+    Metrics(MetricsArgs),
+
     /// Print a finished request's results, one per line in input order.
     #[command(
         after_help = "Example:\n  sluicegate results job-42 > results.jsonl\n  sluicegate results --wait --raw job-42"
@@ -282,6 +289,13 @@ pub(crate) struct PurgeArgs {
     /// Purge even while workers are registered in the namespace.
     #[arg(long)]
     pub(crate) force: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct MetricsArgs {
+    /// Where to serve http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) listen: std::net::SocketAddr,
 }
 
 #[derive(Args, Debug)]

@@ -132,6 +132,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Stats => ops::stats(&ctx).await,
         Command::Dead(args) => ops::dead(&ctx, &args.id).await,
         Command::Purge(args) => ops::purge(&ctx, &args).await,
+        Command::Metrics(args) => ops::metrics(&ctx, args.listen).await,
         Command::Pause(args) => ops::pause(&ctx, args.priority, true).await,
         Command::Resume(args) => ops::pause(&ctx, args.priority, false).await,
         Command::Results(args) => ops::results(&ctx, args).await,

@@ -136,6 +136,21 @@ pub(crate) async fn requeue(ctx: &Ctx, id: &str) -> Result<(), Failure> {
     out.flush()
 }
 
+pub(crate) async fn metrics(ctx: &Ctx, addr: std::net::SocketAddr) -> Result<(), Failure> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Failure::bad_input(format!("cannot serve metrics on {addr} (--listen): {e}")))?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let ns = ctx.config.namespace_str();
+    eprintln!("serving the gauges of namespace {ns} at http://{addr}/metrics; stop with ctrl-c or SIGTERM");
+    let exporter = sluicegate_metrics::NamespaceExporter::new(ns, admin);
+    tokio::select! {
+        served = exporter.serve(listener) => served.map_err(|e| Failure::new(Code::Redis, format!("the metrics endpoint stopped: {e}")))?,
+        () = shutdown_signal() => {}
+    }
+    Ok(())
+}
+
 pub(crate) async fn purge(ctx: &Ctx, args: &PurgeArgs) -> Result<(), Failure> {
     let ns = ctx.config.namespace_str();
     if !args.yes {

@@ -25,7 +25,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
-use sluicegate::WorkerMetrics;
+use sluicegate::{Admin, Stats, WorkerMetrics};
 
 /// The content type of OpenMetrics text.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -63,6 +63,100 @@ impl Exporter {
             }),
         );
         axum::serve(listener, app).await
+    }
+}
+
+/// Serves a namespace's gauges, read from Redis at each scrape by this one process (not by every
+/// worker): what waits, what is active, who works, what is paused.
+#[derive(Clone)]
+pub struct NamespaceExporter {
+    admin: Admin,
+    namespace: String,
+}
+
+impl NamespaceExporter {
+    /// Gauges of the namespace `admin` is connected to, labelled `namespace`.
+    pub fn new(namespace: &str, admin: Admin) -> Self {
+        Self { admin, namespace: namespace.to_owned() }
+    }
+
+    /// The gauges as OpenMetrics text; one `Admin::stats` read.
+    pub async fn text(&self) -> sluicegate::Result<String> {
+        let stats = self.admin.stats().await?;
+        let mut registry = Registry::with_prefix("sluicegate");
+        registry
+            .register_collector(Box::new(NamespaceCollector { namespace: self.namespace.clone(), stats }));
+        let mut text = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
+        Ok(text)
+    }
+
+    /// Answers `GET /metrics` on `listener`; a scrape that cannot read Redis answers 503.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        let app = Router::new().route(
+            "/metrics",
+            get(move || {
+                let exporter = self.clone();
+                async move {
+                    match exporter.text().await {
+                        Ok(text) => ([(CONTENT_TYPE, OPENMETRICS)], text).into_response(),
+                        Err(e) => {
+                            (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
+                        }
+                    }
+                }
+            }),
+        );
+        axum::serve(listener, app).await
+    }
+}
+
+/// One scrape's reading of a namespace.
+#[derive(Debug)]
+struct NamespaceCollector {
+    namespace: String,
+    stats: Stats,
+}
+
+impl Collector for NamespaceCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let ns = self.namespace.as_str();
+        let s = &self.stats;
+        let mut waiting = encoder.encode_descriptor(
+            "tokens_waiting",
+            "Token elements waiting in the priority lists, by priority (a request's tokens, or a lane's)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for p in &s.tokens_waiting {
+            let priority = p.priority.to_string();
+            let labels = [("namespace", ns), ("priority", priority.as_str())];
+            ConstGauge::new(i64::try_from(p.tokens).unwrap_or(i64::MAX))
+                .encode(waiting.encode_family(&labels)?)?;
+        }
+        let labels = [("namespace", ns)];
+        let slots: usize = s.workers.iter().map(|w| w.slots).sum();
+        for (name, help, value) in [
+            ("requests_active", "Requests not yet done with (recovery's index)", s.active_requests),
+            ("workers", "Workers whose registration is fresh", s.workers.len() as u64),
+            ("worker_slots", "Slots of those workers", slots as u64),
+        ] {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
+            gauge.encode(family.encode_family(&labels)?)?;
+        }
+        let mut paused = encoder.encode_descriptor(
+            "paused",
+            "1 for what an operator paused: scope \"all\" (the namespace) or a priority",
+            None,
+            MetricType::Gauge,
+        )?;
+        let scopes = s.paused.all.then(|| "all".to_owned()).into_iter();
+        for scope in scopes.chain(s.paused.priorities.iter().map(u8::to_string)) {
+            let labels = [("namespace", ns), ("scope", scope.as_str())];
+            ConstGauge::new(1i64).encode(paused.encode_family(&labels)?)?;
+        }
+        Ok(())
     }
 }
 

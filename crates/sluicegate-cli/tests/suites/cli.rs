@@ -714,6 +714,47 @@ fn a_worker_serves_metrics_that_count_the_work_it_did_as_openmetrics() {
     assert!(stderr(&out).contains("(--metrics-addr)"), "{}", stderr(&out));
 }
 
+#[test]
+fn metrics_serves_the_namespaces_backlog_workers_and_pauses_as_openmetrics() {
+    let sg = Sg::new("cli-ns-metrics");
+    let lines: String = (0..100).map(|i| format!("{i}\n")).collect();
+    for _ in 0..2 {
+        let out = sg.run_with_input(&["submit", "--priority", "80", "--concurrency", "2"], lines.as_bytes());
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    assert!(sg.run(&["pause", "--priority", "80"]).status.success());
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let log = sg.dir.join("metrics.log");
+    let child = sg
+        .command()
+        .args(["metrics", "--listen", &addr])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let server = WorkerProcess { child, log };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(Instant::now() < deadline, "metrics never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (head, text) = scrape(&addr);
+    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}\n{text}");
+    assert_openmetrics(&text);
+    let ns = &sg.ns;
+    for sample in [
+        format!("sluicegate_tokens_waiting{{namespace=\"{ns}\",priority=\"80\"}} 4"),
+        format!("sluicegate_requests_active{{namespace=\"{ns}\"}} 2"),
+        format!("sluicegate_workers{{namespace=\"{ns}\"}} 0"),
+        format!("sluicegate_paused{{namespace=\"{ns}\",scope=\"80\"}} 1"),
+    ] {
+        assert!(text.lines().any(|l| l == sample), "{sample} not in:\n{text}");
+    }
+    server.stop();
+}
+
 /// Whether process `pid` runs (a zombie, dead but not yet reaped, does not).
 fn running(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -782,7 +823,7 @@ fn an_exec_commands_background_children_end_with_it_on_exit_timeout_and_cancel()
 fn every_command_has_help_with_an_example() {
     let commands =
         [
-        "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "purge", "stats", "pause", "resume", "results",
+        "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "purge", "stats", "pause", "resume", "metrics", "results",
         "events",
     ];
     for cmd in commands {
