@@ -103,6 +103,31 @@ async fn node_stats(redis: &Client) -> Result<Stats, BoxError> {
 
 /// With `BENCH_PROFILE=2`: every command from here on goes to the slow log (up to a million), so
 /// that `slowlog_report` can tell functions apart.
+/// Bytes of the listing index of namespace `ns` (every `ix:*` key of its shards, `MEMORY USAGE`
+/// with all samples), found with SCAN.
+async fn index_bytes(redis: &Client, ns: &str) -> Result<u64, BoxError> {
+    let mut total = 0u64;
+    let mut cursor = "0".to_owned();
+    loop {
+        let (next, keys): (String, Vec<String>) = redis
+            .custom(
+                fred::cmd!("SCAN"),
+                vec![cursor, "MATCH".into(), format!("{ns}:{{{ns}.q*}}:ix:*"), "COUNT".into(), "1000".into()],
+            )
+            .await?;
+        for key in keys {
+            let bytes: Option<u64> = redis
+                .custom(fred::cmd!("MEMORY"), vec!["USAGE".to_owned(), key, "SAMPLES".into(), "0".into()])
+                .await?;
+            total += bytes.unwrap_or(0);
+        }
+        if next == "0" {
+            return Ok(total);
+        }
+        cursor = next;
+    }
+}
+
 async fn slowlog_on(redis: &Client) -> Result<(), BoxError> {
     if std::env::var("BENCH_PROFILE").as_deref() != Ok("2") {
         return Ok(());
@@ -356,12 +381,15 @@ impl Bench {
         let started = Instant::now();
         queue(&producer, requests, parts, limit).await?;
         let queued = stats(&self.nodes).await?;
+        let ns = config.namespace_str().to_owned();
+        let index_queued = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
         slowlog_on(&self.redis).await?;
         let mut submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
             .cost(&empty, &queued)
             .note(format!(
-                "{requests} x {parts} parts, 64 submits in flight; bytes: Redis memory per queued part"
+                "{requests} x {parts} parts, 64 submits in flight; bytes: Redis memory per queued part \
+                 (of which the listing index: {index_queued:.0} B per queued request)"
             ));
         submit.bytes_per_item = Some(queued.memory.saturating_sub(empty.memory) as f64 / items as f64);
         let started = Instant::now();
@@ -371,13 +399,15 @@ impl Bench {
         }
         let elapsed = started.elapsed();
         let drained = stats(&self.nodes).await?;
+        let index_done = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
         profile(&format!("{scenario}_submit"), &empty, &queued, items);
         profile(scenario, &queued, &drained, items);
         slowlog_report(&self.redis, scenario, items).await?;
         stop.cancel();
         task.await??;
         let mut run = Row::new(scenario, items).rate(elapsed).cost(&queued, &drained).note(format!(
-            "{requests} x {parts} queued, limit {limit} per request, {SLOTS} slots: worker start -> last completion event; bytes: results kept per part"
+            "{requests} x {parts} queued, limit {limit} per request, {SLOTS} slots: worker start -> last completion event; bytes: results kept per part \
+             (listing index: {index_done:.0} B per finished request, until its retention ends)"
         ));
         run.bytes_per_item = Some(drained.memory.saturating_sub(empty.memory) as f64 / items as f64);
         self.drop_namespace(&config).await?;

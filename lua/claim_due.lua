@@ -6,7 +6,8 @@
 -- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
 -- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
 -- is served by this census (its step ran before it fell due); one that is not due yet stays, and
--- the next look is set no later than it.
+-- the next look is set no later than it. Also drops finished requests whose retention has passed
+-- from the shard's listing index (prelude.lua, "The listing index"), a hundred at most.
 local function claim_due(keys, args)
   local now = sg_now()
   local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
@@ -19,5 +20,6 @@ local function claim_due(keys, args)
     out[#out + 1] = rid
     out[#out + 1] = claim
   end
+  sg_ix_trim(sg_ix(keys[1]), now, SG_IX_TRIM_CLAIM)
   return out
 end

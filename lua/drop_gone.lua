@@ -26,5 +26,6 @@ local function drop_gone(keys, args)
   redis.call('ZREM', keys[4], args[1])
   redis.call('HDEL', keys[2], args[1])
   redis.call('DEL', keys[3])
+  sg_ix_remove(sg_ix(keys[1]), args[1], now)
   return 1
 end

@@ -24,5 +24,6 @@ local function finish_index(keys, args)
   redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',
     'rid', args[1], 'state', args[2])
   redis.call('PEXPIRE', keys[2], retention)
+  sg_ix_finish(sg_ix(keys[1]), args[1], args[2], now + retention, now)
   return 1
 end

@@ -55,6 +55,7 @@ local function lane_requeue(keys, args)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
+    sg_ix_reopen(sg_ix(keys[10]), args[2])
     feed = math.min(pol.limit, left)
   end
   local lc = redis.call('HGET', record, 'lc')

@@ -11,7 +11,8 @@
 -- ARGV[6] concurrency limit   ARGV[7] max attempts
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
 -- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
--- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14..] payloads (1 to 64)
+-- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
+-- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15..] payloads (1 to 64)
 -- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
 -- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
@@ -27,7 +28,7 @@ local function lane_submit(keys, args)
   if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
     return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
   end
-  local n = #args - 13
+  local n = #args - 14
   if n < 1 or n > SG_LANE_MAX_PARTS then
     return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
   end
@@ -65,10 +66,11 @@ local function lane_submit(keys, args)
   if args[11] == '1' then from = 0 end
   for i = from, n - 1 do
     fields[#fields + 1] = 'w' .. i
-    fields[#fields + 1] = args[14 + i]
+    fields[#fields + 1] = args[15 + i]
   end
   redis.call('HSET', record, unpack(fields))
-  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[14 + i]) end
+  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now)
+  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[15 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}

@@ -402,6 +402,163 @@ local function sg_rearm(active, rid, due, claim, armed)
   return 1
 end
 
+-- The listing index (docs/protocol.md §5, "Listing"), on each home shard beside `active`, its
+-- keys named from the shard's prefix "<ns>:{<ns>.q<s>}:" followed by `ix:` and:
+--   live, completed, failed, cancelled  sorted sets of the requests in that state (live: not yet
+--                                        terminal), score = when submitted (ms)
+--   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
+--                                        `r` a request of its own keys, `l` a lane request; tags
+--                                        comma-separated)
+--   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
+--   exp                                  sorted set of the finished ones, score = when their keys
+--                                        expire (ms): each finish drops a few expired ones
+--   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
+--                                        many of its requests are live, and the latest expiry
+--                                        among its finished ones (ms)
+-- Every change is O(log n) (per tag). A finished request leaves with its retention (each finish and
+-- each claim of recovery drop a few expired ones), and every key expires on its own once it holds
+-- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
+-- last live request finishes, and `row`, `tl`, `tx`, `exp` when the shard has no live one left (while
+-- one is, `exp` stays, so that trimming finds every finished request).
+local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
+-- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
+-- finish, so the index never grows behind, and the claims empty it once the work stops.
+local SG_IX_TRIM_FINISH = 4
+local SG_IX_TRIM_CLAIM = 100
+local SG_IX_TRACKED = ' tracked'
+
+-- The index prefix of the shard a key belongs to ("<ns>:{<ns>.q<s>}:<name>" -> "...:ix:").
+local function sg_ix(shard_key)
+  return string.match(shard_key, '^(.*:)[^:]*$') .. 'ix:'
+end
+
+-- The tags in an index row.
+local function sg_ix_tags(row)
+  local tags = {}
+  local t = string.match(row or '', '^[^|]*|[^|]*|[^|]*|(.*)$')
+  if t then for tag in string.gmatch(t, '[^,]+') do tags[#tags + 1] = tag end end
+  return tags
+end
+
+-- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags and, if
+-- it is tracked, the tracked set.
+local function sg_ix_marks(ix, kid, row)
+  local marks = {}
+  for _, tag in ipairs(sg_ix_tags(row)) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
+  if redis.call('ZSCORE', ix .. 'tracked', kid) then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
+  return marks
+end
+
+-- Sets `key` to expire at `at` (ms) unless it already expires later.
+local function sg_ix_expire_at(key, at, now)
+  local ttl = redis.call('PTTL', key)
+  if ttl == -2 then return end
+  if ttl == -1 or now + ttl < at then redis.call('PEXPIREAT', key, at) end
+end
+
+-- A set of `mark` (a tag's, or the tracked set) gained a live request: it stays while it has one.
+local function sg_ix_mark_live(ix, mark)
+  redis.call('HINCRBY', ix .. 'tl', mark[1], 1)
+  redis.call('PERSIST', mark[2])
+end
+
+-- A live request of `mark`'s set finished (its keys expiring at `expires`, or nil when it left the
+-- index): once none is live, the set expires with its latest finished member.
+local function sg_ix_mark_done(ix, mark, expires, now)
+  if expires then
+    local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
+    if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+  end
+  if redis.call('HINCRBY', ix .. 'tl', mark[1], -1) > 0 then return end
+  redis.call('HDEL', ix .. 'tl', mark[1])
+  local latest = redis.call('HGET', ix .. 'tx', mark[1])
+  if latest then sg_ix_expire_at(mark[2], tonumber(latest), now) end
+end
+
+-- With no live request left on the shard, the keys that hold both kinds expire with the latest
+-- finished one (each new request makes them persist again).
+local function sg_ix_settle(ix, now)
+  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
+  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do
+    if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
+  end
+end
+
+-- Before a request turns live: if none was, the keys `sg_ix_settle` gave an expiry keep theirs no
+-- more (while one is live they have none).
+local function sg_ix_first_live(ix)
+  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do redis.call('PERSIST', ix .. name) end
+end
+
+-- Removes a request from every index set; returns 1 if it was indexed.
+local function sg_ix_remove(ix, kid, now)
+  local row = redis.call('HGET', ix .. 'row', kid)
+  if not row then return 0 end
+  local marks = sg_ix_marks(ix, kid, row)
+  local live = redis.call('ZREM', ix .. 'live', kid) == 1
+  for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], kid) end
+  for _, mark in ipairs(marks) do
+    redis.call('ZREM', mark[2], kid)
+    if live then sg_ix_mark_done(ix, mark, nil, now) end
+    if redis.call('EXISTS', mark[2]) == 0 then redis.call('HDEL', ix .. 'tx', mark[1]) end
+  end
+  redis.call('ZREM', ix .. 'exp', kid)
+  redis.call('HDEL', ix .. 'row', kid)
+  if live then sg_ix_settle(ix, now) end
+  return 1
+end
+
+-- Drops up to `n` finished requests whose keys have expired.
+local function sg_ix_trim(ix, now, n)
+  local gone = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'LIMIT', 0, n)
+  for _, kid in ipairs(gone) do sg_ix_remove(ix, kid, now) end
+end
+
+-- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
+-- submit that registered it first is listed, and a second one of the id is refused when created).
+-- A finished request whose keys have expired leaves first: its id may be used again.
+local function sg_ix_add(ix, kid, row, now)
+  if row == nil or row == '' then return end
+  local exp = redis.call('ZSCORE', ix .. 'exp', kid)
+  if exp and tonumber(exp) <= now then sg_ix_remove(ix, kid, now) end
+  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then return end
+  sg_ix_first_live(ix)
+  redis.call('ZADD', ix .. 'live', now, kid)
+  for _, tag in ipairs(sg_ix_tags(row)) do
+    redis.call('ZADD', ix .. 't:' .. tag, now, kid)
+    sg_ix_mark_live(ix, {tag, ix .. 't:' .. tag})
+  end
+end
+
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`.
+local function sg_ix_finish(ix, kid, state, expires, now)
+  local score = redis.call('ZSCORE', ix .. 'live', kid)
+  if score then
+    redis.call('ZREM', ix .. 'live', kid)
+    redis.call('ZADD', ix .. state, score, kid)
+    redis.call('ZADD', ix .. 'exp', expires, kid)
+    sg_ix_expire_at(ix .. state, expires, now)
+    for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
+      sg_ix_mark_done(ix, mark, expires, now)
+    end
+  end
+  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
+  sg_ix_settle(ix, now)
+end
+
+-- Moves a failed request back to live (requeue_dead reopened it).
+local function sg_ix_reopen(ix, kid)
+  local score = redis.call('ZSCORE', ix .. 'failed', kid)
+  if not score then return end
+  redis.call('ZREM', ix .. 'failed', kid)
+  redis.call('ZREM', ix .. 'exp', kid)
+  sg_ix_first_live(ix)
+  redis.call('ZADD', ix .. 'live', score, kid)
+  for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do sg_ix_mark_live(ix, mark) end
+end
+
 -- Lanes (docs/protocol.md, "Lanes"). A lane is a long-lived request of its own, one per priority
 -- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
 -- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
@@ -520,6 +677,7 @@ end
 -- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call.
 local function sg_lane_announce(record, kid, state, retention, events, now)
   redis.call('PEXPIRE', record, retention)
+  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
   return kid .. '|' .. state
 end

@@ -3,7 +3,8 @@
 -- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
 -- KEYS[2] the registration times (hash: key id -> ms)
 -- KEYS[3] the id's lane request record on this shard (prelude.lua, "Lanes")
--- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it   ARGV[3] its row in
+-- the listing index (prelude.lua, "The listing index"; '' or absent: not listed)
 -- Returns {added, now}, or the error "SGDUPLICATE ..." when a lane request has the id: added is 1 if this call entered it (0 if it was there), now the Redis time
 -- (ms) of the registration. The producer must create the request before now + half the loading
 -- ttl (the deadline it passes to submit_open, submit_small or stream_open): recovery drops a
@@ -20,5 +21,6 @@ local function register(keys, args)
   -- The latest registration's time, not the first's: a producer's deadline counts from its own
   -- registration, and recovery must not drop the entry before that deadline has passed.
   redis.call('HSET', keys[2], args[1], now)
+  sg_ix_add(sg_ix(keys[1]), args[1], args[3], now)
   return {added, now}
 end

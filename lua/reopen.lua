@@ -11,5 +11,6 @@ local function reopen(keys, args)
   redis.call('HSET', keys[3], 'o', args[3])
   redis.call('PERSIST', keys[3])
   redis.call('HSETNX', keys[2], args[1], now)
+  sg_ix_reopen(sg_ix(keys[1]), args[1])
   return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
 end

@@ -18,6 +18,9 @@ use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::WorkerInfo;
 
+mod listing;
+pub use listing::{ListPage, ListQuery, ListState, ListedRequest, MAX_LIST_LIMIT, MAX_LIST_LOOK};
+
 /// The most token shards a configuration may name (`Config::token_shards`): a pause is written
 /// on each of them.
 const MAX_TOKEN_SHARDS: u32 = 1024;
@@ -87,6 +90,10 @@ pub struct RequestStatus {
     /// Not terminal, and its priority or the whole namespace is paused ([`Admin::pause`]): no
     /// slot takes its tokens until a resume.
     pub paused: bool,
+    /// Its tags (empty when it has none, or when it is no longer listed).
+    pub tags: Vec<String>,
+    /// Tracked ([`Admin::track`]).
+    pub tracked: bool,
     /// The last error of up to [`STATUS_ERRORS`] sub-requests (dead letters and pending retries),
     /// by index.
     pub errors: Vec<IndexedError>,
@@ -176,6 +183,9 @@ impl Admin {
     pub async fn status(&self, id: &RequestId) -> Result<RequestStatus> {
         let mut status = self.unpaused_status(id).await?;
         status.paused = !status.state.is_terminal() && self.paused().await?.covers(status.priority);
+        if let Some((tags, tracked)) = self.listing_of(&id.key_id()).await? {
+            (status.tags, status.tracked) = (tags, tracked);
+        }
         Ok(status)
     }
 
@@ -569,5 +579,7 @@ fn status_from(
         finished_ms: num("finished"),
         errors,
         paused: false,
+        tags: Vec::new(),
+        tracked: false,
     })
 }

@@ -99,6 +99,23 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:active", self.ns, self.ns)
     }
 
+    /// Hash of the listing index of the requests homed on `shard`: key id ->
+    /// `<kind>|<priority>|<limit>|<tags>`. The index's sorted sets (`ix:live`, `ix:completed`,
+    /// `ix:failed`, `ix:cancelled`, `ix:t:<tag>`, `ix:tracked`, `ix:exp`) are named by the
+    /// functions from its prefix (prelude.lua, "The listing index").
+    pub(crate) fn index_rows(&self, shard: u32) -> String {
+        format!("{}ix:row", self.shard_prefix(shard))
+    }
+
+    /// One set of the listing index of `shard` (`live`, `completed`, `t:<tag>`, `exp`, ...).
+    pub(crate) fn index_set(&self, shard: u32, set: &str) -> String {
+        format!("{}ix:{set}", self.shard_prefix(shard))
+    }
+
+    fn shard_prefix(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:", self.ns, self.ns)
+    }
+
     /// Hash of what an operator paused on `shard` (`Admin::pause`): field `all` (the namespace) or
     /// a priority's number, value `1`. Every shard holds the same fields; `take` reads its own.
     pub(crate) fn paused(&self, shard: u32) -> String {

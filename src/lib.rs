@@ -69,7 +69,8 @@ mod tls;
 mod worker;
 
 pub use admin::{
-    Admin, DeadLetter, IndexedError, Paused, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
+    Admin, DeadLetter, IndexedError, ListPage, ListQuery, ListState, ListedRequest, Paused, PriorityTokens,
+    RequestStatus, Stats, WorkerInfo, MAX_LIST_LIMIT, MAX_LIST_LOOK, STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
@@ -78,8 +79,8 @@ pub use events::{CompletionEvent, Cursor, Listener};
 pub use loader::Loader;
 pub use producer::{Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage};
 pub use request::{
-    Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
-    MAX_REQUEST_ID_BYTES,
+    check_tag, Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
+    MAX_REQUEST_ID_BYTES, MAX_TAGS, MAX_TAG_BYTES,
 };
 pub use worker::{
     shutdown_signal, Context, Handler, HandlerError, Quantum, RunTimes, Worker, WorkerBuilder, WorkerMetrics,

@@ -14,6 +14,7 @@ use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
 use crate::protocol::lane;
+use crate::protocol::listing::{Kind, Row};
 use crate::protocol::submit::{self, NewRequest};
 use crate::request::{Concurrency, PartError, Priority, RequestId, RequestState};
 use crate::shards::{Look, Placement};
@@ -67,6 +68,7 @@ impl Producer {
             own_stream: false,
             window: 0,
             discard: false,
+            tags: Vec::new(),
         }
     }
 
@@ -118,7 +120,8 @@ impl Producer {
             // Registered with recovery before it exists: a producer that dies after creating it but
             // before pushing its tokens leaves a request recovery finds and completes. Never taken
             // back (it may be the winner's, when two producers submit one id).
-            let registration = crate::shards::register(&self.store, &key_id, place).await?;
+            let row = Row::encode(Kind::Own, spec.priority, spec.concurrency, &spec.tags);
+            let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
             let req =
                 spec.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&self.store));
             let elements = self.write(&req, spec.delay, first, parts).await?;
@@ -332,6 +335,7 @@ pub struct RequestBuilder<'a> {
     own_stream: bool,
     window: u64,
     discard: bool,
+    tags: Vec<String>,
 }
 
 impl RequestBuilder<'_> {
@@ -440,6 +444,24 @@ impl RequestBuilder<'_> {
         Ok(self)
     }
 
+    /// Adds a tag (at most [`MAX_TAGS`](crate::MAX_TAGS) per request; rules in
+    /// [`check_tag`](crate::check_tag)): `Admin::list` and `sluicegate list --tag` filter by it.
+    /// A tag given twice counts once.
+    pub fn tag(mut self, tag: impl Into<String>) -> Result<Self> {
+        let tag = tag.into();
+        crate::request::check_tag(&tag)?;
+        if !self.tags.contains(&tag) {
+            if self.tags.len() == crate::request::MAX_TAGS {
+                return Err(Error::InvalidRequest(format!(
+                    "a request carries at most {} tags",
+                    crate::request::MAX_TAGS
+                )));
+            }
+            self.tags.push(tag);
+        }
+        Ok(self)
+    }
+
     /// 0 (lowest) to 99 (highest); default 50.
     pub fn priority(mut self, p: u8) -> Result<Self> {
         self.priority = Priority::new(p)?;
@@ -471,7 +493,7 @@ impl RequestBuilder<'_> {
 
     /// What the request is created with, as the submit functions take it.
     fn new_request<'a>(
-        &self,
+        &'a self,
         id: &'a RequestId,
         key_id: &'a str,
         nonce: &'a str,
@@ -493,6 +515,7 @@ impl RequestBuilder<'_> {
             deadline,
             window: self.window,
             discard: self.discard,
+            tags: &self.tags,
         }
     }
 
@@ -511,7 +534,8 @@ impl RequestBuilder<'_> {
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let cfg = &producer.store.config;
         let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
-        let registration = crate::shards::register(&producer.store, &key_id, place).await?;
+        let row = Row::encode(Kind::Own, self.priority, self.concurrency, &self.tags);
+        let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
         let req =
             self.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&producer.store));
         submit::stream_open(&producer.store, &req, self.open_expiry).await?;

@@ -43,6 +43,29 @@ pub enum InvalidValue {
 /// user gives is always the id they can read back.
 pub const MAX_REQUEST_ID_BYTES: usize = 512;
 
+/// Tags a request carries at most ([`check_tag`]).
+pub const MAX_TAGS: usize = 16;
+
+/// Bytes of a tag, at most.
+pub const MAX_TAG_BYTES: usize = 64;
+
+/// Checks a request tag: 1 to [`MAX_TAG_BYTES`] bytes of `A-Z a-z 0-9` and `_ . : / = @ + -`
+/// (tags name sets of the listing index and are joined with commas there).
+/// ```
+/// use sluicegate::check_tag;
+/// assert!(check_tag("customer:42").is_ok());
+/// assert!(check_tag("two words").is_err());
+/// ```
+pub fn check_tag(tag: &str) -> Result<(), InvalidValue> {
+    let allowed = |b: u8| b.is_ascii_alphanumeric() || b"_.:/=@+-".contains(&b);
+    if tag.is_empty() || tag.len() > MAX_TAG_BYTES || !tag.bytes().all(allowed) {
+        return Err(InvalidValue::Request(format!(
+            "invalid tag {tag:?}: a tag is 1 to {MAX_TAG_BYTES} characters of A-Z a-z 0-9 _ . : / = @ + -"
+        )));
+    }
+    Ok(())
+}
+
 /// Characters kept as they are in a key id; everything else (`{`, `}`, `:`, `|`, spaces, `%`,
 /// non-ASCII) is percent-encoded, which is injective, so no two ids share keys.
 const KEY_ID_SET: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.');

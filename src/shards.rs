@@ -65,10 +65,15 @@ impl Registration {
 /// Enters a request in its home shard's `active` index before it is created. Producers never take
 /// a registration back (it may be another producer's): recovery drops one whose request never came
 /// to be (`drop_gone`).
-pub(crate) async fn register(store: &Store, key_id: &str, place: Placement) -> Result<Registration> {
+pub(crate) async fn register(
+    store: &Store,
+    key_id: &str,
+    place: Placement,
+    row: &str,
+) -> Result<Registration> {
     let home = home_shard(key_id, place.shards);
     let first_look = store.config.grace();
-    let registered = index::register(store, key_id, home, first_look).await?;
+    let registered = index::register(store, key_id, home, first_look, row).await?;
     let at_ms = registered.at_ms;
     Ok(Registration { at_ms, look: at_ms + millis(first_look) as i64 })
 }

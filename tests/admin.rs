@@ -40,6 +40,10 @@ mod full {
         let status = admin.status(queued.id()).await.unwrap();
         assert_eq!((status.total, status.done), (2, 0));
         admin.stats().await.unwrap();
+        // The listing is a no-writes function, called with FCALL_RO.
+        let listed = admin.list(&sluicegate::ListQuery::new()).await.unwrap();
+        assert_eq!(listed.requests.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), [queued.id().as_str()]);
+        admin.dead(queued.id()).await.unwrap();
         Listener::from_beginning(&config).await.unwrap();
         // A write is refused whole, and says why.
         let producer = Producer::connect(&config).await.unwrap();

@@ -404,6 +404,163 @@ local function sg_rearm(active, rid, due, claim, armed)
   return 1
 end
 
+-- The listing index (docs/protocol.md §5, "Listing"), on each home shard beside `active`, its
+-- keys named from the shard's prefix "<ns>:{<ns>.q<s>}:" followed by `ix:` and:
+--   live, completed, failed, cancelled  sorted sets of the requests in that state (live: not yet
+--                                        terminal), score = when submitted (ms)
+--   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
+--                                        `r` a request of its own keys, `l` a lane request; tags
+--                                        comma-separated)
+--   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
+--   exp                                  sorted set of the finished ones, score = when their keys
+--                                        expire (ms): each finish drops a few expired ones
+--   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
+--                                        many of its requests are live, and the latest expiry
+--                                        among its finished ones (ms)
+-- Every change is O(log n) (per tag). A finished request leaves with its retention (each finish and
+-- each claim of recovery drop a few expired ones), and every key expires on its own once it holds
+-- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
+-- last live request finishes, and `row`, `tl`, `tx`, `exp` when the shard has no live one left (while
+-- one is, `exp` stays, so that trimming finds every finished request).
+local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
+-- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
+-- finish, so the index never grows behind, and the claims empty it once the work stops.
+local SG_IX_TRIM_FINISH = 4
+local SG_IX_TRIM_CLAIM = 100
+local SG_IX_TRACKED = ' tracked'
+
+-- The index prefix of the shard a key belongs to ("<ns>:{<ns>.q<s>}:<name>" -> "...:ix:").
+local function sg_ix(shard_key)
+  return string.match(shard_key, '^(.*:)[^:]*$') .. 'ix:'
+end
+
+-- The tags in an index row.
+local function sg_ix_tags(row)
+  local tags = {}
+  local t = string.match(row or '', '^[^|]*|[^|]*|[^|]*|(.*)$')
+  if t then for tag in string.gmatch(t, '[^,]+') do tags[#tags + 1] = tag end end
+  return tags
+end
+
+-- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags and, if
+-- it is tracked, the tracked set.
+local function sg_ix_marks(ix, kid, row)
+  local marks = {}
+  for _, tag in ipairs(sg_ix_tags(row)) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
+  if redis.call('ZSCORE', ix .. 'tracked', kid) then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
+  return marks
+end
+
+-- Sets `key` to expire at `at` (ms) unless it already expires later.
+local function sg_ix_expire_at(key, at, now)
+  local ttl = redis.call('PTTL', key)
+  if ttl == -2 then return end
+  if ttl == -1 or now + ttl < at then redis.call('PEXPIREAT', key, at) end
+end
+
+-- A set of `mark` (a tag's, or the tracked set) gained a live request: it stays while it has one.
+local function sg_ix_mark_live(ix, mark)
+  redis.call('HINCRBY', ix .. 'tl', mark[1], 1)
+  redis.call('PERSIST', mark[2])
+end
+
+-- A live request of `mark`'s set finished (its keys expiring at `expires`, or nil when it left the
+-- index): once none is live, the set expires with its latest finished member.
+local function sg_ix_mark_done(ix, mark, expires, now)
+  if expires then
+    local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
+    if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+  end
+  if redis.call('HINCRBY', ix .. 'tl', mark[1], -1) > 0 then return end
+  redis.call('HDEL', ix .. 'tl', mark[1])
+  local latest = redis.call('HGET', ix .. 'tx', mark[1])
+  if latest then sg_ix_expire_at(mark[2], tonumber(latest), now) end
+end
+
+-- With no live request left on the shard, the keys that hold both kinds expire with the latest
+-- finished one (each new request makes them persist again).
+local function sg_ix_settle(ix, now)
+  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
+  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do
+    if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
+  end
+end
+
+-- Before a request turns live: if none was, the keys `sg_ix_settle` gave an expiry keep theirs no
+-- more (while one is live they have none).
+local function sg_ix_first_live(ix)
+  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do redis.call('PERSIST', ix .. name) end
+end
+
+-- Removes a request from every index set; returns 1 if it was indexed.
+local function sg_ix_remove(ix, kid, now)
+  local row = redis.call('HGET', ix .. 'row', kid)
+  if not row then return 0 end
+  local marks = sg_ix_marks(ix, kid, row)
+  local live = redis.call('ZREM', ix .. 'live', kid) == 1
+  for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], kid) end
+  for _, mark in ipairs(marks) do
+    redis.call('ZREM', mark[2], kid)
+    if live then sg_ix_mark_done(ix, mark, nil, now) end
+    if redis.call('EXISTS', mark[2]) == 0 then redis.call('HDEL', ix .. 'tx', mark[1]) end
+  end
+  redis.call('ZREM', ix .. 'exp', kid)
+  redis.call('HDEL', ix .. 'row', kid)
+  if live then sg_ix_settle(ix, now) end
+  return 1
+end
+
+-- Drops up to `n` finished requests whose keys have expired.
+local function sg_ix_trim(ix, now, n)
+  local gone = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'LIMIT', 0, n)
+  for _, kid in ipairs(gone) do sg_ix_remove(ix, kid, now) end
+end
+
+-- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
+-- submit that registered it first is listed, and a second one of the id is refused when created).
+-- A finished request whose keys have expired leaves first: its id may be used again.
+local function sg_ix_add(ix, kid, row, now)
+  if row == nil or row == '' then return end
+  local exp = redis.call('ZSCORE', ix .. 'exp', kid)
+  if exp and tonumber(exp) <= now then sg_ix_remove(ix, kid, now) end
+  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then return end
+  sg_ix_first_live(ix)
+  redis.call('ZADD', ix .. 'live', now, kid)
+  for _, tag in ipairs(sg_ix_tags(row)) do
+    redis.call('ZADD', ix .. 't:' .. tag, now, kid)
+    sg_ix_mark_live(ix, {tag, ix .. 't:' .. tag})
+  end
+end
+
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`.
+local function sg_ix_finish(ix, kid, state, expires, now)
+  local score = redis.call('ZSCORE', ix .. 'live', kid)
+  if score then
+    redis.call('ZREM', ix .. 'live', kid)
+    redis.call('ZADD', ix .. state, score, kid)
+    redis.call('ZADD', ix .. 'exp', expires, kid)
+    sg_ix_expire_at(ix .. state, expires, now)
+    for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
+      sg_ix_mark_done(ix, mark, expires, now)
+    end
+  end
+  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
+  sg_ix_settle(ix, now)
+end
+
+-- Moves a failed request back to live (requeue_dead reopened it).
+local function sg_ix_reopen(ix, kid)
+  local score = redis.call('ZSCORE', ix .. 'failed', kid)
+  if not score then return end
+  redis.call('ZREM', ix .. 'failed', kid)
+  redis.call('ZREM', ix .. 'exp', kid)
+  sg_ix_first_live(ix)
+  redis.call('ZADD', ix .. 'live', score, kid)
+  for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do sg_ix_mark_live(ix, mark) end
+end
+
 -- Lanes (docs/protocol.md, "Lanes"). A lane is a long-lived request of its own, one per priority
 -- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
 -- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
@@ -522,6 +679,7 @@ end
 -- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call.
 local function sg_lane_announce(record, kid, state, retention, events, now)
   redis.call('PEXPIRE', record, retention)
+  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
   return kid .. '|' .. state
 end
@@ -1028,7 +1186,8 @@ end
 -- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
 -- KEYS[2] the registration times (hash: key id -> ms)
 -- KEYS[3] the id's lane request record on this shard (prelude.lua, "Lanes")
--- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it   ARGV[3] its row in
+-- the listing index (prelude.lua, "The listing index"; '' or absent: not listed)
 -- Returns {added, now}, or the error "SGDUPLICATE ..." when a lane request has the id: added is 1 if this call entered it (0 if it was there), now the Redis time
 -- (ms) of the registration. The producer must create the request before now + half the loading
 -- ttl (the deadline it passes to submit_open, submit_small or stream_open): recovery drops a
@@ -1045,6 +1204,7 @@ local function register(keys, args)
   -- The latest registration's time, not the first's: a producer's deadline counts from its own
   -- registration, and recovery must not drop the entry before that deadline has passed.
   redis.call('HSET', keys[2], args[1], now)
+  sg_ix_add(sg_ix(keys[1]), args[1], args[3], now)
   return {added, now}
 end
 
@@ -1084,6 +1244,7 @@ local function reopen(keys, args)
   redis.call('HSET', keys[3], 'o', args[3])
   redis.call('PERSIST', keys[3])
   redis.call('HSETNX', keys[2], args[1], now)
+  sg_ix_reopen(sg_ix(keys[1]), args[1])
   return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
 end
 
@@ -1505,6 +1666,7 @@ local function finish_index(keys, args)
   redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',
     'rid', args[1], 'state', args[2])
   redis.call('PEXPIRE', keys[2], retention)
+  sg_ix_finish(sg_ix(keys[1]), args[1], args[2], now + retention, now)
   return 1
 end
 
@@ -1563,7 +1725,8 @@ end
 -- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
 -- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
 -- is served by this census (its step ran before it fell due); one that is not due yet stays, and
--- the next look is set no later than it.
+-- the next look is set no later than it. Also drops finished requests whose retention has passed
+-- from the shard's listing index (prelude.lua, "The listing index"), a hundred at most.
 local function claim_due(keys, args)
   local now = sg_now()
   local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
@@ -1576,6 +1739,7 @@ local function claim_due(keys, args)
     out[#out + 1] = rid
     out[#out + 1] = claim
   end
+  sg_ix_trim(sg_ix(keys[1]), now, SG_IX_TRIM_CLAIM)
   return out
 end
 
@@ -1842,6 +2006,7 @@ local function drop_gone(keys, args)
   redis.call('ZREM', keys[4], args[1])
   redis.call('HDEL', keys[2], args[1])
   redis.call('DEL', keys[3])
+  sg_ix_remove(sg_ix(keys[1]), args[1], now)
   return 1
 end
 
@@ -2028,7 +2193,8 @@ end
 -- ARGV[6] concurrency limit   ARGV[7] max attempts
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
 -- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
--- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14..] payloads (1 to 64)
+-- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
+-- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15..] payloads (1 to 64)
 -- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
 -- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
@@ -2044,7 +2210,7 @@ local function lane_submit(keys, args)
   if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
     return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
   end
-  local n = #args - 13
+  local n = #args - 14
   if n < 1 or n > SG_LANE_MAX_PARTS then
     return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
   end
@@ -2082,10 +2248,11 @@ local function lane_submit(keys, args)
   if args[11] == '1' then from = 0 end
   for i = from, n - 1 do
     fields[#fields + 1] = 'w' .. i
-    fields[#fields + 1] = args[14 + i]
+    fields[#fields + 1] = args[15 + i]
   end
   redis.call('HSET', record, unpack(fields))
-  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[14 + i]) end
+  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now)
+  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[15 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}
@@ -2280,6 +2447,7 @@ local function lane_requeue(keys, args)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
+    sg_ix_reopen(sg_ix(keys[10]), args[2])
     feed = math.min(pol.limit, left)
   end
   local lc = redis.call('HGET', record, 'lc')
@@ -2288,6 +2456,158 @@ local function lane_requeue(keys, args)
   local woken = sg_unpark(keys, args[1], feed, now)
   sg_push(keys[8], keys[9], woken)
   return {#dead, #woken}
+end
+
+-- list: a page of the listing index of one shard (prelude.lua, "The listing index"), newest first.
+-- Reads only (registered no-writes: FCALL_RO, replicas, a Redis at its maxmemory).
+-- KEYS[1] the shard's index rows (hash; the other index keys are named from its prefix)
+-- ARGV[1] the sets to walk, comma-separated index names (`live`, `completed`, `failed`,
+-- `cancelled`, `t:<tag>`, `tracked`): their entries are merged, newest first
+-- ARGV[2] the state sets an entry must be in, comma-separated ('' any)
+-- ARGV[3] the cursor's score ('+inf' to start)   ARGV[4] how many entries of exactly that score
+-- the walk has passed already (the cursor's second half)
+-- ARGV[5] only requests submitted at least this long ago (ms; '' any)   ARGV[6] most rows returned
+-- ARGV[7] most entries looked at (rows and entries the filters passed over)
+-- ARGV[8] priority the row must have ('' any)   ARGV[9] tag the row must have ('' any)
+-- ARGV[10] '1': only tracked requests
+-- Returns {next score, next passed, looked at, rows...}: next score is '' when the walk reached the
+-- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
+-- cursor (score, passed) that resumes right after it.
+local function list(keys, args)
+  local ix = string.sub(keys[1], 1, -4)
+  local cursor, passed = args[3], tonumber(args[4])
+  local newest = '+inf'
+  if args[5] ~= '' then newest = sg_int(sg_now() - tonumber(args[5])) end
+  local from = cursor
+  if newest ~= '+inf' and (cursor == '+inf' or tonumber(newest) < tonumber(cursor)) then
+    from, passed = newest, 0
+  end
+  local limit, budget = tonumber(args[6]), tonumber(args[7])
+  local want = passed + budget
+  local entries, complete = {}, true
+  for set in string.gmatch(args[1], '[^,]+') do
+    local got = redis.call('ZREVRANGEBYSCORE', ix .. set, from, '-inf', 'WITHSCORES', 'LIMIT', 0, want)
+    if #got / 2 >= want then complete = false end
+    for i = 1, #got, 2 do entries[#entries + 1] = {got[i], tonumber(got[i + 1]), set} end
+  end
+  table.sort(entries, function(a, b)
+    if a[2] ~= b[2] then return a[2] > b[2] end
+    return a[1] > b[1]
+  end)
+  local states = {}
+  for s in string.gmatch(args[2], '[^,]+') do states[#states + 1] = s end
+  local out = {'', 0, 0}
+  local rows, looked, last, ties = 0, 0, nil, 0
+  local first = from == cursor and tonumber(from)
+  local i = 0
+  while i < #entries and looked < budget and rows < limit do
+    i = i + 1
+    local e = entries[i]
+    if e[2] == last then ties = ties + 1 else last, ties = e[2], 1 end
+    if not (first and e[2] == first and ties <= passed) then
+      looked = looked + 1
+      local kid = e[1]
+      local row = redis.call('HGET', ix .. 'row', kid)
+      local state = string.match(e[3], '^t:') == nil and e[3] ~= 'tracked' and e[3] or nil
+      if not state then
+        for _, s in ipairs(SG_IX_STATES) do
+          if redis.call('ZSCORE', ix .. s, kid) then state = s break end
+        end
+      end
+      local ok = row ~= nil and state ~= nil
+      if ok and #states > 0 then
+        ok = false
+        for _, s in ipairs(states) do if s == state then ok = true end end
+      end
+      local f = ok and sg_split(row)
+      if ok and args[8] ~= '' and f[2] ~= args[8] then ok = false end
+      if ok and args[9] ~= '' then
+        ok = false
+        for _, tag in ipairs(sg_ix_tags(row)) do if tag == args[9] then ok = true end end
+      end
+      local tracked = ok and redis.call('ZSCORE', ix .. 'tracked', kid) and 1 or 0
+      if ok and args[10] == '1' and tracked == 0 then ok = false end
+      if ok then
+        rows = rows + 1
+        for _, v in ipairs({kid, sg_int(e[2]), row, state, tracked, sg_int(e[2]), ties}) do out[#out + 1] = v end
+      end
+    end
+  end
+  if i < #entries or not complete then
+    out[1], out[2] = sg_int(last or tonumber(from)), ties
+    if not last then out[2] = passed end
+  end
+  out[3] = looked
+  return out
+end
+
+-- track: marks a listed request as tracked (qless's tracking: `list --tracked` shows it), or
+-- unmarks it. Run on its home shard.
+-- KEYS[1] the shard's index rows (prelude.lua, "The listing index")
+-- ARGV[1] request key id   ARGV[2] '1' to track, '0' to stop
+-- Returns 1 when the request is listed (tracked or not as asked), 0 when it is not (unknown, or
+-- gone with its retention).
+local function track(keys, args)
+  local ix = string.sub(keys[1], 1, -4)
+  local kid = args[1]
+  if redis.call('HEXISTS', keys[1], kid) == 0 then return 0 end
+  local mark = {SG_IX_TRACKED, ix .. 'tracked'}
+  local live = redis.call('ZSCORE', ix .. 'live', kid)
+  local was = redis.call('ZSCORE', mark[2], kid)
+  local now = sg_now()
+  if args[2] ~= '1' then
+    if was then
+      redis.call('ZREM', mark[2], kid)
+      if live then sg_ix_mark_done(ix, mark, nil, now) end
+    end
+    return 1
+  end
+  if was then return 1 end
+  local score = live
+  for i = 2, #SG_IX_STATES do score = score or redis.call('ZSCORE', ix .. SG_IX_STATES[i], kid) end
+  if not score then return 0 end
+  redis.call('ZADD', mark[2], score, kid)
+  if live then
+    sg_ix_mark_live(ix, mark)
+  else
+    -- A finished request: the set expires with it, unless a live one keeps it.
+    local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
+    local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
+    if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+    if not redis.call('HGET', ix .. 'tl', mark[1]) then sg_ix_expire_at(mark[2], math.max(expires, latest), now) end
+  end
+  return 1
+end
+
+-- unlist: the token-side half of purging one finished request (`Admin::purge`): it leaves the
+-- listing index, and its finish marks go. Run on its home shard, after `purge` deleted its keys.
+-- KEYS[1] the shard's index rows (prelude.lua, "The listing index")   KEYS[2] the shard's active
+-- index   KEYS[3] the request's finish marks
+-- ARGV[1] request key id
+-- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is still in
+-- recovery's index (not finished, or its finish steps not all done): nothing is changed.
+local function unlist(keys, args)
+  if redis.call('ZSCORE', keys[2], args[1]) then
+    return redis.error_reply('SGSTATE the request has not finished (or is still finishing)')
+  end
+  redis.call('DEL', keys[3])
+  return sg_ix_remove(string.sub(keys[1], 1, -4), args[1], sg_now())
+end
+
+-- purge: deletes a finished request's keys now, rather than at the end of its retention
+-- (`Admin::purge`; then `unlist` on its home shard). Run on the request's slot.
+-- KEYS[1] the hash holding its `state` (a request's meta, or a lane request's record)
+-- KEYS[2..] its other keys (none for a lane request)
+-- Returns 1 when the keys were deleted, 0 when there was nothing (unknown, or expired). Errors
+-- "SGSTATE ..." when the request has not finished: nothing is deleted.
+local function purge(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return 0 end
+  if state ~= 'completed' and state ~= 'failed' and state ~= 'cancelled' then
+    return redis.error_reply('SGSTATE the request has not finished (state ' .. state .. '): cancel it first')
+  end
+  redis.call('DEL', unpack(keys))
+  return 1
 end
 
 redis.register_function('sg2_submit_open', submit_open)
@@ -2330,3 +2650,7 @@ redis.register_function('sg2_lane_submit', lane_submit)
 redis.register_function('sg2_lane_ack', lane_ack)
 redis.register_function('sg2_lane_cancel', lane_cancel)
 redis.register_function('sg2_lane_requeue', lane_requeue)
+redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
+redis.register_function('sg2_track', track)
+redis.register_function('sg2_unlist', unlist)
+redis.register_function('sg2_purge', purge)

@@ -1,7 +1,7 @@
 //! The reference model: what the checker knows happened (submits accepted, verdicts given,
 //! requests cancelled), and the invariants of CONTRACT.md checked against Redis's state.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use fred::prelude::*;
 
@@ -570,7 +570,46 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             return Err(format!("{r}: failed without an error record"));
         }
     }
-    // Nothing leaks: every key left will expire (records and results for the retention).
+    // The listing index holds each request in the set of its state, and once everything has
+    // finished nothing live: what is left leaves with its retention (ix:exp, trimmed by finishes
+    // and recovery's claims, and every index key expires).
+    let ix = |set: &str| format!("{ns}:{{{ns}.q0}}:ix:{set}");
+    let live: Vec<String> = c.zrange(ix("live"), 0, -1, None, false, None, false).await.map_err(e)?;
+    if !live.is_empty() {
+        return Err(format!("listed as live once everything finished: {live:?}"));
+    }
+    let expiring: HashSet<String> = c
+        .zrange::<Vec<String>, _, _, _>(ix("exp"), 0, -1, None, false, None, false)
+        .await
+        .map_err(e)?
+        .into_iter()
+        .collect();
+    for (i, s) in &seen {
+        let kid = request_id(*i).key_id();
+        let row: Option<String> = c.hget(ix("row"), kid.as_str()).await.map_err(e)?;
+        if s.meta.is_empty() || s.state() == "loading" {
+            // (Or its keys have expired with its retention, and its entry will follow.)
+            if row.is_some() && !expiring.contains(&kid) {
+                return Err(format!("{}: listed, but it was never created", request_id(*i)));
+            }
+            continue;
+        }
+        if row.is_none() {
+            // Only a request that was never listed (submitted before the index existed) is not.
+            return Err(format!("{}: {} but not listed", request_id(*i), s.state()));
+        }
+        let score: Option<f64> = c.zscore(ix(s.state()), kid.as_str()).await.map_err(e)?;
+        if score.is_none() || !expiring.contains(&kid) {
+            return Err(format!(
+                "{}: {} but not in the index's {} set with an expiry",
+                request_id(*i),
+                s.state(),
+                s.state()
+            ));
+        }
+    }
+    // Nothing leaks: every key left will expire (records and results for the retention; the
+    // listing index's keys once they hold only finished requests).
     let keys: Vec<String> = {
         let mut out = Vec::new();
         let mut cursor = "0".to_string();

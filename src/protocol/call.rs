@@ -94,7 +94,9 @@ impl Store {
         args: Vec<Value>,
     ) -> Result<Value, fred::error::Error> {
         let slot = keys.first().map(|k| fred::util::redis_keyslot(k.as_bytes()));
-        let cmd = CustomCommand::new("FCALL", slot.map_or(ClusterHash::Random, ClusterHash::Custom), false);
+        // The read-only functions go as FCALL_RO: they then run while Redis is at its maxmemory too.
+        let name = if func.read_only() { "FCALL_RO" } else { "FCALL" };
+        let cmd = CustomCommand::new(name, slot.map_or(ClusterHash::Random, ClusterHash::Custom), false);
         let mut all: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
         all.push(func.fcall_name().into());
         all.push((keys.len() as i64).into());

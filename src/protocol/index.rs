@@ -21,17 +21,18 @@ pub(crate) struct Registered {
 }
 
 /// `register`: enters request `key_id` in the `active` index of its home shard `home`, first
-/// looked at `first_look` from now.
+/// looked at `first_look` from now, and in the listing index with `row` (`listing::Row::encode`).
 pub(crate) async fn register(
     store: &Store,
     key_id: &str,
     home: u32,
     first_look: Duration,
+    row: &str,
 ) -> Result<Registered> {
     let (active, reg) = (store.keys.active(home), store.keys.registrations(home));
     let record = store.keys.record(home, key_id);
     let reply = store
-        .fcall(Func::Register, &[&active, &reg, &record], vec![key_id.into(), ms(first_look)])
+        .fcall(Func::Register, &[&active, &reg, &record], vec![key_id.into(), ms(first_look), row.into()])
         .await
         .map_err(|e| match RequestId::from_key_id(key_id) {
             Ok(id) => super::submit::created(&id, e),

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use fred::types::Value;
 
+use super::listing::{Kind, Row};
 use super::submit::NewRequest;
 use super::{ms, Code, Func, Refusal};
 use crate::error::{Error, Result};
@@ -56,6 +57,7 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         (if req.fail_fast { "1" } else { "0" }).into(),
         i64::from(store.config.lane_tokens).into(),
         ms(store.config.census_interval),
+        Row::encode(Kind::Lane, req.priority, req.concurrency, req.tags).into(),
     ];
     args.extend(parts);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();

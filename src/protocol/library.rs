@@ -56,13 +56,17 @@ pub(crate) enum Func {
     LaneAck,
     LaneCancel,
     LaneRequeue,
+    List,
+    Track,
+    Unlist,
+    Purge,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 40] = [
+    pub(crate) const ALL: [Func; 44] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -103,6 +107,10 @@ impl Func {
         Func::LaneAck,
         Func::LaneCancel,
         Func::LaneRequeue,
+        Func::List,
+        Func::Track,
+        Func::Unlist,
+        Func::Purge,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -148,6 +156,10 @@ impl Func {
             Func::LaneAck => "lane_ack",
             Func::LaneCancel => "lane_cancel",
             Func::LaneRequeue => "lane_requeue",
+            Func::List => "list",
+            Func::Track => "track",
+            Func::Unlist => "unlist",
+            Func::Purge => "purge",
         }
     }
 
@@ -159,7 +171,7 @@ impl Func {
     /// Functions that only read, registered `no-writes`: callable with FCALL_RO, on replicas, and
     /// while Redis is at its memory limit.
     pub(crate) fn read_only(self) -> bool {
-        matches!(self, Func::Holds | Func::Outstanding)
+        matches!(self, Func::Holds | Func::Outstanding | Func::List)
     }
 
     fn source(self) -> &'static str {
@@ -204,6 +216,10 @@ impl Func {
             Func::LaneAck => include_str!("../../lua/lane_ack.lua"),
             Func::LaneCancel => include_str!("../../lua/lane_cancel.lua"),
             Func::LaneRequeue => include_str!("../../lua/lane_requeue.lua"),
+            Func::List => include_str!("../../lua/list.lua"),
+            Func::Track => include_str!("../../lua/track.lua"),
+            Func::Unlist => include_str!("../../lua/unlist.lua"),
+            Func::Purge => include_str!("../../lua/purge.lua"),
         }
     }
 }
@@ -270,6 +286,7 @@ const APP_COMMANDS: &[&str] = &[
     "del",
     "exists",
     "hdel",
+    "hexists",
     "hget",
     "hgetall",
     "hincrby",
@@ -307,6 +324,7 @@ const APP_COMMANDS: &[&str] = &[
     "zmscore",
     "zrangebyscore",
     "zrem",
+    "zrevrangebyscore",
     "zscore",
 ];
 

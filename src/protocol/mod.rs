@@ -29,6 +29,7 @@ pub(crate) mod finish;
 pub(crate) mod index;
 pub(crate) mod lane;
 mod library;
+pub(crate) mod listing;
 pub(crate) mod operators;
 pub(crate) mod recovery;
 mod refusal;

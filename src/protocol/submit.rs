@@ -42,6 +42,8 @@ pub(crate) struct NewRequest<'a> {
     pub(crate) shards: u32,
     /// Redis time (ms) by which it must be created (its registration's deadline).
     pub(crate) deadline: i64,
+    /// Its tags (at most `MAX_TAGS`, each checked by `RequestBuilder::tag`).
+    pub(crate) tags: &'a [String],
     /// A streamed request's window: at most this many parts unsettled (0 = none; `stream_open`'s
     /// `ARGV[15]`).
     pub(crate) window: u64,

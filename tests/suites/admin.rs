@@ -239,3 +239,163 @@ async fn purge_of_a_namespace_is_refused_while_workers_run_and_then_leaves_no_ke
     let status = Admin::connect(&neighbour).await.unwrap().status(kept.id()).await.unwrap();
     assert_eq!(status.total, 1);
 }
+
+/// Ten thousand queued requests, tagged and at two priorities: pages of the listing walk them all
+/// newest first, each page reading a bounded part of the index, and the filters find exactly theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_and_filters_ten_thousand_requests_through_the_index() {
+    use futures::StreamExt;
+    use sluicegate::{ListQuery, ListState, Priority};
+    let env = env_on(TOPOLOGY, "list").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    const N: u64 = 10_000;
+    let submitted: Vec<String> = futures::stream::iter(0..N)
+        .map(|n| {
+            let producer = producer.clone();
+            async move {
+                let mut r = producer.request().priority(if n % 4 == 0 { 20 } else { 10 }).unwrap();
+                r = r.tag(if n % 2 == 0 { "even" } else { "odd" }).unwrap();
+                if n % 1000 == 0 {
+                    r = r.tag("thousand").unwrap();
+                }
+                r.submit([Job::new(n)]).await.unwrap().id().to_string()
+            }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    assert_eq!(submitted.len() as u64, N);
+
+    // One page of 100 of 10,000 reads 100 entries per index set, not the whole index.
+    let first = admin.list(&ListQuery::new()).await.unwrap();
+    assert_eq!(first.requests.len(), 100);
+    // (100 rows from each of the four state sets of each shard at most.)
+    assert!(first.looked_at <= 1200, "{}", first.looked_at);
+
+    // Every request once, newest first, over pages of 1,000.
+    let mut seen = std::collections::HashSet::new();
+    let mut cursor = None;
+    let mut last_ms = i64::MAX;
+    loop {
+        let mut q = ListQuery::new().limit(1000);
+        if let Some(c) = cursor.take() {
+            q = q.cursor(c);
+        }
+        let page = admin.list(&q).await.unwrap();
+        for r in &page.requests {
+            assert!(r.submitted_ms <= last_ms, "not newest first");
+            last_ms = r.submitted_ms;
+            assert!(seen.insert(r.id.clone()), "{} listed twice", r.id);
+            assert_eq!(r.state, RequestState::Queued);
+            assert_eq!((r.total, r.done), (1, 0));
+        }
+        match page.cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len() as u64, N);
+
+    let count = |q: ListQuery| {
+        let admin = admin.clone();
+        async move {
+            let mut n = 0usize;
+            let mut q = q.limit(1000);
+            loop {
+                let page = admin.list(&q).await.unwrap();
+                n += page.requests.len();
+                match page.cursor {
+                    Some(c) => q = q.cursor(c),
+                    None => return n,
+                }
+            }
+        }
+    };
+    assert_eq!(count(ListQuery::new().tag("even")).await, 5000);
+    assert_eq!(count(ListQuery::new().tag("thousand")).await, 10);
+    assert_eq!(count(ListQuery::new().priority(Priority::new(20).unwrap())).await, 2500);
+    assert_eq!(count(ListQuery::new().tag("even").priority(Priority::new(20).unwrap())).await, 2500);
+    assert_eq!(count(ListQuery::new().state(ListState::Queued)).await, 10_000);
+    assert_eq!(count(ListQuery::new().state(ListState::Completed)).await, 0);
+    assert_eq!(count(ListQuery::new().older_than(Duration::from_secs(3600))).await, 0);
+    let tagged = admin.list(&ListQuery::new().tag("thousand")).await.unwrap();
+    assert!(tagged.requests.iter().all(|r| r.tags == ["even", "thousand"] && r.priority == 20), "{:?}", tagged.requests);
+
+    // Tracking.
+    let id = sluicegate::RequestId::new(tagged.requests[0].id.as_str()).unwrap();
+    admin.track(&id, true).await.unwrap();
+    let tracked = admin.list(&ListQuery::new().tracked()).await.unwrap();
+    assert_eq!(tracked.requests.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), [id.as_str()]);
+    assert!(tracked.requests[0].tracked && admin.status(&id).await.unwrap().tracked);
+    admin.track(&id, false).await.unwrap();
+    assert!(admin.list(&ListQuery::new().tracked()).await.unwrap().requests.is_empty());
+    let unknown = admin.track(&sluicegate::RequestId::new("never").unwrap(), true).await.unwrap_err();
+    assert!(matches!(unknown, sluicegate::Error::UnknownRequest(_)), "{unknown}");
+    let bad = admin.list(&ListQuery::new().cursor("garbage")).await.unwrap_err();
+    assert!(bad.to_string().contains("not a list cursor"), "{bad}");
+}
+
+/// Finished requests move to their state's set; purge of one leaves no key of it, purge of a
+/// state by age takes only those, and a live request is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_requests_list_by_state_and_purge_leaves_no_key_of_them() {
+    use sluicegate::{ListQuery, ListState};
+    use sluicegate_testkit::keys_in_namespace;
+    let env = env_on(TOPOLOGY, "listpurge").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let fails = |n| Job { n, sleep_ms: 0, fail: true };
+    let ok_lane = producer.request().tag("t").unwrap().submit([Job::new(1)]).await.unwrap();
+    let ok_own = producer.request().own_stream(true).submit((0..3).map(Job::new)).await.unwrap();
+    let bad_lane = producer.request().submit([fails(1)]).await.unwrap();
+    let bad_own = producer.request().own_stream(true).submit([fails(2), Job::new(3)]).await.unwrap();
+    for h in [&ok_lane, &ok_own, &bad_lane, &bad_own] {
+        h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    }
+    w.stop().await;
+    let ids = |page: sluicegate::ListPage| {
+        let mut v: Vec<String> = page.requests.into_iter().map(|r| r.id).collect();
+        v.sort();
+        v
+    };
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    let completed = admin.list(&ListQuery::new().state(ListState::Completed)).await.unwrap();
+    assert!(completed.requests.iter().all(|r| r.done == r.total && r.failed == 0));
+    assert_eq!(ids(completed), sorted(vec![ok_lane.id().to_string(), ok_own.id().to_string()]));
+    let failed = admin.list(&ListQuery::new().state(ListState::Failed)).await.unwrap();
+    assert_eq!(ids(failed), sorted(vec![bad_lane.id().to_string(), bad_own.id().to_string()]));
+    let live = producer.request().submit([Job::new(7)]).await.unwrap();
+    let refused = admin.purge(live.id()).await.unwrap_err();
+    assert!(matches!(refused, sluicegate::Error::Refused(_)) && refused.to_string().contains("cancel it first"), "{refused}");
+
+    // Purge one: none of its keys is left, and it is no longer listed.
+    let key_id = ok_own.id().key_id();
+    assert!(admin.purge(ok_own.id()).await.unwrap());
+    let ns = config.namespace_str();
+    let left: Vec<String> =
+        keys_in_namespace(env.redis.url(), ns).await.unwrap().into_iter().filter(|k| k.contains(&key_id)).collect();
+    assert!(left.is_empty(), "keys of the purged request left: {left:?}");
+    assert!(!admin.purge(ok_own.id()).await.unwrap(), "a second purge finds nothing");
+    assert!(matches!(admin.status(ok_own.id()).await.unwrap_err(), sluicegate::Error::UnknownRequest(_)));
+    let completed = admin.list(&ListQuery::new().state(ListState::Completed)).await.unwrap();
+    assert_eq!(ids(completed), [ok_lane.id().to_string()]);
+
+    // By state and age: none is an hour old; all failed ones are older than nothing.
+    assert_eq!(admin.purge_finished(ListState::Failed, Duration::from_secs(3600)).await.unwrap(), 0);
+    assert_eq!(admin.purge_finished(ListState::Failed, Duration::ZERO).await.unwrap(), 2);
+    assert!(admin.list(&ListQuery::new().state(ListState::Failed)).await.unwrap().requests.is_empty());
+    for h in [&bad_lane, &bad_own] {
+        assert!(matches!(admin.status(h.id()).await.unwrap_err(), sluicegate::Error::UnknownRequest(_)));
+    }
+    assert!(admin.purge_finished(ListState::Queued, Duration::ZERO).await.is_err());
+    // What was left alone is still there.
+    assert_eq!(admin.status(ok_lane.id()).await.unwrap().state, RequestState::Completed);
+    assert_eq!(admin.list(&ListQuery::new().state(ListState::Queued)).await.unwrap().requests.len(), 1);
+}

@@ -345,11 +345,21 @@ async fn nothing_is_left_in_the_namespace_once_retention_has_passed() {
     let w = start_worker(&config, Probe::default(), 4, Quantum { parts: 3, time: Duration::from_millis(50) })
         .await;
     let producer = Producer::connect(&config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&config).await.unwrap();
     for r in 0..5u64 {
         let parts = (0..20).map(|i| Job { n: r + i, sleep_ms: 1, fail: i == 7 });
-        let h = producer.request().concurrency(3).unwrap().submit(parts).await.unwrap();
+        // Tagged and tracked, so that the listing index's tag and tracked sets are there too.
+        let h = producer.request().concurrency(3).unwrap().tag(format!("t{}", r % 2)).unwrap();
+        let h = h.submit(parts).await.unwrap();
+        if r % 2 == 0 {
+            admin.track(h.id(), true).await.unwrap();
+        }
         h.wait::<u64>().await.unwrap();
     }
+    // And lane requests, one tracked after it finished.
+    let small = producer.request().tag("t0").unwrap().submit([Job::new(1)]).await.unwrap();
+    small.wait::<u64>().await.unwrap();
+    admin.track(small.id(), true).await.unwrap();
     w.stop().await;
     let (url, ns) = (env.redis.url(), config.namespace_str());
     assert_namespace_drains(url, ns, Duration::from_secs(10), "keys left after retention").await;

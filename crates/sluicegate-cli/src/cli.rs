@@ -128,12 +128,30 @@ pub(crate) enum Command {
     #[command(after_help = "Example:\n  sluicegate requeue job-42 && sluicegate results --wait job-42")]
     Requeue(IdArg),
 
-    /// Delete every key of the namespace: all its requests, results, events and settings.
+    /// Delete finished requests now (one, or by state and age), or everything of the namespace.
     #[command(after_help = "Example:\n  \
-        sluicegate --namespace staging purge --all --yes\n\n\
-        Refused while workers are registered in the namespace (stop them first), unless --force.\n\
-        Keys are found with SCAN on every master and deleted with UNLINK; nothing else is touched.")]
+        sluicegate purge job-42                               # one finished request's keys\n  \
+        sluicegate purge --state failed --older-than 7d --yes # finished ones by state and age\n  \
+        sluicegate --namespace staging purge --all --yes      # every key of the namespace\n\n\
+        A request that has not finished is refused (cancel it first). --all is refused while\n\
+        workers are registered in the namespace (stop them first), unless --force; its keys are\n\
+        found with SCAN on every master and deleted with UNLINK, and nothing else is touched.")]
     Purge(PurgeArgs),
+
+    /// List requests newest first, filtered by state, priority, tag, tracking and age.
+    #[command(after_help = "Example:\n  \
+        sluicegate list --state failed --limit 20\n  \
+        sluicegate list --tag customer:42 --older-than 1h\n  \
+        sluicegate --json list --state running | jq -r .id\n\n\
+        A page ends with the cursor of the next one: `list ... --cursor C`. Finished requests are\n\
+        listed for their retention. With --json, one request per line, then {\"cursor\": ...}.")]
+    List(ListArgs),
+
+    /// Mark a request as tracked (`list --tracked` shows it), or unmark it with --off.
+    #[command(
+        after_help = "Example:\n  sluicegate track job-42\n  sluicegate list --tracked\n  sluicegate track --off job-42"
+    )]
+    Track(TrackArgs),
 
     /// Print a request's dead-lettered sub-requests: index, attempts, error and payload.
     #[command(after_help = "Example:\n  \
@@ -247,6 +265,11 @@ pub(crate) struct SubmitArgs {
     /// With --wait: print string results as plain text instead of JSON strings.
     #[arg(long, requires = "wait")]
     pub(crate) raw: bool,
+
+    /// A tag for `list --tag` (repeat for more, at most 16): 1 to 64 characters of
+    /// A-Z a-z 0-9 _ . : / = @ + -.
+    #[arg(long = "tag", value_name = "TAG")]
+    pub(crate) tags: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -277,18 +300,71 @@ pub(crate) struct WorkerArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["id", "all", "state"])))]
 pub(crate) struct PurgeArgs {
+    /// One finished request, by id.
+    pub(crate) id: Option<String>,
+
     /// Everything of the namespace (the global --namespace, or SLUICEGATE_NAMESPACE).
-    #[arg(long, required = true)]
+    #[arg(long)]
     pub(crate) all: bool,
 
-    /// Confirms the purge: without it nothing is deleted.
+    /// Every finished request in this state: completed, failed or cancelled.
+    #[arg(long, value_name = "STATE")]
+    pub(crate) state: Option<String>,
+
+    /// With --state: only requests submitted at least this long ago [default: any].
+    #[arg(long = "older-than", value_parser = duration, value_name = "DURATION", requires = "state")]
+    pub(crate) older_than: Option<Duration>,
+
+    /// Confirms a purge of --all or --state: without it nothing is deleted.
     #[arg(long)]
     pub(crate) yes: bool,
 
     /// Purge even while workers are registered in the namespace.
     #[arg(long)]
     pub(crate) force: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ListArgs {
+    /// Only requests in this state: queued, running, scheduled, open, completed, failed, cancelled.
+    #[arg(long, value_name = "STATE")]
+    pub(crate) state: Option<String>,
+
+    /// Only requests of this priority.
+    #[arg(long)]
+    pub(crate) priority: Option<u8>,
+
+    /// Only requests carrying this tag (`submit --tag`).
+    #[arg(long)]
+    pub(crate) tag: Option<String>,
+
+    /// Only tracked requests (`track`).
+    #[arg(long)]
+    pub(crate) tracked: bool,
+
+    /// Only requests submitted at least this long ago.
+    #[arg(long = "older-than", value_parser = duration, value_name = "DURATION")]
+    pub(crate) older_than: Option<Duration>,
+
+    /// Requests per page (1 to 1000).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) limit: u32,
+
+    /// Go on from where a previous page ended.
+    #[arg(long)]
+    pub(crate) cursor: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct TrackArgs {
+    /// The request's id.
+    pub(crate) id: String,
+
+    /// Stop tracking it.
+    #[arg(long)]
+    pub(crate) off: bool,
 }
 
 #[derive(Args, Debug)]

@@ -8,6 +8,7 @@ mod cli;
 mod exec;
 mod failure;
 mod input;
+mod listing;
 mod ops;
 mod output;
 mod submit;
@@ -131,7 +132,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Requeue(args) => ops::requeue(&ctx, &args.id).await,
         Command::Stats => ops::stats(&ctx).await,
         Command::Dead(args) => ops::dead(&ctx, &args.id).await,
-        Command::Purge(args) => ops::purge(&ctx, &args).await,
+        Command::Purge(args) => listing::purge(&ctx, &args).await,
+        Command::List(args) => listing::list(&ctx, &args).await,
+        Command::Track(args) => listing::track(&ctx, &args).await,
         Command::Metrics(args) => ops::metrics(&ctx, args.listen).await,
         Command::Pause(args) => ops::pause(&ctx, args.priority, true).await,
         Command::Resume(args) => ops::pause(&ctx, args.priority, false).await,

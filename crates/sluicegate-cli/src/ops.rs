@@ -61,6 +61,10 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
         ),
         format!("created      {}", timestamp(s.created_ms)),
     ];
+    if !s.tags.is_empty() || s.tracked {
+        let tracked = if s.tracked { " (tracked)" } else { "" };
+        lines.push(format!("tags         {}{tracked}", s.tags.join(", ")));
+    }
     if let Some(started) = s.started_ms {
         lines.push(format!(
             "started      {} ({} after created)",
@@ -151,7 +155,7 @@ pub(crate) async fn metrics(ctx: &Ctx, addr: std::net::SocketAddr) -> Result<(),
     Ok(())
 }
 
-pub(crate) async fn purge(ctx: &Ctx, args: &PurgeArgs) -> Result<(), Failure> {
+pub(crate) async fn purge_namespace(ctx: &Ctx, args: &PurgeArgs) -> Result<(), Failure> {
     let ns = ctx.config.namespace_str();
     if !args.yes {
         return Err(Failure::bad_input(format!(

@@ -49,6 +49,9 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     if let Some(id) = &args.id {
         request = request.id(id.clone())?;
     }
+    for tag in &args.tags {
+        request = request.tag(tag.clone())?;
+    }
     if let Some(limit) = args.timeout {
         request = request.timeout(limit)?;
     }

@@ -164,6 +164,12 @@ fn assert_fails(out: &Output, code: i32, message: &str) {
     assert_eq!(out.status.code(), Some(code), "exit code; stderr: {}", stderr(out));
 }
 
+/// Like `assert_fails`, for a message of which `fragment` is a part.
+fn fails_with(out: &Output, code: i32, fragment: &str) {
+    assert!(stderr(out).starts_with("error: ") && stderr(out).contains(fragment), "stderr: {}", stderr(out));
+    assert_eq!(out.status.code(), Some(code), "exit code; stderr: {}", stderr(out));
+}
+
 /// "succeeded" and "retried" counts from a worker's closing line.
 fn worker_counts(log: &str) -> (u64, u64) {
     let line = log
@@ -638,6 +644,48 @@ fn purge_all_asks_for_yes_refuses_while_a_worker_runs_and_then_leaves_no_key() {
     assert!(stdout(&out).starts_with(&format!("purged namespace {}: ", sg.ns)), "{}", stderr(&out));
     assert!(sg.keys().is_empty(), "{:?}", sg.keys());
     assert_fails(&sg.run(&["status", "gone"]), 4, "no request with id \"gone\" (never submitted, or its results expired)");
+}
+
+#[test]
+fn list_filters_by_tag_and_state_track_marks_and_purge_removes_finished_requests() {
+    let sg = Sg::new("cli-list");
+    for (id, tag) in [("a", "blue"), ("b", "red"), ("c", "blue")] {
+        let out = sg.run_with_input(&["submit", "--id", id, "--tag", tag, "--tag", "all"], b"x\n");
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let ids = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["--json", "list"];
+        all.extend_from_slice(args);
+        let out = sg.run(&all);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let lines: Vec<Value> = stdout(&out).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert!(lines.last().unwrap().get("cursor").is_some(), "a page ends with its cursor");
+        lines[..lines.len() - 1].iter().map(|r| r["id"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(ids(&[]), ["c", "b", "a"]);
+    assert_eq!(ids(&["--tag", "blue"]), ["c", "a"]);
+    assert_eq!(ids(&["--state", "queued", "--limit", "2"]), ["c", "b"]);
+    let table = stdout(&sg.run(&["list", "--tag", "red"]));
+    assert!(table.starts_with("ID ") && table.contains("queued") && table.contains("0/0/1") && table.contains("red,all"), "{table}");
+    assert!(sg.run(&["track", "b"]).status.success());
+    assert_eq!(ids(&["--tracked"]), ["b"]);
+    assert!(stdout(&sg.run(&["status", "b"])).contains("tags         red, all (tracked)"));
+    fails_with(&sg.run(&["purge", "a"]), 2, "refused: request \"a\" has not finished");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    let out = sg.run(&["results", "--wait", "a"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _ = sg.run(&["results", "--wait", "b"]);
+    let _ = sg.run(&["results", "--wait", "c"]);
+    worker.stop();
+    assert_eq!(ids(&["--state", "completed"]), ["c", "b", "a"]);
+    assert!(sg.run(&["purge", "a"]).status.success());
+    fails_with(&sg.run(&["status", "a"]), 4, "no request with id \"a\"");
+    fails_with(&sg.run(&["purge", "--state", "completed"]), 2, "add --yes to confirm");
+    let purged = sg.json(&["purge", "--state", "completed", "--older-than", "0s", "--yes"]);
+    assert_eq!(purged["purged"], 2, "{purged}");
+    assert!(ids(&[]).is_empty());
+    fails_with(&sg.run(&["list", "--state", "done"]), 2, "unknown state \"done\"");
+    fails_with(&sg.run_with_input(&["submit", "--tag", "two words"], b"x\n"), 2, "invalid tag \"two words\"");
 }
 
 /// `GET /metrics` from `addr`, by hand (HTTP/1.0: the body runs to the end of the connection).

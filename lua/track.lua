@@ -1,0 +1,37 @@
+-- track: marks a listed request as tracked (qless's tracking: `list --tracked` shows it), or
+-- unmarks it. Run on its home shard.
+-- KEYS[1] the shard's index rows (prelude.lua, "The listing index")
+-- ARGV[1] request key id   ARGV[2] '1' to track, '0' to stop
+-- Returns 1 when the request is listed (tracked or not as asked), 0 when it is not (unknown, or
+-- gone with its retention).
+local function track(keys, args)
+  local ix = string.sub(keys[1], 1, -4)
+  local kid = args[1]
+  if redis.call('HEXISTS', keys[1], kid) == 0 then return 0 end
+  local mark = {SG_IX_TRACKED, ix .. 'tracked'}
+  local live = redis.call('ZSCORE', ix .. 'live', kid)
+  local was = redis.call('ZSCORE', mark[2], kid)
+  local now = sg_now()
+  if args[2] ~= '1' then
+    if was then
+      redis.call('ZREM', mark[2], kid)
+      if live then sg_ix_mark_done(ix, mark, nil, now) end
+    end
+    return 1
+  end
+  if was then return 1 end
+  local score = live
+  for i = 2, #SG_IX_STATES do score = score or redis.call('ZSCORE', ix .. SG_IX_STATES[i], kid) end
+  if not score then return 0 end
+  redis.call('ZADD', mark[2], score, kid)
+  if live then
+    sg_ix_mark_live(ix, mark)
+  else
+    -- A finished request: the set expires with it, unless a live one keeps it.
+    local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
+    local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
+    if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+    if not redis.call('HGET', ix .. 'tl', mark[1]) then sg_ix_expire_at(mark[2], math.max(expires, latest), now) end
+  end
+  return 1
+end

@@ -1,0 +1,14 @@
+-- unlist: the token-side half of purging one finished request (`Admin::purge`): it leaves the
+-- listing index, and its finish marks go. Run on its home shard, after `purge` deleted its keys.
+-- KEYS[1] the shard's index rows (prelude.lua, "The listing index")   KEYS[2] the shard's active
+-- index   KEYS[3] the request's finish marks
+-- ARGV[1] request key id
+-- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is still in
+-- recovery's index (not finished, or its finish steps not all done): nothing is changed.
+local function unlist(keys, args)
+  if redis.call('ZSCORE', keys[2], args[1]) then
+    return redis.error_reply('SGSTATE the request has not finished (or is still finishing)')
+  end
+  redis.call('DEL', keys[3])
+  return sg_ix_remove(string.sub(keys[1], 1, -4), args[1], sg_now())
+end
