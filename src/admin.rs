@@ -133,6 +133,10 @@ pub struct Stats {
     pub workers: Vec<WorkerInfo>,
     /// What an operator paused.
     pub paused: Paused,
+    /// Tokens held by worker slots now (their take records).
+    pub tokens_held: u64,
+    /// Requests by state.
+    pub requests: RequestCounts,
 }
 
 /// What an operator paused in a namespace ([`Admin::pause`]).
@@ -165,6 +169,24 @@ pub struct PriorityTokens {
     pub priority: u8,
     /// Elements in its list.
     pub tokens: u64,
+    /// How long the element next in line has waited, in ms: since its token was last queued
+    /// (an element's epoch is the Redis time it was queued at).
+    pub oldest_waiting_ms: u64,
+}
+
+/// Requests of a namespace by state, from the listing index: finished ones until their retention
+/// ends.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct RequestCounts {
+    /// Not finished yet: queued, scheduled or running (and submits not yet created).
+    pub unfinished: u64,
+    /// Completed.
+    pub completed: u64,
+    /// Failed.
+    pub failed: u64,
+    /// Cancelled.
+    pub cancelled: u64,
 }
 
 impl Admin {
@@ -308,25 +330,72 @@ impl Admin {
     pub async fn stats(&self) -> Result<Stats> {
         let keys = &self.store.keys;
         // Summed over the configured shards (each shard's lists share a slot: one pipeline each).
-        let mut waiting: BTreeMap<u8, u64> = BTreeMap::new();
+        let mut waiting: BTreeMap<u8, (u64, u64)> = BTreeMap::new();
         let mut active_requests: u64 = 0;
+        let (mut tokens_held, mut requests) = (0u64, RequestCounts::default());
+        let now_ms: u64 = {
+            let time =
+                fred::types::CustomCommand::new_static("TIME", fred::types::ClusterHash::Random, false);
+            let (s, us): (u64, u64) = self.store.client.custom(time, Vec::<Value>::new()).await?;
+            s * 1000 + us / 1000
+        };
         for shard in 0..keys.shards() {
+            let lists = keys.token_lists(shard);
             let pipe = self.store.client.pipeline();
-            for list in keys.token_lists(shard) {
+            for list in &lists {
                 pipe.llen::<(), _>(list.as_str()).await?;
             }
-            let lens: Vec<u64> = pipe.all().await?;
-            for (list, n) in keys.token_lists(shard).iter().zip(lens) {
+            // The tail is next in line (lists are pushed at the head).
+            for list in &lists {
+                pipe.lindex::<(), _>(list.as_str(), -1).await?;
+            }
+            let replies: Vec<Value> = pipe.all().await?;
+            let (lens, tails) = replies.split_at(lists.len());
+            for ((list, n), tail) in lists.iter().zip(lens).zip(tails) {
+                let n = n.as_u64().unwrap_or(0);
                 if let (Some((_, p)), true) = (keys.priority_of_list(list), n > 0) {
-                    *waiting.entry(p.get()).or_default() += n;
+                    let queued = tail
+                        .as_string()
+                        .and_then(|e| crate::protocol::TokenElement::parse(&e))
+                        .map(|t| t.epoch);
+                    let age = queued.map_or(0, |at| now_ms.saturating_sub(at));
+                    let entry = waiting.entry(p.get()).or_default();
+                    entry.0 += n;
+                    entry.1 = entry.1.max(age);
                 }
             }
-            active_requests += self.store.client.zcard::<u64, _>(keys.active(shard)).await?;
+            let pipe = self.store.client.pipeline();
+            pipe.zcard::<(), _>(keys.active(shard)).await?;
+            pipe.hlen::<(), _>(keys.held(shard)).await?;
+            for set in ["live", "completed", "failed", "cancelled"] {
+                pipe.zcard::<(), _>(keys.index_set(shard, set)).await?;
+            }
+            let counts: Vec<u64> = pipe.all().await?;
+            active_requests += counts[0];
+            tokens_held += counts[1];
+            requests.unfinished += counts[2];
+            requests.completed += counts[3];
+            requests.failed += counts[4];
+            requests.cancelled += counts[5];
         }
-        let tokens_waiting =
-            waiting.into_iter().rev().map(|(priority, tokens)| PriorityTokens { priority, tokens }).collect();
+        let tokens_waiting = waiting
+            .into_iter()
+            .rev()
+            .map(|(priority, (tokens, oldest_waiting_ms))| PriorityTokens {
+                priority,
+                tokens,
+                oldest_waiting_ms,
+            })
+            .collect();
         let workers = registry::live(&self.store).await?;
-        Ok(Stats { tokens_waiting, active_requests, workers, paused: self.paused().await? })
+        Ok(Stats {
+            tokens_waiting,
+            active_requests,
+            workers,
+            paused: self.paused().await?,
+            tokens_held,
+            requests,
+        })
     }
 
     /// The request's dead letters, by index: each one's error and payload (what

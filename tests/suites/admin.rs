@@ -164,10 +164,13 @@ async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
         .submit((0..5).map(Job::new))
         .await
         .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let s = admin.stats().await.unwrap();
     let waiting: Vec<(u8, u64)> = s.tokens_waiting.iter().map(|p| (p.priority, p.tokens)).collect();
     assert_eq!(waiting, [(80, 3), (20, 2)]);
-    assert_eq!((s.active_requests, s.workers.len()), (2, 0));
+    assert!(s.tokens_waiting.iter().all(|p| (150..60_000).contains(&p.oldest_waiting_ms)), "{:?}", s.tokens_waiting);
+    assert_eq!((s.active_requests, s.workers.len(), s.tokens_held), (2, 0, 0));
+    assert_eq!((s.requests.unfinished, s.requests.completed), (2, 0));
 
     let w = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
     a.wait::<u64>().await.unwrap();
@@ -175,6 +178,7 @@ async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let s = admin.stats().await.unwrap();
     assert_eq!(s.active_requests, 0);
+    assert_eq!((s.requests.unfinished, s.requests.completed, s.requests.failed), (0, 2, 0));
     assert_eq!(s.workers.iter().map(|w| w.slots).collect::<Vec<_>>(), [3]);
     w.stop().await;
     assert!(admin.stats().await.unwrap().workers.is_empty(), "a stopped worker unregisters");

@@ -268,10 +268,26 @@ fn stats_lines(stats: &Stats, now_ms: u64) -> Vec<String> {
     if stats.tokens_waiting.is_empty() {
         lines.push("tokens waiting   none".into());
     } else {
-        let waiting: Vec<String> =
-            stats.tokens_waiting.iter().map(|p| format!("{} at priority {}", p.tokens, p.priority)).collect();
+        let waiting: Vec<String> = stats
+            .tokens_waiting
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} at priority {} (next in line waiting {})",
+                    p.tokens,
+                    p.priority,
+                    elapsed(0, p.oldest_waiting_ms)
+                )
+            })
+            .collect();
         lines.push(format!("tokens waiting   {}", waiting.join(", ")));
     }
+    lines.push(format!("tokens held      {}", stats.tokens_held));
+    let r = &stats.requests;
+    lines.push(format!(
+        "requests         {} unfinished, {} completed, {} failed, {} cancelled (finished: within their retention)",
+        r.unfinished, r.completed, r.failed, r.cancelled
+    ));
     let slots: usize = stats.workers.iter().map(|w| w.slots).sum();
     lines.push(format!("workers          {} ({slots} slots)", stats.workers.len()));
     for w in &stats.workers {

@@ -134,9 +134,37 @@ impl Collector for NamespaceCollector {
             ConstGauge::new(i64::try_from(p.tokens).unwrap_or(i64::MAX))
                 .encode(waiting.encode_family(&labels)?)?;
         }
+        let mut oldest = encoder.encode_descriptor(
+            "oldest_waiting_seconds",
+            "How long the token next in line at each priority has waited since it was queued",
+            None,
+            MetricType::Gauge,
+        )?;
+        for p in &s.tokens_waiting {
+            let priority = p.priority.to_string();
+            let labels = [("namespace", ns), ("priority", priority.as_str())];
+            ConstGauge::new(p.oldest_waiting_ms as f64 / 1000.0).encode(oldest.encode_family(&labels)?)?;
+        }
+        let mut requests = encoder.encode_descriptor(
+            "requests",
+            "Requests by state (listing index; finished ones until their retention ends)",
+            None,
+            MetricType::Gauge,
+        )?;
+        let r = &s.requests;
+        for (state, n) in [
+            ("unfinished", r.unfinished),
+            ("completed", r.completed),
+            ("failed", r.failed),
+            ("cancelled", r.cancelled),
+        ] {
+            let labels = [("namespace", ns), ("state", state)];
+            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(requests.encode_family(&labels)?)?;
+        }
         let labels = [("namespace", ns)];
         let slots: usize = s.workers.iter().map(|w| w.slots).sum();
         for (name, help, value) in [
+            ("tokens_held", "Tokens held by worker slots now (their take records)", s.tokens_held),
             ("requests_active", "Requests not yet done with (recovery's index)", s.active_requests),
             ("workers", "Workers whose registration is fresh", s.workers.len() as u64),
             ("worker_slots", "Slots of those workers", slots as u64),

@@ -797,9 +797,14 @@ fn metrics_serves_the_namespaces_backlog_workers_and_pauses_as_openmetrics() {
         format!("sluicegate_requests_active{{namespace=\"{ns}\"}} 2"),
         format!("sluicegate_workers{{namespace=\"{ns}\"}} 0"),
         format!("sluicegate_paused{{namespace=\"{ns}\",scope=\"80\"}} 1"),
+        format!("sluicegate_tokens_held{{namespace=\"{ns}\"}} 0"),
+        format!("sluicegate_requests{{namespace=\"{ns}\",state=\"unfinished\"}} 2"),
+        format!("sluicegate_requests{{namespace=\"{ns}\",state=\"failed\"}} 0"),
     ] {
         assert!(text.lines().any(|l| l == sample), "{sample} not in:\n{text}");
     }
+    let oldest = format!("sluicegate_oldest_waiting_seconds{{namespace=\"{ns}\",priority=\"80\"}} ");
+    assert!(text.lines().any(|l| l.starts_with(&oldest)), "{oldest} not in:\n{text}");
     server.stop();
 }
 
