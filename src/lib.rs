@@ -69,7 +69,8 @@ mod tls;
 mod worker;
 
 pub use admin::{
-    Admin, DeadLetter, IndexedError, Paused, PriorityTokens, RequestStatus, Stats, WorkerInfo, STATUS_ERRORS,
+    Admin, DeadLetter, IndexedError, Paused, PriorityTokens, Reprioritized, RequestStatus, Stats, WorkerInfo,
+    STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};

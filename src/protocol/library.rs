@@ -49,6 +49,8 @@ pub(crate) enum Func {
     DropGone,
     Cancel,
     RequeueDead,
+    Reprioritize,
+    Relist,
     Beat,
     Reaped,
     LaneSubmit,
@@ -62,7 +64,7 @@ impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 40] = [
+    pub(crate) const ALL: [Func; 42] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -97,6 +99,8 @@ impl Func {
         Func::DropGone,
         Func::Cancel,
         Func::RequeueDead,
+        Func::Reprioritize,
+        Func::Relist,
         Func::Beat,
         Func::Reaped,
         Func::LaneSubmit,
@@ -141,6 +145,8 @@ impl Func {
             Func::DropGone => "drop_gone",
             Func::Cancel => "cancel",
             Func::RequeueDead => "requeue_dead",
+            Func::Reprioritize => "reprioritize",
+            Func::Relist => "relist",
             Func::Beat => "beat",
             Func::Reaped => "reaped",
             Func::LaneSubmit => "lane_submit",
@@ -197,6 +203,8 @@ impl Func {
             Func::DropGone => include_str!("../../lua/drop_gone.lua"),
             Func::Cancel => include_str!("../../lua/cancel.lua"),
             Func::RequeueDead => include_str!("../../lua/requeue_dead.lua"),
+            Func::Reprioritize => include_str!("../../lua/reprioritize.lua"),
+            Func::Relist => include_str!("../../lua/relist.lua"),
             Func::Beat => include_str!("../../lua/beat.lua"),
             Func::Reaped => include_str!("../../lua/reaped.lua"),
             Func::LaneSubmit => include_str!("../../lua/lane_submit.lua"),
@@ -277,10 +285,12 @@ const APP_COMMANDS: &[&str] = &[
     "hsetnx",
     "hset",
     "lindex",
+    "linsert",
     "llen",
     "lpop",
     "lpos",
     "lpush",
+    "lrange",
     "lrem",
     "persist",
     "pexpire",
