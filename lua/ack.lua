@@ -11,11 +11,13 @@
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
 --   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
--- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element}: push element
---         back (give_back); {'park', wake} as acquire; {'finished', state, lifecycle, sweep
---         elements...}: the request just turned terminal; {'fenced'}: this slot no longer holds
---         the token with exactly these entries, so nothing was recorded (its worker was declared
---         dead and the work moved on, or the request was cancelled).
+-- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element, priority}:
+--         push element back (give_back) onto the list of the request's priority now (an operator
+--         may have changed it since the token was taken: reprioritize); {'park', wake} as
+--         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
+--         terminal; {'fenced'}: this slot no longer holds the token with exactly these entries,
+--         so nothing was recorded (its worker was declared dead and the work moved on, or the
+--         request was cancelled).
 -- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
 -- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
 -- that it knows which this call settled: only those store their result, and not when the results
@@ -54,7 +56,7 @@ end
 
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -161,5 +163,5 @@ local function ack(keys, args)
   if args[6] == '1' then
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
   end
-  return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+  return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end

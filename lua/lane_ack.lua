@@ -30,7 +30,8 @@ local function lane_ack(keys, args)
   local now = sg_now()
   local extra = tonumber(m[2] or '0')
   local prefix, retention = args[10], args[7]
-  local settled, finished, announced = {}, {}, {}
+  -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
+  local settled, finished, announced, listed = {}, {}, {}, {}
   for i = 11, #args, 8 do
     local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
       args[i + 5], args[i + 6], args[i + 7]
@@ -90,7 +91,7 @@ local function lane_ack(keys, args)
       if last then
         -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
         -- parts not yet run then run too.
-        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now)
+        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
         finished[kid] = true
       elseif feed then
         sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
@@ -98,6 +99,7 @@ local function lane_ack(keys, args)
     end
   end
   if #announced > 0 then
+    sg_ix_finished(sg_ix(keys[7]), now, listed)
     redis.call('PEXPIRE', keys[7], retention)
     redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
   end

@@ -532,20 +532,29 @@ local function sg_ix_add(ix, kid, row, now)
   end
 end
 
--- Moves a live request to its terminal state's set, its keys expiring at `expires`.
-local function sg_ix_finish(ix, kid, state, expires, now)
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
+-- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
+-- its end; otherwise that is done here.
+local function sg_ix_finished(ix, now, batch)
+  for state, expires in pairs(batch) do sg_ix_expire_at(ix .. state, expires, now) end
+  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
+  sg_ix_settle(ix, now)
+end
+
+local function sg_ix_finish(ix, kid, state, expires, now, batch)
   local score = redis.call('ZSCORE', ix .. 'live', kid)
+  local own = batch == nil
+  batch = batch or {}
   if score then
     redis.call('ZREM', ix .. 'live', kid)
     redis.call('ZADD', ix .. state, score, kid)
     redis.call('ZADD', ix .. 'exp', expires, kid)
-    sg_ix_expire_at(ix .. state, expires, now)
+    batch[state] = math.max(batch[state] or 0, expires)
     for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
       sg_ix_mark_done(ix, mark, expires, now)
     end
   end
-  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
-  sg_ix_settle(ix, now)
+  if own then sg_ix_finished(ix, now, batch) end
 end
 
 -- Moves a failed request back to live (requeue_dead reopened it).
@@ -674,10 +683,11 @@ end
 -- Announces that a lane request turned terminal (its record's state is written): the record is
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call.
-local function sg_lane_announce(record, kid, state, retention, events, now)
+-- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call;
+-- given `batch`, it also ends the listing index's changes with sg_ix_finished once.
+local function sg_lane_announce(record, kid, state, retention, events, now, batch)
   redis.call('PEXPIRE', record, retention)
-  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now)
+  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now, batch)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
   return kid .. '|' .. state
 end

@@ -3,11 +3,12 @@
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] k   ARGV[3] the epoch the slot took   ARGV[4] its holder
 -- ARGV[5] (a slot's own reclaim) the deadline of its arm (sg_step_late: errors "SGLATE ..." past it)
--- Returns {'push', element}: push it (give_back, which also ends the record) — the token was taken
---         and never acquired, or held by that slot (its batch becomes orphans, run again first), or
---         re-queued by the slot's last ack whose push (give_back) never ran (a higher epoch, still
---         queued: a newer element is issued, so that a push of the older one that did happen is
---         merely refused when taken);
+-- Returns {'push', element, priority}: push it (give_back, which also ends the record) onto the
+--         list of the request's priority now (reprioritize may have changed it since the take) —
+--         the token was taken and never acquired, or held by that slot (its batch becomes orphans,
+--         run again first), or re-queued by the slot's last ack whose push (give_back) never ran
+--         (a higher epoch, still queued: a newer element is issued, so that a push of the older
+--         one that did happen is merely refused when taken);
 --         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal (the
 --         slot may have died between its finish and the steps after it: census's reply);
 --         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
@@ -32,19 +33,20 @@ local function reclaim(keys, args)
   end
   local f = sg_split(tok)
   local now = sg_now()
+  local prio = tonumber(redis.call('HGET', keys[1], 'prio'))
   if f[1] == 'h' and f[2] == epoch and f[3] == holder then
     for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
-    return {'push', sg_requeue(keys, rid, k, f[2], now)}
+    return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
   end
   if f[1] == 'q' and tonumber(f[2]) >= tonumber(epoch) then
-    return {'push', sg_requeue(keys, rid, k, f[2], now)}
+    return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
   end
   if f[1] == 'p' then
     -- Parked by the slot, which died before it asked for a wake-up: wake it now if work waits (an
     -- orphan, a retry due), else when the next retry falls due.
     if redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now) > 0 then
       redis.call('HINCRBY', keys[1], 'npark', -1)
-      return {'push', sg_requeue(keys, rid, k, f[2], now)}
+      return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
     end
     local due = sg_next_retry(keys, now)
     if due then return {'wake', math.max(due - now, 1)} end

@@ -3,15 +3,17 @@
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] the nonce given at stream_open   ARGV[3] index of the first
 -- part   ARGV[4] the deadline of the producer's arm (sg_step_late)   ARGV[5..] payloads
--- Returns the token elements to push; for a windowed request (meta `window` > 0) the reply starts
--- with the request's outstanding parts (`left`, after this call), then the elements. The same call re-sent after a reconnect adds nothing
+-- Returns {priority, [outstanding,] element...}: the request's priority now (the list to push the
+-- elements onto: an operator may have changed it since the request was opened, reprioritize);
+-- for a windowed request (meta `window` > 0) its outstanding parts (`left`, after this call);
+-- then the token elements to push. The same call re-sent after a reconnect adds nothing
 -- twice (parts below the request's total are skipped). Errors "SGSTATE ..." when the request is
 -- not open (finalized, cancelled, unknown) or not this producer's, "SGGAP ..." when parts before
 -- ARGV[3] are missing, "SGLATE ..." past the deadline.
 local function stream_append(keys, args)
   local late = sg_step_late(args[4])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state', 'window')
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state', 'window', 'prio')
   if m[1] ~= '1' or m[2] ~= args[2] or m[4] == 'cancelled' or m[4] == 'failed' or m[4] == 'completed' then
     return redis.error_reply('SGSTATE the request is not open for parts (finalized, cancelled or unknown)')
   end
@@ -35,5 +37,6 @@ local function stream_append(keys, args)
     -- A windowed producer paces itself by the parts still to settle (docs/protocol.md §6.14).
     table.insert(elements, 1, left)
   end
+  table.insert(elements, 1, tonumber(m[6]))
   return elements
 end

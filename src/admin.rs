@@ -1,4 +1,5 @@
-//! Operating sluicegate: a request's status, cancel, requeue of dead letters, namespace stats.
+//! Operating sluicegate: a request's status, cancel, requeue of dead letters, priority, namespace
+//! stats.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -9,7 +10,7 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::protocol::operators::Requeued;
+use crate::protocol::operators::{self, Reprioritize, Requeued};
 use crate::protocol::Finished;
 use crate::request::RequestId;
 use crate::request::{Cancelled, PartError, Priority, RequestState};
@@ -28,7 +29,7 @@ const MAX_TOKEN_SHARDS: u32 = 1024;
 /// At most this many errors are listed in a [`RequestStatus`].
 pub const STATUS_ERRORS: usize = 100;
 
-/// What an operator needs: status, cancel, requeue, stats. Cheap to clone.
+/// What an operator needs: status, cancel, requeue, reprioritize, stats. Cheap to clone.
 ///
 /// ```no_run
 /// # async fn demo() -> sluicegate::Result<()> {
@@ -189,6 +190,23 @@ pub struct RequestCounts {
     pub cancelled: u64,
 }
 
+/// What [`Admin::reprioritize`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Reprioritized {
+    /// The priority the request had.
+    pub from: u8,
+    /// The priority it has now.
+    pub to: u8,
+    /// Tokens that were waiting in the old priority's lists and wait in the new one's now.
+    pub moved: u64,
+    /// Tokens queued but not found waiting in the old lists (being taken or pushed at that
+    /// moment, or deeper than 1,000 elements from either end of a long list): each is taken once
+    /// more at the old priority and goes to the new one's list when handed back. Tokens held by
+    /// slots, or parked, are counted in neither: they go there at their next hand-back.
+    pub left: u64,
+}
+
 impl Admin {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
@@ -324,6 +342,79 @@ impl Admin {
             }
         }
         Err(Error::Protocol(format!("request \"{id}\" kept changing while it was being requeued; try again")))
+    }
+
+    /// Changes the priority of a request that is queued or running (also a delayed one, or a
+    /// streamed one still open): [`status`](Self::status) shows the new priority at once.
+    ///
+    /// Its tokens waiting in the old priority's lists move to the new one's now, each keeping
+    /// its place in time (a token that has waited longer than those there is taken before them);
+    /// a token held by a worker slot goes to the new priority's list when the slot hands it back
+    /// (at the end of its quantum), a parked one when it is woken. No token is ever in two lists
+    /// or in none: each moves in one atomic step on its shard. A token that was being taken or
+    /// pushed at that moment (see [`Reprioritized::left`]) is taken once more at the old priority.
+    ///
+    /// Refused ([`Error::Refused`]) for a request that has finished or is still being submitted,
+    /// and for a small request that took its priority's lane (its parts already wait in that
+    /// lane's stream; submit with `RequestBuilder::own_stream` to be able to change a small
+    /// request's priority). An unknown id is [`Error::UnknownRequest`].
+    ///
+    /// ```no_run
+    /// # async fn demo() -> sluicegate::Result<()> {
+    /// use sluicegate::{Admin, Config, Priority, RequestId};
+    /// let admin = Admin::connect(&Config::from_env()).await?;
+    /// let done = admin.reprioritize(&RequestId::new("invoice-42")?, Priority::new(90)?).await?;
+    /// println!("priority {} -> {}: {} waiting tokens moved", done.from, done.to, done.moved);
+    /// # Ok(()) }
+    /// ```
+    pub async fn reprioritize(&self, id: &RequestId, priority: Priority) -> Result<Reprioritized> {
+        let key_id = id.key_id();
+        let (from, shards, elements) = match operators::reprioritize(&self.store, &key_id, priority).await? {
+            Reprioritize::Moved { from, shards, elements } => (from, shards, elements),
+            Reprioritize::Refused(state) => return Err(not_reprioritized(id, &state)),
+            Reprioritize::Unknown => return Err(self.lane_not_reprioritized(id).await),
+        };
+        let queued = if from == priority { 0 } else { elements.len() as u64 };
+        let mut moved = 0;
+        // The listing index shows (and filters by) the new priority.
+        let home = crate::keys::home_shard(&key_id, shards);
+        crate::protocol::listing::relabel(&self.store, home, &key_id, priority).await?;
+        if from != priority {
+            // Each shard's elements in its own calls (their lists share that shard's hash tag),
+            // a bounded number per call: each call scans near the ends of the lists.
+            for (shard, elements) in crate::shards::by_shard(&key_id, shards, elements) {
+                for chunk in elements.chunks(RELIST_CHUNK) {
+                    moved += operators::relist(&self.store, shard, from, priority, chunk.to_vec()).await?;
+                }
+            }
+        }
+        Ok(Reprioritized { from: from.get(), to: priority.get(), moved, left: queued.saturating_sub(moved) })
+    }
+
+    /// Why a request without keys of its own cannot be reprioritized: it is a lane request (live
+    /// or finished), or unknown.
+    async fn lane_not_reprioritized(&self, id: &RequestId) -> Error {
+        let key_id = id.key_id();
+        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let fields: HashMap<String, Vec<u8>> = match self.store.client.hgetall(record.as_str()).await {
+            Ok(fields) => fields,
+            Err(e) => return e.into(),
+        };
+        if fields.is_empty() {
+            return Error::UnknownRequest(id.clone());
+        }
+        let meta = crate::protocol::lane::record_meta(&fields);
+        let state = meta.get("state").map_or("", String::as_str);
+        if !matches!(state, "queued" | "running") {
+            return not_reprioritized(id, state);
+        }
+        let prio = meta.get("prio").map_or("?", String::as_str);
+        Error::Refused(format!(
+            "request \"{id}\" is a small request that shares the lane of priority {prio} with others: its \
+             sub-requests already wait in that lane, so its priority cannot be changed and it runs at priority \
+             {prio}; submit small requests with their own stream (RequestBuilder::own_stream) to be able to \
+             change their priority, or cancel this one and submit it again"
+        ))
     }
 
     /// Tokens waiting per priority, active requests, live workers.
@@ -603,6 +694,21 @@ fn first_entry_field(reply: &Value) -> Option<Vec<u8>> {
         _ => return None,
     };
     fields.as_bytes().map(<[u8]>::to_vec)
+}
+
+/// Elements per `relist` call.
+const RELIST_CHUNK: usize = 100;
+
+/// The refusal of a request in `state` (finished, or still loading) to change its priority.
+fn not_reprioritized(id: &RequestId, state: &str) -> Error {
+    if state == "loading" {
+        return Error::Refused(format!(
+            "request \"{id}\" is still being submitted: change its priority once its submit has returned"
+        ));
+    }
+    Error::Refused(format!(
+        "request \"{id}\" has already finished ({state}): its priority can no longer change"
+    ))
 }
 
 /// A request's status from the scalar fields of its meta hash or lane record (both name them

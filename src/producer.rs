@@ -618,7 +618,12 @@ impl OpenRequest {
                 submit::stream_append(store, key_id, nonce, first, deadline, windowed, chunk.clone())
             })
             .await;
-            let submit::Appended { outstanding, elements } = appended?;
+            let submit::Appended { priority, outstanding, elements } = appended?;
+            // An operator may have changed the priority (`Admin::reprioritize`): the woken tokens
+            // go to the lists of the priority the request has now.
+            if let Some(priority) = priority {
+                self.place.priority = priority;
+            }
             self.added += n;
             // A re-sent append that added nothing reports no count: assume the chunk went in.
             self.outstanding = outstanding.unwrap_or(self.outstanding + n);

@@ -344,6 +344,47 @@ async fn tokens_of_one_request_spread_over_the_shards_and_limit_one_requests_lan
     client.quit().await.unwrap();
 }
 
+/// `Admin::reprioritize` moves a request's waiting tokens on each shard they live on (one
+/// `relist` per shard: each shard's lists have a hash tag of their own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reprioritized_requests_waiting_tokens_move_on_every_shard() {
+    let env = env_streams(TOPOLOGY, "shrepri").await;
+    let config = env.config.clone().token_shards(SHARDS);
+    let ns = config.namespace_str().to_owned();
+    let producer = Producer::connect(&config).await.unwrap();
+    let client = connect(env.redis.url()).await.unwrap();
+    let lens = |p: u8| {
+        let (client, ns) = (client.clone(), ns.clone());
+        async move {
+            let mut out = Vec::new();
+            for s in 0..SHARDS {
+                out.push(client.llen::<u64, _>(format!("{ns}:{{{ns}.q{s}}}:p:{p}")).await.unwrap());
+            }
+            out.sort_unstable();
+            out
+        }
+    };
+    let h = producer
+        .request()
+        .priority(60)
+        .unwrap()
+        .concurrency(5)
+        .unwrap()
+        .submit((0..10).map(Job::new))
+        .await
+        .unwrap();
+    assert_eq!(lens(60).await, vec![1, 2, 2]);
+    let admin = sluicegate::Admin::connect(&config).await.unwrap();
+    let moved = admin.reprioritize(h.id(), sluicegate::Priority::new(80).unwrap()).await.unwrap();
+    assert_eq!((moved.from, moved.to, moved.moved, moved.left), (60, 80, 5, 0));
+    assert_eq!((lens(60).await, lens(80).await), (vec![0, 0, 0], vec![1, 2, 2]));
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let done = h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), (0..10).map(|n| n * 2).collect::<Vec<_>>());
+    w.stop().await;
+    client.quit().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_slot_over_three_shards_keeps_priority_within_each_shard_and_reaches_the_top_within_one_round() {
     let env = env_streams(TOPOLOGY, "shprio").await;

@@ -534,20 +534,29 @@ local function sg_ix_add(ix, kid, row, now)
   end
 end
 
--- Moves a live request to its terminal state's set, its keys expiring at `expires`.
-local function sg_ix_finish(ix, kid, state, expires, now)
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
+-- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
+-- its end; otherwise that is done here.
+local function sg_ix_finished(ix, now, batch)
+  for state, expires in pairs(batch) do sg_ix_expire_at(ix .. state, expires, now) end
+  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
+  sg_ix_settle(ix, now)
+end
+
+local function sg_ix_finish(ix, kid, state, expires, now, batch)
   local score = redis.call('ZSCORE', ix .. 'live', kid)
+  local own = batch == nil
+  batch = batch or {}
   if score then
     redis.call('ZREM', ix .. 'live', kid)
     redis.call('ZADD', ix .. state, score, kid)
     redis.call('ZADD', ix .. 'exp', expires, kid)
-    sg_ix_expire_at(ix .. state, expires, now)
+    batch[state] = math.max(batch[state] or 0, expires)
     for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
       sg_ix_mark_done(ix, mark, expires, now)
     end
   end
-  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
-  sg_ix_settle(ix, now)
+  if own then sg_ix_finished(ix, now, batch) end
 end
 
 -- Moves a failed request back to live (requeue_dead reopened it).
@@ -676,10 +685,11 @@ end
 -- Announces that a lane request turned terminal (its record's state is written): the record is
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call.
-local function sg_lane_announce(record, kid, state, retention, events, now)
+-- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call;
+-- given `batch`, it also ends the listing index's changes with sg_ix_finished once.
+local function sg_lane_announce(record, kid, state, retention, events, now, batch)
   redis.call('PEXPIRE', record, retention)
-  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now)
+  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now, batch)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
   return kid .. '|' .. state
 end
@@ -1023,15 +1033,17 @@ end
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] the nonce given at stream_open   ARGV[3] index of the first
 -- part   ARGV[4] the deadline of the producer's arm (sg_step_late)   ARGV[5..] payloads
--- Returns the token elements to push; for a windowed request (meta `window` > 0) the reply starts
--- with the request's outstanding parts (`left`, after this call), then the elements. The same call re-sent after a reconnect adds nothing
+-- Returns {priority, [outstanding,] element...}: the request's priority now (the list to push the
+-- elements onto: an operator may have changed it since the request was opened, reprioritize);
+-- for a windowed request (meta `window` > 0) its outstanding parts (`left`, after this call);
+-- then the token elements to push. The same call re-sent after a reconnect adds nothing
 -- twice (parts below the request's total are skipped). Errors "SGSTATE ..." when the request is
 -- not open (finalized, cancelled, unknown) or not this producer's, "SGGAP ..." when parts before
 -- ARGV[3] are missing, "SGLATE ..." past the deadline.
 local function stream_append(keys, args)
   local late = sg_step_late(args[4])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state', 'window')
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state', 'window', 'prio')
   if m[1] ~= '1' or m[2] ~= args[2] or m[4] == 'cancelled' or m[4] == 'failed' or m[4] == 'completed' then
     return redis.error_reply('SGSTATE the request is not open for parts (finalized, cancelled or unknown)')
   end
@@ -1055,6 +1067,7 @@ local function stream_append(keys, args)
     -- A windowed producer paces itself by the parts still to settle (docs/protocol.md §6.14).
     table.insert(elements, 1, left)
   end
+  table.insert(elements, 1, tonumber(m[6]))
   return elements
 end
 
@@ -1441,11 +1454,13 @@ end
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
 --   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
--- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element}: push element
---         back (give_back); {'park', wake} as acquire; {'finished', state, lifecycle, sweep
---         elements...}: the request just turned terminal; {'fenced'}: this slot no longer holds
---         the token with exactly these entries, so nothing was recorded (its worker was declared
---         dead and the work moved on, or the request was cancelled).
+-- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element, priority}:
+--         push element back (give_back) onto the list of the request's priority now (an operator
+--         may have changed it since the token was taken: reprioritize); {'park', wake} as
+--         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
+--         terminal; {'fenced'}: this slot no longer holds the token with exactly these entries,
+--         so nothing was recorded (its worker was declared dead and the work moved on, or the
+--         request was cancelled).
 -- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
 -- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
 -- that it knows which this call settled: only those store their result, and not when the results
@@ -1484,7 +1499,7 @@ end
 
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -1591,7 +1606,7 @@ local function ack(keys, args)
   if args[6] == '1' then
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
   end
-  return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+  return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end
 
 -- give_back: push a token's new element back (a slot at the end of its quantum, after ack answered
@@ -1929,11 +1944,12 @@ end
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] k   ARGV[3] the epoch the slot took   ARGV[4] its holder
 -- ARGV[5] (a slot's own reclaim) the deadline of its arm (sg_step_late: errors "SGLATE ..." past it)
--- Returns {'push', element}: push it (give_back, which also ends the record) — the token was taken
---         and never acquired, or held by that slot (its batch becomes orphans, run again first), or
---         re-queued by the slot's last ack whose push (give_back) never ran (a higher epoch, still
---         queued: a newer element is issued, so that a push of the older one that did happen is
---         merely refused when taken);
+-- Returns {'push', element, priority}: push it (give_back, which also ends the record) onto the
+--         list of the request's priority now (reprioritize may have changed it since the take) —
+--         the token was taken and never acquired, or held by that slot (its batch becomes orphans,
+--         run again first), or re-queued by the slot's last ack whose push (give_back) never ran
+--         (a higher epoch, still queued: a newer element is issued, so that a push of the older
+--         one that did happen is merely refused when taken);
 --         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal (the
 --         slot may have died between its finish and the steps after it: census's reply);
 --         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
@@ -1958,19 +1974,20 @@ local function reclaim(keys, args)
   end
   local f = sg_split(tok)
   local now = sg_now()
+  local prio = tonumber(redis.call('HGET', keys[1], 'prio'))
   if f[1] == 'h' and f[2] == epoch and f[3] == holder then
     for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
-    return {'push', sg_requeue(keys, rid, k, f[2], now)}
+    return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
   end
   if f[1] == 'q' and tonumber(f[2]) >= tonumber(epoch) then
-    return {'push', sg_requeue(keys, rid, k, f[2], now)}
+    return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
   end
   if f[1] == 'p' then
     -- Parked by the slot, which died before it asked for a wake-up: wake it now if work waits (an
     -- orphan, a retry due), else when the next retry falls due.
     if redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now) > 0 then
       redis.call('HINCRBY', keys[1], 'npark', -1)
-      return {'push', sg_requeue(keys, rid, k, f[2], now)}
+      return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
     end
     local due = sg_next_retry(keys, now)
     if due then return {'wake', math.max(due - now, 1)} end
@@ -2101,6 +2118,111 @@ local function requeue_dead(keys, args)
   local out = {n, 0}
   for _, e in ipairs(sg_unpark(keys, args[1], n, now)) do out[#out + 1] = e end
   return out
+end
+
+-- reprioritize: an operator changes the priority of a request that is not finished (`prio` in its
+-- meta hash). Every step that puts one of its token elements on a list reads `prio` when it issues
+-- the element (ack's re-queue, reclaim, census), so held and parked tokens reach the new
+-- priority's list at their next hand-back. The elements of the tokens queued now wait in the old
+-- priority's lists, on the token side (another hash tag): this returns them for `relist`, which
+-- moves them there.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] the new priority, 0 to 99
+-- Returns {'moved', old priority, shards, element...}: the priority is now ARGV[2]; the elements
+--         "<kid>|<k>|<epoch>" of the tokens queued now (k ascending), to move from the old
+--         priority's list of their shard (token k is on shard (home + k) % shards) to the new
+--         one's (`relist`). When the priority was ARGV[2] already (a call re-sent after its reply
+--         was lost, or a repeat), the old priority is the one before the last change (meta
+--         `pprio`), so that a repeat completes a move its first caller left undone; with none,
+--         no element is listed;
+--         {'unknown'}: no such request (a small request in a lane has no meta hash: its record
+--         is on its home shard, see lanes);
+--         {'refused', state}: it is finished (completed, failed, cancelled) or still loading.
+-- Errors "SGINVALID priority must be an integer from 0 to 99".
+local function reprioritize(keys, args)
+  local prio = tonumber(args[2])
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  local m = redis.call('HMGET', keys[1], 'state', 'prio', 'pprio', 'ntok', 'shards', 'lane')
+  local state = m[1]
+  if not state or m[6] then return {'unknown'} end
+  if state ~= 'scheduled' and state ~= 'queued' and state ~= 'running' then return {'refused', state} end
+  local old = tonumber(m[2])
+  if old == prio then
+    old = tonumber(m[3] or prio)
+  else
+    redis.call('HSET', keys[1], 'prio', prio, 'pprio', old)
+  end
+  local out = {'moved', old, m[5] or '1'}
+  if old == prio then return out end
+  sg_each_token(keys, 0, tonumber(m[4] or '0'), function(k, tok)
+    if string.sub(tok, 1, 2) == 'q|' then out[#out + 1] = sg_element(args[1], k, sg_split(tok)[2]) end
+  end)
+  return out
+end
+
+-- relist: reprioritize's token-side step: move a request's waiting elements from the list of its
+-- old priority to the list of its new one, on one shard, each element in one atomic step, so that
+-- it is always in exactly one list (the shard's bell keeps its one wake-up per element).
+-- An element goes where its epoch puts it: before the first element, from the head, whose epoch
+-- is not above its own (at the tail if there is none). Lists then stay ordered by epoch, newest at
+-- the head, as pushes keep them, which verify's presence test relies on; and a token keeps its
+-- seniority at its new priority (one that has waited longer than the others there is taken first).
+-- The work is bounded like a sweep's: an element is looked for within SG_RELIST_SCAN elements of
+-- either end of the old list, and its place within as many from the head of the new one. An
+-- element not found (taken meanwhile, not pushed yet, or deep in a long list) or with no place
+-- found stays where it is: it is still valid there, is taken at the old priority, and goes to the
+-- new priority's list when handed back.
+-- KEYS[1] the old priority's list   KEYS[2] the new priority's list (of the same shard)
+-- ARGV[1..] elements "<kid>|<k>|<epoch>"
+-- Returns the number of elements moved.
+local SG_RELIST_SCAN = 1000
+
+-- Inserts `element` (epoch `epoch`) into `list` at its place by epoch; false if the place is not
+-- within SG_RELIST_SCAN elements of the head.
+local function sg_relist_place(list, element, epoch)
+  local from = 0
+  while from < SG_RELIST_SCAN do
+    local chunk = redis.call('LRANGE', list, from, from + 99)
+    for _, other in ipairs(chunk) do
+      local e = sg_element_epoch(other)
+      if e and e <= epoch then
+        redis.call('LINSERT', list, 'BEFORE', other, element)
+        return true
+      end
+    end
+    if #chunk < 100 then
+      redis.call('RPUSH', list, element)
+      return true
+    end
+    from = from + 100
+  end
+  return false
+end
+
+local function relist(keys, args)
+  local old, new = keys[1], keys[2]
+  if old == new then return 0 end
+  local was_empty = redis.call('LLEN', new) == 0
+  local moved = 0
+  for i = 1, #args do
+    local element, epoch = args[i], sg_element_epoch(args[i])
+    -- Looked for from the tail first: a waiting element is taken from there.
+    local from_tail = redis.call('LPOS', old, element, 'RANK', -1, 'MAXLEN', SG_RELIST_SCAN)
+    local found = from_tail or redis.call('LPOS', old, element, 'MAXLEN', SG_RELIST_SCAN)
+    if epoch and found and sg_relist_place(new, element, epoch) then
+      if from_tail then redis.call('LREM', old, -1, element) else redis.call('LREM', old, 1, element) end
+      moved = moved + 1
+    end
+  end
+  if was_empty and moved > 0 then
+    -- A push onto an empty list: announced as sg_push does, so that busy slots holding a lower
+    -- priority give way.
+    local base, priority = string.match(new, '^(.*):p:(%d+)$')
+    if base then redis.call('PUBLISH', base .. ':up', priority) end
+  end
+  return moved
 end
 
 -- beat: a worker's heartbeat in the worker registry (shard 0), and its share of noticing dead
@@ -2290,7 +2412,8 @@ local function lane_ack(keys, args)
   local now = sg_now()
   local extra = tonumber(m[2] or '0')
   local prefix, retention = args[10], args[7]
-  local settled, finished, announced = {}, {}, {}
+  -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
+  local settled, finished, announced, listed = {}, {}, {}, {}
   for i = 11, #args, 8 do
     local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
       args[i + 5], args[i + 6], args[i + 7]
@@ -2350,7 +2473,7 @@ local function lane_ack(keys, args)
       if last then
         -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
         -- parts not yet run then run too.
-        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now)
+        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
         finished[kid] = true
       elseif feed then
         sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
@@ -2358,6 +2481,7 @@ local function lane_ack(keys, args)
     end
   end
   if #announced > 0 then
+    sg_ix_finished(sg_ix(keys[7]), now, listed)
     redis.call('PEXPIRE', keys[7], retention)
     redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
   end
@@ -2610,6 +2734,19 @@ local function purge(keys, args)
   return 1
 end
 
+-- relabel: after reprioritize, the request's row in the listing index (prelude.lua, "The listing
+-- index") takes its new priority, so that `list --priority` finds it there. Run on its home shard.
+-- KEYS[1] the shard's index rows
+-- ARGV[1] request key id   ARGV[2] its priority now
+-- Returns 1 when the row was rewritten, 0 when the request is not listed.
+local function relabel(keys, args)
+  local row = redis.call('HGET', keys[1], args[1])
+  if not row then return 0 end
+  local kind, rest = string.match(row, '^([^|]*)|[^|]*|(.*)$')
+  redis.call('HSET', keys[1], args[1], kind .. '|' .. args[2] .. '|' .. rest)
+  return 1
+end
+
 redis.register_function('sg2_submit_open', submit_open)
 redis.register_function('sg2_load_parts', load_parts)
 redis.register_function('sg2_submit_commit', submit_commit)
@@ -2644,6 +2781,8 @@ redis.register_function('sg2_reclaim', reclaim)
 redis.register_function('sg2_drop_gone', drop_gone)
 redis.register_function('sg2_cancel', cancel)
 redis.register_function('sg2_requeue_dead', requeue_dead)
+redis.register_function('sg2_reprioritize', reprioritize)
+redis.register_function('sg2_relist', relist)
 redis.register_function('sg2_beat', beat)
 redis.register_function('sg2_reaped', reaped)
 redis.register_function('sg2_lane_submit', lane_submit)
@@ -2654,3 +2793,4 @@ redis.register_function{function_name='sg2_list', callback=list, flags={'no-writ
 redis.register_function('sg2_track', track)
 redis.register_function('sg2_unlist', unlist)
 redis.register_function('sg2_purge', purge)
+redis.register_function('sg2_relabel', relabel)

@@ -82,6 +82,15 @@ pub(crate) enum Op {
     Finalize {
         request: u8,
     },
+    /// An operator changes a request's priority (`Admin::reprioritize`) to one of those requests
+    /// are drawn with, so that the drain finds every list it looks at. The request: with `pick`
+    /// a multiple of 4, id `pick / 4` of the pool, whatever it is (often unknown, finished, or a
+    /// small one in a lane: refused); otherwise one of the pool's requests that are live with keys
+    /// of their own at that moment, modulo their number (those whose tokens can move).
+    Reprioritize {
+        pick: u8,
+        priority: u8,
+    },
     /// An operator pauses the namespace (`None`) or one priority, or resumes it (`None`: all).
     Pause {
         priority: Option<u8>,
@@ -137,9 +146,10 @@ pub(crate) struct Mix {
 pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
     let roll = rng.gen_range(0..1000);
     match roll {
-        0..=449 => {
+        0..=429 => {
             Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict: draw_verdict(rng) }
         }
+        430..=449 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
         450..=599 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
         600..=689 => Op::Submit(draw_submit(rng)),
         690..=739 => Op::Recover { worker: rng.gen_range(0..WORKERS) },
@@ -154,7 +164,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
         900..=919 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
         920..=939 => Op::Finalize { request: rng.gen_range(0..REQUEST_IDS) },
         940..=979 => Op::Kill { pick: rng.gen() },
-        980..=996 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
+        980..=996 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
         // A restart costs a few hundred ms of reconnects: about one sequence in six has one.
         _ if mix.restarts && rng.gen_bool(0.9) => Op::Advance { ms: 100 },
         _ if mix.restarts => Op::Restart,

@@ -68,6 +68,7 @@ pub(crate) enum Task {
     Cancel(u8),
     Requeue(u8),
     Finalize(u8),
+    Reprioritize(u8),
     Pause,
     /// A reader of request `.0`'s results, from part `.1`.
     Read(u8, u64),
@@ -412,6 +413,19 @@ impl World {
                 })
                 .await
             }
+            Op::Reprioritize { pick, priority } => {
+                let request = self.reprioritize_target(*pick).await?;
+                let admin = Admin::from_store(self.store.clone());
+                let id = request_id(request);
+                let priority = crate::Priority::new(*priority).expect("drawn in range");
+                self.spawn(Process::Operator, Task::Reprioritize(request), async move {
+                    match admin.reprioritize(&id, priority).await {
+                        Ok(_) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
             Op::Pause { priority } | Op::Resume { priority } => {
                 let admin = Admin::from_store(self.store.clone());
                 let priority = priority.map(|p| crate::Priority::new(p).expect("drawn in range"));
@@ -461,6 +475,23 @@ impl World {
             }
             Op::Restart => Ok(()), // done by the runner, which owns the server
         }
+    }
+
+    /// The request an `Op::Reprioritize` with `pick` names (see there): with none of the pool
+    /// live with keys of its own, id `pick` of the pool.
+    async fn reprioritize_target(&self, pick: u8) -> Result<u8, String> {
+        if pick % 4 == 0 {
+            return Ok(pick / 4 % super::ops::REQUEST_IDS);
+        }
+        let mut own = Vec::new();
+        for i in 0..super::ops::REQUEST_IDS {
+            let meta = format!("{}:r:{{{}}}", self.config.namespace_str(), request_id(i).key_id());
+            let state: Option<String> = self.reader.hget(meta, "state").await.map_err(|e| e.to_string())?;
+            if matches!(state.as_deref(), Some("scheduled" | "queued" | "running")) {
+                own.push(i);
+            }
+        }
+        Ok(if own.is_empty() { pick % super::ops::REQUEST_IDS } else { own[pick as usize % own.len()] })
     }
 
     /// Starts an actor and runs it to its first park (or its end).

@@ -49,6 +49,8 @@ pub(crate) enum Func {
     DropGone,
     Cancel,
     RequeueDead,
+    Reprioritize,
+    Relist,
     Beat,
     Reaped,
     LaneSubmit,
@@ -60,13 +62,14 @@ pub(crate) enum Func {
     Track,
     Unlist,
     Purge,
+    Relabel,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 44] = [
+    pub(crate) const ALL: [Func; 47] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -101,6 +104,8 @@ impl Func {
         Func::DropGone,
         Func::Cancel,
         Func::RequeueDead,
+        Func::Reprioritize,
+        Func::Relist,
         Func::Beat,
         Func::Reaped,
         Func::LaneSubmit,
@@ -111,6 +116,7 @@ impl Func {
         Func::Track,
         Func::Unlist,
         Func::Purge,
+        Func::Relabel,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -149,6 +155,8 @@ impl Func {
             Func::DropGone => "drop_gone",
             Func::Cancel => "cancel",
             Func::RequeueDead => "requeue_dead",
+            Func::Reprioritize => "reprioritize",
+            Func::Relist => "relist",
             Func::Beat => "beat",
             Func::Reaped => "reaped",
             Func::LaneSubmit => "lane_submit",
@@ -160,6 +168,7 @@ impl Func {
             Func::Track => "track",
             Func::Unlist => "unlist",
             Func::Purge => "purge",
+            Func::Relabel => "relabel",
         }
     }
 
@@ -209,6 +218,8 @@ impl Func {
             Func::DropGone => include_str!("../../lua/drop_gone.lua"),
             Func::Cancel => include_str!("../../lua/cancel.lua"),
             Func::RequeueDead => include_str!("../../lua/requeue_dead.lua"),
+            Func::Reprioritize => include_str!("../../lua/reprioritize.lua"),
+            Func::Relist => include_str!("../../lua/relist.lua"),
             Func::Beat => include_str!("../../lua/beat.lua"),
             Func::Reaped => include_str!("../../lua/reaped.lua"),
             Func::LaneSubmit => include_str!("../../lua/lane_submit.lua"),
@@ -220,6 +231,7 @@ impl Func {
             Func::Track => include_str!("../../lua/track.lua"),
             Func::Unlist => include_str!("../../lua/unlist.lua"),
             Func::Purge => include_str!("../../lua/purge.lua"),
+            Func::Relabel => include_str!("../../lua/relabel.lua"),
         }
     }
 }
@@ -294,10 +306,12 @@ const APP_COMMANDS: &[&str] = &[
     "hsetnx",
     "hset",
     "lindex",
+    "linsert",
     "llen",
     "lpop",
     "lpos",
     "lpush",
+    "lrange",
     "lrem",
     "persist",
     "pexpire",

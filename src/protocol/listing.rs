@@ -172,6 +172,13 @@ pub(crate) async fn track(store: &Store, shard: u32, key_id: &str, on: bool) -> 
     Ok(reply::int(&store.fcall(Func::Track, &[rows_key.as_str()], args).await?)? == 1)
 }
 
+/// `relabel` on `shard`: the listed row of `key_id` takes `priority`. False when it is not listed.
+pub(crate) async fn relabel(store: &Store, shard: u32, key_id: &str, priority: Priority) -> Result<bool> {
+    let rows_key = store.keys.index_rows(shard);
+    let args: Vec<Value> = vec![key_id.into(), i64::from(priority.get()).into()];
+    Ok(reply::int(&store.fcall(Func::Relabel, &[rows_key.as_str()], args).await?)? == 1)
+}
+
 /// `purge` on the request's slot: deletes `keys` (the first holds its `state`) if it finished.
 /// False when there was nothing; `Error::Refused` when it has not finished.
 pub(crate) async fn purge(store: &Store, keys: &[&str]) -> Result<bool> {

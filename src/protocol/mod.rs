@@ -22,6 +22,9 @@ use std::time::Duration;
 use fred::types::Value;
 
 use crate::config::millis;
+use crate::error::{Error, Result};
+use crate::reply;
+use crate::request::Priority;
 
 mod call;
 mod element;
@@ -50,6 +53,18 @@ use refusal::{Code, Refusal};
 /// and wrote nothing, so its caller arms again and retries (`shards::armed`).
 pub(crate) fn ran_past_deadline(error: &crate::error::Error) -> bool {
     Refusal::is(error, Code::Late).is_some()
+}
+
+/// An optional priority item of a reply (absent, or nil for a request without `prio`: `None`).
+pub(crate) fn priority_item(item: Option<Value>) -> Result<Option<Priority>> {
+    match item {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => {
+            let p = reply::int(&v)?;
+            let p = u8::try_from(p).map_err(|_| Error::Protocol(format!("priority {p} out of range")))?;
+            Ok(Some(Priority::new(p).map_err(|e| Error::Protocol(e.to_string()))?))
+        }
+    }
 }
 
 /// A duration as the functions take it: whole milliseconds.

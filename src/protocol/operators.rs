@@ -1,12 +1,12 @@
-//! Operators' transitions (docs/protocol.md §5, "Operators"): `cancel` and `requeue_dead`, on a
-//! request's keys.
+//! Operators' transitions (docs/protocol.md §5, "Operators"): `cancel`, `requeue_dead` and
+//! `reprioritize` on a request's keys, and `relist`, reprioritize's step on a shard's token side.
 
 use fred::types::Value;
 
 use super::{ms, Code, Finished, Func, Refusal};
 use crate::error::{Error, Result};
 use crate::reply;
-use crate::request::RequestId;
+use crate::request::{Priority, RequestId};
 use crate::store::Store;
 
 /// What `cancel` answers.
@@ -86,4 +86,59 @@ pub(crate) async fn requeue_dead(
         -2 => Requeued::ReopenFirst(lifecycle),
         n => Requeued::Done { n, elements: items.collect() },
     })
+}
+
+/// What `reprioritize` answers.
+#[derive(Debug)]
+pub(crate) enum Reprioritize {
+    /// `{'moved', old priority, shards, element...}`: the request has the new priority; the
+    /// elements of its tokens queued now are to be moved from `from`'s lists (`relist`).
+    Moved {
+        /// The priority before (the one before the last change, when the priority was the new
+        /// one already: a repeat).
+        from: Priority,
+        /// The token shards the request was submitted with.
+        shards: u32,
+        /// Elements of its queued tokens.
+        elements: Vec<Value>,
+    },
+    /// `{'refused', state}`: it is finished, or still loading.
+    Refused(String),
+    /// `{'unknown'}`: no request with its own keys has this id (a lane request may).
+    Unknown,
+}
+
+/// `reprioritize`: gives request `key_id` priority `priority`.
+pub(crate) async fn reprioritize(store: &Store, key_id: &str, priority: Priority) -> Result<Reprioritize> {
+    let keys = store.keys.request(key_id);
+    let args: Vec<Value> = vec![key_id.into(), i64::from(priority.get()).into()];
+    let mut items = reply::array(store.fcall(Func::Reprioritize, &keys.all(), args).await?)?.into_iter();
+    let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+    match tag.as_str() {
+        "moved" => {
+            let from = super::priority_item(items.next())?.unwrap_or(priority);
+            let shards = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1).clamp(1, 1024) as u32;
+            Ok(Reprioritize::Moved { from, shards, elements: items.collect() })
+        }
+        "refused" => {
+            Ok(Reprioritize::Refused(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()))
+        }
+        "unknown" => Ok(Reprioritize::Unknown),
+        other => Err(Error::Protocol(format!("unexpected reprioritize reply {other:?}"))),
+    }
+}
+
+/// `relist` on `shard`: moves `elements` from the list of priority `from` to the list of `to`,
+/// each to its place by epoch; those not found near either end of the old list, or with no place
+/// near the head of the new one, stay. Returns how many moved.
+pub(crate) async fn relist(
+    store: &Store,
+    shard: u32,
+    from: Priority,
+    to: Priority,
+    elements: Vec<Value>,
+) -> Result<u64> {
+    let (old, new) = (store.keys.token_list(shard, from), store.keys.token_list(shard, to));
+    let moved = reply::int(&store.fcall(Func::Relist, &[&old, &new], elements).await?)?;
+    Ok(moved.max(0) as u64)
 }

@@ -246,8 +246,10 @@ pub(crate) async fn restore(store: &Store, key_id: &str, missing: Vec<Value>) ->
 /// What `reclaim` answered.
 #[derive(Debug)]
 pub(crate) enum Reclaimed {
-    /// `{'push', element}`: push the element (`give_back`, which also ends the record).
-    Push(Vec<Value>),
+    /// `{'push', element, priority}`: push the element (`give_back`, which also ends the record)
+    /// onto the list of `priority`, the request's priority now (`None` from an older library: the
+    /// list it was taken from).
+    Push(Vec<Value>, Option<Priority>),
     /// `{'finished', ...}`: the request is terminal; the steps after its finish may be left.
     Finished(Unfinished),
     /// `{'wake', in}`: the token is parked; recovery is to look when its retry falls due.
@@ -273,7 +275,10 @@ pub(crate) async fn reclaim(
     }
     let mut items = reply::array(store.fcall(Func::Reclaim, &keys.all(), args).await?)?.into_iter();
     Ok(match items.next().map(|v| reply::text(&v)).transpose()?.as_deref() {
-        Some("push") => Reclaimed::Push(items.collect()),
+        Some("push") => {
+            let element: Vec<Value> = items.next().into_iter().collect();
+            Reclaimed::Push(element, super::priority_item(items.next())?)
+        }
         Some("finished") => Reclaimed::Finished(Unfinished::from_reply(items)?),
         Some("wake") => {
             let wake = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);

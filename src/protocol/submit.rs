@@ -157,6 +157,9 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
 /// What `stream_append` answers.
 #[derive(Debug)]
 pub(crate) struct Appended {
+    /// The request's priority now, whose lists the elements go to (an operator may have changed
+    /// it since the request was opened); `None` from an older library.
+    pub(crate) priority: Option<Priority>,
     /// For a windowed request: its parts not settled yet, after this call.
     pub(crate) outstanding: Option<u64>,
     /// The token elements to push.
@@ -164,8 +167,8 @@ pub(crate) struct Appended {
 }
 
 /// `stream_append`: adds `parts`, the first of them part number `first`, to open request
-/// `key_id`; `deadline` is the one of the producer's arm. `windowed`: the request was opened with
-/// a window, so the reply starts with its outstanding parts.
+/// `key_id`; `deadline` is the one of the producer's arm. The reply starts with the request's
+/// priority, then, when `windowed` (the request was opened with a window), its outstanding parts.
 pub(crate) async fn stream_append(
     store: &Store,
     key_id: &str,
@@ -183,12 +186,17 @@ pub(crate) async fn stream_append(
         Ok(reply) => reply::array(reply)?,
         Err(e) => return Err(refused(&id_of(key_id)?, e, Error::NotOpen, None)),
     };
-    let outstanding = if windowed && !elements.is_empty() {
-        Some(reply::int(&elements.remove(0))?.max(0) as u64)
-    } else {
-        None
+    let first_item = |elements: &mut Vec<Value>| (!elements.is_empty()).then(|| elements.remove(0));
+    let priority = super::priority_item(first_item(&mut elements))?;
+    let outstanding = match first_item(&mut elements) {
+        Some(n) if windowed => Some(reply::int(&n)?.max(0) as u64),
+        Some(element) => {
+            elements.insert(0, element);
+            None
+        }
+        None => None,
     };
-    Ok(Appended { outstanding, elements })
+    Ok(Appended { priority, outstanding, elements })
 }
 
 /// `outstanding`: the parts of open request `key_id` not settled yet, or `None` when it is not

@@ -11,6 +11,7 @@ use super::{ms, Finished, Func, TokenElement};
 use crate::error::{Error, Result};
 use crate::keys::lane_of;
 use crate::reply;
+use crate::request::Priority;
 use crate::store::Store;
 
 /// What `take` popped: the list it came from and the element's text (parsed by the slot, which
@@ -163,8 +164,10 @@ pub(crate) enum Next {
     /// `{'run', [policy,] entry...}`: the slot holds the token, with a batch to run (the policy
     /// only from `acquire`).
     Run(Vec<Entry>, Option<Policy>),
-    /// `{'requeue', element}` (`ack`): push the element back (`give_back`).
-    Requeue(String),
+    /// `{'requeue', element, priority}` (`ack`): push the element back (`give_back`) onto the
+    /// list of `priority`, the request's priority now (an operator may have changed it since the
+    /// take); `None` (a lane's ack, whose priority never changes): the list it was taken from.
+    Requeue(String, Option<Priority>),
     /// `{'park', wake}`: parked; a retry falls due in `wake` (zero: none waits).
     Park(Duration),
     /// `{'finished', ...}` (`ack`): the request just turned terminal.
@@ -352,7 +355,10 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
             }
             Next::Run(entries, policy)
         }
-        "requeue" => Next::Requeue(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default()),
+        "requeue" => {
+            let element = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
+            Next::Requeue(element, super::priority_item(items.next())?)
+        }
         "park" => {
             let wake = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
             Next::Park(Duration::from_millis(wake.max(0) as u64))

@@ -250,15 +250,17 @@ async fn reclaim(
         async move { tokens::release(store, shard, &record_holder, &take).await.map(|_| ()) }
     };
     match calls::reclaim(store, key_id, k, epoch, holder, None).await? {
-        Reclaimed::Push(element) => {
+        Reclaimed::Push(element, priority) => {
             metrics.holds_reclaimed.fetch_add(1, Relaxed);
             metrics.tokens_restored.fetch_add(1, Relaxed);
+            // The request's priority now: an operator may have changed it since the take.
+            let list = priority.map_or_else(|| list.to_owned(), |p| store.keys.token_list(shard, p));
             match take {
                 Some((record_holder, take)) => {
-                    tokens::give_back(store, shard, list, record_holder, take, element).await?;
+                    tokens::give_back(store, shard, &list, record_holder, take, element).await?;
                 }
                 None => {
-                    index::push(store, key_id, shard, list, element).await?;
+                    index::push(store, key_id, shard, &list, element).await?;
                 }
             }
         }

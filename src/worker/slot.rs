@@ -503,7 +503,9 @@ async fn settle<H: Handler>(
 ) -> Result<()> {
     let place = Placement { priority: token.priority, shards: policy.map_or(1, |p| p.shards) };
     match last {
-        Next::Requeue(element) => give_back(shared, holder, token, vec![element.into()]).await?,
+        Next::Requeue(element, priority) => {
+            give_back(shared, holder, token, priority, vec![element.into()]).await?
+        }
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
             crate::shards::finish(&shared.store, &token.element.key_id, place, finished).await?;
@@ -525,17 +527,25 @@ async fn settle<H: Handler>(
 }
 
 /// Pushes the token's new element back and ends the take's record, in one step; repeated while
-/// Redis is unreachable (the record makes recovery do it if this process dies first).
+/// Redis is unreachable (the record makes recovery do it if this process dies first). The element
+/// goes to the list of `priority`, the request's priority when the element was issued (an operator
+/// may have changed it since the take: `Admin::reprioritize`), on the token's shard; to the list
+/// it was taken from when the library did not say.
 async fn give_back<H: Handler>(
     shared: &Shared<H>,
     holder: &str,
     token: &Token,
+    priority: Option<Priority>,
     elements: Vec<Value>,
 ) -> Result<()> {
     let store = &shared.store;
     let take = token.take.to_string();
+    let list = match priority {
+        Some(p) if p != token.priority => store.keys.token_list(token.shard, p),
+        _ => token.list.clone(),
+    };
     retry_transient("give back", || {
-        tokens::give_back(store, token.shard, &token.list, holder, &take, elements.clone())
+        tokens::give_back(store, token.shard, &list, holder, &take, elements.clone())
     })
     .await?;
     Ok(())
@@ -582,7 +592,7 @@ async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) ->
     })
     .await?;
     match reclaimed {
-        Reclaimed::Push(elements) => give_back(shared, holder, token, elements).await?,
+        Reclaimed::Push(elements, priority) => give_back(shared, holder, token, priority, elements).await?,
         Reclaimed::Finished(unfinished) => {
             super::recovery::finish_reported(store, key_id, unfinished).await?
         }

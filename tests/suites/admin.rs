@@ -403,3 +403,227 @@ async fn finished_requests_list_by_state_and_purge_leaves_no_key_of_them() {
     assert_eq!(admin.status(ok_lane.id()).await.unwrap().state, RequestState::Completed);
     assert_eq!(admin.list(&ListQuery::new().state(ListState::Queued)).await.unwrap().requests.len(), 1);
 }
+
+/// Counts, in one atomic read of shard 0's token side, the token elements of request `kid` in
+/// every priority list and the take records naming it: every token of it that exists outside its
+/// meta hash (a take record stays after its token parked or finished, until the slot's next take,
+/// so the count is an upper bound).
+async fn tokens_outside(redis: &fred::prelude::Client, ns: &str, kid: &str) -> i64 {
+    use fred::prelude::*;
+    const COUNT: &str = r"
+local n, prefix = 0, ARGV[1] .. '|'
+local function mine(v) return string.sub(v, 1, #prefix) == prefix end
+for i = 1, #KEYS - 1 do
+  for _, e in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do if mine(e) then n = n + 1 end end
+end
+for _, r in ipairs(redis.call('HVALS', KEYS[#KEYS])) do if mine(r) then n = n + 1 end end
+return n
+";
+    let mut keys: Vec<String> = (0..100).map(|p| format!("{ns}:{{{ns}.q0}}:p:{p}")).collect();
+    keys.push(format!("{ns}:{{{ns}.q0}}:held"));
+    redis.eval(COUNT, keys, vec![kid.to_owned()]).await.unwrap()
+}
+
+/// A running request whose tokens are partly held by slots and partly waiting behind another
+/// request is raised, then lowered below the other one, while workers run: it completes with
+/// exactly its results, never runs more handlers than its limit, and at no instant has more
+/// tokens in the lists and take records than its limit (a moved token is never in two lists, a
+/// token handed back never both in a list and in its slot's record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reprioritizing_a_running_request_moves_its_tokens_without_making_one_too_many() {
+    use std::sync::atomic::AtomicI64;
+    let env = env_on(TOPOLOGY, "repri").await;
+    let config = env.config.clone();
+    let ns = config.namespace_str().to_owned();
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let probe = Probe::default();
+    // Three slots, short quanta: the other request's two tokens keep two slots busy, so three of
+    // this request's four tokens wait in its list until it is raised.
+    let w = start_worker(&config, probe.clone(), 3, Quantum { parts: 2, time: Duration::from_millis(30) }).await;
+    let other = producer
+        .request()
+        .priority(50)
+        .unwrap()
+        .concurrency(2)
+        .unwrap()
+        .own_stream(true)
+        .submit((0..150).map(|n| Job::sleeping(1000 + n, 3)))
+        .await
+        .unwrap();
+    let limit = 4;
+    let h = producer
+        .request()
+        .priority(10)
+        .unwrap()
+        .concurrency(limit)
+        .unwrap()
+        .own_stream(true)
+        .submit((0..150).map(|n| Job::sleeping(n, 3)))
+        .await
+        .unwrap();
+    let kid = h.id().key_id();
+
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    let (most, stop) = (Arc::new(AtomicI64::new(0)), Arc::new(AtomicBool::new(false)));
+    let watch = {
+        let (most, stop, ns, kid) = (most.clone(), stop.clone(), ns.clone(), kid.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let n = tokens_outside(&redis, &ns, &kid).await;
+                most.fetch_max(n, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    };
+    let started = |n: usize| {
+        let probe = probe.clone();
+        let id = h.id().to_string();
+        async move {
+            let began = Instant::now();
+            while probe.starts().iter().filter(|(r, _)| *r == id).count() < n {
+                assert!(began.elapsed() < Duration::from_secs(30), "the request stopped running");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    };
+
+    started(10).await;
+    let up = admin.reprioritize(h.id(), sluicegate::Priority::new(90).unwrap()).await.unwrap();
+    assert_eq!((up.from, up.to), (10, 90));
+    assert!(up.moved >= 2, "its waiting tokens were not moved: {up:?}");
+    assert_eq!(admin.status(h.id()).await.unwrap().priority, 90);
+    started(60).await;
+    let down = admin.reprioritize(h.id(), sluicegate::Priority::new(30).unwrap()).await.unwrap();
+    assert_eq!((down.from, down.to), (90, 30));
+
+    let done = h.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.state, RequestState::Completed);
+    assert_eq!(done.into_outputs().unwrap(), (0..150).map(|n| n * 2).collect::<Vec<_>>());
+    let done = other.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), (0..150).map(|n| (1000 + n) * 2).collect::<Vec<_>>());
+    stop.store(true, Ordering::SeqCst);
+    watch.await.unwrap();
+    let runs = probe.starts().iter().filter(|(r, _)| *r == h.id().as_str()).count();
+    assert_eq!(runs, 150, "every part ran once");
+    assert!(probe.max_concurrency(h.id().as_str()) <= limit, "more handlers than its limit");
+    let most = most.load(Ordering::SeqCst);
+    // Also a check that the count sees its tokens at all.
+    assert_eq!(most, i64::from(limit), "at most {limit} tokens outside its meta hash, and all of them at some instant");
+    let status = admin.status(h.id()).await.unwrap();
+    assert_eq!((status.state, status.priority), (RequestState::Completed, 30));
+    w.stop().await;
+}
+
+/// Tokens already waiting move at once: raised above a request queued at a higher priority,
+/// every part of the raised one runs first on a single slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_reprioritize_higher_its_waiting_tokens_are_taken_before_a_lower_ones() {
+    let env = env_on(TOPOLOGY, "repri-up").await;
+    let admin = Admin::connect(&env.config).await.unwrap();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let mut handles = Vec::new();
+    for p in [10u8, 50] {
+        let h = producer
+            .request()
+            .priority(p)
+            .unwrap()
+            .concurrency(2)
+            .unwrap()
+            .own_stream(true)
+            .submit((0..5).map(Job::new))
+            .await
+            .unwrap();
+        handles.push(h);
+    }
+    let (low, mid) = (&handles[0], &handles[1]);
+    let raised = admin.reprioritize(low.id(), sluicegate::Priority::new(90).unwrap()).await.unwrap();
+    assert_eq!((raised.from, raised.to, raised.moved, raised.left), (10, 90, 2, 0));
+    // A repeat (a re-sent call, an operator trying again) changes nothing.
+    let again = admin.reprioritize(low.id(), sluicegate::Priority::new(90).unwrap()).await.unwrap();
+    assert_eq!((again.to, again.moved), (90, 0));
+    // The listing shows it at its new priority, and filters by it.
+    let at_90 = admin.list(&sluicegate::ListQuery::new().priority(sluicegate::Priority::new(90).unwrap())).await.unwrap();
+    assert_eq!(at_90.requests.iter().map(|r| (r.id.as_str(), r.priority)).collect::<Vec<_>>(), [(low.id().as_str(), 90)]);
+    let s = admin.stats().await.unwrap();
+    let waiting: Vec<(u8, u64)> = s.tokens_waiting.iter().map(|p| (p.priority, p.tokens)).collect();
+    assert_eq!(waiting, [(90, 2), (50, 2)]);
+
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 1, Quantum::default()).await;
+    for h in &handles {
+        h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    }
+    w.stop().await;
+    let order: Vec<String> = probe.starts().into_iter().map(|(id, _)| id).collect();
+    let expected: Vec<String> = [low, mid].iter().flat_map(|h| std::iter::repeat(h.id().to_string()).take(5)).collect();
+    assert_eq!(order, expected, "the raised request's parts must all run first");
+}
+
+/// A finished request, a small request in a shared lane and an unknown id are refused with an
+/// error that says why; nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reprioritize_refuses_finished_lane_and_unknown_requests_clearly() {
+    use sluicegate::{Error, Priority};
+    let env = env_on(TOPOLOGY, "repri-no").await;
+    let admin = Admin::connect(&env.config).await.unwrap();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let p = Priority::new(70).unwrap();
+    admin.pause(None).await.unwrap();
+    let lane = producer.request().priority(20).unwrap().submit([Job::new(1)]).await.unwrap();
+    let err = admin.reprioritize(lane.id(), p).await.unwrap_err();
+    assert!(matches!(err, Error::Refused(_)) && err.to_string().contains("lane of priority 20"), "{err}");
+    assert_eq!(admin.status(lane.id()).await.unwrap().priority, 20);
+    admin.resume(None).await.unwrap();
+
+    let w = start_worker(&env.config, Probe::default(), 1, Quantum::default()).await;
+    let own = producer.request().own_stream(true).submit([Job::new(2)]).await.unwrap();
+    own.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    lane.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    for h in [&own, &lane] {
+        let err = admin.reprioritize(h.id(), p).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Refused(_)) && err.to_string().contains("has already finished (completed)"),
+            "{err}"
+        );
+    }
+    assert_eq!(admin.status(own.id()).await.unwrap().priority, 50);
+    let err = admin.reprioritize(&sluicegate::RequestId::new("never").unwrap(), p).await.unwrap_err();
+    assert!(matches!(err, Error::UnknownRequest(_)), "{err}");
+    w.stop().await;
+}
+
+/// A token held by a slot moves at its hand-back: lowered below a waiting request while its one
+/// token runs, a request gives way at the end of its slot's quantum, not when it is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_token_goes_to_the_new_priority_when_it_is_handed_back() {
+    let env = env_on(TOPOLOGY, "repri-held").await;
+    let admin = Admin::connect(&env.config).await.unwrap();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 1, Quantum { parts: 3, time: Duration::from_secs(10) }).await;
+    let long = producer
+        .request()
+        .priority(50)
+        .unwrap()
+        .own_stream(true)
+        .submit((0..100).map(|n| Job::sleeping(n, 10)))
+        .await
+        .unwrap();
+    let began = Instant::now();
+    while probe.starts().is_empty() {
+        assert!(began.elapsed() < Duration::from_secs(20), "the long request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let waiting = producer.request().priority(40).unwrap().own_stream(true).submit((0..3).map(Job::new)).await.unwrap();
+    let lowered = admin.reprioritize(long.id(), sluicegate::Priority::new(10).unwrap()).await.unwrap();
+    // Its one token is held by the slot: nothing waits to be moved now.
+    assert_eq!((lowered.from, lowered.to), (50, 10));
+    assert!(lowered.moved <= 1, "{lowered:?}");
+    waiting.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    let ran = probe.starts().iter().filter(|(r, _)| *r == long.id().as_str()).count();
+    assert!(ran < 20, "{ran} parts of the lowered request ran before the waiting one: its token went back to its old priority");
+    let done = long.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), (0..100).map(|n| n * 2).collect::<Vec<_>>());
+    w.stop().await;
+}

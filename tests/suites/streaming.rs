@@ -87,3 +87,26 @@ async fn an_open_request_can_be_finalized_by_an_operator_or_expire_cancelled() {
     assert!(err.to_string().contains("not open for parts"), "{err}");
     w.stop().await;
 }
+
+/// A streamed request reprioritized while open: the tokens its later adds wake go to the new
+/// priority's list, not to the one its producer opened it with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_added_after_a_reprioritize_wake_tokens_at_the_new_priority() {
+    let env = env_on(TOPOLOGY, "stream-repri").await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let admin = Admin::connect(&env.config).await.unwrap();
+    let mut open = producer.request().priority(10).unwrap().concurrency(2).unwrap().open().await.unwrap();
+    let id = open.handle().id().clone();
+    // Its tokens are parked (no part yet): nothing waits to be moved.
+    let raised = admin.reprioritize(&id, sluicegate::Priority::new(90).unwrap()).await.unwrap();
+    assert_eq!((raised.from, raised.to, raised.moved), (10, 90, 0));
+    open.add((0..4).map(Job::new)).await.unwrap();
+    let waiting: Vec<(u8, u64)> =
+        admin.stats().await.unwrap().tokens_waiting.iter().map(|p| (p.priority, p.tokens)).collect();
+    assert_eq!(waiting, [(90, 2)]);
+    let handle = open.finalize().await.unwrap();
+    let w = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
+    let done = handle.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), vec![0, 2, 4, 6]);
+    w.stop().await;
+}

@@ -128,6 +128,14 @@ pub(crate) enum Command {
     #[command(after_help = "Example:\n  sluicegate requeue job-42 && sluicegate results --wait job-42")]
     Requeue(IdArg),
 
+    /// Change the priority of a queued or running request.
+    #[command(after_help = "Example:\n  \
+        sluicegate reprioritize job-42 90\n\n\
+        Its tokens waiting in the old priority's lists move now; tokens held by workers move when\n\
+        they are next handed back (at the end of a slot's quantum). Refused for a finished request\n\
+        and for a small request that shares its priority's lane (see docs/cli.md).")]
+    Reprioritize(ReprioritizeArgs),
+
     /// Delete finished requests now (one, or by state and age), or everything of the namespace.
     #[command(after_help = "Example:\n  \
         sluicegate purge job-42                               # one finished request's keys\n  \
@@ -379,6 +387,16 @@ pub(crate) struct PauseArgs {
     /// Only this priority (0 to 99) [default: the whole namespace].
     #[arg(long)]
     pub(crate) priority: Option<u8>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ReprioritizeArgs {
+    /// The request's id, as printed by `submit`.
+    pub(crate) id: String,
+
+    /// Its new priority: 0 (lowest) to 99 (highest).
+    #[arg(value_name = "PRIORITY", value_parser = clap::value_parser!(u8).range(0..=99))]
+    pub(crate) priority: u8,
 }
 
 #[derive(Args, Debug)]

@@ -1,8 +1,9 @@
 //! `sluicegate`: submit requests, run workers and operate a sluicegate system from a shell.
 //!
-//! Each command lives in a module of its own (`submit`, `worker` with its `exec` handler, `ops`
-//! for the operator's commands); `cli` has the command line, `failure` the exit codes, `input` and
-//! `output` what goes in and out. docs/cli.md is the manual.
+//! Each command lives in a module of its own (`submit`, `worker` with its `exec` handler,
+//! `reprioritize`, `ops` for the operator's other commands); `cli` has the command line,
+//! `failure` the exit codes, `input` and `output` what goes in and out. docs/cli.md is the
+//! manual.
 
 mod cli;
 mod exec;
@@ -11,6 +12,7 @@ mod input;
 mod listing;
 mod ops;
 mod output;
+mod reprioritize;
 mod submit;
 mod worker;
 
@@ -130,6 +132,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Finalize(args) => ops::finalize(&ctx, &args.id).await,
         Command::Cancel(args) => ops::cancel(&ctx, &args.id).await,
         Command::Requeue(args) => ops::requeue(&ctx, &args.id).await,
+        Command::Reprioritize(args) => reprioritize::run(&ctx, args).await,
         Command::Stats => ops::stats(&ctx).await,
         Command::Dead(args) => ops::dead(&ctx, &args.id).await,
         Command::Purge(args) => listing::purge(&ctx, &args).await,

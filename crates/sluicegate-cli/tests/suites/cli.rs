@@ -626,6 +626,52 @@ fn pause_holds_a_submitted_request_until_resume_and_stats_and_status_say_so() {
 }
 
 #[test]
+fn reprioritize_moves_a_waiting_request_and_refuses_lane_finished_and_unknown_ones_clearly() {
+    let sg = Sg::new("cli-repri");
+    assert_eq!(sg.json(&["pause"])["all"], true);
+    // More than 64 lines: the request has a stream of its own (a small one takes its lane).
+    let lines: String = (0..100).map(|n| format!("line {n}\n")).collect();
+    let input = sg.file("in.txt", lines.as_bytes());
+    let out = sg.run(&["submit", "--id", "big", "--priority", "10", "--concurrency", "2", &input]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = sg.run(&["reprioritize", "big", "80"]);
+    assert_eq!(
+        stdout(&out),
+        "big: priority 10 -> 80; 2 waiting tokens moved now; tokens held by workers move when handed back\n",
+        "{}",
+        stderr(&out)
+    );
+    let again = sg.json(&["reprioritize", "big", "80"]);
+    assert_eq!((again["from"].clone(), again["to"].clone(), again["moved"].clone()), (10.into(), 80.into(), 0.into()), "{again}");
+    assert_eq!(sg.json(&["status", "big"])["priority"], 80);
+    let waiting = sg.json(&["stats"])["tokens_waiting"].clone();
+    let by_priority: Vec<(Value, Value)> =
+        waiting.as_array().unwrap().iter().map(|p| (p["priority"].clone(), p["tokens"].clone())).collect();
+    assert_eq!(by_priority, [(80.into(), 2.into())], "{waiting}");
+
+    assert!(sg.run_with_input(&["submit", "--id", "small"], b"one line\n").status.success());
+    let refused = sg.run(&["reprioritize", "small", "90"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(stderr(&refused).starts_with("error: refused: request \"small\" is a small request that shares the lane of priority 50"), "{}", stderr(&refused));
+    assert_fails(&sg.run(&["reprioritize", "nope", "5"]), 4, "no request with id \"nope\" (never submitted, or its results expired)");
+    let out = sg.run(&["reprioritize", "big", "100"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("100 is not in 0..=99"), "{}", stderr(&out));
+
+    sg.run(&["resume"]);
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    let out = sg.run(&["results", "--wait", "--raw", "big"]);
+    let upper: String = (0..100).map(|n| format!("LINE {n}\n")).collect();
+    assert_eq!(stdout(&out), upper, "{}", stderr(&out));
+    assert_fails(
+        &sg.run(&["reprioritize", "big", "5"]),
+        2,
+        "refused: request \"big\" has already finished (completed): its priority can no longer change",
+    );
+    worker.stop();
+}
+
+#[test]
 fn purge_all_asks_for_yes_refuses_while_a_worker_runs_and_then_leaves_no_key() {
     let sg = Sg::new("cli-purge");
     assert!(sg.run_with_input(&["submit", "--id", "gone"], b"a\nb\n").status.success());
