@@ -63,6 +63,7 @@ pub mod protocol;
 mod reply;
 mod request;
 mod shards;
+mod stats;
 mod store;
 #[cfg(feature = "tls")]
 mod tls;
@@ -81,6 +82,8 @@ pub use request::{
     Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
     MAX_REQUEST_ID_BYTES,
 };
+pub use stats::{MinuteStats, PriorityStages, StageBucket, StageHistogram, StageStats};
 pub use worker::{
-    shutdown_signal, Context, Handler, HandlerError, Quantum, RunTimes, Worker, WorkerBuilder, WorkerMetrics,
+    shutdown_signal, Context, Handler, HandlerError, Quantum, TimeHistogram, Worker, WorkerBuilder,
+    WorkerMetrics,
 };

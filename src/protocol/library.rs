@@ -56,13 +56,14 @@ pub(crate) enum Func {
     LaneAck,
     LaneCancel,
     LaneRequeue,
+    StatsAdd,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 40] = [
+    pub(crate) const ALL: [Func; 41] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -103,6 +104,7 @@ impl Func {
         Func::LaneAck,
         Func::LaneCancel,
         Func::LaneRequeue,
+        Func::StatsAdd,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -148,6 +150,7 @@ impl Func {
             Func::LaneAck => "lane_ack",
             Func::LaneCancel => "lane_cancel",
             Func::LaneRequeue => "lane_requeue",
+            Func::StatsAdd => "stats_add",
         }
     }
 
@@ -204,6 +207,7 @@ impl Func {
             Func::LaneAck => include_str!("../../lua/lane_ack.lua"),
             Func::LaneCancel => include_str!("../../lua/lane_cancel.lua"),
             Func::LaneRequeue => include_str!("../../lua/lane_requeue.lua"),
+            Func::StatsAdd => include_str!("../../lua/stats_add.lua"),
         }
     }
 }
