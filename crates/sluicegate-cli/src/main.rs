@@ -10,6 +10,7 @@ mod failure;
 mod input;
 mod ops;
 mod output;
+mod stats;
 mod submit;
 mod worker;
 
@@ -129,7 +130,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Finalize(args) => ops::finalize(&ctx, &args.id).await,
         Command::Cancel(args) => ops::cancel(&ctx, &args.id).await,
         Command::Requeue(args) => ops::requeue(&ctx, &args.id).await,
-        Command::Stats => ops::stats(&ctx).await,
+        Command::Stats(args) => match args.since {
+            None => ops::stats(&ctx).await,
+            Some(since) => stats::since(&ctx, since).await,
+        },
         Command::Dead(args) => ops::dead(&ctx, &args.id).await,
         Command::Purge(args) => ops::purge(&ctx, &args).await,
         Command::Metrics(args) => ops::metrics(&ctx, args.listen).await,
