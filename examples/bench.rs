@@ -715,10 +715,15 @@ impl Bench {
             std::env::var("BENCH_STATS_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
         let (mut off, mut on) = (Vec::new(), Vec::new());
         let (mut cpu_off, mut cpu_on) = (Vec::new(), Vec::new());
+        // This process's CPU per part (the worker's slots, the producer idle, the listener), and
+        // each round's on/off throughput ratio (the two drains of a round run back to back, so a
+        // drift in the machine's load affects both alike).
+        let (mut own_off, mut own_on, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         let mut memory = None;
         for round in 0..rounds {
             // Alternate which goes first, so that a drift in the machine's load favours neither.
             let order = if round % 2 == 0 { [false, true] } else { [true, false] };
+            let mut pair = [0.0; 2];
             for stage_stats in order {
                 let config = self.config("stats").stats_flush_interval(Duration::from_secs(1));
                 let producer = Producer::connect(&config).await?;
@@ -726,32 +731,39 @@ impl Bench {
                 queue(&producer, requests, 1, 1).await?;
                 producer.flush_stats().await?;
                 let before = stats(&self.nodes).await?;
+                let own_before = process_cpu_s().unwrap_or(0.0);
                 let started = Instant::now();
                 let (stop, task) = self.worker_with(&config, Noop::default(), SLOTS, stage_stats).await?;
                 for _ in 0..requests {
                     events.next().await?;
                 }
                 let rate = requests as f64 / started.elapsed().as_secs_f64();
+                let own = (process_cpu_s().unwrap_or(0.0) - own_before) * 1e6 / requests as f64;
                 let after = stats(&self.nodes).await?;
                 stop.cancel();
                 task.await??;
                 let cpu = (after.cpu_s - before.cpu_s) * 1e6 / requests as f64;
                 eprintln!(
-                    "stats_overhead round {round}: stage stats {}: {rate:.0} parts/s, Redis {cpu:.2} µs/part",
+                    "stats_overhead round {round}: stage stats {}: {rate:.0} parts/s, Redis {cpu:.2} µs/part, \
+                     this process {own:.2} µs/part",
                     if stage_stats { "on" } else { "off" }
                 );
+                pair[usize::from(stage_stats)] = rate;
                 if stage_stats {
                     on.push(rate);
                     cpu_on.push(cpu);
+                    own_on.push(own);
                     if memory.is_none() {
                         memory = Some(self.minute_memory(&config).await?);
                     }
                 } else {
                     off.push(rate);
                     cpu_off.push(cpu);
+                    own_off.push(own);
                 }
                 self.drop_namespace(&config).await?;
             }
+            ratios.push(pair[1] / pair[0]);
         }
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
@@ -759,14 +771,19 @@ impl Bench {
         };
         let (off, on) = (median(&mut off), median(&mut on));
         let (cpu_off, cpu_on) = (median(&mut cpu_off), median(&mut cpu_on));
+        let (own_off, own_on) = (median(&mut own_off), median(&mut own_on));
         let change = (on / off - 1.0) * 100.0;
+        let paired = (median(&mut ratios) - 1.0) * 100.0;
         eprintln!(
-            "stats_overhead: medians of {rounds} rounds: off {off:.0} parts/s, on {on:.0} parts/s ({change:+.1}%); Redis µs/part off {cpu_off:.2}, on {cpu_on:.2}"
+            "stats_overhead: medians of {rounds} rounds: off {off:.0} parts/s, on {on:.0} parts/s ({change:+.1}%; \
+             median of the rounds' on/off ratios {paired:+.1}%); Redis µs/part off {cpu_off:.2}, on {cpu_on:.2}; \
+             this process µs/part off {own_off:.2}, on {own_on:.2} ({:+.1}%)",
+            (own_on / own_off - 1.0) * 100.0
         );
         let mut rows = Vec::new();
         for (name, rate, cpu, what) in [("stats_off", off, cpu_off, "off"), ("stats_on", on, cpu_on, "on")] {
             let mut row = Row::new(name, requests).note(format!(
-                "{requests} x 1 part queued (lanes), {SLOTS} slots, worker stage stats {what}: median of {rounds} rounds; on/off throughput {change:+.1}%"
+                "{requests} x 1 part queued (lanes), {SLOTS} slots, worker stage stats {what}: median of {rounds} rounds; on/off throughput {change:+.1}% (paired {paired:+.1}%), bench process CPU µs/part off {own_off:.2}, on {own_on:.2}"
             ));
             row.throughput_per_s = Some(rate);
             row.redis_cpu_us_per_item = Some(cpu);
@@ -1106,6 +1123,16 @@ fn peak_rss() -> String {
             s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l["VmHWM:".len()..].trim().to_owned())
         })
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// CPU seconds this process has used (user + system; Linux `/proc/self/stat`, at the clock tick's
+/// resolution, 10 ms), or `None` elsewhere.
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 fn loadavg() -> String {
