@@ -6,6 +6,7 @@
 //! cargo run --release --example bench -- window             # only when named: 2 x 10,000,000 parts
 //! cargo run --release --example bench -- loader             # only when named: 1,000,000 x 10 parts
 //! cargo run --release --example bench -- cluster            # only when named: many_small, 3 masters
+//! cargo run --release --example bench -- stats_overhead     # only when named: stage stats off vs on
 //! cargo run --release --example bench -- many_small memory  # some scenarios
 //! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
 //! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
@@ -314,12 +315,24 @@ impl Bench {
         handler: Noop,
         slots: usize,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
+        self.worker_with(config, handler, slots, true).await
+    }
+
+    /// A worker as [`worker`](Self::worker) makes, counting the stats by stage or not.
+    async fn worker_with(
+        &self,
+        config: &Config,
+        handler: Noop,
+        slots: usize,
+        stage_stats: bool,
+    ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
         // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 16).
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(16);
         let worker = Worker::builder(config, handler)
             .slots(slots)
             .quantum(Quantum::default())
             .max_batch(max_batch)
+            .stage_stats(stage_stats)
             .build()
             .await?;
         let stop = CancellationToken::new();
@@ -721,6 +734,162 @@ impl Bench {
         ))])
     }
 
+    /// The cost of the stats by stage: the same drain of `requests` one-part requests (each in
+    /// its priority's lane: per part a start, a run, a success and a finish to count, the most
+    /// stats work per part of any workload), queued before one worker of 16 slots starts, with
+    /// the worker's stage stats off and on, alternately, `BENCH_STATS_ROUNDS` times each (default
+    /// 5). Rows: the median throughput of each, and the memory the minutes' hashes took.
+    async fn stats_overhead(&self) -> Result<Vec<Row>, BoxError> {
+        let requests = self.scaled(30_000);
+        let rounds: usize =
+            std::env::var("BENCH_STATS_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        let (mut cpu_off, mut cpu_on) = (Vec::new(), Vec::new());
+        // This process's CPU per part (the worker's slots, the producer idle, the listener), and
+        // each round's on/off throughput ratio (the two drains of a round run back to back, so a
+        // drift in the machine's load affects both alike).
+        let (mut own_off, mut own_on, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let mut memory = None;
+        for round in 0..rounds {
+            // Alternate which goes first, so that a drift in the machine's load favours neither.
+            let order = if round % 2 == 0 { [false, true] } else { [true, false] };
+            let mut pair = [0.0; 2];
+            for stage_stats in order {
+                let config = self.config("stats").stats_flush_interval(Duration::from_secs(1));
+                let producer = Producer::connect(&config).await?;
+                let mut events = Listener::connect(&config).await?;
+                queue(&producer, requests, 1, 1).await?;
+                producer.flush_stats().await?;
+                let before = stats(&self.nodes).await?;
+                let own_before = process_cpu_s().unwrap_or(0.0);
+                let started = Instant::now();
+                let (stop, task) = self.worker_with(&config, Noop::default(), SLOTS, stage_stats).await?;
+                for _ in 0..requests {
+                    events.next().await?;
+                }
+                let rate = requests as f64 / started.elapsed().as_secs_f64();
+                let own = (process_cpu_s().unwrap_or(0.0) - own_before) * 1e6 / requests as f64;
+                let after = stats(&self.nodes).await?;
+                stop.cancel();
+                task.await??;
+                let cpu = (after.cpu_s - before.cpu_s) * 1e6 / requests as f64;
+                eprintln!(
+                    "stats_overhead round {round}: stage stats {}: {rate:.0} parts/s, Redis {cpu:.2} µs/part, \
+                     this process {own:.2} µs/part",
+                    if stage_stats { "on" } else { "off" }
+                );
+                pair[usize::from(stage_stats)] = rate;
+                if stage_stats {
+                    on.push(rate);
+                    cpu_on.push(cpu);
+                    own_on.push(own);
+                    if memory.is_none() {
+                        memory = Some(self.minute_memory(&config).await?);
+                    }
+                } else {
+                    off.push(rate);
+                    cpu_off.push(cpu);
+                    own_off.push(own);
+                }
+                self.drop_namespace(&config).await?;
+            }
+            ratios.push(pair[1] / pair[0]);
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (off, on) = (median(&mut off), median(&mut on));
+        let (cpu_off, cpu_on) = (median(&mut cpu_off), median(&mut cpu_on));
+        let (own_off, own_on) = (median(&mut own_off), median(&mut own_on));
+        let change = (on / off - 1.0) * 100.0;
+        let paired = (median(&mut ratios) - 1.0) * 100.0;
+        eprintln!(
+            "stats_overhead: medians of {rounds} rounds: off {off:.0} parts/s, on {on:.0} parts/s ({change:+.1}%; \
+             median of the rounds' on/off ratios {paired:+.1}%); Redis µs/part off {cpu_off:.2}, on {cpu_on:.2}; \
+             this process µs/part off {own_off:.2}, on {own_on:.2} ({:+.1}%)",
+            (own_on / own_off - 1.0) * 100.0
+        );
+        let mut rows = Vec::new();
+        for (name, rate, cpu, what) in [("stats_off", off, cpu_off, "off"), ("stats_on", on, cpu_on, "on")] {
+            let mut row = Row::new(name, requests).note(format!(
+                "{requests} x 1 part queued (lanes), {SLOTS} slots, worker stage stats {what}: median of {rounds} rounds; on/off throughput {change:+.1}% (paired {paired:+.1}%), bench process CPU µs/part off {own_off:.2}, on {own_on:.2}"
+            ));
+            row.throughput_per_s = Some(rate);
+            row.redis_cpu_us_per_item = Some(cpu);
+            rows.push(row);
+        }
+        if let Some((keys, bytes, fields)) = memory {
+            let mut row = Row::new("stats_memory", keys).note(format!(
+                "MEMORY USAGE of the {keys} minute hashes of one stats_on round: {fields} fields in all; bytes: per minute hash (x 1440 = per namespace-day at this load)"
+            ));
+            row.bytes_per_item = Some(bytes as f64 / keys.max(1) as f64);
+            rows.push(row);
+        }
+        rows.push(self.full_minute_memory().await?);
+        Ok(rows)
+    }
+
+    /// The minutes' hashes of a namespace: how many, their `MEMORY USAGE` in all, their fields.
+    async fn minute_memory(&self, config: &Config) -> Result<(u64, u64, u64), BoxError> {
+        let keys = sluicegate_testkit::keys_in_namespace(&self.url, config.namespace_str()).await?;
+        let (mut n, mut bytes, mut fields) = (0, 0, 0);
+        for key in keys.iter().filter(|k| k.contains(":st:")) {
+            let used: Option<u64> =
+                self.redis.custom(fred::cmd!("MEMORY"), vec!["USAGE", key.as_str(), "SAMPLES", "0"]).await?;
+            let len: u64 = self.redis.hlen(key.as_str()).await?;
+            n += 1;
+            bytes += used.unwrap_or(0);
+            fields += len;
+        }
+        Ok((n, bytes, fields))
+    }
+
+    /// A minute's hash with every field one priority can have (8 counters, 3 histograms of 23
+    /// buckets: docs/protocol.md §3, "Stats by stage"), for 1 and for 10 priorities: the most a
+    /// minute can take, whatever the load.
+    async fn full_minute_memory(&self) -> Result<Row, BoxError> {
+        const COUNTERS: [&str; 8] = [
+            "submitted",
+            "started",
+            "completed",
+            "failed",
+            "succeeded",
+            "retried",
+            "dead_lettered",
+            "fenced",
+        ];
+        const BOUNDS: [&str; 23] = [
+            "1", "2", "5", "10", "20", "50", "100", "200", "500", "1000", "2000", "5000", "10000", "20000",
+            "50000", "100000", "200000", "500000", "1000000", "2000000", "5000000", "10000000", "inf",
+        ];
+        let mut sizes = Vec::new();
+        for priorities in [1u8, 10] {
+            let key = format!("bench-stats-full-{}:{{x}}:st:29000000", std::process::id());
+            let mut fields: Vec<(String, u64)> = Vec::new();
+            for p in 0..priorities {
+                let p = 90 - p;
+                fields.extend(COUNTERS.iter().map(|c| (format!("{p}|{c}"), 123_456)));
+                for h in ["wait", "run", "duration"] {
+                    fields.extend(BOUNDS.iter().map(|b| (format!("{p}|{h}|{b}"), 1_234)));
+                }
+            }
+            let n = fields.len();
+            let _: () = self.redis.hset(key.as_str(), fields).await?;
+            let used: u64 =
+                self.redis.custom(fred::cmd!("MEMORY"), vec!["USAGE", key.as_str(), "SAMPLES", "0"]).await?;
+            let _: i64 = self.redis.del(key.as_str()).await?;
+            sizes.push(format!(
+                "{priorities} priorit{}: {n} fields, {used} B",
+                if priorities == 1 { "y" } else { "ies" }
+            ));
+        }
+        Ok(Row::new("stats_memory_full", 1).note(format!(
+            "MEMORY USAGE of a minute's hash with every field: {} (x 1440 = per namespace-day)",
+            sizes.join("; ")
+        )))
+    }
+
     async fn drop_namespace(&self, config: &Config) -> Result<(), BoxError> {
         let keys = sluicegate_testkit::keys_in_namespace(&self.url, config.namespace_str()).await?;
         for chunk in keys.chunks(500) {
@@ -856,6 +1025,10 @@ impl Bench {
         if wants("priority_under_load") {
             rows.extend(self.priority_under_load().await?);
         }
+        // Only when named: several rounds of the same drain, with the stats by stage off and on.
+        if chosen.contains(&"stats_overhead") {
+            rows.extend(self.stats_overhead().await?);
+        }
         Ok(rows)
     }
 }
@@ -980,6 +1153,16 @@ fn peak_rss() -> String {
             s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l["VmHWM:".len()..].trim().to_owned())
         })
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// CPU seconds this process has used (user + system; Linux `/proc/self/stat`, at the clock tick's
+/// resolution, 10 ms), or `None` elsewhere.
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 fn loadavg() -> String {

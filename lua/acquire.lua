@@ -4,13 +4,17 @@
 -- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
 --          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
---          token shards of the request}; entry = {entry id, index, payload, attempt};
+--          token shards of the request[, queue wait ms]}: the sixth field only when this call
+--          started the request (state queued -> running): how long it waited since it became
+--          runnable (queued at its commit, or its delay's end), for the stats by stage;
+--          entry = {entry id, index, payload, attempt};
 --         {'park', wake}: no work left to hand out, the token waits in the request until work
 --          appears (wake: in how many ms a retry falls due, 0 if none);
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
-  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards')
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
+    'queued', 'eligible')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -32,7 +36,11 @@ local function acquire(keys, args)
   local now = sg_now()
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
   if next[1] ~= 'run' then return next end
-  if m[3] == 'queued' then redis.call('HSET', keys[1], 'state', 'running', 'started', now) end
+  if m[3] == 'queued' then
+    redis.call('HSET', keys[1], 'state', 'running', 'started', now)
+    local since = math.max(tonumber(m[9] or now), tonumber(m[10] or '0'))
+    policy[6] = math.max(now - since, 0)
+  end
   table.insert(next, 2, policy)
   return next
 end

@@ -13,7 +13,9 @@
 --   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
 --   lifecycle, index
 -- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
---         {'fenced'} as ack. Requests that finished are announced by this call itself.
+--         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
+--         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
+--         ...}, one pair per request finished, for the stats by stage.
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -32,6 +34,8 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
   local settled, finished, announced, listed = {}, {}, {}, {}
+  -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
+  local done = {'done'}
   for i = 11, #args, 8 do
     local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
       args[i + 5], args[i + 6], args[i + 7]
@@ -93,6 +97,8 @@ local function lane_ack(keys, args)
         -- parts not yet run then run too.
         announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
         finished[kid] = true
+        done[#done + 1] = state
+        done[#done + 1] = lc
       elseif feed then
         sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
       end
@@ -105,8 +111,12 @@ local function lane_ack(keys, args)
   end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
   sg_lane_drop(keys, settled)
+  local reply
   if args[6] == '1' then
-    return sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+  else
+    reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end
-  return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+  if #done > 1 then reply[#reply + 1] = done end
+  return reply
 end

@@ -693,14 +693,20 @@ local function sg_lane_announce(record, kid, state, retention, events, now, batc
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
--- lifecycle, settings (the record's `pol`, as it is)}, or nil when its request
--- is no longer live (then the entry is to be dropped). Marks the request running.
+-- lifecycle, settings (the record's `pol`, as it is)[, queue wait ms]}, or nil when its request
+-- is no longer live (then the entry is to be dropped). Marks the request running; the eighth
+-- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
+-- created ms), for the stats by stage.
 local function sg_lane_entry(prefix, id, fields, attempt, now)
   local e = sg_lane_fields(fields)
   local record = prefix .. e.r
   local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
   if not sg_lane_live(m, e.l) then return nil end
-  if m[1] == 'queued' then redis.call('HSET', record, 'state', 'running', 'started', now) end
+  if m[1] == 'queued' then
+    redis.call('HSET', record, 'state', 'running', 'started', now)
+    local created = math.floor(tonumber(e.l) / 1000)
+    return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
+  end
   return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
 end
 

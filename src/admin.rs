@@ -489,6 +489,25 @@ impl Admin {
         })
     }
 
+    /// The stats by stage of the last `since` (from the start of the minute it began in; at
+    /// most 31 days, and what `Config::stats_retention` kept): per priority, requests submitted,
+    /// started, completed and failed, sub-request attempts succeeded, retried and dead-lettered,
+    /// acks fenced, and histograms of the queue wait, run time and request duration. Counts reach
+    /// Redis once per flush interval of each producer and worker (`Config::stats_flush_interval`),
+    /// so the last few seconds may be missing.
+    ///
+    /// ```no_run
+    /// # async fn demo(admin: sluicegate::Admin) -> sluicegate::Result<()> {
+    /// let stats = admin.stats_since(std::time::Duration::from_secs(3600)).await?;
+    /// for p in &stats.priorities {
+    ///     println!("priority {}: {} completed, p99 wait {:?}", p.priority, p.completed, p.queue_wait.quantile(0.99));
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn stats_since(&self, since: std::time::Duration) -> Result<crate::stats::StageStats> {
+        crate::stats::read(&self.store, since).await
+    }
+
     /// The request's dead letters, by index: each one's error and payload (what
     /// [`requeue_dead`](Self::requeue_dead) would run again). Empty for a request without any;
     /// unknown requests are an error.

@@ -35,6 +35,9 @@ pub struct Config {
     pub(crate) lane_tokens: u32,
     pub(crate) tls_ca_file: Option<PathBuf>,
     pub(crate) tls_client_cert: Option<(PathBuf, PathBuf)>,
+    /// How long the stats by stage are kept; `None`: the retention.
+    pub(crate) stats_retention: Option<Duration>,
+    pub(crate) stats_flush: Duration,
 }
 
 /// The URL used when neither the caller nor `REDIS_URL` names one.
@@ -60,6 +63,8 @@ impl Config {
             lane_tokens: 64,
             tls_ca_file: None,
             tls_client_cert: None,
+            stats_retention: None,
+            stats_flush: Duration::from_secs(5),
         }
     }
 
@@ -78,6 +83,22 @@ impl Config {
     /// How long results and terminal records stay readable after a request finishes (default 24 h).
     pub fn retention(mut self, d: Duration) -> Self {
         self.retention = d;
+        self
+    }
+
+    /// How long the stats by stage (`Admin::stats_since`) are kept: each minute's counts expire
+    /// this long after they were last added to. Default: the [`retention`](Self::retention) (24 h).
+    /// Zero: producers and workers of this configuration count nothing.
+    pub fn stats_retention(mut self, d: Duration) -> Self {
+        self.stats_retention = Some(d);
+        self
+    }
+
+    /// How often producers and workers add what they counted for the stats by stage to Redis
+    /// (default 5 s): one call each per interval, whatever the load; a worker also adds its
+    /// counts when it stops. What a process counted since its last flush is lost if it is killed.
+    pub fn stats_flush_interval(mut self, d: Duration) -> Self {
+        self.stats_flush = d;
         self
     }
 
@@ -226,6 +247,7 @@ impl Config {
             ("wait_poll", self.wait_poll),
             ("window_poll", self.window_poll),
             ("unresponsive_timeout", self.unresponsive),
+            ("stats_flush_interval", self.stats_flush),
         ];
         for (name, d) in positive {
             if d.as_millis() == 0 {
@@ -269,6 +291,11 @@ impl Config {
     /// leases.
     pub(crate) fn grace(&self) -> Duration {
         self.lease.saturating_mul(2)
+    }
+
+    /// How long the stats by stage are kept (zero: none are counted).
+    pub(crate) fn stats_keep(&self) -> Duration {
+        self.stats_retention.unwrap_or(self.retention)
     }
 }
 

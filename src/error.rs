@@ -101,6 +101,12 @@ impl RedisError {
         (!word.is_empty() && word.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')).then_some(word)
     }
 
+    /// An answer of the functions library refusing a call (`SG<CODE> ...`; recognised one by
+    /// one in `protocol::refusal`): not a failure of Redis or of the connection.
+    pub(crate) fn is_library_refusal(&self) -> bool {
+        self.code().is_some_and(|c| c.starts_with("SG"))
+    }
+
     /// Redis refused a write because it is at its memory limit (`OOM`, `maxmemory`): the command
     /// did not run. Reads (status, stats, events, results) still work.
     pub fn is_full(&self) -> bool {

@@ -173,6 +173,15 @@ impl Keys {
         format!("{}:{{{}.q0}}:winfo", self.ns, self.ns)
     }
 
+    /// Hash of the stats by stage counted in one minute (`minute`: Unix time in ms / 60,000, by
+    /// the clock of the component that counted): fields `<priority>|<counter>` and
+    /// `<priority>|<histogram>|<bucket>`, whole numbers (`stats`). On shard 0, so that one
+    /// pipeline reads a range of minutes; expires `Config::stats_retention` after its last
+    /// addition.
+    pub(crate) fn stats_minute(&self, minute: u64) -> String {
+        format!("{}:{{{}.q0}}:st:{minute}", self.ns, self.ns)
+    }
+
     /// Pub/sub channel announcing terminal states ("<key id>|<state>").
     pub(crate) fn done_channel(&self) -> String {
         format!("{}:done", self.ns)
@@ -254,6 +263,7 @@ mod tests {
         assert_eq!(keys.events(0), "ns:{ns.q0}:events");
         assert_eq!(keys.workers(), "ns:{ns.q0}:workers");
         assert_eq!(keys.worker_info(), "ns:{ns.q0}:winfo");
+        assert_eq!(keys.stats_minute(28_000_000), "ns:{ns.q0}:st:28000000");
     }
 
     #[test]

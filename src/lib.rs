@@ -63,6 +63,7 @@ pub mod protocol;
 mod reply;
 mod request;
 mod shards;
+mod stats;
 mod store;
 #[cfg(feature = "tls")]
 mod tls;
@@ -83,6 +84,8 @@ pub use request::{
     check_tag, Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
     MAX_REQUEST_ID_BYTES, MAX_TAGS, MAX_TAG_BYTES,
 };
+pub use stats::{MinuteStats, PriorityStages, StageBucket, StageHistogram, StageStats};
 pub use worker::{
-    shutdown_signal, Context, Handler, HandlerError, Quantum, RunTimes, Worker, WorkerBuilder, WorkerMetrics,
+    shutdown_signal, Context, Handler, HandlerError, Quantum, TimeHistogram, Worker, WorkerBuilder,
+    WorkerMetrics,
 };

@@ -8,6 +8,7 @@ use fred::prelude::*;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{broadcast, OnceCell};
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::codec;
@@ -18,6 +19,7 @@ use crate::protocol::listing::{Kind, Row};
 use crate::protocol::submit::{self, NewRequest};
 use crate::request::{Concurrency, PartError, Priority, RequestId, RequestState};
 use crate::shards::{Look, Placement};
+use crate::stats::{Counter, Recorder};
 use crate::store::Store;
 
 /// Parts sent per call while a request loads (and at most this many bytes, unless one part is
@@ -40,18 +42,31 @@ const LOAD_CHUNK_BYTES: usize = 4 << 20;
 pub struct Producer {
     store: Store,
     doorbell: Arc<OnceCell<Doorbell>>,
+    counting: Arc<Counting>,
 }
 
 impl Producer {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
-        Ok(Self { store: crate::protocol::connect(config).await?, doorbell: Arc::new(OnceCell::new()) })
+        let store = crate::protocol::connect(config).await?;
+        let counting = Arc::new(Counting::start(&store));
+        Ok(Self { store, doorbell: Arc::new(OnceCell::new()), counting })
     }
 
     /// A producer on a store of the checker's.
     #[cfg(test)]
     pub(crate) fn from_store(store: Store) -> Self {
-        Self { store, doorbell: Arc::new(OnceCell::new()) }
+        let counting =
+            Arc::new(Counting { recorder: Arc::new(Recorder::off()), stop: CancellationToken::new() });
+        Self { store, doorbell: Arc::new(OnceCell::new()), counting }
+    }
+
+    /// Adds the requests this producer submitted since its last flush to the stats by stage now
+    /// (`Admin::stats_since`). A producer does so by itself every `Config::stats_flush_interval`
+    /// and when its last clone is dropped inside a running runtime; a short-lived program calls
+    /// this before it exits.
+    pub async fn flush_stats(&self) -> Result<()> {
+        self.counting.recorder.flush(&self.store).await
     }
 
     /// Starts describing a request; finish with [`RequestBuilder::submit`].
@@ -114,6 +129,7 @@ impl Producer {
                 let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
                 let req = spec.new_request(&id, &key_id, nonce, place.shards, 0);
                 lane::submit(&self.store, &req, first).await?;
+                self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
                 tracing::debug!("request durable and queued in its lane");
                 return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
             }
@@ -129,6 +145,7 @@ impl Producer {
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
             crate::shards::push(&self.store, &key_id, place, Look::First(registration), next, elements)
                 .await?;
+            self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
             tracing::debug!("request durable and queued");
             Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
@@ -543,6 +560,7 @@ impl RequestBuilder<'_> {
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
         crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
             .await?;
+        producer.counting.recorder.count(self.priority, Counter::Submitted, 1);
         let window = self.window;
         Ok(OpenRequest {
             handle: RequestHandle { id, producer },
@@ -899,6 +917,32 @@ impl Default for RetryPolicy {
             backoff_max: Duration::from_secs(60),
             timeout: None,
         }
+    }
+}
+
+/// A producer's count of the requests it submitted, for the stats by stage: added to Redis every
+/// flush interval by a task of its own, which the last clone of the producer stops (the task then
+/// flushes once more, if the runtime still runs).
+struct Counting {
+    recorder: Arc<Recorder>,
+    stop: CancellationToken,
+}
+
+impl Counting {
+    fn start(store: &Store) -> Self {
+        let recorder = Arc::new(Recorder::new(store.config.stats_keep()));
+        let stop = CancellationToken::new();
+        if recorder.is_on() {
+            let (recorder, store, stop) = (recorder.clone(), store.clone(), stop.clone());
+            tokio::spawn(async move { crate::stats::flush_until(&recorder, &store, stop).await });
+        }
+        Self { recorder, stop }
+    }
+}
+
+impl Drop for Counting {
+    fn drop(&mut self) {
+        self.stop.cancel();
     }
 }
 

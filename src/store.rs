@@ -2,6 +2,8 @@
 //! and the hook through which the randomized checker holds every call. The functions library and
 //! the calls into it are `protocol`'s.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fred::clients::SubscriberClient;
@@ -23,6 +25,9 @@ pub(crate) struct Store {
     pub(crate) client: Client,
     pub(crate) keys: Keys,
     pub(crate) config: Config,
+    /// Calls that failed, counted by `call` (a worker shares it among its connections and
+    /// reports it as `WorkerMetrics::redis_errors`).
+    pub(crate) failed_calls: Arc<AtomicU64>,
     /// The randomized protocol checker's hold on every call (test builds only): see `crate::check`.
     #[cfg(test)]
     pub(crate) gate: Option<std::sync::Arc<crate::check::gate::Gate>>,
@@ -41,6 +46,7 @@ impl Store {
             client,
             keys: Keys::new(&namespace, config.token_shards),
             config: config.clone(),
+            failed_calls: Arc::default(),
             #[cfg(test)]
             gate: None,
         };
@@ -61,7 +67,14 @@ impl Store {
             return gate.run(what, key, op).await;
         }
         let _ = (what, key);
-        op().await
+        let result = op().await;
+        if let Err(Error::Redis(e)) = &result {
+            // The library's refusals (`SG*`) are answers, not failures.
+            if !e.is_library_refusal() {
+                self.failed_calls.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        result
     }
 
     /// How many independent calls of one transition may be in flight at once: `n`, or one under
@@ -98,6 +111,7 @@ impl Store {
             client,
             keys: Keys::new(&namespace, config.token_shards),
             config: config.clone(),
+            failed_calls: Arc::default(),
             gate: Some(gate),
         };
         Ok(store)

@@ -695,14 +695,20 @@ local function sg_lane_announce(record, kid, state, retention, events, now, batc
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
--- lifecycle, settings (the record's `pol`, as it is)}, or nil when its request
--- is no longer live (then the entry is to be dropped). Marks the request running.
+-- lifecycle, settings (the record's `pol`, as it is)[, queue wait ms]}, or nil when its request
+-- is no longer live (then the entry is to be dropped). Marks the request running; the eighth
+-- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
+-- created ms), for the stats by stage.
 local function sg_lane_entry(prefix, id, fields, attempt, now)
   local e = sg_lane_fields(fields)
   local record = prefix .. e.r
   local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
   if not sg_lane_live(m, e.l) then return nil end
-  if m[1] == 'queued' then redis.call('HSET', record, 'state', 'running', 'started', now) end
+  if m[1] == 'queued' then
+    redis.call('HSET', record, 'state', 'running', 'started', now)
+    local created = math.floor(tonumber(e.l) / 1000)
+    return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
+  end
   return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
 end
 
@@ -1408,13 +1414,17 @@ end
 -- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
 --          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
---          token shards of the request}; entry = {entry id, index, payload, attempt};
+--          token shards of the request[, queue wait ms]}: the sixth field only when this call
+--          started the request (state queued -> running): how long it waited since it became
+--          runnable (queued at its commit, or its delay's end), for the stats by stage;
+--          entry = {entry id, index, payload, attempt};
 --         {'park', wake}: no work left to hand out, the token waits in the request until work
 --          appears (wake: in how many ms a retry falls due, 0 if none);
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
-  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards')
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
+    'queued', 'eligible')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -1436,7 +1446,11 @@ local function acquire(keys, args)
   local now = sg_now()
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
   if next[1] ~= 'run' then return next end
-  if m[3] == 'queued' then redis.call('HSET', keys[1], 'state', 'running', 'started', now) end
+  if m[3] == 'queued' then
+    redis.call('HSET', keys[1], 'state', 'running', 'started', now)
+    local since = math.max(tonumber(m[9] or now), tonumber(m[10] or '0'))
+    policy[6] = math.max(now - since, 0)
+  end
   table.insert(next, 2, policy)
   return next
 end
@@ -2395,7 +2409,9 @@ end
 --   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
 --   lifecycle, index
 -- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
---         {'fenced'} as ack. Requests that finished are announced by this call itself.
+--         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
+--         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
+--         ...}, one pair per request finished, for the stats by stage.
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -2414,6 +2430,8 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
   local settled, finished, announced, listed = {}, {}, {}, {}
+  -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
+  local done = {'done'}
   for i = 11, #args, 8 do
     local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
       args[i + 5], args[i + 6], args[i + 7]
@@ -2475,6 +2493,8 @@ local function lane_ack(keys, args)
         -- parts not yet run then run too.
         announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
         finished[kid] = true
+        done[#done + 1] = state
+        done[#done + 1] = lc
       elseif feed then
         sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
       end
@@ -2487,10 +2507,14 @@ local function lane_ack(keys, args)
   end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
   sg_lane_drop(keys, settled)
+  local reply
   if args[6] == '1' then
-    return sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+  else
+    reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end
-  return {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+  if #done > 1 then reply[#reply + 1] = done end
+  return reply
 end
 
 -- lane_cancel: cancel for a lane request (prelude.lua, "Lanes"): its one terminal record and
@@ -2747,6 +2771,55 @@ local function relabel(keys, args)
   return 1
 end
 
+-- stats_add: adds a producer's or a worker's counts to the stats by stage, one hash per minute
+-- (docs/protocol.md §3, "Stats by stage"). Components count in memory and call this once per
+-- flush interval with what they counted since, never per part or per take.
+-- KEYS[1..n] per-minute stats hashes ("<ns>:{<ns>.q0}:st:<minute>"), all on shard 0's tag
+-- ARGV[1] how long a minute's hash is kept after this addition (ms, at least 1)
+-- ARGV[2..] per key, in the order of KEYS: the number m of its fields, then m pairs field, delta
+--   (a whole number; fields "<priority>|<counter>" and "<priority>|<histogram>|<bucket>")
+-- Returns how many fields were added to, or an error "SGINVALID ..." for malformed arguments
+-- (nothing is written then).
+-- Each hash gets its expiry in the same step as its counts, so none is ever left without one.
+-- A call re-sent after a lost reply adds its counts twice: the stats are exact only while calls
+-- get through.
+local function stats_add(keys, args)
+  local ttl = tonumber(args[1])
+  if not ttl or ttl < 1 or ttl % 1 ~= 0 then
+    return redis.error_reply('SGINVALID argument 1 must be a whole number of ms of at least 1')
+  end
+  -- Checked whole before anything is written.
+  local i = 2
+  for _ = 1, #keys do
+    local m = tonumber(args[i])
+    if not m or m < 0 or m % 1 ~= 0 or i + 2 * m > #args then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must count the field/delta pairs that follow it')
+    end
+    for j = i + 2, i + 2 * m, 2 do
+      local d = tonumber(args[j])
+      if not d or d % 1 ~= 0 then
+        return redis.error_reply('SGINVALID argument ' .. j .. ' must be a whole number')
+      end
+    end
+    i = i + 1 + 2 * m
+  end
+  if i ~= #args + 1 then
+    return redis.error_reply('SGINVALID more arguments than the keys announce')
+  end
+  i = 2
+  local n = 0
+  for _, key in ipairs(keys) do
+    local m = tonumber(args[i])
+    for j = i + 1, i + 2 * m - 1, 2 do
+      redis.call('HINCRBY', key, args[j], args[j + 1])
+    end
+    if m > 0 then redis.call('PEXPIRE', key, ttl) end
+    n = n + m
+    i = i + 1 + 2 * m
+  end
+  return n
+end
+
 redis.register_function('sg2_submit_open', submit_open)
 redis.register_function('sg2_load_parts', load_parts)
 redis.register_function('sg2_submit_commit', submit_commit)
@@ -2794,3 +2867,4 @@ redis.register_function('sg2_track', track)
 redis.register_function('sg2_unlist', unlist)
 redis.register_function('sg2_purge', purge)
 redis.register_function('sg2_relabel', relabel)
+redis.register_function('sg2_stats_add', stats_add)

@@ -239,6 +239,7 @@ impl World {
                 shutdown_grace: Duration::from_secs(3600),
                 leases: Default::default(),
                 metrics: Arc::new(WorkerMetrics::default()),
+                stats: Arc::new(crate::stats::Recorder::off()),
                 stopping: CancellationToken::new(),
                 wakes: None,
                 higher: Default::default(),
@@ -298,7 +299,7 @@ impl World {
                 }
                 Err(e) => return Outcome::Error(e.to_string()),
             }
-            shared.leases.check(store, Duration::ZERO).await;
+            shared.leases.check(store, Duration::ZERO, &shared.metrics.leases_lost).await;
             Outcome::Done
         })
         .await
@@ -651,6 +652,7 @@ impl World {
                 shutdown_grace: p.shared.shutdown_grace,
                 leases: Default::default(),
                 metrics: p.shared.metrics.clone(),
+                stats: p.shared.stats.clone(),
                 stopping: CancellationToken::new(),
                 wakes: None,
                 higher: Default::default(),

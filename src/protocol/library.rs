@@ -63,13 +63,14 @@ pub(crate) enum Func {
     Unlist,
     Purge,
     Relabel,
+    StatsAdd,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 47] = [
+    pub(crate) const ALL: [Func; 48] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -117,6 +118,7 @@ impl Func {
         Func::Unlist,
         Func::Purge,
         Func::Relabel,
+        Func::StatsAdd,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -169,6 +171,7 @@ impl Func {
             Func::Unlist => "unlist",
             Func::Purge => "purge",
             Func::Relabel => "relabel",
+            Func::StatsAdd => "stats_add",
         }
     }
 
@@ -232,6 +235,7 @@ impl Func {
             Func::Unlist => include_str!("../../lua/unlist.lua"),
             Func::Purge => include_str!("../../lua/purge.lua"),
             Func::Relabel => include_str!("../../lua/relabel.lua"),
+            Func::StatsAdd => include_str!("../../lua/stats_add.lua"),
         }
     }
 }

@@ -74,7 +74,7 @@ pub(crate) async fn take(
         (Some(word), None) if reply::text(&word)? == "paused" => return Ok(Take::Paused),
         _ => return Ok(Take::Empty),
     };
-    let acquired = items.next().map(|reply| next(reply, true)).transpose()?;
+    let acquired = items.next().map(|reply| next(reply, true)).transpose()?.map(|(next, _)| next);
     Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired }))
 }
 
@@ -125,6 +125,15 @@ pub(crate) struct Policy {
     pub(crate) shards: u32,
 }
 
+/// A request a `lane_ack` finished (the reply's trailing `{'done', state, lifecycle, ...}`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Done {
+    /// Its terminal state (`completed` or `failed`).
+    pub(crate) state: String,
+    /// Its lifecycle, `created ms * 1000 + gen`.
+    pub(crate) lifecycle: i64,
+}
+
 /// One sub-request handed to a slot: `{entry id, index, payload, attempt}`.
 #[derive(Debug)]
 pub(crate) struct Entry {
@@ -138,6 +147,9 @@ pub(crate) struct Entry {
     pub(crate) attempt: u32,
     /// For an entry of a lane: the request it belongs to.
     pub(crate) lane: Option<LaneEntry>,
+    /// When handing out this entry started its request (state queued to running): how long the
+    /// request had waited to start, by Redis's clock (for the stats by stage).
+    pub(crate) started_after: Option<Duration>,
 }
 
 impl Entry {
@@ -225,9 +237,9 @@ pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> 
         let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
         let mut keys = keys.all().to_vec();
         keys.extend([active.as_str(), armed.as_str()]);
-        return next(store.fcall(Func::LaneAcquire, &keys, args).await?, true);
+        return Ok(next(store.fcall(Func::LaneAcquire, &keys, args).await?, true)?.0);
     }
-    next(store.fcall(Func::Acquire, &keys.all(), args).await?, true)
+    Ok(next(store.fcall(Func::Acquire, &keys.all(), args).await?, true)?.0)
 }
 
 /// How one entry of a batch ended, as `ack` records it.
@@ -264,13 +276,14 @@ pub(crate) struct Report<'a> {
 }
 
 /// `ack`: the slot reports the batch it ran, in the order it was handed out, and asks for more or
-/// gives the token back (`then`).
+/// gives the token back (`then`). Also returns the lane requests the call finished (a `lane_ack`
+/// announces them itself; the slot only counts them).
 pub(crate) async fn ack(
     store: &Store,
     holding: &Holding<'_>,
     then: Then,
     reports: Vec<Report<'_>>,
-) -> Result<Next> {
+) -> Result<(Next, Vec<Done>)> {
     let mut keys: Vec<String> =
         store.keys.request(&holding.element.key_id).all().iter().map(|k| (*k).to_owned()).collect();
     let lane = lane_of(&holding.element.key_id).map(|(shard, _)| shard);
@@ -309,17 +322,28 @@ pub(crate) async fn ack(
     next(store.fcall(func, &keys, args).await?, false)
 }
 
-/// Reads an acquire (`with_policy`) or ack reply.
-fn next(reply: Value, with_policy: bool) -> Result<Next> {
-    let mut items = reply::array(reply)?.into_iter();
+/// Reads an acquire (`with_policy`) or ack reply, and the lane requests a `lane_ack` reports
+/// finished (a trailing `{'done', ...}` item).
+fn next(reply: Value, with_policy: bool) -> Result<(Next, Vec<Done>)> {
+    let mut items = reply::array(reply)?;
+    let done = match items.last() {
+        Some(Value::Array(last)) if last.first().and_then(Value::as_str).as_deref() == Some("done") => {
+            read_done(items.pop().unwrap_or(Value::Null))?
+        }
+        _ => Vec::new(),
+    };
+    let mut items = items.into_iter();
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
-    Ok(match tag.as_str() {
+    let next = match tag.as_str() {
         "run" => {
             let mut items = items.peekable();
             // A lane's entries carry their own policies, its replies none of their own.
-            let lane = matches!(items.peek(), Some(Value::Array(e)) if e.len() == 7);
+            let lane = matches!(items.peek(), Some(Value::Array(e)) if e.len() >= 7);
+            let mut started_after = None;
             let mut policy = if with_policy && !lane {
-                Some(read_policy(items.next().unwrap_or(Value::Null))?)
+                let (policy, waited) = read_policy(items.next().unwrap_or(Value::Null))?;
+                started_after = waited;
+                Some(policy)
             } else {
                 None
             };
@@ -339,12 +363,19 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
                     }),
                     _ => None,
                 };
+                // A lane entry's eighth field; a request's wait, from the policy, goes with its
+                // batch's first entry.
+                let waited = match f.next() {
+                    Some(ms) => Some(Duration::from_millis(reply::int(&ms)?.max(0) as u64)),
+                    None => started_after.take(),
+                };
                 entries.push(Entry {
                     id: reply::text(&id)?,
                     index: reply::int(&index)? as u64,
                     payload: reply::bytes(payload)?,
                     attempt: reply::int(&attempt)? as u32,
                     lane,
+                    started_after: waited,
                 });
             }
             let Some(first) = entries.first() else {
@@ -368,7 +399,21 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
         "stale" => Next::Stale,
         "fenced" => Next::Fenced,
         other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
-    })
+    };
+    Ok((next, done))
+}
+
+/// The requests of a `lane_ack`'s trailing `{'done', state, lifecycle, ...}`.
+fn read_done(item: Value) -> Result<Vec<Done>> {
+    let mut fields = reply::array(item)?.into_iter().skip(1);
+    let mut done = Vec::new();
+    while let (Some(state), Some(lifecycle)) = (fields.next(), fields.next()) {
+        let lifecycle = reply::text(&lifecycle)?
+            .parse()
+            .map_err(|_| Error::Protocol("a finished lane request's lifecycle is not a number".into()))?;
+        done.push(Done { state: reply::text(&state)?, lifecycle });
+    }
+    Ok(done)
 }
 
 /// A lane request's policy from its record's settings (`lane::Settings`): the library hands the
@@ -376,23 +421,24 @@ fn next(reply: Value, with_policy: bool) -> Result<Next> {
 fn read_lane_policy(pol: &str) -> Result<Policy> {
     let [_, _, _, max_attempts, timeout, base, cap] =
         super::lane::Settings::parse(pol)?.values.map(|v| v as i64);
-    read_policy(Value::Array(vec![max_attempts.into(), timeout.into(), base.into(), cap.into()]))
+    Ok(read_policy(Value::Array(vec![max_attempts.into(), timeout.into(), base.into(), cap.into()]))?.0)
 }
 
 /// A policy as the library reports it: `{max attempts, timeout ms, backoff base ms, backoff max ms
-/// [, token shards]}`.
-fn read_policy(value: Value) -> Result<Policy> {
+/// [, token shards [, queue wait ms]]}`, and the queue wait when `acquire` started the request.
+fn read_policy(value: Value) -> Result<(Policy, Option<Duration>)> {
     let p: Vec<i64> = reply::array(value)?.iter().map(reply::int).collect::<Result<_>>()?;
     let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
         return Err(Error::Protocol("a policy has fewer than four fields".into()));
     };
-    Ok(Policy {
+    let policy = Policy {
         max_attempts: max_attempts.max(1) as u32,
         timeout: (timeout > 0).then(|| Duration::from_millis(timeout as u64)),
         backoff_base: Duration::from_millis(base.max(0) as u64),
         backoff_max: Duration::from_millis(cap.max(0) as u64),
         shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
-    })
+    };
+    Ok((policy, rest.get(1).map(|w| Duration::from_millis((*w).max(0) as u64))))
 }
 
 /// One hold to check with `holds`: token `k` at `epoch`, held by `holder`.

@@ -8,6 +8,7 @@
 //! the context of the handler running under one that does not.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -56,15 +57,14 @@ impl Leases {
     }
 
     /// Cancels every running handler: this worker was declared dead, its tokens moved on.
-    pub(crate) fn cancel_all(&self) {
-        for (_, _, cancel) in self.lock().values() {
-            cancel.cancel();
-        }
+    /// Returns how many holds were lost (not counting those cancelled before).
+    pub(crate) fn cancel_all(&self) -> u64 {
+        self.lock().values().map(|(_, _, cancel)| u64::from(lost(cancel))).sum()
     }
 
     /// Asks whether every hold older than `age` still stands; cancels the handlers of those that
-    /// do not.
-    pub(crate) async fn check(&self, store: &Store, age: Duration) {
+    /// do not, and counts each such hold once in `leases_lost`.
+    pub(crate) async fn check(&self, store: &Store, age: Duration, leases_lost: &AtomicU64) {
         let snapshot: Vec<(LeaseKey, CancellationToken)> = self
             .lock()
             .values()
@@ -75,8 +75,10 @@ impl Leases {
         let lane_checks = records.map(|((record, lifecycle), cancel)| async move {
             match lane_request_live(store, &record, &lifecycle).await {
                 Ok(false) => {
-                    tracing::warn!(record, "lane request no longer live; cancelling its handler");
-                    cancel.cancel();
+                    if lost(&cancel) {
+                        tracing::warn!(record, "lane request no longer live; cancelling its handler");
+                        leases_lost.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 Ok(true) => {}
                 Err(e) => tracing::debug!(error = %e, "hold check failed"),
@@ -96,12 +98,12 @@ impl Leases {
                 .map(|(key, _)| Hold { k: &key.token, epoch: &key.epoch, holder: &key.holder })
                 .collect();
             match tokens::holds(store, &meta, &holds).await {
-                Ok(lost) => {
-                    for token in lost {
+                Ok(gone) => {
+                    for token in gone {
                         for (key, cancel) in &held {
-                            if key.token == token {
+                            if key.token == token && lost(cancel) {
                                 tracing::warn!(meta_key = %key.meta_key, token, "token no longer held; cancelling its handler");
-                                cancel.cancel();
+                                leases_lost.fetch_add(1, Ordering::Relaxed);
                             }
                         }
                     }
@@ -115,6 +117,14 @@ impl Leases {
             .collect::<Vec<()>>()
             .await;
     }
+}
+
+/// Cancels a lost hold's handler; whether it was not cancelled before (a handler that ignores
+/// its cancellation is found lost again at each check, and counted once).
+fn lost(cancel: &CancellationToken) -> bool {
+    let first = !cancel.is_cancelled();
+    cancel.cancel();
+    first
 }
 
 /// Whether a lane request's record is live (queued or running) at `lifecycle`, as the lane

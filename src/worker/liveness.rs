@@ -62,10 +62,14 @@ impl Liveness {
                     }
                 };
                 runtime.block_on(async move {
-                    // A connection of its own, driven by this thread's runtime.
+                    // A connection of its own, driven by this thread's runtime; its failed calls
+                    // count with the worker's.
                     let store = loop {
                         match crate::protocol::connect(&config).await {
-                            Ok(store) => break store,
+                            Ok(mut store) => {
+                                store.failed_calls = shared.store.failed_calls.clone();
+                                break store;
+                            }
                             Err(e) => {
                                 tracing::warn!(error = %e, "liveness thread cannot connect; retrying");
                                 tokio::select! {
@@ -134,7 +138,9 @@ async fn beats<H: Handler>(shared: &Shared<H>, store: &Store, mut info: WorkerIn
                 if !found.alive {
                     // Cut off longer than the lease: its tokens were (or are being) reclaimed, so
                     // its handlers' results would be refused. It goes on as a new worker.
-                    shared.leases.cancel_all();
+                    metrics
+                        .leases_lost
+                        .fetch_add(shared.leases.cancel_all(), std::sync::atomic::Ordering::Relaxed);
                     info.id = shared.renew_id();
                     first = true;
                     tracing::warn!(
@@ -153,7 +159,7 @@ async fn beats<H: Handler>(shared: &Shared<H>, store: &Store, mut info: WorkerIn
             }
             Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
         }
-        shared.leases.check(store, cfg.heartbeat).await;
+        shared.leases.check(store, cfg.heartbeat, &metrics.leases_lost).await;
     }
 }
 

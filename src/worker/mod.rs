@@ -40,7 +40,7 @@ impl Default for Quantum {
 }
 
 /// Counters of what a worker did, for logs and tests. Read with [`Worker::metrics`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 #[non_exhaustive]
 pub struct WorkerMetrics {
     /// Sub-requests whose result was stored.
@@ -58,35 +58,83 @@ pub struct WorkerMetrics {
     pub tokens_restored: AtomicU64,
     /// Tokens this worker's recovery reclaimed from dead workers' slots (their batches run again).
     pub holds_reclaimed: AtomicU64,
+    /// Holds this worker's slots lost while their handlers ran, each counted once: the hold check
+    /// of a beat found the token (or a lane entry's request) moved on (the request was cancelled
+    /// or failed fast, or the token was reclaimed), or the worker learned it had been declared
+    /// dead (every hold it had). The handlers were told to stop (`Context::cancelled`).
+    pub leases_lost: AtomicU64,
+    /// Calls to Redis that failed (unreachable, timed out, or answered with an error other than
+    /// one of the library's refusals), by any of the worker's connections.
+    pub redis_errors: Arc<AtomicU64>,
     /// Slots running a handler right now.
     pub busy_slots: AtomicU64,
-    /// How long each handler run took (every attempt).
-    pub run_time: RunTimes,
+    /// How long each handler run took (every attempt), [`TimeHistogram::RUN_BUCKETS`].
+    pub run_time: TimeHistogram,
+    /// How long each request this worker started had waited since it was submitted (its
+    /// commit, or its delay's end) until its first part was handed out here,
+    /// [`TimeHistogram::WAIT_BUCKETS`].
+    pub queue_wait: TimeHistogram,
 }
 
-/// A histogram of handler run times with fixed buckets ([`RunTimes::BUCKETS`], seconds),
-/// recorded with atomics: cheap enough for every run.
-#[derive(Debug, Default)]
-pub struct RunTimes {
-    /// Runs per bucket: above the previous bucket's bound, at most this one's.
-    counts: [AtomicU64; RunTimes::BUCKETS.len() + 1],
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        Self {
+            succeeded: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            fenced: AtomicU64::new(0),
+            tokens_restored: AtomicU64::new(0),
+            holds_reclaimed: AtomicU64::new(0),
+            leases_lost: AtomicU64::new(0),
+            redis_errors: Arc::default(),
+            busy_slots: AtomicU64::new(0),
+            run_time: TimeHistogram::new(&TimeHistogram::RUN_BUCKETS),
+            queue_wait: TimeHistogram::new(&TimeHistogram::WAIT_BUCKETS),
+        }
+    }
+}
+
+/// A histogram of durations with fixed buckets (seconds), recorded with atomics: cheap enough
+/// for every run.
+#[derive(Debug)]
+pub struct TimeHistogram {
+    /// The buckets' upper bounds in seconds (a last one, `+Inf`, is implied).
+    bounds: &'static [f64],
+    /// Samples per bucket: above the previous bucket's bound, at most this one's.
+    counts: Box<[AtomicU64]>,
     sum_us: AtomicU64,
 }
 
-impl RunTimes {
-    /// The buckets' upper bounds in seconds (a last one, `+Inf`, is implied).
-    pub const BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
+impl TimeHistogram {
+    /// The buckets of handler run times (seconds).
+    pub const RUN_BUCKETS: [f64; 12] =
+        [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
+
+    /// The buckets of queue waits (seconds): from a few ms for an idle system to an hour's backlog.
+    pub const WAIT_BUCKETS: [f64; 14] =
+        [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 300.0, 3600.0];
+
+    /// An empty histogram with these upper bounds (seconds, ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        Self { bounds, counts, sum_us: AtomicU64::new(0) }
+    }
+
+    /// The buckets' upper bounds in seconds (`+Inf` implied).
+    pub fn bounds(&self) -> &'static [f64] {
+        self.bounds
+    }
 
     pub(crate) fn observe(&self, took: Duration) {
         let secs = took.as_secs_f64();
-        let bucket = Self::BUCKETS.iter().position(|b| secs <= *b).unwrap_or(Self::BUCKETS.len());
+        let bucket = self.bounds.iter().position(|b| secs <= *b).unwrap_or(self.bounds.len());
         self.counts[bucket].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         self.sum_us.fetch_add(us, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The sum of the run times in seconds, the number of runs, and per bucket its upper bound
-    /// and the runs that fell in it (not cumulative: above the previous bound), the last bucket's
+    /// The sum of the samples in seconds, their number, and per bucket its upper bound and the
+    /// samples that fell in it (not cumulative: above the previous bound), the last bucket's
     /// bound being `f64::MAX` (`+Inf`), as the `prometheus-client` crate takes a histogram.
     pub fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
         let buckets: Vec<(f64, u64)> = self
@@ -95,7 +143,7 @@ impl RunTimes {
             .enumerate()
             .map(|(i, n)| {
                 (
-                    Self::BUCKETS.get(i).copied().unwrap_or(f64::MAX),
+                    self.bounds.get(i).copied().unwrap_or(f64::MAX),
                     n.load(std::sync::atomic::Ordering::Relaxed),
                 )
             })
@@ -117,9 +165,19 @@ pub struct WorkerBuilder<H> {
     idle_poll: Duration,
     shard_poll: Duration,
     shutdown_grace: Duration,
+    stage_stats: bool,
 }
 
 impl<H: Handler> WorkerBuilder<H> {
+    /// Whether this worker counts the stats by stage (`Admin::stats_since`; default on, unless
+    /// `Config::stats_retention` is zero). They cost no Redis call on the hot path: counts are
+    /// kept in memory and added with one call per `Config::stats_flush_interval`.
+    /// [`Worker::metrics`] counts either way.
+    pub fn stage_stats(mut self, on: bool) -> Self {
+        self.stage_stats = on;
+        self
+    }
+
     /// The most sub-requests a slot is handed at once (default 16). A slot asks for as many as
     /// fit in about 2 ms at its handlers' recent speed, so batches only form when handlers are
     /// fast; they run one after another under the slot's one token.
@@ -194,6 +252,12 @@ impl<H: Handler> WorkerBuilder<H> {
         }
         let store = crate::protocol::connect(&self.config).await?;
         let shards = store.keys.shards();
+        let metrics =
+            Arc::new(WorkerMetrics { redis_errors: store.failed_calls.clone(), ..Default::default() });
+        let stats = match self.stage_stats {
+            true => crate::stats::Recorder::new(self.config.stats_keep()),
+            false => crate::stats::Recorder::off(),
+        };
         let mut blocking = Vec::with_capacity(self.slots);
         for _ in 0..self.slots {
             blocking.push(store.blocking_client().await?);
@@ -209,7 +273,8 @@ impl<H: Handler> WorkerBuilder<H> {
                 idle_poll: self.idle_poll,
                 shard_poll: self.shard_poll,
                 shutdown_grace: self.shutdown_grace,
-                metrics: Arc::new(WorkerMetrics::default()),
+                metrics,
+                stats: Arc::new(stats),
                 leases: Leases::default(),
                 stopping: CancellationToken::new(),
                 wakes: Some(wake_tx),
@@ -251,6 +316,7 @@ impl<H: Handler> Worker<H> {
             idle_poll: Duration::from_secs(1),
             shard_poll: Duration::from_millis(100),
             shutdown_grace: Duration::from_secs(30),
+            stage_stats: true,
         }
     }
 
@@ -292,6 +358,13 @@ impl<H: Handler> Worker<H> {
         // know would be reclaimed by recovery's backstop.
         registry::beat(&shared.store, &info, true).await?;
         let liveness = liveness::Liveness::start(shared.clone(), info, self.wakes)?;
+        // The stats by stage reach Redis once per flush interval, and once more after the slots
+        // stopped (below).
+        let flushing = CancellationToken::new();
+        let flusher = shared.stats.is_on().then(|| {
+            let (shared, stop) = (shared.clone(), flushing.clone());
+            tokio::spawn(async move { crate::stats::flush_until(&shared.stats, &shared.store, stop).await })
+        });
         let listening = higher::listen(&shared.store, shared.higher.clone()).await;
         let mut slots = tokio::task::JoinSet::new();
         let shards = shared.store.keys.shards();
@@ -329,6 +402,10 @@ impl<H: Handler> Worker<H> {
         }
         // The last calls share one bound: with Redis unreachable, the worker still stops.
         let last = async {
+            flushing.cancel();
+            if let Some(flusher) = flusher {
+                let _ = flusher.await;
+            }
             liveness.stop(STOP_WAIT).await;
             let id = shared.id();
             match registry::leave(&shared.store, &id).await {

@@ -33,6 +33,7 @@ use crate::request::PartError;
 use crate::request::Priority;
 use crate::request::RequestId;
 use crate::shards::Placement;
+use crate::stats::{Counter, Recorder, Timing};
 use crate::store::Store;
 
 /// How long an aborted handler (attempt timeout, end of the shutdown grace) may take to stop before
@@ -63,6 +64,8 @@ pub(crate) struct Shared<H> {
     pub(crate) shutdown_grace: Duration,
     pub(crate) leases: Leases,
     pub(crate) metrics: Arc<WorkerMetrics>,
+    /// The worker's counts for the stats by stage, flushed by `Worker::run_until`.
+    pub(crate) stats: Arc<Recorder>,
     /// Set when the worker stops: slots finish what runs and take no new token.
     pub(crate) stopping: CancellationToken,
     /// Where wake-ups for parked tokens go (the worker's liveness thread); none under the checker.
@@ -458,6 +461,12 @@ async fn run_batches<H: Handler>(
         shared.leases.hold(slot.n, lease.clone(), cancel.clone());
         let mut outcomes = Vec::with_capacity(entries.len());
         for entry in &entries {
+            if let Some(waited) = entry.started_after {
+                // This hand-out started the request: its queue wait, reported by the library.
+                shared.metrics.queue_wait.observe(waited);
+                shared.stats.count(token.priority, Counter::Started, 1);
+                shared.stats.time(token.priority, Timing::Wait, waited);
+            }
             // Once stopping (or once the grace ran out), the rest of the batch is handed back.
             if shared.stopping.is_cancelled() || matches!(outcomes.last(), Some(Outcome::Skipped)) {
                 outcomes.push(Outcome::Skipped);
@@ -478,12 +487,15 @@ async fn run_batches<H: Handler>(
             shared.metrics.busy_slots.fetch_add(1, Relaxed);
             let outcome = run_handler(shared, token, entry, entry.policy(policy), cancel).await;
             shared.metrics.busy_slots.fetch_sub(1, Relaxed);
-            shared.metrics.run_time.observe(began.elapsed());
-            turn.batching.observe(began.elapsed());
+            let took = began.elapsed();
+            shared.metrics.run_time.observe(took);
+            shared.stats.time(token.priority, Timing::Run, took);
+            turn.batching.observe(took);
             turn.ran += 1;
             outcomes.push(outcome);
         }
-        let acked = ack(shared, holding, &entries, policy, outcomes, turn.then(shared, token)).await;
+        let acked =
+            ack(shared, holding, token.priority, &entries, policy, outcomes, turn.then(shared, token)).await;
         shared.leases.release(slot.n);
         next = match acked {
             Ok(next) => next,
@@ -508,6 +520,7 @@ async fn settle<H: Handler>(
         }
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
+            shared.stats.finished(token.priority, &finished.state, finished.lifecycle);
             crate::shards::finish(&shared.store, &token.element.key_id, place, finished).await?;
         }
         // A retry falls due later: the token is woken then.
@@ -516,6 +529,7 @@ async fn settle<H: Handler>(
         }
         Next::Fenced => {
             shared.metrics.fenced.fetch_add(1, Relaxed);
+            shared.stats.count(token.priority, Counter::Fenced, 1);
             tracing::warn!("fenced: this slot no longer holds the token as it was (the request was cancelled, this worker was declared dead, or the ack was re-sent after it ran); its results were dropped");
             // A re-sent ack whose first copy ran is fenced too, and that copy may have handed this
             // slot a batch it never saw: settle it as recovery would (a no-op if the token moved on).
@@ -735,10 +749,13 @@ fn outcome_of<O: serde::Serialize>(
 }
 
 /// Reports a batch's outcomes (`policy` decides which failures are retried) and asks for more or
-/// gives the token back (`then`).
+/// gives the token back (`then`). The stats by stage count the outcomes, and the lane requests the
+/// call finished, once the library accepted them (not when the ack is fenced).
+#[allow(clippy::too_many_arguments)]
 async fn ack<H: Handler>(
     shared: &Shared<H>,
     holding: &Holding<'_>,
+    priority: Priority,
     entries: &[Entry],
     policy: Policy,
     outcomes: Vec<Outcome>,
@@ -746,12 +763,15 @@ async fn ack<H: Handler>(
 ) -> Result<Next> {
     let store = &shared.store;
     let m = &shared.metrics;
+    // Succeeded, retried, dead-lettered.
+    let mut counts = [0u64; 3];
     let mut reports = Vec::with_capacity(entries.len());
     for (entry, outcome) in entries.iter().zip(outcomes) {
         let policy = entry.policy(policy);
         let reported = match outcome {
             Outcome::Done(bytes) => {
                 m.succeeded.fetch_add(1, Relaxed);
+                counts[0] += 1;
                 tokens::Outcome::Ok(bytes)
             }
             Outcome::Skipped => tokens::Outcome::Skip,
@@ -762,10 +782,12 @@ async fn ack<H: Handler>(
                     serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?.into();
                 if last {
                     m.dead_lettered.fetch_add(1, Relaxed);
+                    counts[2] += 1;
                     tracing::warn!(index = entry.index, attempt = entry.attempt, error = %record.message, "sub-request dead-lettered");
                     tokens::Outcome::Dead(body)
                 } else {
                     m.retried.fetch_add(1, Relaxed);
+                    counts[1] += 1;
                     let delay = policy.backoff(entry.attempt, store.deterministic());
                     tracing::info!(index = entry.index, attempt = entry.attempt, ?delay, error = %record.message, "sub-request will be retried");
                     tokens::Outcome::Retry { record: body, delay }
@@ -781,7 +803,19 @@ async fn ack<H: Handler>(
             lane,
         });
     }
-    tokens::ack(store, holding, then, reports)
+    let (next, done) = tokens::ack(store, holding, then, reports)
         .instrument(tracing::debug_span!("ack", entries = entries.len()))
-        .await
+        .await?;
+    if !matches!(next, Next::Fenced) {
+        let stats = &shared.stats;
+        for (counter, n) in
+            [Counter::Succeeded, Counter::Retried, Counter::DeadLettered].into_iter().zip(counts)
+        {
+            stats.count(priority, counter, n);
+        }
+        for d in done {
+            stats.finished(priority, &d.state, d.lifecycle);
+        }
+    }
+    Ok(next)
 }

@@ -169,11 +169,18 @@ pub(crate) enum Command {
         producer send), else as the text or bytes it is. `sluicegate requeue ID` runs them again.")]
     Dead(IdArg),
 
-    /// Tokens waiting per priority, active requests, live workers.
-    #[command(
-        after_help = "Example:\n  sluicegate stats\n  sluicegate --json stats | jq '.workers | length'"
-    )]
-    Stats,
+    /// Tokens waiting per priority, active requests, live workers; with --since, the stats by
+    /// stage of that window.
+    #[command(after_help = "Example:\n  \
+        sluicegate stats\n  \
+        sluicegate --json stats | jq '.workers | length'\n  \
+        sluicegate stats --since 1h\n  \
+        sluicegate --json stats --since 15m | jq '.priorities[0].queue_wait.buckets'\n\n\
+        With --since, per priority: requests submitted, started, completed and failed, sub-request\n\
+        attempts succeeded, retried and dead-lettered, acks fenced, each with its rate per second,\n\
+        and p50/p95/p99 of the queue wait, run time and request duration. Counted in one-minute\n\
+        buckets: the window starts at the beginning of the minute it falls in.")]
+    Stats(StatsArgs),
 
     /// Stop workers taking new tokens of the namespace, or of one priority; submits still work.
     #[command(after_help = "Example:\n  \
@@ -305,6 +312,11 @@ pub(crate) struct WorkerArgs {
     /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics, e.g. 127.0.0.1:9464.
     #[arg(long = "metrics-addr", value_name = "ADDR")]
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+
+    /// Do not count the stats by stage (`stats --since`) of the work this worker does; its
+    /// --metrics-addr metrics count either way.
+    #[arg(long = "no-stage-stats")]
+    pub(crate) no_stage_stats: bool,
 }
 
 #[derive(Args, Debug)]
@@ -397,6 +409,14 @@ pub(crate) struct ReprioritizeArgs {
     /// Its new priority: 0 (lowest) to 99 (highest).
     #[arg(value_name = "PRIORITY", value_parser = clap::value_parser!(u8).range(0..=99))]
     pub(crate) priority: u8,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct StatsArgs {
+    /// Show the stats by stage of this last stretch of time (1m to 31d): counts, rates and
+    /// latency percentiles per priority.
+    #[arg(long, value_parser = duration, value_name = "DURATION")]
+    pub(crate) since: Option<Duration>,
 }
 
 #[derive(Args, Debug)]

@@ -13,6 +13,7 @@ mod listing;
 mod ops;
 mod output;
 mod reprioritize;
+mod stats;
 mod submit;
 mod worker;
 
@@ -133,7 +134,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Cancel(args) => ops::cancel(&ctx, &args.id).await,
         Command::Requeue(args) => ops::requeue(&ctx, &args.id).await,
         Command::Reprioritize(args) => reprioritize::run(&ctx, args).await,
-        Command::Stats => ops::stats(&ctx).await,
+        Command::Stats(args) => match args.since {
+            None => ops::stats(&ctx).await,
+            Some(since) => stats::since(&ctx, since).await,
+        },
         Command::Dead(args) => ops::dead(&ctx, &args.id).await,
         Command::Purge(args) => listing::purge(&ctx, &args).await,
         Command::List(args) => listing::list(&ctx, &args).await,

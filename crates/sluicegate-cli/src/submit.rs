@@ -67,6 +67,11 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
         all_at_once(request, reader, args.max_payload_bytes).await?
     };
     let id = handle.id().clone();
+    // This process may exit soon: its count of the submit goes to the stats by stage now (a
+    // failure there fails nothing).
+    if let Err(e) = producer.flush_stats().await {
+        eprintln!("warning: the submit was not counted in the stats by stage: {e}");
+    }
 
     if !args.wait {
         // A streamed request printed its id when it opened.

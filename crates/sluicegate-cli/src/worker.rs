@@ -16,7 +16,11 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
     let shown = exec.shown().to_owned();
     let worker = ctx
         .connecting(
-            Worker::builder(&ctx.config, exec).slots(args.slots).shutdown_grace(args.shutdown_grace).build(),
+            Worker::builder(&ctx.config, exec)
+                .slots(args.slots)
+                .shutdown_grace(args.shutdown_grace)
+                .stage_stats(!args.no_stage_stats)
+                .build(),
         )
         .await?;
     let metrics = worker.metrics();

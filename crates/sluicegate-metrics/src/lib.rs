@@ -228,6 +228,16 @@ impl Collector for WorkerCollector {
                 "Tokens this worker's recovery took back from dead workers' slots (their batches run again)",
                 &m.holds_reclaimed,
             ),
+            (
+                "leases_lost",
+                "Holds this worker's slots lost while their handlers ran (the token or a lane entry's request moved on, or this worker was declared dead); the handlers were told to stop",
+                &m.leases_lost,
+            ),
+            (
+                "redis_errors",
+                "Calls to Redis by this worker that failed: unreachable, timed out, or an error reply (not the library's refusals)",
+                &m.redis_errors,
+            ),
         ] {
             let counter = ConstCounter::new(count.load(Relaxed));
             let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
@@ -245,6 +255,16 @@ impl Collector for WorkerCollector {
         let mut family = encoder.encode_descriptor(
             "run",
             "How long handler runs took (every attempt)",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        family
+            .encode_family(&labels)?
+            .encode_histogram::<Vec<(String, String)>>(sum, count, &buckets, None)?;
+        let (sum, count, buckets) = m.queue_wait.snapshot();
+        let mut family = encoder.encode_descriptor(
+            "queue_wait",
+            "How long the requests this worker started had waited from their submit to their first part's start",
             Some(&Unit::Seconds),
             MetricType::Histogram,
         )?;
@@ -274,6 +294,13 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("sluicegate_run_seconds_count{namespace=\"ns1\"} 0\n"), "{text}");
+        assert!(text.contains("sluicegate_queue_wait_seconds_count{namespace=\"ns1\"} 0\n"), "{text}");
+        assert!(
+            text.contains("sluicegate_queue_wait_seconds_bucket{le=\"3600.0\",namespace=\"ns1\"} 0\n"),
+            "{text}"
+        );
+        assert!(text.contains("sluicegate_leases_lost_total{namespace=\"ns1\"} 0\n"), "{text}");
+        assert!(text.contains("sluicegate_redis_errors_total{namespace=\"ns1\"} 0\n"), "{text}");
         assert!(text.contains("# TYPE sluicegate_slots_busy gauge\n"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }

@@ -602,6 +602,73 @@ fn bad_input_is_one_line_naming_the_problem() {
 }
 
 #[test]
+fn stats_since_shows_each_priority_s_stages_as_the_work_went() {
+    let sg = Sg::new("cli-stage-stats");
+    let out = sg.run(&["stats", "--since", "1h"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).ends_with("\nnothing counted in this window\n"), "{}", stdout(&out));
+    let worker = sg.worker(&fixture("flaky.sh"), &[]);
+    sg.wait_for_workers(1);
+    // Priority 60: lines 1 and 3 fail twice, then succeed: completed, 4 retried, 4 succeeded.
+    let out = sg.run_with_input(
+        &["submit", "--priority", "60", "--max-attempts", "3", "--backoff", "10ms", "--wait"],
+        b"a\nb\nc\nd\n",
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Priority 20: line 1 fails both of its attempts: failed, 1 retried, 1 dead-lettered.
+    let out = sg.run_with_input(
+        &["submit", "--priority", "20", "--max-attempts", "2", "--backoff", "10ms", "--wait"],
+        b"x\ny\n",
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    // The worker adds its last counts as it stops.
+    worker.stop();
+    let out = sg.run(&["stats", "--since", "1h"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let block = |priority: &str| -> Vec<(String, u64)> {
+        let start = text.find(&format!("\npriority {priority}\n")).unwrap_or_else(|| panic!("{text}"));
+        text[start + 1..]
+            .lines()
+            .skip(1)
+            .take(8)
+            .map(|l| {
+                let words: Vec<&str> = l.split_whitespace().collect();
+                assert!(words[2].ends_with("/s"), "{l}");
+                (words[0].to_owned(), words[1].parse().unwrap())
+            })
+            .collect()
+    };
+    let named = |counts: [u64; 8]| -> Vec<(String, u64)> {
+        ["submitted", "started", "completed", "failed", "succeeded", "retried", "dead-lettered", "fenced"]
+            .iter()
+            .map(|n| (*n).to_owned())
+            .zip(counts)
+            .collect()
+    };
+    assert_eq!(block("60"), named([1, 1, 1, 0, 4, 4, 0, 0]), "{text}");
+    assert_eq!(block("20"), named([1, 1, 0, 1, 1, 1, 1, 0]), "{text}");
+    assert!(text.find("priority 60") < text.find("priority 20"), "highest first: {text}");
+    // Every attempt was timed: 8 runs at priority 60, 3 at 20; one wait and duration per request.
+    for (line, samples) in [("run time", 8), ("queue wait", 1), ("duration", 1)] {
+        let found = text.lines().find(|l| l.trim_start().starts_with(line)).unwrap();
+        assert!(found.contains(" p50 ") && found.contains(" p99 "), "{found}");
+        let sample_word = if samples == 1 { "sample" } else { "samples" };
+        assert!(found.ends_with(&format!("({samples} {sample_word})")), "{found}");
+    }
+    // --json: the same, with every histogram's buckets and the minutes as stored.
+    let json = sg.json(&["stats", "--since", "1h"]);
+    let p20 = &json["priorities"][1];
+    assert_eq!((p20["priority"].clone(), p20["dead_lettered"].clone()), (Value::from(20), Value::from(1)), "{json}");
+    let runs: u64 = p20["run_time"]["buckets"].as_array().unwrap().iter().map(|b| b["count"].as_u64().unwrap()).sum();
+    assert_eq!(runs, 3, "{json}");
+    assert!(!json["minutes"].as_array().unwrap().is_empty(), "{json}");
+    // Plain `stats` is as it was.
+    assert!(stdout(&sg.run(&["stats"])).starts_with("active requests  0\n"));
+    assert_fails(&sg.run(&["stats", "--since", "40d"]), 2, "--since must be more than 0s and at most 31 days");
+}
+
+#[test]
 fn pause_holds_a_submitted_request_until_resume_and_stats_and_status_say_so() {
     let sg = Sg::new("cli-pause");
     let paused = sg.json(&["pause"]);
@@ -780,11 +847,26 @@ fn a_worker_serves_metrics_that_count_the_work_it_did_as_openmetrics() {
     let sg = Sg::new("cli-metrics");
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
-    let worker = sg.worker(&fixture("upper.sh"), &["--metrics-addr", &addr]);
+    let worker = sg.worker(&fixture("sleepy.sh"), &["--metrics-addr", &addr]);
     sg.wait_for_workers(1);
     let lines: String = (0..12).map(|i| format!("line {i}\n")).collect();
     let out = sg.run_with_input(&["submit", "--concurrency", "3", "--wait"], lines.as_bytes());
     assert!(out.status.success(), "{}", stderr(&out));
+    // A second request, cancelled while its one part runs: its hold is lost once.
+    let out = sg.run_with_input(&["submit", "--id", "slow", "--concurrency", "1"], b"sleep\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let busy = format!("sluicegate_slots_busy{{namespace=\"{}\"}} 1", sg.ns);
+    while !scrape(&addr).1.lines().any(|l| l == busy) {
+        assert!(Instant::now() < deadline, "the slow part never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(sg.run(&["cancel", "slow"]).status.success());
+    let lost = |text: &str| text.lines().any(|l| l == format!("sluicegate_leases_lost_total{{namespace=\"{}\"}} 1", sg.ns));
+    while !lost(&scrape(&addr).1) {
+        assert!(Instant::now() < deadline, "the lost hold was not counted:\n{}", scrape(&addr).1);
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let (head, text) = scrape(&addr);
     assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.to_ascii_lowercase().contains("content-type: application/openmetrics-text"), "{head}");
@@ -793,9 +875,14 @@ fn a_worker_serves_metrics_that_count_the_work_it_did_as_openmetrics() {
     for sample in [
         format!("sluicegate_subrequests_total{{namespace=\"{ns}\",outcome=\"succeeded\"}} 12"),
         format!("sluicegate_subrequests_total{{namespace=\"{ns}\",outcome=\"dead_lettered\"}} 0"),
-        format!("sluicegate_run_seconds_count{{namespace=\"{ns}\"}} 12"),
-        format!("sluicegate_run_seconds_bucket{{le=\"+Inf\",namespace=\"{ns}\"}} 12"),
+        format!("sluicegate_run_seconds_count{{namespace=\"{ns}\"}} 13"),
+        format!("sluicegate_run_seconds_bucket{{le=\"+Inf\",namespace=\"{ns}\"}} 13"),
         format!("sluicegate_slots_busy{{namespace=\"{ns}\"}} 0"),
+        // Two requests started, each once; one hold lost; no call failed.
+        format!("sluicegate_queue_wait_seconds_count{{namespace=\"{ns}\"}} 2"),
+        format!("sluicegate_queue_wait_seconds_bucket{{le=\"+Inf\",namespace=\"{ns}\"}} 2"),
+        format!("sluicegate_leases_lost_total{{namespace=\"{ns}\"}} 1"),
+        format!("sluicegate_redis_errors_total{{namespace=\"{ns}\"}} 0"),
     ] {
         assert!(text.lines().any(|l| l == sample), "{sample} not in:\n{text}");
     }
