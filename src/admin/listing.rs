@@ -462,8 +462,7 @@ impl Admin {
         let rows = self.store.keys.index_rows(home);
         let row: Option<String> = self.store.client.hget(rows.as_str(), key_id).await?;
         let Some(row) = row else { return Ok(None) };
-        let tags = row.splitn(4, '|').nth(3).unwrap_or("").split(',').filter(|t| !t.is_empty());
-        let tags = tags.map(str::to_owned).collect();
+        let tags = listing::Row::parse(&row)?.tags;
         let tracked: Option<f64> =
             self.store.client.zscore(self.store.keys.index_set(home, "tracked").as_str(), key_id).await?;
         Ok(Some((tags, tracked.is_some())))
@@ -491,6 +490,11 @@ impl Admin {
                 "request \"{id}\" has not finished (or its finish is still being recorded): cancel it first"
             ))
         };
+        // A refusal by `purge` itself (its state not terminal) says the same, with the id.
+        let say_unfinished = |e: Error| match e {
+            Error::Refused(_) => unfinished(),
+            e => e,
+        };
         let purged = match crate::shards::placement(&self.store, &keys.meta).await? {
             Some(place) => {
                 let home = home_shard(&key_id, place.shards);
@@ -499,20 +503,14 @@ impl Admin {
                 if active.is_some() {
                     return Err(unfinished());
                 }
-                let purged = listing::purge(&self.store, &keys.all()).await.map_err(|e| match e {
-                    Error::Refused(_) => unfinished(),
-                    e => e,
-                })?;
+                let purged = listing::purge(&self.store, &keys.all()).await.map_err(say_unfinished)?;
                 listing::unlist(&self.store, home, &key_id).await?;
                 purged
             }
             None => {
                 let home = crate::shards::lane_home(&self.store, &key_id);
                 let record = self.store.keys.record(home, &key_id);
-                let purged = listing::purge(&self.store, &[record.as_str()]).await.map_err(|e| match e {
-                    Error::Refused(_) => unfinished(),
-                    e => e,
-                })?;
+                let purged = listing::purge(&self.store, &[record.as_str()]).await.map_err(say_unfinished)?;
                 listing::unlist(&self.store, home, &key_id).await?;
                 purged
             }

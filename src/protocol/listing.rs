@@ -40,7 +40,8 @@ impl Row {
         format!("{kind}|{}|{}|{}", priority.get(), limit.get(), tags.join(","))
     }
 
-    fn parse(row: &str) -> Result<Row> {
+    /// A row as `encode` wrote it.
+    pub(crate) fn parse(row: &str) -> Result<Row> {
         let bad = || Error::Protocol(format!("malformed listing row {row:?}"));
         let mut f = row.splitn(4, '|');
         let kind = match f.next() {
