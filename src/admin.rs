@@ -20,7 +20,9 @@ use crate::worker::registry;
 pub use crate::worker::WorkerInfo;
 
 mod listing;
+mod tally;
 pub use listing::{ListPage, ListQuery, ListState, ListedRequest, MAX_LIST_LIMIT, MAX_LIST_LOOK};
+pub use tally::{Tally, MAX_TALLY};
 
 /// The most token shards a configuration may name (`Config::token_shards`): a pause is written
 /// on each of them.
@@ -138,6 +140,10 @@ pub struct Stats {
     pub tokens_held: u64,
     /// Requests by state.
     pub requests: RequestCounts,
+    /// Token capacity, parked tokens and dead letters, added up from the requests' records.
+    pub tally: Tally,
+    /// Memory Redis uses (`used_memory`), summed over a cluster's primaries.
+    pub redis_memory_bytes: u64,
 }
 
 /// What an operator paused in a namespace ([`Admin::pause`]).
@@ -417,7 +423,9 @@ impl Admin {
         ))
     }
 
-    /// Tokens waiting per priority, active requests, live workers.
+    /// Tokens waiting per priority, active requests, live workers, requests by state, what is
+    /// paused, the [`Tally`] of the requests' records and Redis's memory. Its cost is bounded: a
+    /// few round trips per shard, and at most [`MAX_TALLY`] records read.
     pub async fn stats(&self) -> Result<Stats> {
         let keys = &self.store.keys;
         // Summed over the configured shards (each shard's lists share a slot: one pipeline each).
@@ -486,6 +494,8 @@ impl Admin {
             paused: self.paused().await?,
             tokens_held,
             requests,
+            tally: self.tally().await?,
+            redis_memory_bytes: self.redis_memory().await?,
         })
     }
 

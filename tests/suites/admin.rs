@@ -171,6 +171,18 @@ async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
     assert!(s.tokens_waiting.iter().all(|p| (150..60_000).contains(&p.oldest_waiting_ms)), "{:?}", s.tokens_waiting);
     assert_eq!((s.active_requests, s.workers.len(), s.tokens_held), (2, 0, 0));
     assert_eq!((s.requests.unfinished, s.requests.completed), (2, 0));
+    // Every token the records own is waiting, held or parked (the small requests ride their
+    // priority's lane: its idle tokens are parked).
+    let waiting: u64 = s.tokens_waiting.iter().map(|p| p.tokens).sum();
+    let t = s.tally.clone();
+    assert_eq!(t.token_capacity, waiting + s.tokens_held + t.tokens_parked, "{t:?}");
+    assert!(t.token_capacity >= 5 && t.dead_letters == 0 && t.complete, "{t:?}");
+    assert!(s.redis_memory_bytes > 100_000, "{}", s.redis_memory_bytes);
+    // A streamed request's tokens are parked until its parts come.
+    let open = producer.request().concurrency(4).unwrap().open().await.unwrap();
+    let s = admin.stats().await.unwrap();
+    assert_eq!((s.tally.token_capacity, s.tally.tokens_parked), (t.token_capacity + 4, t.tokens_parked + 4));
+    open.handle().cancel().await.unwrap();
 
     let w = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
     a.wait::<u64>().await.unwrap();
@@ -208,6 +220,9 @@ async fn dead_lists_each_dead_letters_error_and_payload_for_lane_and_own_stream_
         assert!(dead.iter().all(|d| d.error.message == format!("job {} failed on purpose", d.index)), "{dead:?}");
     }
     assert!(admin.dead(fine.id()).await.unwrap().is_empty());
+    // The failed requests' dead letters, both kinds, count while they are retained.
+    let tally = admin.stats().await.unwrap().tally;
+    assert_eq!(tally.dead_letters, 4, "{tally:?}");
     let unknown = admin.dead(&sluicegate::RequestId::new("never").unwrap()).await.unwrap_err();
     assert!(matches!(unknown, sluicegate::Error::UnknownRequest(_)), "{unknown}");
     w.stop().await;

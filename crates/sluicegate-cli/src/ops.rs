@@ -260,6 +260,24 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// `n` bytes in the largest binary unit that keeps it at 1 or more (one decimal).
+fn bytes_text(n: u64) -> String {
+    let mut value = n as f64;
+    let mut unit = "B";
+    for next in ["KiB", "MiB", "GiB", "TiB"] {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = next;
+    }
+    if unit == "B" {
+        format!("{n} B")
+    } else {
+        format!("{value:.1} {unit}")
+    }
+}
+
 fn stats_lines(stats: &Stats, now_ms: u64) -> Vec<String> {
     let mut lines = vec![format!("active requests  {}", stats.active_requests)];
     if !stats.paused.is_empty() {
@@ -283,6 +301,15 @@ fn stats_lines(stats: &Stats, now_ms: u64) -> Vec<String> {
         lines.push(format!("tokens waiting   {}", waiting.join(", ")));
     }
     lines.push(format!("tokens held      {}", stats.tokens_held));
+    let t = &stats.tally;
+    let partial =
+        if t.complete { String::new() } else { format!(" (of the first {} records only)", t.records_read) };
+    lines.push(format!(
+        "token capacity   {} of unfinished requests, {} parked{partial}",
+        t.token_capacity, t.tokens_parked
+    ));
+    lines.push(format!("dead letters     {}{partial}", t.dead_letters));
+    lines.push(format!("redis memory     {}", bytes_text(stats.redis_memory_bytes)));
     let r = &stats.requests;
     lines.push(format!(
         "requests         {} unfinished, {} completed, {} failed, {} cancelled (finished: within their retention)",

@@ -168,6 +168,23 @@ impl Collector for NamespaceCollector {
             ("requests_active", "Requests not yet done with (recovery's index)", s.active_requests),
             ("workers", "Workers whose registration is fresh", s.workers.len() as u64),
             ("worker_slots", "Slots of those workers", slots as u64),
+            (
+                "token_capacity",
+                "Tokens the unfinished requests own (each one's min(limit, parts), each lane's limit): waiting + held + parked, once recovery has repaired any drift",
+                s.tally.token_capacity,
+            ),
+            (
+                "tokens_parked",
+                "Tokens parked: their request had nothing to hand out (parts running or backing off, a streamed request waiting for parts, a scheduled one for its time)",
+                s.tally.tokens_parked,
+            ),
+            (
+                "dead_letters",
+                "Dead letters held by failed requests within their retention and by unfinished requests with keys of their own",
+                s.tally.dead_letters,
+            ),
+            ("tally_complete", "1 when token_capacity, tokens_parked and dead_letters cover every request (0: they cover the first sluicegate::MAX_TALLY records only)", u64::from(s.tally.complete)),
+            ("redis_memory_bytes", "Memory Redis uses (used_memory), summed over a cluster's primaries", s.redis_memory_bytes),
         ] {
             let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
             let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;

@@ -933,9 +933,16 @@ fn metrics_serves_the_namespaces_backlog_workers_and_pauses_as_openmetrics() {
         format!("sluicegate_tokens_held{{namespace=\"{ns}\"}} 0"),
         format!("sluicegate_requests{{namespace=\"{ns}\",state=\"unfinished\"}} 2"),
         format!("sluicegate_requests{{namespace=\"{ns}\",state=\"failed\"}} 0"),
+        format!("sluicegate_token_capacity{{namespace=\"{ns}\"}} 4"),
+        format!("sluicegate_tokens_parked{{namespace=\"{ns}\"}} 0"),
+        format!("sluicegate_dead_letters{{namespace=\"{ns}\"}} 0"),
+        format!("sluicegate_tally_complete{{namespace=\"{ns}\"}} 1"),
     ] {
         assert!(text.lines().any(|l| l == sample), "{sample} not in:\n{text}");
     }
+    let memory = format!("sluicegate_redis_memory_bytes{{namespace=\"{ns}\"}} ");
+    let used = text.lines().find_map(|l| l.strip_prefix(memory.as_str())).and_then(|v| v.parse::<u64>().ok());
+    assert!(used.is_some_and(|b| b > 100_000), "{memory} not in:\n{text}");
     let oldest = format!("sluicegate_oldest_waiting_seconds{{namespace=\"{ns}\",priority=\"80\"}} ");
     assert!(text.lines().any(|l| l.starts_with(&oldest)), "{oldest} not in:\n{text}");
     server.stop();
