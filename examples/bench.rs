@@ -6,7 +6,7 @@
 //! cargo run --release --example bench -- window             # only when named: 2 x 10,000,000 parts
 //! cargo run --release --example bench -- loader             # only when named: 1,000,000 x 10 parts
 //! cargo run --release --example bench -- cluster            # only when named: many_small, 3 masters
-//! cargo run --release --example bench -- stats_overhead     # only when named: stage stats off vs on
+//! cargo run --release --example bench -- stats_overhead     # only when named: metrics (stage stats, scrapes) off vs on
 //! cargo run --release --example bench -- many_small memory  # some scenarios
 //! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
 //! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
@@ -23,7 +23,7 @@ use fred::prelude::*;
 use futures::future::try_join_all;
 use futures::{StreamExt, TryStreamExt};
 use sluicegate::{
-    async_trait, Config, Context, Handler, HandlerError, Listener, Loader, Producer, Quantum, Worker,
+    async_trait, Admin, Config, Context, Handler, HandlerError, Listener, Loader, Producer, Quantum, Worker,
 };
 use sluicegate_testkit::{connect, RedisCluster, TestRedis};
 use tokio_util::sync::CancellationToken;
@@ -737,8 +737,9 @@ impl Bench {
     /// The cost of the stats by stage: the same drain of `requests` one-part requests (each in
     /// its priority's lane: per part a start, a run, a success and a finish to count, the most
     /// stats work per part of any workload), queued before one worker of 16 slots starts, with
-    /// the worker's stage stats off and on, alternately, `BENCH_STATS_ROUNDS` times each (default
-    /// 5). Rows: the median throughput of each, and the memory the minutes' hashes took.
+    /// the worker's metrics off and on, alternately, `BENCH_STATS_ROUNDS` times each (default
+    /// 5). On: the worker's stage stats, and `Admin::stats` read once a second as a `sluicegate
+    /// metrics` process does at each scrape (Prometheus's default is every 15 s). Rows: the median throughput of each, and the memory the minutes' hashes took.
     async fn stats_overhead(&self) -> Result<Vec<Row>, BoxError> {
         let requests = self.scaled(30_000);
         let rounds: usize =
@@ -764,8 +765,19 @@ impl Bench {
                 let own_before = process_cpu_s().unwrap_or(0.0);
                 let started = Instant::now();
                 let (stop, task) = self.worker_with(&config, Noop::default(), SLOTS, stage_stats).await?;
+                // Metrics on: also what `sluicegate metrics` does at each scrape (one
+                // `Admin::stats`: lists, counters, the tally of records, INFO), once a second.
+                let scraper = match stage_stats {
+                    true => Some(scrape_every(Admin::connect(&config).await?, Duration::from_secs(1))),
+                    false => None,
+                };
                 for _ in 0..requests {
                     events.next().await?;
+                }
+                if let Some((scraper, scrapes)) = scraper {
+                    scraper.abort();
+                    let n = scrapes.load(std::sync::atomic::Ordering::Relaxed);
+                    eprintln!("stats_overhead round {round}: {n} scrapes during the drain");
                 }
                 let rate = requests as f64 / started.elapsed().as_secs_f64();
                 let own = (process_cpu_s().unwrap_or(0.0) - own_before) * 1e6 / requests as f64;
@@ -774,7 +786,7 @@ impl Bench {
                 task.await??;
                 let cpu = (after.cpu_s - before.cpu_s) * 1e6 / requests as f64;
                 eprintln!(
-                    "stats_overhead round {round}: stage stats {}: {rate:.0} parts/s, Redis {cpu:.2} µs/part, \
+                    "stats_overhead round {round}: metrics {}: {rate:.0} parts/s, Redis {cpu:.2} µs/part, \
                      this process {own:.2} µs/part",
                     if stage_stats { "on" } else { "off" }
                 );
@@ -813,7 +825,7 @@ impl Bench {
         let mut rows = Vec::new();
         for (name, rate, cpu, what) in [("stats_off", off, cpu_off, "off"), ("stats_on", on, cpu_on, "on")] {
             let mut row = Row::new(name, requests).note(format!(
-                "{requests} x 1 part queued (lanes), {SLOTS} slots, worker stage stats {what}: median of {rounds} rounds; on/off throughput {change:+.1}% (paired {paired:+.1}%), bench process CPU µs/part off {own_off:.2}, on {own_on:.2}"
+                "{requests} x 1 part queued (lanes), {SLOTS} slots, metrics {what} (stage stats, a namespace scrape per second): median of {rounds} rounds; on/off throughput {change:+.1}% (paired {paired:+.1}%), bench process CPU µs/part off {own_off:.2}, on {own_on:.2}"
             ));
             row.throughput_per_s = Some(rate);
             row.redis_cpu_us_per_item = Some(cpu);
@@ -901,6 +913,26 @@ impl Bench {
 
 /// Submits `requests` requests of `parts` parts each (limit `limit`), 64 submits in flight, as a
 /// loader would; returns once every one is accepted.
+/// Reads `Admin::stats` every `every` until aborted, as one `sluicegate metrics` process scraped
+/// that often would; counts the reads.
+fn scrape_every(
+    admin: Admin,
+    every: Duration,
+) -> (tokio::task::JoinHandle<()>, Arc<std::sync::atomic::AtomicU64>) {
+    let scrapes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = scrapes.clone();
+    let task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            if admin.stats().await.is_ok() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    });
+    (task, scrapes)
+}
+
 async fn queue(producer: &Producer, requests: u64, parts: u64, limit: u32) -> Result<(), BoxError> {
     futures::stream::iter(0..requests)
         .map(|_| async {
