@@ -127,7 +127,7 @@ impl Producer {
             if self.takes_lane(&spec, &first) && parts.peek().is_none() {
                 // A generated id is unique, so its record needs no nonce to know a re-sent submit.
                 let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
-                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0);
+                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, "");
                 lane::submit(&self.store, &req, first).await?;
                 self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
                 tracing::debug!("request durable and queued in its lane");
@@ -138,8 +138,8 @@ impl Producer {
             // back (it may be the winner's, when two producers submit one id).
             let row = Row::encode(Kind::Own, spec.priority, spec.concurrency, &spec.tags);
             let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
-            let req =
-                spec.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&self.store));
+            let deadline = registration.deadline(&self.store);
+            let req = spec.new_request(&id, &key_id, &nonce, place.shards, deadline, "");
             let elements = self.write(&req, spec.delay, first, parts).await?;
             // A delayed request is first looked at (and promoted) when its time comes.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
@@ -508,7 +508,8 @@ impl RequestBuilder<'_> {
         (self, id)
     }
 
-    /// What the request is created with, as the submit functions take it.
+    /// What the request is created with, as the submit functions take it (`trace`: its trace
+    /// context, empty for none).
     fn new_request<'a>(
         &'a self,
         id: &'a RequestId,
@@ -516,6 +517,7 @@ impl RequestBuilder<'_> {
         nonce: &'a str,
         shards: u32,
         deadline: i64,
+        trace: &'a str,
     ) -> NewRequest<'a> {
         NewRequest {
             id,
@@ -533,6 +535,7 @@ impl RequestBuilder<'_> {
             window: self.window,
             discard: self.discard,
             tags: &self.tags,
+            trace,
         }
     }
 
@@ -553,8 +556,8 @@ impl RequestBuilder<'_> {
         let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
         let row = Row::encode(Kind::Own, self.priority, self.concurrency, &self.tags);
         let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
-        let req =
-            self.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&producer.store));
+        let deadline = registration.deadline(&producer.store);
+        let req = self.new_request(&id, &key_id, &nonce, place.shards, deadline, "");
         submit::stream_open(&producer.store, &req, self.open_expiry).await?;
         // Its first look: when it expires unfinalized, or the census interval.
         let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
