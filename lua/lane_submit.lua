@@ -12,7 +12,8 @@
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
 -- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
 -- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
--- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15..] payloads (1 to 64)
+-- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15] trace context ('' =
+-- none; as submit_open's ARGV[14], stored as the record's `trace`)   ARGV[16..] payloads (1 to 64)
 -- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
 -- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
@@ -28,10 +29,12 @@ local function lane_submit(keys, args)
   if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
     return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
   end
-  local n = #args - 14
+  local n = #args - 15
   if n < 1 or n > SG_LANE_MAX_PARTS then
     return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
   end
+  invalid = sg_check_trace(args[15])
+  if invalid then return invalid end
   local record = keys[7]
   local seen = redis.call('HMGET', record, 'lc', 'nonce')
   if seen[1] then
@@ -58,6 +61,10 @@ local function lane_submit(keys, args)
     fields[#fields + 1] = 'id'
     fields[#fields + 1] = args[3]
   end
+  if args[15] ~= '' then
+    fields[#fields + 1] = 'trace'
+    fields[#fields + 1] = args[15]
+  end
   if fed < n then
     fields[#fields + 1] = 'nf'
     fields[#fields + 1] = fed
@@ -66,11 +73,11 @@ local function lane_submit(keys, args)
   if args[11] == '1' then from = 0 end
   for i = from, n - 1 do
     fields[#fields + 1] = 'w' .. i
-    fields[#fields + 1] = args[15 + i]
+    fields[#fields + 1] = args[16 + i]
   end
   redis.call('HSET', record, unpack(fields))
   sg_ix_add(sg_ix(keys[10]), args[2], args[14], now)
-  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[15 + i]) end
+  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}

@@ -104,6 +104,19 @@ local function sg_check_new(prio, limit, args, from, to)
   return nil
 end
 
+-- Checks the trace context a producer passes with a new request (docs/protocol.md §4, "Trace
+-- context"): nil or '' for none, else a JSON object of at most 4096 bytes, stored as it is and read
+-- by no function. Its first and last bytes, '{' and '}', also tell it from a payload (a MessagePack
+-- value that starts with 0x7b is that one byte), so that a client that still sends payloads in its
+-- place is refused instead of losing a part. The error reply, or nil.
+local function sg_check_trace(trace)
+  if trace == nil or trace == '' then return nil end
+  if #trace > 4096 or string.byte(trace, 1) ~= 123 or string.byte(trace, -1) ~= 125 then
+    return redis.error_reply('SGINVALID a trace context is empty or a JSON object of at most 4096 bytes')
+  end
+  return nil
+end
+
 -- Every request-side function (all but holds) takes the same six keys, all with the request's
 -- hash tag:
 --   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash

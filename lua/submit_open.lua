@@ -11,6 +11,8 @@
 -- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
 -- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
 -- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
+-- ARGV[14] trace context (optional; '' or absent = none): the producer's send span as its
+-- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -28,6 +30,9 @@ local function submit_open(keys, args)
     return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
   end
   if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  local trace = args[14] or ''
+  invalid = sg_check_trace(trace)
+  if invalid then return invalid end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -43,6 +48,8 @@ local function submit_open(keys, args)
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
     'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
     'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
+  -- Only a traced request carries the field.
+  if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

@@ -46,6 +46,13 @@
 //!
 //! docs/architecture.md argues the invariants; docs/protocol.md documents the Redis keys and
 //! functions precisely enough to write a client in another language.
+//!
+//! ## Cargo features
+//! - `tls` (default): `rediss://` connections, through rustls.
+//! - `otel`: OpenTelemetry spans, `send <namespace>` around each submit and `process <namespace>`
+//!   around each handler run, with the trace context carried in Redis from one to the other; they
+//!   go to the global tracer provider and propagator of the `opentelemetry` crate
+//!   (docs/operations.md, "Tracing").
 
 mod admin;
 #[cfg(test)]
@@ -58,6 +65,7 @@ mod keys;
 #[cfg(test)]
 mod layering;
 mod loader;
+mod otel;
 mod producer;
 pub mod protocol;
 mod reply;

@@ -14,6 +14,7 @@ use tracing::Instrument;
 use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
+use crate::otel;
 use crate::protocol::lane;
 use crate::protocol::listing::{Kind, Row};
 use crate::protocol::submit::{self, NewRequest};
@@ -104,7 +105,9 @@ impl Producer {
     {
         let id = spec.id.clone().unwrap_or_else(RequestId::generate);
         let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
-        async {
+        let send = otel::SendSpan::request(self.store.config.namespace_str(), &id, spec.priority);
+        let trace = send.carried();
+        let submitted = async {
             check_duration("delay", spec.delay)?;
             if spec.window > 0 || spec.discard {
                 // A whole request is bounded by what the producer hands over at once; the window
@@ -127,7 +130,8 @@ impl Producer {
             if self.takes_lane(&spec, &first) && parts.peek().is_none() {
                 // A generated id is unique, so its record needs no nonce to know a re-sent submit.
                 let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
-                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0);
+                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, &trace);
+                send.count(first.len() as u64);
                 lane::submit(&self.store, &req, first).await?;
                 self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
                 tracing::debug!("request durable and queued in its lane");
@@ -138,9 +142,10 @@ impl Producer {
             // back (it may be the winner's, when two producers submit one id).
             let row = Row::encode(Kind::Own, spec.priority, spec.concurrency, &spec.tags);
             let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
-            let req =
-                spec.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&self.store));
-            let elements = self.write(&req, spec.delay, first, parts).await?;
+            let deadline = registration.deadline(&self.store);
+            let req = spec.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace);
+            let (elements, total) = self.write(&req, spec.delay, first, parts).await?;
+            send.count(total);
             // A delayed request is first looked at (and promoted) when its time comes.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
             crate::shards::push(&self.store, &key_id, place, Look::First(registration), next, elements)
@@ -150,26 +155,29 @@ impl Producer {
             Ok(RequestHandle { id: id.clone(), producer: self.clone() })
         }
         .instrument(span)
-        .await
+        .await;
+        send.end(&submitted);
+        submitted
     }
 
     /// Creates the request with its parts, `first` (already encoded) and then the rest: in one
     /// call if there is no rest, else opened, loaded chunk by chunk and committed. Returns the
-    /// token elements to push.
+    /// token elements to push, and how many parts it has.
     async fn write<I, T>(
         &self,
         req: &NewRequest<'_>,
         delay: Duration,
         first: Vec<Value>,
         rest: I,
-    ) -> Result<Vec<Value>>
+    ) -> Result<(Vec<Value>, u64)>
     where
         I: Iterator<Item = T>,
         T: Serialize,
     {
         let mut rest = rest.peekable();
         if rest.peek().is_none() {
-            return submit::submit_small(&self.store, req, delay, first).await;
+            let total = first.len() as u64;
+            return Ok((submit::submit_small(&self.store, req, delay, first).await?, total));
         }
         submit::submit_open(&self.store, req, delay).await?;
         let total = match self.load(req.key_id, req.nonce, first, rest).await {
@@ -182,7 +190,7 @@ impl Producer {
             }
         };
         // From here on the request may be committed: never delete it on error.
-        submit::submit_commit(&self.store, req.key_id, total, req.nonce).await
+        Ok((submit::submit_commit(&self.store, req.key_id, total, req.nonce).await?, total))
     }
 
     /// Writes the parts in chunks, `first` (already encoded) and then the rest. Returns how many.
@@ -508,7 +516,8 @@ impl RequestBuilder<'_> {
         (self, id)
     }
 
-    /// What the request is created with, as the submit functions take it.
+    /// What the request is created with, as the submit functions take it (`trace`: the context
+    /// of its send span, `otel`).
     fn new_request<'a>(
         &'a self,
         id: &'a RequestId,
@@ -516,6 +525,7 @@ impl RequestBuilder<'_> {
         nonce: &'a str,
         shards: u32,
         deadline: i64,
+        trace: &'a str,
     ) -> NewRequest<'a> {
         NewRequest {
             id,
@@ -533,6 +543,7 @@ impl RequestBuilder<'_> {
             window: self.window,
             discard: self.discard,
             tags: &self.tags,
+            trace,
         }
     }
 
@@ -547,30 +558,37 @@ impl RequestBuilder<'_> {
         }
         let producer = self.producer.clone();
         let id = self.id.clone().unwrap_or_else(RequestId::generate);
-        let key_id = id.key_id();
-        let nonce = uuid::Uuid::new_v4().simple().to_string();
-        let cfg = &producer.store.config;
-        let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
-        let row = Row::encode(Kind::Own, self.priority, self.concurrency, &self.tags);
-        let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
-        let req =
-            self.new_request(&id, &key_id, &nonce, place.shards, registration.deadline(&producer.store));
-        submit::stream_open(&producer.store, &req, self.open_expiry).await?;
-        // Its first look: when it expires unfinalized, or the census interval.
-        let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
-        crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
-            .await?;
-        producer.counting.recorder.count(self.priority, Counter::Submitted, 1);
-        let window = self.window;
-        Ok(OpenRequest {
-            handle: RequestHandle { id, producer },
-            key_id,
-            nonce,
-            place,
-            added: 0,
-            window,
-            outstanding: 0,
-        })
+        let send = otel::SendSpan::request(producer.store.config.namespace_str(), &id, self.priority);
+        let trace = send.carried();
+        let opened = async {
+            let key_id = id.key_id();
+            let nonce = uuid::Uuid::new_v4().simple().to_string();
+            let cfg = &producer.store.config;
+            let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
+            let row = Row::encode(Kind::Own, self.priority, self.concurrency, &self.tags);
+            let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
+            let deadline = registration.deadline(&producer.store);
+            let req = self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace);
+            submit::stream_open(&producer.store, &req, self.open_expiry).await?;
+            // Its first look: when it expires unfinalized, or the census interval.
+            let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
+            crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
+                .await?;
+            producer.counting.recorder.count(self.priority, Counter::Submitted, 1);
+            Ok(OpenRequest {
+                handle: RequestHandle { id: id.clone(), producer: producer.clone() },
+                key_id,
+                nonce,
+                place,
+                added: 0,
+                window: self.window,
+                outstanding: 0,
+                sent: send.link(),
+            })
+        }
+        .await;
+        send.end(&opened);
+        opened
     }
 }
 
@@ -586,6 +604,8 @@ pub struct OpenRequest {
     /// The window (0 = none) and the outstanding parts the last append or poll reported.
     window: u64,
     outstanding: u64,
+    /// The request's send span, which the send spans of its parts link to (`otel`).
+    sent: otel::RequestSpan,
 }
 
 impl OpenRequest {
@@ -608,6 +628,26 @@ impl OpenRequest {
     /// [`window`](RequestBuilder::window) of W, each call of up to `min(1,000, W)` parts first
     /// waits until it fits: until at most W minus its size of the parts added are unsettled.
     pub async fn add<I, T>(&mut self, parts: I) -> Result<()>
+    where
+        I: IntoIterator<Item = T>,
+        T: Serialize,
+    {
+        let store = &self.handle.producer.store;
+        let send = otel::SendSpan::parts(
+            store.config.namespace_str(),
+            &self.handle.id,
+            self.place.priority,
+            &self.sent,
+        );
+        let before = self.added;
+        let added = self.append(parts).await;
+        send.count(self.added - before);
+        send.end(&added);
+        added
+    }
+
+    /// [`add`](Self::add), without its span.
+    async fn append<I, T>(&mut self, parts: I) -> Result<()>
     where
         I: IntoIterator<Item = T>,
         T: Serialize,

@@ -106,6 +106,19 @@ local function sg_check_new(prio, limit, args, from, to)
   return nil
 end
 
+-- Checks the trace context a producer passes with a new request (docs/protocol.md §4, "Trace
+-- context"): nil or '' for none, else a JSON object of at most 4096 bytes, stored as it is and read
+-- by no function. Its first and last bytes, '{' and '}', also tell it from a payload (a MessagePack
+-- value that starts with 0x7b is that one byte), so that a client that still sends payloads in its
+-- place is refused instead of losing a part. The error reply, or nil.
+local function sg_check_trace(trace)
+  if trace == nil or trace == '' then return nil end
+  if #trace > 4096 or string.byte(trace, 1) ~= 123 or string.byte(trace, -1) ~= 125 then
+    return redis.error_reply('SGINVALID a trace context is empty or a JSON object of at most 4096 bytes')
+  end
+  return nil
+end
+
 -- Every request-side function (all but holds) takes the same six keys, all with the request's
 -- hash tag:
 --   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
@@ -835,6 +848,8 @@ end
 -- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
 -- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
 -- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
+-- ARGV[14] trace context (optional; '' or absent = none): the producer's send span as its
+-- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -852,6 +867,9 @@ local function submit_open(keys, args)
     return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
   end
   if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  local trace = args[14] or ''
+  invalid = sg_check_trace(trace)
+  if invalid then return invalid end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -867,6 +885,8 @@ local function submit_open(keys, args)
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
     'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
     'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
+  -- Only a traced request carries the field.
+  if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])
@@ -958,12 +978,14 @@ end
 -- request with recovery (register) before, and pushes the elements (push) after, as for any
 -- submit.
 -- KEYS[1..6] the request's keys (prelude.lua)
--- ARGV[1..13] as submit_open's   ARGV[14] request key id   ARGV[15..] payloads
+-- ARGV[1..13] as submit_open's   ARGV[14] request key id   ARGV[15] trace context ('' = none;
+-- submit_open's ARGV[14])   ARGV[16..] payloads
 -- Returns the token elements to push, or submit_open's / submit_commit's errors. The same call
 -- re-sent after a reconnect returns the elements of the tokens still queued.
 local function submit_small(keys, args)
   local open_args = {}
   for i = 1, 13 do open_args[i] = args[i] end
+  open_args[14] = args[15]
   local opened = submit_open(keys, open_args)
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then
@@ -971,10 +993,10 @@ local function submit_small(keys, args)
     return submit_commit(keys, {args[14], '0', args[9]})
   end
   local load_args = {args[9], '0'}
-  for i = 15, #args do load_args[#load_args + 1] = args[i] end
+  for i = 16, #args do load_args[#load_args + 1] = args[i] end
   local loaded = load_parts(keys, load_args)
   if type(loaded) == 'table' and loaded.err then return loaded end
-  return submit_commit(keys, {args[14], tostring(#args - 14), args[9]})
+  return submit_commit(keys, {args[14], tostring(#args - 15), args[9]})
 end
 
 -- submit_abort: a producer gives up a submit that failed while loading: its keys go at once,
@@ -998,7 +1020,8 @@ end
 -- fail fast   ARGV[13] token shards (submit_open's ARGV[12])   ARGV[14] deadline (submit_open's
 -- ARGV[13])   ARGV[15] window W (optional; 0 or absent = none): the producer keeps at most W
 -- parts unsettled, and acks trim the stream as they go (stored as `window`)   ARGV[16] '1' =
--- discard results: `ok` results are never stored (stored as `discard`)
+-- discard results: `ok` results are never stored (stored as `discard`)   ARGV[17] trace context
+-- (optional; '' or absent = none; submit_open's ARGV[14])
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
@@ -1011,7 +1034,7 @@ local function stream_open(keys, args)
     return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or ''})
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or ''})
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
   local now = sg_now()
@@ -2330,7 +2353,8 @@ end
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
 -- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
 -- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
--- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15..] payloads (1 to 64)
+-- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15] trace context ('' =
+-- none; as submit_open's ARGV[14], stored as the record's `trace`)   ARGV[16..] payloads (1 to 64)
 -- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
 -- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
@@ -2346,10 +2370,12 @@ local function lane_submit(keys, args)
   if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
     return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
   end
-  local n = #args - 14
+  local n = #args - 15
   if n < 1 or n > SG_LANE_MAX_PARTS then
     return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
   end
+  invalid = sg_check_trace(args[15])
+  if invalid then return invalid end
   local record = keys[7]
   local seen = redis.call('HMGET', record, 'lc', 'nonce')
   if seen[1] then
@@ -2376,6 +2402,10 @@ local function lane_submit(keys, args)
     fields[#fields + 1] = 'id'
     fields[#fields + 1] = args[3]
   end
+  if args[15] ~= '' then
+    fields[#fields + 1] = 'trace'
+    fields[#fields + 1] = args[15]
+  end
   if fed < n then
     fields[#fields + 1] = 'nf'
     fields[#fields + 1] = fed
@@ -2384,11 +2414,11 @@ local function lane_submit(keys, args)
   if args[11] == '1' then from = 0 end
   for i = from, n - 1 do
     fields[#fields + 1] = 'w' .. i
-    fields[#fields + 1] = args[15 + i]
+    fields[#fields + 1] = args[16 + i]
   end
   redis.call('HSET', record, unpack(fields))
   sg_ix_add(sg_ix(keys[10]), args[2], args[14], now)
-  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[15 + i]) end
+  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}

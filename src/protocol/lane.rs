@@ -58,6 +58,7 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         i64::from(store.config.lane_tokens).into(),
         ms(store.config.census_interval),
         Row::encode(Kind::Lane, req.priority, req.concurrency, req.tags).into(),
+        req.trace.into(),
     ];
     args.extend(parts);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();

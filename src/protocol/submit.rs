@@ -13,8 +13,8 @@ use crate::request::RequestId;
 use crate::request::{Concurrency, Priority};
 use crate::store::Store;
 
-/// What a new request is created with (`submit_open`'s `ARGV[1..9]` and `ARGV[11..13]`; `stream_open` and
-/// `submit_small` take the same).
+/// What a new request is created with (`submit_open`'s `ARGV[1..9]` and `ARGV[11..14]`; `stream_open`,
+/// `submit_small` and `lane_submit` take the same).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NewRequest<'a> {
     /// The id as the producer gave it.
@@ -49,11 +49,13 @@ pub(crate) struct NewRequest<'a> {
     pub(crate) window: u64,
     /// A streamed request whose `ok` results are never stored (`stream_open`'s `ARGV[16]`).
     pub(crate) discard: bool,
+    /// Its trace context, stored as `trace` for the workers' spans (`otel`; empty: none).
+    pub(crate) trace: &'a str,
 }
 
 impl NewRequest<'_> {
-    /// `submit_open`'s arguments, with `delay_or_expiry` as `ARGV[10]` (a delay; for `stream_open`,
-    /// the open expiry).
+    /// `submit_open`'s arguments up to `ARGV[13]`, with `delay_or_expiry` as `ARGV[10]` (a delay;
+    /// for `stream_open`, the open expiry).
     fn args(&self, store: &Store, delay_or_expiry: Duration) -> Vec<Value> {
         vec![
             self.id.as_str().into(),
@@ -83,7 +85,7 @@ pub(crate) async fn submit_small(
 ) -> Result<Vec<Value>> {
     let keys = store.keys.request(req.key_id);
     let mut args = req.args(store, delay);
-    args.push(req.key_id.into());
+    args.extend([req.key_id.into(), req.trace.into()]);
     args.extend(parts);
     reply::array(store.fcall(Func::SubmitSmall, &keys.all(), args).await.map_err(|e| created(req.id, e))?)
 }
@@ -91,11 +93,10 @@ pub(crate) async fn submit_small(
 /// `submit_open`: creates the request in state `loading`, `delay` before it runs once committed.
 pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Duration) -> Result<()> {
     let keys = store.keys.request(req.key_id);
+    let mut args = req.args(store, delay);
+    args.push(req.trace.into());
     // Returns 1: nothing to read.
-    store
-        .fcall(Func::SubmitOpen, &keys.all(), req.args(store, delay))
-        .await
-        .map_err(|e| created(req.id, e))?;
+    store.fcall(Func::SubmitOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }
 
@@ -150,6 +151,7 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
     args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
     args.push((req.window as i64).into());
     args.push((if req.discard { "1" } else { "0" }).into());
+    args.push(req.trace.into());
     store.fcall(Func::StreamOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }

@@ -26,6 +26,7 @@ use super::{Quantum, WorkerMetrics};
 use crate::codec;
 use crate::error::{retry_transient, Error, Result};
 use crate::keys::RequestKeys;
+use crate::otel;
 use crate::protocol::recovery::{self as calls, Reclaimed};
 use crate::protocol::tokens::{self, Entry, Holding, Next, Policy, Report, Then};
 use crate::protocol::TokenElement;
@@ -129,6 +130,12 @@ struct Token {
 }
 
 impl Policy {
+    /// Whether a failure of `attempt` dead-letters the part (permanent, or its last attempt),
+    /// rather than scheduling a retry.
+    fn is_last(&self, attempt: u32, permanent: bool) -> bool {
+        permanent || attempt >= self.max_attempts
+    }
+
     /// Exponential backoff with "equal jitter": half fixed, half random, capped. `deterministic`
     /// (the checker) takes the middle of the range instead of a random point.
     fn backoff(&self, attempt: u32, deterministic: bool) -> Duration {
@@ -445,6 +452,8 @@ async fn run_batches<H: Handler>(
     };
     let mut policy = None;
     let mut next = first;
+    // The trace contexts of the requests this hold runs parts of, read as they come (`otel`).
+    let mut carried = otel::Carried::new();
     loop {
         let entries = match next {
             Next::Run(entries, p) => {
@@ -456,6 +465,7 @@ async fn run_batches<H: Handler>(
         let Some(policy) = policy else {
             return Err(Error::Protocol("acquire did not report the request's policy".into()));
         };
+        carried.learn(&shared.store, &token.keys.meta, token.shard, &entries).await;
         // Not a child of `stopping`: a graceful stop lets the running handler finish.
         let cancel = CancellationToken::new();
         shared.leases.hold(slot.n, lease.clone(), cancel.clone());
@@ -485,7 +495,8 @@ async fn run_batches<H: Handler>(
             };
             let began = Instant::now();
             shared.metrics.busy_slots.fetch_add(1, Relaxed);
-            let outcome = run_handler(shared, token, entry, entry.policy(policy), cancel).await;
+            let outcome =
+                run_handler(shared, token, entry, entry.policy(policy), cancel, carried.of(entry)).await;
             shared.metrics.busy_slots.fetch_sub(1, Relaxed);
             let took = began.elapsed();
             shared.metrics.run_time.observe(took);
@@ -630,7 +641,9 @@ async fn wake_later<H: Handler>(shared: &Shared<H>, key_id: &str, shards: u32, w
 }
 
 /// Runs the handler in its own task, so that a panic is caught and recorded, not fatal; applies
-/// the request's per-attempt timeout and the worker's shutdown grace.
+/// the request's per-attempt timeout and the worker's shutdown grace. The run has its process span
+/// (`otel`), child of the send span whose context its request carries (`carried`), current while
+/// the handler runs.
 ///
 /// A handler aborted at its timeout (or at the end of the grace) that does not stop, because it
 /// blocks or spins and so never reaches an await, still runs: the slot waits for it to end before
@@ -642,13 +655,8 @@ async fn run_handler<H: Handler>(
     entry: &Entry,
     policy: Policy,
     cancel: CancellationToken,
+    carried: &str,
 ) -> Outcome {
-    let input: H::Input = match codec::decode(&entry.payload) {
-        Ok(input) => input,
-        Err(e) => {
-            return Outcome::Failed { message: format!("payload does not decode: {e}"), permanent: true }
-        }
-    };
     // A lane entry's request is its own, not the lane's.
     let request_id = match &entry.lane {
         Some(lane) => match RequestId::from_key_id(&lane.key_id) {
@@ -662,17 +670,49 @@ async fn run_handler<H: Handler>(
         },
         None => token.request_id.clone(),
     };
+    let namespace = shared.store.config.namespace_str();
+    let span =
+        otel::ProcessSpan::start(namespace, &request_id, token.priority, entry.index, entry.attempt, carried);
     let ctx = Context {
-        request_id: request_id.clone(),
+        request_id,
         index: entry.index,
         attempt: entry.attempt,
         priority: token.priority,
         cancelled: cancel.clone(),
     };
+    let outcome = supervise(shared, entry, policy, cancel, ctx, &span).await;
+    span.end(match &outcome {
+        Outcome::Done(_) => otel::Ended::Ok,
+        Outcome::Skipped => otel::Ended::Skipped,
+        Outcome::Failed { message, permanent } => otel::Ended::Failed {
+            message,
+            permanent: *permanent,
+            last: policy.is_last(entry.attempt, *permanent),
+        },
+    });
+    outcome
+}
+
+/// [`run_handler`]'s run of the handler on `entry` as `ctx` says, with `span` current.
+async fn supervise<H: Handler>(
+    shared: &Shared<H>,
+    entry: &Entry,
+    policy: Policy,
+    cancel: CancellationToken,
+    ctx: Context,
+    span: &otel::ProcessSpan,
+) -> Outcome {
+    let input: H::Input = match codec::decode(&entry.payload) {
+        Ok(input) => input,
+        Err(e) => {
+            return Outcome::Failed { message: format!("payload does not decode: {e}"), permanent: true }
+        }
+    };
     let handler = shared.handler.clone();
-    let span =
-        tracing::info_span!("handle", request_id = %request_id, index = entry.index, attempt = entry.attempt);
-    let mut task = tokio::spawn(async move { handler.handle(ctx, input).await }.instrument(span));
+    let (index, attempt) = (entry.index, entry.attempt);
+    let logged = tracing::info_span!("handle", request_id = %ctx.request_id, index, attempt);
+    let mut task =
+        tokio::spawn(span.attach(async move { handler.handle(ctx, input).await }).instrument(logged));
     let timeout = async {
         match policy.timeout {
             Some(limit) => tokio::time::sleep(limit).await,
@@ -776,7 +816,7 @@ async fn ack<H: Handler>(
             }
             Outcome::Skipped => tokens::Outcome::Skip,
             Outcome::Failed { message, permanent } => {
-                let last = permanent || entry.attempt >= policy.max_attempts;
+                let last = policy.is_last(entry.attempt, permanent);
                 let record = PartError { message, attempts: entry.attempt, permanent };
                 let body: Bytes =
                     serde_json::to_vec(&record).map_err(|e| Error::Codec(e.to_string()))?.into();

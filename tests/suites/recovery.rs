@@ -787,6 +787,7 @@ async fn a_producer_that_stalls_past_its_deadline_creates_nothing() {
         ["stalled", "50", "1", "2000", "1", "0", "0", "0", "nonce", "0", "0", "1"].map(Value::from).to_vec();
     args.push((registered_at + 1_000).into());
     args.push(kid.into());
+    args.push("".into()); // no trace context
     args.push(payload);
     let mut all: Vec<Value> = vec![fcall("submit_small").into(), 6.into()];
     all.extend(raw.request_keys(kid).into_iter().map(Value::from));
