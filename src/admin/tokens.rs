@@ -97,7 +97,7 @@ pub struct RequestTokens {
     pub state: Option<RequestState>,
     /// Its priority.
     pub priority: u8,
-    /// Tokens it owns (`ntok`: `min(limit, parts)`, a streamed request's limit).
+    /// Tokens it owns (`ntok`: `min(limit, parts)`, a streamed request's limit; 0 once finished).
     pub expected: u64,
     /// Of those, queued in a priority list.
     pub queued: u64,
@@ -202,7 +202,9 @@ fn request_tokens(key_id: &str, meta: &HashMap<String, String>, list: bool) -> R
     let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
     let lane = lane_of(key_id);
     let shards = num("shards").unwrap_or(1).max(1) as u32;
-    let expected = num("ntok").unwrap_or(0);
+    let state: Option<RequestState> = meta.get("state").and_then(|s| s.parse().ok());
+    // A finished request's record keeps its `ntok`, but it owns no token any more.
+    let expected = if state.is_some_and(RequestState::is_terminal) { 0 } else { num("ntok").unwrap_or(0) };
     let mut tokens = Vec::new();
     let (mut queued, mut held, mut parked) = (0, 0, 0);
     let mut numbered: Vec<(u64, &String)> =
@@ -226,7 +228,7 @@ fn request_tokens(key_id: &str, meta: &HashMap<String, String>, list: bool) -> R
     RequestTokens {
         id,
         lane: lane.is_some(),
-        state: meta.get("state").and_then(|s| s.parse().ok()),
+        state,
         priority: lane.map_or_else(|| num("prio").unwrap_or(0) as u8, |(_, p)| p.get()),
         expected,
         queued,

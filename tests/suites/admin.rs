@@ -692,7 +692,7 @@ async fn tokens_say_who_holds_each_one_and_the_audit_finds_no_drift() {
 
     handle.wait::<u64>().await.unwrap();
     let done = admin.tokens(&id).await.unwrap();
-    assert_eq!((done.queued, done.held, done.parked, done.tokens.len()), (0, 0, 0, 0), "{done:?}");
+    assert_eq!((done.expected, done.queued, done.held, done.parked, done.tokens.len()), (0, 0, 0, 0, 0), "{done:?}");
     assert!(matches!(
         admin.tokens(&sluicegate::RequestId::new("nobody").unwrap()).await,
         Err(sluicegate::Error::UnknownRequest(_))

@@ -31,6 +31,11 @@ function h(tag, attrs, ...children) {
   return el;
 }
 
+/** Replaces an element's children, leaving out the null ones (a section not shown). */
+function fill(el, ...children) {
+  el.replaceChildren(...children.flat().filter(c => c !== null && c !== undefined && c !== false));
+}
+
 async function api(path, options) {
   const res = await fetch(path, Object.assign({ headers: { 'Accept': 'application/json' } }, options || {}));
   let body = null;
@@ -131,10 +136,11 @@ function chart(throughput) {
   const x = i => L + (W - L - R) * i / 59;
   const y = v => T + (H - T - B) * (1 - v / max);
   const colors = { started: '#2f6fde', completed: '#1e9e5a', failed: '#d23c3c' };
-  const svg = h('svg', { class: 'chart', viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: 'none', id: 'throughput-chart' });
-  for (const f of [0, 0.5, 1]) {
-    svg.append(h('line', { class: 'axis', x1: L, x2: W - R, y1: y(max * f), y2: y(max * f) }));
-    svg.append(h('text', { x: L - 6, y: y(max * f) + 3, 'text-anchor': 'end' }, num(Math.round(max * f))));
+  const peak = Math.max(0, ...Object.values(series).flat());
+  const svg = h('svg', { class: 'chart', viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: 'none', id: 'throughput-chart', 'data-peak': peak });
+  for (const v of [...new Set([0, Math.round(max / 2), max])]) {
+    svg.append(h('line', { class: 'axis', x1: L, x2: W - R, y1: y(v), y2: y(v) }));
+    svg.append(h('text', { x: L - 6, y: y(v) + 3, 'text-anchor': 'end' }, num(v)));
   }
   for (const [i, label] of [[0, '-60 min'], [30, '-30 min'], [59, 'now']]) {
     svg.append(h('text', { x: x(i), y: H - 6, 'text-anchor': i === 0 ? 'start' : i === 59 ? 'end' : 'middle' }, label));
@@ -163,18 +169,18 @@ const REQUEST_HEADERS = [['Request'], ['State'], ['Priority', 'num'], ['Limit', 
 
 const pages = {
   overview: {
-    render(main) { this.main = main; this.tick(); },
+    render(main) { this.main = main; this.pauseEl = null; this.tick(); },
     tick() {
       const ov = S.overview;
       const main = this.main;
-      if (!ov) { main.replaceChildren(h('p', { class: 'muted' }, 'Waiting for the first reading…')); return; }
+      if (!ov) { fill(main, h('p', { class: 'muted' }, 'Waiting for the first reading…')); return; }
       const s = ov.stats, t = ov.tokens;
       const oldest = Math.max(0, ...s.tokens_waiting.map(p => p.oldest_waiting_ms));
       const slots = s.workers.reduce((a, w) => a + w.slots, 0);
       const paused = s.paused.all ? 'namespace' : s.paused.priorities.length ? `priorities ${s.paused.priorities.join(', ')}` : 'no';
       const per = ov.throughput.minutes;
       const lastMin = per.length ? per[per.length - 1] : null;
-      main.replaceChildren(
+      fill(main, 
         h('div', { class: 'grid' },
           stat('Unfinished requests', num(s.requests.unfinished), `${num(s.requests.completed)} completed · ${num(s.requests.failed)} failed · ${num(s.requests.cancelled)} cancelled`),
           stat('Workers alive', num(s.workers.length), `${num(slots)} slots`),
@@ -193,7 +199,7 @@ const pages = {
                 h('td', { class: 'num' }, p.priority), h('td', { class: 'num' }, num(p.tokens)), h('td', { class: 'num' }, age(p.oldest_waiting_ms)),
                 h('td', {}, s.paused.all || s.paused.priorities.includes(p.priority) ? h('span', { class: 'badge paused' }, 'paused') : null))),
               'No token is waiting.'),
-            S.config.actions ? pauseControls(s.paused) : null)),
+            S.config.actions ? (this.pauseEl = this.pauseEl || pauseControls()) : null)),
         h('div', { class: 'card', id: 'recent' }, h('h2', {}, 'Newest requests'),
           table(REQUEST_HEADERS, ov.recent.requests.map(requestRow), 'No request yet.'),
           h('div', { class: 'pager' }, h('a', { href: '#/requests' }, 'All requests →'))),
@@ -219,7 +225,7 @@ const pages = {
         location.hash = '#/requests' + (q.toString() ? '?' + q : '');
       });
       this.list = h('div', {});
-      main.replaceChildren(h('h1', {}, 'Requests'), f, h('div', { class: 'card' }, this.list));
+      fill(main, h('h1', {}, 'Requests'), f, h('div', { class: 'card' }, this.list));
       this.cursor = null;
       return this.tick();
     },
@@ -228,9 +234,9 @@ const pages = {
       q.set('limit', '50');
       if (this.cursor) q.set('cursor', this.cursor);
       let page;
-      try { page = await api('/api/requests?' + q); } catch (e) { this.list.replaceChildren(h('p', { class: 'error' }, e.message)); return; }
+      try { page = await api('/api/requests?' + q); } catch (e) { fill(this.list, h('p', { class: 'error' }, e.message)); return; }
       const next = page.cursor;
-      this.list.replaceChildren(
+      fill(this.list, 
         table(REQUEST_HEADERS, page.requests.map(requestRow), 'No request matches.'),
         h('div', { class: 'pager' },
           h('button', { class: 'secondary', type: 'button', disabled: !this.cursors.length, onclick: () => { this.cursor = this.cursors.pop() || null; this.tick(); } }, '← Newer'),
@@ -241,13 +247,13 @@ const pages = {
 
   request: {
     render(main, params, id) {
-      this.main = main; this.id = id; this.dead = null; this.lastFailed = -1;
+      this.main = main; this.id = id; this.dead = null; this.lastFailed = -1; this.actionsKey = null;
       return this.tick();
     },
     async tick() {
       const id = this.id, enc = encodeURIComponent(id);
       let st, tokens = null;
-      try { st = await api(`/api/requests/${enc}`); } catch (e) { this.main.replaceChildren(h('h1', {}, id), h('p', { class: 'error', id: 'detail-error' }, e.message)); return; }
+      try { st = await api(`/api/requests/${enc}`); } catch (e) { fill(this.main, h('h1', {}, id), h('p', { class: 'error', id: 'detail-error' }, e.message)); return; }
       try { tokens = await api(`/api/requests/${enc}/tokens`); } catch (_) { tokens = null; }
       if (st.failed !== this.lastFailed) {
         this.lastFailed = st.failed;
@@ -256,7 +262,7 @@ const pages = {
       const terminal = ['completed', 'failed', 'cancelled'].includes(st.state);
       const step = (label, ms, from) => h('div', { class: 'step' + (ms ? ' on' : '') }, h('b', {}, label), ms ? when(ms) : 'not yet', ms && from ? h('div', { class: 'muted' }, `after ${age(ms - from)}`) : null);
       const main = this.main;
-      main.replaceChildren(
+      fill(main, 
         h('h1', {}, 'Request ', h('span', { class: 'mono', id: 'request-id' }, id), ' ', h('span', { id: 'request-state' }, badge(st.state, st.paused))),
         h('div', { class: 'card' },
           progress(st.done, st.failed, st.total, true),
@@ -266,11 +272,11 @@ const pages = {
               ['Running now', num(st.running)], ['Retrying', num(st.retrying)], ['Max attempts seen', st.max_attempts_seen], ['Succeeded after retry', num(st.succeeded_after_retry)],
               ['Tags', (st.tags || []).join(', ') || '–'], ['Tracked', st.tracked ? 'yes' : 'no'], ['Streamed', st.open ? 'open' : st.window ? `window ${st.window}` : 'no']]
               .map(([k, v]) => h('div', {}, h('span', {}, k), v)))),
-        S.config.actions ? this.actions(st, terminal) : null,
+        S.config.actions ? this.actionsFor(st, terminal) : null,
         st.completion || terminal ? h('div', { class: 'card', id: 'completion' }, h('h2', {}, 'Completion event'),
           st.completion ? h('p', {}, badge(st.completion.state), ` seen ${ago(st.completion.seen_ms)} · cursor `, h('code', {}, st.completion.cursor))
             : h('p', { class: 'muted' }, `Finished ${st.state} ${ago(st.finished_ms)}; its event was written before this dashboard started listening (sluicegate events shows the retained ones).`)) : null,
-        tokens ? h('div', { class: 'card', id: 'tokens' }, h('h2', {}, `Tokens: ${tokens.expected} owned, ${tokens.queued} queued, ${tokens.held} held, ${tokens.parked} parked`),
+        tokens ? h('div', { class: 'card', id: 'tokens' }, h('h2', {}, terminal ? 'Tokens' : `Tokens: ${tokens.expected} owned, ${tokens.queued} queued, ${tokens.held} held, ${tokens.parked} parked`),
           table([['Token', 'num'], ['Shard', 'num'], ['State'], ['Holder (worker/slot)'], ['Since'], ['Batch', 'num']],
             tokens.tokens.map(t => h('tr', {}, h('td', { class: 'num' }, t.k), h('td', { class: 'num' }, t.shard), h('td', {}, t.state),
               h('td', { class: 'mono' }, t.holder || ''), h('td', {}, t.since_ms ? ago(t.since_ms) : ''), h('td', { class: 'num' }, t.batch || ''))),
@@ -286,6 +292,13 @@ const pages = {
                 ev.target.previousSibling.textContent = JSON.stringify(whole.dead[0].payload, null, 1);
                 ev.target.remove();
               } }, `Show all ${num(d.payload_bytes)} bytes`) : null))))) : null);
+    },
+    /** The actions card, kept across readings while the same actions apply: a button armed for
+     *  its confirmation, or a priority being typed, survives the next reading. */
+    actionsFor(st, terminal) {
+      const key = `${this.id}|${terminal}|${st.failed > 0}`;
+      if (this.actionsKey !== key) { this.actionsKey = key; this.actionsEl = this.actions(st, terminal); }
+      return this.actionsEl;
     },
     actions(st, terminal) {
       const enc = encodeURIComponent(this.id);
@@ -308,7 +321,7 @@ const pages = {
       const ov = S.overview;
       if (!ov) return;
       const ws = ov.stats.workers;
-      this.main.replaceChildren(h('h1', {}, `Workers (${ws.length})`), h('div', { class: 'card' },
+      fill(this.main, h('h1', {}, `Workers (${ws.length})`), h('div', { class: 'card' },
         table([['Worker'], ['Host'], ['PID', 'num'], ['Slots', 'num'], ['Token shards', 'num'], ['Started'], ['Registration lapses in']],
           ws.map(w => h('tr', {}, h('td', { class: 'mono' }, w.id), h('td', {}, w.host), h('td', { class: 'num' }, w.pid), h('td', { class: 'num' }, w.slots),
             h('td', { class: 'num' }, w.shards), h('td', {}, ago(w.started_ms)),
@@ -325,7 +338,7 @@ const pages = {
       this.tick();
     },
     tick() {
-      this.main.replaceChildren(h('h1', {}, 'Completion events'), h('p', { class: 'muted' }, 'Live: requests reaching their terminal state since this dashboard started.'),
+      fill(this.main, h('h1', {}, 'Completion events'), h('p', { class: 'muted' }, 'Live: requests reaching their terminal state since this dashboard started.'),
         h('div', { class: 'card' }, table([['Seen'], ['Request'], ['State'], ['Cursor']],
           S.events.map(e => h('tr', { class: 'link', onclick: () => { location.hash = requestLink(e.id); } },
             h('td', {}, new Date(e.seen_ms).toLocaleTimeString()), h('td', { class: 'mono' }, h('a', { href: requestLink(e.id) }, e.id)), h('td', {}, badge(e.state)), h('td', { class: 'mono muted' }, e.cursor))),
@@ -337,9 +350,9 @@ const pages = {
     render(main) { this.main = main; return this.tick(); },
     async tick() {
       let audit;
-      try { audit = await api('/api/tokens'); } catch (e) { this.main.replaceChildren(h('p', { class: 'error' }, e.message)); return; }
+      try { audit = await api('/api/tokens'); } catch (e) { fill(this.main, h('p', { class: 'error' }, e.message)); return; }
       const t = audit.totals;
-      this.main.replaceChildren(h('h1', {}, 'Token audit'),
+      fill(this.main, h('h1', {}, 'Token audit'),
         h('div', { class: 'grid' },
           stat('Capacity', num(t.capacity), 'tokens the unfinished requests own'),
           stat('Waiting', num(t.waiting), `in priority lists (${audit.token_shards} shard${audit.token_shards > 1 ? 's' : ''})`),
@@ -358,7 +371,7 @@ const pages = {
   },
 };
 
-function pauseControls(paused) {
+function pauseControls() {
   const p = h('input', { type: 'number', min: 0, max: 99, placeholder: 'all' });
   const run = (what) => async () => {
     const body = p.value === '' ? {} : { priority: Number(p.value) };
@@ -380,7 +393,7 @@ function route() {
   else name = { '/': 'overview', '/requests': 'requests', '/workers': 'workers', '/events': 'events', '/tokens': 'tokens' }[path] || 'overview';
   for (const a of document.querySelectorAll('#nav a')) a.classList.toggle('active', a.dataset.page === (name === 'request' ? 'requests' : name));
   const main = document.getElementById('main');
-  main.replaceChildren();
+  fill(main);
   main.dataset.page = name;
   S.page = pages[name];
   S.page.render(main, params, arg);
