@@ -57,7 +57,12 @@ impl Driver {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", driver.display()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {} (CHROMEDRIVER, or run ./test.sh to install chromium-driver): {e}",
+                    driver.display()
+                )
+            });
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
@@ -256,4 +261,21 @@ async fn a_read_only_dashboard_hides_and_refuses_actions_and_wants_its_token() {
         get_json(served.addr, "/api/requests/waiting-1", &[("Authorization", "Bearer let-me-out")]).await;
     assert_eq!(s, 401);
     result
+}
+
+/// Not a test: how docs/img/dashboard.png is made. Point it at a running dashboard and it saves
+/// the overview, once the page has drawn a reading, as target/dashboard-screenshots/readme.png:
+/// `SLUICEGATE_DASHBOARD_URL=http://127.0.0.1:8080/ cargo test -p sluicegate-dashboard --test browser -- --ignored readme`.
+#[tokio::test]
+#[ignore]
+async fn readme_screenshot() {
+    let url =
+        std::env::var("SLUICEGATE_DASHBOARD_URL").expect("SLUICEGATE_DASHBOARD_URL names the dashboard");
+    let driver = Driver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    until(&browser, "a reading", "return document.querySelector('#recent') !== null").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    shot(&browser, "readme").await;
+    browser.close().await.unwrap();
 }
