@@ -34,9 +34,8 @@ pub struct WorkerInfo {
     #[serde(default = "one")]
     pub shards: u32,
     /// When its registration lapses unless it beats again (ms since the Unix epoch, Redis's
-    /// clock): its last heartbeat plus its lease. Read from the registry by
-    /// [`Admin::workers`](crate::Admin::workers) and [`Admin::stats`](crate::Admin::stats); never
-    /// written by a worker.
+    /// clock): its last heartbeat plus its lease. Read from the registry by `Admin::workers` and
+    /// `Admin::stats`; never written by a worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registration_expires_ms: Option<u64>,
 }
