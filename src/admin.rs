@@ -21,8 +21,10 @@ pub use crate::worker::WorkerInfo;
 
 mod listing;
 mod tally;
+mod tokens;
 pub use listing::{ListPage, ListQuery, ListState, ListedRequest, MAX_LIST_LIMIT, MAX_LIST_LOOK};
 pub use tally::{Tally, MAX_TALLY};
+pub use tokens::{RequestTokens, TokenAudit, TokenState, MAX_TOKEN_AUDIT};
 
 /// The most token shards a configuration may name (`Config::token_shards`): a pause is written
 /// on each of them.

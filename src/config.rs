@@ -216,6 +216,11 @@ impl Config {
         self.tls_ca_file.as_deref()
     }
 
+    /// The number of token shards ([`Config::token_shards`]).
+    pub fn token_shard_count(&self) -> u32 {
+        self.token_shards
+    }
+
     /// The lease: how long a worker may go unheard before it is declared dead.
     pub fn lease_duration(&self) -> Duration {
         self.lease

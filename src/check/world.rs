@@ -278,6 +278,7 @@ impl World {
                 host: "checker".into(),
                 started_ms: 0,
                 shards: 1,
+                registration_expires_ms: None,
             };
             let store = &shared.store;
             match crate::worker::registry::beat(store, &info, first.load(Relaxed)).await {

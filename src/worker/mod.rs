@@ -353,6 +353,7 @@ impl<H: Handler> Worker<H> {
             host: hostname(),
             started_ms: now_ms(),
             shards: shared.store.keys.shards(),
+            registration_expires_ms: None,
         };
         // Registered before any slot takes a token: a take record of a worker the registry does not
         // know would be reclaimed by recovery's backstop.

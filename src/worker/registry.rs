@@ -33,6 +33,11 @@ pub struct WorkerInfo {
     /// The token shards it serves (its slots' take records may be on any of them).
     #[serde(default = "one")]
     pub shards: u32,
+    /// When its registration lapses unless it beats again (ms since the Unix epoch, Redis's
+    /// clock): its last heartbeat plus its lease. Read from the registry by `Admin::workers` and
+    /// `Admin::stats`; never written by a worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registration_expires_ms: Option<u64>,
 }
 
 fn one() -> u32 {
@@ -115,12 +120,21 @@ pub(crate) async fn live(store: &Store) -> Result<Vec<WorkerInfo>> {
     let time = fred::cmd!("TIME", hash: fred::types::ClusterHash::Custom(slot));
     let (secs, micros): (u64, u64) = store.client.custom(time, Vec::<Value>::new()).await?;
     let now = (secs * 1000 + micros / 1000) as f64;
-    let ids: Vec<String> =
-        store.client.zrangebyscore(workers.as_str(), now, f64::INFINITY, false, None).await?;
-    if ids.is_empty() {
+    let scored: Vec<(String, f64)> =
+        store.client.zrangebyscore(workers.as_str(), now, f64::INFINITY, true, None).await?;
+    if scored.is_empty() {
         return Ok(Vec::new());
     }
+    let ids: Vec<&String> = scored.iter().map(|(id, _)| id).collect();
     let infos: Vec<Option<String>> = store.client.hmget(winfo.as_str(), ids).await?;
     // (Fields "<id>|lapsed" are not descriptions: never asked for here.)
-    Ok(infos.into_iter().flatten().filter_map(|j| serde_json::from_str(&j).ok()).collect())
+    Ok(infos
+        .into_iter()
+        .zip(&scored)
+        .filter_map(|(json, (_, expires))| {
+            let mut info: WorkerInfo = serde_json::from_str(&json?).ok()?;
+            info.registration_expires_ms = Some(*expires as u64);
+            Some(info)
+        })
+        .collect())
 }

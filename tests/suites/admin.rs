@@ -642,3 +642,60 @@ async fn a_held_token_goes_to_the_new_priority_when_it_is_handed_back() {
     assert_eq!(done.into_outputs().unwrap(), (0..100).map(|n| n * 2).collect::<Vec<_>>());
     w.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_say_who_holds_each_one_and_the_audit_finds_no_drift() {
+    let env = env_on(TOPOLOGY, "tokens").await;
+    let config = fast(&env.config).lane_tokens(0);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let handle = producer
+        .request()
+        .priority(60)
+        .unwrap()
+        .concurrency(3)
+        .unwrap()
+        .submit((0..40).map(|n| Job::sleeping(n, 100)))
+        .await
+        .unwrap();
+    let id = handle.id().clone();
+    let queued = admin.tokens(&id).await.unwrap();
+    assert_eq!((queued.expected, queued.queued, queued.held, queued.parked), (3, 3, 0, 0), "{queued:?}");
+    assert_eq!(queued.drift(), 0);
+
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let running = loop {
+        let t = admin.tokens(&id).await.unwrap();
+        if t.held == 2 {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "two slots never held tokens: {t:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let workers = admin.workers().await.unwrap();
+    let worker = &workers[0];
+    let expires = worker.registration_expires_ms.expect("the registry's expiry is read");
+    assert!(expires > worker.started_ms, "{worker:?}");
+    for token in &running.tokens {
+        if let sluicegate::TokenState::Held { worker: holder, batch, .. } = token {
+            assert_eq!(holder, &worker.id);
+            assert!(*batch >= 1);
+        }
+    }
+    let audit = admin.token_audit(100).await.unwrap();
+    assert_eq!(audit.unfinished, 1);
+    let row = audit.requests.iter().find(|r| r.id == id.to_string()).expect("listed");
+    assert_eq!((row.expected, row.drift()), (3, 0), "{row:?}");
+    assert!(row.tokens.is_empty(), "the audit counts, it does not list");
+    assert!(admin.token_audit(0).await.is_err());
+
+    handle.wait::<u64>().await.unwrap();
+    let done = admin.tokens(&id).await.unwrap();
+    assert_eq!((done.expected, done.queued, done.held, done.parked, done.tokens.len()), (0, 0, 0, 0, 0), "{done:?}");
+    assert!(matches!(
+        admin.tokens(&sluicegate::RequestId::new("nobody").unwrap()).await,
+        Err(sluicegate::Error::UnknownRequest(_))
+    ));
+    w.stop().await;
+}

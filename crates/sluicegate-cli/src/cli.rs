@@ -204,6 +204,18 @@ pub(crate) enum Command {
         serves its own counters with `worker --metrics-addr`. Runs until ctrl-c or SIGTERM.")]
     Metrics(MetricsArgs),
 
+    /// Serve a live web dashboard of the namespace, its JSON API and its gauges.
+    #[command(after_help = "Example:\n  \
+        sluicegate dashboard --listen 127.0.0.1:8080                  # read-only, then open http://127.0.0.1:8080\n  \
+        sluicegate dashboard --listen 127.0.0.1:8080 --allow-actions  # with cancel, requeue, reprioritize, purge, pause\n  \
+        sluicegate dashboard --listen 0.0.0.0:8080 --token \"$TOKEN\" # beyond loopback a token is required\n\n\
+        Pages: overview, requests, request detail, workers, completion events, token audit; they\n\
+        update live (server-sent events) from one reading of the namespace per --interval, shared\n\
+        by every browser. Also serves the JSON API (/api/..., docs/dashboard.md) and /metrics.\n\
+        Every action is logged to stderr with the peer and how it authenticated. Runs until\n\
+        ctrl-c or SIGTERM.")]
+    Dashboard(DashboardArgs),
+
     /// Print a finished request's results, one per line in input order.
     #[command(
         after_help = "Example:\n  sluicegate results job-42 > results.jsonl\n  sluicegate results --wait --raw job-42"
@@ -392,6 +404,27 @@ pub(crate) struct MetricsArgs {
     /// Where to serve http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     pub(crate) listen: std::net::SocketAddr,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DashboardArgs {
+    /// Where to serve the dashboard, e.g. 127.0.0.1:8080.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) listen: std::net::SocketAddr,
+
+    /// Allow actions: cancel, requeue dead letters, reprioritize, purge, pause, resume
+    /// [default: read-only].
+    #[arg(long = "allow-actions")]
+    pub(crate) allow_actions: bool,
+
+    /// Require this token (`Authorization: Bearer TOKEN`, or the login form); required when
+    /// --listen is not a loopback address.
+    #[arg(long, env = "SLUICEGATE_DASHBOARD_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    pub(crate) token: Option<String>,
+
+    /// How often the namespace is read while a browser watches (one reading serves them all).
+    #[arg(long, value_parser = duration, default_value = "2s", value_name = "DURATION")]
+    pub(crate) interval: Duration,
 }
 
 #[derive(Args, Debug)]

@@ -76,8 +76,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Library diagnostics (a slot that died, a failed registration) go to stderr; RUST_LOG
     // chooses how much, warnings by default.
+    // The dashboard logs who did what at info level.
+    let default =
+        if matches!(cli.command, Command::Dashboard(_)) { "warn,sluicegate_dashboard=info" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -143,6 +146,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::List(args) => listing::list(&ctx, &args).await,
         Command::Track(args) => listing::track(&ctx, &args).await,
         Command::Metrics(args) => ops::metrics(&ctx, args.listen).await,
+        Command::Dashboard(args) => ops::dashboard(&ctx, &args).await,
         Command::Pause(args) => ops::pause(&ctx, args.priority, true).await,
         Command::Resume(args) => ops::pause(&ctx, args.priority, false).await,
         Command::Results(args) => ops::results(&ctx, args).await,

@@ -7,7 +7,7 @@ use sluicegate::{
     shutdown_signal, Admin, Cancelled, Listener, Paused, Priority, Producer, RequestId, RequestStatus, Stats,
 };
 
-use crate::cli::{EventsArgs, PurgeArgs, ResultsArgs};
+use crate::cli::{DashboardArgs, EventsArgs, PurgeArgs, ResultsArgs};
 use crate::failure::{Code, Failure};
 use crate::output::{count, elapsed, print_results, timestamp, Out, ResultStyle};
 use crate::submit::wait;
@@ -150,6 +150,37 @@ pub(crate) async fn metrics(ctx: &Ctx, addr: std::net::SocketAddr) -> Result<(),
     let exporter = sluicegate_metrics::NamespaceExporter::new(ns, admin);
     tokio::select! {
         served = exporter.serve(listener) => served.map_err(|e| Failure::new(Code::Redis, format!("the metrics endpoint stopped: {e}")))?,
+        () = shutdown_signal() => {}
+    }
+    Ok(())
+}
+
+/// `dashboard`: serves the pages, the JSON API and `/metrics` until ctrl-c or SIGTERM.
+pub(crate) async fn dashboard(ctx: &Ctx, args: &DashboardArgs) -> Result<(), Failure> {
+    let addr = args.listen;
+    let token = args.token.clone().filter(|t| !t.is_empty());
+    if !addr.ip().is_loopback() && token.is_none() {
+        return Err(Failure::bad_input(format!(
+            "the dashboard listens on {addr}, beyond this host: give it a --token (or SLUICEGATE_DASHBOARD_TOKEN), or listen on 127.0.0.1"
+        )));
+    }
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Failure::bad_input(format!("cannot serve the dashboard on {addr} (--listen): {e}")))?;
+    let admin = ctx.connecting(Admin::connect(&ctx.config)).await?;
+    let mut options = sluicegate_dashboard::DashboardOptions::new()
+        .allow_actions(args.allow_actions)
+        .interval(args.interval);
+    if let Some(token) = token {
+        options = options.token(token);
+    }
+    let ns = ctx.config.namespace_str();
+    let mode = if args.allow_actions { "actions allowed" } else { "read-only" };
+    let auth = if options.token_required() { ", token required" } else { "" };
+    eprintln!("dashboard of namespace {ns} at http://{addr}/ ({mode}{auth}); stop with ctrl-c or SIGTERM");
+    let dashboard = sluicegate_dashboard::Dashboard::new(admin, &ctx.config, options);
+    tokio::select! {
+        served = dashboard.serve(listener) => served.map_err(|e| Failure::new(Code::Redis, format!("the dashboard stopped: {e}")))?,
         () = shutdown_signal() => {}
     }
     Ok(())

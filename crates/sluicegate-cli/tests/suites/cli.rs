@@ -948,6 +948,54 @@ fn metrics_serves_the_namespaces_backlog_workers_and_pauses_as_openmetrics() {
     server.stop();
 }
 
+#[test]
+fn dashboard_wants_a_token_beyond_loopback_and_serves_its_api_and_logs_actions() {
+    let sg = Sg::new("cli-dashboard");
+    let out = sg.run(&["dashboard", "--listen", "0.0.0.0:1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--token"), "{}", stderr(&out));
+    let out = sg.run_with_input(&["submit", "--id", "dash-1", "--concurrency", "2"], b"1\n2\n3\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let log = sg.dir.join("dashboard.log");
+    let child = sg
+        .command()
+        .args(["dashboard", "--listen", &addr, "--allow-actions", "--token", "t0k"])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let server = WorkerProcess { child, log };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(Instant::now() < deadline, "the dashboard never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let exchange = |request: String| {
+        use std::io::Read;
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).unwrap();
+        reply
+    };
+    let reply = exchange("GET /api/config HTTP/1.0\r\nAuthorization: Bearer t0k\r\n\r\n".into());
+    assert!(reply.starts_with("HTTP/1.0 200"), "{reply}");
+    assert!(reply.contains(&format!("\"namespace\":\"{}\"", sg.ns)), "{reply}");
+    let reply = exchange("GET /api/config HTTP/1.0\r\nAuthorization: Bearer nope\r\n\r\n".into());
+    assert!(reply.starts_with("HTTP/1.0 401"), "{reply}");
+    let reply = exchange(
+        "POST /api/requests/dash-1/cancel HTTP/1.0\r\nAuthorization: Bearer t0k\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}".into(),
+    );
+    assert!(reply.starts_with("HTTP/1.0 200"), "{reply}");
+    assert_eq!(sg.json(&["status", "dash-1"])["state"], "cancelled");
+    let log = server.stop();
+    assert!(log.contains("dashboard action") && log.contains("cancel") && log.contains("bearer token"), "{log}");
+}
+
 /// Whether process `pid` runs (a zombie, dead but not yet reaped, does not).
 fn running(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))

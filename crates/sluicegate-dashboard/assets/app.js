@@ -1,0 +1,439 @@
+// The sluicegate dashboard: a small single-page app over the JSON API (docs/dashboard.md).
+// One EventSource brings every reading of the namespace and every completion event; a page that
+// shows more than the reading (a list page, a request) reads it again when a reading arrives, so
+// nothing polls on a timer of its own.
+'use strict';
+
+const S = {
+  config: null,     // /api/config
+  overview: null,   // the latest reading
+  events: [],       // completion events, newest first
+  page: null,       // the page shown: { name, tick() }
+  refreshing: false,
+  driftStreak: 0,   // readings in a row whose token totals did not balance
+};
+
+// ---- helpers -------------------------------------------------------------------------------
+
+/** An element: h('td', {class: 'num'}, 'text', child, ...). Text is always set as text. */
+function h(tag, attrs, ...children) {
+  const el = document.createElementNS(
+    ['svg', 'line', 'polyline', 'text', 'rect', 'g', 'path', 'circle'].includes(tag) ? 'http://www.w3.org/2000/svg' : 'http://www.w3.org/1999/xhtml',
+    tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k.startsWith('on')) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? '' : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+/** Replaces an element's children, leaving out the null ones (a section not shown). */
+function fill(el, ...children) {
+  el.replaceChildren(...children.flat().filter(c => c !== null && c !== undefined && c !== false));
+}
+
+async function api(path, options) {
+  const res = await fetch(path, Object.assign({ headers: { 'Accept': 'application/json' } }, options || {}));
+  let body = null;
+  try { body = await res.json(); } catch (_) { /* not JSON */ }
+  if (res.status === 401) { location.href = '/login'; throw new Error('log in first'); }
+  if (!res.ok) throw new Error((body && body.error) || `${res.status} ${res.statusText}`);
+  return body;
+}
+
+function act(path, body) {
+  return api(path, { method: 'POST', headers: { 'Content-Type': 'application/json', 'Accept': 'application/json' }, body: JSON.stringify(body || {}) });
+}
+
+function toast(text, error) {
+  const t = document.getElementById('toast');
+  t.textContent = text;
+  t.className = 'toast' + (error ? ' error' : '');
+  t.hidden = false;
+  clearTimeout(toast.timer);
+  toast.timer = setTimeout(() => { t.hidden = true; }, error ? 8000 : 4000);
+}
+
+const num = n => (n === undefined || n === null) ? '–' : Number(n).toLocaleString('en-US');
+
+function age(ms) {
+  if (ms === undefined || ms === null) return '–';
+  const s = Math.max(0, ms) / 1000;
+  if (s < 1) return `${Math.round(ms)} ms`;
+  if (s < 90) return `${s.toFixed(s < 10 ? 1 : 0)} s`;
+  if (s < 5400) return `${Math.round(s / 60)} min`;
+  if (s < 172800) return `${(s / 3600).toFixed(1)} h`;
+  return `${(s / 86400).toFixed(1)} d`;
+}
+
+const ago = ms => ms ? `${age(Date.now() - ms)} ago` : '–';
+const when = ms => ms ? new Date(ms).toLocaleString() : '–';
+
+function bytes(n) {
+  const units = ['B', 'KB', 'MB', 'GB', 'TB'];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+const badge = (state, paused) => [h('span', { class: `badge ${state}` }, state), paused ? ' ' : null, paused ? h('span', { class: 'badge paused' }, 'paused') : null];
+
+function progress(done, failed, total, big) {
+  const ok = Math.max(0, done - failed);
+  const pct = v => total ? `${(100 * v / total).toFixed(2)}%` : '0%';
+  return h('div', { class: 'progress' + (big ? ' big' : ''), 'data-done': done, 'data-total': total },
+    h('div', { class: 'bar' }, h('div', { class: 'done', style: `width:${pct(ok)}` }), h('div', { class: 'failed', style: `width:${pct(failed)}` })),
+    h('span', { class: 'txt' }, `${num(done)} / ${num(total)}`));
+}
+
+const requestLink = id => `#/request/${encodeURIComponent(id)}`;
+
+function stat(label, value, sub, cls) {
+  return h('div', { class: 'card stat' + (cls ? ' ' + cls : '') }, h('div', { class: 'label' }, label), h('div', { class: 'value' }, value), sub ? h('div', { class: 'sub' }, sub) : null);
+}
+
+/** A button that asks for a second click before it acts. */
+function confirmButton(label, cls, run) {
+  const b = h('button', { class: cls, type: 'button' }, label);
+  let armed = null;
+  b.addEventListener('click', async () => {
+    if (!armed) {
+      b.textContent = `Confirm: ${label.toLowerCase()}?`;
+      b.classList.add('confirm');
+      armed = setTimeout(() => { armed = null; b.textContent = label; b.classList.remove('confirm'); }, 5000);
+      return;
+    }
+    clearTimeout(armed); armed = null;
+    b.textContent = label; b.classList.remove('confirm');
+    b.disabled = true;
+    try { await run(); } catch (e) { toast(e.message, true); } finally { b.disabled = false; }
+  });
+  return b;
+}
+
+function table(headers, rows, empty) {
+  if (!rows.length) return h('div', { class: 'empty' }, empty || 'Nothing to show.');
+  return h('table', {}, h('thead', {}, h('tr', {}, headers.map(([label, cls]) => h('th', { class: cls }, label)))), h('tbody', {}, rows));
+}
+
+// ---- the chart ---------------------------------------------------------------------------------
+
+/** Started, completed and failed per minute over the last hour, as an inline SVG. */
+function chart(throughput) {
+  const W = 720, H = 220, L = 40, R = 10, T = 10, B = 22;
+  const now = Date.now();
+  const first = Math.floor(now / 60000) * 60000 - 59 * 60000;
+  const series = { started: new Array(60).fill(0), completed: new Array(60).fill(0), failed: new Array(60).fill(0) };
+  for (const m of (throughput && throughput.minutes) || []) {
+    const i = Math.round((m.minute_ms - first) / 60000);
+    if (i >= 0 && i < 60) for (const k of Object.keys(series)) series[k][i] += m[k] || 0;
+  }
+  const max = Math.max(1, ...Object.values(series).flat());
+  const x = i => L + (W - L - R) * i / 59;
+  const y = v => T + (H - T - B) * (1 - v / max);
+  const colors = { started: '#2f6fde', completed: '#1e9e5a', failed: '#d23c3c' };
+  const peak = Math.max(0, ...Object.values(series).flat());
+  const svg = h('svg', { class: 'chart', viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: 'none', id: 'throughput-chart', 'data-peak': peak });
+  for (const v of [...new Set([0, Math.round(max / 2), max])]) {
+    svg.append(h('line', { class: 'axis', x1: L, x2: W - R, y1: y(v), y2: y(v) }));
+    svg.append(h('text', { x: L - 6, y: y(v) + 3, 'text-anchor': 'end' }, num(v)));
+  }
+  for (const [i, label] of [[0, '-60 min'], [30, '-30 min'], [59, 'now']]) {
+    svg.append(h('text', { x: x(i), y: H - 6, 'text-anchor': i === 0 ? 'start' : i === 59 ? 'end' : 'middle' }, label));
+  }
+  for (const [k, values] of Object.entries(series)) {
+    svg.append(h('polyline', { fill: 'none', stroke: colors[k], 'stroke-width': 2, 'vector-effect': 'non-scaling-stroke', points: values.map((v, i) => `${x(i)},${y(v)}`).join(' ') }));
+  }
+  const legend = h('div', { class: 'legend' }, Object.entries(colors).map(([k, c]) => h('span', {}, h('i', { style: `background:${c}` }), `${k} per minute`)));
+  return [svg, legend];
+}
+
+// ---- pages -----------------------------------------------------------------------------------
+
+function requestRow(r) {
+  return h('tr', { class: 'link', 'data-id': r.id, onclick: () => { location.hash = requestLink(r.id); } },
+    h('td', { class: 'mono' }, h('a', { href: requestLink(r.id) }, r.id)),
+    h('td', {}, badge(r.state), r.open ? h('span', { class: 'muted' }, ' open') : null),
+    h('td', { class: 'num' }, r.priority),
+    h('td', { class: 'num' }, r.concurrency),
+    h('td', {}, progress(r.done, r.failed, r.total)),
+    h('td', {}, (r.tags || []).join(', ')),
+    h('td', { class: 'muted' }, ago(r.submitted_ms)));
+}
+
+const REQUEST_HEADERS = [['Request'], ['State'], ['Priority', 'num'], ['Limit', 'num'], ['Progress'], ['Tags'], ['Submitted']];
+
+const pages = {
+  overview: {
+    render(main) { this.main = main; this.pauseEl = null; this.tick(); },
+    tick() {
+      const ov = S.overview;
+      const main = this.main;
+      if (!ov) { fill(main, h('p', { class: 'muted' }, 'Waiting for the first reading…')); return; }
+      const s = ov.stats, t = ov.tokens;
+      const oldest = Math.max(0, ...s.tokens_waiting.map(p => p.oldest_waiting_ms));
+      const slots = s.workers.reduce((a, w) => a + w.slots, 0);
+      const paused = s.paused.all ? 'namespace' : s.paused.priorities.length ? `priorities ${s.paused.priorities.join(', ')}` : 'no';
+      fill(main, 
+        h('div', { class: 'grid' },
+          stat('Unfinished requests', num(s.requests.unfinished), `${num(s.requests.completed)} completed · ${num(s.requests.failed)} failed · ${num(s.requests.cancelled)} cancelled`),
+          stat('Workers alive', num(s.workers.length), `${num(slots)} slots`),
+          stat('Tokens waiting', num(t.waiting), `oldest waited ${age(oldest)}`),
+          stat('Tokens held', num(t.held), `parked ${num(t.parked)}`),
+          // A reading is not one atomic snapshot: a token moving between a list and a slot can
+          // show as drift for a reading. Only drift that lasts three readings is flagged.
+          stat('Token capacity', num(t.capacity), t.drift === 0 ? 'no drift' : S.driftStreak < 3 ? `drift ${t.drift} (in flight)` : `drift ${t.drift} for ${S.driftStreak} readings`, S.driftStreak >= 3 ? 'warn' : ''),
+          stat('Dead letters', num(s.tally.dead_letters), s.tally.complete ? '' : 'first records only'),
+          stat('Redis memory', bytes(s.redis_memory_bytes)),
+          stat('Paused', paused),
+        ),
+        h('div', { class: 'row2' },
+          h('div', { class: 'card' }, h('h2', {}, 'Throughput, last hour'), chart(ov.throughput)),
+          h('div', { class: 'card' }, h('h2', {}, 'Backlog by priority'),
+            table([['Priority', 'num'], ['Tokens waiting', 'num'], ['Oldest waiting', 'num'], ['']],
+              s.tokens_waiting.map(p => h('tr', {},
+                h('td', { class: 'num' }, p.priority), h('td', { class: 'num' }, num(p.tokens)), h('td', { class: 'num' }, age(p.oldest_waiting_ms)),
+                h('td', {}, s.paused.all || s.paused.priorities.includes(p.priority) ? h('span', { class: 'badge paused' }, 'paused') : null))),
+              'No token is waiting.'),
+            S.config.actions ? (this.pauseEl = this.pauseEl || pauseControls()) : null)),
+        h('div', { class: 'card', id: 'recent' }, h('h2', {}, 'Newest requests'),
+          table(REQUEST_HEADERS, ov.recent.requests.map(requestRow), 'No request yet.'),
+          h('div', { class: 'pager' }, h('a', { href: '#/requests' }, 'All requests →'))),
+        h('p', { class: 'muted' }, `Read ${ago(ov.at_ms)}; live.`));
+    },
+  },
+
+  requests: {
+    render(main, params) {
+      this.main = main;
+      this.params = params;
+      this.cursors = [];
+      const f = h('form', { class: 'filters', id: 'filters' },
+        h('label', {}, 'State', h('select', { name: 'state' }, ['', 'queued', 'running', 'scheduled', 'open', 'completed', 'failed', 'cancelled'].map(s => h('option', { value: s, selected: params.get('state') === s }, s || 'any')))),
+        h('label', {}, 'Priority', h('input', { name: 'priority', type: 'number', min: 0, max: 99, value: params.get('priority') || '' })),
+        h('label', {}, 'Tag', h('input', { name: 'tag', value: params.get('tag') || '', placeholder: 'customer:42' })),
+        h('label', {}, 'Older than', h('input', { name: 'older_than', value: params.get('older_than') || '', placeholder: '15m, 2h, 7d' })),
+        h('button', { type: 'submit' }, 'Filter'));
+      f.addEventListener('submit', e => {
+        e.preventDefault();
+        const q = new URLSearchParams();
+        for (const [k, v] of new FormData(f)) if (v) q.set(k, v);
+        location.hash = '#/requests' + (q.toString() ? '?' + q : '');
+      });
+      this.list = h('div', {});
+      fill(main, h('h1', {}, 'Requests'), f, h('div', { class: 'card' }, this.list));
+      this.cursor = null;
+      return this.tick();
+    },
+    async tick() {
+      const q = new URLSearchParams(this.params);
+      q.set('limit', '50');
+      if (this.cursor) q.set('cursor', this.cursor);
+      let page;
+      try { page = await api('/api/requests?' + q); } catch (e) { fill(this.list, h('p', { class: 'error' }, e.message)); return; }
+      const next = page.cursor;
+      fill(this.list, 
+        table(REQUEST_HEADERS, page.requests.map(requestRow), 'No request matches.'),
+        h('div', { class: 'pager' },
+          h('button', { class: 'secondary', type: 'button', disabled: !this.cursors.length, onclick: () => { this.cursor = this.cursors.pop() || null; this.tick(); } }, '← Newer'),
+          h('button', { class: 'secondary', type: 'button', disabled: !next, onclick: () => { this.cursors.push(this.cursor); this.cursor = next; this.tick(); } }, 'Older →'),
+          h('span', { class: 'muted' }, `${page.requests.length} shown, ${num(page.looked_at)} index entries looked at`)));
+    },
+  },
+
+  request: {
+    render(main, params, id) {
+      this.main = main; this.id = id; this.dead = null; this.lastFailed = -1; this.actionsKey = null;
+      return this.tick();
+    },
+    async tick() {
+      const id = this.id, enc = encodeURIComponent(id);
+      let st, tokens = null;
+      try { st = await api(`/api/requests/${enc}`); } catch (e) { fill(this.main, h('h1', {}, id), h('p', { class: 'error', id: 'detail-error' }, e.message)); return; }
+      try { tokens = await api(`/api/requests/${enc}/tokens`); } catch (_) { tokens = null; }
+      if (st.failed !== this.lastFailed) {
+        this.lastFailed = st.failed;
+        try { this.dead = st.failed ? await api(`/api/requests/${enc}/dead`) : { total: 0, dead: [] }; } catch (_) { this.dead = null; }
+      }
+      const terminal = ['completed', 'failed', 'cancelled'].includes(st.state);
+      const step = (label, ms, from) => h('div', { class: 'step' + (ms ? ' on' : '') }, h('b', {}, label), ms ? when(ms) : 'not yet', ms && from ? h('div', { class: 'muted' }, `after ${age(ms - from)}`) : null);
+      const main = this.main;
+      fill(main, 
+        h('h1', {}, 'Request ', h('span', { class: 'mono', id: 'request-id' }, id), ' ', h('span', { id: 'request-state' }, badge(st.state, st.paused))),
+        h('div', { class: 'card' },
+          progress(st.done, st.failed, st.total, true),
+          h('div', { class: 'timeline' }, step('Submitted', st.created_ms), step('Started', st.started_ms, st.created_ms), step('Finished', st.finished_ms, st.started_ms || st.created_ms)),
+          h('div', { class: 'facts' },
+            ...[['Priority', st.priority], ['Concurrency limit', st.concurrency], ['Parts', num(st.total)], ['Done', num(st.done)], ['Dead-lettered', num(st.failed)],
+              ['Running now', num(st.running)], ['Retrying', num(st.retrying)], ['Max attempts seen', st.max_attempts_seen], ['Succeeded after retry', num(st.succeeded_after_retry)],
+              ['Tags', (st.tags || []).join(', ') || '–'], ['Tracked', st.tracked ? 'yes' : 'no'], ['Streamed', st.open ? 'open' : st.window ? `window ${st.window}` : 'no']]
+              .map(([k, v]) => h('div', {}, h('span', {}, k), v)))),
+        S.config.actions ? this.actionsFor(st, terminal) : null,
+        st.completion || terminal ? h('div', { class: 'card', id: 'completion' }, h('h2', {}, 'Completion event'),
+          st.completion ? h('p', {}, badge(st.completion.state), ` seen ${ago(st.completion.seen_ms)} · cursor `, h('code', {}, st.completion.cursor))
+            : h('p', { class: 'muted' }, `Finished ${st.state} ${ago(st.finished_ms)}; its event was written before this dashboard started listening (sluicegate events shows the retained ones).`)) : null,
+        tokens ? h('div', { class: 'card', id: 'tokens' }, h('h2', {}, terminal ? 'Tokens' : `Tokens: ${tokens.expected} owned, ${tokens.queued} queued, ${tokens.held} held, ${tokens.parked} parked`),
+          table([['Token', 'num'], ['Shard', 'num'], ['State'], ['Holder (worker/slot)'], ['Since'], ['Batch', 'num']],
+            tokens.tokens.map(t => h('tr', {}, h('td', { class: 'num' }, t.k), h('td', { class: 'num' }, t.shard), h('td', {}, t.state),
+              h('td', { class: 'mono' }, t.holder || ''), h('td', {}, t.since_ms ? ago(t.since_ms) : ''), h('td', { class: 'num' }, t.batch || ''))),
+            terminal ? 'A finished request owns no tokens.' : 'No token states recorded.')) : null,
+        st.errors && st.errors.length ? h('div', { class: 'card' }, h('h2', {}, 'Errors'),
+          table([['Part', 'num'], ['Attempts', 'num'], ['Error']], st.errors.map(e => h('tr', {}, h('td', { class: 'num' }, e.index), h('td', { class: 'num' }, e.error.attempts), h('td', {}, e.error.error, e.error.permanent ? ' (permanent)' : ''))))) : null,
+        this.dead && this.dead.total ? h('div', { class: 'card', id: 'dead' }, h('h2', {}, `Dead letters (${this.dead.total})`),
+          table([['Part', 'num'], ['Error'], ['Payload']], this.dead.dead.map(d => h('tr', {},
+            h('td', { class: 'num' }, d.index), h('td', {}, d.error.error),
+            h('td', {}, h('pre', {}, typeof d.payload === 'string' && d.truncated ? d.payload + '…' : JSON.stringify(d.payload, null, 1)),
+              d.truncated ? h('button', { class: 'secondary', type: 'button', onclick: async ev => {
+                const whole = await api(`/api/requests/${enc}/dead?index=${d.index}`);
+                ev.target.previousSibling.textContent = JSON.stringify(whole.dead[0].payload, null, 1);
+                ev.target.remove();
+              } }, `Show all ${num(d.payload_bytes)} bytes`) : null))))) : null);
+    },
+    /** The actions card, kept across readings while the same actions apply: a button armed for
+     *  its confirmation, or a priority being typed, survives the next reading. */
+    actionsFor(st, terminal) {
+      const key = `${this.id}|${terminal}|${st.failed > 0}`;
+      if (this.actionsKey !== key) { this.actionsKey = key; this.actionsEl = this.actions(st, terminal); }
+      return this.actionsEl;
+    },
+    actions(st, terminal) {
+      const enc = encodeURIComponent(this.id);
+      const done = async (what, promise) => { const r = await promise; toast(what); this.tick(); return r; };
+      const prio = h('input', { type: 'number', min: 0, max: 99, value: st.priority, id: 'new-priority' });
+      return h('div', { class: 'card' }, h('h2', {}, 'Actions'), h('div', { class: 'actions' },
+        !terminal ? h('span', { id: 'action-cancel' }, confirmButton('Cancel', 'danger', () => done('Cancelled.', act(`/api/requests/${enc}/cancel`)))) : null,
+        st.failed ? confirmButton('Requeue dead letters', '', async () => { const r = await act(`/api/requests/${enc}/requeue`); toast(`Requeued ${r.requeued}.`); this.lastFailed = -1; this.tick(); }) : null,
+        !terminal ? h('label', {}, 'Priority', prio) : null,
+        !terminal ? h('button', { type: 'button', class: 'secondary', onclick: async () => {
+          try { const r = await act(`/api/requests/${enc}/reprioritize`, { priority: Number(prio.value) }); toast(`Priority ${r.from} → ${r.to}; ${r.moved} waiting tokens moved.`); this.tick(); } catch (e) { toast(e.message, true); }
+        } }, 'Reprioritize') : null,
+        terminal ? confirmButton('Purge', 'danger', async () => { await act(`/api/requests/${enc}/purge`); toast('Purged.'); location.hash = '#/requests'; }) : null));
+    },
+  },
+
+  workers: {
+    render(main) { this.main = main; this.tick(); },
+    tick() {
+      const ov = S.overview;
+      if (!ov) return;
+      const ws = ov.stats.workers;
+      fill(this.main, h('h1', {}, `Workers (${ws.length})`), h('div', { class: 'card' },
+        table([['Worker'], ['Host'], ['PID', 'num'], ['Slots', 'num'], ['Token shards', 'num'], ['Started'], ['Registration lapses in']],
+          ws.map(w => h('tr', {}, h('td', { class: 'mono' }, w.id), h('td', {}, w.host), h('td', { class: 'num' }, w.pid), h('td', { class: 'num' }, w.slots),
+            h('td', { class: 'num' }, w.shards), h('td', {}, ago(w.started_ms)),
+            h('td', {}, w.registration_expires_ms ? age(w.registration_expires_ms - Date.now()) : '–'))),
+          'No worker is registered.'),
+        h('p', { class: 'muted' }, 'A worker renews its registration at every heartbeat; one that lapses is declared dead and its tokens are reclaimed. The Token audit and each request show which slot holds which token.')));
+    },
+  },
+
+  events: {
+    render(main) {
+      this.main = main;
+      api('/api/events').then(r => { S.events = r.events; this.tick(); }).catch(e => toast(e.message, true));
+      this.tick();
+    },
+    tick() {
+      fill(this.main, h('h1', {}, 'Completion events'), h('p', { class: 'muted' }, 'Live: requests reaching their terminal state since this dashboard started.'),
+        h('div', { class: 'card' }, table([['Seen'], ['Request'], ['State'], ['Cursor']],
+          S.events.map(e => h('tr', { class: 'link', onclick: () => { location.hash = requestLink(e.id); } },
+            h('td', {}, new Date(e.seen_ms).toLocaleTimeString()), h('td', { class: 'mono' }, h('a', { href: requestLink(e.id) }, e.id)), h('td', {}, badge(e.state)), h('td', { class: 'mono muted' }, e.cursor))),
+          'No request has finished since the dashboard started.')));
+    },
+  },
+
+  tokens: {
+    render(main) { this.main = main; return this.tick(); },
+    async tick() {
+      let audit;
+      try { audit = await api('/api/tokens'); } catch (e) { fill(this.main, h('p', { class: 'error' }, e.message)); return; }
+      const t = audit.totals;
+      fill(this.main, h('h1', {}, 'Token audit'),
+        h('div', { class: 'grid' },
+          stat('Capacity', num(t.capacity), 'tokens the unfinished requests own'),
+          stat('Waiting', num(t.waiting), `in priority lists (${audit.token_shards} shard${audit.token_shards > 1 ? 's' : ''})`),
+          stat('Held', num(t.held), 'by worker slots'),
+          stat('Parked', num(t.parked), 'nothing to hand out'),
+          stat('Drift', num(t.drift), t.drift === 0 ? 'capacity = waiting + held + parked' : 'recovery repairs this', t.drift === 0 ? 'ok' : 'warn')),
+        h('div', { class: 'card' }, h('h2', {}, `Unfinished requests (${num(audit.requests.length)} of ${num(audit.unfinished)})`),
+          table([['Request'], ['State'], ['Priority', 'num'], ['Shards', 'num'], ['Expected', 'num'], ['Queued', 'num'], ['Held', 'num'], ['Parked', 'num'], ['Difference', 'num']],
+            audit.requests.map(r => h('tr', r.lane ? {} : { class: 'link', onclick: () => { location.hash = requestLink(r.id); } },
+              h('td', { class: 'mono' }, r.lane ? `lane ${r.id}` : h('a', { href: requestLink(r.id) }, r.id)), h('td', {}, r.state ? badge(r.state) : '–'),
+              h('td', { class: 'num' }, r.priority), h('td', { class: 'num' }, r.shards), h('td', { class: 'num' }, r.expected), h('td', { class: 'num' }, r.queued),
+              h('td', { class: 'num' }, r.held), h('td', { class: 'num' }, r.parked), h('td', { class: 'num ' + (r.drift ? 'warn' : 'ok') }, r.drift))),
+            'No unfinished request.')),
+        h('p', { class: 'muted' }, 'A request\'s tokens are counted from its own record; the namespace totals compare what the records own with what the priority lists, take records and parked counts hold. Both read zero drift on a healthy system, but for a moment while a token moves.'));
+    },
+  },
+};
+
+function pauseControls() {
+  const p = h('input', { type: 'number', min: 0, max: 99, placeholder: 'all' });
+  const run = (what) => async () => {
+    const body = p.value === '' ? {} : { priority: Number(p.value) };
+    try { await act(`/api/${what}`, body); toast(`${what === 'pause' ? 'Paused' : 'Resumed'} ${p.value === '' ? 'the namespace' : 'priority ' + p.value}.`); } catch (e) { toast(e.message, true); }
+  };
+  return h('div', { class: 'actions', style: 'margin-top:10px' }, h('label', {}, 'Priority', p),
+    h('button', { type: 'button', class: 'secondary', onclick: run('pause') }, 'Pause'),
+    h('button', { type: 'button', class: 'secondary', onclick: run('resume') }, 'Resume'));
+}
+
+// ---- routing and the live stream -----------------------------------------------------------------
+
+function route() {
+  const hash = location.hash.replace(/^#/, '') || '/';
+  const [path, query] = hash.split('?');
+  const params = new URLSearchParams(query || '');
+  let name, arg;
+  if (path.startsWith('/request/')) { name = 'request'; arg = decodeURIComponent(path.slice('/request/'.length)); }
+  else name = { '/': 'overview', '/requests': 'requests', '/workers': 'workers', '/events': 'events', '/tokens': 'tokens' }[path] || 'overview';
+  for (const a of document.querySelectorAll('#nav a')) a.classList.toggle('active', a.dataset.page === (name === 'request' ? 'requests' : name));
+  const main = document.getElementById('main');
+  fill(main);
+  main.dataset.page = name;
+  S.page = pages[name];
+  S.page.render(main, params, arg);
+}
+
+/** A reading arrived: the page shows it, reading more if it must (one read at a time). */
+async function tick() {
+  if (!S.page || S.refreshing) return;
+  S.refreshing = true;
+  try { await S.page.tick(); } catch (e) { console.error(e); } finally { S.refreshing = false; }
+}
+
+function connect() {
+  const live = document.getElementById('live');
+  const es = new EventSource('/api/live');
+  es.onopen = () => { live.className = 'live on'; live.textContent = 'live'; };
+  es.onerror = () => { live.className = 'live off'; live.textContent = 'reconnecting'; };
+  es.addEventListener('overview', e => {
+    S.overview = JSON.parse(e.data);
+    S.driftStreak = S.overview.tokens.drift === 0 ? 0 : S.driftStreak + 1;
+    tick();
+  });
+  es.addEventListener('completion', e => {
+    S.events.unshift(JSON.parse(e.data));
+    S.events.length = Math.min(S.events.length, 200);
+    if (S.page === pages.events) pages.events.tick();
+  });
+}
+
+async function start() {
+  try { S.config = await api('/api/config'); } catch (e) { document.getElementById('main').replaceChildren(h('p', { class: 'error' }, e.message)); return; }
+  document.getElementById('ns').textContent = S.config.namespace;
+  const mode = document.getElementById('mode');
+  mode.textContent = S.config.actions ? 'actions allowed' : 'read-only';
+  mode.className = 'mode' + (S.config.actions ? ' actions' : '');
+  try { S.overview = await api('/api/overview'); } catch (e) { toast(e.message, true); }
+  window.addEventListener('hashchange', route);
+  route();
+  connect();
+}
+
+start();

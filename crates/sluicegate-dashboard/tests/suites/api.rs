@@ -1,0 +1,187 @@
+// The body of tests/api.rs: written once, run against a single Redis and a 3-master Redis
+// Cluster (`per_topology!` runs it once for each).
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sluicegate_dashboard::DashboardOptions;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::{env, get_json, http, post_json, producer, serve, worker};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_answer_json_and_bad_input_gets_a_status_and_a_message_naming_it() {
+    let env = env(TOPOLOGY, "dash-api").await;
+    let ns = env.config.namespace_str().to_owned();
+    let p = producer(&env.config).await;
+    let a = p.request().id("a-1").unwrap().priority(40).unwrap().concurrency(2).unwrap().submit(0..10u64).await.unwrap();
+    let served = serve(&env.config, DashboardOptions::new()).await;
+    let addr = served.addr;
+
+    let (s, config) = get_json(addr, "/api/config", &[]).await;
+    assert_eq!((s, &config["namespace"], &config["actions"]), (200, &Value::from(ns.clone()), &Value::Bool(false)));
+    let (s, ov) = get_json(addr, "/api/overview", &[]).await;
+    assert_eq!(s, 200, "{ov}");
+    assert_eq!(ov["tokens"]["drift"], 0, "{ov}");
+    assert_eq!(ov["tokens"]["waiting"], 2, "{ov}");
+    assert_eq!(ov["recent"]["requests"][0]["id"], "a-1", "{ov}");
+    let (s, page) = get_json(addr, "/api/requests?state=queued&priority=40&limit=5", &[]).await;
+    assert_eq!((s, page["requests"].as_array().unwrap().len()), (200, 1), "{page}");
+    let (s, st) = get_json(addr, "/api/requests/a-1", &[]).await;
+    assert_eq!((s, &st["state"], &st["total"]), (200, &Value::from("queued"), &Value::from(10)), "{st}");
+    let (s, tokens) = get_json(addr, "/api/requests/a-1/tokens", &[]).await;
+    assert_eq!((s, &tokens["expected"], &tokens["queued"]), (200, &Value::from(2), &Value::from(2)), "{tokens}");
+    assert_eq!(tokens["tokens"][0]["state"], "queued", "{tokens}");
+    let (s, audit) = get_json(addr, "/api/tokens", &[]).await;
+    assert_eq!((s, &audit["totals"]["drift"], &audit["unfinished"]), (200, &Value::from(0), &Value::from(1)), "{audit}");
+    assert_eq!(audit["requests"][0]["drift"], 0, "{audit}");
+    let (s, dead) = get_json(addr, "/api/requests/a-1/dead", &[]).await;
+    assert_eq!((s, &dead["total"]), (200, &Value::from(0)), "{dead}");
+    let (s, _) = get_json(addr, "/api/workers", &[]).await;
+    assert_eq!(s, 200);
+    let (s, metrics) = http(addr, "GET", "/metrics", &[], "").await;
+    assert_eq!(s, 200);
+    assert!(metrics.contains(&format!("sluicegate_token_capacity{{namespace=\"{ns}\"}} 2")), "{metrics}");
+
+    // Bad input: a status and a message that names the problem.
+    let (s, e) = get_json(addr, "/api/requests/nobody", &[]).await;
+    assert_eq!(s, 404, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("no request with id \"nobody\""), "{e}");
+    let long = "x".repeat(2000);
+    let (s, e) = get_json(addr, &format!("/api/requests/{long}"), &[]).await;
+    assert_eq!(s, 400, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("invalid request id"), "{e}");
+    for (query, names) in [
+        ("priority=100", "priority 100"),
+        ("state=done", "unknown state \"done\""),
+        ("older_than=soon", "older_than \"soon\""),
+        ("cursor=zzz", "not a list cursor"),
+        ("limit=0", "1 to 1000"),
+        ("colour=red", "unknown parameter \"colour\""),
+    ] {
+        let (s, e) = get_json(addr, &format!("/api/requests?{query}"), &[]).await;
+        assert_eq!(s, 400, "{query}: {e}");
+        assert!(e["error"].as_str().unwrap().contains(names), "{query}: {e}");
+    }
+    let (s, e) = get_json(addr, "/api/requests/a-1/dead?limit=0", &[]).await;
+    assert_eq!(s, 400, "{e}");
+    let (s, e) = get_json(addr, "/api/no-such-thing", &[]).await;
+    assert_eq!(s, 404, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("/api/no-such-thing"), "{e}");
+
+    // Read-only: every action is refused, and nothing changes.
+    for action in ["cancel", "requeue", "purge", "reprioritize"] {
+        let (s, e) = post_json(addr, &format!("/api/requests/a-1/{action}"), &[], "{\"priority\": 50}").await;
+        assert_eq!(s, 403, "{action}: {e}");
+        assert!(e["error"].as_str().unwrap().contains("read-only"), "{e}");
+    }
+    let (s, _) = post_json(addr, "/api/pause", &[], "{}").await;
+    assert_eq!(s, 403);
+    assert_eq!(get_json(addr, "/api/requests/a-1", &[]).await.1["state"], "queued");
+    a.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_change_requests_and_only_the_right_token_gets_in() {
+    let env = env(TOPOLOGY, "dash-act").await;
+    let p = producer(&env.config).await;
+    p.request().id("b-1").unwrap().priority(40).unwrap().submit(0..10u64).await.unwrap();
+    let served = serve(&env.config, DashboardOptions::new().allow_actions(true).token("s3cret")).await;
+    let addr = served.addr;
+    let auth = [("Authorization", "Bearer s3cret")];
+
+    // Without the token, or with a wrong one: 401, for the API, /metrics and the actions alike.
+    for path in ["/api/config", "/api/requests/b-1", "/metrics"] {
+        assert_eq!(get_json(addr, path, &[]).await.0, 401, "{path}");
+        assert_eq!(get_json(addr, path, &[("Authorization", "Bearer wrong")]).await.0, 401, "{path}");
+    }
+    let (s, e) = post_json(addr, "/api/requests/b-1/cancel", &[("Authorization", "Bearer nope")], "{}").await;
+    assert_eq!(s, 401, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("wrong token"), "{e}");
+    let (s, _) = http(addr, "GET", "/", &[], "").await;
+    assert_eq!(s, 303, "a browser is sent to the login form");
+    // The login form: a wrong token is refused, the right one sets a session cookie.
+    let form = [("Content-Type", "application/x-www-form-urlencoded")];
+    assert_eq!(http(addr, "POST", "/login", &form, "token=guess").await.0, 401);
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let body = "token=s3cret";
+    let request = format!("POST /login HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).await.unwrap();
+    assert!(reply.starts_with("HTTP/1.1 303"), "{reply}");
+    let cookie = reply.lines().find_map(|l| l.strip_prefix("set-cookie: ")).unwrap();
+    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"), "{cookie}");
+    let session = cookie.split(';').next().unwrap().to_owned();
+    assert_eq!(get_json(addr, "/api/config", &[("Cookie", &session)]).await.0, 200);
+    assert_eq!(get_json(addr, "/api/config", &[("Cookie", "sluicegate_session=forged")]).await.0, 401);
+
+    // Actions with the token.
+    let (s, e) = post_json(addr, "/api/requests/b-1/reprioritize", &auth, "{\"priority\": 120}").await;
+    assert_eq!(s, 400, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("priority 120"), "{e}");
+    let (s, r) = post_json(addr, "/api/requests/b-1/reprioritize", &auth, "{\"priority\": 70}").await;
+    assert_eq!((s, &r["from"], &r["to"]), (200, &Value::from(40), &Value::from(70)), "{r}");
+    let (s, e) = post_json(addr, "/api/requests/b-1/purge", &auth, "{}").await;
+    assert_eq!(s, 409, "an unfinished request is not purged: {e}");
+    let (s, r) = post_json(addr, "/api/requests/b-1/cancel", &auth, "{}").await;
+    assert_eq!((s, &r["cancelled"]), (200, &Value::Bool(true)), "{r}");
+    assert_eq!(get_json(addr, "/api/requests/b-1", &auth).await.1["state"], "cancelled");
+    let (s, r) = post_json(addr, "/api/requests/b-1/cancel", &auth, "{}").await;
+    assert_eq!((s, &r["cancelled"], &r["already_finished"]), (200, &Value::Bool(false), &Value::from("cancelled")), "{r}");
+    let (s, e) = post_json(addr, "/api/requests/b-1/requeue", &auth, "{}").await;
+    assert_eq!(s, 409, "{e}");
+    let (s, r) = post_json(addr, "/api/requests/b-1/purge", &auth, "{}").await;
+    assert_eq!((s, &r["purged"]), (200, &Value::Bool(true)), "{r}");
+    assert_eq!(get_json(addr, "/api/requests/b-1", &auth).await.0, 404);
+    assert_eq!(post_json(addr, "/api/requests/b-1/purge", &auth, "{}").await.0, 404);
+    let (s, e) = http(addr, "POST", "/api/requests/b-1/cancel", &auth, "{}").await;
+    assert_eq!(s, 415, "an action takes JSON only: {e}");
+    let (s, r) = post_json(addr, "/api/pause", &auth, "{\"priority\": 7}").await;
+    assert_eq!((s, &r["paused"]["priorities"][0]), (200, &Value::from(7)), "{r}");
+    let (s, r) = post_json(addr, "/api/resume", &auth, "{}").await;
+    assert_eq!((s, &r["paused"]["priorities"]), (200, &serde_json::json!([])), "{r}");
+
+    // Dead letters: listed with their payload, and requeued.
+    let _w = worker(&env.config, 5, 2).await;
+    let c = p.request().id("c-1").unwrap().submit([1u64, u64::MAX, 3]).await.unwrap();
+    let _ = c.wait::<u64>().await;
+    let (s, dead) = get_json(addr, "/api/requests/c-1/dead", &auth).await;
+    assert_eq!((s, &dead["total"]), (200, &Value::from(1)), "{dead}");
+    assert_eq!(dead["dead"][0]["index"], 1, "{dead}");
+    assert_eq!(dead["dead"][0]["payload"], Value::from(u64::MAX), "{dead}");
+    assert!(dead["dead"][0]["error"]["error"].as_str().unwrap().contains("dead letter"), "{dead}");
+    let (s, e) = get_json(addr, "/api/requests/c-1/dead?index=7", &auth).await;
+    assert_eq!(s, 404, "{e}");
+    let (s, r) = post_json(addr, "/api/requests/c-1/requeue", &auth, "{}").await;
+    assert_eq!((s, &r["requeued"]), (200, &Value::from(1)), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_stream_sends_readings_and_completion_events() {
+    let env = env(TOPOLOGY, "dash-live").await;
+    let served = serve(&env.config, DashboardOptions::new()).await;
+    let mut stream = tokio::net::TcpStream::connect(served.addr).await.unwrap();
+    stream.write_all(b"GET /api/live HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n").await.unwrap();
+    let _w = worker(&env.config, 5, 2).await;
+    let p = producer(&env.config).await;
+    let handle = p.request().id("d-1").unwrap().submit(0..3u64).await.unwrap();
+    handle.wait::<u64>().await.unwrap();
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut buf = vec![0u8; 64 * 1024];
+    while !(seen.contains("event: overview") && seen.contains("event: completion") && seen.contains("\"id\":\"d-1\"")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no reading and completion of d-1 within 15 s: {seen}");
+        if let Ok(Ok(n)) = tokio::time::timeout(left, stream.read(&mut buf)).await {
+            assert!(n > 0, "the stream ended: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    }
+    assert!(seen.contains("content-type: text/event-stream"), "{seen}");
+    let (_, events) = get_json(served.addr, "/api/events", &[]).await;
+    assert_eq!(events["events"][0]["id"], "d-1", "{events}");
+    assert_eq!(events["events"][0]["state"], "completed", "{events}");
+    let (_, st) = get_json(served.addr, "/api/requests/d-1", &[]).await;
+    assert_eq!(st["completion"]["state"], "completed", "{st}");
+}
