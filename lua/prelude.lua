@@ -428,11 +428,16 @@ end
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
+--   next                                 hash: key id -> the row of a registration that found its
+--                                        id listed by a finished request (sg_ix_add): once the new
+--                                        request exists (that one's keys were purged), its first
+--                                        push lists it in that one's place (sg_ix_takeover)
 -- Every change is O(log n) (per tag). A finished request leaves with its retention (each finish and
 -- each claim of recovery drop a few expired ones), and every key expires on its own once it holds
 -- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
--- last live request finishes, and `row`, `tl`, `tx`, `exp` when the shard has no live one left (while
--- one is, `exp` stays, so that trimming finds every finished request).
+-- last live request finishes, and `row`, `tl`, `tx`, `exp`, `next` when the shard has no live one
+-- left (while one is, `exp` stays, so that trimming finds every finished request).
+local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
 local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
 -- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
 -- finish, so the index never grows behind, and the claims empty it once the work stops.
@@ -493,7 +498,7 @@ end
 local function sg_ix_settle(ix, now)
   if redis.call('EXISTS', ix .. 'live') == 1 then return end
   local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
-  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do
+  for _, name in ipairs(SG_IX_SHARED) do
     if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
   end
 end
@@ -502,11 +507,12 @@ end
 -- more (while one is live they have none).
 local function sg_ix_first_live(ix)
   if redis.call('EXISTS', ix .. 'live') == 1 then return end
-  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do redis.call('PERSIST', ix .. name) end
+  for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
 end
 
 -- Removes a request from every index set; returns 1 if it was indexed.
 local function sg_ix_remove(ix, kid, now)
+  redis.call('HDEL', ix .. 'next', kid)
   local row = redis.call('HGET', ix .. 'row', kid)
   if not row then return 0 end
   local marks = sg_ix_marks(ix, kid, row)
@@ -531,18 +537,38 @@ end
 
 -- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
 -- submit that registered it first is listed, and a second one of the id is refused when created).
--- A finished request whose keys have expired leaves first: its id may be used again.
-local function sg_ix_add(ix, kid, row, now)
+-- A finished request whose keys have expired leaves first: its id may be used again. So does one
+-- that is merely listed when the caller has created the new request (`created`: lane_submit), since
+-- the id was free: an operator purged its keys and the index has not followed yet (`unlist` comes
+-- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
+-- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
+local function sg_ix_add(ix, kid, row, now, created)
   if row == nil or row == '' then return end
   local exp = redis.call('ZSCORE', ix .. 'exp', kid)
-  if exp and tonumber(exp) <= now then sg_ix_remove(ix, kid, now) end
-  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then return end
+  local live = redis.call('ZSCORE', ix .. 'live', kid)
+  if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
+  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
+    if not live then
+      redis.call('HSET', ix .. 'next', kid, row)
+      sg_ix_settle(ix, now)
+    end
+    return
+  end
   sg_ix_first_live(ix)
   redis.call('ZADD', ix .. 'live', now, kid)
   for _, tag in ipairs(sg_ix_tags(row)) do
     redis.call('ZADD', ix .. 't:' .. tag, now, kid)
     sg_ix_mark_live(ix, {tag, ix .. 't:' .. tag})
   end
+end
+
+-- The first push of request `kid` (it exists): if its registration found the id listed by a
+-- finished request (a row waits in `next`), that one's keys are gone, purged, and this request
+-- takes its place in the index.
+local function sg_ix_takeover(ix, kid, now)
+  local row = redis.call('HGET', ix .. 'next', kid)
+  if not row or redis.call('ZSCORE', ix .. 'live', kid) then return end
+  sg_ix_add(ix, kid, row, now, true)
 end
 
 -- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that

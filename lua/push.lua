@@ -6,15 +6,20 @@
 -- that follows a submit, with the score its registration wrote: while that score is still there,
 -- the next look is set to ARGV[2], however far; if recovery has looked since, only moved earlier)
 -- or 'more' (the next look only ever moves earlier)   ARGV[4..] elements
+-- The first push also lists the request in place of a purged request of its id that its
+-- registration found listed (sg_ix_takeover).
 -- Returns the number of elements pushed. An element of a request that finished in the meantime is
 -- refused by acquire when taken ('drop'), and the index entry by recovery, so a late or repeated
 -- push is harmless; a push never silently does nothing.
 local function push(keys, args)
   if keys[3] then
     local due = sg_now() + tonumber(args[2])
+    local first = string.match(args[3], '^first:(%d+)$')
     if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
-      sg_rearm(keys[3], args[1], due, string.match(args[3], '^first:(%d+)$'))
+      sg_rearm(keys[3], args[1], due, first)
     end
+    -- The request exists: it may take the listing entry of a purged one of its id.
+    if first then sg_ix_takeover(sg_ix(keys[3]), args[1], sg_now()) end
     -- A lane (key id "~...") is never registered: it is created in the step that indexes it.
     if string.sub(args[1], 1, 1) ~= '~' then redis.call('HSETNX', keys[4], args[1], sg_now()) end
   end

@@ -31,6 +31,9 @@ local function track(keys, args)
     local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
     local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
     if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+    -- With no live request on the shard, `tx` expires with the latest finished one: one this
+    -- call created (HSET) must too.
+    sg_ix_settle(ix, now)
     if not redis.call('HGET', ix .. 'tl', mark[1]) then sg_ix_expire_at(mark[2], math.max(expires, latest), now) end
   end
   return 1

@@ -3,12 +3,15 @@
 -- KEYS[1] the shard's index rows (prelude.lua, "The listing index")   KEYS[2] the shard's active
 -- index   KEYS[3] the request's finish marks
 -- ARGV[1] request key id
--- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is still in
--- recovery's index (not finished, or its finish steps not all done): nothing is changed.
+-- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is in recovery's
+-- index (not finished, or its finish steps not all done; or a new request of the id registered
+-- since its keys went, which its first push lists) or listed as live (a new lane request of the
+-- id, which recovery's index does not name): nothing is changed.
 local function unlist(keys, args)
-  if redis.call('ZSCORE', keys[2], args[1]) then
+  local ix = string.sub(keys[1], 1, -4)
+  if redis.call('ZSCORE', keys[2], args[1]) or redis.call('ZSCORE', ix .. 'live', args[1]) then
     return redis.error_reply('SGSTATE the request has not finished (or is still finishing)')
   end
   redis.call('DEL', keys[3])
-  return sg_ix_remove(string.sub(keys[1], 1, -4), args[1], sg_now())
+  return sg_ix_remove(ix, args[1], sg_now())
 end

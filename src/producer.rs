@@ -54,11 +54,11 @@ impl Producer {
         Ok(Self { store, doorbell: Arc::new(OnceCell::new()), counting })
     }
 
-    /// A producer on a store of the checker's.
+    /// A producer on a store of the checker's, counting for the stats by stage in `recorder`
+    /// (which the checker flushes when it chooses: no flush task).
     #[cfg(test)]
-    pub(crate) fn from_store(store: Store) -> Self {
-        let counting =
-            Arc::new(Counting { recorder: Arc::new(Recorder::off()), stop: CancellationToken::new() });
+    pub(crate) fn from_store(store: Store, recorder: Arc<Recorder>) -> Self {
+        let counting = Arc::new(Counting { recorder, stop: CancellationToken::new() });
         Self { store, doorbell: Arc::new(OnceCell::new()), counting }
     }
 

@@ -172,6 +172,12 @@ impl Recorder {
         !self.keep.is_zero()
     }
 
+    /// Whether it holds nothing to flush.
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u8, Stat), i64>> {
         // Single inserts and updates: a panic cannot leave the map inconsistent.
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
@@ -410,7 +416,7 @@ impl StageStats {
     }
 
     /// Sums the minutes into the per-priority figures.
-    fn from_minutes(from_ms: u64, to_ms: u64, minutes: Vec<MinuteStats>) -> Self {
+    pub(crate) fn from_minutes(from_ms: u64, to_ms: u64, minutes: Vec<MinuteStats>) -> Self {
         let mut by: BTreeMap<u8, PriorityStages> = BTreeMap::new();
         for m in &minutes {
             for (name, n) in &m.fields {
@@ -425,6 +431,13 @@ impl StageStats {
         }
         Self { from_ms, to_ms, priorities: by.into_values().rev().collect(), minutes }
     }
+}
+
+/// Whether `name` is a field this version writes (`<priority>|<counter>`,
+/// `<priority>|<histogram>|<bucket>`).
+#[cfg(test)]
+pub(crate) fn is_known_field(name: &str) -> bool {
+    parse_field(name).is_some()
 }
 
 /// A stored field's priority and meaning; `None` for a field this version does not know.

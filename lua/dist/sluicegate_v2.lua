@@ -430,11 +430,16 @@ end
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
+--   next                                 hash: key id -> the row of a registration that found its
+--                                        id listed by a finished request (sg_ix_add): once the new
+--                                        request exists (that one's keys were purged), its first
+--                                        push lists it in that one's place (sg_ix_takeover)
 -- Every change is O(log n) (per tag). A finished request leaves with its retention (each finish and
 -- each claim of recovery drop a few expired ones), and every key expires on its own once it holds
 -- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
--- last live request finishes, and `row`, `tl`, `tx`, `exp` when the shard has no live one left (while
--- one is, `exp` stays, so that trimming finds every finished request).
+-- last live request finishes, and `row`, `tl`, `tx`, `exp`, `next` when the shard has no live one
+-- left (while one is, `exp` stays, so that trimming finds every finished request).
+local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
 local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
 -- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
 -- finish, so the index never grows behind, and the claims empty it once the work stops.
@@ -495,7 +500,7 @@ end
 local function sg_ix_settle(ix, now)
   if redis.call('EXISTS', ix .. 'live') == 1 then return end
   local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
-  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do
+  for _, name in ipairs(SG_IX_SHARED) do
     if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
   end
 end
@@ -504,11 +509,12 @@ end
 -- more (while one is live they have none).
 local function sg_ix_first_live(ix)
   if redis.call('EXISTS', ix .. 'live') == 1 then return end
-  for _, name in ipairs({'row', 'tl', 'tx', 'exp'}) do redis.call('PERSIST', ix .. name) end
+  for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
 end
 
 -- Removes a request from every index set; returns 1 if it was indexed.
 local function sg_ix_remove(ix, kid, now)
+  redis.call('HDEL', ix .. 'next', kid)
   local row = redis.call('HGET', ix .. 'row', kid)
   if not row then return 0 end
   local marks = sg_ix_marks(ix, kid, row)
@@ -533,18 +539,38 @@ end
 
 -- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
 -- submit that registered it first is listed, and a second one of the id is refused when created).
--- A finished request whose keys have expired leaves first: its id may be used again.
-local function sg_ix_add(ix, kid, row, now)
+-- A finished request whose keys have expired leaves first: its id may be used again. So does one
+-- that is merely listed when the caller has created the new request (`created`: lane_submit), since
+-- the id was free: an operator purged its keys and the index has not followed yet (`unlist` comes
+-- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
+-- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
+local function sg_ix_add(ix, kid, row, now, created)
   if row == nil or row == '' then return end
   local exp = redis.call('ZSCORE', ix .. 'exp', kid)
-  if exp and tonumber(exp) <= now then sg_ix_remove(ix, kid, now) end
-  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then return end
+  local live = redis.call('ZSCORE', ix .. 'live', kid)
+  if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
+  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
+    if not live then
+      redis.call('HSET', ix .. 'next', kid, row)
+      sg_ix_settle(ix, now)
+    end
+    return
+  end
   sg_ix_first_live(ix)
   redis.call('ZADD', ix .. 'live', now, kid)
   for _, tag in ipairs(sg_ix_tags(row)) do
     redis.call('ZADD', ix .. 't:' .. tag, now, kid)
     sg_ix_mark_live(ix, {tag, ix .. 't:' .. tag})
   end
+end
+
+-- The first push of request `kid` (it exists): if its registration found the id listed by a
+-- finished request (a row waits in `next`), that one's keys are gone, purged, and this request
+-- takes its place in the index.
+local function sg_ix_takeover(ix, kid, now)
+  local row = redis.call('HGET', ix .. 'next', kid)
+  if not row or redis.call('ZSCORE', ix .. 'live', kid) then return end
+  sg_ix_add(ix, kid, row, now, true)
 end
 
 -- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
@@ -1258,15 +1284,20 @@ end
 -- that follows a submit, with the score its registration wrote: while that score is still there,
 -- the next look is set to ARGV[2], however far; if recovery has looked since, only moved earlier)
 -- or 'more' (the next look only ever moves earlier)   ARGV[4..] elements
+-- The first push also lists the request in place of a purged request of its id that its
+-- registration found listed (sg_ix_takeover).
 -- Returns the number of elements pushed. An element of a request that finished in the meantime is
 -- refused by acquire when taken ('drop'), and the index entry by recovery, so a late or repeated
 -- push is harmless; a push never silently does nothing.
 local function push(keys, args)
   if keys[3] then
     local due = sg_now() + tonumber(args[2])
+    local first = string.match(args[3], '^first:(%d+)$')
     if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
-      sg_rearm(keys[3], args[1], due, string.match(args[3], '^first:(%d+)$'))
+      sg_rearm(keys[3], args[1], due, first)
     end
+    -- The request exists: it may take the listing entry of a purged one of its id.
+    if first then sg_ix_takeover(sg_ix(keys[3]), args[1], sg_now()) end
     -- A lane (key id "~...") is never registered: it is created in the step that indexes it.
     if string.sub(args[1], 1, 1) ~= '~' then redis.call('HSETNX', keys[4], args[1], sg_now()) end
   end
@@ -2417,7 +2448,7 @@ local function lane_submit(keys, args)
     fields[#fields + 1] = args[16 + i]
   end
   redis.call('HSET', record, unpack(fields))
-  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now)
+  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true)
   for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
@@ -2752,6 +2783,9 @@ local function track(keys, args)
     local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
     local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
     if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+    -- With no live request on the shard, `tx` expires with the latest finished one: one this
+    -- call created (HSET) must too.
+    sg_ix_settle(ix, now)
     if not redis.call('HGET', ix .. 'tl', mark[1]) then sg_ix_expire_at(mark[2], math.max(expires, latest), now) end
   end
   return 1
@@ -2762,14 +2796,17 @@ end
 -- KEYS[1] the shard's index rows (prelude.lua, "The listing index")   KEYS[2] the shard's active
 -- index   KEYS[3] the request's finish marks
 -- ARGV[1] request key id
--- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is still in
--- recovery's index (not finished, or its finish steps not all done): nothing is changed.
+-- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is in recovery's
+-- index (not finished, or its finish steps not all done; or a new request of the id registered
+-- since its keys went, which its first push lists) or listed as live (a new lane request of the
+-- id, which recovery's index does not name): nothing is changed.
 local function unlist(keys, args)
-  if redis.call('ZSCORE', keys[2], args[1]) then
+  local ix = string.sub(keys[1], 1, -4)
+  if redis.call('ZSCORE', keys[2], args[1]) or redis.call('ZSCORE', ix .. 'live', args[1]) then
     return redis.error_reply('SGSTATE the request has not finished (or is still finishing)')
   end
   redis.call('DEL', keys[3])
-  return sg_ix_remove(string.sub(keys[1], 1, -4), args[1], sg_now())
+  return sg_ix_remove(ix, args[1], sg_now())
 end
 
 -- purge: deletes a finished request's keys now, rather than at the end of its retention

@@ -498,21 +498,24 @@ impl Admin {
         let purged = match crate::shards::placement(&self.store, &keys.meta).await? {
             Some(place) => {
                 let home = home_shard(&key_id, place.shards);
-                let active: Option<f64> =
-                    self.store.client.zscore(self.store.keys.active(home).as_str(), key_id.as_str()).await?;
+                let active_key = self.store.keys.active(home);
+                let active: Option<f64> = self
+                    .store
+                    .call("zscore", &active_key, || async {
+                        Ok(self.store.client.zscore(active_key.as_str(), key_id.as_str()).await?)
+                    })
+                    .await?;
                 if active.is_some() {
                     return Err(unfinished());
                 }
                 let purged = listing::purge(&self.store, &keys.all()).await.map_err(say_unfinished)?;
-                listing::unlist(&self.store, home, &key_id).await?;
-                purged
+                unlist(&self.store, home, &key_id, purged).await.map_err(say_unfinished)?
             }
             None => {
                 let home = crate::shards::lane_home(&self.store, &key_id);
                 let record = self.store.keys.record(home, &key_id);
                 let purged = listing::purge(&self.store, &[record.as_str()]).await.map_err(say_unfinished)?;
-                listing::unlist(&self.store, home, &key_id).await?;
-                purged
+                unlist(&self.store, home, &key_id, purged).await.map_err(say_unfinished)?
             }
         };
         Ok(purged)
@@ -549,6 +552,18 @@ impl Admin {
                 }
             }
         }
+    }
+}
+
+/// The index's half of a purge, after `purge` answered `purged`. Refused when the id is in use
+/// again: by a request that was live all along (nothing was purged), or by a new request
+/// submitted once the keys were gone, which lists itself in the purged one's place (then the
+/// purge is done).
+async fn unlist(store: &crate::store::Store, home: u32, key_id: &str, purged: bool) -> Result<bool> {
+    match listing::unlist(store, home, key_id).await {
+        Ok(_) => Ok(purged),
+        Err(Error::Refused(_)) if purged => Ok(true),
+        Err(e) => Err(e),
     }
 }
 

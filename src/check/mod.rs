@@ -1,7 +1,9 @@
 //! The randomized model-based protocol checker (test builds only).
 //!
 //! It drives the real code (producers' submits, slots' token takes, recovery passes, operators'
-//! commands) against the real Functions library on a redis-server of its own, with every Redis
+//! commands: cancel, requeue, finalize, reprioritize, pause, track, purge and purge of the finished
+//! ones; producers' and workers' flushes of their stats by stage) against the real Functions
+//! library on a redis-server of its own, with every Redis
 //! call parked at a gate (`gate.rs`) so that a seeded scheduler chooses the interleaving and the
 //! faults: a reply lost after the call ran, a call re-sent, a call refused (not run, an error that
 //! is not the connection's, as `OOM` would be), a process killed between any two of
@@ -9,7 +11,9 @@
 //! `protocol::checker_library_source`), a Redis crash and restart from its AOF. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
 //! sequence it drains everything to completion and checks that every accepted part ended with a
-//! result or a dead letter, one event per lifecycle, and that nothing is left without an expiry.
+//! result or a dead letter, one event per lifecycle, the listing index, the stats by stage against
+//! what happened, and that nothing is left without an expiry. Some sequences also drain half-way
+//! (`Op::Drain`) and go on, so that operators' commands meet finished requests.
 //!
 //! ```text
 //! cargo test --lib check::                         # the CI budget (about 2 minutes)
@@ -33,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use ops::{draw, Mix, Op, SLOTS, WORKERS};
 use sluicegate_testkit::RedisServer;
@@ -118,6 +122,8 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
             // Every actor is parked before its next call: none is in the middle of one.
             server.redis.kill().map_err(|e| fail(at)(e.to_string()))?;
             server.redis.restart().await.map_err(|e| fail(at)(e.to_string()))?;
+        } else if *op == Op::Drain {
+            drain(world).await.map_err(fail(at))?;
         } else {
             world.apply(op).await.map_err(fail(at))?;
         }
@@ -138,7 +144,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
 
 /// No more faults: every parked call and handler goes on, slots take, workers beat and recover,
 /// time passes, an operator finalizes streamed requests whose producer died; until every request
-/// is finished and nothing runs.
+/// is finished and nothing runs (at the end of a sequence, and where it has an `Op::Drain`).
 async fn drain(world: &mut World) -> Result<(), String> {
     use gate::{Fault, Verdict};
     let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
@@ -273,7 +279,14 @@ async fn drain(world: &mut World) -> Result<(), String> {
 /// Draws the sequence of seed `seed`.
 fn sequence(seed: u64, mix: &Mix) -> Vec<Op> {
     let mut rng = StdRng::seed_from_u64(seed);
-    (0..mix.len).map(|_| draw(&mut rng, mix)).collect()
+    let drain_at =
+        rng.gen_bool(mix.drains).then(|| rng.gen_range(mix.len / 2..(mix.len * 3 / 4).max(mix.len / 2 + 1)));
+    (0..mix.len)
+        .map(|at| match drain_at {
+            Some(d) if at == d => Op::Drain,
+            d => draw(&mut rng, mix, d.is_some_and(|d| at > d)),
+        })
+        .collect()
 }
 
 /// Removes operations while the failure (its kind) stays: chunks first, then single ones.
@@ -404,7 +417,7 @@ fn budget(default: u64) -> Duration {
     )
 }
 
-const CI_MIX: Mix = Mix { len: 60, faults: 0.12, restarts: true };
+const CI_MIX: Mix = Mix { len: 60, faults: 0.12, restarts: true, drains: 0.2 };
 
 /// The CI budget: about two minutes of sequences, seeds varying per run and printed.
 #[test]

@@ -30,6 +30,10 @@ pub(crate) enum Outcome {
     /// This call cancelled the request.
     Cancelled,
     Requeued(u64),
+    /// `Admin::purge` answered: whether it deleted keys.
+    Purged(bool),
+    /// An operator's command was refused (`Error::Refused`): the request has not finished.
+    Refused(String),
     /// A page of results read from part `first` (`Err` carries a failure's attempts), of a
     /// request that was terminal or not when it was read.
     Read {
@@ -70,6 +74,29 @@ pub(crate) struct Req {
     /// An operator asked to requeue its dead letters (its outstanding parts may then pass its
     /// window).
     pub(crate) requeue_tried: bool,
+    /// An operator's purge (`Admin::purge` of it, or any `Admin::purge_finished`) was started.
+    pub(crate) purge_tried: bool,
+    /// Its keys went with a purge this many times (the id may be used again after each).
+    pub(crate) purges: u32,
+    /// Events of the id's purged requests, left in the events stream.
+    pub(crate) events_before: u64,
+    /// The last `Admin::purge` of it answered Ok: it left the listing index, its finish marks went.
+    pub(crate) unlisted: bool,
+    /// Its state as the last step's check saw it (`None`: no keys).
+    pub(crate) last_state: Option<String>,
+    /// Submits of the id under way, and whether one died.
+    pub(crate) submitting: u32,
+    pub(crate) submit_died: bool,
+}
+
+impl Req {
+    /// Whether the request with this id may still be listed under the entry of the purged request
+    /// of its id: a registration that finds the id listed by a finished request cannot tell whether
+    /// that one's keys are gone; the new request takes the entry at its first push, after it was
+    /// created, and not if its producer dies before.
+    fn may_wait_for_takeover(&self) -> bool {
+        self.purges > 0 && (self.submitting > 0 || self.submit_died)
+    }
 }
 
 #[derive(Default)]
@@ -81,6 +108,19 @@ pub(crate) struct Model {
     pub(crate) running: HashMap<u64, (String, u64, u32)>,
     /// A broken promise found outside a step's checks (a page of results that is wrong).
     pub(crate) broken: Option<String>,
+    /// The stats by stage: a `stats_add` met a lost reply or was re-sent (its counts may be added
+    /// twice); a producer died (what it counted and had not flushed is lost); a `stats_add` ran
+    /// since the last step's check.
+    pub(crate) stats_over: bool,
+    pub(crate) stats_lost: bool,
+    stats_added: bool,
+    /// Submits that returned Ok (each counted once by its producer for the stats by stage), those
+    /// that died (a streamed one may have been accepted and counted before), and handler runs that
+    /// ended Ok and not Ok.
+    pub(crate) submits_accepted: u64,
+    pub(crate) submits_died: u64,
+    pub(crate) runs_ok: u64,
+    pub(crate) runs_failed: u64,
 }
 
 /// The key id in a request key `<ns>:r:{<kid>}…`.
@@ -90,9 +130,17 @@ fn kid_of(key: &str) -> Option<&str> {
 }
 
 impl Model {
-    pub(crate) fn submitting(&mut self, _s: &Submit) {}
+    pub(crate) fn submitting(&mut self, s: &Submit) {
+        self.requests.entry(s.request).or_default().submitting += 1;
+    }
 
-    pub(crate) fn call(&mut self, actor: u64, _what: &str, key: &str, _fault: Fault) {
+    pub(crate) fn call(&mut self, actor: u64, what: &str, key: &str, fault: Fault) {
+        if what == "stats_add" {
+            self.stats_added = true;
+            if matches!(fault, Fault::LoseReply | Fault::Resend) {
+                self.stats_over = true;
+            }
+        }
         if let Some(kid) = kid_of(key) {
             self.touched.entry(actor).or_default().insert(kid.to_owned());
         }
@@ -109,11 +157,21 @@ impl Model {
         for a in running {
             self.running.remove(&a);
         }
+        if verdict == Verdict::Ok {
+            self.runs_ok += 1;
+        } else {
+            self.runs_failed += 1;
+        }
         if verdict != Verdict::Ok {
             if let Some(r) = index_of(request) {
                 self.requests.entry(r).or_default().failed_parts.insert(index);
             }
         }
+    }
+
+    /// An operator's purge may delete request `i`'s keys from now on.
+    pub(crate) fn purging(&mut self, i: u8) {
+        self.requests.entry(i).or_default().purge_tried = true;
     }
 
     pub(crate) fn touched(&self, actor: u64, kid: &str) -> bool {
@@ -123,21 +181,34 @@ impl Model {
     pub(crate) fn died(&mut self, actor: u64, what: &Task) {
         self.touched.remove(&actor);
         self.running.remove(&actor);
-        // A cancel that died after its call may have taken effect.
-        if let Task::Cancel(i) = what {
-            self.requests.entry(*i).or_default().cancelled = true;
+        match what {
+            // A cancel that died after its call may have taken effect.
+            Task::Cancel(i) => self.requests.entry(*i).or_default().cancelled = true,
+            Task::Submit(s) => {
+                self.submits_died += 1;
+                let r = self.requests.entry(s.request).or_default();
+                r.submitting = r.submitting.saturating_sub(1);
+                r.submit_died = true;
+            }
+            _ => {}
         }
     }
 
     pub(crate) fn ended(&mut self, what: &Task, outcome: Outcome) {
+        if let Task::Submit(s) = what {
+            let r = self.requests.entry(s.request).or_default();
+            r.submitting = r.submitting.saturating_sub(1);
+        }
         match (what, outcome) {
             (Task::Submit(s), Outcome::Accepted(parts)) => {
+                self.submits_accepted += 1;
                 let r = self.requests.entry(s.request).or_default();
                 r.accepted += 1;
                 r.spec = Some(s.clone());
                 r.parts = (parts, parts);
             }
             (Task::Submit(s), Outcome::Streamed { added, ambiguous, error }) => {
+                self.submits_accepted += 1;
                 let finalized = matches!(s.shape, Shape::Streamed { finalize: true, .. }) && error.is_none();
                 // An open that failed (a duplicate, say) surfaces as an Error outcome instead.
                 let r = self.requests.entry(s.request).or_default();
@@ -149,8 +220,13 @@ impl Model {
             (Task::Cancel(i), Outcome::Cancelled | Outcome::Error(_)) => {
                 self.requests.entry(*i).or_default().cancelled = true
             }
-            (Task::Read(i, asked), Outcome::Read { first, terminal, results }) => {
+            (Task::Purge(i), Outcome::Purged(_)) => self.requests.entry(*i).or_default().unlisted = true,
+            (Task::Read(i, asked, purges), Outcome::Read { first, terminal, results }) => {
                 let r = self.requests.entry(*i).or_default();
+                if r.purges != *purges {
+                    // A page of a request purged since (or of the one that took its id).
+                    return;
+                }
                 let req = request_id(*i);
                 if first != *asked {
                     self.broken = Some(format!("{req}: a page asked from {asked} starts at {first}"));
@@ -190,7 +266,7 @@ fn index_of(request: &str) -> Option<u8> {
 }
 
 /// One request's state in Redis.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Seen {
     pub(crate) meta: HashMap<String, String>,
     pub(crate) events: u64,
@@ -207,7 +283,7 @@ pub(crate) struct Seen {
 }
 
 /// What a lane request's record holds beside its fields.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct LaneSeen {
     pub(crate) results: HashMap<u64, u64>,
     pub(crate) errors: HashMap<u64, String>,
@@ -247,6 +323,11 @@ pub(crate) async fn registry(world: &World) -> Result<HashMap<String, u64>, Stri
 
 /// Reads every request of the pool, the active index and the events stream (one round trip).
 pub(crate) async fn snapshot(world: &World) -> Result<(BTreeMap<u8, Seen>, u64), String> {
+    snapshot_with_index(world).await.map(|(seen, now, _)| (seen, now))
+}
+
+/// `snapshot`, and the listing index in the same round trip.
+async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, IndexSeen), String> {
     let c = &world.reader;
     let e = |e: fred::error::Error| e.to_string();
     let ns = world.config.namespace_str();
@@ -274,6 +355,12 @@ pub(crate) async fn snapshot(world: &World) -> Result<(BTreeMap<u8, Seen>, u64),
             .await
             .map_err(e)?;
     }
+    let ix = |set: &str| format!("{ns}:{{{ns}.q0}}:ix:{set}");
+    let _: () = pipe.hkeys(ix("row")).await.map_err(e)?;
+    let _: () = pipe.zrange(ix("live"), 0, -1, None, false, None, false).await.map_err(e)?;
+    let _: () = pipe.zrange(ix("tracked"), 0, -1, None, false, None, false).await.map_err(e)?;
+    let _: () = pipe.hget(ix("tl"), " tracked").await.map_err(e)?;
+    let _: () = pipe.pttl(ix("tracked")).await.map_err(e)?;
     let mut replies: std::vec::IntoIter<Value> = pipe.all::<Vec<Value>>().await.map_err(e)?.into_iter();
     let mut next = || replies.next().unwrap_or(Value::Null);
     let active: Vec<String> = next().convert().map_err(e)?;
@@ -302,7 +389,19 @@ pub(crate) async fn snapshot(world: &World) -> Result<(BTreeMap<u8, Seen>, u64),
             Seen { meta, events, indexed: active.contains(&kid), results, dead, listed_twice, lane },
         );
     }
-    Ok((out, now))
+    let rows: Vec<String> = next().convert().map_err(e)?;
+    let live: Vec<String> = next().convert().map_err(e)?;
+    let tracked: Vec<String> = next().convert().map_err(e)?;
+    let tracked_live: Option<i64> = next().convert().map_err(e)?;
+    let tracked_ttl: i64 = next().convert().map_err(e)?;
+    let index = IndexSeen {
+        rows: rows.into_iter().collect(),
+        live: live.into_iter().collect(),
+        tracked,
+        tracked_live: tracked_live.unwrap_or(0),
+        tracked_ttl,
+    };
+    Ok((out, now, index))
 }
 
 /// A lane request as `snapshot` sees it, from its record: indexed while its lane is (its parts
@@ -350,17 +449,158 @@ async fn lane_seen(
     Ok(Seen { meta, events, indexed, results, dead, listed_twice: Vec::new(), lane: Some(lane) })
 }
 
+/// Requests whose keys went since the last step: only a finished request's keys go, all of them
+/// at once, and only by an operator's purge (nothing expires in a checker run but what a producer
+/// left loading). The model then forgets what it knew of the request: its id may be used again.
+async fn purged_since(world: &mut World, seen: &BTreeMap<u8, Seen>) -> Result<(), String> {
+    let ns = world.config.namespace_str().to_owned();
+    for (i, s) in seen {
+        let r = request_id(*i);
+        let now = (!s.meta.is_empty()).then(|| s.state().to_owned());
+        let m = world.model.requests.entry(*i).or_default();
+        let was = std::mem::replace(&mut m.last_state, now.clone());
+        let Some(was) = was.filter(|w| w != "loading" && now.is_none()) else { continue };
+        if !matches!(was.as_str(), "completed" | "failed" | "cancelled") {
+            return Err(format!("{r}: its keys are gone while it was {was}"));
+        }
+        if !m.purge_tried {
+            return Err(format!("{r}: its keys are gone ({was}), and nobody purged it"));
+        }
+        m.purges += 1;
+        m.events_before = s.events;
+        m.unlisted = false;
+        m.read.clear();
+        m.read_next = 0;
+        m.failed_parts.clear();
+        let left = scan(&world.reader, &format!("{ns}:r:{{{}}}*", r.key_id())).await?;
+        if !left.is_empty() {
+            return Err(format!("{r}: purged ({was}), but some of its keys are left: {left:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// The keys that match `pattern`.
+async fn scan(c: &Client, pattern: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    let mut cursor = "0".to_string();
+    loop {
+        let (next, batch): (String, Vec<String>) = c
+            .custom(
+                fred::types::CustomCommand::new_static("SCAN", fred::types::ClusterHash::Random, false),
+                vec![cursor.clone(), "MATCH".into(), pattern.to_owned(), "COUNT".into(), "1000".into()],
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        out.extend(batch);
+        if next == "0" {
+            return Ok(out);
+        }
+        cursor = next;
+    }
+}
+
+/// The listing index of shard 0, as the step checks read it.
+struct IndexSeen {
+    rows: HashSet<String>,
+    live: HashSet<String>,
+    tracked: Vec<String>,
+    /// `ix:tl`'s count of the tracked set's live members, and the set's expiry (PTTL).
+    tracked_live: i64,
+    tracked_ttl: i64,
+}
+
+/// The listing index's invariants: a live request is listed as live; the tracked set holds listed
+/// requests only, counts its live ones exactly (`ix:tl`), and keeps no expiry while it has one.
+fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Result<(), String> {
+    for (i, s) in seen {
+        let kid = request_id(*i).key_id();
+        let takeover = world.model.requests.get(i).is_some_and(|m| m.may_wait_for_takeover());
+        if takeover && ix.rows.contains(&kid) {
+            continue;
+        }
+        if !s.meta.is_empty() && !s.terminal() && s.state() != "loading" && !ix.live.contains(&kid) {
+            let listed = if ix.rows.contains(&kid) { "listed, but not as live" } else { "not listed" };
+            return Err(format!("{}: {} but {listed} in the listing index", request_id(*i), s.state()));
+        }
+    }
+    if let Some(stray) = ix.tracked.iter().find(|k| !ix.rows.contains(*k)) {
+        return Err(format!("{stray} is tracked but not listed"));
+    }
+    let live = ix.tracked.iter().filter(|k| ix.live.contains(*k)).count() as i64;
+    if live != ix.tracked_live {
+        return Err(format!(
+            "the tracked set has {live} live requests, the index counts {} ({:?})",
+            ix.tracked_live, ix.tracked
+        ));
+    }
+    if live > 0 && ix.tracked_ttl != -1 {
+        return Err(format!("the tracked set has live requests but expires in {} ms", ix.tracked_ttl));
+    }
+    Ok(())
+}
+
+/// The stats by stage as stored, summed by priority. Whatever the faults (a lost flush, a flush
+/// counted twice), every minute's hash has an expiry no longer than the stats' retention, holds
+/// only fields this version writes with counts above 0, and each flush adds a sample of the queue
+/// wait with each request started and one of the duration with each request completed or failed.
+async fn check_stats(world: &World) -> Result<crate::stats::StageStats, String> {
+    let e = |e: fred::error::Error| e.to_string();
+    let ns = world.config.namespace_str();
+    let keep = world.config.stats_keep().as_millis() as i64;
+    let mut minutes = Vec::new();
+    for key in scan(&world.reader, &format!("{ns}:{{{ns}.q0}}:st:*")).await? {
+        let ttl: i64 = world.reader.pttl(&key).await.map_err(e)?;
+        let fields: HashMap<String, String> = world.reader.hgetall(&key).await.map_err(e)?;
+        if ttl <= 0 || ttl > keep {
+            return Err(format!("stats key {key} expires in {ttl} ms (kept {keep} ms): {fields:?}"));
+        }
+        let mut counts = BTreeMap::new();
+        for (field, value) in fields {
+            match value.parse::<u64>() {
+                Ok(n) if n > 0 && crate::stats::is_known_field(&field) => counts.insert(field, n),
+                _ => return Err(format!("stats key {key} holds {field} = {value}")),
+            };
+        }
+        minutes.push(crate::stats::MinuteStats { minute_ms: 0, fields: counts });
+    }
+    let stats = crate::stats::StageStats::from_minutes(0, 0, minutes);
+    for p in &stats.priorities {
+        if p.queue_wait.count() != p.started || p.duration.count() != p.completed + p.failed {
+            return Err(format!(
+                "stats of priority {}: {} started with {} queue waits, {} completed and {} failed with {} durations",
+                p.priority,
+                p.started,
+                p.queue_wait.count(),
+                p.completed,
+                p.failed,
+                p.duration.count()
+            ));
+        }
+    }
+    Ok(stats)
+}
+
 /// The invariants that hold after every step.
-pub(crate) async fn check_step(world: &World) -> Result<(), String> {
+pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
     if let Some(broken) = &world.model.broken {
         return Err(broken.clone());
     }
-    let (seen, now) = snapshot(world).await?;
+    let (seen, now, index) = snapshot_with_index(world).await?;
+    purged_since(world, &seen).await?;
+    check_index(world, &seen, &index)?;
+    if std::mem::take(&mut world.model.stats_added) {
+        check_stats(world).await?;
+    }
+    let world = &*world;
     for (i, s) in &seen {
         let r = request_id(*i);
         if s.meta.is_empty() {
             continue;
         }
+        // Events of the id's earlier requests, purged, stay in the stream.
+        let before = world.model.requests.get(i).map_or(0, |m| m.events_before);
+        let s = &Seen { events: s.events.saturating_sub(before), ..s.clone() };
         let limit = s.num("limit");
         let ntok = s.num("ntok");
         let held = s.tokens().filter(|(_, v)| v.starts_with("h|")).count() as u64;
@@ -445,8 +685,14 @@ pub(crate) async fn check_step(world: &World) -> Result<(), String> {
         }
     }
     for (i, r) in &world.model.requests {
-        if r.accepted > 1 {
-            return Err(format!("{}: accepted {} times while retained", request_id(*i), r.accepted));
+        // (Each purge frees the id for one more.)
+        if r.accepted > r.purges + 1 {
+            return Err(format!(
+                "{}: accepted {} times while retained (purged {} times)",
+                request_id(*i),
+                r.accepted,
+                r.purges
+            ));
         }
     }
     Ok(())
@@ -459,13 +705,26 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     let c = &world.reader;
     let e = |e: fred::error::Error| e.to_string();
     let ns = world.config.namespace_str();
+    let ix = |set: &str| format!("{ns}:{{{ns}.q0}}:ix:{set}");
     for (i, s) in &seen {
         let r = request_id(*i);
         let model = world.model.requests.get(i);
         let accepted = model.is_some_and(|m| m.accepted > 0);
+        let purged = model.is_some_and(|m| m.purges > 0);
         if s.meta.is_empty() {
-            if accepted {
+            if accepted && !purged {
                 return Err(format!("{r}: accepted, but its record is gone"));
+            }
+            // A purge that answered Ok took the request out of the index, and its finish marks.
+            if model.is_some_and(|m| m.unlisted) {
+                let kid = r.key_id();
+                let row: Option<String> = c.hget(ix("row"), kid.as_str()).await.map_err(e)?;
+                let marks: i64 = c.exists(format!("{ns}:{{{ns}.q0}}:f:{kid}")).await.map_err(e)?;
+                if row.is_some() || marks > 0 {
+                    return Err(format!(
+                        "{r}: purged, but its listing row ({row:?}) or finish marks ({marks}) are left"
+                    ));
+                }
             }
             continue;
         }
@@ -479,11 +738,14 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             return Err(format!("{r}: stuck in state {} after the drain: {:?}", s.state(), s.meta));
         }
         let gen = s.num("gen");
-        if s.events != gen + 1 {
-            return Err(format!("{r}: {} events for {} lifecycles", s.events, gen + 1));
+        let events = s.events.saturating_sub(model.map_or(0, |m| m.events_before));
+        if events != gen + 1 {
+            return Err(format!("{r}: {events} events for {} lifecycles", gen + 1));
         }
         let total = s.num("total");
-        if let Some(m) = model.filter(|m| m.accepted > 0) {
+        // (Once an id was purged, a late answer of its earlier request may have overwritten what
+        // the model knew of the one that took it over.)
+        if let Some(m) = model.filter(|m| m.accepted > 0 && m.purges == 0) {
             if total < m.parts.0 || total > m.parts.1 {
                 return Err(format!("{r}: {total} parts, the producer added {:?}", m.parts));
             }
@@ -573,7 +835,6 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     // The listing index holds each request in the set of its state, and once everything has
     // finished nothing live: what is left leaves with its retention (ix:exp, trimmed by finishes
     // and recovery's claims, and every index key expires).
-    let ix = |set: &str| format!("{ns}:{{{ns}.q0}}:ix:{set}");
     let live: Vec<String> = c.zrange(ix("live"), 0, -1, None, false, None, false).await.map_err(e)?;
     if !live.is_empty() {
         return Err(format!("listed as live once everything finished: {live:?}"));
@@ -599,7 +860,8 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             return Err(format!("{}: {} but not listed", request_id(*i), s.state()));
         }
         let score: Option<f64> = c.zscore(ix(s.state()), kid.as_str()).await.map_err(e)?;
-        if score.is_none() || !expiring.contains(&kid) {
+        let takeover = world.model.requests.get(i).is_some_and(|m| m.may_wait_for_takeover());
+        if (score.is_none() || !expiring.contains(&kid)) && !takeover {
             return Err(format!(
                 "{}: {} but not in the index's {} set with an expiry",
                 request_id(*i),
@@ -610,24 +872,7 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     }
     // Nothing leaks: every key left will expire (records and results for the retention; the
     // listing index's keys once they hold only finished requests).
-    let keys: Vec<String> = {
-        let mut out = Vec::new();
-        let mut cursor = "0".to_string();
-        loop {
-            let (next, batch): (String, Vec<String>) = c
-                .custom(
-                    fred::types::CustomCommand::new_static("SCAN", fred::types::ClusterHash::Random, false),
-                    vec![cursor.clone(), "MATCH".into(), format!("{ns}:*"), "COUNT".into(), "1000".into()],
-                )
-                .await
-                .map_err(e)?;
-            out.extend(batch);
-            if next == "0" {
-                break out;
-            }
-            cursor = next;
-        }
-    };
+    let keys = scan(c, &format!("{ns}:*")).await?;
     for key in keys {
         let ttl: i64 = c.pttl(&key).await.map_err(e)?;
         if ttl < 0 && key.contains(":p:") {
@@ -654,6 +899,45 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 _ => Value::Null,
             };
             return Err(format!("key {key} is left without an expiry once everything finished: {content:?}"));
+        }
+    }
+    // The stats by stage, once every process has flushed: exact while no flush was lost or
+    // counted twice; a re-sent or lost-reply `stats_add` may only add, a producer's death may only
+    // lose. What workers count has no exact figure to meet (an ack whose reply is lost is not
+    // counted), but without a flush counted twice it never exceeds what happened.
+    let stats = check_stats(world).await?;
+    let sum = |f: fn(&crate::stats::PriorityStages) -> u64| stats.priorities.iter().map(f).sum::<u64>();
+    let m = &world.model;
+    let submitted = sum(|p| p.submitted);
+    let most = m.submits_accepted + m.submits_died;
+    if (!m.stats_over && submitted > most) || (!m.stats_lost && submitted < m.submits_accepted) {
+        return Err(format!(
+            "stats: {submitted} requests submitted, {} submits accepted and {} died (a flush re-sent: {}, a \
+             producer died: {})",
+            m.submits_accepted, m.submits_died, m.stats_over, m.stats_lost
+        ));
+    }
+    if !m.stats_over {
+        let events: Vec<(String, HashMap<String, String>)> =
+            c.xrange(format!("{ns}:{{{ns}.q0}}:events"), "-", "+", None).await.map_err(e)?;
+        let ended = |state: &str| {
+            events.iter().filter(|(_, f)| f.get("state").map(String::as_str) == Some(state)).count() as u64
+        };
+        let (completed, failed) = (sum(|p| p.completed), sum(|p| p.failed));
+        let (succeeded, not_ok) = (sum(|p| p.succeeded), sum(|p| p.retried + p.dead_lettered));
+        if completed > ended("completed")
+            || failed > ended("failed")
+            || succeeded > m.runs_ok
+            || not_ok > m.runs_failed
+        {
+            return Err(format!(
+                "stats: {completed} completed, {failed} failed, {succeeded} attempts succeeded and {not_ok} not, \
+                 but {} and {} such events, {} and {} such runs",
+                ended("completed"),
+                ended("failed"),
+                m.runs_ok,
+                m.runs_failed
+            ));
         }
     }
     Ok(())

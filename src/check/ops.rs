@@ -2,8 +2,10 @@
 //!
 //! A sequence is data: replaying the same operations against a fresh Redis reproduces the run
 //! (every choice the code under test makes is deterministic under the checker, see
-//! `Store::deterministic`). Operations that pick among what is parked (`Step`, `Kill`) hold an
-//! index taken modulo the number of candidates, so that a shrunk sequence still replays.
+//! `Store::deterministic`). Operations that pick among what is parked (`Step`, `Kill`), or among
+//! requests or processes in some state at that moment (`Reprioritize`, `Track`, `Purge`,
+//! `FlushStats`), hold an index taken modulo the number of candidates, so that a shrunk sequence
+//! still replays.
 
 use std::fmt;
 
@@ -91,6 +93,32 @@ pub(crate) enum Op {
         pick: u8,
         priority: u8,
     },
+    /// An operator marks a request as tracked, or unmarks it (`Admin::track`); the request is
+    /// picked as `Reprioritize`'s, but among every request of the pool that exists (any state).
+    Track {
+        pick: u8,
+        on: bool,
+    },
+    /// An operator purges one request's keys now (`Admin::purge`): with `pick` a multiple of 4,
+    /// id `pick / 4` of the pool, whatever it is (unknown or live: refused, nothing changes);
+    /// otherwise one of the pool's finished requests at that moment, modulo their number.
+    Purge {
+        pick: u8,
+    },
+    /// An operator purges the finished requests in state `state` (0 completed, 1 failed, 2
+    /// cancelled) submitted at least `older_than_ms` ago by the functions' clock
+    /// (`Admin::purge_finished`).
+    PurgeFinished {
+        state: u8,
+        older_than_ms: u32,
+    },
+    /// A producer or a running worker adds what its recorder counted to the stats by stage
+    /// (`stats_add`), as its flush task does every flush interval: among the producers and workers
+    /// (in that order) that counted something since their last flush, the one at `pick` modulo
+    /// their number (none: nothing happens).
+    FlushStats {
+        pick: u8,
+    },
     /// An operator pauses the namespace (`None`) or one priority, or resumes it (`None`: all).
     Pause {
         priority: Option<u8>,
@@ -120,6 +148,10 @@ pub(crate) enum Op {
     },
     /// redis-server is killed and restarted from its append-only file (`appendfsync always`).
     Restart,
+    /// Everything drains as at the end of a sequence (no faults; every request finishes, nothing
+    /// runs), and the sequence goes on: what follows meets finished requests (purges, tracks, ids
+    /// submitted again).
+    Drain,
 }
 
 impl fmt::Display for Op {
@@ -140,36 +172,56 @@ pub(crate) struct Mix {
     pub(crate) faults: f64,
     /// Allow `Restart`.
     pub(crate) restarts: bool,
+    /// Share of sequences with an `Op::Drain` (somewhere in their second half).
+    pub(crate) drains: f64,
 }
 
-/// Draws one operation.
-pub(crate) fn draw(rng: &mut StdRng, mix: &Mix) -> Op {
+/// Draws one operation; `drained`: an `Op::Drain` came before, and an operator's commands on
+/// finished requests are drawn more often.
+pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
+    if drained && rng.gen_bool(0.2) {
+        return match rng.gen_range(0..5) {
+            0 | 1 => Op::Purge { pick: rng.gen() },
+            2 => Op::Track { pick: rng.gen(), on: rng.gen_bool(0.75) },
+            3 => Op::FlushStats { pick: rng.gen() },
+            _ => draw_purge_finished(rng),
+        };
+    }
     let roll = rng.gen_range(0..1000);
     match roll {
-        0..=429 => {
+        0..=409 => {
             Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict: draw_verdict(rng) }
         }
-        430..=449 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
-        450..=599 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
-        600..=689 => Op::Submit(draw_submit(rng)),
-        690..=739 => Op::Recover { worker: rng.gen_range(0..WORKERS) },
-        740..=789 => Op::Beat { worker: rng.gen_range(0..WORKERS) },
-        790..=869 => Op::Advance {
+        410..=429 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
+        430..=569 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
+        570..=659 => Op::Submit(draw_submit(rng)),
+        660..=709 => Op::Recover { worker: rng.gen_range(0..WORKERS) },
+        710..=759 => Op::Beat { worker: rng.gen_range(0..WORKERS) },
+        760..=836 => Op::Advance {
             ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
         },
-        870..=881 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
-        882..=884 => Op::Pause { priority: draw_pause(rng) },
-        885..=889 => Op::Resume { priority: draw_pause(rng) },
-        890..=899 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
-        900..=919 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
-        920..=939 => Op::Finalize { request: rng.gen_range(0..REQUEST_IDS) },
-        940..=979 => Op::Kill { pick: rng.gen() },
-        980..=996 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
+        837..=848 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        849..=851 => Op::Pause { priority: draw_pause(rng) },
+        852..=856 => Op::Resume { priority: draw_pause(rng) },
+        857..=866 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
+        867..=886 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
+        887..=906 => Op::Finalize { request: rng.gen_range(0..REQUEST_IDS) },
+        907..=946 => Op::Kill { pick: rng.gen() },
+        947..=956 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
+        957..=968 => Op::Purge { pick: rng.gen() },
+        969..=972 => draw_purge_finished(rng),
+        973..=980 => Op::Track { pick: rng.gen(), on: rng.gen_bool(0.75) },
+        981..=996 => Op::FlushStats { pick: rng.gen() },
         // A restart costs a few hundred ms of reconnects: about one sequence in six has one.
         _ if mix.restarts && rng.gen_bool(0.9) => Op::Advance { ms: 100 },
         _ if mix.restarts => Op::Restart,
         _ => Op::Advance { ms: 100 },
     }
+}
+
+fn draw_purge_finished(rng: &mut StdRng) -> Op {
+    let older_than_ms = if rng.gen_bool(0.5) { 0 } else { rng.gen_range(100..3000) };
+    Op::PurgeFinished { state: rng.gen_range(0..3), older_than_ms }
 }
 
 /// The whole namespace, or one of the priorities requests are drawn with.

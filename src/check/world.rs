@@ -13,10 +13,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::gate::{Event, Fault, Gate, Verdict};
 use super::model::{Model, Outcome};
-use super::ops::{Op, Shape, Submit, SLOTS, WORKERS};
+use super::ops::{Op, Shape, Submit, PRODUCERS, SLOTS, WORKERS};
 use crate::config::Config;
 use crate::request::Cancelled;
 use crate::request::RequestId;
+use crate::stats::Recorder;
 use crate::store::Store;
 use crate::worker::{slot, Context, Handler, HandlerError, Quantum, WorkerMetrics};
 use crate::{async_trait, Admin, Producer};
@@ -69,9 +70,15 @@ pub(crate) enum Task {
     Requeue(u8),
     Finalize(u8),
     Reprioritize(u8),
+    Track(u8),
+    Purge(u8),
+    PurgeFinished,
+    /// A producer's or a worker's flush of its stats by stage.
+    Flush,
     Pause,
-    /// A reader of request `.0`'s results, from part `.1`.
-    Read(u8, u64),
+    /// A reader of request `.0`'s results, from part `.1`, spawned while the model had seen `.2`
+    /// purges of the id (a page that ends after another purge is of a request it no longer knows).
+    Read(u8, u64, u32),
 }
 
 struct Actor {
@@ -131,7 +138,10 @@ pub(crate) struct World {
     actors: HashMap<u64, Actor>,
     next_actor: u64,
     pub(crate) parked: Vec<Parked>,
-    producers_busy: [bool; super::ops::PRODUCERS as usize],
+    producers_busy: [bool; PRODUCERS as usize],
+    /// What each producer process counted for the stats by stage and has not flushed (a new
+    /// recorder when the process is started again after a kill).
+    producer_stats: [Option<Arc<Recorder>>; PRODUCERS as usize],
     pub(crate) model: Model,
     /// The ms the functions' clock runs ahead of Redis's.
     pub(crate) clock_ms: u64,
@@ -204,7 +214,8 @@ impl World {
             actors: HashMap::new(),
             next_actor: 0,
             parked: Vec::new(),
-            producers_busy: [false; super::ops::PRODUCERS as usize],
+            producers_busy: [false; PRODUCERS as usize],
+            producer_stats: Default::default(),
             model: Model::default(),
             clock_ms: 0,
         }
@@ -239,7 +250,7 @@ impl World {
                 shutdown_grace: Duration::from_secs(3600),
                 leases: Default::default(),
                 metrics: Arc::new(WorkerMetrics::default()),
-                stats: Arc::new(crate::stats::Recorder::off()),
+                stats: Arc::new(Recorder::new(self.config.stats_keep())),
                 stopping: CancellationToken::new(),
                 wakes: None,
                 higher: Default::default(),
@@ -315,7 +326,7 @@ impl World {
                 }
                 self.producers_busy[s.producer as usize] = true;
                 self.model.submitting(s);
-                let producer = Producer::from_store(self.store.clone());
+                let producer = Producer::from_store(self.store.clone(), self.producer_stats(s.producer));
                 let s2 = s.clone();
                 self.spawn(Process::Producer(s.producer), Task::Submit(s.clone()), async move {
                     submit(&producer, &s2).await
@@ -376,10 +387,11 @@ impl World {
                 .await
             }
             Op::ReadResults { request, count } => {
-                let producer = Producer::from_store(self.store.clone());
-                let first = self.model.requests.get(request).map_or(0, |r| r.read_next);
+                let producer = Producer::from_store(self.store.clone(), Arc::new(Recorder::off()));
+                let (first, purges) =
+                    self.model.requests.get(request).map_or((0, 0), |r| (r.read_next, r.purges));
                 let (i, count) = (*request, usize::from(*count));
-                self.spawn(Process::Reader, Task::Read(i, first), async move {
+                self.spawn(Process::Reader, Task::Read(i, first, purges), async move {
                     let handle = producer.handle(request_id(i));
                     match handle.results_from::<u64>(first, count).await {
                         Ok(page) => Outcome::Read {
@@ -416,13 +428,88 @@ impl World {
                 .await
             }
             Op::Reprioritize { pick, priority } => {
-                let request = self.reprioritize_target(*pick).await?;
+                let request = self.pick_target(*pick, &["scheduled", "queued", "running"], false).await?;
                 let admin = Admin::from_store(self.store.clone());
                 let id = request_id(request);
                 let priority = crate::Priority::new(*priority).expect("drawn in range");
                 self.spawn(Process::Operator, Task::Reprioritize(request), async move {
                     match admin.reprioritize(&id, priority).await {
                         Ok(_) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Track { pick, on } => {
+                let request = self
+                    .pick_target(
+                        *pick,
+                        &["loading", "scheduled", "queued", "running", "completed", "failed", "cancelled"],
+                        true,
+                    )
+                    .await?;
+                let admin = Admin::from_store(self.store.clone());
+                let (id, on) = (request_id(request), *on);
+                self.spawn(Process::Operator, Task::Track(request), async move {
+                    match admin.track(&id, on).await {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::Purge { pick } => {
+                let request = self.pick_target(*pick, &["completed", "failed", "cancelled"], true).await?;
+                self.model.purging(request);
+                let admin = Admin::from_store(self.store.clone());
+                let id = request_id(request);
+                self.spawn(Process::Operator, Task::Purge(request), async move {
+                    match admin.purge(&id).await {
+                        Ok(purged) => Outcome::Purged(purged),
+                        Err(crate::Error::Refused(why)) => Outcome::Refused(why),
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::PurgeFinished { state, older_than_ms } => {
+                use crate::ListState;
+                let state =
+                    [ListState::Completed, ListState::Failed, ListState::Cancelled][*state as usize % 3];
+                let older_than = Duration::from_millis(u64::from(*older_than_ms));
+                for i in 0..super::ops::REQUEST_IDS {
+                    self.model.purging(i);
+                }
+                let admin = Admin::from_store(self.store.clone());
+                self.spawn(Process::Operator, Task::PurgeFinished, async move {
+                    match admin.purge_finished(state, older_than).await {
+                        Ok(_) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
+            Op::FlushStats { pick } => {
+                // The producers and the running workers that counted something, in that order.
+                let mut counted: Vec<(Process, Arc<Recorder>, Store)> = Vec::new();
+                for (p, recorder) in self.producer_stats.iter().enumerate() {
+                    if let Some(r) = recorder.as_ref().filter(|r| !r.is_empty()) {
+                        counted.push((Process::Producer(p as u8), r.clone(), self.store.clone()));
+                    }
+                }
+                for (w, proc_) in self.workers.iter().enumerate() {
+                    if let Some(p) = proc_.as_ref().filter(|p| !p.shared.stats.is_empty()) {
+                        let process = Process::Worker(w as u8, p.incarnation);
+                        counted.push((process, p.shared.stats.clone(), p.shared.store.clone()));
+                    }
+                }
+                if counted.is_empty() {
+                    return Ok(());
+                }
+                let (process, recorder, store) = counted.swap_remove(*pick as usize % counted.len());
+                self.spawn(process, Task::Flush, async move {
+                    match recorder.flush(&store).await {
+                        Ok(()) => Outcome::Done,
                         Err(e) => Outcome::Error(e.to_string()),
                     }
                 })
@@ -475,25 +562,45 @@ impl World {
                 }
                 Ok(())
             }
-            Op::Restart => Ok(()), // done by the runner, which owns the server
+            Op::Restart | Op::Drain => Ok(()), // done by the runner
         }
     }
 
-    /// The request an `Op::Reprioritize` with `pick` names (see there): with none of the pool
-    /// live with keys of its own, id `pick` of the pool.
-    async fn reprioritize_target(&self, pick: u8) -> Result<u8, String> {
+    /// The request an operator's `pick` names (`Op::Reprioritize`, `Op::Track`, `Op::Purge`):
+    /// with `pick` a multiple of 4, id `pick / 4` of the pool, whatever it is; otherwise one of
+    /// the pool's requests in one of `states` at this moment, modulo their number (those with keys
+    /// of their own, or also lane requests if `lanes`), and with none, id `pick` of the pool.
+    async fn pick_target(&self, pick: u8, states: &[&str], lanes: bool) -> Result<u8, String> {
         if pick % 4 == 0 {
             return Ok(pick / 4 % super::ops::REQUEST_IDS);
         }
-        let mut own = Vec::new();
+        let ns = self.config.namespace_str();
+        let mut found = Vec::new();
         for i in 0..super::ops::REQUEST_IDS {
-            let meta = format!("{}:r:{{{}}}", self.config.namespace_str(), request_id(i).key_id());
-            let state: Option<String> = self.reader.hget(meta, "state").await.map_err(|e| e.to_string())?;
-            if matches!(state.as_deref(), Some("scheduled" | "queued" | "running")) {
-                own.push(i);
+            let kid = request_id(i).key_id();
+            let mut state: Option<String> =
+                self.reader.hget(format!("{ns}:r:{{{kid}}}"), "state").await.map_err(|e| e.to_string())?;
+            if state.is_none() && lanes {
+                let record: Option<Vec<u8>> = self
+                    .reader
+                    .hget(format!("{ns}:{{{ns}.q0}}:s:{kid}"), "state")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                state = record.map(|s| String::from_utf8_lossy(&s).into_owned());
+            }
+            if state.as_deref().is_some_and(|s| states.contains(&s)) {
+                found.push(i);
             }
         }
-        Ok(if own.is_empty() { pick % super::ops::REQUEST_IDS } else { own[pick as usize % own.len()] })
+        Ok(if found.is_empty() { pick % super::ops::REQUEST_IDS } else { found[pick as usize % found.len()] })
+    }
+
+    /// The recorder of producer process `p`: what it counted since its last flush.
+    fn producer_stats(&mut self, p: u8) -> Arc<Recorder> {
+        let keep = self.config.stats_keep();
+        self.producer_stats[p as usize % PRODUCERS as usize]
+            .get_or_insert_with(|| Arc::new(Recorder::new(keep)))
+            .clone()
     }
 
     /// Starts an actor and runs it to its first park (or its end).
@@ -602,7 +709,7 @@ impl World {
                     }
                 }
             }
-            (Process::Producer(p), _) => self.producers_busy[p as usize] = false,
+            (Process::Producer(p), Task::Submit(_)) => self.producers_busy[p as usize] = false,
             _ => {}
         }
     }
@@ -621,6 +728,11 @@ impl World {
             }
         }
         self.parked.retain(|p| !dead.contains(&p.actor()));
+        if let Process::Producer(p) = process {
+            // What it counted and had not flushed dies with it.
+            self.producer_stats[p as usize] = None;
+            self.model.stats_lost = true;
+        }
         if let Process::Worker(w, inc) = process {
             if self.workers[w as usize].as_ref().is_some_and(|p| p.incarnation == inc) {
                 self.workers[w as usize] = None;
@@ -629,7 +741,8 @@ impl World {
     }
 
     /// Stops every worker process cleanly, as `Worker::run_until` does at its end: its slots end
-    /// their take records and it leaves the registry (calls made outside the gate).
+    /// their take records, it flushes its stats by stage and leaves the registry; the producers
+    /// flush theirs (calls made outside the gate).
     pub(crate) async fn stop_workers(&mut self) -> Result<(), String> {
         // The drain left no actor running; whatever is left (none) stops here, workers stay.
         for (_, mut actor) in self.actors.drain() {
@@ -661,7 +774,13 @@ impl World {
             for state in &p.slots {
                 slot::release_all(&shared, &mut *state.lock().await).await;
             }
+            // Its last flush of the stats by stage, after its slots stopped.
+            shared.stats.flush(&plain).await.map_err(|e| e.to_string())?;
             crate::worker::registry::leave(&plain, &shared.id()).await.map_err(|e| e.to_string())?;
+        }
+        // The producers flush once more too (as their last handle does when it is dropped).
+        for recorder in self.producer_stats.iter_mut().filter_map(Option::take) {
+            recorder.flush(&plain).await.map_err(|e| e.to_string())?;
         }
         Ok(())
     }
