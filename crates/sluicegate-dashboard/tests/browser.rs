@@ -42,10 +42,11 @@ fn binary(var: &str, default: &str, name: &str) -> PathBuf {
     })
 }
 
-/// chromedriver on a free port; killed on drop.
+/// chromedriver on a free port; killed on drop, with the browser profiles it was given.
 struct Driver {
     child: Child,
     url: String,
+    profiles: std::sync::Mutex<Vec<PathBuf>>,
 }
 
 impl Driver {
@@ -72,13 +73,14 @@ impl Driver {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Self { child, url: format!("http://127.0.0.1:{port}") }
+        Self { child, url: format!("http://127.0.0.1:{port}"), profiles: std::sync::Mutex::default() }
     }
 
     async fn browser(&self) -> Client {
         let chrome = binary("CHROME_BIN", "/usr/bin/chromium", "chromium");
         // A profile of its own: two browsers on one profile would stop one another.
         let profile = std::env::temp_dir().join(sluicegate_testkit::unique_namespace("sluicegate-browser"));
+        self.profiles.lock().unwrap().push(profile.clone());
         let caps = json!({
             "browserName": "chrome",
             "goog:chromeOptions": {
@@ -105,6 +107,9 @@ impl Drop for Driver {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for profile in self.profiles.get_mut().map(std::mem::take).unwrap_or_default() {
+            let _ = std::fs::remove_dir_all(profile);
+        }
     }
 }
 
