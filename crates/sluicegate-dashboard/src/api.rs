@@ -386,24 +386,28 @@ async fn purge(
     Ok(Json(json!({ "id": id.as_str(), "purged": true })))
 }
 
-async fn pause(
-    State(shared): State<Arc<Shared>>,
-    who: Who,
-    Json(body): Json<PriorityBody>,
-) -> ApiResult<Json<Value>> {
-    let p = body.priority.map(priority).transpose()?;
-    shared.admin.pause(p).await?;
-    tracing::info!(peer = %who, action = "pause", priority = ?p.map(Priority::get), "dashboard action");
-    Ok(Json(json!({ "paused": shared.admin.paused().await? })))
+async fn pause(shared: State<Arc<Shared>>, who: Who, body: Json<PriorityBody>) -> ApiResult<Json<Value>> {
+    pause_or_resume(shared, who, body, true).await
 }
 
-async fn resume(
+async fn resume(shared: State<Arc<Shared>>, who: Who, body: Json<PriorityBody>) -> ApiResult<Json<Value>> {
+    pause_or_resume(shared, who, body, false).await
+}
+
+/// Pauses or resumes the namespace, or one priority; answers what is paused now.
+async fn pause_or_resume(
     State(shared): State<Arc<Shared>>,
     who: Who,
     Json(body): Json<PriorityBody>,
+    pause: bool,
 ) -> ApiResult<Json<Value>> {
     let p = body.priority.map(priority).transpose()?;
-    shared.admin.resume(p).await?;
-    tracing::info!(peer = %who, action = "resume", priority = ?p.map(Priority::get), "dashboard action");
+    if pause {
+        shared.admin.pause(p).await?;
+    } else {
+        shared.admin.resume(p).await?;
+    }
+    let action = if pause { "pause" } else { "resume" };
+    tracing::info!(peer = %who, action, priority = ?p.map(Priority::get), "dashboard action");
     Ok(Json(json!({ "paused": shared.admin.paused().await? })))
 }
