@@ -7,6 +7,7 @@
 //! cargo run --release --example bench -- loader             # only when named: 1,000,000 x 10 parts
 //! cargo run --release --example bench -- cluster            # only when named: many_small, 3 masters
 //! cargo run --release --example bench -- stats_overhead     # only when named: metrics (stage stats, scrapes) off vs on
+//! cargo run --release --example bench -- dashboard_overhead # only when named: many_small with a dashboard and a browser open, vs without
 //! cargo run --release --example bench -- many_small memory  # some scenarios
 //! cargo run --release --example bench -- --compare         # also BullMQ, 3 runs each, medians, ratios
 //! BENCH_SCALE=0.1 cargo run --release --example bench      # a quick run at a tenth of the sizes
@@ -842,6 +843,115 @@ impl Bench {
         Ok(rows)
     }
 
+    /// What a dashboard with one browser open on its overview costs: the many_small shape (100-part
+    /// requests, limit 4, 16 slots) scaled up so that a drain lasts several dashboard readings
+    /// (`BENCH_DASHBOARD_REQUESTS`, default 5,000 requests), drained `BENCH_DASHBOARD_ROUNDS`
+    /// times (default 3) without and with `sluicegate dashboard` (the release CLI, default
+    /// interval) and a headless chromium on its overview (at nice 19, see [`Watching::start`]),
+    /// alternately. The dashboard connects
+    /// through a counting proxy, so its own Redis calls are counted apart from the worker's. Rows:
+    /// the median throughput of each, and the dashboard's calls per second while the backlog waits
+    /// and while it drains.
+    async fn dashboard_overhead(&self) -> Result<Vec<Row>, BoxError> {
+        let requests: u64 =
+            std::env::var("BENCH_DASHBOARD_REQUESTS").ok().and_then(|r| r.parse().ok()).unwrap_or(5_000);
+        let requests = self.scaled(requests);
+        let rounds: usize =
+            std::env::var("BENCH_DASHBOARD_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(3);
+        let (parts, limit) = (100, 4);
+        let items = requests * parts;
+        let cli = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/sluicegate");
+        if !cli.exists() {
+            return Err(format!("dashboard_overhead needs the release CLI: cargo build --release -p sluicegate-cli ({} is missing)", cli.display()).into());
+        }
+        let upstream = self.url.strip_prefix("redis://").and_then(|a| a.parse::<std::net::SocketAddr>().ok());
+        let Some(upstream) = upstream else {
+            return Err(format!(
+                "dashboard_overhead needs a single redis-server at redis://<ip>:<port>, not {}",
+                self.url
+            )
+            .into());
+        };
+        let proxy = sluicegate_testkit::proxy::Proxy::start(upstream).await?;
+        let (mut off, mut on, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut idle_rates, mut drain_rates) = (Vec::new(), Vec::new());
+        let (mut cpu_off, mut cpu_on) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let order = if round % 2 == 0 { [false, true] } else { [true, false] };
+            let mut pair = [0.0; 2];
+            for open in order {
+                let config = self.config("dashboard");
+                let producer = Producer::connect(&config).await?;
+                let mut handles = Vec::with_capacity(requests as usize);
+                for _ in 0..requests {
+                    handles.push(
+                        producer.request().concurrency(limit)?.submit((0..parts).map(|_| PAYLOAD)).await?,
+                    );
+                }
+                let watching = match open {
+                    true => {
+                        let watching = Watching::start(&cli, &proxy.url(), config.namespace_str()).await?;
+                        // The backlog waits while the browser watches: the dashboard's idle cost.
+                        let (c0, t0) = (proxy.stats().commands, Instant::now());
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                        idle_rates.push((proxy.stats().commands - c0) as f64 / t0.elapsed().as_secs_f64());
+                        Some(watching)
+                    }
+                    false => None,
+                };
+                let commands = proxy.stats().commands;
+                let before = stats(&self.nodes).await?;
+                let started = Instant::now();
+                let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
+                try_join_all(handles.iter().map(|h| h.wait::<()>())).await?;
+                let elapsed = started.elapsed().as_secs_f64();
+                let rate = items as f64 / elapsed;
+                let cpu = (stats(&self.nodes).await?.cpu_s - before.cpu_s) * 1e6 / items as f64;
+                stop.cancel();
+                task.await??;
+                if let Some(watching) = watching {
+                    let calls = (proxy.stats().commands - commands) as f64 / elapsed;
+                    drain_rates.push(calls);
+                    drop(watching);
+                    eprintln!("dashboard_overhead round {round}: dashboard open: {rate:.0} parts/s, Redis {cpu:.2} µs/part, the dashboard's Redis calls {calls:.1}/s during the drain");
+                    on.push(rate);
+                    cpu_on.push(cpu);
+                } else {
+                    eprintln!("dashboard_overhead round {round}: no dashboard: {rate:.0} parts/s, Redis {cpu:.2} µs/part");
+                    off.push(rate);
+                    cpu_off.push(cpu);
+                }
+                pair[usize::from(open)] = rate;
+                self.drop_namespace(&config).await?;
+            }
+            ratios.push(pair[1] / pair[0]);
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (off, on) = (median(&mut off), median(&mut on));
+        let (idle, drain) = (median(&mut idle_rates), median(&mut drain_rates));
+        let (cpu_off, cpu_on) = (median(&mut cpu_off), median(&mut cpu_on));
+        let change = (on / off - 1.0) * 100.0;
+        let paired = (median(&mut ratios) - 1.0) * 100.0;
+        eprintln!(
+            "dashboard_overhead: medians of {rounds} rounds: without {off:.0} parts/s, with the dashboard open {on:.0} parts/s \
+             ({change:+.1}%; median of the rounds' ratios {paired:+.1}%); Redis µs/part without {cpu_off:.2}, with {cpu_on:.2}; \
+             the dashboard's Redis calls/s: {idle:.1} while the backlog waits, {drain:.1} while it drains"
+        );
+        let mut rows = Vec::new();
+        for (name, rate, cpu) in [("dashboard_closed", off, cpu_off), ("dashboard_open", on, cpu_on)] {
+            let mut row = Row::new(name, items).note(format!(
+                "{requests} x {parts} parts, limit {limit}, {SLOTS} slots, median of {rounds} rounds; with/without {change:+.1}% (paired {paired:+.1}%); the dashboard's own Redis calls/s {drain:.1} draining, {idle:.1} waiting"
+            ));
+            row.throughput_per_s = Some(rate);
+            row.redis_cpu_us_per_item = Some(cpu);
+            rows.push(row);
+        }
+        Ok(rows)
+    }
+
     /// The minutes' hashes of a namespace: how many, their `MEMORY USAGE` in all, their fields.
     async fn minute_memory(&self, config: &Config) -> Result<(u64, u64, u64), BoxError> {
         let keys = sluicegate_testkit::keys_in_namespace(&self.url, config.namespace_str()).await?;
@@ -908,6 +1018,74 @@ impl Bench {
             let _: i64 = self.redis.del(chunk.to_vec()).await?;
         }
         Ok(())
+    }
+}
+
+/// A `sluicegate dashboard` process and a headless chromium showing its overview; both are
+/// killed on drop.
+struct Watching {
+    dashboard: std::process::Child,
+    browser: std::process::Child,
+    profile: std::path::PathBuf,
+}
+
+impl Watching {
+    /// Starts the dashboard on a free port, waits until it answers, opens the overview in
+    /// chromium, and waits until the browser's live stream is connected (the dashboard reads only
+    /// while someone watches).
+    async fn start(cli: &std::path::Path, redis: &str, namespace: &str) -> Result<Self, BoxError> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let dashboard = std::process::Command::new(cli)
+            .args(["--redis", redis, "--namespace", namespace, "dashboard", "--listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        let profile =
+            std::env::temp_dir().join(format!("sluicegate-bench-chromium-{}-{port}", std::process::id()));
+        let mut watching = Self { dashboard, browser: std::process::Command::new("true").spawn()?, profile };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+            if Instant::now() > deadline {
+                return Err("the dashboard did not listen within 15 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let chromium = std::env::var("CHROME_BIN").unwrap_or_else(|_| "chromium".into());
+        // The browser stands for an operator's machine: at nice 19 (BENCH_DASHBOARD_BROWSER_NICE)
+        // it gets only idle CPU, so that a 2-core host measures what the dashboard costs Redis and
+        // the workers, not what rendering a page costs the host. The dashboard runs at normal
+        // priority, as it would beside the workers.
+        let nice = std::env::var("BENCH_DASHBOARD_BROWSER_NICE").unwrap_or_else(|_| "19".into());
+        watching.browser = std::process::Command::new("nice")
+            .args(["-n", &nice, &chromium])
+            .args([
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--remote-debugging-port=0",
+            ])
+            .arg(format!("--user-data-dir={}", watching.profile.display()))
+            .arg(format!("http://127.0.0.1:{port}/"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                format!("cannot start {chromium} (apt-get install chromium, or set CHROME_BIN): {e}")
+            })?;
+        // The page's first reading: give it the time to load and open its stream.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        Ok(watching)
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        let _ = self.browser.kill();
+        let _ = self.dashboard.kill();
+        let _ = self.browser.wait();
+        let _ = self.dashboard.wait();
+        let _ = std::fs::remove_dir_all(&self.profile);
     }
 }
 
@@ -1060,6 +1238,10 @@ impl Bench {
         // Only when named: several rounds of the same drain, with the stats by stage off and on.
         if chosen.contains(&"stats_overhead") {
             rows.extend(self.stats_overhead().await?);
+        }
+        // Only when named: it needs the release CLI and Debian's chromium.
+        if chosen.contains(&"dashboard_overhead") {
+            rows.extend(self.dashboard_overhead().await?);
         }
         Ok(rows)
     }

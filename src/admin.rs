@@ -17,7 +17,7 @@ use crate::request::{Cancelled, PartError, Priority, RequestState};
 use crate::shards::Look;
 use crate::store::Store;
 use crate::worker::registry;
-pub use crate::worker::WorkerInfo;
+pub use crate::worker::{SlotWork, WorkerInfo};
 
 mod listing;
 mod tally;
@@ -632,8 +632,35 @@ impl Admin {
     }
 
     /// The workers whose registration is fresh (as in [`stats`](Self::stats), without the rest).
+    /// Also says what each worker's busy slots hold ([`WorkerInfo::busy`]): one `HGETALL` of each
+    /// token shard's take records, so its cost grows with the slots busy now, not the backlog.
     pub async fn workers(&self) -> Result<Vec<WorkerInfo>> {
-        registry::live(&self.store).await
+        let mut workers = registry::live(&self.store).await?;
+        if workers.is_empty() {
+            return Ok(workers);
+        }
+        let keys = &self.store.keys;
+        let pipe = self.store.client.pipeline();
+        for shard in 0..keys.shards() {
+            pipe.hgetall::<(), _>(keys.held(shard)).await?;
+        }
+        let held: Vec<HashMap<String, String>> = pipe.all().await?;
+        let mut by_worker: HashMap<&str, Vec<SlotWork>> = HashMap::new();
+        for (shard, records) in held.iter().enumerate() {
+            for (holder, record) in records {
+                if let Some(work) = SlotWork::from_record(shard as u32, holder, record) {
+                    let worker = holder.split('/').next().unwrap_or_default();
+                    by_worker.entry(worker).or_default().push(work);
+                }
+            }
+        }
+        for worker in &mut workers {
+            if let Some(mut busy) = by_worker.remove(worker.id.as_str()) {
+                busy.sort_by(|a, b| a.slot.cmp(&b.slot));
+                worker.busy = busy;
+            }
+        }
+        Ok(workers)
     }
 
     /// Pauses the namespace (`None`) or one priority: from their next take, worker slots take no

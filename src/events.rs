@@ -29,6 +29,8 @@ pub struct CompletionEvent {
     pub id: RequestId,
     /// Completed, failed or cancelled.
     pub state: RequestState,
+    /// When the event was written (ms since the Unix epoch, Redis's clock: its stream id's time).
+    pub at_ms: u64,
     /// Where the listener had read to when it returned this event: a resume point for
     /// [`Listener::resume_after`].
     pub cursor: Cursor,
@@ -130,6 +132,29 @@ impl Listener {
         Ok(listener)
     }
 
+    /// Listens to the last `n` completions retained in each token shard's events stream (fewer
+    /// when fewer are retained), then to new ones: what a display that shows recent events wants
+    /// at its start. One `XREVRANGE` of at most `n + 1` entries per shard.
+    pub async fn from_last(config: &Config, n: usize) -> Result<Self> {
+        let mut listener = Self::resume_after(config, &Cursor::beginning()).await?;
+        for shard in 0..listener.cursors.len() {
+            let events = listener.store.keys.events(shard as u32);
+            let count = n as u64 + 1;
+            let newest: Value = listener.store.client.xrevrange(events, "+", "-", Some(count)).await?;
+            let newest = reply::array(newest)?;
+            // The (n+1)-th newest event is the cursor, so that the n after it are read; with n or
+            // fewer retained, every one is.
+            if newest.len() as u64 == count {
+                if let Some(entry) = newest.into_iter().last() {
+                    if let Some(id) = reply::array(entry)?.into_iter().next() {
+                        listener.cursors[shard] = reply::text(&id)?;
+                    }
+                }
+            }
+        }
+        Ok(listener)
+    }
+
     /// Listens to every completion still retained, then to new ones.
     pub async fn from_beginning(config: &Config) -> Result<Self> {
         Self::resume_after(config, &Cursor::beginning()).await
@@ -171,6 +196,15 @@ impl Listener {
                 self.read(self.turn, Some(block)).await?;
             }
         }
+    }
+
+    /// The next completions: waits for one, then returns it with those already read behind it,
+    /// `max` at most (at least one). A consumer that handles events in batches and pauses between
+    /// them (a display, say) reads Redis once per batch instead of once per event.
+    pub async fn next_batch(&mut self, max: usize) -> Result<Vec<CompletionEvent>> {
+        let first = self.next().await?;
+        let more = self.buffered.len().min(max.max(1) - 1);
+        Ok(std::iter::once(first).chain(self.buffered.drain(..more)).collect())
     }
 
     /// One XREAD of one shard's events stream from its cursor.
@@ -216,9 +250,10 @@ impl Listener {
                     }
                 }
             }
+            let at_ms = id.split('-').next().and_then(|ms| ms.parse().ok()).unwrap_or(0);
             self.cursors[shard] = id;
             if let (Some(id), Some(state)) = (rid, state) {
-                self.buffered.push_back(CompletionEvent { id, state, cursor: self.cursor() });
+                self.buffered.push_back(CompletionEvent { id, state, at_ms, cursor: self.cursor() });
             }
         }
         Ok(())

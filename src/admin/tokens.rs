@@ -49,6 +49,11 @@ pub enum TokenState {
         since_ms: u64,
         /// Parts in the batch the slot was handed.
         batch: u64,
+        /// When the hold lapses unless its worker beats again (ms since the Unix epoch, Redis's
+        /// clock): the worker's registration expiry. `None`: the worker is not registered (dead,
+        /// being reaped: recovery reclaims the token), or this was read by the token audit.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        lease_expires_ms: Option<u64>,
     },
     /// Parked: its request had nothing to hand out; recovery or new work wakes it.
     Parked {
@@ -77,7 +82,7 @@ impl TokenState {
                 let since_ms = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
                 let batch = parts.next().map_or(0, |b| b.split(',').filter(|e| !e.is_empty()).count() as u64);
                 let worker = holder.split('/').next().unwrap_or_default().to_owned();
-                Some(Self::Held { k, shard, epoch, holder, worker, since_ms, batch })
+                Some(Self::Held { k, shard, epoch, holder, worker, since_ms, batch, lease_expires_ms: None })
             }
             "p" => Some(Self::Parked { k, shard, epoch }),
             _ => None,
@@ -153,7 +158,32 @@ impl Admin {
                 "request \"{id}\" is a small request sharing its priority's lane: it owns no tokens of its own (the token audit lists the lane's)"
             )));
         }
-        Ok(request_tokens(&key_id, &meta, true))
+        let mut tokens = request_tokens(&key_id, &meta, true);
+        self.lease_expiries(&mut tokens.tokens).await?;
+        Ok(tokens)
+    }
+
+    /// Fills in each held token's lease expiry: its worker's registration expiry, one `ZMSCORE`.
+    async fn lease_expiries(&self, tokens: &mut [TokenState]) -> Result<()> {
+        let workers: Vec<String> = tokens
+            .iter()
+            .filter_map(|t| match t {
+                TokenState::Held { worker, .. } => Some(worker.clone()),
+                _ => None,
+            })
+            .collect();
+        if workers.is_empty() {
+            return Ok(());
+        }
+        let args: Vec<String> = std::iter::once(self.store.keys.workers()).chain(workers).collect();
+        let scores: Vec<Option<f64>> = self.store.client.custom(fred::cmd!("ZMSCORE"), args).await?;
+        let mut scores = scores.into_iter();
+        for token in tokens {
+            if let TokenState::Held { lease_expires_ms, .. } = token {
+                *lease_expires_ms = scores.next().flatten().map(|s| s as u64);
+            }
+        }
+        Ok(())
     }
 
     /// Counts the tokens of up to `limit` (1 to [`MAX_TOKEN_AUDIT`]) unfinished requests and lanes,
@@ -258,7 +288,8 @@ mod tests {
                 holder: "w1/3".into(),
                 worker: "w1".into(),
                 since_ms: 2000,
-                batch: 2
+                batch: 2,
+                lease_expires_ms: None
             })
         );
         assert_eq!(TokenState::parse(1, 0, "p|19"), Some(TokenState::Parked { k: 1, shard: 0, epoch: 19 }));

@@ -290,6 +290,9 @@ impl World {
                 started_ms: 0,
                 shards: 1,
                 registration_expires_ms: None,
+                version: None,
+                label: None,
+                busy: Vec::new(),
             };
             let store = &shared.store;
             match crate::worker::registry::beat(store, &info, first.load(Relaxed)).await {

@@ -385,7 +385,7 @@ mod tests {
         assert!(library_source().starts_with("#!lua name=sluicegate_v2\n"));
     }
 
-    /// Clients in other languages load the library from `lua/dist/` (docs/protocol.md §2): it must
+    /// Clients in other languages load the library from `lua/dist/` (docs/protocol.md §1): it must
     /// be exactly what the Rust loads. `SLUICEGATE_BLESS=1` rewrites it after a change in `lua/`.
     #[test]
     fn the_checked_in_library_is_the_one_the_rust_loads() {

@@ -21,7 +21,7 @@ pub use handler::{Context, Handler, HandlerError};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use leases::Leases;
-pub use registry::WorkerInfo;
+pub use registry::{SlotWork, WorkerInfo};
 
 /// How long a slot keeps a token while its request has work, before it gives the token back so
 /// that higher priorities get through: whichever limit comes first.
@@ -166,6 +166,7 @@ pub struct WorkerBuilder<H> {
     shard_poll: Duration,
     shutdown_grace: Duration,
     stage_stats: bool,
+    label: Option<String>,
 }
 
 impl<H: Handler> WorkerBuilder<H> {
@@ -190,6 +191,15 @@ impl<H: Handler> WorkerBuilder<H> {
     /// sub-requests handed back (default 30 s).
     pub fn shutdown_grace(mut self, d: Duration) -> Self {
         self.shutdown_grace = d;
+        self
+    }
+
+    /// Describes what this worker runs, for operators: its registration carries it, and
+    /// `sluicegate workers` and the dashboard show it (`sluicegate worker --exec` puts its command
+    /// line here). At most 256 characters are kept.
+    pub fn label(mut self, text: impl Into<String>) -> Self {
+        let text: String = text.into();
+        self.label = Some(text.chars().take(256).collect());
         self
     }
 
@@ -282,6 +292,7 @@ impl<H: Handler> WorkerBuilder<H> {
             }),
             blocking,
             wakes,
+            label: self.label,
         })
     }
 }
@@ -302,6 +313,7 @@ pub struct Worker<H> {
     shared: Arc<slot::Shared<H>>,
     blocking: Vec<fred::clients::Client>,
     wakes: tokio::sync::mpsc::UnboundedReceiver<slot::Wake>,
+    label: Option<String>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -317,6 +329,7 @@ impl<H: Handler> Worker<H> {
             shard_poll: Duration::from_millis(100),
             shutdown_grace: Duration::from_secs(30),
             stage_stats: true,
+            label: None,
         }
     }
 
@@ -354,6 +367,9 @@ impl<H: Handler> Worker<H> {
             started_ms: now_ms(),
             shards: shared.store.keys.shards(),
             registration_expires_ms: None,
+            version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+            label: self.label.clone(),
+            busy: Vec::new(),
         };
         // Registered before any slot takes a token: a take record of a worker the registry does not
         // know would be reclaimed by recovery's backstop.

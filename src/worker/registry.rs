@@ -38,6 +38,53 @@ pub struct WorkerInfo {
     /// `Admin::stats`; never written by a worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registration_expires_ms: Option<u64>,
+    /// The sluicegate version it runs (absent for a worker that did not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// What it runs, as its owner described it ([`WorkerBuilder::label`](crate::WorkerBuilder::label)):
+    /// `sluicegate worker --exec` puts its command line here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// Its slots that hold a token now, from the shards' take records: read by `Admin::workers`
+    /// only (empty elsewhere); never written by a worker.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub busy: Vec<SlotWork>,
+}
+
+/// What one worker slot holds now: a token of a request (or of a priority's lane), from its take
+/// record (docs/protocol.md §3, `held`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct SlotWork {
+    /// The slot: `<worker id>/<slot>`.
+    pub slot: String,
+    /// The request whose token it holds; `None` for a lane's token (`lane` says which).
+    pub request: Option<String>,
+    /// For a lane's token, the lane's priority (the slot runs small requests of that priority).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lane: Option<u8>,
+    /// The token's number.
+    pub token: u64,
+    /// The token shard it was taken from.
+    pub shard: u32,
+}
+
+impl SlotWork {
+    /// Reads a take record: field `<holder>`, value `<kid>|<k>|<epoch>|<take id>|<list>`. `None` for
+    /// a record a slot no longer knows about (`<holder>/lost/<take id>`) or a malformed one.
+    pub(crate) fn from_record(shard: u32, holder: &str, record: &str) -> Option<Self> {
+        if holder.contains("/lost/") {
+            return None;
+        }
+        let mut fields = record.split('|');
+        let key_id = fields.next()?;
+        let token = fields.next()?.parse().ok()?;
+        let (request, lane) = match crate::keys::lane_of(key_id) {
+            Some((_, priority)) => (None, Some(priority.get())),
+            None => (Some(crate::request::RequestId::from_key_id(key_id).ok()?.to_string()), None),
+        };
+        Some(Self { slot: holder.to_owned(), request, lane, token, shard })
+    }
 }
 
 fn one() -> u32 {
@@ -137,4 +184,20 @@ pub(crate) async fn live(store: &Store) -> Result<Vec<WorkerInfo>> {
             Some(info)
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SlotWork;
+
+    #[test]
+    fn a_take_record_says_what_a_slot_runs() {
+        let work = SlotWork::from_record(1, "w-1/3", "import%2D7|2|17|t9|ns:{ns.q1}:p:50").unwrap();
+        assert_eq!((work.slot.as_str(), work.token, work.shard, work.lane), ("w-1/3", 2, 1, None));
+        assert!(work.request.is_some());
+        let lane = SlotWork::from_record(0, "w-1/0", "~0.70|5|3|t1|ns:{ns.q0}:p:70").unwrap();
+        assert_eq!((lane.request, lane.lane), (None, Some(70)));
+        assert_eq!(SlotWork::from_record(0, "w-1/0/lost/t1", "~0.70|5|3|t1|x"), None);
+        assert_eq!(SlotWork::from_record(0, "w-1/0", "garbage"), None);
+    }
 }

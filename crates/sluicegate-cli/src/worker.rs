@@ -20,6 +20,7 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
                 .slots(args.slots)
                 .shutdown_grace(args.shutdown_grace)
                 .stage_stats(!args.no_stage_stats)
+                .label(shown.clone())
                 .build(),
         )
         .await?;

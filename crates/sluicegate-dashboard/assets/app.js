@@ -275,12 +275,13 @@ const pages = {
               .map(([k, v]) => h('div', {}, h('span', {}, k), v)))),
         S.config.actions ? this.actionsFor(st, terminal) : null,
         st.completion || terminal ? h('div', { class: 'card', id: 'completion' }, h('h2', {}, 'Completion event'),
-          st.completion ? h('p', {}, badge(st.completion.state), ` seen ${ago(st.completion.seen_ms)} · cursor `, h('code', {}, st.completion.cursor))
-            : h('p', { class: 'muted' }, `Finished ${st.state} ${ago(st.finished_ms)}; its event was written before this dashboard started listening (sluicegate events shows the retained ones).`)) : null,
+          st.completion ? h('p', {}, badge(st.completion.state), ` written ${ago(st.completion.at_ms)} · cursor `, h('code', {}, st.completion.cursor))
+            : h('p', { class: 'muted' }, `Finished ${st.state} ${ago(st.finished_ms)}; its event is older than the 200 this dashboard keeps (sluicegate events shows every retained one).`)) : null,
         tokens ? h('div', { class: 'card', id: 'tokens' }, h('h2', {}, terminal ? 'Tokens' : `Tokens: ${tokens.expected} owned, ${tokens.queued} queued, ${tokens.held} held, ${tokens.parked} parked`),
-          table([['Token', 'num'], ['Shard', 'num'], ['State'], ['Holder (worker/slot)'], ['Since'], ['Batch', 'num']],
+          table([['Token', 'num'], ['Shard', 'num'], ['State'], ['Holder (worker/slot)'], ['Since'], ['Batch', 'num'], ['Lease lapses in']],
             tokens.tokens.map(t => h('tr', {}, h('td', { class: 'num' }, t.k), h('td', { class: 'num' }, t.shard), h('td', {}, t.state),
-              h('td', { class: 'mono' }, t.holder || ''), h('td', {}, t.since_ms ? ago(t.since_ms) : ''), h('td', { class: 'num' }, t.batch || ''))),
+              h('td', { class: 'mono' }, t.holder || ''), h('td', {}, t.since_ms ? ago(t.since_ms) : ''), h('td', { class: 'num' }, t.batch || ''),
+              h('td', {}, t.state !== 'held' ? '' : t.lease_expires_ms ? age(t.lease_expires_ms - Date.now()) : 'worker gone: recovery reclaims it'))),
             terminal ? 'A finished request owns no tokens.' : 'No token states recorded.')) : null,
         st.errors && st.errors.length ? h('div', { class: 'card' }, h('h2', {}, 'Errors'),
           table([['Part', 'num'], ['Attempts', 'num'], ['Error']], st.errors.map(e => h('tr', {}, h('td', { class: 'num' }, e.index), h('td', { class: 'num' }, e.error.attempts), h('td', {}, e.error.error, e.error.permanent ? ' (permanent)' : ''))))) : null,
@@ -317,18 +318,39 @@ const pages = {
   },
 
   workers: {
-    render(main) { this.main = main; this.tick(); },
+    // Each reading brings the registry; what the slots hold comes from /api/workers (the take
+    // records), read again at each reading while this page is open.
+    render(main) { this.main = main; this.busy = null; this.tick(); },
     tick() {
       const ov = S.overview;
       if (!ov) return;
-      const ws = ov.stats.workers;
+      if (!this.loading) {
+        this.loading = true;
+        api('/api/workers').then(r => { this.busy = new Map(r.workers.map(w => [w.id, w.busy || []])); this.draw(); })
+          .catch(e => toast(e.message, true)).finally(() => { this.loading = false; });
+      }
+      this.draw();
+    },
+    draw() {
+      const ws = S.overview.stats.workers;
+      const busyOf = w => this.busy ? this.busy.get(w.id) || [] : null;
+      const runs = b => b.request ? h('a', { href: requestLink(b.request) }, b.request) : h('span', {}, `lane of priority ${b.lane}`);
       fill(this.main, h('h1', {}, `Workers (${ws.length})`), h('div', { class: 'card' },
-        table([['Worker'], ['Host'], ['PID', 'num'], ['Slots', 'num'], ['Token shards', 'num'], ['Started'], ['Registration lapses in']],
-          ws.map(w => h('tr', {}, h('td', { class: 'mono' }, w.id), h('td', {}, w.host), h('td', { class: 'num' }, w.pid), h('td', { class: 'num' }, w.slots),
-            h('td', { class: 'num' }, w.shards), h('td', {}, ago(w.started_ms)),
-            h('td', {}, w.registration_expires_ms ? age(w.registration_expires_ms - Date.now()) : '–'))),
+        table([['Worker'], ['Host'], ['PID', 'num'], ['Busy / slots', 'num'], ['Token shards', 'num'], ['Version'], ['Runs'], ['Started'], ['Registration lapses in']],
+          ws.map(w => {
+            const busy = busyOf(w);
+            return h('tr', {}, h('td', { class: 'mono' }, w.id), h('td', {}, w.host), h('td', { class: 'num' }, w.pid),
+              h('td', { class: 'num' }, `${busy ? busy.length : '…'} / ${w.slots}`),
+              h('td', { class: 'num' }, w.shards), h('td', {}, w.version || '–'), h('td', { class: 'mono' }, w.label || '–'), h('td', {}, ago(w.started_ms)),
+              h('td', {}, w.registration_expires_ms ? age(w.registration_expires_ms - Date.now()) : '–'));
+          }),
           'No worker is registered.'),
-        h('p', { class: 'muted' }, 'A worker renews its registration at every heartbeat; one that lapses is declared dead and its tokens are reclaimed. The Token audit and each request show which slot holds which token.')));
+        h('p', { class: 'muted' }, 'A worker renews its registration at every heartbeat; one that lapses is declared dead and its tokens are reclaimed.')),
+        h('div', { class: 'card', id: 'slots' }, h('h2', {}, 'Busy slots'),
+          table([['Slot'], ['Runs'], ['Token', 'num'], ['Shard', 'num']],
+            ws.flatMap(w => (busyOf(w) || []).map(b => h('tr', {}, h('td', { class: 'mono' }, b.slot), h('td', { class: 'mono' }, runs(b)),
+              h('td', { class: 'num' }, b.token), h('td', { class: 'num' }, b.shard)))),
+            this.busy ? 'Every slot is idle (waiting for a token).' : 'Reading the take records…')));
     },
   },
 
@@ -339,11 +361,11 @@ const pages = {
       this.tick();
     },
     tick() {
-      fill(this.main, h('h1', {}, 'Completion events'), h('p', { class: 'muted' }, 'Live: requests reaching their terminal state since this dashboard started.'),
-        h('div', { class: 'card' }, table([['Seen'], ['Request'], ['State'], ['Cursor']],
+      fill(this.main, h('h1', {}, 'Completion events'), h('p', { class: 'muted' }, 'Requests reaching their terminal state, newest first, live; those written before the dashboard started were read from the retained ones.'),
+        h('div', { class: 'card' }, table([['Written'], ['Request'], ['State'], ['Cursor']],
           S.events.map(e => h('tr', { class: 'link', onclick: () => { location.hash = requestLink(e.id); } },
-            h('td', {}, new Date(e.seen_ms).toLocaleTimeString()), h('td', { class: 'mono' }, h('a', { href: requestLink(e.id) }, e.id)), h('td', {}, badge(e.state)), h('td', { class: 'mono muted' }, e.cursor))),
-          'No request has finished since the dashboard started.')));
+            h('td', {}, new Date(e.at_ms).toLocaleString()), h('td', { class: 'mono' }, h('a', { href: requestLink(e.id) }, e.id)), h('td', {}, badge(e.state)), h('td', { class: 'mono muted' }, e.cursor))),
+          'No completion event is retained.')));
     },
   },
 

@@ -22,14 +22,19 @@ use tokio::task::AbortHandle;
 
 use crate::DashboardOptions;
 
-/// Completion events kept for `/api/events` and for browsers that open the Events page.
+/// Completion events kept for `/api/events` and for browsers that open the Events page; as many
+/// of each token shard's newest retained events are read at the start.
 const EVENTS_KEPT: usize = 200;
+
+/// The listener's pause after each batch of completion events: events reach browsers at most
+/// this late, and a flood of them costs one read of Redis per pause.
+const EVENTS_PAUSE: Duration = Duration::from_millis(250);
 
 /// Rows of the newest requests each reading carries.
 const RECENT: u32 = 15;
 
 /// Messages a slow browser may fall behind by before it skips some (it gets the next reading).
-const CHANNEL: usize = 64;
+const CHANNEL: usize = 1024;
 
 /// What the stream carries.
 #[derive(Clone, Debug)]
@@ -47,8 +52,8 @@ pub(crate) struct Completion {
     pub(crate) id: String,
     /// completed, failed or cancelled.
     pub(crate) state: String,
-    /// When the dashboard received it (ms since the Unix epoch).
-    pub(crate) seen_ms: u64,
+    /// When Redis wrote it (ms since the Unix epoch).
+    pub(crate) at_ms: u64,
     /// The events cursor after it (`sluicegate events --after`).
     pub(crate) cursor: String,
 }
@@ -149,7 +154,8 @@ impl Hub {
         *tasks = Some(vec![reader.abort_handle(), listener.abort_handle()]);
     }
 
-    /// The completion events seen since the dashboard started (at most 200), newest first.
+    /// The newest completion events (at most 200): those retained when the dashboard started,
+    /// then those since. Newest first.
     pub(crate) fn events(&self) -> Vec<Completion> {
         self.start();
         self.inner.events.lock().unwrap_or_else(PoisonError::into_inner).iter().rev().cloned().collect()
@@ -296,9 +302,10 @@ async fn listen_loop(config: Config, sender: broadcast::Sender<Live>, inner: Arc
     // After a reconnect, go on from the last event seen: none is missed or repeated.
     let mut last: Option<sluicegate::Cursor> = None;
     loop {
+        // At the start, the newest retained events too, so the Events page is not empty.
         let connected = match &last {
             Some(cursor) => Listener::resume_after(&config, cursor).await,
-            None => Listener::connect(&config).await,
+            None => Listener::from_last(&config, EVENTS_KEPT).await,
         };
         let mut listener = match connected {
             Ok(listener) => listener,
@@ -309,24 +316,28 @@ async fn listen_loop(config: Config, sender: broadcast::Sender<Live>, inner: Arc
             }
         };
         loop {
-            match listener.next().await {
-                Ok(event) => {
-                    last = Some(event.cursor.clone());
-                    let completion = Completion {
-                        id: event.id.to_string(),
-                        state: event.state.to_string(),
-                        seen_ms: now_ms(),
-                        cursor: event.cursor.to_string(),
-                    };
-                    let text = serde_json::to_string(&completion).unwrap_or_default();
-                    {
-                        let mut events = inner.events.lock().unwrap_or_else(PoisonError::into_inner);
-                        if events.len() >= EVENTS_KEPT {
-                            events.pop_front();
+            match listener.next_batch(EVENTS_KEPT).await {
+                Ok(batch) => {
+                    for event in batch {
+                        last = Some(event.cursor.clone());
+                        let completion = Completion {
+                            id: event.id.to_string(),
+                            state: event.state.to_string(),
+                            at_ms: event.at_ms,
+                            cursor: event.cursor.to_string(),
+                        };
+                        let text = serde_json::to_string(&completion).unwrap_or_default();
+                        {
+                            let mut events = inner.events.lock().unwrap_or_else(PoisonError::into_inner);
+                            if events.len() >= EVENTS_KEPT {
+                                events.pop_front();
+                            }
+                            events.push_back(completion);
                         }
-                        events.push_back(completion);
+                        let _ = sender.send(Live::Completion(text.into()));
                     }
-                    let _ = sender.send(Live::Completion(text.into()));
+                    // Under a flood of completions, one read per pause rather than one per event.
+                    tokio::time::sleep(EVENTS_PAUSE).await;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "dashboard: the completion events listener stopped; reconnecting");

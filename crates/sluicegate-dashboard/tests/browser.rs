@@ -186,9 +186,12 @@ async fn a_browser_sees_a_request_progress_live_and_cancels_it() {
         other.wait::<u64>().await.unwrap();
         until(&browser, "the chart shows the completions", "const c = document.querySelector('#throughput-chart'); const r = document.querySelector('#recent tr[data-id=\"nightly-report\"]'); return c && Number(c.dataset.peak) > 0 && r && r.textContent.includes('completed')").await;
         shot(&browser, "overview").await;
-        for (page, ready) in [("#/tokens", "table"), ("#/workers", "table")] {
+        // The Workers page names the request a busy slot runs (import-2026-11 runs one part at a
+        // time for 24 s).
+        let slot_runs = "return [...document.querySelectorAll('#slots a')].some(a => a.textContent === 'import-2026-11')";
+        for (page, ready) in [("#/tokens", "return document.querySelector('#main table') !== null"), ("#/workers", slot_runs)] {
             browser.execute(&format!("location.hash = '{page}'"), vec![]).await.unwrap();
-            until(&browser, page, &format!("return document.querySelector('#main {ready}') !== null")).await;
+            until(&browser, page, ready).await;
             shot(&browser, page.trim_start_matches("#/")).await;
         }
         browser.execute("location.hash = '#/'", vec![]).await.unwrap();

@@ -55,6 +55,9 @@ pub struct ProxyStats {
     pub connections_cut: u64,
     /// `stall` calls.
     pub stalls: u64,
+    /// Commands clients sent through the proxy (RESP arrays, as every client of this project
+    /// sends them): what a component connected through it costs Redis in calls.
+    pub commands: u64,
 }
 
 /// A running proxy on 127.0.0.1 and a port the OS picked. Dropping it stops accepting, ends the
@@ -77,6 +80,7 @@ struct Shared {
     cuts: AtomicU64,
     connections_cut: AtomicU64,
     stalls: AtomicU64,
+    commands: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -93,6 +97,7 @@ impl Proxy {
             cuts: AtomicU64::new(0),
             connections_cut: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
+            commands: Arc::new(AtomicU64::new(0)),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Self { addr, shared, accept, chaos: Mutex::new(None) })
@@ -172,6 +177,7 @@ impl Proxy {
             cuts: s.cuts.load(Ordering::Relaxed),
             connections_cut: s.connections_cut.load(Ordering::Relaxed),
             stalls: s.stalls.load(Ordering::Relaxed),
+            commands: s.commands.load(Ordering::Relaxed),
         }
     }
 }
@@ -236,8 +242,9 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
     shared.live.fetch_add(1, Ordering::Relaxed);
     let (client_read, client_write) = client.into_split();
     let (upstream_read, upstream_write) = upstream.into_split();
-    let to_server = pump(client_read, upstream_write, shared.stalled_until.subscribe());
-    let to_client = pump(upstream_read, client_write, shared.stalled_until.subscribe());
+    let counter = Some(Commands::new(shared.commands.clone()));
+    let to_server = pump(client_read, upstream_write, shared.stalled_until.subscribe(), counter);
+    let to_client = pump(upstream_read, client_write, shared.stalled_until.subscribe(), None);
     tokio::select! {
         _ = to_server => {}
         _ = to_client => {}
@@ -247,17 +254,22 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
     // Returning drops all four halves: both sockets close.
 }
 
-/// Copies bytes one way, holding each chunk back while a stall is on.
+/// Copies bytes one way, holding each chunk back while a stall is on; counts the commands in them
+/// when given a counter.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut stalled_until: watch::Receiver<Option<Instant>>,
+    mut commands: Option<Commands>,
 ) -> std::io::Result<()> {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = from.read(&mut buf).await?;
         if n == 0 {
             return Ok(());
+        }
+        if let Some(commands) = &mut commands {
+            commands.feed(&buf[..n]);
         }
         wait_unstalled(&mut stalled_until).await;
         to.write_all(&buf[..n]).await?;
@@ -276,6 +288,82 @@ async fn wait_unstalled(stalled_until: &mut watch::Receiver<Option<Instant>>) {
                 }
             }
             _ => return,
+        }
+    }
+}
+
+/// Counts the commands in a client's byte stream: RESP arrays of bulk strings (`*<n>\r\n` then
+/// n times `$<len>\r\n<len bytes>\r\n`), however the reads cut them.
+struct Commands {
+    total: Arc<AtomicU64>,
+    /// The header line read so far (`*<n>` or `$<len>`).
+    line: Vec<u8>,
+    /// Bulk strings of the current command still to come.
+    args_left: u64,
+    /// Bytes of the current bulk string (and its `\r\n`) still to skip.
+    skip: u64,
+}
+
+impl Commands {
+    fn new(total: Arc<AtomicU64>) -> Self {
+        Self { total, line: Vec::new(), args_left: 0, skip: 0 }
+    }
+
+    fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.skip > 0 {
+                let n = (self.skip as usize).min(bytes.len());
+                self.skip -= n as u64;
+                bytes = &bytes[n..];
+                if self.skip == 0 && self.args_left == 0 {
+                    self.total.fetch_add(1, Ordering::Relaxed);
+                }
+                continue;
+            }
+            let Some(end) = bytes.iter().position(|&b| b == b'\n') else {
+                self.line.extend_from_slice(bytes);
+                return;
+            };
+            self.line.extend_from_slice(&bytes[..end]);
+            bytes = &bytes[end + 1..];
+            let line = std::mem::take(&mut self.line);
+            let line = line.strip_suffix(b"\r").unwrap_or(&line);
+            let number = || std::str::from_utf8(&line[1..]).ok().and_then(|n| n.parse::<u64>().ok());
+            match line.first() {
+                Some(b'*') if self.args_left == 0 => match number() {
+                    Some(0) | None => self.total.fetch_add(1, Ordering::Relaxed),
+                    Some(n) => {
+                        self.args_left = n;
+                        0
+                    }
+                },
+                Some(b'$') if self.args_left > 0 => {
+                    self.args_left -= 1;
+                    self.skip = number().unwrap_or(0) + 2;
+                    0
+                }
+                // An inline command (a line of text) is one command too.
+                _ => self.total.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_are_counted_however_the_reads_cut_them() {
+        let stream =
+            b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*3\r\n$3\r\nSET\r\n$1\r\nb\r\n$5\r\nx\r\ny\n\r\nPING\r\n";
+        for cut in 1..stream.len() {
+            let total = Arc::new(AtomicU64::new(0));
+            let mut commands = Commands::new(total.clone());
+            for chunk in stream.chunks(cut) {
+                commands.feed(chunk);
+            }
+            assert_eq!(total.load(Ordering::Relaxed), 3, "reads of {cut} bytes");
         }
     }
 }

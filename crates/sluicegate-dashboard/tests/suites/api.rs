@@ -185,3 +185,61 @@ async fn the_live_stream_sends_readings_and_completion_events() {
     let (_, st) = get_json(served.addr, "/api/requests/d-1", &[]).await;
     assert_eq!(st["completion"]["state"], "completed", "{st}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_show_what_their_slots_hold_tokens_their_lease_and_events_are_replayed() {
+    let env = env(TOPOLOGY, "dash-slots").await;
+    let _w = worker(&env.config, 300, 2).await;
+    let p = producer(&env.config).await;
+    // Finished before the dashboard starts: its event is replayed from the retained ones.
+    p.request().id("e-0").unwrap().submit(0..2u64).await.unwrap().wait::<u64>().await.unwrap();
+    let served = serve(&env.config, DashboardOptions::new()).await;
+    let addr = served.addr;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (s, events) = get_json(addr, "/api/events", &[]).await;
+        assert_eq!(s, 200, "{events}");
+        if events["events"].as_array().is_some_and(|e| !e.is_empty()) {
+            assert_eq!(events["events"][0]["id"], "e-0", "{events}");
+            assert!(events["events"][0]["at_ms"].as_u64().unwrap() > 1_700_000_000_000, "{events}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the retained event of e-0 was not replayed: {events}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let slow = p.request().id("w-1").unwrap().concurrency(2).unwrap().own_stream(true).submit(0..8u64).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let busy = loop {
+        let (s, workers) = get_json(addr, "/api/workers", &[]).await;
+        assert_eq!(s, 200, "{workers}");
+        let w = &workers["workers"][0];
+        assert_eq!(w["version"], env!("CARGO_PKG_VERSION"), "{workers}");
+        let busy: Vec<Value> = w["busy"].as_array().cloned().unwrap_or_default();
+        if busy.iter().any(|b| b["request"] == "w-1") {
+            break busy;
+        }
+        assert!(Instant::now() < deadline, "no slot was seen holding a token of w-1: {workers}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for b in &busy {
+        assert!(b["slot"].as_str().unwrap().contains('/'), "{b}");
+        assert!(b["token"].as_u64().unwrap() < 2, "{b}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (s, tokens) = get_json(addr, "/api/requests/w-1/tokens", &[]).await;
+        assert_eq!(s, 200, "{tokens}");
+        let held: Vec<&Value> = tokens["tokens"].as_array().unwrap().iter().filter(|t| t["state"] == "held").collect();
+        if let Some(t) = held.first() {
+            let lease = t["lease_expires_ms"].as_u64().unwrap_or_else(|| panic!("a held token without its lease: {tokens}"));
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+            // The lease runs from the worker's last beat: in the future, within about a lease.
+            assert!(lease + 1_000 > now && lease < now + 120_000, "lease {lease}, now {now}: {tokens}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no held token of w-1 seen: {tokens}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    slow.cancel().await.unwrap();
+}
