@@ -297,6 +297,8 @@ class Worker:
         self.id = f"w-{uuid.uuid4().hex}"
         self._id_lock = threading.Lock()
         self.stopping = threading.Event()
+        #: Set once the worker is registered and its slots run.
+        self.ready = threading.Event()
         self._stopped_at: Optional[float] = None
         self._halt = threading.Event()  # stops the liveness and chores threads
         self._leases: Dict[int, _Lease] = {}
@@ -337,6 +339,7 @@ class Worker:
         for t in slots:
             t.start()
         self._threads = slots
+        self.ready.set()
         try:
             for t in slots:
                 while t.is_alive():
