@@ -289,9 +289,79 @@ def test_a_killed_worker_loses_nothing(server: Any, ns: str, tmp_path: Path, run
 
 
 def test_a_redis_cluster_runs_requests_too(cluster: Any, ns: str, running: Running) -> None:
-    running.start(cluster.url, double, ns, slots=4)
-    p = Producer(cluster.url, ns)
+    def handler(ctx: Any, part: Any) -> Any:
+        if part.get("slow"):
+            ctx.wait_cancelled(10)
+            raise RuntimeError("cancelled")
+        if part["i"] == 7 and ctx.attempt == 1:
+            raise RuntimeError("flaky")
+        return double(ctx, part)
+
+    running.start(cluster.url, handler, ns, slots=4, token_shards=2)
+    p = Producer(cluster.url, ns, token_shards=2)
+    listener = Listener(cluster.url, ns, after="0-0", token_shards=2)
     lane = p.submit(parts(5), concurrency=2)
-    own = p.submit(parts(30), concurrency=3, own_stream=True)
+    own = p.submit(parts(30), concurrency=3, own_stream=True, max_attempts=2, backoff=0.01, backoff_max=0.02)
+    req = p.open(concurrency=2, max_attempts=2, backoff=0.01, backoff_max=0.02)
+    req.add(parts(12))
+    streamed = req.finalize()
+    slow = p.submit([{"i": 0, "slow": True}], own_stream=True)
     assert lane.wait(timeout=20).results == [{"i": i, "double": 2 * i} for i in range(5)]
     assert own.wait(timeout=20).results == [{"i": i, "double": 2 * i} for i in range(30)]
+    assert streamed.wait(timeout=20).results == [{"i": i, "double": 2 * i} for i in range(12)]
+    time.sleep(0.3)
+    assert slow.cancel() == "cancelled"
+    assert slow.wait(timeout=10).state == "cancelled"
+    got: List[Any] = []
+    deadline = time.time() + 10
+    while len(got) < 4 and time.time() < deadline:
+        got += listener.poll()
+    assert sorted((e.request_id, e.state) for e in got) == sorted(
+        [(lane.id, "completed"), (own.id, "completed"), (streamed.id, "completed"), (slow.id, "cancelled")]
+    )
+
+
+def test_token_shards_spread_tokens_and_events_and_everything_completes(server: Any, ns: str, running: Running) -> None:
+    seen = Concurrency()
+
+    def handler(ctx: Any, part: Any) -> Any:
+        seen.enter(ctx.request_id)
+        time.sleep(0.01)
+        seen.leave(ctx.request_id)
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=6, token_shards=3)
+    p = Producer(server.url, ns, token_shards=3)
+    listener = Listener(server.url, ns, after="0-0", token_shards=3)
+    handles = [p.submit(parts(40), concurrency=5, id=f"sharded-{n}", own_stream=True) for n in range(4)]
+    handles.append(p.submit(parts(3), id="sharded-lane"))
+    req = p.open(concurrency=3, id="sharded-stream")
+    req.add(parts(30))
+    handles.append(req.finalize())
+    for h in handles:
+        done = h.wait(timeout=30)
+        assert done.state == "completed" and done.results == list(range(len(done.results)))
+        assert seen.most[h.id] <= 5
+    got: List[Any] = []
+    deadline = time.time() + 10
+    while len(got) < len(handles) and time.time() < deadline:
+        got += listener.poll()
+    assert sorted(e.request_id for e in got) == sorted(h.id for h in handles)
+    assert len(got[-1].cursor.split(",")) == 3
+
+
+def test_a_free_slot_takes_the_highest_priority_waiting(server: Any, ns: str, running: Running) -> None:
+    order: List[str] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        order.append(ctx.request_id)
+        return part["i"]
+
+    p = Producer(server.url, ns)
+    low = p.submit(parts(5), priority=10, own_stream=True)
+    mid = p.submit(parts(5), priority=50)
+    high = p.submit(parts(5), priority=90, own_stream=True)
+    running.start(server.url, handler, ns, slots=1)
+    for h in (low, mid, high):
+        assert h.wait(timeout=20).state == "completed"
+    assert order == [high.id] * 5 + [mid.id] * 5 + [low.id] * 5

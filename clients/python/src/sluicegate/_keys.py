@@ -181,5 +181,8 @@ class Keys:
     def reaping(self) -> str:
         return self._shard(0) + "reaping"
 
+    def up_channel(self, shard: int) -> str:
+        return self._shard(shard) + "up"
+
     def done_channel(self) -> str:
         return f"{self.ns}:done"

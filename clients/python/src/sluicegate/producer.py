@@ -119,13 +119,14 @@ class RequestHandle:
 class OpenRequest:
     """A streamed request open for parts: :meth:`add` them, then :meth:`finalize`."""
 
-    def __init__(self, producer: "Producer", rid: str, kid: str, nonce: str, priority: int) -> None:
+    def __init__(self, producer: "Producer", rid: str, kid: str, nonce: str, priority: int, shards: int) -> None:
         self.producer = producer
         self.handle = RequestHandle(producer, rid)
         self.id = rid
         self._kid = kid
         self._nonce = nonce
         self._priority = priority
+        self._shards = shards
         self.added = 0
 
     def add(self, parts: Iterable[Any]) -> None:
@@ -148,13 +149,13 @@ class OpenRequest:
                         raise errors.NotOpen(f'request "{self.id}" is not open for parts') from e
                     raise
 
-            reply = fcall_items(p.armed(self._kid, 1, append))
+            reply = fcall_items(p.armed(self._kid, self._shards, append))
             if reply:
                 self._priority = integer(reply[0], self._priority)
             self.added += len(chunk)
             elements = reply[1:]
             if elements:
-                p.push(self._kid, self._priority, 1, elements, p.settings.census_interval)
+                p.push(self._kid, self._priority, self._shards, elements, p.settings.census_interval)
 
     def finalize(self) -> RequestHandle:
         """No more parts: the request completes once every part is done."""
@@ -180,7 +181,10 @@ class Producer:
         census_interval: float = 60.0,
         wait_poll: float = 2.0,
         lane_tokens: int = 64,
+        token_shards: int = 1,
     ) -> None:
+        if not 1 <= token_shards <= 1024:
+            raise errors.InvalidRequest("token_shards must be from 1 to 1024")
         settings = Settings(
             namespace=namespace,
             lease=lease,
@@ -189,6 +193,7 @@ class Producer:
             census_interval=census_interval,
             wait_poll=wait_poll,
             lane_tokens=lane_tokens,
+            token_shards=token_shards,
         )
         self.protocol = Protocol(Conn(url), settings)
 
@@ -305,14 +310,15 @@ class Producer:
         _check_id(rid)
         kid = key_id(rid)
         nonce = uuid.uuid4().hex
-        at, score = p.register(kid, 1, f"r|{priority}|{concurrency}|{','.join(tags)}")
+        shards = s.token_shards
+        at, score = p.register(kid, shards, f"r|{priority}|{concurrency}|{','.join(tags)}")
         deadline = at + ms(s.loading_ttl) // 2
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
-                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", 1, deadline, 0, 0, ""]
+                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, deadline, 0, 0, ""]
         p.conn.fcall("stream_open", p.keys.request(kid).all(), args)
         nxt = min(expire_after, s.census_interval) if expire_after else s.census_interval
-        p.push(kid, priority, 1, [], nxt, first=score)
-        return OpenRequest(self, rid, kid, nonce, priority)
+        p.push(kid, priority, shards, [], nxt, first=score)
+        return OpenRequest(self, rid, kid, nonce, priority, shards)
 
     def _finalize(self, kid: str, nonce: str) -> None:
         p = self.protocol

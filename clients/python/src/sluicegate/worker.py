@@ -271,6 +271,8 @@ class Worker:
         max_batch: int = 16,
         retention: float = 24 * 3600.0,
         loading_ttl: float = 3600.0,
+        token_shards: int = 1,
+        shard_poll: float = 0.1,
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
@@ -281,7 +283,12 @@ class Worker:
         self.settings = Settings(
             namespace=namespace, lease=lease, heartbeat=heartbeat, recovery_interval=recovery_interval,
             census_interval=census_interval, retention=retention, loading_ttl=loading_ttl,
+            token_shards=token_shards,
         )
+        if not 1 <= token_shards <= 1024:
+            raise ValueError("token_shards must be from 1 to 1024")
+        self.shard_poll = shard_poll
+        self.higher = _Higher(token_shards)
         self.url = url
         self.handler = handler
         self.is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
@@ -332,6 +339,7 @@ class Worker:
         liveness = [
             threading.Thread(target=self._beats, name="sluicegate-liveness", daemon=True),
             threading.Thread(target=self._chores, name="sluicegate-recovery", daemon=True),
+            threading.Thread(target=self._listen_up, name="sluicegate-up", daemon=True),
         ]
         for t in liveness:
             t.start()
@@ -469,6 +477,27 @@ class Worker:
                 if lease.k in lost and lease.cancel.cancel():
                     log.warning("token %s of %s no longer held; cancelling its handler", lease.k, meta)
 
+    def _listen_up(self) -> None:
+        """Follows each shard's ``up`` channel: a priority became waiting there, and the first
+        slot holding a lower one to end a batch gives its token back (§6.2 step 5)."""
+        channels = [self.protocol.keys.up_channel(s) for s in range(self.settings.token_shards)]
+        while not self._halt.is_set():
+            try:
+                pubsub = self.protocol.conn.pubsub()
+                try:
+                    pubsub.subscribe(*channels)
+                    while not self._halt.is_set():
+                        msg = pubsub.get_message(timeout=0.5)
+                        if msg and msg.get("type") == "message":
+                            channel, prio = text(msg.get("channel")), text(msg.get("data"))
+                            if channel in channels and prio.isdigit():
+                                self.higher.announce(channels.index(channel), int(prio))
+                finally:
+                    pubsub.close()
+            except Exception as e:  # noqa: BLE001 - busy slots give way at the end of their quantum meanwhile
+                log.debug("cannot listen for higher priorities: %s", e)
+                self._halt.wait(1.0)
+
     # ----- recovery chores (§6.6) -----
 
     def _wake_at(self, at: float, kid: str, shards: int) -> None:
@@ -509,6 +538,34 @@ class Worker:
                 self._halt.wait(max(0.0, soonest - time.monotonic()))
         finally:
             p.conn.close()
+
+
+class _Higher:
+    """Per shard, the highest priority announced waiting (plus one; 0: none), for busy slots of
+    a lower priority to give way to (src/worker/higher.rs)."""
+
+    def __init__(self, shards: int) -> None:
+        self.cells = [0] * shards
+        self.lock = threading.Lock()
+
+    def announce(self, shard: int, priority: int) -> None:
+        with self.lock:
+            if shard < len(self.cells):
+                self.cells[shard] = max(self.cells[shard], priority + 1)
+
+    def claim_above(self, shard: int, priority: int) -> bool:
+        """Whether a higher priority waits on the shard; the one slot that claims it gives way."""
+        with self.lock:
+            if shard < len(self.cells) and self.cells[shard] > priority + 1:
+                self.cells[shard] = 0
+                return True
+            return False
+
+    def answered(self, shard: int, priority: int) -> None:
+        """A take at or above the announced priority answers it."""
+        with self.lock:
+            if shard < len(self.cells) and 0 != self.cells[shard] <= priority + 1:
+                self.cells[shard] = 0
 
 
 class _Slot:
@@ -573,7 +630,8 @@ class _Slot:
         took = self.take(holder, shard, False)
         if took == "nothing":
             bell = self.p.keys.bell(shard)
-            rang = self.p.conn.client.brpop([bell], timeout=self.w.idle_poll)
+            wait = self.w.idle_poll if self.w.settings.token_shards == 1 else self.w.shard_poll
+            rang = self.p.conn.client.brpop([bell], timeout=wait)
             took = self.take(holder, shard, rang is not None)
             if took == "nothing":
                 return
@@ -581,6 +639,7 @@ class _Slot:
             self.w.stopping.wait(self.w.idle_poll)
             return
         assert isinstance(took, _Token)
+        self.w.higher.answered(shard, took.priority)
         self.serve(holder, took)
 
     def want(self, ran: int) -> int:
@@ -651,6 +710,7 @@ class _Slot:
                 ran < self.w.quantum_parts
                 and time.monotonic() - started < self.w.quantum_time
                 and not self.w.stopping.is_set()
+                and not self.w.higher.claim_above(token.shard, token.priority)
             )
             try:
                 nxt = self.ack(token, nxt.entries, policy, outcomes, self.want(ran) if keep else None)
