@@ -1,0 +1,53 @@
+"""sluicegate: distributed batch processing on Redis, the Python client.
+
+A **producer** submits a request, an ordered list of parts, with a priority and a concurrency
+limit; **workers** run a handler on each part, never more than the limit at once per request,
+highest priority first; the producer waits for the results in part order. Producers and workers
+of Python and Rust interoperate: they speak the same protocol (docs/protocol.md) through the same
+Redis Functions library, shipped with this package.
+
+>>> from sluicegate import Producer, Worker          # doctest: +SKIP
+>>> Worker("redis://127.0.0.1:6379", lambda ctx, p: p["n"] * 2).start()  # doctest: +SKIP
+>>> Producer("redis://127.0.0.1:6379").submit([{"n": 1}, {"n": 2}]).wait().results  # doctest: +SKIP
+[2, 4]
+"""
+
+from ._conn import library_source
+from .errors import (
+    DuplicateRequestId,
+    InvalidRequest,
+    NotOpen,
+    PermanentError,
+    ProtocolError,
+    SluicegateError,
+    UnknownRequest,
+    UnsupportedRedis,
+    WaitTimeout,
+)
+from .events import Event, Listener
+from .producer import Completion, OpenRequest, PartError, Producer, RequestHandle
+from .worker import Context, Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Completion",
+    "Context",
+    "DuplicateRequestId",
+    "Event",
+    "InvalidRequest",
+    "Listener",
+    "NotOpen",
+    "OpenRequest",
+    "PartError",
+    "PermanentError",
+    "Producer",
+    "ProtocolError",
+    "RequestHandle",
+    "SluicegateError",
+    "UnknownRequest",
+    "UnsupportedRedis",
+    "WaitTimeout",
+    "Worker",
+    "library_source",
+]

@@ -1,0 +1,188 @@
+"""The key schema (docs/protocol.md §2-§3): the only place a key string is built."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import List, Optional, Tuple
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def key_id(raw: str) -> str:
+    """Percent-encodes every byte of the UTF-8 id except ``A-Z a-z 0-9 - _ .`` (uppercase hex)."""
+    return "".join(chr(b) if b in _SAFE else "%%%02X" % b for b in raw.encode("utf-8"))
+
+
+def raw_id(kid: str) -> str:
+    """The raw id of a key id (percent-decoded); raises ValueError when it is not valid UTF-8."""
+    out = bytearray()
+    i = 0
+    data = kid.encode("utf-8")
+    while i < len(data):
+        if data[i] == 0x25 and i + 2 < len(data) + 0 and _is_hex(data[i + 1 : i + 3]):
+            out.append(int(data[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.append(data[i])
+            i += 1
+    return out.decode("utf-8")
+
+
+def _is_hex(b: bytes) -> bool:
+    return len(b) == 2 and all(c in b"0123456789abcdefABCDEF" for c in b)
+
+
+def generate_id() -> str:
+    """A time-ordered id: a UUIDv7's 128 bits as 22 base-62 digits, as the Rust client makes them."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    n = (ms & ((1 << 48) - 1)) << 80
+    n |= 0x7 << 76  # version 7
+    n |= ((rand >> 68) & 0xFFF) << 64  # rand_a, 12 bits
+    n |= 0b10 << 62  # variant
+    n |= rand & ((1 << 62) - 1)  # rand_b
+    digits = []
+    for _ in range(22):
+        digits.append(_DIGITS[n % 62])
+        n //= 62
+    return "".join(reversed(digits))
+
+
+def check_namespace(ns: str) -> str:
+    if not _NAMESPACE.match(ns):
+        raise ValueError(f"namespace {ns!r} must be 1 to 64 characters from A-Z a-z 0-9 _ . -")
+    return ns
+
+
+def lane_of(kid: str) -> Optional[Tuple[int, int]]:
+    """The (shard, priority) of a lane's key id ``~<s>.<P>``, else None."""
+    if not kid.startswith("~"):
+        return None
+    shard, dot, prio = kid[1:].partition(".")
+    if not dot or not shard.isdigit() or not prio.isdigit() or int(prio) > 99:
+        return None
+    return int(shard), int(prio)
+
+
+def lane_key_id(shard: int, priority: int) -> str:
+    return f"~{shard}.{priority}"
+
+
+def home_shard(kid: str, shards: int) -> int:
+    """FNV-1a-32 of the key id, modulo the request's token shards (§3.1)."""
+    lane = lane_of(kid)
+    if lane is not None:
+        return lane[0]
+    h = 0x811C9DC5
+    for b in kid.encode("utf-8"):
+        h ^= b
+        h = (h * 0x01000193) & 0xFFFFFFFF
+    return h % max(shards, 1)
+
+
+def token_shard(kid: str, shards: int, k: int) -> int:
+    lane = lane_of(kid)
+    if lane is not None:
+        return lane[0]
+    shards = max(shards, 1)
+    return (home_shard(kid, shards) + k) % shards
+
+
+class RequestKeys:
+    """The six keys of one request (or of a lane), in the order every function takes them."""
+
+    __slots__ = ("meta", "stream", "results", "errors", "orphans", "retry")
+
+    def __init__(self, base: str) -> None:
+        self.meta = base
+        self.stream = base + ":s"
+        self.results = base + ":res"
+        self.errors = base + ":err"
+        self.orphans = base + ":orph"
+        self.retry = base + ":retry"
+
+    def all(self) -> List[str]:
+        return [self.meta, self.stream, self.results, self.errors, self.orphans, self.retry]
+
+
+class Keys:
+    """Key names of one namespace."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = check_namespace(ns)
+
+    def _shard(self, shard: int) -> str:
+        return f"{self.ns}:{{{self.ns}.q{shard}}}:"
+
+    def request(self, kid: str) -> RequestKeys:
+        lane = lane_of(kid)
+        if lane is not None:
+            return RequestKeys(f"{self.lane_prefix(lane[0])}{lane[1]}")
+        return RequestKeys(f"{self.ns}:r:{{{kid}}}")
+
+    def list_prefix(self, shard: int) -> str:
+        return self._shard(shard) + "p:"
+
+    def token_list(self, shard: int, priority: int) -> str:
+        return f"{self.list_prefix(shard)}{priority}"
+
+    def priority_of_list(self, name: str) -> Optional[int]:
+        prefix = f"{self.ns}:{{{self.ns}.q"
+        if not name.startswith(prefix):
+            return None
+        _, sep, prio = name.rpartition(":p:")
+        if not sep or not prio.isdigit() or int(prio) > 99:
+            return None
+        return int(prio)
+
+    def active(self, shard: int) -> str:
+        return self._shard(shard) + "active"
+
+    def armed(self, shard: int) -> str:
+        return self._shard(shard) + "armed"
+
+    def paused(self, shard: int) -> str:
+        return self._shard(shard) + "paused"
+
+    def bell(self, shard: int) -> str:
+        return self._shard(shard) + "bell"
+
+    def held(self, shard: int) -> str:
+        return self._shard(shard) + "held"
+
+    def registrations(self, shard: int) -> str:
+        return self._shard(shard) + "reg"
+
+    def events(self, shard: int) -> str:
+        return self._shard(shard) + "events"
+
+    def finish_marks(self, shard: int, kid: str) -> str:
+        return self._shard(shard) + "f:" + kid
+
+    def record_prefix(self, shard: int) -> str:
+        return self._shard(shard) + "s:"
+
+    def record(self, shard: int, kid: str) -> str:
+        return self.record_prefix(shard) + kid
+
+    def lane_prefix(self, shard: int) -> str:
+        return self._shard(shard) + "lane:"
+
+    def workers(self) -> str:
+        return self._shard(0) + "workers"
+
+    def worker_info(self) -> str:
+        return self._shard(0) + "winfo"
+
+    def reaping(self) -> str:
+        return self._shard(0) + "reaping"
+
+    def up_channel(self, shard: int) -> str:
+        return self._shard(shard) + "up"
+
+    def done_channel(self) -> str:
+        return f"{self.ns}:done"

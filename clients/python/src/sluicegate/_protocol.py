@@ -1,0 +1,236 @@
+"""The steps producers, workers and recovery share (docs/protocol.md §5-§6): pushing token
+elements, arming looks, the steps after a finish, reclaiming a token. One typed function per
+library call; nothing outside this module and ``_conn`` packs FCALL arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+from . import errors
+from ._conn import Conn, fcall_items, integer, text
+from ._keys import Keys, home_shard, token_shard
+
+T = TypeVar("T")
+
+#: How many times an armed step refused as late (SGLATE) is armed and sent again.
+LATE_STEPS = 5
+
+
+@dataclass
+class Settings:
+    """Timings in seconds; the defaults are the Rust client's (src/config.rs)."""
+
+    namespace: str = "sluicegate"
+    lease: float = 2.0
+    heartbeat: float = 0.5
+    retention: float = 24 * 3600.0
+    loading_ttl: float = 3600.0
+    recovery_interval: float = 0.2
+    census_interval: float = 60.0
+    wait_poll: float = 2.0
+    lane_tokens: int = 64
+    token_shards: int = 1
+
+    @property
+    def grace(self) -> float:
+        return 2 * self.lease
+
+
+def ms(seconds: float) -> int:
+    return int(round(seconds * 1000))
+
+
+@dataclass
+class Finished:
+    """``['finished', state, lifecycle, sweep...]``: the lifecycle is passed back as received."""
+
+    state: str
+    lifecycle: bytes
+    sweep: List[Any] = field(default_factory=list)
+
+    @staticmethod
+    def parse(items: Sequence[Any]) -> "Finished":
+        lifecycle = items[1] if len(items) > 1 else b"0"
+        if isinstance(lifecycle, int):
+            lifecycle = str(lifecycle).encode()
+        return Finished(text(items[0]) if items else "", lifecycle, list(items[2:]))
+
+
+@dataclass
+class Unfinished:
+    """``['finished', state, prio, shards, lifecycle, sealed]`` of census and reclaim."""
+
+    state: str
+    priority: int
+    shards: int
+    lifecycle: bytes
+    sealed: bool
+
+    @staticmethod
+    def parse(items: Sequence[Any]) -> "Unfinished":
+        get = lambda i: items[i] if len(items) > i else None  # noqa: E731
+        lifecycle = get(3)
+        if isinstance(lifecycle, int):
+            lifecycle = str(lifecycle).encode()
+        return Unfinished(
+            text(get(0)),
+            integer(get(1)),
+            max(1, min(1024, integer(get(2), 1))),
+            lifecycle if lifecycle is not None else b"0",
+            integer(get(4)) == 1,
+        )
+
+
+def element_token(element: Any) -> int:
+    parts = text(element).split("|")
+    if len(parts) == 3 and parts[1].isdigit():
+        return int(parts[1])
+    return 0
+
+
+def by_shard(kid: str, shards: int, elements: Sequence[Any]) -> Dict[int, List[Any]]:
+    out: Dict[int, List[Any]] = {}
+    for e in elements:
+        out.setdefault(token_shard(kid, shards, element_token(e)), []).append(e)
+    return out
+
+
+class Protocol:
+    """A connection, the namespace's keys and the settings: what every call needs."""
+
+    def __init__(self, conn: Conn, settings: Settings) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+
+    # ----- index and token lists -----
+
+    def register(self, kid: str, shards: int, row: str) -> Tuple[int, int]:
+        """``register``: returns (Redis time of the registration, the score it wrote)."""
+        home = home_shard(kid, shards)
+        k = self.keys
+        grace = ms(self.settings.grace)
+        reply = fcall_items(
+            self.conn.fcall("register", [k.active(home), k.registrations(home), k.record(home, kid)], [kid, grace, row])
+        )
+        at = integer(reply[1]) if len(reply) > 1 else 0
+        return at, at + grace
+
+    def push(self, kid: str, priority: int, shards: int, elements: Sequence[Any], next_s: float, first: Optional[int] = None) -> None:
+        """Queues elements: the home shard's through ``push`` with the index keys (made even with
+        no element: it sets the next look), the other shards' through ``push`` without."""
+        home = home_shard(kid, shards)
+        groups = by_shard(kid, shards, elements)
+        k = self.keys
+        mode = f"first:{first}" if first is not None else "more"
+        self.conn.fcall(
+            "push",
+            [k.token_list(home, priority), k.bell(home), k.active(home), k.registrations(home)],
+            [kid, ms(next_s), mode, *groups.pop(home, [])],
+        )
+        for shard, group in groups.items():
+            if group:
+                self.push_plain(kid, shard, k.token_list(shard, priority), group)
+
+    def push_plain(self, kid: str, shard: int, list_key: str, elements: Sequence[Any]) -> None:
+        self.conn.fcall("push", [list_key, self.keys.bell(shard)], [kid, 0, "more", *elements])
+
+    def arm(self, kid: str, shards: int, within_s: float, *, claim: Optional[int] = None, census: bool = False, step: bool = False) -> int:
+        """``arm``: returns when the look is due (Redis ms), 0 when the request is not indexed."""
+        home = home_shard(kid, shards)
+        args: List[Any] = [kid, ms(within_s)]
+        if step:
+            args += ["", "step"]
+        elif census:
+            args.append("" if claim is None else claim)
+        return integer(self.conn.fcall("arm", [self.keys.active(home), self.keys.armed(home)], args))
+
+    def armed(self, kid: str, shards: int, step: Callable[[int], T]) -> T:
+        """Runs ``step(deadline)`` after arming a look a grace later; re-arms on SGLATE."""
+        grace = ms(self.settings.grace)
+        for _ in range(LATE_STEPS):
+            due = self.arm(kid, shards, self.settings.grace, step=True)
+            deadline = due - grace // 2 if due > 0 else 0
+            try:
+                return step(deadline)
+            except errors.Late:
+                continue
+        raise errors.ProtocolError(
+            f'a step on request "{kid}" ran past its deadline {LATE_STEPS} times in a row: Redis is overloaded, '
+            "or the clock of the request's master is ahead of its home shard's by more than half a grace"
+        )
+
+    def placement(self, kid: str) -> Optional[Tuple[int, int]]:
+        """(priority, shards) from the meta hash, None when unknown."""
+        prio, shards = self.conn.client.hmget(self.keys.request(kid).meta, ["prio", "shards"])
+        if prio is None:
+            return None
+        return integer(prio), max(1, integer(shards, 1))
+
+    # ----- the steps after a finish (§6.3) -----
+
+    def finish(self, kid: str, priority: int, shards: int, finished: Finished) -> Optional[int]:
+        k = self.keys
+        home = home_shard(kid, shards)
+        groups = by_shard(kid, shards, finished.sweep)
+        home_sweep = groups.pop(home, [])
+        for shard, group in groups.items():
+            if group:
+                self.conn.fcall("sweep", [k.token_list(shard, priority), k.bell(shard)], group)
+        self.conn.fcall(
+            "finish_index",
+            [k.active(home), k.events(home), k.token_list(home, priority), k.finish_marks(home, kid), k.bell(home)],
+            [kid, finished.state, ms(self.settings.retention), finished.lifecycle, *home_sweep],
+        )
+        return self.seal_and_unindex(kid, home, finished.lifecycle)
+
+    def seal_and_unindex(self, kid: str, home: int, lifecycle: bytes) -> Optional[int]:
+        k = self.keys
+        retention = ms(self.settings.retention)
+        if integer(self.conn.fcall("seal", k.request(kid).all(), [lifecycle, retention])) != 1:
+            return None
+        unindexed = integer(
+            self.conn.fcall(
+                "unindex",
+                [k.active(home), k.finish_marks(home, kid), k.registrations(home), k.armed(home)],
+                [kid, lifecycle, retention],
+            )
+        )
+        return unindexed if unindexed > 1 else None
+
+    def finish_reported(self, kid: str, u: Unfinished) -> None:
+        """Completes the steps after a finish of a request found terminal but still indexed."""
+        if u.sealed:
+            reopened = self.seal_and_unindex(kid, home_shard(kid, u.shards), u.lifecycle)
+        else:
+            reopened = self.finish(kid, u.priority, u.shards, Finished(u.state, u.lifecycle, []))
+        if reopened is not None:
+            self.resume_requeue(kid, u.priority, u.shards, reopened)
+
+    def resume_requeue(self, kid: str, priority: int, shards: int, lifecycle: int) -> None:
+        keys = self.keys.request(kid).all()
+        reply = fcall_items(
+            self.armed(kid, shards, lambda d: self.conn.fcall("requeue_dead", keys, [kid, str(lifecycle), d, "resume"]))
+        )
+        if len(reply) >= 2 and integer(reply[0]) >= 0:
+            elements = reply[2:]
+            if elements:
+                self.push(kid, priority, shards, elements, self.settings.grace)
+
+    # ----- tokens -----
+
+    def give_back(self, shard: int, list_key: str, holder: str, take: str, elements: Sequence[Any]) -> None:
+        self.conn.fcall("give_back", [self.keys.held(shard), self.keys.bell(shard), list_key], [holder, take, *elements])
+
+    def release(self, shard: int, holder: str, take: str) -> None:
+        self.conn.fcall("release", [self.keys.held(shard)], [holder, take])
+
+    def reclaim(self, kid: str, k: int, epoch: str, holder: str, deadline: Optional[int]) -> Tuple[str, List[Any]]:
+        """``reclaim``: (tag, rest of the reply)."""
+        args: List[Any] = [kid, k, epoch, holder]
+        if deadline is not None:
+            args.append(deadline)
+        items = fcall_items(self.conn.fcall("reclaim", self.keys.request(kid).all(), args))
+        tag = text(items[0]) if items else "none"
+        return tag, items[1:]

@@ -1,0 +1,206 @@
+"""Recovery: every worker's share of keeping tokens and entries in circulation (docs/protocol.md
+§6.4 step 3 and §6.6; the same call sequences as src/worker/recovery.rs). There is no master:
+``claim_due`` spreads the requests over the workers, the beats spread the reaping, and every change
+is a compare-and-set on a token's epoch and holder in the library."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ._conn import fcall_items, integer, text
+from ._keys import home_shard, token_shard
+from ._protocol import Protocol, Unfinished, by_shard, ms
+
+log = logging.getLogger("sluicegate.recovery")
+
+#: Requests claimed per pass per shard; tokens per census call (src/worker/recovery.rs).
+CLAIM_BATCH = 200
+CENSUS_CHUNK = 1000
+
+
+def recovery_pass(p: Protocol) -> int:
+    """One pass over each shard's ``active`` index: claims the requests whose look is due and
+    censuses each. Returns how many it looked at."""
+    n = 0
+    for shard in range(p.settings.token_shards):
+        k = p.keys
+        reply = fcall_items(
+            p.conn.fcall("claim_due", [k.active(shard), k.armed(shard)], [CLAIM_BATCH, ms(5 * p.settings.lease)])
+        )
+        for i in range(0, len(reply) - 1, 2):
+            kid, claim = text(reply[i]), integer(reply[i + 1])
+            n += 1
+            try:
+                census(p, shard, kid, claim)
+            except Exception as e:  # noqa: BLE001 - the next look repeats it
+                log.warning("census of %s failed: %s", kid, e)
+    return n
+
+
+def census(p: Protocol, shard: int, kid: str, claim: Optional[int]) -> None:
+    """Recovery's look at one request whose home shard is ``shard`` (lua/census.lua)."""
+    s = p.settings
+    keys = p.keys.request(kid).all()
+    start = 0
+    look_so_far = ms(s.census_interval)
+    while True:
+        reply = fcall_items(
+            p.conn.fcall(
+                "census", keys,
+                [kid, ms(s.grace), ms(s.retention), p.keys.done_channel(), start, CENSUS_CHUNK, look_so_far],
+            )
+        )
+        tag = text(reply[0]) if reply else ""
+        if tag == "gone":
+            k = p.keys
+            p.conn.fcall(
+                "drop_gone",
+                [k.active(shard), k.registrations(shard), k.finish_marks(shard, kid), k.armed(shard)],
+                [kid, ms(s.loading_ttl), "" if claim is None else claim, ms(s.grace)],
+            )
+            return
+        if tag == "loading":
+            k = p.keys
+            p.conn.fcall("arm", [k.active(shard), k.armed(shard)], [kid, ms(s.grace), "" if claim is None else claim])
+            return
+        if tag == "finished":
+            p.finish_reported(kid, Unfinished.parse(reply[1:]))
+            return
+        if tag != "ok" or len(reply) < 8:
+            log.warning("unexpected census reply for %s: %r", kid, tag)
+            return
+        prio = integer(reply[1])
+        shards = max(1, min(1024, integer(reply[2], 1)))
+        nxt = integer(reply[3], -1)
+        look = integer(reply[4], 1)
+        look_so_far = look
+        push, check, held = list(reply[5] or []), list(reply[6] or []), list(reply[7] or [])
+        _verify(p, kid, prio, shards, push, check, (look, claim) if nxt < 0 else None)
+        _reclaim_dead_holders(p, kid, prio, shards, held)
+        if nxt < 0:
+            return
+        start = nxt
+
+
+def _verify(p: Protocol, kid: str, prio: int, shards: int, push: List[Any], check: List[Any],
+            rearm: Optional[Tuple[int, Optional[int]]]) -> None:
+    home = home_shard(kid, shards)
+    pushes = by_shard(kid, shards, push)
+    checks = by_shard(kid, shards, check)
+    on = set(pushes) | set(checks)
+    if rearm is not None:
+        on.add(home)
+    missing: List[Any] = []
+    k = p.keys
+    grace = ms(p.settings.grace)
+    for s in sorted(on):
+        ps, cs = pushes.get(s, []), checks.get(s, [])
+        if rearm is not None and s == home:
+            look, claim = rearm
+            reply = p.conn.fcall(
+                "verify", [k.token_list(s, prio), k.bell(s), k.active(s), k.armed(s)],
+                [kid, look, grace, len(ps), *ps, *cs, "" if claim is None else claim],
+            )
+        else:
+            reply = p.conn.fcall("verify", [k.token_list(s, prio), k.bell(s)], [kid, 0, grace, len(ps), *ps, *cs])
+        missing.extend(fcall_items(reply))
+    if not missing:
+        return
+    restored = fcall_items(p.conn.fcall("restore", k.request(kid).all(), [kid, *missing]))
+    if restored:
+        log.warning("restoring %d token(s) of %s whose elements were lost", len(restored), kid)
+        p.push(kid, prio, shards, restored, p.settings.grace)
+
+
+def gone(p: Protocol, ids: Sequence[str]) -> Dict[str, bool]:
+    """Which worker ids are in neither the registry nor the reaping set."""
+    if not ids:
+        return {}
+    ids = list(ids)
+    registered = p.conn.client.execute_command("ZMSCORE", p.keys.workers(), *ids)
+    reaping = p.conn.client.execute_command("ZMSCORE", p.keys.reaping(), *ids)
+    return {i: r is None and q is None for i, r, q in zip(ids, registered, reaping)}
+
+
+def _reclaim_dead_holders(p: Protocol, kid: str, prio: int, shards: int, held: List[Any]) -> None:
+    holds = []
+    for h in held:
+        if isinstance(h, (list, tuple)) and len(h) == 3:
+            holds.append((integer(h[0]), text(h[1]), text(h[2])))
+    if not holds:
+        return
+    dead = gone(p, sorted({h.split("/", 1)[0] for _, _, h in holds}))
+    for k, epoch, holder in holds:
+        if dead.get(holder.split("/", 1)[0]):
+            log.warning("a token of %s is held by a worker that is gone; reclaiming it", kid)
+            shard = token_shard(kid, shards, k)
+            reclaim(p, kid, k, epoch, holder, shard, p.keys.token_list(shard, prio), None)
+
+
+def reclaim(p: Protocol, kid: str, k: int, epoch: str, holder: str, shard: int, list_key: str,
+            take: Optional[Tuple[str, str]]) -> None:
+    """Puts back a token a dead slot had taken (``reclaim``), ending its take record (``take``:
+    the record's field and take id) in the same step as the push when it is known."""
+    tag, rest = p.reclaim(kid, k, epoch, holder, None)
+    if tag == "push":
+        elements = rest[:1]
+        if len(rest) > 1 and rest[1] is not None:
+            list_key = p.keys.token_list(shard, integer(rest[1]))
+        if take is not None:
+            p.give_back(shard, list_key, take[0], take[1], elements)
+        else:
+            p.push_plain(kid, shard, list_key, elements)
+        return
+    if tag == "finished":
+        p.finish_reported(kid, Unfinished.parse(rest))
+    elif tag == "wake":
+        placement = p.placement(kid)
+        p.arm(kid, placement[1] if placement else 1, integer(rest[0] if rest else 1, 1) / 1000.0)
+    if take is not None:
+        p.release(shard, take[0], take[1])
+
+
+def reap(p: Protocol, worker_id: str, description: Optional[str]) -> None:
+    """Reclaims every token the slots of dead worker ``worker_id`` had taken, then removes it."""
+    slots, shards = 256, p.settings.token_shards
+    try:
+        info = json.loads(description) if description else None
+        if isinstance(info, dict):
+            slots, shards = max(1, int(info.get("slots", 256))), max(1, int(info.get("shards", 1)))
+    except (ValueError, TypeError):
+        pass
+    log.warning("worker %s stopped beating; reclaiming what its slots held", worker_id)
+    for shard in range(shards):
+        fields = [f"{worker_id}/{n}" for n in range(slots)]
+        records = p.conn.client.hmget(p.keys.held(shard), fields)
+        for field, record in zip(fields, records):
+            if record is not None:
+                reclaim_record(p, shard, field, text(record))
+    k = p.keys
+    p.conn.fcall("reaped", [k.workers(), k.worker_info(), k.reaping()], [worker_id])
+
+
+def reclaim_record(p: Protocol, shard: int, field: str, record: str) -> None:
+    parts = record.split("|", 4)
+    ok = len(parts) == 5 and parts[1].isdigit() and parts[2].isdigit()
+    if not ok:
+        log.warning("dropping a malformed take record %s=%s", field, record)
+        p.conn.client.hdel(p.keys.held(shard), field)
+        return
+    kid, k, epoch, take, list_key = parts
+    holder = field.split("/lost/", 1)[0]
+    reclaim(p, kid, int(k), epoch, holder, shard, list_key, (field, take))
+
+
+def scan_held(p: Protocol) -> None:
+    """The backstop: take records whose worker is gone from the registry, or marked lost."""
+    for shard in range(p.settings.token_shards):
+        records = {text(f): text(v) for f, v in p.conn.client.hgetall(p.keys.held(shard)).items()}
+        if not records:
+            continue
+        dead = gone(p, sorted({f.split("/", 1)[0] for f in records}))
+        for field, record in records.items():
+            if "/lost/" in field or dead.get(field.split("/", 1)[0]):
+                reclaim_record(p, shard, field, record)

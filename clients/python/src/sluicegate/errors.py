@@ -1,0 +1,51 @@
+"""Errors the client raises: one class per failure a caller may want to tell apart."""
+
+from __future__ import annotations
+
+
+class SluicegateError(Exception):
+    """Base class of every error this package raises."""
+
+
+class UnsupportedRedis(SluicegateError):
+    """The Redis server is older than sluicegate needs (7.0: Redis Functions)."""
+
+    def __init__(self, found: str, needed: str = "7.0") -> None:
+        self.found = found
+        self.needed = needed
+        super().__init__(
+            f"redis server {found} is too old: sluicegate needs Redis {needed} or newer "
+            "(it runs as a Redis Functions library)"
+        )
+
+
+class InvalidRequest(SluicegateError):
+    """A request's arguments are out of range; the message says which."""
+
+
+class DuplicateRequestId(SluicegateError):
+    """The request id is in use (live, or finished and still retained)."""
+
+
+class UnknownRequest(SluicegateError):
+    """No such request (never submitted, or its retention ran out)."""
+
+
+class NotOpen(SluicegateError):
+    """A streamed request is no longer open for parts (finalized, cancelled, expired)."""
+
+
+class WaitTimeout(SluicegateError):
+    """A wait ran out of time before the request finished."""
+
+
+class ProtocolError(SluicegateError):
+    """Redis state or a reply does not follow sluicegate's protocol."""
+
+
+class Late(SluicegateError):
+    """A step came after its deadline (SGLATE): arm again and retry."""
+
+
+class PermanentError(Exception):
+    """Raised by a handler: the part fails at once, without retries (it is dead-lettered)."""

@@ -1,0 +1,458 @@
+"""Submitting requests and waiting for them (docs/protocol.md §6.1, §6.7, §6.9, §6.11)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from . import codec, errors
+from ._conn import Conn, fcall_items, integer, text
+from ._keys import generate_id, home_shard, key_id, lane_key_id, raw_id
+from ._protocol import Finished, Protocol, Settings, ms
+
+#: A lane request has at most this many parts and payload bytes (src/protocol/lane.rs).
+LANE_MAX_PARTS = 64
+LANE_MAX_BYTES = 64 << 10
+#: Parts and bytes per load call (src/producer.rs).
+LOAD_CHUNK = 2000
+LOAD_CHUNK_BYTES = 4 << 20
+#: Parts per stream_append call.
+APPEND_CHUNK = 1000
+MAX_DELAY_S = 10 * 365 * 24 * 3600
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+@dataclass
+class PartError:
+    """Why a part has no result: its error record (docs/protocol.md §4)."""
+
+    message: str
+    attempts: int = 0
+    permanent: bool = False
+
+    @staticmethod
+    def from_record(record: bytes) -> "PartError":
+        try:
+            v = json.loads(record)
+            return PartError(str(v["error"]), int(v.get("attempts", 0)), bool(v.get("permanent", False)))
+        except (ValueError, KeyError, TypeError):
+            return PartError(text(record))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class Completion:
+    """A finished request: its terminal state, its results in part order (None where a part has
+    no result) and the errors of the parts without one, by index."""
+
+    id: str
+    state: str
+    results: List[Any] = field(default_factory=list)
+    errors: Dict[int, PartError] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return len(self.results)
+
+    @property
+    def failed(self) -> int:
+        return len(self.errors)
+
+
+def _completion(rid: str, state: str, total: int, oks: Dict[int, bytes], errs: Dict[int, bytes]) -> Completion:
+    done = Completion(rid, state)
+    for i in range(total):
+        if i in oks:
+            done.results.append(codec.decode(oks[i]))
+        else:
+            done.results.append(None)
+            if i in errs:
+                done.errors[i] = PartError.from_record(errs[i])
+            else:
+                done.errors[i] = PartError(f"no result recorded (request {state})")
+    return done
+
+
+def _by_index(h: Dict[bytes, bytes], prefix: str = "") -> Dict[int, bytes]:
+    out: Dict[int, bytes] = {}
+    for k, v in h.items():
+        name = text(k)
+        if prefix:
+            if not name.startswith(prefix):
+                continue
+            name = name[len(prefix):]
+        if name.isdigit():
+            out[int(name)] = v
+    return out
+
+
+def _lane_total(pol: str) -> int:
+    fields = pol.lstrip("f").split(",")
+    return int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else 0
+
+
+class RequestHandle:
+    """A submitted request: wait for it, cancel it, read its status."""
+
+    def __init__(self, producer: "Producer", rid: str) -> None:
+        self.producer = producer
+        self.id = rid
+
+    def __repr__(self) -> str:
+        return f"RequestHandle({self.id!r})"
+
+    def wait(self, timeout: Optional[float] = None) -> Completion:
+        return self.producer.wait(self.id, timeout)
+
+    def cancel(self) -> str:
+        return self.producer.cancel(self.id)
+
+    def status(self) -> Dict[str, str]:
+        return self.producer.status(self.id)
+
+
+class OpenRequest:
+    """A streamed request open for parts: :meth:`add` them, then :meth:`finalize`."""
+
+    def __init__(self, producer: "Producer", rid: str, kid: str, nonce: str, priority: int, shards: int) -> None:
+        self.producer = producer
+        self.handle = RequestHandle(producer, rid)
+        self.id = rid
+        self._kid = kid
+        self._nonce = nonce
+        self._priority = priority
+        self._shards = shards
+        self.added = 0
+
+    def add(self, parts: Iterable[Any]) -> None:
+        """Adds parts (one call per 1,000); workers may start on them at once."""
+        p = self.producer.protocol
+        keys = p.keys.request(self._kid).all()
+        chunk: List[bytes] = []
+        items = iter(parts)
+        while True:
+            chunk = [codec.encode(v) for _, v in zip(range(APPEND_CHUNK), items)]
+            if not chunk:
+                return
+            first = self.added
+
+            def append(deadline: int, chunk: List[bytes] = chunk, first: int = first) -> Any:
+                try:
+                    return p.conn.fcall("stream_append", keys, [self._kid, self._nonce, first, deadline, *chunk])
+                except Exception as e:  # noqa: BLE001 - mapped below
+                    if text(str(e)).startswith("SGSTATE"):
+                        raise errors.NotOpen(f'request "{self.id}" is not open for parts') from e
+                    raise
+
+            reply = fcall_items(p.armed(self._kid, self._shards, append))
+            if reply:
+                self._priority = integer(reply[0], self._priority)
+            self.added += len(chunk)
+            elements = reply[1:]
+            if elements:
+                p.push(self._kid, self._priority, self._shards, elements, p.settings.census_interval)
+
+    def finalize(self) -> RequestHandle:
+        """No more parts: the request completes once every part is done."""
+        self.producer._finalize(self._kid, self._nonce)
+        return self.handle
+
+
+class Producer:
+    """Submits requests to a sluicegate namespace.
+
+    >>> producer = Producer("redis://127.0.0.1:6379")          # doctest: +SKIP
+    >>> producer.submit([{"n": 1}, {"n": 2}], concurrency=2).wait().results  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "sluicegate",
+        *,
+        lease: float = 2.0,
+        retention: float = 24 * 3600.0,
+        loading_ttl: float = 3600.0,
+        census_interval: float = 60.0,
+        wait_poll: float = 2.0,
+        lane_tokens: int = 64,
+        token_shards: int = 1,
+    ) -> None:
+        if not 1 <= token_shards <= 1024:
+            raise errors.InvalidRequest("token_shards must be from 1 to 1024")
+        settings = Settings(
+            namespace=namespace,
+            lease=lease,
+            retention=retention,
+            loading_ttl=loading_ttl,
+            census_interval=census_interval,
+            wait_poll=wait_poll,
+            lane_tokens=lane_tokens,
+            token_shards=token_shards,
+        )
+        self.protocol = Protocol(Conn(url), settings)
+
+    def close(self) -> None:
+        self.protocol.conn.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----- submit -----
+
+    def submit(
+        self,
+        parts: Sequence[Any],
+        priority: int = 50,
+        concurrency: int = 1,
+        id: Optional[str] = None,  # noqa: A002 - the protocol's name
+        max_attempts: int = 1,
+        delay: Optional[float] = None,
+        tags: Sequence[str] = (),
+        own_stream: bool = False,
+        *,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        timeout: Optional[float] = None,
+        fail_fast: bool = False,
+    ) -> RequestHandle:
+        """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
+        once it is durable in Redis. Delays, backoffs and the timeout are in seconds."""
+        p = self.protocol
+        s = p.settings
+        _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
+        payloads = [codec.encode(v) for v in parts]
+        if not payloads:
+            raise errors.InvalidRequest("a request needs at least one part")
+        rid = id if id is not None else generate_id()
+        _check_id(rid)
+        kid = key_id(rid)
+        nonce = uuid.uuid4().hex
+        delay_ms = ms(delay or 0)
+        policy = [max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)]
+        ff = "1" if fail_fast else "0"
+        tags_text = ",".join(tags)
+        size = sum(len(b) for b in payloads)
+        if s.lane_tokens > 0 and not own_stream and delay_ms == 0 and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES:
+            shard = home_shard(kid, s.token_shards)
+            lane = lane_key_id(shard, priority)
+            k = p.keys
+            keys = k.request(lane).all() + [
+                k.record(shard, kid),
+                k.token_list(shard, priority),
+                k.bell(shard),
+                k.active(shard),
+                k.registrations(shard),
+                k.finish_marks(shard, kid),
+            ]
+            args = [lane, kid, rid, nonce if id is not None else "", priority, concurrency, *policy, ff,
+                    s.lane_tokens, ms(s.census_interval), f"l|{priority}|{concurrency}|{tags_text}", "", *payloads]
+            p.conn.fcall("lane_submit", keys, args)
+            return RequestHandle(self, rid)
+        shards = s.token_shards
+        at, score = p.register(kid, shards, f"r|{priority}|{concurrency}|{tags_text}")
+        deadline = at + ms(s.loading_ttl) // 2
+        keys = p.keys.request(kid).all()
+        head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, deadline]
+        if len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
+            elements = fcall_items(p.conn.fcall("submit_small", keys, [*head, kid, "", *payloads]))
+        else:
+            p.conn.fcall("submit_open", keys, [*head, ""])
+            try:
+                loaded = 0
+                while loaded < len(payloads):
+                    chunk: List[bytes] = []
+                    nbytes = 0
+                    while loaded + len(chunk) < len(payloads) and len(chunk) < LOAD_CHUNK and (not chunk or nbytes < LOAD_CHUNK_BYTES):
+                        b = payloads[loaded + len(chunk)]
+                        chunk.append(b)
+                        nbytes += len(b)
+                    p.conn.fcall("load_parts", keys, [nonce, loaded, *chunk])
+                    loaded += len(chunk)
+            except Exception:
+                try:
+                    p.conn.fcall("submit_abort", keys, [nonce])
+                except Exception:  # noqa: BLE001 - the loading ttl frees it anyway
+                    pass
+                raise
+            elements = fcall_items(p.conn.fcall("submit_commit", keys, [kid, len(payloads), nonce]))
+        nxt = delay if delay_ms > 0 else s.census_interval
+        p.push(kid, priority, shards, elements, nxt or s.census_interval, first=score)
+        return RequestHandle(self, rid)
+
+    def open(
+        self,
+        priority: int = 50,
+        concurrency: int = 1,
+        id: Optional[str] = None,  # noqa: A002
+        max_attempts: int = 1,
+        tags: Sequence[str] = (),
+        *,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        timeout: Optional[float] = None,
+        fail_fast: bool = False,
+        expire_after: Optional[float] = None,
+    ) -> OpenRequest:
+        """Opens a streamed request (§6.9): runnable at once, complete once finalized and done."""
+        p = self.protocol
+        s = p.settings
+        _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, expire_after)
+        rid = id if id is not None else generate_id()
+        _check_id(rid)
+        kid = key_id(rid)
+        nonce = uuid.uuid4().hex
+        shards = s.token_shards
+        at, score = p.register(kid, shards, f"r|{priority}|{concurrency}|{','.join(tags)}")
+        deadline = at + ms(s.loading_ttl) // 2
+        args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
+                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, deadline, 0, 0, ""]
+        p.conn.fcall("stream_open", p.keys.request(kid).all(), args)
+        nxt = min(expire_after, s.census_interval) if expire_after else s.census_interval
+        p.push(kid, priority, shards, [], nxt, first=score)
+        return OpenRequest(self, rid, kid, nonce, priority, shards)
+
+    def _finalize(self, kid: str, nonce: str) -> None:
+        p = self.protocol
+        try:
+            reply = fcall_items(
+                p.conn.fcall("stream_finalize", p.keys.request(kid).all(),
+                             [kid, ms(p.settings.retention), p.keys.done_channel(), nonce])
+            )
+        except Exception as e:  # noqa: BLE001
+            if str(e).startswith("SGSTATE"):
+                raise errors.NotOpen(f'request "{raw_id(kid)}" is not open') from e
+            raise
+        if reply and text(reply[0]) == "finished":
+            prio, shards = p.placement(kid) or (50, 1)
+            p.finish(kid, prio, shards, Finished.parse(reply[1:]))
+
+    # ----- reading -----
+
+    def try_completion(self, rid: str) -> Optional[Completion]:
+        """The request's completion if it is terminal, else None."""
+        p = self.protocol
+        kid = key_id(rid)
+        keys = p.keys.request(kid)
+        client = p.conn.client
+        state, total, taken = client.hmget(keys.meta, ["state", "total", "taken"])
+        if state is None:
+            record = client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
+            if not record or b"state" not in record:
+                raise errors.UnknownRequest(f'unknown request "{rid}" (never submitted, or its retention ran out)')
+            st = text(record[b"state"])
+            if st not in TERMINAL:
+                return None
+            return _completion(rid, st, _lane_total(text(record.get(b"pol", b""))), _by_index(record, "o"), _by_index(record, "e"))
+        st = text(state)
+        if st not in TERMINAL:
+            return None
+        oks = _by_index(client.hgetall(keys.results))
+        errs = _by_index(client.hgetall(keys.errors))
+        done = _completion(rid, st, integer(total), oks, errs)
+        first = min(integer(taken), len(done.results))
+        if first:
+            done.results = done.results[first:]
+            done.errors = {i - first: e for i, e in done.errors.items() if i >= first}
+        return done
+
+    def wait(self, rid: str, timeout: Optional[float] = None) -> Completion:
+        """Waits for the request to finish (§6.7: subscribe first, then read the durable record)."""
+        p = self.protocol
+        kid = key_id(rid)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pubsub = p.conn.pubsub()
+        try:
+            pubsub.subscribe(p.keys.done_channel())
+            while True:
+                done = self.try_completion(rid)
+                if done is not None:
+                    return done
+                poll = p.settings.wait_poll
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise errors.WaitTimeout(f'timed out waiting for request "{rid}"')
+                    poll = min(poll, left)
+                end = time.monotonic() + poll
+                while True:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    msg = pubsub.get_message(timeout=left)
+                    if msg and msg.get("type") == "message":
+                        lines = text(msg.get("data")).split("\n")
+                        if any(line.split("|", 1)[0] == kid for line in lines):
+                            break
+        finally:
+            try:
+                pubsub.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def status(self, rid: str) -> Dict[str, str]:
+        """The request's meta hash (or lane record) fields as text; raises UnknownRequest."""
+        p = self.protocol
+        kid = key_id(rid)
+        meta = p.conn.client.hgetall(p.keys.request(kid).meta)
+        if not meta:
+            meta = p.conn.client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
+        if not meta:
+            raise errors.UnknownRequest(f'unknown request "{rid}"')
+        return {text(k): text(v) for k, v in meta.items()}
+
+    def cancel(self, rid: str) -> str:
+        """Cancels a request (§6.11). Returns ``"cancelled"``, or the state it had finished in."""
+        p = self.protocol
+        kid = key_id(rid)
+        placement = p.placement(kid)
+        reply = fcall_items(
+            p.conn.fcall("cancel", p.keys.request(kid).all(), [kid, ms(p.settings.retention), p.keys.done_channel()])
+        )
+        tag = text(reply[0]) if reply else "unknown"
+        if tag == "finished":
+            prio, shards = placement or (50, 1)
+            p.finish(kid, prio, shards, Finished.parse(reply[1:]))
+            return "cancelled"
+        if tag == "already":
+            return text(reply[1]) if len(reply) > 1 else ""
+        shard = home_shard(kid, p.settings.token_shards)
+        lane = fcall_items(
+            p.conn.fcall("lane_cancel", [p.keys.record(shard, kid), p.keys.events(shard)],
+                         [kid, ms(p.settings.retention), p.keys.done_channel()])
+        )
+        tag = text(lane[0]) if lane else "unknown"
+        if tag == "finished":
+            return "cancelled"
+        if tag == "already":
+            return text(lane[1]) if len(lane) > 1 else ""
+        raise errors.UnknownRequest(f'unknown request "{rid}"')
+
+
+def _check_id(rid: str) -> None:
+    if not rid or len(rid.encode("utf-8")) > 512:
+        raise errors.InvalidRequest("a request id is a non-empty string of at most 512 bytes")
+
+
+def _check(priority: int, concurrency: int, max_attempts: int, backoff: float, backoff_max: float,
+           timeout: Optional[float], delay: Optional[float]) -> None:
+    if not 0 <= priority <= 99:
+        raise errors.InvalidRequest("priority must be an integer from 0 to 99")
+    if not 1 <= concurrency <= 10_000:
+        raise errors.InvalidRequest("concurrency must be an integer from 1 to 10000")
+    if not 1 <= max_attempts <= 1000:
+        raise errors.InvalidRequest("max attempts must be from 1 to 1000")
+    if backoff < 0 or backoff > backoff_max:
+        raise errors.InvalidRequest("the backoff base must be at least 0 and at most its cap")
+    if timeout is not None and timeout <= 0:
+        raise errors.InvalidRequest("a timeout must be longer than 0")
+    if delay is not None and not 0 <= delay <= MAX_DELAY_S:
+        raise errors.InvalidRequest("a delay must be from 0 to ten years")

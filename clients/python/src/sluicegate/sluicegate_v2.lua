@@ -1,0 +1,2937 @@
+#!lua name=sluicegate_v2
+
+-- prelude.lua: helpers shared by every sluicegate function.
+--
+-- The library is assembled as: the `#!lua name=...` header, this prelude, every transition file in
+-- lua/ (each defines one local function), then one redis.register_function per transition
+-- (see docs/protocol.md, "Functions library"). Nothing here touches a key it was not given.
+--
+-- Token state, one hash field `t<k>` per token k in the request's meta hash:
+--   q|<epoch>|<since ms>             queued: an element "<rid>|<k>|<epoch>" should be in its list
+--   h|<epoch>|<holder>|<since>|<ids> held by a worker slot (holder "<worker>/<slot>") since <since>,
+--                                    with the batch of entries "id,id,..." it was handed
+--   p|<epoch>                        parked: the request had no work to hand out
+-- Only the element whose epoch matches the field is valid; every re-queue gives the token a new,
+-- larger epoch, so a copy of an older element (a replayed take, a late push, a duplicate restore)
+-- is refused when presented. An epoch is the Redis time (ms) at which it was issued, or one more
+-- than the token's previous epoch if that is larger: epochs only grow, also across a request's
+-- lifecycles and across requests that reuse an id. Because elements are pushed at the head of a
+-- list and taken from its tail, and each is pushed just after its epoch is issued, the epoch of the
+-- tail element also says how far the list has moved on (see `verify`).
+-- A holder keeps its token while its worker is alive: the worker registry (`beat`) decides, not a
+-- per-token expiry. A dead worker's tokens are found through the `held` record its slot wrote when
+-- it took the token (`take`), and reclaimed (`reclaim`).
+
+local function sg_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A whole number as text, without the exponent notation Lua uses for large ones (lifecycles are
+-- 16 digits: created ms * 1000 + gen, exact in a double).
+local function sg_int(x)
+  return string.format('%.0f', x)
+end
+
+local function sg_split(s)
+  local out = {}
+  for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
+  return out
+end
+
+-- Entry ids are "0-<index + 1>": the sub-request index is the sequence number minus one.
+local function sg_index(entry_id)
+  return tonumber(string.match(entry_id, '^0%-(%d+)$')) - 1
+end
+
+local function sg_element(rid, k, epoch)
+  return rid .. '|' .. k .. '|' .. epoch
+end
+
+-- The next epoch of a token whose epoch was `epoch` (nil: a new token).
+local function sg_next_epoch(epoch, now)
+  if epoch and tonumber(epoch) >= now then return tonumber(epoch) + 1 end
+  return now
+end
+
+-- Calls `fn(k, value)` for every token field t<from> .. t<to-1> that exists, reading them in chunks
+-- (one HMGET per 500 tokens), so that a request with a large limit costs few calls.
+local function sg_each_token(keys, from, to, fn)
+  local k = from
+  while k < to do
+    local last = math.min(k + 500, to) - 1
+    local fields = {}
+    for i = k, last do fields[#fields + 1] = 't' .. i end
+    local values = redis.call('HMGET', keys[1], unpack(fields))
+    for i = k, last do
+      local v = values[i - k + 1]
+      if v then fn(i, v) end
+    end
+    k = last + 1
+  end
+end
+
+-- Runs `command key args...` over a long argument list in chunks of 1,000 (Lua's unpack has a
+-- limit on arguments); the chunks must stay whole pairs for HSET (1,000 is even).
+local function sg_chunked(command, key, list)
+  local i = 1
+  while i <= #list do
+    local last = math.min(i + 999, #list)
+    redis.call(command, key, unpack(list, i, last))
+    i = last + 1
+  end
+end
+
+-- HSETs field/value pairs in chunks.
+local function sg_hset_many(key, pairs_list) sg_chunked('HSET', key, pairs_list) end
+
+-- HDELs fields in chunks.
+local function sg_hdel_many(key, fields) sg_chunked('HDEL', key, fields) end
+
+-- Checks a new request's priority and limit (numbers or nil) and that args[from..to] are whole
+-- numbers of at least 0: the error reply naming the first that is not, or nil.
+local function sg_check_new(prio, limit, args, from, to)
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID concurrency must be an integer from 1 to 10000')
+  end
+  for i = from, to do
+    local v = tonumber(args[i])
+    if not v or v < 0 or v % 1 ~= 0 then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must be a whole number of at least 0')
+    end
+  end
+  return nil
+end
+
+-- Checks the trace context a producer passes with a new request (docs/protocol.md §4, "Trace
+-- context"): nil or '' for none, else a JSON object of at most 4096 bytes, stored as it is and read
+-- by no function. Its first and last bytes, '{' and '}', also tell it from a payload (a MessagePack
+-- value that starts with 0x7b is that one byte), so that a client that still sends payloads in its
+-- place is refused instead of losing a part. The error reply, or nil.
+local function sg_check_trace(trace)
+  if trace == nil or trace == '' then return nil end
+  if #trace > 4096 or string.byte(trace, 1) ~= 123 or string.byte(trace, -1) ~= 125 then
+    return redis.error_reply('SGINVALID a trace context is empty or a JSON object of at most 4096 bytes')
+  end
+  return nil
+end
+
+-- Every request-side function (all but holds) takes the same six keys, all with the request's
+-- hash tag:
+--   keys[1] meta hash   keys[2] parts stream   keys[3] results hash   keys[4] errors hash
+--   keys[5] orphans list (entries whose holder died)   keys[6] retry sorted set (due ms)
+-- The meta field `extra` counts the entries in orphans and retry, so that the hot path (ack)
+-- looks at them only when there are any.
+
+-- The lifecycle of a request: created ms * 1000 + gen (gen counts reopenings by requeue_dead).
+-- It names a finish in the token-side steps that follow it (finish_index, seal, unindex) and is
+-- unique across requests that reuse an id, so a later request's finish is never taken for an
+-- earlier one's.
+local function sg_lifecycle(keys)
+  local m = redis.call('HMGET', keys[1], 'created', 'gen')
+  return sg_int(tonumber(m[1] or '0') * 1000 + tonumber(m[2] or '0'))
+end
+
+-- Delivers one specific pending entry to this consumer: {id, fields, attempt} or nil when the
+-- entry no longer exists (fields: the entry's field/value list; a request stream's entry has one
+-- field, `p`, its payload). The delivery count that XCLAIM raises is the attempt number.
+local function sg_claim(keys, consumer, id)
+  local claimed = redis.call('XCLAIM', keys[2], 'g', consumer, 0, id)
+  local entry = claimed[1]
+  if not entry or not entry[2] then return nil end
+  local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)
+  local attempt = 1
+  if pending[1] then attempt = tonumber(pending[1][4]) end
+  return {entry[1], entry[2], attempt}
+end
+
+-- Splits a held token's entry list "id,id,..." (empty string: none).
+local function sg_ids(list)
+  local out = {}
+  for id in string.gmatch(list, '[^,]+') do out[#out + 1] = id end
+  return out
+end
+
+-- Up to `want` pieces of work for a token holder: orphaned entries first (their holder died),
+-- then retries that are due, then new entries. `extra` is the meta field of that name (or nil).
+-- Returns a list of {id, fields, attempt}.
+local function sg_take_work(keys, consumer, now, extra, want)
+  want = math.max(want or 1, 1)
+  local got = {}
+  if extra and tonumber(extra) > 0 then
+    while #got < want do
+      local id = redis.call('LPOP', keys[5])
+      if not id then break end
+      redis.call('HINCRBY', keys[1], 'extra', -1)
+      got[#got + 1] = sg_claim(keys, consumer, id)
+    end
+    while #got < want do
+      local due = redis.call('ZRANGEBYSCORE', keys[6], '-inf', now, 'LIMIT', 0, 1)
+      if not due[1] then break end
+      redis.call('ZREM', keys[6], due[1])
+      redis.call('HINCRBY', keys[1], 'extra', -1)
+      got[#got + 1] = sg_claim(keys, consumer, due[1])
+    end
+  end
+  if #got < want then
+    local reply = redis.call('XREADGROUP', 'GROUP', 'g', consumer, 'COUNT', want - #got, 'STREAMS', keys[2], '>')
+    if reply and reply[1] then
+      for _, entry in ipairs(reply[1][2]) do got[#got + 1] = {entry[1], entry[2], 1} end
+    end
+  end
+  return got
+end
+
+-- When the earliest retry that is not due yet falls due (ms), or nil: when a parked token should be
+-- woken for it.
+local function sg_next_retry(keys, now)
+  local next = redis.call('ZRANGEBYSCORE', keys[6], '(' .. now, '(inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if next[2] then return tonumber(next[2]) end
+  return nil
+end
+
+-- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
+-- under the one token), or parks the token when there is none.
+-- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
+-- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
+  local work = sg_take_work(keys, consumer, now, extra, want)
+  if #work > 0 then
+    local ids = {}
+    local reply = {'run'}
+    for i, w in ipairs(work) do
+      ids[i] = w[1]
+      reply[i + 1] = {w[1], sg_index(w[1]), w[2][2], w[3]}
+    end
+    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+    return reply
+  end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  redis.call('HINCRBY', keys[1], 'npark', 1)
+  local due = sg_next_retry(keys, now)
+  return {'park', due and math.max(due - now, 1) or 0}
+end
+
+-- An entry whose holder is gone goes back to the front of the work (sg_take_work).
+local function sg_orphan(keys, entry)
+  redis.call('RPUSH', keys[5], entry)
+  redis.call('HINCRBY', keys[1], 'extra', 1)
+end
+
+-- Puts token k (epoch `epoch`) back in circulation under a new epoch; returns the element to push.
+local function sg_requeue(keys, rid, k, epoch, now)
+  local next_epoch = sg_next_epoch(epoch, now)
+  redis.call('HSET', keys[1], 't' .. k, 'q|' .. next_epoch .. '|' .. now)
+  return sg_element(rid, k, next_epoch)
+end
+
+-- Wakes up to `n` parked tokens (the meta field `npark` counts them, so this costs nothing when
+-- none is parked; `parked`, if given, is its value, read by the caller). Returns the elements to
+-- push.
+local function sg_unpark(keys, rid, n, now, parked)
+  local out = {}
+  parked = parked or tonumber(redis.call('HGET', keys[1], 'npark') or '0')
+  if n <= 0 or parked <= 0 then return out end
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local from = 0
+  while from < ntok and #out < n do
+    sg_each_token(keys, from, math.min(from + 500, ntok), function(k, tok)
+      if #out < n and string.sub(tok, 1, 2) == 'p|' then
+        out[#out + 1] = sg_requeue(keys, rid, k, sg_split(tok)[2], now)
+      end
+    end)
+    from = from + 500
+  end
+  if #out > 0 then redis.call('HINCRBY', keys[1], 'npark', -#out) end
+  return out
+end
+
+-- Turns a request terminal: one terminal record (the meta hash's state), one event, cleanup.
+-- Returns the reply for the caller, whose 4th and later items are the still-queued token elements
+-- for the token side to sweep from the priority list. A failed request keeps its stream and
+-- retry set (its dead letters) until the retention ends, so that they can be requeued.
+-- A finished request's keys are held for its retention plus this long until `seal` (run once
+-- its event is recorded on the token side) starts the retention proper; the hold only matters
+-- when nothing reaches Redis to seal it, and bounds what such a request leaves behind.
+local SG_FINISH_HOLD_MS = 3600000
+
+-- The request keys a finished request keeps (by index into keys): a failed one keeps its stream,
+-- orphans and retry set (its dead letters stay requeueable); the others are deleted at the finish.
+local function sg_kept(state)
+  if state == 'failed' then return {1, 2, 3, 4, 5, 6} end
+  return {1, 3, 4}
+end
+
+-- `except` (optional): a token number whose batch the caller has just recorded (the ack that
+-- finishes the request); its entries are where that ack put them, not orphans.
+local function sg_finish(keys, rid, state, retention_ms, channel, now, except)
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local sweep, fields = {}, {}
+  local maxep = tonumber(redis.call('HGET', keys[1], 'maxep') or '0')
+  sg_each_token(keys, 0, ntok, function(k, tok)
+    local f = sg_split(tok)
+    maxep = math.max(maxep, tonumber(f[2]))
+    if f[1] == 'q' then sweep[#sweep + 1] = sg_element(rid, k, f[2]) end
+    -- A failed request may be requeued: entries other slots still held (fail fast) become
+    -- orphans, handed out again if it is.
+    if f[1] == 'h' and state == 'failed' and k ~= except then
+      for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+    end
+    fields[#fields + 1] = 't' .. k
+  end)
+  sg_hdel_many(keys[1], fields)
+  if state ~= 'failed' then
+    -- Dead letters (pending entries parked in the retry set at +inf), orphans and the parts that
+    -- never ran stay requeueable while a failed request is kept; otherwise they go now.
+    redis.call('DEL', keys[2], keys[5], keys[6])
+  end
+  redis.call('HSET', keys[1], 'state', state, 'finished', now, 'maxep', maxep, 'npark', 0)
+  local hold = tonumber(retention_ms) + SG_FINISH_HOLD_MS
+  for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], hold) end
+  redis.call('PUBLISH', channel, rid .. '|' .. state)
+  local out = {'finished', state, sg_lifecycle(keys)}
+  for _, e in ipairs(sweep) do out[#out + 1] = e end
+  return out
+end
+
+-- Whether Redis time `now` is past a submit's deadline (ARGV given as ms; '' or absent: none).
+local function sg_late(deadline, now)
+  return deadline and deadline ~= '' and tonumber(deadline) > 0 and now > tonumber(deadline)
+end
+
+-- The refusal of a step that runs past the deadline its caller's arm gave it (Redis time, ms; 0 or
+-- absent: none): recovery's look, armed for the step, may have come and gone before it, and the
+-- caller arms again and retries (shards::armed). Nil when the step is in time.
+local function sg_step_late(deadline)
+  if sg_late(deadline, sg_now()) then
+    return redis.error_reply('SGLATE the step came after its deadline ' .. deadline .. '; arm again and retry')
+  end
+  return nil
+end
+
+-- The LMPOP command over one shard's priority lists, highest first, from their common prefix:
+-- built once per prefix and kept (a library's local state lasts until it is loaded again), at
+-- most SG_LMPOP_KEPT prefixes (namespaces times shards) at a time.
+local SG_LMPOP_KEPT = 256
+local sg_lmpop_kept, sg_lmpop_count = {}, 0
+local function sg_lmpop_lists(prefix)
+  local command = sg_lmpop_kept[prefix]
+  if command then return command end
+  command = {'LMPOP', 100}
+  for p = 99, 0, -1 do command[#command + 1] = prefix .. p end
+  command[#command + 1] = 'RIGHT'
+  if sg_lmpop_count >= SG_LMPOP_KEPT then sg_lmpop_kept, sg_lmpop_count = {}, 0 end
+  sg_lmpop_kept[prefix] = command
+  sg_lmpop_count = sg_lmpop_count + 1
+  return command
+end
+
+-- The same LMPOP without the priorities an operator paused (`paused`: priority text -> true);
+-- nil when every priority is paused. Built for each call: pauses are rare and short-lived.
+local function sg_lmpop_unpaused(prefix, paused)
+  local command = {'LMPOP', 0}
+  for p = 99, 0, -1 do
+    if not paused[tostring(p)] then command[#command + 1] = prefix .. p end
+  end
+  command[2] = #command - 2
+  if command[2] == 0 then return nil end
+  command[#command + 1] = 'RIGHT'
+  return command
+end
+
+-- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
+-- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
+-- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.
+local SG_HELD_TTL_MS = 3600000
+
+-- How long a shard's bell outlives its last push: bells are only wake-ups (an idle slot also
+-- takes after each idle poll), so one that is lost only delays a take, and one too many only wakes
+-- a slot for nothing; the expiry keeps strays from lasting.
+local SG_BELL_TTL_MS = 600000
+
+-- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
+-- slots block on one key and then take the highest priority with `take`. A push onto an empty list
+-- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
+-- holding a lower priority give their token back at the end of their batch (one per worker), so a
+-- newly waiting higher priority does not wait for their quantum to run out.
+local function sg_push(list, bell, elements, from)
+  local i, n = from or 1, 0
+  while i <= #elements do
+    local last = math.min(i + 999, #elements)
+    local len = redis.call('LPUSH', list, unpack(elements, i, last))
+    if n == 0 and len == last - i + 1 then
+      local base, priority = string.match(list, '^(.*):p:(%d+)$')
+      if base then redis.call('PUBLISH', base .. ':up', priority) end
+    end
+    local bells = {}
+    for b = i, last do bells[#bells + 1] = '1' end
+    redis.call('LPUSH', bell, unpack(bells))
+    n = n + last - i + 1
+    i = last + 1
+  end
+  if n > 0 then redis.call('PEXPIRE', bell, SG_BELL_TTL_MS) end
+  return n
+end
+
+-- The epoch in an element "<rid>|<k>|<epoch>" (nil if malformed).
+local function sg_element_epoch(element)
+  local epoch = string.match(element or '', '^[^|]*|[^|]*|(%d+)$')
+  return epoch and tonumber(epoch)
+end
+
+-- Removes stale elements (of a finished request's queued tokens) from a list, with the bell of
+-- each: at most 64 of them, each only if it is within the 1,000 elements nearest the head, so that
+-- the cost is bounded however long the list and however many tokens the request had. The others
+-- stay until a slot takes them, when acquire answers 'drop' (the request is finished).
+local SG_SWEEP_MAX = 64
+
+local function sg_sweep(list, bell, elements, from)
+  from = from or 1
+  for i = from, math.min(#elements, from + SG_SWEEP_MAX - 1) do
+    if redis.call('LPOS', list, elements[i], 'MAXLEN', 1000) then
+      redis.call('LREM', list, 1, elements[i])
+      redis.call('RPOP', bell)
+    end
+  end
+end
+
+-- Recovery's re-arm of a request's next look to `due` (ms): set as computed when the score is still
+-- the one recovery's claim wrote (`claim`, from claim_due), so that a look planned far off is not
+-- brought forward for nothing; otherwise someone asked for a look since (a push, an arm), and the
+-- look only moves earlier, so that theirs is not put off. Either way, a look armed before a step
+-- (`armed`, the key beside `active`) that was not yet due when the claim was made bounds the new
+-- look: the census may have run before that step.
+local function sg_rearm(active, rid, due, claim, armed)
+  local score = redis.call('ZSCORE', active, rid)
+  if not score then return 0 end
+  local step = armed and redis.call('ZSCORE', armed, rid)
+  if step then due = math.min(due, tonumber(step)) end
+  if claim and claim ~= '' and tonumber(score) == tonumber(claim) then
+    redis.call('ZADD', active, 'XX', due, rid)
+  else
+    redis.call('ZADD', active, 'XX', 'LT', due, rid)
+  end
+  return 1
+end
+
+-- The listing index (docs/protocol.md §5, "Listing"), on each home shard beside `active`, its
+-- keys named from the shard's prefix "<ns>:{<ns>.q<s>}:" followed by `ix:` and:
+--   live, completed, failed, cancelled  sorted sets of the requests in that state (live: not yet
+--                                        terminal), score = when submitted (ms)
+--   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
+--                                        `r` a request of its own keys, `l` a lane request; tags
+--                                        comma-separated)
+--   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
+--   exp                                  sorted set of the finished ones, score = when their keys
+--                                        expire (ms): each finish drops a few expired ones
+--   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
+--                                        many of its requests are live, and the latest expiry
+--                                        among its finished ones (ms)
+--   next                                 hash: key id -> the row of a registration that found its
+--                                        id listed by a finished request (sg_ix_add): once the new
+--                                        request exists (that one's keys were purged), its first
+--                                        push lists it in that one's place (sg_ix_takeover)
+-- Every change is O(log n) (per tag). A finished request leaves with its retention (each finish and
+-- each claim of recovery drop a few expired ones), and every key expires on its own once it holds
+-- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
+-- last live request finishes, and `row`, `tl`, `tx`, `exp`, `next` when the shard has no live one
+-- left (while one is, `exp` stays, so that trimming finds every finished request).
+local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
+local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
+-- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
+-- finish, so the index never grows behind, and the claims empty it once the work stops.
+local SG_IX_TRIM_FINISH = 4
+local SG_IX_TRIM_CLAIM = 100
+local SG_IX_TRACKED = ' tracked'
+
+-- The index prefix of the shard a key belongs to ("<ns>:{<ns>.q<s>}:<name>" -> "...:ix:").
+local function sg_ix(shard_key)
+  return string.match(shard_key, '^(.*:)[^:]*$') .. 'ix:'
+end
+
+-- The tags in an index row.
+local function sg_ix_tags(row)
+  local tags = {}
+  local t = string.match(row or '', '^[^|]*|[^|]*|[^|]*|(.*)$')
+  if t then for tag in string.gmatch(t, '[^,]+') do tags[#tags + 1] = tag end end
+  return tags
+end
+
+-- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags and, if
+-- it is tracked, the tracked set.
+local function sg_ix_marks(ix, kid, row)
+  local marks = {}
+  for _, tag in ipairs(sg_ix_tags(row)) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
+  if redis.call('ZSCORE', ix .. 'tracked', kid) then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
+  return marks
+end
+
+-- Sets `key` to expire at `at` (ms) unless it already expires later.
+local function sg_ix_expire_at(key, at, now)
+  local ttl = redis.call('PTTL', key)
+  if ttl == -2 then return end
+  if ttl == -1 or now + ttl < at then redis.call('PEXPIREAT', key, at) end
+end
+
+-- A set of `mark` (a tag's, or the tracked set) gained a live request: it stays while it has one.
+local function sg_ix_mark_live(ix, mark)
+  redis.call('HINCRBY', ix .. 'tl', mark[1], 1)
+  redis.call('PERSIST', mark[2])
+end
+
+-- A live request of `mark`'s set finished (its keys expiring at `expires`, or nil when it left the
+-- index): once none is live, the set expires with its latest finished member.
+local function sg_ix_mark_done(ix, mark, expires, now)
+  if expires then
+    local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
+    if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+  end
+  if redis.call('HINCRBY', ix .. 'tl', mark[1], -1) > 0 then return end
+  redis.call('HDEL', ix .. 'tl', mark[1])
+  local latest = redis.call('HGET', ix .. 'tx', mark[1])
+  if latest then sg_ix_expire_at(mark[2], tonumber(latest), now) end
+end
+
+-- With no live request left on the shard, the keys that hold both kinds expire with the latest
+-- finished one (each new request makes them persist again).
+local function sg_ix_settle(ix, now)
+  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
+  for _, name in ipairs(SG_IX_SHARED) do
+    if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
+  end
+end
+
+-- Before a request turns live: if none was, the keys `sg_ix_settle` gave an expiry keep theirs no
+-- more (while one is live they have none).
+local function sg_ix_first_live(ix)
+  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
+end
+
+-- Removes a request from every index set; returns 1 if it was indexed.
+local function sg_ix_remove(ix, kid, now)
+  redis.call('HDEL', ix .. 'next', kid)
+  local row = redis.call('HGET', ix .. 'row', kid)
+  if not row then return 0 end
+  local marks = sg_ix_marks(ix, kid, row)
+  local live = redis.call('ZREM', ix .. 'live', kid) == 1
+  for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], kid) end
+  for _, mark in ipairs(marks) do
+    redis.call('ZREM', mark[2], kid)
+    if live then sg_ix_mark_done(ix, mark, nil, now) end
+    if redis.call('EXISTS', mark[2]) == 0 then redis.call('HDEL', ix .. 'tx', mark[1]) end
+  end
+  redis.call('ZREM', ix .. 'exp', kid)
+  redis.call('HDEL', ix .. 'row', kid)
+  if live then sg_ix_settle(ix, now) end
+  return 1
+end
+
+-- Drops up to `n` finished requests whose keys have expired.
+local function sg_ix_trim(ix, now, n)
+  local gone = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'LIMIT', 0, n)
+  for _, kid in ipairs(gone) do sg_ix_remove(ix, kid, now) end
+end
+
+-- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
+-- submit that registered it first is listed, and a second one of the id is refused when created).
+-- A finished request whose keys have expired leaves first: its id may be used again. So does one
+-- that is merely listed when the caller has created the new request (`created`: lane_submit), since
+-- the id was free: an operator purged its keys and the index has not followed yet (`unlist` comes
+-- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
+-- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
+local function sg_ix_add(ix, kid, row, now, created)
+  if row == nil or row == '' then return end
+  local exp = redis.call('ZSCORE', ix .. 'exp', kid)
+  local live = redis.call('ZSCORE', ix .. 'live', kid)
+  if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
+  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
+    if not live then
+      redis.call('HSET', ix .. 'next', kid, row)
+      sg_ix_settle(ix, now)
+    end
+    return
+  end
+  sg_ix_first_live(ix)
+  redis.call('ZADD', ix .. 'live', now, kid)
+  for _, tag in ipairs(sg_ix_tags(row)) do
+    redis.call('ZADD', ix .. 't:' .. tag, now, kid)
+    sg_ix_mark_live(ix, {tag, ix .. 't:' .. tag})
+  end
+end
+
+-- The first push of request `kid` (it exists): if its registration found the id listed by a
+-- finished request (a row waits in `next`), that one's keys are gone, purged, and this request
+-- takes its place in the index.
+local function sg_ix_takeover(ix, kid, now)
+  local row = redis.call('HGET', ix .. 'next', kid)
+  if not row or redis.call('ZSCORE', ix .. 'live', kid) then return end
+  sg_ix_add(ix, kid, row, now, true)
+end
+
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
+-- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
+-- its end; otherwise that is done here.
+local function sg_ix_finished(ix, now, batch)
+  for state, expires in pairs(batch) do sg_ix_expire_at(ix .. state, expires, now) end
+  sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
+  sg_ix_settle(ix, now)
+end
+
+local function sg_ix_finish(ix, kid, state, expires, now, batch)
+  local score = redis.call('ZSCORE', ix .. 'live', kid)
+  local own = batch == nil
+  batch = batch or {}
+  if score then
+    redis.call('ZREM', ix .. 'live', kid)
+    redis.call('ZADD', ix .. state, score, kid)
+    redis.call('ZADD', ix .. 'exp', expires, kid)
+    batch[state] = math.max(batch[state] or 0, expires)
+    for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
+      sg_ix_mark_done(ix, mark, expires, now)
+    end
+  end
+  if own then sg_ix_finished(ix, now, batch) end
+end
+
+-- Moves a failed request back to live (requeue_dead reopened it).
+local function sg_ix_reopen(ix, kid)
+  local score = redis.call('ZSCORE', ix .. 'failed', kid)
+  if not score then return end
+  redis.call('ZREM', ix .. 'failed', kid)
+  redis.call('ZREM', ix .. 'exp', kid)
+  sg_ix_first_live(ix)
+  redis.call('ZADD', ix .. 'live', score, kid)
+  for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do sg_ix_mark_live(ix, mark) end
+end
+
+-- Lanes (docs/protocol.md, "Lanes"). A lane is a long-lived request of its own, one per priority
+-- and token shard, whose keys carry the shard's hash tag and whose key id is "~<shard>.<priority>"
+-- (a request's key id never starts with "~"). It never finishes; its L tokens (all on its shard)
+-- are taken, acquired, parked, reclaimed and restored as any request's are. Its stream carries the
+-- parts of many small requests: one entry per part with fields p (payload), r (the request's key
+-- id), i (the part's index) and l (the request's lifecycle). Each such lane request has one
+-- record, the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot, kept lean because a
+-- queued small request is little more than it:
+--   state    queued, running, completed, failed or cancelled
+--   lc       the lifecycle, created (ms) * 1000 + generation (a requeue of a failed one adds 1)
+--   pol      its settings, "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff
+--            base ms>,<backoff cap ms>": "f" for fail fast, trailing fields at their defaults
+--            (1, 0, 1000, 60000) left out (sg_lane_pol)
+--   left     parts not settled yet        failed   parts dead (absent: none)
+--   nf       the next part to feed (absent: every part was fed at submit)   rq  requeued parts
+--   nonce    the submit's nonce, only when the producer named the id (a generated id is unique,
+--            so a record under it can only be the same submit re-sent)
+--   id       the id as the producer gave it, only when it differs from the key id
+--   started, finished, retried, maxseen as a request's meta hash has them
+--   w<i> a part not yet fed (a fail-fast request keeps it until the part is settled), o<i> a
+--   result, e<i> an error, x<i> a dead part's payload.
+-- Lane functions name records from the prefix they are given (ARGV) and the key ids in the
+-- entries; every record is in the lane's slot.
+-- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
+-- fed N at submit, and one more each time one of its parts is settled (done or dead).
+
+-- The fields of a lane entry as a table {p, r, i, l}.
+local function sg_lane_fields(fields)
+  local e = {}
+  for j = 1, #fields, 2 do e[fields[j]] = fields[j + 1] end
+  return e
+end
+
+-- Whether a record's settings (its `pol` field) say fail fast (an "f" first; this is on the hot
+-- path, where splitting the string would cost more than the rest of the step).
+local function sg_lane_failfast(pol)
+  return string.byte(pol, 1) == 102
+end
+
+-- The values a record's settings leave out when they end with them: max attempts, timeout ms,
+-- backoff base ms, backoff cap ms (the Rust client's defaults).
+local SG_LANE_DEFAULTS = {'1', '0', '1000', '60000'}
+
+-- A record's settings as stored: "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,
+-- <backoff base ms>,<backoff cap ms>", "f" first for fail fast, trailing fields at their
+-- defaults (SG_LANE_DEFAULTS) left out.
+local function sg_lane_pol(prio, limit, total, maxatt, timeout, bbase, bmax, failfast)
+  local v = {prio, limit, total, maxatt, timeout, bbase, bmax}
+  local n = 7
+  while n > 3 and tostring(v[n]) == SG_LANE_DEFAULTS[n - 3] do n = n - 1 end
+  local pol = table.concat(v, ',', 1, n)
+  if failfast then pol = 'f' .. pol end
+  return pol
+end
+
+-- A record's settings (its `pol` field) as a table.
+local function sg_lane_policy(pol)
+  pol = pol or ''
+  local failfast = sg_lane_failfast(pol)
+  if failfast then pol = string.sub(pol, 2) end
+  local v = {}
+  for x in string.gmatch(pol, '[^,]+') do v[#v + 1] = x end
+  for j = 4, 7 do v[j] = v[j] or SG_LANE_DEFAULTS[j - 3] end
+  return {prio = v[1], limit = tonumber(v[2]), total = tonumber(v[3]), maxatt = v[4], timeout = v[5],
+    bbase = v[6], bmax = v[7], failfast = failfast}
+end
+
+-- Appends part i of lane request `kid` (lifecycle `lc`) to the lane. Lane entry ids are
+-- "0-<n>", n counting up, as a request's are: recovery's census counts undelivered entries from ids.
+local function sg_lane_add(keys, kid, i, lc, payload)
+  redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', i, 'l', lc)
+end
+
+-- Which waiting part of a lane request the lane is fed next (requeued parts first, then parts in
+-- order), from its record's `rq`, `nf` and `pol`: the part's index and the record fields that
+-- say it was fed, or nil when none waits.
+local function sg_lane_pick(rq, nf, pol)
+  if rq and rq ~= '' then
+    local first, rest = string.match(rq, '^(%d+),?(.*)$')
+    return tonumber(first), {'rq', rest}
+  end
+  if nf and tonumber(nf) < sg_lane_policy(pol).total then
+    return tonumber(nf), {'nf', tonumber(nf) + 1}
+  end
+  return nil
+end
+
+-- Adds waiting part i of a lane request (its record's `pol` given) to the lane. A fail-fast
+-- request keeps the part's payload until the part is settled: if it fails while the part is in
+-- the lane, a requeue feeds the part again from there.
+local function sg_lane_feed_part(keys, record, kid, lc, pol, i)
+  local w = redis.call('HGET', record, 'w' .. i)
+  if not w then return end
+  if not sg_lane_failfast(pol) then redis.call('HDEL', record, 'w' .. i) end
+  sg_lane_add(keys, kid, i, lc, w)
+end
+
+-- Feeds the lane the next waiting part of a lane request, if any (sg_lane_pick).
+local function sg_lane_feed(keys, record, kid, lc, pol)
+  local m = redis.call('HMGET', record, 'rq', 'nf')
+  local i, fed = sg_lane_pick(m[1], m[2], pol)
+  if not i then return end
+  redis.call('HSET', record, unpack(fed))
+  sg_lane_feed_part(keys, record, kid, lc, pol, i)
+end
+
+-- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` starts with its
+-- HMGET 'state', 'lc'.
+local function sg_lane_live(m, lc)
+  return (m[1] == 'queued' or m[1] == 'running') and m[2] == lc
+end
+
+-- Announces that a lane request turned terminal (its record's state is written): the record is
+-- kept for the retention and its one event goes on the shard's events stream. Returns its line of
+-- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
+-- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call;
+-- given `batch`, it also ends the listing index's changes with sg_ix_finished once.
+local function sg_lane_announce(record, kid, state, retention, events, now, batch)
+  redis.call('PEXPIRE', record, retention)
+  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now, batch)
+  redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  return kid .. '|' .. state
+end
+
+-- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
+-- lifecycle, settings (the record's `pol`, as it is)[, queue wait ms]}, or nil when its request
+-- is no longer live (then the entry is to be dropped). Marks the request running; the eighth
+-- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
+-- created ms), for the stats by stage.
+local function sg_lane_entry(prefix, id, fields, attempt, now)
+  local e = sg_lane_fields(fields)
+  local record = prefix .. e.r
+  local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
+  if not sg_lane_live(m, e.l) then return nil end
+  if m[1] == 'queued' then
+    redis.call('HSET', record, 'state', 'running', 'started', now)
+    local created = math.floor(tonumber(e.l) / 1000)
+    return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
+  end
+  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
+end
+
+-- How long the lane's oldest pending entry may have been out before settled entries are deleted
+-- one by one rather than trimmed away behind it (sg_lane_drop).
+local SG_LANE_TRIM_MS = 1000
+
+-- Acks lane entries (of requests no longer live, or settled) and frees them. Entries are delivered
+-- in id order, so every entry older than the oldest one still pending is settled: while that one
+-- is recent the lane is trimmed up to it, whole stream nodes at a time, which costs far less than
+-- deleting entries one by one. An entry out for longer (a slow handler, a retry waiting out its
+-- backoff) would hold everything after it, so then the settled entries are deleted. Either way
+-- what is kept beyond the unsettled entries is bounded by about SG_LANE_TRIM_MS of throughput.
+local function sg_lane_drop(keys, ids)
+  if #ids == 0 then return end
+  redis.call('XACK', keys[2], 'g', unpack(ids))
+  local oldest = redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1]
+  if oldest and tonumber(oldest[3]) > SG_LANE_TRIM_MS then
+    redis.call('XDEL', keys[2], unpack(ids))
+    return
+  end
+  local bound
+  if oldest then
+    bound = oldest[1]
+  else
+    local last = 0
+    for _, id in ipairs(ids) do last = math.max(last, sg_index(id)) end
+    bound = '0-' .. (last + 1)
+  end
+  redis.call('XTRIM', keys[2], 'MINID', '~', bound)
+end
+
+-- sg_next for a lane: hands out up to `want` entries of live requests, dropping those of requests
+-- that are no longer live (cancelled, failed fast, reopened), or parks the token.
+-- Returns {'run', entry, ...} (sg_lane_entry) or {'park', wake}.
+-- How long a lane outlives the moment it falls idle (nothing in it, every token parked, so that
+-- no element and no holder of it exists): it leaves recovery's index then and expires unless a
+-- submit revives it (sg_lane_open), so that a namespace that goes quiet keeps nothing.
+local SG_LANE_IDLE_MS = 5000
+
+-- Makes sure the lane exists and is indexed: creates it (meta hash with L parked tokens, stream and
+-- group, its entry in recovery's index, first look in `look` ms) or revives an idle one.
+-- Returns how many of its tokens are parked (its meta field `npark`).
+local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
+  local m = redis.call('HMGET', keys[1], 'npark', 'idle')
+  if m[1] and not m[2] then return tonumber(m[1]) end
+  if m[1] then
+    -- Idle (sg_lane_next): kept again.
+    redis.call('PERSIST', keys[1])
+    redis.call('HDEL', keys[1], 'idle')
+    if redis.call('PERSIST', keys[2]) == 1 or redis.call('EXISTS', keys[2]) == 1 then
+      redis.call('ZADD', active, 'NX', now + look, lane)
+      return tonumber(m[1])
+    end
+  end
+  -- Created afresh: an idle stream left without its meta is empty and goes.
+  redis.call('DEL', keys[1], keys[2], keys[5], keys[6])
+  local fields = {'v', 2, 'id', lane, 'lane', 1, 'state', 'running', 'open', 1, 'prio', prio,
+    'limit', lanes, 'ntok', lanes, 'extra', 0, 'npark', lanes, 'created', now, 'gen', 0,
+    'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'total', 0, 'left', 0}
+  for k = 0, lanes - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(keys[1], fields)
+  redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
+  redis.call('ZADD', active, 'NX', now + look, lane)
+  return lanes
+end
+
+local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
+  want = math.max(want or 1, 1)
+  local reply, ids = {'run'}, {}
+  for _ = 1, 8 do
+    local work = sg_take_work(keys, consumer, now, extra, want - #ids)
+    if #work == 0 then break end
+    local dropped = {}
+    for _, w in ipairs(work) do
+      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now)
+      if entry then
+        ids[#ids + 1] = w[1]
+        reply[#reply + 1] = entry
+      else
+        dropped[#dropped + 1] = w[1]
+      end
+    end
+    sg_lane_drop(keys, dropped)
+    if #ids >= want or #dropped == 0 then break end
+    extra = redis.call('HGET', keys[1], 'extra')
+  end
+  if #ids > 0 then
+    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+    return reply
+  end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  local parked = redis.call('HINCRBY', keys[1], 'npark', 1)
+  if parked >= tonumber(redis.call('HGET', keys[1], 'ntok'))
+    and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0
+    and not redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1] then
+    -- Idle (SG_LANE_IDLE_MS): nothing undelivered (this take found none), pending or waiting.
+    -- What is left in the stream was settled and not trimmed yet (sg_lane_drop).
+    redis.call('XTRIM', keys[2], 'MAXLEN', 0)
+    redis.call('HSET', keys[1], 'idle', 1)
+    local lane = redis.call('HGET', keys[1], 'id')
+    redis.call('ZREM', active, lane)
+    redis.call('ZREM', armed, lane)
+    redis.call('PEXPIRE', keys[1], SG_LANE_IDLE_MS)
+    redis.call('PEXPIRE', keys[2], SG_LANE_IDLE_MS)
+  end
+  local due = sg_next_retry(keys, now)
+  return {'park', due and math.max(due - now, 1) or 0}
+end
+
+-- submit_open: create a request in state `loading`, invisible to workers (no token exists yet).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request id as the producer gave it   ARGV[2] priority   ARGV[3] concurrency limit
+-- ARGV[4] loading ttl (ms): a producer that dies mid-submit leaves keys that expire by themselves
+-- ARGV[5] max attempts per sub-request   ARGV[6] per-attempt timeout (ms, 0 = none)
+-- ARGV[7] retry backoff base (ms)   ARGV[8] retry backoff cap (ms)
+-- ARGV[9] submission nonce: a random value of this submit, so that the same call re-sent after
+-- a reconnect is recognised, and only its own producer can abort or commit it
+-- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
+-- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
+-- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
+-- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
+-- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
+-- ARGV[14] trace context (optional; '' or absent = none): the producer's send span as its
+-- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
+-- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
+-- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
+local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
+
+local function submit_open(keys, args)
+  local prio, limit = tonumber(args[2]), tonumber(args[3])
+  local invalid = sg_check_new(prio, limit, args, 4, 8)
+  if invalid then return invalid end
+  local delay = tonumber(args[10] or '0')
+  if not delay or delay < 0 or delay % 1 ~= 0 or delay > SG_MAX_DELAY_MS then
+    return redis.error_reply('SGINVALID delay must be a whole number of ms from 0 to ten years')
+  end
+  local shards = tonumber(args[12] or '1')
+  if not shards or shards < 1 or shards > 1024 or shards % 1 ~= 0 then
+    return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
+  end
+  if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  local trace = args[14] or ''
+  invalid = sg_check_trace(trace)
+  if invalid then return invalid end
+  if redis.call('EXISTS', keys[1]) == 1 then
+    if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  if redis.call('EXISTS', keys[2]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  local now = sg_now()
+  if sg_late(args[13], now) then
+    return redis.error_reply('SGLATE the submit came too long after its registration; nothing was written')
+  end
+  redis.call('HSET', keys[1], 'v', 2, 'id', args[1], 'nonce', args[9], 'state', 'loading',
+    'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
+    'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
+    'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
+  -- Only a traced request carries the field.
+  if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
+  -- The group starts at 0 so that every entry added afterwards is delivered once.
+  redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
+  redis.call('PEXPIRE', keys[1], args[4])
+  redis.call('PEXPIRE', keys[2], args[4])
+  return 1
+end
+
+-- load_parts: add a chunk of parts to a request that is loading (between submit_open and
+-- submit_commit). One call per chunk of parts is far cheaper than one XADD per part.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the submission nonce given to submit_open   ARGV[2] index of the first part
+-- ARGV[3..] payloads
+-- Returns how many parts the stream holds. Parts already there (a call re-sent after a
+-- reconnect) are skipped. Errors "SGSTATE ..." when the request is not this producer's loading
+-- request (its loading ttl ran out, and maybe another producer took the id).
+local function load_parts(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce')
+  if m[1] ~= 'loading' or m[2] ~= args[1] then
+    return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  local have = redis.call('XLEN', keys[2])
+  local first = tonumber(args[2])
+  if first > have then
+    return redis.error_reply('SGGAP parts from index ' .. have .. ' are missing before index ' .. first)
+  end
+  for i = 3, #args do
+    local index = first + i - 3
+    if index >= have then redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i]) end
+  end
+  return redis.call('XLEN', keys[2])
+end
+
+-- submit_commit: make a fully loaded request runnable, atomically.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id (encoded, as in the keys)   ARGV[2] number of parts the producer added
+-- ARGV[3] the submission nonce given to submit_open
+-- Returns the token elements "<rid>|<k>|<epoch>" to push onto the request's priority list (none
+-- for a delayed request), or an error "SGSTATE ..." (not loading: its loading ttl ran out, or
+-- another producer's request) or "SGINCOMPLETE ..." (parts missing). The same call re-sent after
+-- a reconnect returns the elements of the tokens still queued.
+local function submit_commit(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce', 'ntok')
+  if m[2] ~= args[3] then
+    return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
+  end
+  if m[1] ~= 'loading' then
+    local out = {}
+    sg_each_token(keys, 0, tonumber(m[3]), function(k, tok)
+      local f = sg_split(tok)
+      if f[1] == 'q' then out[#out + 1] = sg_element(args[1], k, f[2]) end
+    end)
+    return out
+  end
+  local total = tonumber(args[2])
+  if not total or total < 1 then
+    return redis.error_reply('SGINVALID a request needs at least one part')
+  end
+  if redis.call('XLEN', keys[2]) ~= total then
+    return redis.error_reply('SGINCOMPLETE the stream does not hold every part')
+  end
+  local now = sg_now()
+  local ntok = math.min(tonumber(redis.call('HGET', keys[1], 'limit')), total)
+  redis.call('PERSIST', keys[1])
+  redis.call('PERSIST', keys[2])
+  redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'left', total, 'ntok', ntok, 'queued', now)
+  local delay = tonumber(redis.call('HGET', keys[1], 'delay') or '0')
+  local fields, out = {}, {}
+  if delay > 0 then
+    -- Scheduled: tokens wait parked, and no worker can see the request until recovery promotes
+    -- it (census) once its time has come.
+    redis.call('HSET', keys[1], 'state', 'scheduled', 'eligible', now + delay, 'npark', ntok)
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'p|' .. now
+    end
+  else
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'q|' .. now .. '|' .. now
+      out[#out + 1] = sg_element(args[1], k, now)
+    end
+  end
+  sg_hset_many(keys[1], fields)
+  return out
+end
+
+-- submit_small: a whole request in one call, for one that fits in one chunk of parts:
+-- submit_open, load_parts and submit_commit in one atomic step. The producer registers the
+-- request with recovery (register) before, and pushes the elements (push) after, as for any
+-- submit.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1..13] as submit_open's   ARGV[14] request key id   ARGV[15] trace context ('' = none;
+-- submit_open's ARGV[14])   ARGV[16..] payloads
+-- Returns the token elements to push, or submit_open's / submit_commit's errors. The same call
+-- re-sent after a reconnect returns the elements of the tokens still queued.
+local function submit_small(keys, args)
+  local open_args = {}
+  for i = 1, 13 do open_args[i] = args[i] end
+  open_args[14] = args[15]
+  local opened = submit_open(keys, open_args)
+  if type(opened) == 'table' and opened.err then return opened end
+  if redis.call('HGET', keys[1], 'state') ~= 'loading' then
+    -- The same call re-sent after it ran: answer as it did (the elements of the queued tokens).
+    return submit_commit(keys, {args[14], '0', args[9]})
+  end
+  local load_args = {args[9], '0'}
+  for i = 16, #args do load_args[#load_args + 1] = args[i] end
+  local loaded = load_parts(keys, load_args)
+  if type(loaded) == 'table' and loaded.err then return loaded end
+  return submit_commit(keys, {args[14], tostring(#args - 15), args[9]})
+end
+
+-- submit_abort: a producer gives up a submit that failed while loading: its keys go at once,
+-- rather than when the loading ttl ends. Only the producer that opened it (same nonce) can.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the submission nonce
+-- Returns 1 when the keys were deleted, 0 when they were not this producer's loading request.
+local function submit_abort(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'nonce')
+  if m[1] ~= 'loading' or m[2] ~= args[1] then return 0 end
+  redis.call('DEL', keys[1], keys[2])
+  return 1
+end
+
+-- stream_open: start a streamed request: runnable at once, its parts added over time with
+-- stream_append, complete only after stream_finalize and every part done.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2..10] as submit_open's ARGV[1..9] (id, priority, limit, ttl,
+-- max attempts, timeout, backoff base, backoff cap, nonce)   ARGV[11] expiry (ms, 0 = none): a
+-- request still open this long after it was opened is cancelled by recovery   ARGV[12] '1' =
+-- fail fast   ARGV[13] token shards (submit_open's ARGV[12])   ARGV[14] deadline (submit_open's
+-- ARGV[13])   ARGV[15] window W (optional; 0 or absent = none): the producer keeps at most W
+-- parts unsettled, and acks trim the stream as they go (stored as `window`)   ARGV[16] '1' =
+-- discard results: `ok` results are never stored (stored as `discard`)   ARGV[17] trace context
+-- (optional; '' or absent = none; submit_open's ARGV[14])
+-- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
+-- submit_open's errors.
+local function stream_open(keys, args)
+  local expiry = tonumber(args[11])
+  if not expiry or expiry < 0 or expiry % 1 ~= 0 or expiry > SG_MAX_DELAY_MS then
+    return redis.error_reply('SGINVALID open expiry must be a whole number of ms from 0 to ten years')
+  end
+  local window = tonumber(args[15] or '0')
+  if not window or window < 0 or window % 1 ~= 0 or window > 1e15 then
+    return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
+  end
+  local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or ''})
+  if type(opened) == 'table' and opened.err then return opened end
+  if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
+  local now = sg_now()
+  local ntok = tonumber(args[4])
+  local deadline = 0
+  if expiry > 0 then deadline = now + expiry end
+  redis.call('PERSIST', keys[1])
+  redis.call('PERSIST', keys[2])
+  redis.call('HSET', keys[1], 'state', 'queued', 'open', 1, 'open_deadline', deadline, 'ntok', ntok,
+    'queued', now, 'npark', ntok)
+  -- Only a windowed or discarding request carries the fields: ack reads them in its one HMGET.
+  if window > 0 then redis.call('HSET', keys[1], 'window', window) end
+  if args[16] == '1' then redis.call('HSET', keys[1], 'discard', 1) end
+  local fields = {}
+  for k = 0, ntok - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(keys[1], fields)
+  return {}
+end
+
+-- stream_append: add parts to an open streamed request; parked tokens wake up for them. The
+-- producer arms recovery (arm) before this call and pushes the elements (push) after it.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] the nonce given at stream_open   ARGV[3] index of the first
+-- part   ARGV[4] the deadline of the producer's arm (sg_step_late)   ARGV[5..] payloads
+-- Returns {priority, [outstanding,] element...}: the request's priority now (the list to push the
+-- elements onto: an operator may have changed it since the request was opened, reprioritize);
+-- for a windowed request (meta `window` > 0) its outstanding parts (`left`, after this call);
+-- then the token elements to push. The same call re-sent after a reconnect adds nothing
+-- twice (parts below the request's total are skipped). Errors "SGSTATE ..." when the request is
+-- not open (finalized, cancelled, unknown) or not this producer's, "SGGAP ..." when parts before
+-- ARGV[3] are missing, "SGLATE ..." past the deadline.
+local function stream_append(keys, args)
+  local late = sg_step_late(args[4])
+  if late then return late end
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'total', 'state', 'window', 'prio')
+  if m[1] ~= '1' or m[2] ~= args[2] or m[4] == 'cancelled' or m[4] == 'failed' or m[4] == 'completed' then
+    return redis.error_reply('SGSTATE the request is not open for parts (finalized, cancelled or unknown)')
+  end
+  local total = tonumber(m[3])
+  local first = tonumber(args[3])
+  if first > total then
+    return redis.error_reply('SGGAP parts from index ' .. total .. ' are missing before index ' .. first)
+  end
+  local added = 0
+  for i = 5, #args do
+    local index = first + i - 5
+    if index >= total then
+      redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i])
+      added = added + 1
+    end
+  end
+  redis.call('HINCRBY', keys[1], 'total', added)
+  local left = redis.call('HINCRBY', keys[1], 'left', added)
+  local elements = sg_unpark(keys, args[1], added, sg_now())
+  if tonumber(m[5] or '0') > 0 then
+    -- A windowed producer paces itself by the parts still to settle (docs/protocol.md §6.14).
+    table.insert(elements, 1, left)
+  end
+  table.insert(elements, 1, tonumber(m[6]))
+  return elements
+end
+
+-- stream_finalize: no more parts will come; the request completes when every part is done
+-- (at once, if they all are).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- ARGV[4] the nonce given at stream_open, or '' for an operator finalizing another's request
+-- Returns {'open'} (parts still to run), {'finished', state, lifecycle, sweep...} as ack, or errors
+-- "SGSTATE ..." when the request is not open.
+local function stream_finalize(keys, args)
+  local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed', 'state')
+  local terminal = m[5] == 'completed' or m[5] == 'failed' or m[5] == 'cancelled'
+  if m[1] ~= '1' or terminal or (args[4] ~= '' and m[2] ~= args[4]) then
+    return redis.error_reply('SGSTATE the request is not open (finalized already, cancelled or unknown)')
+  end
+  redis.call('HSET', keys[1], 'open', 0)
+  if tonumber(m[3]) > 0 then return {'open'} end
+  local state = 'completed'
+  if tonumber(m[4]) > 0 then state = 'failed' end
+  return sg_finish(keys, args[1], state, args[2], args[3], sg_now())
+end
+
+-- outstanding: how many parts of an open streamed request are not settled yet (added, neither
+-- done nor dead-lettered): what a windowed producer waits on before it adds more. Read-only
+-- (registered no-writes: callable with FCALL_RO, on a replica, at Redis's memory limit).
+-- KEYS[1] the request's meta hash (only this key)
+-- ARGV none
+-- Returns the meta field `left` (integer) while the request is open for parts, or -1 when it is
+-- not (finalized, cancelled, finished, expired or unknown): the producer's add then stops.
+local function outstanding(keys, args)
+  local m = redis.call('HMGET', keys[1], 'open', 'state', 'left')
+  if m[1] ~= '1' or m[2] == 'completed' or m[2] == 'failed' or m[2] == 'cancelled' or not m[2] then
+    return -1
+  end
+  return tonumber(m[3] or '0')
+end
+
+-- results_from: a page of a streamed request's outcomes, in part order, read while it runs; the
+-- outcomes of the parts before the page are deleted, so that a reader that keeps up keeps the
+-- results in Redis bounded (a windowed request's bounded memory, docs/protocol.md §6.14).
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] first: the index of the first part wanted. Asking from `first` says that the reader
+-- holds every outcome below it: those records are deleted now. It must be at least the `first` of
+-- the previous call (meta `tfirst`) and at most the meta `taken`   ARGV[2] at most this many parts
+-- Returns {state, total, first, tag, body, tag, body, ...}: state as in the meta hash; total the
+-- number of parts once no more can be added (finalized, or terminal), else -1; then per part from
+-- `first`, in order: 'ok' and the result bytes, 'err' and the error record of a dead letter (or
+-- of a terminal request's last failure), 'none' and '' for a part of a terminal request that
+-- never ended (cancelled, or fail fast). The page stops before the first part not settled yet
+-- (running, waiting for a retry, not yet delivered), so it may be empty. Meta `taken` becomes
+-- the index after the page (never lower); the page stays readable until a call asks from past it,
+-- so a call re-sent after a lost reply answers the same.
+-- Errors "SGSTATE ..." when the request is unknown, or `first` is below records already deleted;
+-- "SGINVALID ..." when it is not a streamed request or its results are discarded; "SGGAP ..."
+-- when `first` is past `taken`.
+local function results_from(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'total', 'open', 'taken', 'tfirst', 'discard')
+  local state = m[1]
+  if not state then
+    return redis.error_reply('SGSTATE the request is unknown (never submitted, or its retention ran out)')
+  end
+  if not m[3] then
+    return redis.error_reply('SGINVALID results_from is for streamed requests (opened with open())')
+  end
+  if m[6] == '1' then
+    return redis.error_reply('SGINVALID the results of this request are discarded (discard_results)')
+  end
+  local first, count = tonumber(args[1]), tonumber(args[2])
+  if not first or first < 0 or first % 1 ~= 0 or not count or count < 1 then
+    return redis.error_reply('SGINVALID first must be a whole number and count at least 1')
+  end
+  local taken, tfirst = tonumber(m[4] or '0'), tonumber(m[5] or '0')
+  if first < tfirst then
+    return redis.error_reply('SGSTATE results below index ' .. tfirst .. ' were taken and deleted already')
+  end
+  if first > taken then
+    return redis.error_reply('SGGAP results from index ' .. taken .. ' were not taken before index ' .. first)
+  end
+  if first > tfirst then
+    -- The reader holds every outcome below `first`: they go (a dead letter keeps its entry,
+    -- pending, so that it can still be requeued; only its record goes).
+    local fields = {}
+    for i = tfirst, first - 1 do fields[#fields + 1] = i end
+    local deleted = 0
+    local i = 1
+    while i <= #fields do
+      local last = math.min(i + 999, #fields)
+      deleted = deleted + redis.call('HDEL', keys[3], unpack(fields, i, last))
+      redis.call('HDEL', keys[4], unpack(fields, i, last))
+      i = last + 1
+    end
+    if deleted > 0 then redis.call('HINCRBY', keys[1], 'ntaken', deleted) end
+    redis.call('HSET', keys[1], 'tfirst', first)
+  end
+  local terminal = state == 'completed' or state == 'failed' or state == 'cancelled'
+  local total = tonumber(m[2] or '0')
+  local known = -1
+  if terminal or m[3] ~= '1' then known = total end
+  local out = {state, known, first}
+  local i = first
+  while i < first + count and i < total do
+    local r = redis.call('HGET', keys[3], i)
+    if r then
+      out[#out + 1] = 'ok'
+      out[#out + 1] = r
+    else
+      local e = redis.call('HGET', keys[4], i)
+      -- An error record is final for a dead letter (in the retry set at +inf) or once the request
+      -- is terminal; otherwise the part still waits for a retry, or runs again.
+      if e and (terminal or redis.call('ZSCORE', keys[6], '0-' .. (i + 1)) == 'inf') then
+        out[#out + 1] = 'err'
+        out[#out + 1] = e
+      elseif terminal then
+        out[#out + 1] = 'none'
+        out[#out + 1] = ''
+      else
+        break
+      end
+    end
+    i = i + 1
+  end
+  if i > taken then redis.call('HSET', keys[1], 'taken', i) end
+  return out
+end
+
+-- register: enter a request in recovery's index before it is created, so that whatever happens to
+-- its producer afterwards, recovery finds it. Run on the request's home shard.
+-- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
+-- KEYS[2] the registration times (hash: key id -> ms)
+-- KEYS[3] the id's lane request record on this shard (prelude.lua, "Lanes")
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it   ARGV[3] its row in
+-- the listing index (prelude.lua, "The listing index"; '' or absent: not listed)
+-- Returns {added, now}, or the error "SGDUPLICATE ..." when a lane request has the id: added is 1 if this call entered it (0 if it was there), now the Redis time
+-- (ms) of the registration. The producer must create the request before now + half the loading
+-- ttl (the deadline it passes to submit_open, submit_small or stream_open): recovery drops a
+-- registration whose request does not exist only once the loading ttl has passed since it was
+-- registered (by any producer: each registration restarts that time), so a request can never be
+-- created after its registration was dropped. Producers never take a registration back: it may
+-- be another producer's (the same id submitted twice).
+local function register(keys, args)
+  if keys[3] and redis.call('EXISTS', keys[3]) == 1 then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  local now = sg_now()
+  local added = redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
+  -- The latest registration's time, not the first's: a producer's deadline counts from its own
+  -- registration, and recovery must not drop the entry before that deadline has passed.
+  redis.call('HSET', keys[2], args[1], now)
+  sg_ix_add(sg_ix(keys[1]), args[1], args[3], now)
+  return {added, now}
+end
+
+-- push: put token elements on a priority list of their shard, each with a wake-up on the shard's
+-- bell; on the request's home shard, also make sure the request is in recovery's index.
+-- KEYS[1] the priority list   KEYS[2] the shard's bell   KEYS[3] (home shard only) the active-request
+-- index   KEYS[4] (home shard only) the registration times
+-- ARGV[1] request key id   ARGV[2] next look (ms from now)   ARGV[3] 'first:<score>' (the push
+-- that follows a submit, with the score its registration wrote: while that score is still there,
+-- the next look is set to ARGV[2], however far; if recovery has looked since, only moved earlier)
+-- or 'more' (the next look only ever moves earlier)   ARGV[4..] elements
+-- The first push also lists the request in place of a purged request of its id that its
+-- registration found listed (sg_ix_takeover).
+-- Returns the number of elements pushed. An element of a request that finished in the meantime is
+-- refused by acquire when taken ('drop'), and the index entry by recovery, so a late or repeated
+-- push is harmless; a push never silently does nothing.
+local function push(keys, args)
+  if keys[3] then
+    local due = sg_now() + tonumber(args[2])
+    local first = string.match(args[3], '^first:(%d+)$')
+    if redis.call('ZADD', keys[3], 'NX', due, args[1]) == 0 then
+      sg_rearm(keys[3], args[1], due, first)
+    end
+    -- The request exists: it may take the listing entry of a purged one of its id.
+    if first then sg_ix_takeover(sg_ix(keys[3]), args[1], sg_now()) end
+    -- A lane (key id "~...") is never registered: it is created in the step that indexes it.
+    if string.sub(args[1], 1, 1) ~= '~' then redis.call('HSETNX', keys[4], args[1], sg_now()) end
+  end
+  return sg_push(keys[1], keys[2], args, 4)
+end
+
+-- reopen: before requeue_dead reopens a failed request, enter it in recovery's index again and
+-- mark the new lifecycle, so that a late `unindex` of the failed lifecycle leaves it there. Run on
+-- the home shard, after the failed lifecycle's own steps (finish_index, seal, unindex) are done.
+-- KEYS[1] active-request index   KEYS[2] registration times   KEYS[3] the request's finish marks
+-- ARGV[1] request key id   ARGV[2] delay (ms) before recovery first looks at it
+-- ARGV[3] the lifecycle about to start (the failed one's plus one)
+-- Returns 1 if this call entered the request in the index, 0 if it was there.
+local function reopen(keys, args)
+  local now = sg_now()
+  -- Kept (no expiry) while the reopened request runs; its own finish_index sets one.
+  redis.call('HSET', keys[3], 'o', args[3])
+  redis.call('PERSIST', keys[3])
+  redis.call('HSETNX', keys[2], args[1], now)
+  sg_ix_reopen(sg_ix(keys[1]), args[1])
+  return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
+end
+
+-- arm: ask recovery to look at a request by a given time (only ever earlier than planned): before a
+-- step whose follow-up (a push) its caller might not live to make, and when a parked token should
+-- be woken for a retry.
+-- KEYS[1] the active-request index (home shard)   KEYS[2] the looks armed before a step
+-- ARGV[1] request key id   ARGV[2] in how long (ms; relative, so no client clock is involved)
+-- ARGV[3] (recovery only, optional) the score its claim wrote: if it is still there, the look is
+-- set to ARGV[2] even if that is later (sg_rearm)   ARGV[4] (optional) 'step': the look comes
+-- before a step, which is to run before it is due; it is kept in KEYS[2] too, so that a census
+-- that begins before it is due (and so maybe before the step) does not cancel it (claim_due,
+-- sg_rearm)
+-- Returns when the look is due (ms, Redis time) if the request is indexed, else 0.
+local function arm(keys, args)
+  local due = sg_now() + tonumber(args[2])
+  if sg_rearm(keys[1], args[1], due, args[3], keys[2]) == 0 then return 0 end
+  if args[4] == 'step' then redis.call('ZADD', keys[2], 'GT', due, args[1]) end
+  return due
+end
+
+-- lane_acquire: acquire for a lane token (prelude.lua, "Lanes"): the slot presents the lane token
+-- element it took and gets a batch of lane entries, which may belong to different requests.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
+-- KEYS[8] the shard's looks armed before a step
+-- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
+-- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
+--          lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}};
+--         {'park', wake}, {'drop'}, {'stale'} as acquire.
+-- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
+local function lane_acquire(keys, args)
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra')
+  local tok = m[1]
+  if not tok then return {'drop'} end
+  local f = sg_split(tok)
+  local now = sg_now()
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same call re-sent after its reply was lost: the entries it handed out, again.
+    local reply = {'run'}
+    for _, id in ipairs(sg_ids(f[5])) do
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if entry and pending then
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
+        if e then reply[#reply + 1] = e end
+      end
+    end
+    if #reply > 1 then return reply end
+  end
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
+end
+
+-- take: a worker slot takes the token element of the highest priority waiting on a shard, and
+-- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
+-- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
+-- death is noticed by `beat`, and recovery reclaims what the record names).
+-- A lane's token (key id "~<shard>.<priority>") is acquired in the same call: the lane's keys are
+-- in this shard's slot, so the slot gets its first batch without an `acquire` round trip.
+-- KEYS[1] the shard's held records (hash: holder -> "<element>|<take id>|<list>")   KEYS[2] the shard's bell
+-- KEYS[3] the shard's active index   KEYS[4] the shard's looks armed before a step
+-- KEYS[5] the shard's pauses (hash: 'all' or a priority -> 1; `Admin::pause`)
+-- ARGV[1] holder "<worker>/<slot>"   ARGV[2] this take's id (unique per slot)   ARGV[3] the id of
+-- the slot's previous take on this shard ('' if none): its record, if still there, is done with
+-- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
+-- bells and elements stay about even)
+-- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size
+-- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
+-- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
+-- named here rather than passed, since a hundred key arguments cost more than the pop
+-- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
+-- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
+-- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
+-- id: its first reply was lost) returns the element it took the first time, without a batch: the
+-- slot then acquires it, and `lane_acquire` hands out the same entries again.
+local function take(keys, args)
+  local holder, id = args[1], args[2]
+  local held = redis.call('HGET', keys[1], holder)
+  if held then
+    local f = sg_split(held)
+    if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
+    if f[4] ~= args[3] then
+      -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
+      -- name no live slot uses.
+      redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
+    end
+  end
+  local lmpop = sg_lmpop_lists(args[9])
+  -- (A caller of before pauses passes four keys: it takes as if nothing were paused.)
+  local pauses = keys[5] and redis.call('HGETALL', keys[5]) or {}
+  if #pauses > 0 then
+    local paused = {}
+    for i = 1, #pauses, 2 do paused[pauses[i]] = true end
+    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
+    if not lmpop then
+      if held then redis.call('HDEL', keys[1], holder) end
+      -- A bell the slot popped stays for the elements waiting: the slot waits an idle poll.
+      if args[4] == '1' then redis.call('LPUSH', keys[2], '1') end
+      return {'paused'}
+    end
+  end
+  local popped = redis.call(unpack(lmpop))
+  if not popped then
+    if held then redis.call('HDEL', keys[1], holder) end
+    return {}
+  end
+  local element = popped[2][1]
+  redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
+  redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
+  if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
+  local f = sg_split(element)
+  local priority = string.match(f[1], '^~%d+%.(%d+)$')
+  if not priority then return {popped[1], element} end
+  local base = args[7] .. priority
+  local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
+  local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
+  return {popped[1], element, acquired}
+end
+
+-- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
+-- the element goes back to the tail of its list, where it was taken from, and the record ends.
+-- KEYS[1] the shard's held records   KEYS[2] the shard's bell
+-- ARGV[1] holder   ARGV[2] the take id
+-- A lane's token was acquired in the same call (take.lua), which may have handed out a batch:
+-- its record is kept for recovery under a name no live slot uses, and reclaim settles it (the
+-- batch becomes orphans, the token is pushed again) as for a dead slot's.
+-- Returns 1 if the take had happened (and is undone, or left to recovery), 0 if there is no record of it.
+local function untake(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if not held then return 0 end
+  local f = sg_split(held)
+  if f[4] ~= args[2] then return 0 end
+  redis.call('HDEL', keys[1], args[1])
+  if string.sub(f[1], 1, 1) == '~' then
+    redis.call('HSET', keys[1], args[1] .. '/lost/' .. args[2], held)
+    return 1
+  end
+  redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
+  redis.call('LPUSH', keys[2], '1')
+  redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
+  return 1
+end
+
+-- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
+-- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
+--          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
+--          token shards of the request[, queue wait ms]}: the sixth field only when this call
+--          started the request (state queued -> running): how long it waited since it became
+--          runnable (queued at its commit, or its delay's end), for the stats by stage;
+--          entry = {entry id, index, payload, attempt};
+--         {'park', wake}: no work left to hand out, the token waits in the request until work
+--          appears (wake: in how many ms a retry falls due, 0 if none);
+--         {'drop'}: the request is finished, cancelled or unknown: forget the element;
+--         {'stale'}: the element is not the token's current one (old epoch, or not queued).
+local function acquire(keys, args)
+  local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
+    'queued', 'eligible')
+  local tok = m[1]
+  if not tok then return {'drop'} end
+  local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
+  local f = sg_split(tok)
+  if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
+    -- The same slot presenting the same element again: a call re-sent after a reconnect whose
+    -- first reply was lost. Hand out the entries it already holds instead of stranding them.
+    local reply = {'run', policy}
+    for _, id in ipairs(sg_ids(f[5])) do
+      local entry = redis.call('XRANGE', keys[2], id, id)[1]
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if entry and pending then
+        reply[#reply + 1] = {id, sg_index(id), entry[2][2], tonumber(pending[4])}
+      end
+    end
+    if #reply > 2 then return reply end
+  end
+  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
+  local now = sg_now()
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
+  if next[1] ~= 'run' then return next end
+  if m[3] == 'queued' then
+    redis.call('HSET', keys[1], 'state', 'running', 'started', now)
+    local since = math.max(tonumber(m[9] or now), tonumber(m[10] or '0'))
+    policy[6] = math.max(now - since, 0)
+  end
+  table.insert(next, 2, policy)
+  return next
+end
+
+-- ack: a slot reports the outcomes of the batch it was handed and, in the same step, either gets
+-- the next batch (it keeps its token), or gives the token back, or learns that the request is
+-- finished.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] 1 = continue with this request, 0 = give the token back (quantum used up, shutting down)
+-- ARGV[7] retention (ms) of results once finished   ARGV[8] completion channel
+-- ARGV[9] next batch: how many entries at most
+-- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
+--   entry id, outcome, body, retry delay (ms), attempt
+--   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
+--   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
+--   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
+-- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element, priority}:
+--         push element back (give_back) onto the list of the request's priority now (an operator
+--         may have changed it since the token was taken: reprioritize); {'park', wake} as
+--         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
+--         terminal; {'fenced'}: this slot no longer holds the token with exactly these entries,
+--         so nothing was recorded (its worker was declared dead and the work moved on, or the
+--         request was cancelled).
+-- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
+-- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
+-- that it knows which this call settled: only those store their result, and not when the results
+-- are discarded or the part's outcome was taken already (a requeued dead letter): they count in
+-- `discarded` instead. A windowed request also trims its stream every W/4 settled acks (meta
+-- `acks`), see window_trim.
+
+-- The last entry id delivered to the group (`0-0` if none).
+local function window_delivered(keys)
+  local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+  for i = 1, #group, 2 do
+    if group[i] == 'last-delivered-id' then return group[i + 1] end
+  end
+  return '0-0'
+end
+
+-- Trims a windowed request's stream below its oldest pending entry (or, with none pending, past
+-- the last one delivered): never an entry that is pending (running, waiting for a retry, an
+-- orphan, a dead letter) or not yet delivered. When a pending entry holds the trim back (a dead
+-- letter, a retry, a slow part) and more than W/2 acked entries stay above it, meta `xdel` = 1
+-- tells the acks to XDEL the entries they settle one by one until a later trim finds the stream
+-- short again.
+local function window_trim(keys, window)
+  local pending = redis.call('XPENDING', keys[2], 'g')
+  local delivered = window_delivered(keys)
+  local oldest = pending[2]
+  if not oldest and delivered ~= '0-0' then oldest = '0-' .. (sg_index(delivered) + 2) end
+  if oldest then redis.call('XTRIM', keys[2], 'MINID', oldest) end
+  local undelivered = tonumber(redis.call('HGET', keys[1], 'total') or '0')
+  if delivered ~= '0-0' then undelivered = undelivered - sg_index(delivered) - 1 end
+  local stuck = redis.call('XLEN', keys[2]) - tonumber(pending[1]) - math.max(undelivered, 0)
+  local xdel = 0
+  if stuck > window / 2 then xdel = 1 end
+  redis.call('HSET', keys[1], 'xdel', xdel)
+end
+
+local function ack(keys, args)
+  local k, epoch, holder = args[2], args[3], args[4]
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio')
+  local tok = m[1]
+  if not tok then return {'fenced'} end
+  local f = sg_split(tok)
+  local ids = {}
+  for i = 10, #args, 5 do ids[#ids + 1] = args[i] end
+  -- The token check is the fence: XACK alone would accept entries that were claimed by another.
+  if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
+    return {'fenced'}
+  end
+  local now = sg_now()
+  local extra = tonumber(m[2] or '0')
+  local acked, results, errors, cleared = {}, {}, {}, {}
+  local failed = 0
+  local window, discard, taken = tonumber(m[3] or '0'), m[4] == '1', tonumber(m[5] or '0')
+  local one_by_one = window > 0 or discard or taken > 0
+  local settled_ok, discarded, deleted = 0, 0, {}
+  for i = 10, #args, 5 do
+    local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
+    -- The outcome of a part below `taken` was handed to the reader already (a requeued dead
+    -- letter that ran again): nothing more is recorded for it.
+    local past = index < taken
+    if outcome == 'ok' then
+      if not one_by_one then
+        acked[#acked + 1] = id
+        results[#results + 1] = index
+        results[#results + 1] = body
+      elseif redis.call('XACK', keys[2], 'g', id) == 1 then
+        settled_ok = settled_ok + 1
+        if discard or past then
+          discarded = discarded + 1
+        else
+          results[#results + 1] = index
+          results[#results + 1] = body
+        end
+        if m[6] == '1' then deleted[#deleted + 1] = id end
+      end
+      if not past then cleared[#cleared + 1] = index end
+      if args[i + 4] ~= '1' then
+        -- Succeeded after retries: kept in the record, which the error record no longer is.
+        redis.call('HINCRBY', keys[1], 'retried', 1)
+        if tonumber(args[i + 4]) > tonumber(redis.call('HGET', keys[1], 'maxseen') or '1') then
+          redis.call('HSET', keys[1], 'maxseen', args[i + 4])
+        end
+      end
+    elseif outcome == 'dead' then
+      -- A dead letter stays pending, parked in the retry set at +inf (never due), so that
+      -- requeue_dead can hand it out again with its payload. It counts as done once: only if it is
+      -- pending and was not a dead letter already.
+      local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
+      if pending and redis.call('ZADD', keys[6], 'inf', id) == 1 then failed = failed + 1 end
+      if not past then
+        errors[#errors + 1] = index
+        errors[#errors + 1] = body
+      end
+    elseif outcome == 'retry' then
+      -- Stays pending (its payload with it) until sg_take_work claims it again when due.
+      redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
+      if not past then
+        errors[#errors + 1] = index
+        errors[#errors + 1] = body
+      end
+      extra = extra + 1
+    else
+      -- Skipped: it did not run, so the delivery it had does not count as an attempt.
+      redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(args[i + 4]) - 1, 0), 'JUSTID')
+      redis.call('RPUSH', keys[5], id)
+      extra = extra + 1
+    end
+  end
+  if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
+  if #results > 0 then redis.call('HSET', keys[3], unpack(results)) end
+  if #cleared > 0 then redis.call('HDEL', keys[4], unpack(cleared)) end
+  if #errors > 0 then redis.call('HSET', keys[4], unpack(errors)) end
+  if failed > 0 then redis.call('HINCRBY', keys[1], 'failed', failed) end
+  -- `left` counts down by what this call really settled: entries acknowledged now (XACK counts
+  -- only those still pending) and new dead letters.
+  local settled = failed + settled_ok
+  if #acked > 0 then
+    -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
+    settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
+  end
+  if discarded > 0 then redis.call('HINCRBY', keys[1], 'discarded', discarded) end
+  if #deleted > 0 then redis.call('XDEL', keys[2], unpack(deleted)) end
+  if window > 0 and settled_ok > 0 then
+    -- Every W/4 settled acks, the stream is trimmed: it holds about W entries whatever the
+    -- request's size.
+    local acks = redis.call('HINCRBY', keys[1], 'acks', settled_ok)
+    local every = math.max(math.floor(window / 4), 1)
+    if math.floor(acks / every) ~= math.floor((acks - settled_ok) / every) then window_trim(keys, window) end
+  end
+  if settled > 0 then
+    if redis.call('HINCRBY', keys[1], 'left', -settled) <= 0
+      and redis.call('HGET', keys[1], 'open') ~= '1' then
+      local state = 'completed'
+      if tonumber(redis.call('HGET', keys[1], 'failed')) > 0 then state = 'failed' end
+      return sg_finish(keys, args[1], state, args[7], args[8], now, tonumber(k))
+    end
+  end
+  if failed > 0 and redis.call('HGET', keys[1], 'failfast') == '1' then
+    -- Fail fast: the first dead letter ends the request; the parts not yet run never will
+    -- (unless its dead letters are requeued: then they run too).
+    return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
+  end
+  if args[6] == '1' then
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
+  end
+  return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
+end
+
+-- give_back: push a token's new element back (a slot at the end of its quantum, after ack answered
+-- 'requeue'; recovery after reclaim), and end the take's record, in one step: while the record is
+-- there, the push has not happened, so whoever finds it after its slot died (recovery) knows that
+-- the token still needs pushing.
+-- The elements are pushed whether or not the record is still there: an element is only ever issued
+-- to be pushed, and pushing one that is no longer current is harmless (acquire refuses it), while
+-- not pushing the current one would lose the token (recovery may have ended the record, or the slot
+-- itself, after a newer epoch was issued).
+-- KEYS[1] the shard's held records   KEYS[2] the shard's bell   KEYS[3] the priority list
+-- ARGV[1] holder   ARGV[2] the take id its record must carry to be ended   ARGV[3..] elements
+-- Returns the number of elements pushed.
+local function give_back(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if held and sg_split(held)[4] == args[2] then redis.call('HDEL', keys[1], args[1]) end
+  return sg_push(keys[3], keys[2], args, 3)
+end
+
+-- release: end a slot's record of holding a token it no longer holds (parked, finished, dropped,
+-- fenced), when the slot moves to another shard or stops. (On its own shard the slot's next take
+-- ends the record anyway.)
+-- KEYS[1] the shard's held records
+-- ARGV[1] holder   ARGV[2] the take id the record must carry
+-- Returns 1 if a record was removed.
+local function release(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if not held or sg_split(held)[4] ~= args[2] then return 0 end
+  return redis.call('HDEL', keys[1], args[1])
+end
+
+-- holds: which of the tokens one worker's slots hold on one request they no longer hold (the
+-- request finished or was cancelled, or their worker was declared dead and recovery moved the
+-- tokens on): the worker cancels the handlers running under them. Reads only.
+-- KEYS[1] meta hash (holds touches no other key of the request)
+-- ARGV[1..] triples: token k, epoch, holder
+-- Returns the token numbers no longer held by that holder at that epoch.
+local function holds(keys, args)
+  local lost = {}
+  for i = 1, #args, 3 do
+    local k, epoch, holder = args[i], args[i + 1], args[i + 2]
+    local tok = redis.call('HGET', keys[1], 't' .. k)
+    local f = tok and sg_split(tok)
+    if not (f and f[1] == 'h' and f[2] == epoch and f[3] == holder) then lost[#lost + 1] = k end
+  end
+  return lost
+end
+
+-- finish_index: record a finished request's one event on the token side. It is the first of three
+-- steps after a request turns terminal (then `seal` on the request's keys, then `unindex`), each
+-- repeatable: whoever runs them (the finishing slot, or recovery when that slot died) the event is
+-- written once per lifecycle, and the request stays in the index until it is sealed.
+-- KEYS[1] active-request index   KEYS[2] events stream   KEYS[3] the request's priority list
+-- KEYS[4] the request's finish marks (hash: `e` last lifecycle whose event was written, `o` last
+-- lifecycle reopened by requeue_dead), kept for the retention after unindex   KEYS[5] the home
+-- shard's bell
+-- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] retention (ms)   ARGV[4] lifecycle
+-- that finished   ARGV[5..] stale token elements to remove from the priority list
+-- Returns 1 when this call recorded the event, 0 when it had been recorded already (or the request
+-- has left the index, which it does only after its event).
+local function finish_index(keys, args)
+  sg_sweep(keys[3], keys[5], args, 5)
+  if not redis.call('ZSCORE', keys[1], args[1]) then return 0 end
+  local lifecycle = tonumber(args[4])
+  local written = redis.call('HGET', keys[4], 'e')
+  if written and tonumber(written) >= lifecycle then return 0 end
+  local retention = tonumber(args[3])
+  redis.call('HSET', keys[4], 'e', args[4])
+  -- Until unindex shortens it, the marks must outlive the request's keys, which are held as long.
+  redis.call('PEXPIRE', keys[4], retention + SG_FINISH_HOLD_MS)
+  local now = sg_now()
+  redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',
+    'rid', args[1], 'state', args[2])
+  redis.call('PEXPIRE', keys[2], retention)
+  sg_ix_finish(sg_ix(keys[1]), args[1], args[2], now + retention, now)
+  return 1
+end
+
+-- sweep: remove a finished request's stale elements from a list of a shard other than its home
+-- (finish_index sweeps the home shard's), within the 1,000 elements nearest the head.
+-- KEYS[1] the priority list   KEYS[2] the shard's bell
+-- ARGV[1..] elements
+-- Returns 1.
+local function sweep(keys, args)
+  sg_sweep(keys[1], keys[2], args, 1)
+  return 1
+end
+
+-- seal: start a finished request's retention, once its event is recorded (finish_index). Until
+-- then its keys are held (prelude.lua, SG_FINISH_HOLD_MS), so that a finish whose token side is
+-- delayed (the finishing worker died or stalled) is neither lost nor left unannounced.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] the lifecycle that finished   ARGV[2] retention (ms)
+-- Returns 1 when the request is that finished lifecycle, now sealed (again: a repeat never extends
+-- the retention); 0 when it is not (reopened by requeue_dead, or gone).
+local function seal(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if state ~= 'completed' and state ~= 'failed' and state ~= 'cancelled' then return 0 end
+  if sg_lifecycle(keys) ~= args[1] then return 0 end
+  redis.call('HSET', keys[1], 'sealed', args[1])
+  -- LT: only ever shortens (a key without expiry counts as infinite).
+  for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], args[2], 'LT') end
+  return 1
+end
+
+-- unindex: the last step of a finish (after finish_index and seal): the request leaves recovery's
+-- index, unless requeue_dead has reopened it since (the index entry then belongs to the new
+-- lifecycle).
+-- KEYS[1] active-request index   KEYS[2] the request's finish marks (finish_index)
+-- KEYS[3] registration times   KEYS[4] the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] the lifecycle that finished   ARGV[3] retention (ms)
+-- Returns 1 when the request left the index, 0 when it was not there, or the newer lifecycle a
+-- requeue marked (reopen) when the entry stays for it: recovery then completes that requeue if it
+-- was left half-way (requeue_dead with 'resume'). The marks stay for the retention, as the
+-- record does: a late finish_index of this lifecycle (its finisher stalled while others completed
+-- the steps, and the request was requeued and so indexed again) then finds its event written.
+local function unindex(keys, args)
+  local reopened = redis.call('HGET', keys[2], 'o')
+  if reopened and tonumber(reopened) > tonumber(args[2]) then return tonumber(reopened) end
+  redis.call('PEXPIRE', keys[2], args[3])
+  redis.call('HDEL', keys[3], args[1])
+  redis.call('ZREM', keys[4], args[1])
+  return redis.call('ZREM', keys[1], args[1])
+end
+
+-- claim_due: take the requests whose census is due, so that concurrent workers spread the work
+-- and do not census the same request at once (a double census would still be safe: every
+-- restore is a compare-and-set on the token's epoch).
+-- KEYS[1] the active-request index   KEYS[2] the looks armed before a step (arm)
+-- ARGV[1] at most this many requests   ARGV[2] claim (ms): others skip them for this long
+-- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
+-- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
+-- is served by this census (its step ran before it fell due); one that is not due yet stays, and
+-- the next look is set no later than it. Also drops finished requests whose retention has passed
+-- from the shard's listing index (prelude.lua, "The listing index"), a hundred at most.
+local function claim_due(keys, args)
+  local now = sg_now()
+  local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
+  local out = {}
+  local claim = now + tonumber(args[2])
+  for _, rid in ipairs(due) do
+    redis.call('ZADD', keys[1], claim, rid)
+    local armed = redis.call('ZSCORE', keys[2], rid)
+    if armed and tonumber(armed) <= now then redis.call('ZREM', keys[2], rid) end
+    out[#out + 1] = rid
+    out[#out + 1] = claim
+  end
+  sg_ix_trim(sg_ix(keys[1]), now, SG_IX_TRIM_CLAIM)
+  return out
+end
+
+-- census: recovery's look at one request, in chunks of tokens: run by any worker for a request it
+-- claimed (claim_due), when the request asked to be looked at (registration, arm, a retry or a
+-- delay falling due) and at least once per census interval.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] grace (ms): how long a token may be queued before recovery
+-- checks that its element is in the list   ARGV[3] retention (ms)   ARGV[4] completion channel
+-- (for a streamed request that expired unfinalized: it is cancelled here)   ARGV[5] first token
+-- of this chunk   ARGV[6] tokens per chunk   ARGV[7] the next look (ms) when nothing in this
+-- chunk is due sooner: the census interval for the first chunk, the previous chunk's look for
+-- the others
+-- Returns {'gone'}: no such request (expired, or not created yet: drop_gone); {'loading'};
+--         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal but
+--         still indexed, so the steps after its finish (finish_index, seal, unindex) are to be
+--         completed; sealed is 1 when only unindex is left;
+--         or {'ok', priority, shards, next, look, push, check, held}: next: the first token of the
+--         next chunk (-1 after the last); look: in how many ms the request wants its next look,
+--         counting this chunk and ARGV[7] (the last chunk's is the request's); push: elements of
+--         woken tokens, to push now; check: elements queued longer than the grace, whose presence
+--         in their list must be verified (verify; the look comes again after as long as the
+--         oldest has waited, since verify may not be able to tell yet); held: {k, epoch, holder}
+--         of every held token, for recovery to check that the holder's worker lives. Token k's
+--         elements belong on shard (home + k) % shards.
+-- In the first chunk: a scheduled request whose time has come turns queued; a streamed request
+-- past its expiry is cancelled; parked tokens are woken while work waits for them; the stream is
+-- trimmed.
+local function census(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return {'gone'} end
+  if state == 'loading' then return {'loading'} end
+  local rid, grace = args[1], tonumber(args[2])
+  local shards = redis.call('HGET', keys[1], 'shards') or '1'
+  local prio = redis.call('HGET', keys[1], 'prio')
+  if state == 'completed' or state == 'failed' or state == 'cancelled' then
+    local lifecycle = sg_lifecycle(keys)
+    local sealed = 0
+    if redis.call('HGET', keys[1], 'sealed') == lifecycle then sealed = 1 end
+    return {'finished', state, prio, shards, lifecycle, sealed}
+  end
+  local now = sg_now()
+  local from, count = tonumber(args[5]), tonumber(args[6])
+  local look = tonumber(args[7])
+  local push, check, held = {}, {}, {}
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark')
+  if from == 0 then
+    if state == 'scheduled' then
+      -- A delayed request waits with parked tokens; the first census after its time promotes it.
+      local eligible = tonumber(m[1] or '0')
+      if eligible > now then
+        return {'ok', prio, shards, -1, eligible - now, {}, {}, {}}
+      end
+      redis.call('HSET', keys[1], 'state', 'queued')
+    end
+    if m[2] == '1' and tonumber(m[3] or '0') > 0 then
+      if tonumber(m[3]) < now then
+        -- A streamed request whose producer never finalized it within its expiry: its input is
+        -- incomplete, so it ends cancelled.
+        redis.call('DEL', keys[6])
+        local f = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
+        return {'finished', 'cancelled', prio, shards, f[3], 0}
+      end
+      look = math.min(look, tonumber(m[3]) - now)
+    end
+    -- Acked entries are not deleted one by one; drop every stream node older than the oldest
+    -- entry still pending (or, with none pending, than the last one delivered).
+    local group = redis.call('XINFO', 'GROUPS', keys[2])[1]
+    local delivered = '0-0'
+    for i = 1, #group, 2 do
+      if group[i] == 'last-delivered-id' then delivered = group[i + 1] end
+    end
+    local oldest = redis.call('XPENDING', keys[2], 'g')[2]
+    if not oldest and delivered ~= '0-0' then oldest = '0-' .. (sg_index(delivered) + 2) end
+    if oldest then redis.call('XTRIM', keys[2], 'MINID', '~', oldest) end
+    -- Parked tokens go back into circulation while there is work they could take: orphans, due
+    -- retries, and entries never delivered (the stream's newest id past the group's last
+    -- delivered one; XINFO's lag is unknown once entries were deleted, so compare ids).
+    local work = redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now)
+    local newest = redis.call('XREVRANGE', keys[2], '+', '-', 'COUNT', 1)[1]
+    if newest and sg_index(newest[1]) > sg_index(delivered) then
+      work = work + sg_index(newest[1]) - sg_index(delivered)
+    end
+    push = sg_unpark(keys, rid, work, now)
+    if tonumber(redis.call('HGET', keys[1], 'npark') or '0') > 0 then
+      -- Still parked tokens: wake them when the next retry falls due.
+      local due = sg_next_retry(keys, now)
+      if due then look = math.min(look, due - now) end
+    end
+  end
+  local ntok = tonumber(m[4] or '0')
+  local to = math.min(from + count, ntok)
+  sg_each_token(keys, from, to, function(k, tok)
+    local f = sg_split(tok)
+    if f[1] == 'q' then
+      local since = tonumber(f[3] or '0')
+      if since + grace <= now then
+        check[#check + 1] = sg_element(rid, k, f[2])
+        -- verify can only tell for sure that an element is missing once its list's tail has moved
+        -- a grace past it; until then it may be there, or may never have been pushed (its pusher
+        -- died). Look again after as long again as it has waited: a token never pushed is found
+        -- within about twice the time its element would have waited in the list, at a cost of
+        -- one look per doubling of that wait (at most one per census interval).
+        look = math.min(look, math.max(grace, now - since))
+      else
+        look = math.min(look, since + grace - now)
+      end
+    elseif f[1] == 'h' then
+      held[#held + 1] = {k, f[2], f[3]}
+    end
+  end)
+  local next = to
+  if to >= ntok then next = -1 end
+  return {'ok', prio, shards, next, math.max(look, 1), push, check, held}
+end
+
+-- verify: recovery's token-side step after a census: push woken or restored elements, and report
+-- which of the elements that should be waiting in the list are not there (taken by a worker that
+-- died before recording it, in an older protocol; or never pushed, because whoever was to push
+-- them died first). Also sets, on the home shard, when recovery next looks at the request.
+-- The presence test costs O(1) whatever the list's length: elements are pushed at the head just
+-- after their epoch is issued (an epoch is a time) and taken from the tail, so the list holds no
+-- element older than its tail's epoch. An element whose epoch is more than the grace below the
+-- tail's, or any element when the list is empty, is not in the list. (The grace absorbs clock
+-- differences between masters, whose times the epochs are; a wrong "missing" only makes restore
+-- issue a newer element, and the older copy is refused when taken.)
+-- KEYS[1] the priority list   KEYS[2] the shard's bell   KEYS[3] (home shard only) the active index
+-- KEYS[4] (home shard only) the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] next look (ms from now; read on the home shard)   ARGV[3] grace
+-- (ms)   ARGV[4] n: how many elements to push   ARGV[5 .. 4+n] elements to push
+-- ARGV[5+n ..] elements to check; on the home shard, the last argument is the score recovery's
+-- claim wrote ('' if none): the next look is set as for arm (sg_rearm)
+-- Returns the checked elements that are missing from the list. When some are, the next look is
+-- set a grace from now instead, so that it comes soon if the restore they call for never happens
+-- (its caller died).
+local function verify(keys, args)
+  local n = tonumber(args[4])
+  sg_push(keys[1], keys[2], {unpack(args, 5, 4 + n)})
+  local grace = tonumber(args[3])
+  local last = #args
+  local claim = nil
+  if keys[3] then
+    claim = args[last]
+    last = last - 1
+  end
+  local tail = redis.call('LINDEX', keys[1], -1)
+  local tail_epoch = sg_element_epoch(tail)
+  local missing = {}
+  for i = 5 + n, last do
+    local epoch = sg_element_epoch(args[i])
+    if not tail or (tail ~= args[i] and tail_epoch and epoch and tail_epoch > epoch + grace) then
+      missing[#missing + 1] = args[i]
+    end
+  end
+  if keys[3] then
+    local look = tonumber(args[2])
+    if #missing > 0 then look = math.min(look, grace) end
+    sg_rearm(keys[3], args[1], sg_now() + look, claim, keys[4])
+  end
+  return missing
+end
+
+-- restore: re-queue tokens whose element verify found missing, under a new epoch, but only if each
+-- is still queued with the epoch that was checked: if a worker acquired it in the meantime (the
+-- element was in flight), nothing happens, and a late push of the old element is refused by
+-- acquire. Restoring therefore never makes a token too many.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2..] missing elements "<rid>|<k>|<epoch>"
+-- Returns the new elements, to push onto the request's priority list.
+local function restore(keys, args)
+  local now = sg_now()
+  local out = {}
+  for i = 2, #args do
+    local f = sg_split(args[i])
+    local k, epoch = f[2], f[3]
+    local tok = redis.call('HGET', keys[1], 't' .. k)
+    if tok then
+      local t = sg_split(tok)
+      if t[1] == 'q' and t[2] == epoch then out[#out + 1] = sg_requeue(keys, args[1], k, epoch, now) end
+    end
+  end
+  return out
+end
+
+-- reclaim: recovery's step for a token a dead worker's slot had taken (its `held` record named
+-- element "<rid>|<k>|<epoch>"): put the token back in circulation if the slot's death left it out.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] k   ARGV[3] the epoch the slot took   ARGV[4] its holder
+-- ARGV[5] (a slot's own reclaim) the deadline of its arm (sg_step_late: errors "SGLATE ..." past it)
+-- Returns {'push', element, priority}: push it (give_back, which also ends the record) onto the
+--         list of the request's priority now (reprioritize may have changed it since the take) —
+--         the token was taken and never acquired, or held by that slot (its batch becomes orphans,
+--         run again first), or re-queued by the slot's last ack whose push (give_back) never ran
+--         (a higher epoch, still queued: a newer element is issued, so that a push of the older
+--         one that did happen is merely refused when taken);
+--         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal (the
+--         slot may have died between its finish and the steps after it: census's reply);
+--         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
+--         wake-up of a retry that falls due in that many ms): recovery is to look then (arm); a
+--         parked token with work waiting now is woken at once ('push');
+--         {'none'}: nothing to do (parked with no retry waiting, held by another, or the request is
+--         gone).
+local function reclaim(keys, args)
+  local late = sg_step_late(args[5])
+  if late then return late end
+  local rid, k, epoch, holder = args[1], args[2], args[3], args[4]
+  local tok = redis.call('HGET', keys[1], 't' .. k)
+  if not tok then
+    local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed')
+    if m[1] == 'completed' or m[1] == 'failed' or m[1] == 'cancelled' then
+      local lifecycle = sg_lifecycle(keys)
+      local sealed = 0
+      if m[4] == lifecycle then sealed = 1 end
+      return {'finished', m[1], m[2], m[3] or '1', lifecycle, sealed}
+    end
+    return {'none'}
+  end
+  local f = sg_split(tok)
+  local now = sg_now()
+  local prio = tonumber(redis.call('HGET', keys[1], 'prio'))
+  if f[1] == 'h' and f[2] == epoch and f[3] == holder then
+    for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+    return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
+  end
+  if f[1] == 'q' and tonumber(f[2]) >= tonumber(epoch) then
+    return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
+  end
+  if f[1] == 'p' then
+    -- Parked by the slot, which died before it asked for a wake-up: wake it now if work waits (an
+    -- orphan, a retry due), else when the next retry falls due.
+    if redis.call('LLEN', keys[5]) + redis.call('ZCOUNT', keys[6], '-inf', now) > 0 then
+      redis.call('HINCRBY', keys[1], 'npark', -1)
+      return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
+    end
+    local due = sg_next_retry(keys, now)
+    if due then return {'wake', math.max(due - now, 1)} end
+  end
+  return {'none'}
+end
+
+-- drop_gone: what recovery does with an index entry whose request does not exist (census said
+-- 'gone'): its producer died before creating it, or it was never created (the id was in use), or
+-- its keys expired (a loading ttl, or the retention of a finish nobody sealed). The entry is
+-- dropped only once the loading ttl has passed since it was registered, so that no producer can
+-- still create the request (its deadline, register.lua, is half that); until then the next look
+-- is set to that time.
+-- KEYS[1] active-request index   KEYS[2] registration times   KEYS[3] the request's finish marks
+-- KEYS[4] the looks armed before a step (arm)
+-- ARGV[1] request key id   ARGV[2] the loading ttl (ms)   ARGV[3] the score recovery's claim wrote
+-- (sg_rearm: a push that came since keeps the look it set)   ARGV[4] the grace (ms)
+-- Returns 1 when the entry was dropped, 0 when it was kept.
+local function drop_gone(keys, args)
+  local now = sg_now()
+  local registered = tonumber(redis.call('HGET', keys[2], args[1]) or '0')
+  local ttl, grace = tonumber(args[2]), tonumber(args[4])
+  local drop_at = registered + ttl
+  if drop_at > now then
+    -- Until its deadline (half the ttl, plus a grace for clocks) the request may still be created,
+    -- its creator dying before it pushes: look again soon. After it, only the drop is left.
+    local next = drop_at
+    if now < registered + ttl / 2 + grace then next = now + grace end
+    sg_rearm(keys[1], args[1], next, args[3], keys[4])
+    return 0
+  end
+  redis.call('ZREM', keys[1], args[1])
+  redis.call('ZREM', keys[4], args[1])
+  redis.call('HDEL', keys[2], args[1])
+  redis.call('DEL', keys[3])
+  sg_ix_remove(sg_ix(keys[1]), args[1], now)
+  return 1
+end
+
+-- cancel: end a request now. Its tokens are withdrawn (queued elements swept, held tokens fenced:
+-- their holders' acks record nothing and their heartbeats report the hold lost, which cancels
+-- the handlers' contexts), its queued parts never run, and it gets one terminal record, state
+-- `cancelled`, and one event, like any finish.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- Returns {'finished', 'cancelled', lifecycle, sweep elements...} as ack does, or {'already', state}
+-- when the request was terminal before (or loading: it is discarded), or {'unknown'}.
+local function cancel(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return {'unknown'} end
+  if state == 'completed' or state == 'failed' or state == 'cancelled' then return {'already', state} end
+  if state == 'loading' then
+    redis.call('DEL', keys[1], keys[2])
+    return {'already', 'loading'}
+  end
+  redis.call('DEL', keys[6])
+  return sg_finish(keys, args[1], 'cancelled', args[2], args[3], sg_now())
+end
+
+-- requeue_dead: hand a request's dead letters out again, each with a fresh set of attempts. A
+-- running request simply gets the work back; a failed one is reopened (state `running`, keys
+-- persisted again, its full set of tokens re-created under epochs above any earlier one) and will
+-- end with a new terminal record and event.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] the lifecycle to reopen a failed request as ('' when the caller
+-- has not marked one yet, see below)   ARGV[3] the deadline of the caller's arm (sg_step_late)
+-- ARGV[4] 'resume' (recovery): complete a requeue whose caller died after `reopen` marked ARGV[2],
+-- only if the request is still the failed lifecycle just before it; otherwise do nothing ({0, 0})
+-- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle when a failed
+-- request was reopened, else 0; and token elements to push (re-created or woken tokens). For a
+-- failed request, nothing changes and the reply says what to do first:
+--   {-1, lifecycle}: its finish is not sealed yet (its event may be unwritten): complete the steps
+--   after that finish (finish_index, seal, unindex) and call again;
+--   {-2, next lifecycle}: call `reopen` on the home shard with that lifecycle (it indexes the
+--   request again and marks the lifecycle, so that no late unindex of the failed one removes it),
+--   then call again with ARGV[2] set to it.
+-- Errors "SGSTATE ..." when the request cannot be requeued (unknown, loading, completed,
+-- cancelled, or its retention ran out), "SGLATE ..." past the deadline.
+local function requeue_dead(keys, args)
+  local late = sg_step_late(args[3])
+  if late then return late end
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep')
+  local state = m[1]
+  if args[4] == 'resume' then
+    if state ~= 'failed' then return {0, 0} end
+    local lifecycle = sg_lifecycle(keys)
+    if m[4] ~= lifecycle or args[2] ~= sg_int(tonumber(lifecycle) + 1) then return {0, 0} end
+  end
+  if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
+    return redis.error_reply('SGSTATE only a failed, running or queued request has dead letters to requeue')
+  end
+  local lifecycle = sg_lifecycle(keys)
+  if state == 'failed' then
+    if m[4] ~= lifecycle then return {-1, lifecycle} end
+    local next = sg_int(tonumber(lifecycle) + 1)
+    if args[2] ~= next then return {-2, next} end
+  end
+  local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
+  local n = #dead
+  if n == 0 then return {0, 0} end
+  local now = sg_now()
+  for _, id in ipairs(dead) do
+    -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.
+    redis.call('XCLAIM', keys[2], 'g', 'requeue', 0, id, 'RETRYCOUNT', 0, 'JUSTID')
+    redis.call('ZADD', keys[6], now, id)
+  end
+  redis.call('HINCRBY', keys[1], 'extra', n)
+  redis.call('HINCRBY', keys[1], 'left', n)
+  redis.call('HINCRBY', keys[1], 'failed', -n)
+  if state == 'failed' then
+    redis.call('HINCRBY', keys[1], 'gen', 1)
+    -- Elements of the earlier lifecycle may linger in a list: start the epochs above them.
+    local epoch = sg_next_epoch(m[6], now)
+    local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
+    for i = 1, 6 do redis.call('PERSIST', keys[i]) end
+    redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
+    redis.call('HDEL', keys[1], 'finished', 'sealed')
+    local out, fields = {n, args[2]}, {}
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'q|' .. epoch .. '|' .. now
+      out[#out + 1] = sg_element(args[1], k, epoch)
+    end
+    sg_hset_many(keys[1], fields)
+    return out
+  end
+  -- Running: parked tokens come back for the work.
+  local out = {n, 0}
+  for _, e in ipairs(sg_unpark(keys, args[1], n, now)) do out[#out + 1] = e end
+  return out
+end
+
+-- reprioritize: an operator changes the priority of a request that is not finished (`prio` in its
+-- meta hash). Every step that puts one of its token elements on a list reads `prio` when it issues
+-- the element (ack's re-queue, reclaim, census), so held and parked tokens reach the new
+-- priority's list at their next hand-back. The elements of the tokens queued now wait in the old
+-- priority's lists, on the token side (another hash tag): this returns them for `relist`, which
+-- moves them there.
+-- KEYS[1..6] the request's keys (prelude.lua)
+-- ARGV[1] request key id   ARGV[2] the new priority, 0 to 99
+-- Returns {'moved', old priority, shards, element...}: the priority is now ARGV[2]; the elements
+--         "<kid>|<k>|<epoch>" of the tokens queued now (k ascending), to move from the old
+--         priority's list of their shard (token k is on shard (home + k) % shards) to the new
+--         one's (`relist`). When the priority was ARGV[2] already (a call re-sent after its reply
+--         was lost, or a repeat), the old priority is the one before the last change (meta
+--         `pprio`), so that a repeat completes a move its first caller left undone; with none,
+--         no element is listed;
+--         {'unknown'}: no such request (a small request in a lane has no meta hash: its record
+--         is on its home shard, see lanes);
+--         {'refused', state}: it is finished (completed, failed, cancelled) or still loading.
+-- Errors "SGINVALID priority must be an integer from 0 to 99".
+local function reprioritize(keys, args)
+  local prio = tonumber(args[2])
+  if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
+    return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
+  end
+  local m = redis.call('HMGET', keys[1], 'state', 'prio', 'pprio', 'ntok', 'shards', 'lane')
+  local state = m[1]
+  if not state or m[6] then return {'unknown'} end
+  if state ~= 'scheduled' and state ~= 'queued' and state ~= 'running' then return {'refused', state} end
+  local old = tonumber(m[2])
+  if old == prio then
+    old = tonumber(m[3] or prio)
+  else
+    redis.call('HSET', keys[1], 'prio', prio, 'pprio', old)
+  end
+  local out = {'moved', old, m[5] or '1'}
+  if old == prio then return out end
+  sg_each_token(keys, 0, tonumber(m[4] or '0'), function(k, tok)
+    if string.sub(tok, 1, 2) == 'q|' then out[#out + 1] = sg_element(args[1], k, sg_split(tok)[2]) end
+  end)
+  return out
+end
+
+-- relist: reprioritize's token-side step: move a request's waiting elements from the list of its
+-- old priority to the list of its new one, on one shard, each element in one atomic step, so that
+-- it is always in exactly one list (the shard's bell keeps its one wake-up per element).
+-- An element goes where its epoch puts it: before the first element, from the head, whose epoch
+-- is not above its own (at the tail if there is none). Lists then stay ordered by epoch, newest at
+-- the head, as pushes keep them, which verify's presence test relies on; and a token keeps its
+-- seniority at its new priority (one that has waited longer than the others there is taken first).
+-- The work is bounded like a sweep's: an element is looked for within SG_RELIST_SCAN elements of
+-- either end of the old list, and its place within as many from the head of the new one. An
+-- element not found (taken meanwhile, not pushed yet, or deep in a long list) or with no place
+-- found stays where it is: it is still valid there, is taken at the old priority, and goes to the
+-- new priority's list when handed back.
+-- KEYS[1] the old priority's list   KEYS[2] the new priority's list (of the same shard)
+-- ARGV[1..] elements "<kid>|<k>|<epoch>"
+-- Returns the number of elements moved.
+local SG_RELIST_SCAN = 1000
+
+-- Inserts `element` (epoch `epoch`) into `list` at its place by epoch; false if the place is not
+-- within SG_RELIST_SCAN elements of the head.
+local function sg_relist_place(list, element, epoch)
+  local from = 0
+  while from < SG_RELIST_SCAN do
+    local chunk = redis.call('LRANGE', list, from, from + 99)
+    for _, other in ipairs(chunk) do
+      local e = sg_element_epoch(other)
+      if e and e <= epoch then
+        redis.call('LINSERT', list, 'BEFORE', other, element)
+        return true
+      end
+    end
+    if #chunk < 100 then
+      redis.call('RPUSH', list, element)
+      return true
+    end
+    from = from + 100
+  end
+  return false
+end
+
+local function relist(keys, args)
+  local old, new = keys[1], keys[2]
+  if old == new then return 0 end
+  local was_empty = redis.call('LLEN', new) == 0
+  local moved = 0
+  for i = 1, #args do
+    local element, epoch = args[i], sg_element_epoch(args[i])
+    -- Looked for from the tail first: a waiting element is taken from there.
+    local from_tail = redis.call('LPOS', old, element, 'RANK', -1, 'MAXLEN', SG_RELIST_SCAN)
+    local found = from_tail or redis.call('LPOS', old, element, 'MAXLEN', SG_RELIST_SCAN)
+    if epoch and found and sg_relist_place(new, element, epoch) then
+      if from_tail then redis.call('LREM', old, -1, element) else redis.call('LREM', old, 1, element) end
+      moved = moved + 1
+    end
+  end
+  if was_empty and moved > 0 then
+    -- A push onto an empty list: announced as sg_push does, so that busy slots holding a lower
+    -- priority give way.
+    local base, priority = string.match(new, '^(.*):p:(%d+)$')
+    if base then redis.call('PUBLISH', base .. ':up', priority) end
+  end
+  return moved
+end
+
+-- beat: a worker's heartbeat in the worker registry (shard 0), and its share of noticing dead
+-- workers. A worker is alive while its registration has not expired (Redis time: no client clock
+-- is involved); one not heard from for a lease is dead, and the beat of any other worker claims it
+-- for reaping: recovery then reclaims every token its slots had taken (their `held` records).
+-- KEYS[1] the registry (sorted set: worker id -> expiry ms)   KEYS[2] worker descriptions (hash:
+-- worker id -> JSON; and "<worker id>|lapsed" -> when its registration was last found lapsed)
+-- KEYS[3] workers being reaped (sorted set: worker id -> claim expiry ms)
+-- ARGV[1] worker id   ARGV[2] lease (ms)   ARGV[3] its description (JSON, stored on the first
+-- beat)   ARGV[4] '1' on the worker's first beat   ARGV[5] at most this many dead workers to claim
+-- ARGV[6] claim (ms): a dead worker claimed by a reaper that dies is claimed again after this
+-- Returns {alive, dead id, dead description, ...}: alive is 0 when this worker had been declared
+-- dead (it must take a new id: its tokens are being, or were, reclaimed), else 1.
+local function beat(keys, args)
+  local now = sg_now()
+  local id, lease = args[1], tonumber(args[2])
+  local alive = 1
+  -- A beat that finds its own registration expired (this worker, or the registry, could not be
+  -- reached for a lease: a stalled process, a partition, the registry's master restarting) does
+  -- not reap: the other workers were most likely cut off alike, and get a lease to beat again.
+  local lapsed = false
+  if args[4] == '1' then
+    redis.call('ZADD', keys[1], now + lease, id)
+    redis.call('HSET', keys[2], id, args[3])
+  else
+    local own = redis.call('ZSCORE', keys[1], id)
+    if own then
+      lapsed = tonumber(own) < now
+      redis.call('ZADD', keys[1], 'XX', now + lease, id)
+    else
+      alive = 0
+    end
+  end
+  -- The registry goes when no worker is left to beat (a namespace whose workers were all killed
+  -- leaves nothing); dead workers' take records are then found by recovery's scan of them.
+  for i = 1, 3 do redis.call('PEXPIRE', keys[i], lease * 6) end
+  local out = {alive}
+  -- For a lease after its lapse, a worker does not reap: the others get that long to come back
+  -- (their own beats meet the same outage, and their reconnects take time).
+  local quiet = id .. '|lapsed'
+  if lapsed then
+    redis.call('HSET', keys[2], quiet, now)
+    return out
+  end
+  local since = redis.call('HGET', keys[2], quiet)
+  if since then
+    if tonumber(since) + lease > now then return out end
+    redis.call('HDEL', keys[2], quiet)
+  end
+  local max, claim = tonumber(args[5]), tonumber(args[6])
+  local dead = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, max)
+  local stuck = redis.call('ZRANGEBYSCORE', keys[3], '-inf', now, 'LIMIT', 0, max)
+  for _, list in ipairs({dead, stuck}) do
+    for _, w in ipairs(list) do
+      redis.call('ZREM', keys[1], w)
+      redis.call('ZADD', keys[3], now + claim, w)
+      -- Outlives the claim by a lease, so a stuck claim is found again; no longer, so a claim
+      -- whose reaper was killed along with every other worker does not outstay them for long.
+      redis.call('PEXPIRE', keys[3], math.max(lease * 6, claim + lease))
+      out[#out + 1] = w
+      out[#out + 1] = redis.call('HGET', keys[2], w) or ''
+    end
+  end
+  return out
+end
+
+-- reaped: a worker leaves the registry: it stopped cleanly, or recovery reclaimed every token its
+-- slots had taken after it died.
+-- KEYS[1] the registry   KEYS[2] worker descriptions   KEYS[3] workers being reaped
+-- ARGV[1] worker id
+-- Returns 1.
+local function reaped(keys, args)
+  redis.call('ZREM', keys[1], args[1])
+  redis.call('ZREM', keys[3], args[1])
+  redis.call('HDEL', keys[2], args[1], args[1] .. '|lapsed')
+  return 1
+end
+
+-- lane_submit: a whole small request in one call, on its home shard's lane of its priority
+-- (prelude.lua, "Lanes"): its record, its first parts in the lane (as many as its limit), its
+-- other parts waiting in the record, and a wake-up of a parked lane token per part fed. Creates
+-- the lane (its meta hash, group and L parked tokens, its entry in recovery's index) on first use,
+-- and revives an idle one (sg_lane_open).
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the request's record
+-- KEYS[8] the lane's priority list   KEYS[9] the shard's bell   KEYS[10] the shard's active index
+-- KEYS[11] the shard's registration times   KEYS[12] the request id's finish marks on the shard
+-- ARGV[1] the lane's key id   ARGV[2] request key id   ARGV[3] request id as the producer gave it
+-- ARGV[4] submission nonce, '' when the producer generated the id   ARGV[5] priority
+-- ARGV[6] concurrency limit   ARGV[7] max attempts
+-- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
+-- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
+-- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
+-- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15] trace context ('' =
+-- none; as submit_open's ARGV[14], stored as the record's `trace`)   ARGV[16..] payloads (1 to 64)
+-- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
+-- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
+-- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
+-- named, a request of the stream path registered or retained on this shard), "SGINVALID ..."
+-- when an argument is out of range.
+local SG_LANE_MAX_PARTS = 64
+
+local function lane_submit(keys, args)
+  local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
+  local invalid = sg_check_new(prio, limit, args, 7, 10)
+  if invalid then return invalid end
+  if tonumber(args[7]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
+    return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
+  end
+  local n = #args - 15
+  if n < 1 or n > SG_LANE_MAX_PARTS then
+    return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
+  end
+  invalid = sg_check_trace(args[15])
+  if invalid then return invalid end
+  local record = keys[7]
+  local seen = redis.call('HMGET', record, 'lc', 'nonce')
+  if seen[1] then
+    -- A record under a generated id (no nonce) can only be this submit's, re-sent.
+    if (seen[2] or '') ~= args[4] then return redis.error_reply('SGDUPLICATE request id is already in use') end
+    return {seen[1], 0}
+  end
+  -- A named id may be in use on the stream path; a generated one (no nonce) is unique.
+  if args[4] ~= '' and (redis.call('HGET', keys[11], args[2]) or redis.call('ZSCORE', keys[10], args[2])
+    or redis.call('EXISTS', keys[12]) == 1) then
+    return redis.error_reply('SGDUPLICATE request id is already in use')
+  end
+  local now = sg_now()
+  local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
+  local fed = math.min(limit, n)
+  local lc = sg_int(now * 1000)
+  local fields = {'state', 'queued', 'lc', lc, 'left', n,
+    'pol', sg_lane_pol(prio, limit, n, args[7], args[8], args[9], args[10], args[11] == '1')}
+  if args[4] ~= '' then
+    fields[#fields + 1] = 'nonce'
+    fields[#fields + 1] = args[4]
+  end
+  if args[3] ~= args[2] then
+    fields[#fields + 1] = 'id'
+    fields[#fields + 1] = args[3]
+  end
+  if args[15] ~= '' then
+    fields[#fields + 1] = 'trace'
+    fields[#fields + 1] = args[15]
+  end
+  if fed < n then
+    fields[#fields + 1] = 'nf'
+    fields[#fields + 1] = fed
+  end
+  local from = fed
+  if args[11] == '1' then from = 0 end
+  for i = from, n - 1 do
+    fields[#fields + 1] = 'w' .. i
+    fields[#fields + 1] = args[16 + i]
+  end
+  redis.call('HSET', record, unpack(fields))
+  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true)
+  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
+  local woken = sg_unpark(keys, args[1], fed, now, parked)
+  sg_push(keys[8], keys[9], woken)
+  return {lc, #woken}
+end
+
+-- lane_ack: ack for a lane token (prelude.lua, "Lanes"): a slot reports the outcomes of the lane
+-- batch it was handed and, in the same step, gets the next batch or gives the token back. Each
+-- outcome is recorded in its request's record if that request is still live with the entry's
+-- lifecycle (else it is dropped: the request was cancelled, failed fast or reopened); a settled
+-- part feeds the lane its request's next waiting part; a request whose last part is settled
+-- finishes here (sg_lane_finish).
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's events stream
+-- KEYS[8] the shard's active index   KEYS[9] the shard's looks armed before a step
+-- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
+-- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
+-- channel   ARGV[9] next batch: how many entries at most   ARGV[10] the records' key prefix
+-- ARGV[11..] one group of eight per entry, in the order handed out: entry id, outcome ('ok',
+--   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
+--   lifecycle, index
+-- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
+--         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
+--         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
+--         ...}, one pair per request finished, for the stats by stage.
+local function lane_ack(keys, args)
+  local k, epoch, holder = args[2], args[3], args[4]
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local tok = m[1]
+  if not tok then return {'fenced'} end
+  local f = sg_split(tok)
+  local ids = {}
+  for i = 11, #args, 8 do ids[#ids + 1] = args[i] end
+  if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
+    return {'fenced'}
+  end
+  -- The token holds exactly these entries under this epoch, so each is pending and is settled
+  -- here once: they are acked and freed together at the end (sg_lane_drop).
+  local now = sg_now()
+  local extra = tonumber(m[2] or '0')
+  local prefix, retention = args[10], args[7]
+  -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
+  local settled, finished, announced, listed = {}, {}, {}, {}
+  -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
+  local done = {'done'}
+  for i = 11, #args, 8 do
+    local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
+      args[i + 5], args[i + 6], args[i + 7]
+    local record = prefix .. kid
+    local r = redis.call('HMGET', record, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf')
+    if not sg_lane_live(r, lc) or finished[kid] then
+      settled[#settled + 1] = id
+    elseif outcome == 'retry' then
+      redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
+      extra = extra + 1
+      redis.call('HSET', record, 'e' .. index, body)
+    elseif outcome == 'skip' then
+      redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
+      redis.call('RPUSH', keys[5], id)
+      extra = extra + 1
+    else
+      settled[#settled + 1] = id
+      local failfast = sg_lane_failfast(r[3])
+      local left, failed = tonumber(r[4]) - 1, tonumber(r[5] or '0')
+      local fields = {'left', left}
+      if outcome == 'ok' then
+        fields[3], fields[4] = 'o' .. index, body
+        if attempt ~= '1' then
+          redis.call('HDEL', record, 'e' .. index)
+          redis.call('HINCRBY', record, 'retried', 1)
+          if tonumber(attempt) > tonumber(redis.call('HGET', record, 'maxseen') or '1') then
+            redis.call('HSET', record, 'maxseen', attempt)
+          end
+        end
+      else
+        failed = failed + 1
+        local entry = redis.call('XRANGE', keys[2], id, id)[1]
+        local payload = entry and sg_lane_fields(entry[2]).p or ''
+        fields[3], fields[4], fields[5], fields[6], fields[7], fields[8] =
+          'e' .. index, body, 'x' .. index, payload, 'failed', failed
+      end
+      if failfast then redis.call('HDEL', record, 'w' .. index) end
+      local last = left <= 0 or (outcome == 'dead' and failfast)
+      local state, feed
+      if last then
+        state = 'completed'
+        if failed > 0 then state = 'failed' end
+        fields[#fields + 1] = 'state'
+        fields[#fields + 1] = state
+        fields[#fields + 1] = 'finished'
+        fields[#fields + 1] = now
+      else
+        -- A settled part makes room for the request's next waiting part, if any.
+        local fed
+        feed, fed = sg_lane_pick(r[6], r[7], r[3])
+        if feed then
+          fields[#fields + 1] = fed[1]
+          fields[#fields + 1] = fed[2]
+        end
+      end
+      redis.call('HSET', record, unpack(fields))
+      if last then
+        -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
+        -- parts not yet run then run too.
+        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
+        finished[kid] = true
+        done[#done + 1] = state
+        done[#done + 1] = lc
+      elseif feed then
+        sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
+      end
+    end
+  end
+  if #announced > 0 then
+    sg_ix_finished(sg_ix(keys[7]), now, listed)
+    redis.call('PEXPIRE', keys[7], retention)
+    redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
+  end
+  if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
+  sg_lane_drop(keys, settled)
+  local reply
+  if args[6] == '1' then
+    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+  else
+    reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
+  end
+  if #done > 1 then reply[#reply + 1] = done end
+  return reply
+end
+
+-- lane_cancel: cancel for a lane request (prelude.lua, "Lanes"): its one terminal record and
+-- event now. Its parts still in the lane are acked away unrun when handed out, and the acks of
+-- those running record nothing (their lifecycle is no longer live).
+-- KEYS[1] the request's record   KEYS[2] the shard's events stream
+-- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
+-- Returns {'finished', 'cancelled', lifecycle}, {'already', state} when it was terminal, or
+-- {'unknown'}.
+local function lane_cancel(keys, args)
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol')
+  if not m[1] then return {'unknown'} end
+  if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
+  local now = sg_now()
+  local waiting = {}
+  for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
+  sg_hdel_many(keys[1], waiting)
+  redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
+  redis.call('PUBLISH', args[3], sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now))
+  redis.call('PEXPIRE', keys[2], args[2])
+  return {'finished', 'cancelled', m[2]}
+end
+
+-- lane_requeue: requeue_dead for a lane request (prelude.lua, "Lanes"): a failed one reopens
+-- under a new lifecycle (its old entries still in the lane are then dropped unrun), and its dead
+-- parts are fed again, with its parts not yet run, within its limit; a live one gets its dead
+-- parts back in line. Each runs with a fresh set of attempts.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the request's record
+-- KEYS[8] the lane's priority list   KEYS[9] the shard's bell   KEYS[10] the shard's active index
+-- ARGV[1] the lane's key id   ARGV[2] request key id   ARGV[3] the lane's tokens L (if it is
+-- created again)   ARGV[4] the lane's first look (ms from now) if so
+-- Returns {n, woken}: n dead letters requeued, woken lane tokens pushed. Errors "SGSTATE ..." when
+-- the request is unknown, or finished other than failed.
+local function lane_requeue(keys, args)
+  local record = keys[7]
+  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq')
+  if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
+    return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
+  end
+  local pol = sg_lane_policy(m[2])
+  local fed = tonumber(m[3] or pol.total)
+  local flat = redis.call('HGETALL', record)
+  local dead, inflight = {}, {}
+  for j = 1, #flat, 2 do
+    local i = string.match(flat[j], '^x(%d+)$')
+    if i then dead[#dead + 1] = tonumber(i) end
+    i = string.match(flat[j], '^w(%d+)$')
+    if i and tonumber(i) < fed then inflight[#inflight + 1] = tonumber(i) end
+  end
+  table.sort(dead)
+  table.sort(inflight)
+  if #dead == 0 then return {0, 0} end
+  local now = sg_now()
+  local moves, rq = {}, {}
+  for _, i in ipairs(dead) do
+    moves[#moves + 1] = 'w' .. i
+    moves[#moves + 1] = redis.call('HGET', record, 'x' .. i)
+    rq[#rq + 1] = i
+  end
+  local xs = {}
+  for _, i in ipairs(dead) do xs[#xs + 1] = 'x' .. i end
+  redis.call('HDEL', record, unpack(xs))
+  redis.call('HSET', record, unpack(moves))
+  if m[1] == 'failed' then
+    -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
+    -- their payloads were kept (sg_lane_feed), and they are fed again.
+    for _, i in ipairs(inflight) do rq[#rq + 1] = i end
+  elseif m[4] and m[4] ~= '' then
+    table.insert(rq, 1, m[4])
+  end
+  redis.call('HSET', record, 'rq', table.concat(rq, ','))
+  redis.call('HINCRBY', record, 'failed', -#dead)
+  local left = redis.call('HINCRBY', record, 'left', #dead)
+  local feed = 0
+  if m[1] == 'failed' then
+    -- Reopened: nothing of the new lifecycle is in the lane yet.
+    redis.call('HINCRBY', record, 'lc', 1)
+    redis.call('HSET', record, 'state', 'running')
+    redis.call('HDEL', record, 'finished')
+    redis.call('PERSIST', record)
+    sg_ix_reopen(sg_ix(keys[10]), args[2])
+    feed = math.min(pol.limit, left)
+  end
+  local lc = redis.call('HGET', record, 'lc')
+  sg_lane_open(keys, args[1], pol.prio, tonumber(args[3]), now, tonumber(args[4]), keys[10])
+  for _ = 1, feed do sg_lane_feed(keys, record, args[2], lc, m[2]) end
+  local woken = sg_unpark(keys, args[1], feed, now)
+  sg_push(keys[8], keys[9], woken)
+  return {#dead, #woken}
+end
+
+-- list: a page of the listing index of one shard (prelude.lua, "The listing index"), newest first.
+-- Reads only (registered no-writes: FCALL_RO, replicas, a Redis at its maxmemory).
+-- KEYS[1] the shard's index rows (hash; the other index keys are named from its prefix)
+-- ARGV[1] the sets to walk, comma-separated index names (`live`, `completed`, `failed`,
+-- `cancelled`, `t:<tag>`, `tracked`): their entries are merged, newest first
+-- ARGV[2] the state sets an entry must be in, comma-separated ('' any)
+-- ARGV[3] the cursor's score ('+inf' to start)   ARGV[4] how many entries of exactly that score
+-- the walk has passed already (the cursor's second half)
+-- ARGV[5] only requests submitted at least this long ago (ms; '' any)   ARGV[6] most rows returned
+-- ARGV[7] most entries looked at (rows and entries the filters passed over)
+-- ARGV[8] priority the row must have ('' any)   ARGV[9] tag the row must have ('' any)
+-- ARGV[10] '1': only tracked requests
+-- Returns {next score, next passed, looked at, rows...}: next score is '' when the walk reached the
+-- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
+-- cursor (score, passed) that resumes right after it.
+local function list(keys, args)
+  local ix = string.sub(keys[1], 1, -4)
+  local cursor, passed = args[3], tonumber(args[4])
+  local newest = '+inf'
+  if args[5] ~= '' then newest = sg_int(sg_now() - tonumber(args[5])) end
+  local from = cursor
+  if newest ~= '+inf' and (cursor == '+inf' or tonumber(newest) < tonumber(cursor)) then
+    from, passed = newest, 0
+  end
+  local limit, budget = tonumber(args[6]), tonumber(args[7])
+  local want = passed + budget
+  local entries, complete = {}, true
+  for set in string.gmatch(args[1], '[^,]+') do
+    local got = redis.call('ZREVRANGEBYSCORE', ix .. set, from, '-inf', 'WITHSCORES', 'LIMIT', 0, want)
+    if #got / 2 >= want then complete = false end
+    for i = 1, #got, 2 do entries[#entries + 1] = {got[i], tonumber(got[i + 1]), set} end
+  end
+  table.sort(entries, function(a, b)
+    if a[2] ~= b[2] then return a[2] > b[2] end
+    return a[1] > b[1]
+  end)
+  local states = {}
+  for s in string.gmatch(args[2], '[^,]+') do states[#states + 1] = s end
+  local out = {'', 0, 0}
+  local rows, looked, last, ties = 0, 0, nil, 0
+  local first = from == cursor and tonumber(from)
+  local i = 0
+  while i < #entries and looked < budget and rows < limit do
+    i = i + 1
+    local e = entries[i]
+    if e[2] == last then ties = ties + 1 else last, ties = e[2], 1 end
+    if not (first and e[2] == first and ties <= passed) then
+      looked = looked + 1
+      local kid = e[1]
+      local row = redis.call('HGET', ix .. 'row', kid)
+      local state = string.match(e[3], '^t:') == nil and e[3] ~= 'tracked' and e[3] or nil
+      if not state then
+        for _, s in ipairs(SG_IX_STATES) do
+          if redis.call('ZSCORE', ix .. s, kid) then state = s break end
+        end
+      end
+      local ok = row ~= nil and state ~= nil
+      if ok and #states > 0 then
+        ok = false
+        for _, s in ipairs(states) do if s == state then ok = true end end
+      end
+      local f = ok and sg_split(row)
+      if ok and args[8] ~= '' and f[2] ~= args[8] then ok = false end
+      if ok and args[9] ~= '' then
+        ok = false
+        for _, tag in ipairs(sg_ix_tags(row)) do if tag == args[9] then ok = true end end
+      end
+      local tracked = ok and redis.call('ZSCORE', ix .. 'tracked', kid) and 1 or 0
+      if ok and args[10] == '1' and tracked == 0 then ok = false end
+      if ok then
+        rows = rows + 1
+        for _, v in ipairs({kid, sg_int(e[2]), row, state, tracked, sg_int(e[2]), ties}) do out[#out + 1] = v end
+      end
+    end
+  end
+  if i < #entries or not complete then
+    out[1], out[2] = sg_int(last or tonumber(from)), ties
+    if not last then out[2] = passed end
+  end
+  out[3] = looked
+  return out
+end
+
+-- track: marks a listed request as tracked (qless's tracking: `list --tracked` shows it), or
+-- unmarks it. Run on its home shard.
+-- KEYS[1] the shard's index rows (prelude.lua, "The listing index")
+-- ARGV[1] request key id   ARGV[2] '1' to track, '0' to stop
+-- Returns 1 when the request is listed (tracked or not as asked), 0 when it is not (unknown, or
+-- gone with its retention).
+local function track(keys, args)
+  local ix = string.sub(keys[1], 1, -4)
+  local kid = args[1]
+  if redis.call('HEXISTS', keys[1], kid) == 0 then return 0 end
+  local mark = {SG_IX_TRACKED, ix .. 'tracked'}
+  local live = redis.call('ZSCORE', ix .. 'live', kid)
+  local was = redis.call('ZSCORE', mark[2], kid)
+  local now = sg_now()
+  if args[2] ~= '1' then
+    if was then
+      redis.call('ZREM', mark[2], kid)
+      if live then sg_ix_mark_done(ix, mark, nil, now) end
+    end
+    return 1
+  end
+  if was then return 1 end
+  local score = live
+  for i = 2, #SG_IX_STATES do score = score or redis.call('ZSCORE', ix .. SG_IX_STATES[i], kid) end
+  if not score then return 0 end
+  redis.call('ZADD', mark[2], score, kid)
+  if live then
+    sg_ix_mark_live(ix, mark)
+  else
+    -- A finished request: the set expires with it, unless a live one keeps it.
+    local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
+    local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
+    if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
+    -- With no live request on the shard, `tx` expires with the latest finished one: one this
+    -- call created (HSET) must too.
+    sg_ix_settle(ix, now)
+    if not redis.call('HGET', ix .. 'tl', mark[1]) then sg_ix_expire_at(mark[2], math.max(expires, latest), now) end
+  end
+  return 1
+end
+
+-- unlist: the token-side half of purging one finished request (`Admin::purge`): it leaves the
+-- listing index, and its finish marks go. Run on its home shard, after `purge` deleted its keys.
+-- KEYS[1] the shard's index rows (prelude.lua, "The listing index")   KEYS[2] the shard's active
+-- index   KEYS[3] the request's finish marks
+-- ARGV[1] request key id
+-- Returns 1 when it was listed, 0 when not. Errors "SGSTATE ..." while the request is in recovery's
+-- index (not finished, or its finish steps not all done; or a new request of the id registered
+-- since its keys went, which its first push lists) or listed as live (a new lane request of the
+-- id, which recovery's index does not name): nothing is changed.
+local function unlist(keys, args)
+  local ix = string.sub(keys[1], 1, -4)
+  if redis.call('ZSCORE', keys[2], args[1]) or redis.call('ZSCORE', ix .. 'live', args[1]) then
+    return redis.error_reply('SGSTATE the request has not finished (or is still finishing)')
+  end
+  redis.call('DEL', keys[3])
+  return sg_ix_remove(ix, args[1], sg_now())
+end
+
+-- purge: deletes a finished request's keys now, rather than at the end of its retention
+-- (`Admin::purge`; then `unlist` on its home shard). Run on the request's slot.
+-- KEYS[1] the hash holding its `state` (a request's meta, or a lane request's record)
+-- KEYS[2..] its other keys (none for a lane request)
+-- Returns 1 when the keys were deleted, 0 when there was nothing (unknown, or expired). Errors
+-- "SGSTATE ..." when the request has not finished: nothing is deleted.
+local function purge(keys, args)
+  local state = redis.call('HGET', keys[1], 'state')
+  if not state then return 0 end
+  if state ~= 'completed' and state ~= 'failed' and state ~= 'cancelled' then
+    return redis.error_reply('SGSTATE the request has not finished (state ' .. state .. '): cancel it first')
+  end
+  redis.call('DEL', unpack(keys))
+  return 1
+end
+
+-- relabel: after reprioritize, the request's row in the listing index (prelude.lua, "The listing
+-- index") takes its new priority, so that `list --priority` finds it there. Run on its home shard.
+-- KEYS[1] the shard's index rows
+-- ARGV[1] request key id   ARGV[2] its priority now
+-- Returns 1 when the row was rewritten, 0 when the request is not listed.
+local function relabel(keys, args)
+  local row = redis.call('HGET', keys[1], args[1])
+  if not row then return 0 end
+  local kind, rest = string.match(row, '^([^|]*)|[^|]*|(.*)$')
+  redis.call('HSET', keys[1], args[1], kind .. '|' .. args[2] .. '|' .. rest)
+  return 1
+end
+
+-- stats_add: adds a producer's or a worker's counts to the stats by stage, one hash per minute
+-- (docs/protocol.md §3, "Stats by stage"). Components count in memory and call this once per
+-- flush interval with what they counted since, never per part or per take.
+-- KEYS[1..n] per-minute stats hashes ("<ns>:{<ns>.q0}:st:<minute>"), all on shard 0's tag
+-- ARGV[1] how long a minute's hash is kept after this addition (ms, at least 1)
+-- ARGV[2..] per key, in the order of KEYS: the number m of its fields, then m pairs field, delta
+--   (a whole number; fields "<priority>|<counter>" and "<priority>|<histogram>|<bucket>")
+-- Returns how many fields were added to, or an error "SGINVALID ..." for malformed arguments
+-- (nothing is written then).
+-- Each hash gets its expiry in the same step as its counts, so none is ever left without one.
+-- A call re-sent after a lost reply adds its counts twice: the stats are exact only while calls
+-- get through.
+local function stats_add(keys, args)
+  local ttl = tonumber(args[1])
+  if not ttl or ttl < 1 or ttl % 1 ~= 0 then
+    return redis.error_reply('SGINVALID argument 1 must be a whole number of ms of at least 1')
+  end
+  -- Checked whole before anything is written.
+  local i = 2
+  for _ = 1, #keys do
+    local m = tonumber(args[i])
+    if not m or m < 0 or m % 1 ~= 0 or i + 2 * m > #args then
+      return redis.error_reply('SGINVALID argument ' .. i .. ' must count the field/delta pairs that follow it')
+    end
+    for j = i + 2, i + 2 * m, 2 do
+      local d = tonumber(args[j])
+      if not d or d % 1 ~= 0 then
+        return redis.error_reply('SGINVALID argument ' .. j .. ' must be a whole number')
+      end
+    end
+    i = i + 1 + 2 * m
+  end
+  if i ~= #args + 1 then
+    return redis.error_reply('SGINVALID more arguments than the keys announce')
+  end
+  i = 2
+  local n = 0
+  for _, key in ipairs(keys) do
+    local m = tonumber(args[i])
+    for j = i + 1, i + 2 * m - 1, 2 do
+      redis.call('HINCRBY', key, args[j], args[j + 1])
+    end
+    if m > 0 then redis.call('PEXPIRE', key, ttl) end
+    n = n + m
+    i = i + 1 + 2 * m
+  end
+  return n
+end
+
+redis.register_function('sg2_submit_open', submit_open)
+redis.register_function('sg2_load_parts', load_parts)
+redis.register_function('sg2_submit_commit', submit_commit)
+redis.register_function('sg2_submit_small', submit_small)
+redis.register_function('sg2_submit_abort', submit_abort)
+redis.register_function('sg2_stream_open', stream_open)
+redis.register_function('sg2_stream_append', stream_append)
+redis.register_function('sg2_stream_finalize', stream_finalize)
+redis.register_function{function_name='sg2_outstanding', callback=outstanding, flags={'no-writes'}}
+redis.register_function('sg2_results_from', results_from)
+redis.register_function('sg2_register', register)
+redis.register_function('sg2_push', push)
+redis.register_function('sg2_reopen', reopen)
+redis.register_function('sg2_arm', arm)
+redis.register_function('sg2_lane_acquire', lane_acquire)
+redis.register_function('sg2_take', take)
+redis.register_function('sg2_untake', untake)
+redis.register_function('sg2_acquire', acquire)
+redis.register_function('sg2_ack', ack)
+redis.register_function('sg2_give_back', give_back)
+redis.register_function('sg2_release', release)
+redis.register_function{function_name='sg2_holds', callback=holds, flags={'no-writes'}}
+redis.register_function('sg2_finish_index', finish_index)
+redis.register_function('sg2_sweep', sweep)
+redis.register_function('sg2_seal', seal)
+redis.register_function('sg2_unindex', unindex)
+redis.register_function('sg2_claim_due', claim_due)
+redis.register_function('sg2_census', census)
+redis.register_function('sg2_verify', verify)
+redis.register_function('sg2_restore', restore)
+redis.register_function('sg2_reclaim', reclaim)
+redis.register_function('sg2_drop_gone', drop_gone)
+redis.register_function('sg2_cancel', cancel)
+redis.register_function('sg2_requeue_dead', requeue_dead)
+redis.register_function('sg2_reprioritize', reprioritize)
+redis.register_function('sg2_relist', relist)
+redis.register_function('sg2_beat', beat)
+redis.register_function('sg2_reaped', reaped)
+redis.register_function('sg2_lane_submit', lane_submit)
+redis.register_function('sg2_lane_ack', lane_ack)
+redis.register_function('sg2_lane_cancel', lane_cancel)
+redis.register_function('sg2_lane_requeue', lane_requeue)
+redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
+redis.register_function('sg2_track', track)
+redis.register_function('sg2_unlist', unlist)
+redis.register_function('sg2_purge', purge)
+redis.register_function('sg2_relabel', relabel)
+redis.register_function('sg2_stats_add', stats_add)

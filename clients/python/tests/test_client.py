@@ -1,0 +1,367 @@
+"""The Python client's promises, each against its own redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+from unittest import mock
+
+import pytest
+
+import sluicegate
+from sluicegate import Listener, PermanentError, Producer, UnsupportedRedis, Worker
+from sluicegate._conn import Conn
+
+from conftest import FAST, HERE, REPO
+
+LIB = REPO / "lua" / "dist" / "sluicegate_v2.lua"
+
+
+class Running:
+    """Workers started by a test, stopped (gracefully) at its end."""
+
+    def __init__(self) -> None:
+        self.workers: List[Any] = []
+
+    def start(self, url: str, handler: Any, ns: str, slots: int = 4, **kw: Any) -> Worker:
+        w = Worker(url, handler, slots=slots, namespace=ns, **{**FAST, **kw})
+        t = w.start()
+        assert w.ready.wait(10), "worker did not start"
+        self.workers.append((w, t))
+        return w
+
+    def stop(self) -> None:
+        for w, _ in self.workers:
+            w.stop()
+        for _, t in self.workers:
+            t.join(15)
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    r = Running()
+    yield r
+    r.stop()
+
+
+class Concurrency:
+    """Counts the handler runs in progress, per request, and the most ever seen."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now: Dict[str, int] = defaultdict(int)
+        self.most: Dict[str, int] = defaultdict(int)
+
+    def enter(self, rid: str) -> None:
+        with self.lock:
+            self.now[rid] += 1
+            self.most[rid] = max(self.most[rid], self.now[rid])
+
+    def leave(self, rid: str) -> None:
+        with self.lock:
+            self.now[rid] -= 1
+
+
+def double(ctx: Any, part: Any) -> Any:
+    return {"i": part["i"], "double": 2 * part["i"]}
+
+
+def parts(n: int) -> List[Dict[str, Any]]:
+    return [{"i": i} for i in range(n)]
+
+
+def test_the_shipped_library_is_byte_identical_to_the_rust_build() -> None:
+    shipped = (Path(sluicegate.__file__).parent / "sluicegate_v2.lua").read_bytes()
+    assert shipped == LIB.read_bytes(), (
+        "clients/python/src/sluicegate/sluicegate_v2.lua differs from lua/dist/sluicegate_v2.lua: "
+        "copy it over (cp lua/dist/sluicegate_v2.lua clients/python/src/sluicegate/)"
+    )
+
+
+def test_a_redis_older_than_7_is_refused_with_the_rust_message(server: Any) -> None:
+    with mock.patch("redis.Redis.info", return_value={"redis_version": "6.2.14"}):
+        with pytest.raises(UnsupportedRedis) as e:
+            Conn(server.url)
+    assert str(e.value) == (
+        "redis server 6.2.14 is too old: sluicegate needs Redis 7.0 or newer (it runs as a Redis Functions library)"
+    )
+
+
+def test_results_come_back_in_order_for_lane_large_and_own_stream_requests(server: Any, ns: str, running: Running) -> None:
+    running.start(server.url, double, ns, slots=4)
+    p = Producer(server.url, ns)
+    small = p.submit(parts(10), concurrency=3)
+    large = p.submit(parts(2500), concurrency=4)  # more than one load chunk: submit_open, load_parts, commit
+    own = p.submit(parts(7), concurrency=2, own_stream=True)
+    for handle, n in ((small, 10), (large, 2500), (own, 7)):
+        done = handle.wait(timeout=30)
+        assert done.state == "completed"
+        assert done.results == [{"i": i, "double": 2 * i} for i in range(n)]
+        assert done.errors == {}
+    assert p.status(own.id)["state"] == "completed"
+    assert p.status(small.id)["state"] == "completed"
+    assert p.protocol.conn.client.exists(p.protocol.keys.request(sluicegate._keys.key_id(large.id)).stream) == 0
+
+
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_the_concurrency_limit_is_reached_and_never_exceeded(server: Any, ns: str, running: Running, own_stream: bool) -> None:
+    seen = Concurrency()
+
+    def handler(ctx: Any, part: Any) -> Any:
+        seen.enter(ctx.request_id)
+        time.sleep(0.03)
+        seen.leave(ctx.request_id)
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=4)
+    running.start(server.url, handler, ns, slots=4)
+    p = Producer(server.url, ns)
+    handles = [p.submit(parts(24), concurrency=limit, own_stream=own_stream) for limit in (1, 3)]
+    for h, limit in zip(handles, (1, 3)):
+        assert h.wait(timeout=30).results == list(range(24))
+        assert seen.most[h.id] == limit, f"limit {limit}: at most {seen.most[h.id]} ran at once"
+
+
+def test_a_retryable_failure_is_retried_then_succeeds(server: Any, ns: str, running: Running) -> None:
+    attempts: Dict[int, List[int]] = defaultdict(list)
+
+    def flaky(ctx: Any, part: Any) -> Any:
+        attempts[part["i"]].append(ctx.attempt)
+        if part["i"] == 1 and ctx.attempt < 3:
+            raise RuntimeError(f"flaky attempt {ctx.attempt}")
+        return ctx.attempt
+
+    running.start(server.url, flaky, ns)
+    p = Producer(server.url, ns)
+    for own in (False, True):
+        attempts.clear()
+        done = p.submit(parts(3), max_attempts=3, backoff=0.01, backoff_max=0.05, own_stream=own).wait(timeout=20)
+        assert done.state == "completed"
+        assert done.results == [1, 3, 1]
+        assert attempts[1] == [1, 2, 3]
+
+
+def test_a_permanent_error_fails_the_request_with_its_errors(server: Any, ns: str, running: Running) -> None:
+    def handler(ctx: Any, part: Any) -> Any:
+        if part["i"] == 2:
+            raise PermanentError("no such thing")
+        if part["i"] == 3:
+            raise ValueError("always broken")
+        return part["i"]
+
+    running.start(server.url, handler, ns)
+    p = Producer(server.url, ns)
+    for own in (False, True):
+        done = p.submit(parts(5), max_attempts=2, backoff=0.01, backoff_max=0.02, own_stream=own).wait(timeout=20)
+        assert done.state == "failed"
+        assert done.results == [0, 1, None, None, 4]
+        assert set(done.errors) == {2, 3}
+        assert (done.errors[2].message, done.errors[2].attempts, done.errors[2].permanent) == ("no such thing", 1, True)
+        assert (done.errors[3].message, done.errors[3].attempts, done.errors[3].permanent) == ("always broken", 2, False)
+
+
+def test_cancel_ends_the_request_and_reaches_running_handlers(server: Any, ns: str, running: Running) -> None:
+    told = threading.Event()
+
+    def slow(ctx: Any, part: Any) -> Any:
+        if ctx.wait_cancelled(10):
+            told.set()
+            raise RuntimeError("cancelled")
+        return part["i"]
+
+    running.start(server.url, slow, ns)
+    p = Producer(server.url, ns)
+    for own in (True, False):
+        told.clear()
+        h = p.submit(parts(4), concurrency=1, own_stream=own)
+        time.sleep(0.5)
+        assert h.cancel() == "cancelled"
+        done = h.wait(timeout=10)
+        assert done.state == "cancelled"
+        assert told.wait(5), "the running handler was not told"
+        assert h.cancel() == "cancelled"  # already cancelled: reports the state it finished in
+
+
+def test_a_streamed_request_runs_as_parts_are_added_and_completes_at_finalize(server: Any, ns: str, running: Running) -> None:
+    running.start(server.url, double, ns)
+    p = Producer(server.url, ns)
+    req = p.open(concurrency=2)
+    req.add(parts(3))
+    time.sleep(0.3)
+    assert p.status(req.id)["state"] == "running"
+    req.add([{"i": i} for i in range(3, 1500)])
+    h = req.finalize()
+    done = h.wait(timeout=30)
+    assert done.state == "completed"
+    assert done.results == [{"i": i, "double": 2 * i} for i in range(1500)]
+
+
+def test_an_async_handler_runs_on_asyncio(server: Any, ns: str, running: Running) -> None:
+    seen = Concurrency()
+
+    async def handler(ctx: Any, part: Any) -> Any:
+        seen.enter(ctx.request_id)
+        await asyncio.sleep(0.02)
+        seen.leave(ctx.request_id)
+        return [ctx.index, part["i"] * 3]
+
+    running.start(server.url, handler, ns, slots=4)
+    done = Producer(server.url, ns).submit(parts(12), concurrency=4).wait(timeout=20)
+    assert done.results == [[i, 3 * i] for i in range(12)]
+    assert seen.most[done.id] == 4
+
+
+def test_a_listener_resumes_after_its_cursor(server: Any, ns: str, running: Running) -> None:
+    running.start(server.url, double, ns)
+    p = Producer(server.url, ns)
+    first = Listener(server.url, ns, after="0-0")
+    a = p.submit(parts(2), own_stream=True)
+    a.wait(timeout=10)
+    events = []
+    while not events:
+        events = first.poll()
+    assert [(e.request_id, e.state) for e in events] == [(a.id, "completed")]
+    cursor = events[-1].cursor
+    b = p.submit(parts(2))  # a lane request
+    c = p.submit(parts(2), own_stream=True)
+    b.wait(timeout=10)
+    c.wait(timeout=10)
+    resumed = Listener(server.url, ns, after=cursor)
+    got: List[Any] = []
+    deadline = time.time() + 10
+    while len(got) < 2 and time.time() < deadline:
+        got += resumed.poll()
+    assert sorted((e.request_id, e.state) for e in got) == sorted([(b.id, "completed"), (c.id, "completed")])
+    assert not resumed.poll(block=False)
+
+
+def test_a_killed_worker_loses_nothing(server: Any, ns: str, tmp_path: Path, running: Running) -> None:
+    """SIGKILL a worker (the conformance driver) mid-run; another finishes every part."""
+    scenario = tmp_path / "kill.json"
+    n = 30
+    scenario.write_text(json.dumps({"name": "kill", "parts": n, "concurrency": 4, "sleep_ms": 300, "own_stream": True}))
+    log = tmp_path / "log.jsonl"
+    doomed = subprocess.Popen(
+        [sys.executable, str(HERE / "conformance_driver.py"), "worker", "--url", server.url, "--namespace", ns,
+         "--scenario", str(scenario), "--log", str(log), "--slots", "4"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert doomed.stdout is not None and doomed.stdout.readline().strip() == "READY"
+        p = Producer(server.url, ns)
+        h = p.submit([{"i": i, "s": f"part-{i}"} for i in range(n)], concurrency=4, own_stream=True, max_attempts=3)
+        deadline = time.time() + 10
+        while time.time() < deadline and (not log.exists() or log.read_text().count('"start"') < 6):
+            time.sleep(0.05)
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+        killed_at = time.time()
+
+        rescued: List[int] = []
+
+        def rescue(ctx: Any, part: Any) -> Any:
+            rescued.append(part["i"])
+            return {"i": part["i"], "double": 2 * part["i"], "s": part["s"]}
+
+        running.start(server.url, rescue, ns)
+        done = h.wait(timeout=30)
+        assert done.state == "completed"
+        assert done.results == [{"i": i, "double": 2 * i, "s": f"part-{i}"} for i in range(n)]
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        started = {line["i"] for line in lines if line["ev"] == "start"}
+        ended = {line["i"] for line in lines if line["ev"] == "end"}
+        interrupted = started - ended
+        assert interrupted, "the kill interrupted no handler"
+        assert interrupted <= set(rescued), "a part interrupted by the kill did not run again"
+        assert time.time() - killed_at < 15
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+
+
+def test_a_redis_cluster_runs_requests_too(cluster: Any, ns: str, running: Running) -> None:
+    def handler(ctx: Any, part: Any) -> Any:
+        if part.get("slow"):
+            ctx.wait_cancelled(10)
+            raise RuntimeError("cancelled")
+        if part["i"] == 7 and ctx.attempt == 1:
+            raise RuntimeError("flaky")
+        return double(ctx, part)
+
+    running.start(cluster.url, handler, ns, slots=4, token_shards=2)
+    p = Producer(cluster.url, ns, token_shards=2)
+    listener = Listener(cluster.url, ns, after="0-0", token_shards=2)
+    lane = p.submit(parts(5), concurrency=2)
+    own = p.submit(parts(30), concurrency=3, own_stream=True, max_attempts=2, backoff=0.01, backoff_max=0.02)
+    req = p.open(concurrency=2, max_attempts=2, backoff=0.01, backoff_max=0.02)
+    req.add(parts(12))
+    streamed = req.finalize()
+    slow = p.submit([{"i": 0, "slow": True}], own_stream=True)
+    assert lane.wait(timeout=20).results == [{"i": i, "double": 2 * i} for i in range(5)]
+    assert own.wait(timeout=20).results == [{"i": i, "double": 2 * i} for i in range(30)]
+    assert streamed.wait(timeout=20).results == [{"i": i, "double": 2 * i} for i in range(12)]
+    time.sleep(0.3)
+    assert slow.cancel() == "cancelled"
+    assert slow.wait(timeout=10).state == "cancelled"
+    got: List[Any] = []
+    deadline = time.time() + 10
+    while len(got) < 4 and time.time() < deadline:
+        got += listener.poll()
+    assert sorted((e.request_id, e.state) for e in got) == sorted(
+        [(lane.id, "completed"), (own.id, "completed"), (streamed.id, "completed"), (slow.id, "cancelled")]
+    )
+
+
+def test_token_shards_spread_tokens_and_events_and_everything_completes(server: Any, ns: str, running: Running) -> None:
+    seen = Concurrency()
+
+    def handler(ctx: Any, part: Any) -> Any:
+        seen.enter(ctx.request_id)
+        time.sleep(0.01)
+        seen.leave(ctx.request_id)
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=6, token_shards=3)
+    p = Producer(server.url, ns, token_shards=3)
+    listener = Listener(server.url, ns, after="0-0", token_shards=3)
+    handles = [p.submit(parts(40), concurrency=5, id=f"sharded-{n}", own_stream=True) for n in range(4)]
+    handles.append(p.submit(parts(3), id="sharded-lane"))
+    req = p.open(concurrency=3, id="sharded-stream")
+    req.add(parts(30))
+    handles.append(req.finalize())
+    for h in handles:
+        done = h.wait(timeout=30)
+        assert done.state == "completed" and done.results == list(range(len(done.results)))
+        assert seen.most[h.id] <= 5
+    got: List[Any] = []
+    deadline = time.time() + 10
+    while len(got) < len(handles) and time.time() < deadline:
+        got += listener.poll()
+    assert sorted(e.request_id for e in got) == sorted(h.id for h in handles)
+    assert len(got[-1].cursor.split(",")) == 3
+
+
+def test_a_free_slot_takes_the_highest_priority_waiting(server: Any, ns: str, running: Running) -> None:
+    order: List[str] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        order.append(ctx.request_id)
+        return part["i"]
+
+    p = Producer(server.url, ns)
+    low = p.submit(parts(5), priority=10, own_stream=True)
+    mid = p.submit(parts(5), priority=50)
+    high = p.submit(parts(5), priority=90, own_stream=True)
+    running.start(server.url, handler, ns, slots=1)
+    for h in (low, mid, high):
+        assert h.wait(timeout=20).state == "completed"
+    assert order == [high.id] * 5 + [mid.id] * 5 + [low.id] * 5
