@@ -18,6 +18,8 @@
 mod census;
 #[path = "support/chaos.rs"]
 mod chaos;
+#[path = "support/testkit_bin.rs"]
+mod testkit_bin;
 
 use std::time::Duration;
 

@@ -36,6 +36,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::census::{spawn_listener, Heard};
+use crate::testkit_bin::log_tail;
 use sluicegate_testkit::proxy::{Proxy, ProxyChaos, ProxyStats};
 
 /// Short timings, so that recovery (lease expiry plus one recovery interval, about 1.8 s) happens
@@ -63,95 +64,11 @@ pub struct Part {
 // ---------------------------------------------------------------------------------------------
 // The worker binary
 
-/// The path of the `chaos_worker` binary (sluicegate-testkit), built for this test's profile.
-///
-/// Cargo is asked to build it once per test process, even when the binary exists: `cargo test
-/// --test chaos` does not build examples, and a stale worker would silently test old code. When it
-/// is up to date the build is a no-op of a fraction of a second.
+/// The path of the `chaos_worker` binary (sluicegate-testkit), built for this test's profile
+/// (see [`testkit_bin::build`](crate::testkit_bin::build)).
 pub fn worker_binary() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        // target/<profile>/deps/chaos-<hash>  →  target/<profile>/chaos_worker
-        let exe = std::env::current_exe().expect("the test knows its own path");
-        let profile_dir =
-            exe.parent().and_then(Path::parent).expect("test binary lives in target/<profile>/deps");
-        let target_dir = profile_dir.parent().expect("target/<profile> has a parent");
-        let profile = profile_dir.file_name().and_then(|n| n.to_str()).unwrap_or("debug");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = std::process::Command::new(cargo);
-        build
-            .args([
-                "build",
-                "-p",
-                "sluicegate-testkit",
-                "--features",
-                "chaos-worker",
-                "--bin",
-                "chaos_worker",
-            ])
-            .arg("--target-dir")
-            .arg(target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
-        // Cargo sets these for the test it runs; a build script that watches one (ring's watches
-        // CARGO_MANIFEST_DIR) would see it change between this build and `cargo test`'s own, and
-        // rebuild ring, rustls, fred and everything above them on every test run.
-        for (var, _) in std::env::vars_os() {
-            let name = var.to_string_lossy();
-            let set_for_tests = name.starts_with("CARGO_PKG_")
-                || name.starts_with("CARGO_MANIFEST_")
-                || [
-                    "CARGO_CRATE_NAME",
-                    "CARGO_BIN_NAME",
-                    "CARGO_PRIMARY_PACKAGE",
-                    "CARGO_TARGET_TMPDIR",
-                    "OUT_DIR",
-                ]
-                .contains(&name.as_ref());
-            if set_for_tests {
-                build.env_remove(&var);
-            }
-        }
-        match profile {
-            "debug" => {}
-            "release" => {
-                build.arg("--release");
-            }
-            other => {
-                build.args(["--profile", other]);
-            }
-        }
-        // Bounded, and its output kept: a build that waits on a lock or fails says so rather
-        // than hang the suite or fail in silence.
-        let out_path =
-            std::env::temp_dir().join(format!("sluicegate-chaos-build-{}.log", std::process::id()));
-        let out = std::fs::File::create(&out_path).expect("build log file");
-        let mut child =
-            build.stdout(out.try_clone().expect("build log file")).stderr(out).spawn().expect("cargo runs");
-        let limit = Duration::from_secs(900);
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("waiting for cargo") {
-                break status;
-            }
-            if started.elapsed() > limit {
-                let _ = child.kill();
-                panic!(
-                    "cargo build --bin chaos_worker still running after {limit:?}:\n{}",
-                    log_tail(&out_path, 30)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(
-            status.success(),
-            "cargo build --bin chaos_worker failed ({status}):\n{}",
-            log_tail(&out_path, 30)
-        );
-        let _ = std::fs::remove_file(&out_path);
-        let bin = profile_dir.join(format!("chaos_worker{}", std::env::consts::EXE_SUFFIX));
-        assert!(bin.is_file(), "{} missing after the build", bin.display());
-        bin
-    })
+    BIN.get_or_init(|| crate::testkit_bin::build("chaos_worker", "chaos-worker"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -394,13 +311,6 @@ async fn scan(client: &Client, pattern: &str) -> Vec<String> {
         }
         cursor = next;
     }
-}
-
-fn log_tail(path: &Path, lines: usize) -> String {
-    let text =
-        std::fs::read_to_string(path).unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 fn random_duration(rng: &mut impl Rng, range: &RangeInclusive<Duration>) -> Duration {
