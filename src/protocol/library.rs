@@ -385,21 +385,27 @@ mod tests {
         assert!(library_source().starts_with("#!lua name=sluicegate_v2\n"));
     }
 
-    /// Clients in other languages load the library from `lua/dist/` (docs/protocol.md §1): it must
-    /// be exactly what the Rust loads. `SLUICEGATE_BLESS=1` rewrites it after a change in `lua/`.
+    /// Clients in other languages load the library from `lua/dist/` (docs/protocol.md §1), and the
+    /// Python client ships a copy: both must be exactly what the Rust loads. `SLUICEGATE_BLESS=1`
+    /// rewrites both after a change in `lua/`.
     #[test]
     fn the_checked_in_library_is_the_one_the_rust_loads() {
-        let path = format!("{}/lua/dist/{LIBRARY_NAME}.lua", env!("CARGO_MANIFEST_DIR"));
+        let root = env!("CARGO_MANIFEST_DIR");
         let built = library_source();
-        if std::env::var("SLUICEGATE_BLESS").is_ok_and(|v| v == "1") {
-            std::fs::write(&path, &built).expect("write the checked-in library");
+        for path in [
+            format!("{root}/lua/dist/{LIBRARY_NAME}.lua"),
+            format!("{root}/clients/python/src/sluicegate/{LIBRARY_NAME}.lua"),
+        ] {
+            if std::env::var("SLUICEGATE_BLESS").is_ok_and(|v| v == "1") {
+                std::fs::write(&path, &built).expect("write the checked-in library");
+            }
+            let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                checked_in == built,
+                "{path} differs from library_source(): after a change in lua/, run \
+                 `SLUICEGATE_BLESS=1 cargo test --lib protocol::` and commit the file"
+            );
         }
-        let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
-        assert!(
-            checked_in == built,
-            "{path} differs from library_source(): after a change in lua/, run \
-             `SLUICEGATE_BLESS=1 cargo test --lib protocol::` and commit the file"
-        );
     }
 
     /// docs/operations.md shows the rule set for namespace `myapp`: it must be the one the code
