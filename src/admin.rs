@@ -429,6 +429,17 @@ impl Admin {
     /// paused, the [`Tally`] of the requests' records and Redis's memory. Its cost is bounded: a
     /// few round trips per shard, and at most [`MAX_TALLY`] records read.
     pub async fn stats(&self) -> Result<Stats> {
+        self.read_stats(true).await
+    }
+
+    /// [`stats`](Self::stats) without the tally (its `tally` is all zero, with `records_read` 0):
+    /// the part of a reading whose cost does not grow with the backlog, for a display that reads
+    /// the tally less often than the rest.
+    pub async fn stats_without_tally(&self) -> Result<Stats> {
+        self.read_stats(false).await
+    }
+
+    async fn read_stats(&self, tally: bool) -> Result<Stats> {
         let keys = &self.store.keys;
         // Summed over the configured shards (each shard's lists share a slot: one pipeline each).
         let mut waiting: BTreeMap<u8, (u64, u64)> = BTreeMap::new();
@@ -496,7 +507,7 @@ impl Admin {
             paused: self.paused().await?,
             tokens_held,
             requests,
-            tally: self.tally().await?,
+            tally: if tally { self.tally().await? } else { Tally::default() },
             redis_memory_bytes: self.redis_memory().await?,
         })
     }

@@ -187,7 +187,7 @@ const pages = {
           stat('Tokens held', num(t.held), `parked ${num(t.parked)}`),
           // A reading is not one atomic snapshot: a token moving between a list and a slot can
           // show as drift for a reading. Only drift that lasts three readings is flagged.
-          stat('Token capacity', num(t.capacity), t.drift === 0 ? 'no drift' : S.driftStreak < 3 ? `drift ${t.drift} (in flight)` : `drift ${t.drift} for ${S.driftStreak} readings`, S.driftStreak >= 3 ? 'warn' : ''),
+          stat('Token capacity', num(t.capacity), t.drift === null ? `tally ${age(t.tally_age_ms)} old; drift at the next` : t.drift === 0 ? 'no drift' : S.driftStreak < 3 ? `drift ${t.drift} (in flight)` : `drift ${t.drift} for ${S.driftStreak} readings`, S.driftStreak >= 3 ? 'warn' : ''),
           stat('Dead letters', num(s.tally.dead_letters), s.tally.complete ? '' : 'first records only'),
           stat('Redis memory', bytes(s.redis_memory_bytes)),
           stat('Paused', paused),
@@ -381,7 +381,7 @@ const pages = {
           stat('Waiting', num(t.waiting), `in priority lists (${audit.token_shards} shard${audit.token_shards > 1 ? 's' : ''})`),
           stat('Held', num(t.held), 'by worker slots'),
           stat('Parked', num(t.parked), 'nothing to hand out'),
-          stat('Drift', num(t.drift), t.drift === 0 ? 'capacity = waiting + held + parked' : 'recovery repairs this', t.drift === 0 ? 'ok' : 'warn')),
+          t.drift === null ? stat('Drift', '–', `with the next tally (this one is ${age(t.tally_age_ms)} old)`) : stat('Drift', num(t.drift), t.drift === 0 ? 'capacity = waiting + held + parked' : 'recovery repairs this', t.drift === 0 ? 'ok' : 'warn')),
         h('div', { class: 'card' }, h('h2', {}, `Unfinished requests (${num(audit.requests.length)} of ${num(audit.unfinished)})`),
           table([['Request'], ['State'], ['Priority', 'num'], ['Shards', 'num'], ['Expected', 'num'], ['Queued', 'num'], ['Held', 'num'], ['Parked', 'num'], ['Difference', 'num']],
             audit.requests.map(r => h('tr', r.lane ? {} : { class: 'link', onclick: () => { location.hash = requestLink(r.id); } },
@@ -436,7 +436,9 @@ function connect() {
   es.onerror = () => { live.className = 'live off'; live.textContent = 'reconnecting'; };
   es.addEventListener('overview', e => {
     S.overview = JSON.parse(e.data);
-    S.driftStreak = S.overview.tokens.drift === 0 ? 0 : S.driftStreak + 1;
+    // A reading that carries an earlier (large) tally has no drift: the streak waits for the next.
+    const drift = S.overview.tokens.drift;
+    if (drift !== null) S.driftStreak = drift === 0 ? 0 : S.driftStreak + 1;
     tick();
   });
   es.addEventListener('completion', e => {

@@ -55,6 +55,7 @@ pub struct DashboardOptions {
     token: Option<String>,
     interval: Duration,
     throughput_interval: Duration,
+    tally_interval: Duration,
 }
 
 impl Default for DashboardOptions {
@@ -64,6 +65,7 @@ impl Default for DashboardOptions {
             token: None,
             interval: Duration::from_secs(2),
             throughput_interval: Duration::from_secs(10),
+            tally_interval: Duration::from_secs(10),
         }
     }
 }
@@ -100,6 +102,15 @@ impl DashboardOptions {
     /// change once a minute, and reach Redis once per flush interval of each component).
     pub fn throughput_interval(mut self, interval: Duration) -> Self {
         self.throughput_interval = interval.max(Duration::from_millis(100));
+        self
+    }
+
+    /// How often a reading re-reads the tally (token capacity, parked tokens, dead letters: one
+    /// record per unfinished request, up to `sluicegate::MAX_TALLY`) once it covers more than
+    /// 1,000 records (default 10 s); a smaller tally is read at every reading. Between two
+    /// tallies a reading carries the last one and no drift (the totals would not balance).
+    pub fn tally_interval(mut self, interval: Duration) -> Self {
+        self.tally_interval = interval;
         self
     }
 

@@ -3,8 +3,9 @@
 //!
 //! Why shared: a dashboard left open in ten tabs must not read Redis ten times as often. The
 //! reader reads only while someone watches (an SSE client is connected); each reading is one
-//! `Admin::stats` (bounded: its tally reads at most `sluicegate::MAX_TALLY` records), one page of
-//! the newest requests, and every `throughput_interval` the per-minute counts of the last hour.
+//! `Admin::stats` (its tally, at most `sluicegate::MAX_TALLY` records, only every `tally_interval`
+//! once it reads more than 1,000), one page of the newest requests, and every
+//! `throughput_interval` the per-minute counts of the last hour.
 //! Completion events come from one [`Listener`] (one blocking read at a time). The tasks belong to
 //! the hub and are aborted when it is dropped.
 
@@ -118,6 +119,8 @@ struct Inner {
     latest: Mutex<Option<Arc<str>>>,
     events: Mutex<VecDeque<Completion>>,
     throughput: Mutex<Option<(std::time::Instant, Arc<Throughput>)>>,
+    /// The last tally, when it was read, and whether it is large enough to be read less often.
+    tally: Mutex<Option<(std::time::Instant, sluicegate::Tally)>>,
 }
 
 impl Hub {
@@ -233,25 +236,48 @@ struct TokenTotals {
     waiting: u64,
     held: u64,
     parked: u64,
-    /// capacity - (waiting + held + parked): zero on a healthy, quiet system.
-    drift: i64,
+    /// capacity - (waiting + held + parked): zero on a healthy, quiet system. `None` when this
+    /// reading carries an earlier tally (a large one, read every `tally_interval`).
+    drift: Option<i64>,
     /// Whether the tally read every record (else capacity and parked cover the first ones).
     complete: bool,
+    /// How old the tally is (0: read in this reading).
+    tally_age_ms: u64,
 }
 
+/// A tally of more records than this is read every `tally_interval`, not at every reading.
+const TALLY_EVERY_READING: u64 = 1_000;
+
 async fn overview(admin: &Admin, inner: &Inner, options: &DashboardOptions) -> sluicegate::Result<Arc<str>> {
-    let stats = admin.stats().await?;
+    let cached = inner.tally.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let (stats, tally_age) = match cached {
+        Some((at, tally))
+            if tally.records_read > TALLY_EVERY_READING && at.elapsed() < options.tally_interval =>
+        {
+            let mut stats = admin.stats_without_tally().await?;
+            stats.tally = tally;
+            (stats, Some(at.elapsed()))
+        }
+        _ => {
+            let stats = admin.stats().await?;
+            *inner.tally.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((std::time::Instant::now(), stats.tally.clone()));
+            (stats, None)
+        }
+    };
     let recent = admin.list(&ListQuery::new().limit(RECENT)).await?;
     let throughput = throughput(admin, inner, options.throughput_interval).await?;
     let waiting: u64 = stats.tokens_waiting.iter().map(|p| p.tokens).sum();
     let tally = &stats.tally;
+    let drift = tally.token_capacity as i64 - (waiting + stats.tokens_held + tally.tokens_parked) as i64;
     let tokens = TokenTotals {
         capacity: tally.token_capacity,
         waiting,
         held: stats.tokens_held,
         parked: tally.tokens_parked,
-        drift: tally.token_capacity as i64 - (waiting + stats.tokens_held + tally.tokens_parked) as i64,
+        drift: tally_age.is_none().then_some(drift),
         complete: tally.complete,
+        tally_age_ms: tally_age.map_or(0, |d| d.as_millis() as u64),
     };
     let reading =
         Overview { at_ms: now_ms(), stats: &stats, tokens, throughput: &throughput, recent: &recent };

@@ -243,3 +243,26 @@ async fn workers_show_what_their_slots_hold_tokens_their_lease_and_events_are_re
     }
     slow.cancel().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_tally_is_read_every_tally_interval_and_the_readings_between_show_no_drift() {
+    let env = env(TOPOLOGY, "dash-tally").await;
+    let p = producer(&env.config).await;
+    // More than 1,000 records: the tally is read once per tally interval, not at every reading.
+    futures::future::try_join_all(
+        (0..1_001).map(|_| async { p.request().own_stream(true).submit([1u64]).await.map(drop) }),
+    )
+    .await
+    .unwrap();
+    let served = serve(&env.config, DashboardOptions::new().tally_interval(Duration::from_secs(3600))).await;
+    let (s, first) = get_json(served.addr, "/api/overview", &[]).await;
+    assert_eq!(s, 200, "{first}");
+    assert_eq!((&first["tokens"]["drift"], &first["tokens"]["tally_age_ms"]), (&Value::from(0), &Value::from(0)), "{}", first["tokens"]);
+    assert_eq!(first["tokens"]["capacity"], 1_001, "{}", first["tokens"]);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (_, second) = get_json(served.addr, "/api/overview", &[]).await;
+    assert_eq!(second["tokens"]["drift"], Value::Null, "{}", second["tokens"]);
+    assert!(second["tokens"]["tally_age_ms"].as_u64().unwrap() >= 20, "{}", second["tokens"]);
+    assert_eq!(second["tokens"]["capacity"], 1_001, "the last tally is carried: {}", second["tokens"]);
+    assert_eq!(second["stats"]["tally"]["records_read"], first["stats"]["tally"]["records_read"]);
+}
