@@ -580,6 +580,8 @@ class _Slot:
         self.pending: Optional[int] = None
         self.executor = None if worker.is_async else concurrent.futures.ThreadPoolExecutor(1, f"sluicegate-handler-{n}")
         self.mean_us: Optional[float] = None
+        # The last handler run's own time (µs), set by the thread or task that ran it.
+        self.ran_us: Optional[float] = None
 
     # ----- the loop (§6.2) -----
 
@@ -754,10 +756,13 @@ class _Slot:
                 except (ValueError, UnicodeDecodeError) as err:
                     outcomes.append(("fail", f"lane entry names no request: {err}", True))
                     continue
-            began = time.monotonic()
+            self.ran_us = None
             outcomes.append(self.run_handler(rid, t.priority, e, e.policy(policy), cancel))
-            us = (time.monotonic() - began) * 1e6
-            self.mean_us = us if self.mean_us is None else 0.8 * self.mean_us + 0.2 * us
+            # Sized by the handler's own time, measured in its thread: the hand-over to it and back
+            # (and the GIL's other threads) would make a no-op look slow and batches shrink to one.
+            us = self.ran_us
+            if us is not None:
+                self.mean_us = us if self.mean_us is None else 0.8 * self.mean_us + 0.2 * us
         return outcomes
 
     def run_handler(self, rid: str, priority: int, e: _Entry, policy: _Policy, cancel: _Cancel) -> Tuple[Any, ...]:
@@ -776,9 +781,11 @@ class _Slot:
                 task = asyncio.current_task()
                 if task is not None:
                     cancel.on_cancel(lambda: loop.call_soon_threadsafe(task.cancel))
+                began = time.monotonic()
                 try:
                     return await w.handler(ctx, payload)
                 finally:
+                    self.ran_us = (time.monotonic() - began) * 1e6
                     ended.set()
 
             fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(runner(), loop)
@@ -786,9 +793,11 @@ class _Slot:
             assert self.executor is not None
 
             def call() -> Any:
+                began = time.monotonic()
                 try:
                     return w.handler(ctx, payload)
                 finally:
+                    self.ran_us = (time.monotonic() - began) * 1e6
                     ended.set()
 
             fut = self.executor.submit(call)
