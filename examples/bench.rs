@@ -17,6 +17,7 @@
 //! shape bench/bullmq/bench.mjs prints too). docs/benchmarks.md explains the figures.
 
 use std::collections::HashMap;
+use std::os::unix::process::CommandExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -900,6 +901,7 @@ impl Bench {
                     false => None,
                 };
                 let commands = proxy.stats().commands;
+                let watchers_cpu = watching.as_ref().map(Watching::cpu_s);
                 let before = stats(&self.nodes).await?;
                 let started = Instant::now();
                 let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
@@ -911,6 +913,12 @@ impl Bench {
                 task.await??;
                 if let Some(watching) = watching {
                     let calls = (proxy.stats().commands - commands) as f64 / elapsed;
+                    let ((d0, b0), (d1, b1)) = (watchers_cpu.unwrap_or_default(), watching.cpu_s());
+                    eprintln!(
+                        "dashboard_overhead round {round}: CPU during the drain: the dashboard {:.0}%, the browser {:.0}% of a core",
+                        (d1 - d0) * 100.0 / elapsed,
+                        (b1 - b0) * 100.0 / elapsed
+                    );
                     drain_rates.push(calls);
                     drop(watching);
                     eprintln!("dashboard_overhead round {round}: dashboard open: {rate:.0} parts/s, Redis {cpu:.2} µs/part, the dashboard's Redis calls {calls:.1}/s during the drain");
@@ -1039,6 +1047,7 @@ impl Watching {
             .args(["--redis", redis, "--namespace", namespace, "dashboard", "--listen"])
             .arg(format!("127.0.0.1:{port}"))
             .stdout(std::process::Stdio::null())
+            .process_group(0)
             .spawn()?;
         let profile =
             std::env::temp_dir().join(format!("sluicegate-bench-chromium-{}-{port}", std::process::id()));
@@ -1077,10 +1086,17 @@ impl Watching {
         tokio::time::sleep(Duration::from_secs(3)).await;
         Ok(watching)
     }
+
+    /// CPU seconds the dashboard process and the browser's processes have used so far.
+    fn cpu_s(&self) -> (f64, f64) {
+        (group_cpu_s(self.dashboard.id()), chromium_cpu_s())
+    }
 }
 
 impl Drop for Watching {
     fn drop(&mut self) {
+        // The browser's helper processes share its process group.
+        let _ = std::process::Command::new("kill").arg("--").arg(format!("-{}", self.browser.id())).status();
         let _ = self.browser.kill();
         let _ = self.dashboard.kill();
         let _ = self.browser.wait();
@@ -1372,11 +1388,37 @@ fn peak_rss() -> String {
 /// CPU seconds this process has used (user + system; Linux `/proc/self/stat`, at the clock tick's
 /// resolution, 10 ms), or `None` elsewhere.
 fn process_cpu_s() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    stat_cpu_s(&std::fs::read_to_string("/proc/self/stat").ok()?).map(|(_, cpu)| cpu)
+}
+
+/// A `/proc/<pid>/stat` line's process group and CPU seconds (user + system).
+fn stat_cpu_s(stat: &str) -> Option<(u32, f64)> {
     // Fields after the command name, which is in parentheses and may hold spaces.
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0)
+    Some((fields.get(2)?.parse().ok()?, ticks / 100.0))
+}
+
+/// CPU seconds the live processes of process group `group` have used.
+fn group_cpu_s(group: u32) -> f64 {
+    live_cpu_s(|g, _| g == group)
+}
+
+/// CPU seconds the live processes named `chrom…` have used (a browser's processes are not all in
+/// one process group).
+fn chromium_cpu_s() -> f64 {
+    live_cpu_s(|_, name| name.starts_with("chrom"))
+}
+
+fn live_cpu_s(pick: impl Fn(u32, &str) -> bool) -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0.0 };
+    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("stat")).ok())
+        .filter_map(|stat| {
+            let name = stat.split_once('(')?.1.rsplit_once(')')?.0.to_owned();
+            let (group, cpu) = stat_cpu_s(&stat)?;
+            pick(group, &name).then_some(cpu)
+        })
+        .sum()
 }
 
 fn loadavg() -> String {
