@@ -5,7 +5,7 @@
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
 -- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
---          lifecycle, {max attempts, timeout ms, backoff base ms, backoff max ms}};
+--          lifecycle, the record's pol, and, for a request's first entry, its queue wait ms};
 --         {'park', wake}, {'drop'}, {'stale'} as acquire.
 -- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
 local function lane_acquire(keys, args)

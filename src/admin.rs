@@ -794,8 +794,14 @@ fn status_from(
     let total = num("total").unwrap_or(0);
     let left = num("left").unwrap_or(total);
     errors.sort_by_key(|e| e.index);
-    let max_attempts_seen =
-        errors.iter().map(|e| e.error.attempts).chain(num("maxseen").map(|m| m as u32)).max().unwrap_or(0);
+    // `maxseen` is written only past one attempt: a part settled at its first makes it 1.
+    let max_attempts_seen = errors
+        .iter()
+        .map(|e| e.error.attempts)
+        .chain(num("maxseen").map(|m| m as u32))
+        .max()
+        .unwrap_or(0)
+        .max(u32::from(left < total));
     errors.truncate(STATUS_ERRORS);
     let done = if state == RequestState::Completed || state == RequestState::Failed {
         total

@@ -742,13 +742,11 @@ async fn check_record(url: &str, ns: &str, s: &Scenario, report: &Report, proble
         want.push(("failed", status.failed.to_string(), failed.to_string()));
     }
     if state != RequestState::Cancelled && !s.harness.kill_one_worker {
-        // The record's own count of attempts agrees with the handler rules (retry: 3). It
-        // counts the parts that failed at least once: 0 when every part succeeded at once.
+        // The record's own count of attempts agrees with the handler rules (retry: 3; 1 when
+        // every part succeeded at once).
         let most = (0..s.parts)
             .map(|i| match s.expected(i) {
-                Expected::Done { attempts, .. } if attempts > 1 => attempts,
-                Expected::Done { .. } => 0,
-                Expected::Dead { attempts, .. } => attempts,
+                Expected::Done { attempts, .. } | Expected::Dead { attempts, .. } => attempts,
             })
             .max()
             .unwrap_or(0);
