@@ -809,10 +809,6 @@ impl Bench {
             }
             ratios.push(pair[1] / pair[0]);
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         let (off, on) = (median(&mut off), median(&mut on));
         let (cpu_off, cpu_on) = (median(&mut cpu_off), median(&mut cpu_on));
         let (own_off, own_on) = (median(&mut own_off), median(&mut own_on));
@@ -934,10 +930,6 @@ impl Bench {
             }
             ratios.push(pair[1] / pair[0]);
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         let (off, on) = (median(&mut off), median(&mut on));
         let (idle, drain) = (median(&mut idle_rates), median(&mut drain_rates));
         let (cpu_off, cpu_on) = (median(&mut cpu_off), median(&mut cpu_on));
@@ -1387,6 +1379,12 @@ fn peak_rss() -> String {
 
 /// CPU seconds this process has used (user + system; Linux `/proc/self/stat`, at the clock tick's
 /// resolution, 10 ms), or `None` elsewhere.
+/// The median of `v` (the upper one of an even count); sorts `v`.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn process_cpu_s() -> Option<f64> {
     stat_cpu_s(&std::fs::read_to_string("/proc/self/stat").ok()?).map(|(_, cpu)| cpu)
 }

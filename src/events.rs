@@ -118,18 +118,7 @@ pub struct Listener {
 impl Listener {
     /// Listens to completions from now on.
     pub async fn connect(config: &Config) -> Result<Self> {
-        let mut listener = Self::resume_after(config, &Cursor::beginning()).await?;
-        for shard in 0..listener.cursors.len() {
-            let events = listener.store.keys.events(shard as u32);
-            let last: Value = listener.store.client.xrevrange(events, "+", "-", Some(1)).await?;
-            if let Some(entry) = reply::array(last)?.into_iter().next() {
-                let id = reply::array(entry)?.into_iter().next();
-                if let Some(id) = id {
-                    listener.cursors[shard] = reply::text(&id)?;
-                }
-            }
-        }
-        Ok(listener)
+        Self::from_last(config, 0).await
     }
 
     /// Listens to the last `n` completions retained in each token shard's events stream (fewer
