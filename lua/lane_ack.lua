@@ -32,21 +32,31 @@ local function lane_ack(keys, args)
   local now = sg_now()
   local extra = tonumber(m[2] or '0')
   local prefix, retention = args[10], args[7]
-  -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
-  local settled, finished, announced, listed = {}, {}, {}, {}
+  -- Each request's record is read once and written once however many of its parts the batch
+  -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
+  -- pol, left, failed, rq, nf), the fields to write and delete, the parts to feed the lane and,
+  -- once its last part is settled, its terminal state; `order` lists the key ids as first seen.
+  -- Fields written and deleted never overlap: each part is in the batch once.
+  local recs, order, settled = {}, {}, {}
   -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
   local done = {'done'}
   for i = 11, #args, 8 do
     local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
       args[i + 5], args[i + 6], args[i + 7]
-    local record = prefix .. kid
-    local r = redis.call('HMGET', record, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf')
-    if not sg_lane_live(r, lc) or finished[kid] then
+    local rec = recs[kid]
+    if not rec then
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf'),
+        set = {}, del = {}, feed = {}}
+      recs[kid] = rec
+      order[#order + 1] = kid
+    end
+    local r = rec.r
+    if rec.state or not sg_lane_live(r, lc) then
       settled[#settled + 1] = id
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
-      redis.call('HSET', record, 'e' .. index, body)
+      rec.set['e' .. index] = body
     elseif outcome == 'skip' then
       redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
       redis.call('RPUSH', keys[5], id)
@@ -54,58 +64,67 @@ local function lane_ack(keys, args)
     else
       settled[#settled + 1] = id
       local failfast = sg_lane_failfast(r[3])
-      local left, failed = tonumber(r[4]) - 1, tonumber(r[5] or '0')
-      local fields = {'left', left}
+      r[4] = tonumber(r[4]) - 1
+      rec.set.left = r[4]
       if outcome == 'ok' then
-        fields[3], fields[4] = 'o' .. index, body
+        rec.set['o' .. index] = body
         if attempt ~= '1' then
-          redis.call('HDEL', record, 'e' .. index)
-          redis.call('HINCRBY', record, 'retried', 1)
-          if tonumber(attempt) > tonumber(redis.call('HGET', record, 'maxseen') or '1') then
-            redis.call('HSET', record, 'maxseen', attempt)
+          rec.del[#rec.del + 1] = 'e' .. index
+          redis.call('HINCRBY', prefix .. kid, 'retried', 1)
+          if tonumber(attempt) > tonumber(redis.call('HGET', prefix .. kid, 'maxseen') or '1') then
+            redis.call('HSET', prefix .. kid, 'maxseen', attempt)
           end
         end
       else
-        failed = failed + 1
+        r[5] = tonumber(r[5] or '0') + 1
         local entry = redis.call('XRANGE', keys[2], id, id)[1]
-        local payload = entry and sg_lane_fields(entry[2]).p or ''
-        fields[3], fields[4], fields[5], fields[6], fields[7], fields[8] =
-          'e' .. index, body, 'x' .. index, payload, 'failed', failed
+        rec.set['e' .. index] = body
+        rec.set['x' .. index] = entry and sg_lane_fields(entry[2]).p or ''
+        rec.set.failed = r[5]
       end
-      if failfast then redis.call('HDEL', record, 'w' .. index) end
-      local last = left <= 0 or (outcome == 'dead' and failfast)
-      local state, feed
-      if last then
-        state = 'completed'
-        if failed > 0 then state = 'failed' end
-        fields[#fields + 1] = 'state'
-        fields[#fields + 1] = state
-        fields[#fields + 1] = 'finished'
-        fields[#fields + 1] = now
+      if failfast then rec.del[#rec.del + 1] = 'w' .. index end
+      if r[4] <= 0 or (outcome == 'dead' and failfast) then
+        rec.state = 'completed'
+        if tonumber(r[5] or '0') > 0 then rec.state = 'failed' end
+        rec.set.state = rec.state
+        rec.set.finished = now
       else
         -- A settled part makes room for the request's next waiting part, if any.
-        local fed
-        feed, fed = sg_lane_pick(r[6], r[7], r[3])
+        local feed, fed = sg_lane_pick(r[6], r[7], r[3])
         if feed then
-          fields[#fields + 1] = fed[1]
-          fields[#fields + 1] = fed[2]
+          rec.feed[#rec.feed + 1] = feed
+          rec.set[fed[1]] = fed[2]
+          if fed[1] == 'rq' then r[6] = fed[2] else r[7] = fed[2] end
         end
-      end
-      redis.call('HSET', record, unpack(fields))
-      if last then
-        -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
-        -- parts not yet run then run too.
-        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
-        finished[kid] = true
-        done[#done + 1] = state
-        done[#done + 1] = lc
-      elseif feed then
-        sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
       end
     end
   end
+  -- The records' writes, then the finished requests' announcements and the fed parts.
+  local announced, finished, states = {}, {}, {}
+  for _, kid in ipairs(order) do
+    local rec, record = recs[kid], prefix .. kid
+    local fields = {}
+    for field, value in pairs(rec.set) do
+      fields[#fields + 1] = field
+      fields[#fields + 1] = value
+    end
+    if #fields > 0 then redis.call('HSET', record, unpack(fields)) end
+    if #rec.del > 0 then redis.call('HDEL', record, unpack(rec.del)) end
+    if #rec.feed > 0 then sg_lane_feed_parts(keys, record, kid, rec.r[2], rec.r[3], rec.feed) end
+    if rec.state then
+      -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
+      -- parts not yet run then run too.
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now)
+      finished[#finished + 1] = kid
+      states[#states + 1] = rec.state
+      done[#done + 1] = rec.state
+      done[#done + 1] = rec.r[2]
+    end
+  end
   if #announced > 0 then
-    sg_ix_finished(sg_ix(keys[7]), now, listed)
+    local ix, listed = sg_ix(keys[7]), {}
+    sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
+    sg_ix_finished(ix, now, listed)
     redis.call('PEXPIRE', keys[7], retention)
     redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
   end

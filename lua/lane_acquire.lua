@@ -16,12 +16,12 @@ local function lane_acquire(keys, args)
   local now = sg_now()
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
     -- The same call re-sent after its reply was lost: the entries it handed out, again.
-    local reply = {'run'}
+    local reply, seen = {'run'}, {}
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if entry and pending then
-        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now, seen)
         if e then reply[#reply + 1] = e end
       end
     end

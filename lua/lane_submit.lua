@@ -76,7 +76,8 @@ local function lane_submit(keys, args)
     fields[#fields + 1] = args[16 + i]
   end
   redis.call('HSET', record, unpack(fields))
-  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true)
+  -- An id the producer generated (no nonce) whose record is absent was never listed.
+  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true, args[4] == '')
   for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)

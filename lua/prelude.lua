@@ -439,9 +439,11 @@ end
 -- left (while one is, `exp` stays, so that trimming finds every finished request).
 local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
 local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
--- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
--- finish, so the index never grows behind, and the claims empty it once the work stops.
-local SG_IX_TRIM_FINISH = 4
+-- Expired entries a call that finishes requests drops, and recovery's periodic claim (claim_due):
+-- more than such a call finishes (a lane's batch is at most 16 by default), so the index never
+-- grows behind, and the claims empty it once the work stops. Trimming costs a few commands per
+-- call however many it drops (sg_ix_trim).
+local SG_IX_TRIM_FINISH = 32
 local SG_IX_TRIM_CLAIM = 100
 local SG_IX_TRACKED = ' tracked'
 
@@ -458,13 +460,18 @@ local function sg_ix_tags(row)
   return tags
 end
 
--- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags and, if
--- it is tracked, the tracked set.
-local function sg_ix_marks(ix, kid, row)
+-- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags (from its
+-- `row`) and, if it is `tracked`, the tracked set.
+local function sg_ix_marks_of(ix, row, tracked)
   local marks = {}
   for _, tag in ipairs(sg_ix_tags(row)) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
-  if redis.call('ZSCORE', ix .. 'tracked', kid) then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
+  if tracked then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
   return marks
+end
+
+-- sg_ix_marks_of for request `kid`, whose row is `row`.
+local function sg_ix_marks(ix, kid, row)
+  return sg_ix_marks_of(ix, row, redis.call('ZSCORE', ix .. 'tracked', kid))
 end
 
 -- Sets `key` to expire at `at` (ms) unless it already expires later.
@@ -529,10 +536,25 @@ local function sg_ix_remove(ix, kid, now)
   return 1
 end
 
--- Drops up to `n` finished requests whose keys have expired.
+-- Drops up to `n` finished requests whose keys have expired, all with one command per set (a
+-- request in `exp` is finished, never live: sg_ix_remove's steps for a request that is not live).
 local function sg_ix_trim(ix, now, n)
   local gone = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'LIMIT', 0, n)
-  for _, kid in ipairs(gone) do sg_ix_remove(ix, kid, now) end
+  if #gone == 0 then return end
+  redis.call('HDEL', ix .. 'next', unpack(gone))
+  local rows = redis.call('HMGET', ix .. 'row', unpack(gone))
+  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(gone))
+  for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], unpack(gone)) end
+  redis.call('ZREM', ix .. 'exp', unpack(gone))
+  redis.call('HDEL', ix .. 'row', unpack(gone))
+  for j, kid in ipairs(gone) do
+    if rows[j] then
+      for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do
+        redis.call('ZREM', mark[2], kid)
+        if redis.call('EXISTS', mark[2]) == 0 then redis.call('HDEL', ix .. 'tx', mark[1]) end
+      end
+    end
+  end
 end
 
 -- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
@@ -542,17 +564,23 @@ end
 -- the id was free: an operator purged its keys and the index has not followed yet (`unlist` comes
 -- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
 -- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
-local function sg_ix_add(ix, kid, row, now, created)
+-- `fresh`: the caller knows the id was never listed (lane_submit under an id the producer
+-- generated, whose record it found absent), which saves the checks.
+local function sg_ix_add(ix, kid, row, now, created, fresh)
   if row == nil or row == '' then return end
-  local exp = redis.call('ZSCORE', ix .. 'exp', kid)
-  local live = redis.call('ZSCORE', ix .. 'live', kid)
-  if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
-  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
-    if not live then
-      redis.call('HSET', ix .. 'next', kid, row)
-      sg_ix_settle(ix, now)
+  if fresh then
+    redis.call('HSET', ix .. 'row', kid, row)
+  else
+    local exp = redis.call('ZSCORE', ix .. 'exp', kid)
+    local live = redis.call('ZSCORE', ix .. 'live', kid)
+    if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
+    if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
+      if not live then
+        redis.call('HSET', ix .. 'next', kid, row)
+        sg_ix_settle(ix, now)
+      end
+      return
     end
-    return
   end
   sg_ix_first_live(ix)
   redis.call('ZADD', ix .. 'live', now, kid)
@@ -571,28 +599,52 @@ local function sg_ix_takeover(ix, kid, now)
   sg_ix_add(ix, kid, row, now, true)
 end
 
--- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
--- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
--- its end; otherwise that is done here.
+-- Ends a call's changes to the index after requests finished (`batch`: the latest expiry of each
+-- terminal state they entered): the terminal sets' expiry, the trimming, the settling.
 local function sg_ix_finished(ix, now, batch)
   for state, expires in pairs(batch) do sg_ix_expire_at(ix .. state, expires, now) end
   sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
   sg_ix_settle(ix, now)
 end
 
-local function sg_ix_finish(ix, kid, state, expires, now, batch)
-  local score = redis.call('ZSCORE', ix .. 'live', kid)
-  local own = batch == nil
-  batch = batch or {}
-  if score then
-    redis.call('ZREM', ix .. 'live', kid)
-    redis.call('ZADD', ix .. state, score, kid)
-    redis.call('ZADD', ix .. 'exp', expires, kid)
-    batch[state] = math.max(batch[state] or 0, expires)
-    for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
-      sg_ix_mark_done(ix, mark, expires, now)
+-- sg_ix_finish for several requests at once, with one command per set: `kids` turned terminal
+-- in `states` (by position), their keys expiring at `expires`.
+local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
+  if #kids == 0 then return end
+  local scores = redis.call('ZMSCORE', ix .. 'live', unpack(kids))
+  local listed, by_state, exp = {}, {}, {}
+  for j, kid in ipairs(kids) do
+    if scores[j] then
+      listed[#listed + 1] = kid
+      local members = by_state[states[j]] or {}
+      by_state[states[j]] = members
+      members[#members + 1] = scores[j]
+      members[#members + 1] = kid
+      exp[#exp + 1] = expires
+      exp[#exp + 1] = kid
     end
   end
+  if #listed == 0 then return end
+  redis.call('ZREM', ix .. 'live', unpack(listed))
+  for state, members in pairs(by_state) do
+    redis.call('ZADD', ix .. state, unpack(members))
+    batch[state] = math.max(batch[state] or 0, expires)
+  end
+  redis.call('ZADD', ix .. 'exp', unpack(exp))
+  local rows = redis.call('HMGET', ix .. 'row', unpack(listed))
+  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(listed))
+  for j = 1, #listed do
+    for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do sg_ix_mark_done(ix, mark, expires, now) end
+  end
+end
+
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
+-- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
+-- its end; otherwise that is done here.
+local function sg_ix_finish(ix, kid, state, expires, now, batch)
+  local own = batch == nil
+  batch = batch or {}
+  sg_ix_finish_many(ix, {kid}, {state}, expires, now, batch)
   if own then sg_ix_finished(ix, now, batch) end
 end
 
@@ -694,14 +746,21 @@ local function sg_lane_pick(rq, nf, pol)
   return nil
 end
 
--- Adds waiting part i of a lane request (its record's `pol` given) to the lane. A fail-fast
--- request keeps the part's payload until the part is settled: if it fails while the part is in
--- the lane, a requeue feeds the part again from there.
-local function sg_lane_feed_part(keys, record, kid, lc, pol, i)
-  local w = redis.call('HGET', record, 'w' .. i)
-  if not w then return end
-  if not sg_lane_failfast(pol) then redis.call('HDEL', record, 'w' .. i) end
-  sg_lane_add(keys, kid, i, lc, w)
+-- Adds waiting parts `indices` of a lane request (its record's `pol` given) to the lane, in that
+-- order. A fail-fast request keeps a part's payload until the part is settled: if it fails while
+-- the part is in the lane, a requeue feeds the part again from there.
+local function sg_lane_feed_parts(keys, record, kid, lc, pol, indices)
+  local fields = {}
+  for j, i in ipairs(indices) do fields[j] = 'w' .. i end
+  local w = redis.call('HMGET', record, unpack(fields))
+  local fed = {}
+  for j, i in ipairs(indices) do
+    if w[j] then
+      fed[#fed + 1] = fields[j]
+      sg_lane_add(keys, kid, i, lc, w[j])
+    end
+  end
+  if #fed > 0 and not sg_lane_failfast(pol) then redis.call('HDEL', record, unpack(fed)) end
 end
 
 -- Feeds the lane the next waiting part of a lane request, if any (sg_lane_pick).
@@ -710,7 +769,7 @@ local function sg_lane_feed(keys, record, kid, lc, pol)
   local i, fed = sg_lane_pick(m[1], m[2], pol)
   if not i then return end
   redis.call('HSET', record, unpack(fed))
-  sg_lane_feed_part(keys, record, kid, lc, pol, i)
+  sg_lane_feed_parts(keys, record, kid, lc, pol, {i})
 end
 
 -- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` starts with its
@@ -722,11 +781,10 @@ end
 -- Announces that a lane request turned terminal (its record's state is written): the record is
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call;
--- given `batch`, it also ends the listing index's changes with sg_ix_finished once.
-local function sg_lane_announce(record, kid, state, retention, events, now, batch)
+-- finished as one message, keeps the events stream for the retention (PEXPIRE), and moves them in
+-- the listing index (sg_ix_finish_many, sg_ix_finished), once per call.
+local function sg_lane_announce(record, kid, state, retention, events, now)
   redis.call('PEXPIRE', record, retention)
-  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now, batch)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
   return kid .. '|' .. state
 end
@@ -735,14 +793,20 @@ end
 -- lifecycle, settings (the record's `pol`, as it is)[, queue wait ms]}, or nil when its request
 -- is no longer live (then the entry is to be dropped). Marks the request running; the eighth
 -- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
--- created ms), for the stats by stage.
-local function sg_lane_entry(prefix, id, fields, attempt, now)
+-- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
+-- id), so that a batch with several parts of one request reads its record once.
+local function sg_lane_entry(prefix, id, fields, attempt, now, seen)
   local e = sg_lane_fields(fields)
   local record = prefix .. e.r
-  local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
+  local m = seen[e.r]
+  if not m then
+    m = redis.call('HMGET', record, 'state', 'lc', 'pol')
+    seen[e.r] = m
+  end
   if not sg_lane_live(m, e.l) then return nil end
   if m[1] == 'queued' then
     redis.call('HSET', record, 'state', 'running', 'started', now)
+    m[1] = 'running'
     local created = math.floor(tonumber(e.l) / 1000)
     return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
   end
@@ -818,13 +882,13 @@ end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
   want = math.max(want or 1, 1)
-  local reply, ids = {'run'}, {}
+  local reply, ids, seen = {'run'}, {}, {}
   for _ = 1, 8 do
     local work = sg_take_work(keys, consumer, now, extra, want - #ids)
     if #work == 0 then break end
     local dropped = {}
     for _, w in ipairs(work) do
-      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now)
+      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now, seen)
       if entry then
         ids[#ids + 1] = w[1]
         reply[#reply + 1] = entry

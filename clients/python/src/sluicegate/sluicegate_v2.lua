@@ -441,9 +441,11 @@ end
 -- left (while one is, `exp` stays, so that trimming finds every finished request).
 local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
 local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
--- Expired entries a finish drops, and recovery's periodic claim (claim_due): more than one per
--- finish, so the index never grows behind, and the claims empty it once the work stops.
-local SG_IX_TRIM_FINISH = 4
+-- Expired entries a call that finishes requests drops, and recovery's periodic claim (claim_due):
+-- more than such a call finishes (a lane's batch is at most 16 by default), so the index never
+-- grows behind, and the claims empty it once the work stops. Trimming costs a few commands per
+-- call however many it drops (sg_ix_trim).
+local SG_IX_TRIM_FINISH = 32
 local SG_IX_TRIM_CLAIM = 100
 local SG_IX_TRACKED = ' tracked'
 
@@ -460,13 +462,18 @@ local function sg_ix_tags(row)
   return tags
 end
 
--- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags and, if
--- it is tracked, the tracked set.
-local function sg_ix_marks(ix, kid, row)
+-- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags (from its
+-- `row`) and, if it is `tracked`, the tracked set.
+local function sg_ix_marks_of(ix, row, tracked)
   local marks = {}
   for _, tag in ipairs(sg_ix_tags(row)) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
-  if redis.call('ZSCORE', ix .. 'tracked', kid) then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
+  if tracked then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
   return marks
+end
+
+-- sg_ix_marks_of for request `kid`, whose row is `row`.
+local function sg_ix_marks(ix, kid, row)
+  return sg_ix_marks_of(ix, row, redis.call('ZSCORE', ix .. 'tracked', kid))
 end
 
 -- Sets `key` to expire at `at` (ms) unless it already expires later.
@@ -531,10 +538,25 @@ local function sg_ix_remove(ix, kid, now)
   return 1
 end
 
--- Drops up to `n` finished requests whose keys have expired.
+-- Drops up to `n` finished requests whose keys have expired, all with one command per set (a
+-- request in `exp` is finished, never live: sg_ix_remove's steps for a request that is not live).
 local function sg_ix_trim(ix, now, n)
   local gone = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'LIMIT', 0, n)
-  for _, kid in ipairs(gone) do sg_ix_remove(ix, kid, now) end
+  if #gone == 0 then return end
+  redis.call('HDEL', ix .. 'next', unpack(gone))
+  local rows = redis.call('HMGET', ix .. 'row', unpack(gone))
+  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(gone))
+  for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], unpack(gone)) end
+  redis.call('ZREM', ix .. 'exp', unpack(gone))
+  redis.call('HDEL', ix .. 'row', unpack(gone))
+  for j, kid in ipairs(gone) do
+    if rows[j] then
+      for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do
+        redis.call('ZREM', mark[2], kid)
+        if redis.call('EXISTS', mark[2]) == 0 then redis.call('HDEL', ix .. 'tx', mark[1]) end
+      end
+    end
+  end
 end
 
 -- Lists a new request as live, submitted at `now`, unless its id is listed already (then the
@@ -544,17 +566,23 @@ end
 -- the id was free: an operator purged its keys and the index has not followed yet (`unlist` comes
 -- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
 -- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
-local function sg_ix_add(ix, kid, row, now, created)
+-- `fresh`: the caller knows the id was never listed (lane_submit under an id the producer
+-- generated, whose record it found absent), which saves the checks.
+local function sg_ix_add(ix, kid, row, now, created, fresh)
   if row == nil or row == '' then return end
-  local exp = redis.call('ZSCORE', ix .. 'exp', kid)
-  local live = redis.call('ZSCORE', ix .. 'live', kid)
-  if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
-  if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
-    if not live then
-      redis.call('HSET', ix .. 'next', kid, row)
-      sg_ix_settle(ix, now)
+  if fresh then
+    redis.call('HSET', ix .. 'row', kid, row)
+  else
+    local exp = redis.call('ZSCORE', ix .. 'exp', kid)
+    local live = redis.call('ZSCORE', ix .. 'live', kid)
+    if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
+    if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
+      if not live then
+        redis.call('HSET', ix .. 'next', kid, row)
+        sg_ix_settle(ix, now)
+      end
+      return
     end
-    return
   end
   sg_ix_first_live(ix)
   redis.call('ZADD', ix .. 'live', now, kid)
@@ -573,28 +601,52 @@ local function sg_ix_takeover(ix, kid, now)
   sg_ix_add(ix, kid, row, now, true)
 end
 
--- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
--- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
--- its end; otherwise that is done here.
+-- Ends a call's changes to the index after requests finished (`batch`: the latest expiry of each
+-- terminal state they entered): the terminal sets' expiry, the trimming, the settling.
 local function sg_ix_finished(ix, now, batch)
   for state, expires in pairs(batch) do sg_ix_expire_at(ix .. state, expires, now) end
   sg_ix_trim(ix, now, SG_IX_TRIM_FINISH)
   sg_ix_settle(ix, now)
 end
 
-local function sg_ix_finish(ix, kid, state, expires, now, batch)
-  local score = redis.call('ZSCORE', ix .. 'live', kid)
-  local own = batch == nil
-  batch = batch or {}
-  if score then
-    redis.call('ZREM', ix .. 'live', kid)
-    redis.call('ZADD', ix .. state, score, kid)
-    redis.call('ZADD', ix .. 'exp', expires, kid)
-    batch[state] = math.max(batch[state] or 0, expires)
-    for _, mark in ipairs(sg_ix_marks(ix, kid, redis.call('HGET', ix .. 'row', kid))) do
-      sg_ix_mark_done(ix, mark, expires, now)
+-- sg_ix_finish for several requests at once, with one command per set: `kids` turned terminal
+-- in `states` (by position), their keys expiring at `expires`.
+local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
+  if #kids == 0 then return end
+  local scores = redis.call('ZMSCORE', ix .. 'live', unpack(kids))
+  local listed, by_state, exp = {}, {}, {}
+  for j, kid in ipairs(kids) do
+    if scores[j] then
+      listed[#listed + 1] = kid
+      local members = by_state[states[j]] or {}
+      by_state[states[j]] = members
+      members[#members + 1] = scores[j]
+      members[#members + 1] = kid
+      exp[#exp + 1] = expires
+      exp[#exp + 1] = kid
     end
   end
+  if #listed == 0 then return end
+  redis.call('ZREM', ix .. 'live', unpack(listed))
+  for state, members in pairs(by_state) do
+    redis.call('ZADD', ix .. state, unpack(members))
+    batch[state] = math.max(batch[state] or 0, expires)
+  end
+  redis.call('ZADD', ix .. 'exp', unpack(exp))
+  local rows = redis.call('HMGET', ix .. 'row', unpack(listed))
+  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(listed))
+  for j = 1, #listed do
+    for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do sg_ix_mark_done(ix, mark, expires, now) end
+  end
+end
+
+-- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
+-- finishes several requests (lane_ack) passes `batch`, a table, and calls sg_ix_finished once at
+-- its end; otherwise that is done here.
+local function sg_ix_finish(ix, kid, state, expires, now, batch)
+  local own = batch == nil
+  batch = batch or {}
+  sg_ix_finish_many(ix, {kid}, {state}, expires, now, batch)
   if own then sg_ix_finished(ix, now, batch) end
 end
 
@@ -696,14 +748,21 @@ local function sg_lane_pick(rq, nf, pol)
   return nil
 end
 
--- Adds waiting part i of a lane request (its record's `pol` given) to the lane. A fail-fast
--- request keeps the part's payload until the part is settled: if it fails while the part is in
--- the lane, a requeue feeds the part again from there.
-local function sg_lane_feed_part(keys, record, kid, lc, pol, i)
-  local w = redis.call('HGET', record, 'w' .. i)
-  if not w then return end
-  if not sg_lane_failfast(pol) then redis.call('HDEL', record, 'w' .. i) end
-  sg_lane_add(keys, kid, i, lc, w)
+-- Adds waiting parts `indices` of a lane request (its record's `pol` given) to the lane, in that
+-- order. A fail-fast request keeps a part's payload until the part is settled: if it fails while
+-- the part is in the lane, a requeue feeds the part again from there.
+local function sg_lane_feed_parts(keys, record, kid, lc, pol, indices)
+  local fields = {}
+  for j, i in ipairs(indices) do fields[j] = 'w' .. i end
+  local w = redis.call('HMGET', record, unpack(fields))
+  local fed = {}
+  for j, i in ipairs(indices) do
+    if w[j] then
+      fed[#fed + 1] = fields[j]
+      sg_lane_add(keys, kid, i, lc, w[j])
+    end
+  end
+  if #fed > 0 and not sg_lane_failfast(pol) then redis.call('HDEL', record, unpack(fed)) end
 end
 
 -- Feeds the lane the next waiting part of a lane request, if any (sg_lane_pick).
@@ -712,7 +771,7 @@ local function sg_lane_feed(keys, record, kid, lc, pol)
   local i, fed = sg_lane_pick(m[1], m[2], pol)
   if not i then return end
   redis.call('HSET', record, unpack(fed))
-  sg_lane_feed_part(keys, record, kid, lc, pol, i)
+  sg_lane_feed_parts(keys, record, kid, lc, pol, {i})
 end
 
 -- Whether a lane request's record is live for an entry of lifecycle `lc`; `m` starts with its
@@ -724,11 +783,10 @@ end
 -- Announces that a lane request turned terminal (its record's state is written): the record is
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, and keeps the events stream for the retention (PEXPIRE), once per call;
--- given `batch`, it also ends the listing index's changes with sg_ix_finished once.
-local function sg_lane_announce(record, kid, state, retention, events, now, batch)
+-- finished as one message, keeps the events stream for the retention (PEXPIRE), and moves them in
+-- the listing index (sg_ix_finish_many, sg_ix_finished), once per call.
+local function sg_lane_announce(record, kid, state, retention, events, now)
   redis.call('PEXPIRE', record, retention)
-  sg_ix_finish(sg_ix(events), kid, state, now + tonumber(retention), now, batch)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
   return kid .. '|' .. state
 end
@@ -737,14 +795,20 @@ end
 -- lifecycle, settings (the record's `pol`, as it is)[, queue wait ms]}, or nil when its request
 -- is no longer live (then the entry is to be dropped). Marks the request running; the eighth
 -- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
--- created ms), for the stats by stage.
-local function sg_lane_entry(prefix, id, fields, attempt, now)
+-- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
+-- id), so that a batch with several parts of one request reads its record once.
+local function sg_lane_entry(prefix, id, fields, attempt, now, seen)
   local e = sg_lane_fields(fields)
   local record = prefix .. e.r
-  local m = redis.call('HMGET', record, 'state', 'lc', 'pol')
+  local m = seen[e.r]
+  if not m then
+    m = redis.call('HMGET', record, 'state', 'lc', 'pol')
+    seen[e.r] = m
+  end
   if not sg_lane_live(m, e.l) then return nil end
   if m[1] == 'queued' then
     redis.call('HSET', record, 'state', 'running', 'started', now)
+    m[1] = 'running'
     local created = math.floor(tonumber(e.l) / 1000)
     return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
   end
@@ -820,13 +884,13 @@ end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
   want = math.max(want or 1, 1)
-  local reply, ids = {'run'}, {}
+  local reply, ids, seen = {'run'}, {}, {}
   for _ = 1, 8 do
     local work = sg_take_work(keys, consumer, now, extra, want - #ids)
     if #work == 0 then break end
     local dropped = {}
     for _, w in ipairs(work) do
-      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now)
+      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now, seen)
       if entry then
         ids[#ids + 1] = w[1]
         reply[#reply + 1] = entry
@@ -1357,12 +1421,12 @@ local function lane_acquire(keys, args)
   local now = sg_now()
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
     -- The same call re-sent after its reply was lost: the entries it handed out, again.
-    local reply = {'run'}
+    local reply, seen = {'run'}, {}
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if entry and pending then
-        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now)
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now, seen)
         if e then reply[#reply + 1] = e end
       end
     end
@@ -2448,7 +2512,8 @@ local function lane_submit(keys, args)
     fields[#fields + 1] = args[16 + i]
   end
   redis.call('HSET', record, unpack(fields))
-  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true)
+  -- An id the producer generated (no nonce) whose record is absent was never listed.
+  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true, args[4] == '')
   for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
@@ -2489,21 +2554,31 @@ local function lane_ack(keys, args)
   local now = sg_now()
   local extra = tonumber(m[2] or '0')
   local prefix, retention = args[10], args[7]
-  -- The listing index's changes of the requests this call finishes (sg_ix_finish's batch).
-  local settled, finished, announced, listed = {}, {}, {}, {}
+  -- Each request's record is read once and written once however many of its parts the batch
+  -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
+  -- pol, left, failed, rq, nf), the fields to write and delete, the parts to feed the lane and,
+  -- once its last part is settled, its terminal state; `order` lists the key ids as first seen.
+  -- Fields written and deleted never overlap: each part is in the batch once.
+  local recs, order, settled = {}, {}, {}
   -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
   local done = {'done'}
   for i = 11, #args, 8 do
     local id, outcome, body, attempt, kid, lc, index = args[i], args[i + 1], args[i + 2], args[i + 4],
       args[i + 5], args[i + 6], args[i + 7]
-    local record = prefix .. kid
-    local r = redis.call('HMGET', record, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf')
-    if not sg_lane_live(r, lc) or finished[kid] then
+    local rec = recs[kid]
+    if not rec then
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf'),
+        set = {}, del = {}, feed = {}}
+      recs[kid] = rec
+      order[#order + 1] = kid
+    end
+    local r = rec.r
+    if rec.state or not sg_lane_live(r, lc) then
       settled[#settled + 1] = id
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
-      redis.call('HSET', record, 'e' .. index, body)
+      rec.set['e' .. index] = body
     elseif outcome == 'skip' then
       redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
       redis.call('RPUSH', keys[5], id)
@@ -2511,58 +2586,67 @@ local function lane_ack(keys, args)
     else
       settled[#settled + 1] = id
       local failfast = sg_lane_failfast(r[3])
-      local left, failed = tonumber(r[4]) - 1, tonumber(r[5] or '0')
-      local fields = {'left', left}
+      r[4] = tonumber(r[4]) - 1
+      rec.set.left = r[4]
       if outcome == 'ok' then
-        fields[3], fields[4] = 'o' .. index, body
+        rec.set['o' .. index] = body
         if attempt ~= '1' then
-          redis.call('HDEL', record, 'e' .. index)
-          redis.call('HINCRBY', record, 'retried', 1)
-          if tonumber(attempt) > tonumber(redis.call('HGET', record, 'maxseen') or '1') then
-            redis.call('HSET', record, 'maxseen', attempt)
+          rec.del[#rec.del + 1] = 'e' .. index
+          redis.call('HINCRBY', prefix .. kid, 'retried', 1)
+          if tonumber(attempt) > tonumber(redis.call('HGET', prefix .. kid, 'maxseen') or '1') then
+            redis.call('HSET', prefix .. kid, 'maxseen', attempt)
           end
         end
       else
-        failed = failed + 1
+        r[5] = tonumber(r[5] or '0') + 1
         local entry = redis.call('XRANGE', keys[2], id, id)[1]
-        local payload = entry and sg_lane_fields(entry[2]).p or ''
-        fields[3], fields[4], fields[5], fields[6], fields[7], fields[8] =
-          'e' .. index, body, 'x' .. index, payload, 'failed', failed
+        rec.set['e' .. index] = body
+        rec.set['x' .. index] = entry and sg_lane_fields(entry[2]).p or ''
+        rec.set.failed = r[5]
       end
-      if failfast then redis.call('HDEL', record, 'w' .. index) end
-      local last = left <= 0 or (outcome == 'dead' and failfast)
-      local state, feed
-      if last then
-        state = 'completed'
-        if failed > 0 then state = 'failed' end
-        fields[#fields + 1] = 'state'
-        fields[#fields + 1] = state
-        fields[#fields + 1] = 'finished'
-        fields[#fields + 1] = now
+      if failfast then rec.del[#rec.del + 1] = 'w' .. index end
+      if r[4] <= 0 or (outcome == 'dead' and failfast) then
+        rec.state = 'completed'
+        if tonumber(r[5] or '0') > 0 then rec.state = 'failed' end
+        rec.set.state = rec.state
+        rec.set.finished = now
       else
         -- A settled part makes room for the request's next waiting part, if any.
-        local fed
-        feed, fed = sg_lane_pick(r[6], r[7], r[3])
+        local feed, fed = sg_lane_pick(r[6], r[7], r[3])
         if feed then
-          fields[#fields + 1] = fed[1]
-          fields[#fields + 1] = fed[2]
+          rec.feed[#rec.feed + 1] = feed
+          rec.set[fed[1]] = fed[2]
+          if fed[1] == 'rq' then r[6] = fed[2] else r[7] = fed[2] end
         end
-      end
-      redis.call('HSET', record, unpack(fields))
-      if last then
-        -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
-        -- parts not yet run then run too.
-        announced[#announced + 1] = sg_lane_announce(record, kid, state, retention, keys[7], now, listed)
-        finished[kid] = true
-        done[#done + 1] = state
-        done[#done + 1] = lc
-      elseif feed then
-        sg_lane_feed_part(keys, record, kid, lc, r[3], feed)
       end
     end
   end
+  -- The records' writes, then the finished requests' announcements and the fed parts.
+  local announced, finished, states = {}, {}, {}
+  for _, kid in ipairs(order) do
+    local rec, record = recs[kid], prefix .. kid
+    local fields = {}
+    for field, value in pairs(rec.set) do
+      fields[#fields + 1] = field
+      fields[#fields + 1] = value
+    end
+    if #fields > 0 then redis.call('HSET', record, unpack(fields)) end
+    if #rec.del > 0 then redis.call('HDEL', record, unpack(rec.del)) end
+    if #rec.feed > 0 then sg_lane_feed_parts(keys, record, kid, rec.r[2], rec.r[3], rec.feed) end
+    if rec.state then
+      -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
+      -- parts not yet run then run too.
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now)
+      finished[#finished + 1] = kid
+      states[#states + 1] = rec.state
+      done[#done + 1] = rec.state
+      done[#done + 1] = rec.r[2]
+    end
+  end
   if #announced > 0 then
-    sg_ix_finished(sg_ix(keys[7]), now, listed)
+    local ix, listed = sg_ix(keys[7]), {}
+    sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
+    sg_ix_finished(ix, now, listed)
     redis.call('PEXPIRE', keys[7], retention)
     redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
   end
@@ -2594,7 +2678,9 @@ local function lane_cancel(keys, args)
   for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
-  redis.call('PUBLISH', args[3], sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now))
+  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now)
+  sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
+  redis.call('PUBLISH', args[3], line)
   redis.call('PEXPIRE', keys[2], args[2])
   return {'finished', 'cancelled', m[2]}
 end
