@@ -394,7 +394,7 @@ impl Bench {
         let items = requests * parts;
         let empty = stats(&self.nodes).await?;
         let started = Instant::now();
-        queue(&producer, requests, parts, limit).await?;
+        queue_as(&producer, requests, parts, limit, !scenario.ends_with("_unlisted")).await?;
         let queued = stats(&self.nodes).await?;
         let ns = config.namespace_str().to_owned();
         let index_queued = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
@@ -1120,9 +1120,21 @@ fn scrape_every(
 }
 
 async fn queue(producer: &Producer, requests: u64, parts: u64, limit: u32) -> Result<(), BoxError> {
+    queue_as(producer, requests, parts, limit, true).await
+}
+
+/// `queue`, the requests listed or not (`RequestBuilder::unlisted`).
+async fn queue_as(
+    producer: &Producer,
+    requests: u64,
+    parts: u64,
+    limit: u32,
+    listed: bool,
+) -> Result<(), BoxError> {
     futures::stream::iter(0..requests)
         .map(|_| async {
             let request = producer.request().concurrency(limit)?;
+            let request = if listed { request } else { request.unlisted() };
             request.submit((0..parts).map(|_| PAYLOAD)).await.map(drop)
         })
         .buffer_unordered(64)
@@ -1204,6 +1216,9 @@ impl Bench {
         }
         if wants("small_1") {
             rows.extend(self.backlog("small_1", self.scaled(100_000), 1, 1).await?);
+        }
+        if wants("small_1_unlisted") {
+            rows.extend(self.backlog("small_1_unlisted", self.scaled(100_000), 1, 1).await?);
         }
         for backlog in [1_000, 10_000, 100_000] {
             let name = format!("small_10_backlog_{}k", backlog / 1_000);
@@ -1331,11 +1346,13 @@ fn print_ratios(rows: &[Row]) {
         ("one_huge", "plain_queue"),
         ("small_1", "plain_queue"),
         ("small_1", "plain_queue_kept"),
+        ("small_1_unlisted", "plain_queue"),
         ("small_10_backlog_1k", "plain_queue"),
         ("small_10_backlog_10k", "plain_queue"),
         ("small_10_backlog_100k", "plain_queue"),
         ("medium_1000", "plain_queue"),
         ("small_1_submit", "plain_add"),
+        ("small_1_unlisted_submit", "plain_add"),
         ("many_small_submit", "flow_small_add"),
         ("submit_large", "plain_add"),
         ("memory", "memory"),

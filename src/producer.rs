@@ -82,6 +82,7 @@ impl Producer {
             open_expiry: None,
             fail_fast: false,
             own_stream: false,
+            listed: true,
             window: 0,
             discard: false,
             tags: Vec::new(),
@@ -109,6 +110,7 @@ impl Producer {
         let trace = send.carried();
         let submitted = async {
             check_duration("delay", spec.delay)?;
+            spec.check_listing()?;
             if spec.window > 0 || spec.discard {
                 // A whole request is bounded by what the producer hands over at once; the window
                 // paces a streamed producer (and keeps windowed requests off the lanes).
@@ -140,7 +142,7 @@ impl Producer {
             // Registered with recovery before it exists: a producer that dies after creating it but
             // before pushing its tokens leaves a request recovery finds and completes. Never taken
             // back (it may be the winner's, when two producers submit one id).
-            let row = Row::encode(Kind::Own, spec.priority, spec.concurrency, &spec.tags);
+            let row = spec.row(Kind::Own);
             let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
             let deadline = registration.deadline(&self.store);
             let req = spec.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace);
@@ -358,6 +360,7 @@ pub struct RequestBuilder<'a> {
     open_expiry: Option<Duration>,
     fail_fast: bool,
     own_stream: bool,
+    listed: bool,
     window: u64,
     discard: bool,
     tags: Vec<String>,
@@ -414,6 +417,18 @@ impl RequestBuilder<'_> {
     /// lane limit cannot let its parts crowd its own. Default: a small request takes the lane.
     pub fn own_stream(mut self, on: bool) -> Self {
         self.own_stream = on;
+        self
+    }
+
+    /// Leaves the request out of the listing index: [`Admin::list`](crate::Admin::list), `sluicegate
+    /// list` and the dashboard's lists do not show it, and [`Admin::stats`](crate::Admin::stats)'
+    /// request counts leave it out. Everything done by id works as for any request: status,
+    /// `wait`, events, cancel, requeue, results. For many tiny requests that nobody lists: it
+    /// saves the index's Redis work at submit and finish (about a fifth of a single-part
+    /// request's Redis CPU, docs/benchmarks.md) and its 200-350 bytes per request. Not with
+    /// tags (they name sets of the index). Default: listed.
+    pub fn unlisted(mut self) -> Self {
+        self.listed = false;
         self
     }
 
@@ -518,6 +533,25 @@ impl RequestBuilder<'_> {
 
     /// What the request is created with, as the submit functions take it (`trace`: the context
     /// of its send span, `otel`).
+    /// Refuses tags on an unlisted request: they would name sets it is not in.
+    fn check_listing(&self) -> Result<()> {
+        if !self.listed && !self.tags.is_empty() {
+            return Err(Error::InvalidRequest(
+                "an unlisted request cannot carry tags: tags name sets of the listing index".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Its row in the listing index ('' when unlisted: the functions then leave it out).
+    fn row(&self, kind: Kind) -> String {
+        if self.listed {
+            Row::encode(kind, self.priority, self.concurrency, &self.tags)
+        } else {
+            String::new()
+        }
+    }
+
     fn new_request<'a>(
         &'a self,
         id: &'a RequestId,
@@ -543,6 +577,7 @@ impl RequestBuilder<'_> {
             window: self.window,
             discard: self.discard,
             tags: &self.tags,
+            listed: self.listed,
             trace,
         }
     }
@@ -561,11 +596,12 @@ impl RequestBuilder<'_> {
         let send = otel::SendSpan::request(producer.store.config.namespace_str(), &id, self.priority);
         let trace = send.carried();
         let opened = async {
+            self.check_listing()?;
             let key_id = id.key_id();
             let nonce = uuid::Uuid::new_v4().simple().to_string();
             let cfg = &producer.store.config;
             let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
-            let row = Row::encode(Kind::Own, self.priority, self.concurrency, &self.tags);
+            let row = self.row(Kind::Own);
             let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
             let deadline = registration.deadline(&producer.store);
             let req = self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace);

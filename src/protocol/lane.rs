@@ -57,7 +57,12 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         (if req.fail_fast { "1" } else { "0" }).into(),
         i64::from(store.config.lane_tokens).into(),
         ms(store.config.census_interval),
-        Row::encode(Kind::Lane, req.priority, req.concurrency, req.tags).into(),
+        if req.listed {
+            Row::encode(Kind::Lane, req.priority, req.concurrency, req.tags)
+        } else {
+            String::new()
+        }
+        .into(),
         req.trace.into(),
     ];
     args.extend(parts);

@@ -44,6 +44,8 @@ pub(crate) struct NewRequest<'a> {
     pub(crate) deadline: i64,
     /// Its tags (at most `MAX_TAGS`, each checked by `RequestBuilder::tag`).
     pub(crate) tags: &'a [String],
+    /// Whether it is entered in the listing index (`RequestBuilder::unlisted`).
+    pub(crate) listed: bool,
     /// A streamed request's window: at most this many parts unsettled (0 = none; `stream_open`'s
     /// `ARGV[15]`).
     pub(crate) window: u64,

@@ -699,3 +699,64 @@ async fn tokens_say_who_holds_each_one_and_the_audit_finds_no_drift() {
     ));
     w.stop().await;
 }
+
+/// `unlisted()`: the request runs and answers by id as any other (wait, status, cancel, events),
+/// on its lane or its own stream, but `list` and the request counts of `stats` never see it, and
+/// tags on it are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() {
+    use sluicegate::ListQuery;
+    let env = env_on(TOPOLOGY, "unlisted").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut events = Listener::connect(&config).await.unwrap();
+    let refused = producer.request().unlisted().tag("t").unwrap().submit([Job::new(1)]).await.err().unwrap();
+    assert!(refused.to_string().contains("unlisted request cannot carry tags"), "{refused}");
+    let refused = producer.request().tag("t").unwrap().unlisted().open().await.err().unwrap();
+    assert!(refused.to_string().contains("unlisted request cannot carry tags"), "{refused}");
+
+    let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
+    let listed = producer.request().submit([Job::new(1)]).await.unwrap();
+    let lane = producer.request().unlisted().submit([Job::new(2)]).await.unwrap();
+    let own = producer.request().unlisted().own_stream(true).submit((0..3).map(Job::new)).await.unwrap();
+    let failing = producer.request().unlisted().submit([Job { n: 4, sleep_ms: 0, fail: true }]).await.unwrap();
+    assert_eq!(lane.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![4]);
+    assert_eq!(own.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![0, 2, 4]);
+    assert_eq!(failing.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().state, RequestState::Failed);
+    listed.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    w.stop().await;
+    // Cancelled while queued (no worker runs).
+    let queued = producer.request().unlisted().submit([Job::new(5)]).await.unwrap();
+    admin.cancel(queued.id()).await.unwrap();
+
+    for (h, state) in [
+        (&lane, RequestState::Completed),
+        (&own, RequestState::Completed),
+        (&failing, RequestState::Failed),
+        (&queued, RequestState::Cancelled),
+    ] {
+        assert_eq!(admin.status(h.id()).await.unwrap().state, state, "{}", h.id());
+    }
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < 5 {
+        let e = tokio::time::timeout(Duration::from_secs(10), events.next()).await.unwrap().unwrap();
+        seen.insert(e.id.to_string());
+    }
+    for h in [&listed, &lane, &own, &failing, &queued] {
+        assert!(seen.contains(&h.id().to_string()), "no event of {}", h.id());
+    }
+    let page = admin.list(&ListQuery::new()).await.unwrap();
+    let ids: Vec<String> = page.requests.into_iter().map(|r| r.id).collect();
+    assert_eq!(ids, vec![listed.id().to_string()], "only the listed request is listed");
+    let counts = admin.stats().await.unwrap().requests;
+    assert_eq!(
+        (counts.unfinished, counts.completed, counts.failed, counts.cancelled),
+        (0, 1, 0, 0),
+        "only the listed request is counted: {counts:?}"
+    );
+    // Its dead letters, and a purge by id.
+    assert_eq!(admin.dead(failing.id()).await.unwrap().len(), 1);
+    assert!(admin.purge(lane.id()).await.unwrap());
+    assert!(matches!(admin.status(lane.id()).await.unwrap_err(), sluicegate::Error::UnknownRequest(_)));
+}

@@ -365,3 +365,19 @@ def test_a_free_slot_takes_the_highest_priority_waiting(server: Any, ns: str, ru
     for h in (low, mid, high):
         assert h.wait(timeout=20).state == "completed"
     assert order == [high.id] * 5 + [mid.id] * 5 + [low.id] * 5
+
+
+def test_an_unlisted_request_runs_but_stays_out_of_the_listing_index(server: Any, ns: str, running: Running) -> None:
+    running.start(server.url, double, ns, slots=2)
+    p = Producer(server.url, ns)
+    with pytest.raises(sluicegate.InvalidRequest, match="unlisted request cannot carry tags"):
+        p.submit(parts(1), tags=["t"], unlisted=True)
+    listed = p.submit(parts(1))
+    lane = p.submit(parts(2), unlisted=True)
+    own = p.submit(parts(3), own_stream=True, unlisted=True)
+    for handle, n in ((listed, 1), (lane, 2), (own, 3)):
+        assert handle.wait(timeout=30).results == [{"i": i, "double": 2 * i} for i in range(n)]
+    rows = p.protocol.conn.client.hkeys(f"{ns}:{{{ns}.q0}}:ix:row")
+    listed_ids = {r.decode() if isinstance(r, bytes) else r for r in rows}
+    key = sluicegate._keys.key_id
+    assert listed_ids == {key(listed.id)}, listed_ids

@@ -297,6 +297,11 @@ pub(crate) struct SubmitArgs {
     /// A-Z a-z 0-9 _ . : / = @ + -.
     #[arg(long = "tag", value_name = "TAG")]
     pub(crate) tags: Vec<String>,
+
+    /// Leave the request out of the listing index (`list`, the dashboard's lists, the request
+    /// counts of `stats`); everything by id works as usual. Not with --tag.
+    #[arg(long, conflicts_with = "tags")]
+    pub(crate) unlisted: bool,
 }
 
 #[derive(Args, Debug)]

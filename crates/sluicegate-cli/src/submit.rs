@@ -52,6 +52,9 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     for tag in &args.tags {
         request = request.tag(tag.clone())?;
     }
+    if args.unlisted {
+        request = request.unlisted();
+    }
     if let Some(limit) = args.timeout {
         request = request.timeout(limit)?;
     }

@@ -223,9 +223,12 @@ class Producer:
         backoff_max: float = 60.0,
         timeout: Optional[float] = None,
         fail_fast: bool = False,
+        unlisted: bool = False,
     ) -> RequestHandle:
         """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
-        once it is durable in Redis. Delays, backoffs and the timeout are in seconds."""
+        once it is durable in Redis. Delays, backoffs and the timeout are in seconds. ``unlisted``
+        leaves it out of the listing index (listing and the request counts of stats); everything
+        by id works as usual."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
@@ -239,7 +242,6 @@ class Producer:
         delay_ms = ms(delay or 0)
         policy = [max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)]
         ff = "1" if fail_fast else "0"
-        tags_text = ",".join(tags)
         size = sum(len(b) for b in payloads)
         if s.lane_tokens > 0 and not own_stream and delay_ms == 0 and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES:
             shard = home_shard(kid, s.token_shards)
@@ -254,11 +256,11 @@ class Producer:
                 k.finish_marks(shard, kid),
             ]
             args = [lane, kid, rid, nonce if id is not None else "", priority, concurrency, *policy, ff,
-                    s.lane_tokens, ms(s.census_interval), f"l|{priority}|{concurrency}|{tags_text}", "", *payloads]
+                    s.lane_tokens, ms(s.census_interval), _row("l", priority, concurrency, tags, unlisted), "", *payloads]
             p.conn.fcall("lane_submit", keys, args)
             return RequestHandle(self, rid)
         shards = s.token_shards
-        at, score = p.register(kid, shards, f"r|{priority}|{concurrency}|{tags_text}")
+        at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         deadline = at + ms(s.loading_ttl) // 2
         keys = p.keys.request(kid).all()
         head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, deadline]
@@ -301,6 +303,7 @@ class Producer:
         timeout: Optional[float] = None,
         fail_fast: bool = False,
         expire_after: Optional[float] = None,
+        unlisted: bool = False,
     ) -> OpenRequest:
         """Opens a streamed request (§6.9): runnable at once, complete once finalized and done."""
         p = self.protocol
@@ -311,7 +314,7 @@ class Producer:
         kid = key_id(rid)
         nonce = uuid.uuid4().hex
         shards = s.token_shards
-        at, score = p.register(kid, shards, f"r|{priority}|{concurrency}|{','.join(tags)}")
+        at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         deadline = at + ms(s.loading_ttl) // 2
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
                 ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, deadline, 0, 0, ""]
@@ -435,6 +438,15 @@ class Producer:
         if tag == "already":
             return text(lane[1]) if len(lane) > 1 else ""
         raise errors.UnknownRequest(f'unknown request "{rid}"')
+
+
+def _row(kind: str, priority: int, concurrency: int, tags: Sequence[str], unlisted: bool) -> str:
+    """A request's row in the listing index (protocol §5, "Listing"); "" leaves it out."""
+    if unlisted:
+        if tags:
+            raise errors.InvalidRequest("an unlisted request cannot carry tags: tags name sets of the listing index")
+        return ""
+    return f"{kind}|{priority}|{concurrency}|{','.join(tags)}"
 
 
 def _check_id(rid: str) -> None:
