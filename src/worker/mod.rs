@@ -394,8 +394,10 @@ impl<H: Handler> Worker<H> {
         }
         tracing::info!(worker = %shared.id(), "shutting down: finishing running handlers");
         shared.stopping.cancel();
-        let limit = shared.shutdown_grace + STOP_WAIT;
-        let drained = tokio::time::timeout(limit, async {
+        // One bound for the whole stop: the grace, then STOP_WAIT for the slots' hand-backs and
+        // the last calls together.
+        let deadline = tokio::time::Instant::now() + shared.shutdown_grace + STOP_WAIT;
+        let drained = tokio::time::timeout_at(deadline, async {
             while let Some(joined) = slots.join_next().await {
                 if let Err(e) = joined {
                     tracing::error!(error = %e, "a slot task ended abnormally");
@@ -417,7 +419,9 @@ impl<H: Handler> Worker<H> {
         if let Some(listening) = listening {
             listening.abort();
         }
-        // The last calls share one bound: with Redis unreachable, the worker still stops.
+        // The last calls share the stop's bound: with Redis unreachable, the worker still stops.
+        // After a drain that used it all (Redis unreachable), they get a moment, not another wait.
+        let last_until = deadline.max(tokio::time::Instant::now() + LAST_CALLS_MIN);
         let last = async {
             flushing.cancel();
             if let Some(flusher) = flusher {
@@ -433,7 +437,7 @@ impl<H: Handler> Worker<H> {
             }
             let _ = shared.store.client.quit().await;
         };
-        if tokio::time::timeout(STOP_WAIT, last).await.is_err() {
+        if tokio::time::timeout_at(last_until, last).await.is_err() {
             tracing::warn!(
                 "Redis did not answer the worker's last calls; its registration expires by itself"
             );
@@ -443,8 +447,11 @@ impl<H: Handler> Worker<H> {
 }
 
 /// How long a stopping worker waits, beyond its shutdown grace, for its slots to hand their tokens
-/// back, and then for each of its last calls, before it stops anyway.
+/// back and for its last calls (the stats' flush, leaving the registry), before it stops anyway.
 pub(crate) const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// The least a stopping worker gives its last calls when the slots used up its stop's bound.
+const LAST_CALLS_MIN: Duration = Duration::from_millis(200);
 
 pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)

@@ -1075,7 +1075,7 @@ fn every_command_has_help_with_an_example() {
 }
 
 /// A worker sent SIGTERM while Redis is unreachable (crashed, cut off) stops within its shutdown
-/// grace plus a bounded wait, and says what it could not hand back; other workers reclaim that once
+/// grace plus 5 s, and says what it could not hand back; other workers reclaim that once
 /// its registration expires, as after a crash. (It used to keep retrying forever.)
 #[test]
 fn a_worker_sent_sigterm_while_redis_is_unreachable_stops_and_says_what_it_left() {
@@ -1118,8 +1118,9 @@ fn a_worker_sent_sigterm_while_redis_is_unreachable_stops_and_says_what_it_left(
     let term = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap();
     assert!(term.success());
     let sent = Instant::now();
-    // The grace (1 s), the wait for the slots (5 s) and for the last calls (5 s), with room to spare.
-    let limit = Duration::from_secs(20);
+    // The grace (1 s), then 5 s for the slots' hand-backs and the last calls together, and 3 s of
+    // room for the process to end on a busy machine.
+    let limit = Duration::from_secs(9);
     let status = loop {
         if let Some(status) = worker.try_wait().unwrap() {
             break status;
