@@ -11,10 +11,12 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, List
+from typing import Any, Iterator, List
 
 import pytest
 import redis
+
+from sluicegate import Worker
 
 REPO = Path(__file__).resolve().parents[3]
 CLI = REPO / "target" / "debug" / "sluicegate"
@@ -125,6 +127,33 @@ def cluster() -> Iterator[RedisClusterServers]:
 
 
 FAST = dict(lease=1.5, heartbeat=0.3, recovery_interval=0.3, census_interval=0.3, idle_poll=0.25)
+
+
+class Running:
+    """Workers started by a test, stopped (gracefully) at its end."""
+
+    def __init__(self) -> None:
+        self.workers: List[Any] = []
+
+    def start(self, url: str, handler: Any, ns: str, slots: int = 4, **kw: Any) -> Worker:
+        w = Worker(url, handler, slots=slots, namespace=ns, **{**FAST, **kw})
+        t = w.start()
+        assert w.ready.wait(10), "worker did not start"
+        self.workers.append((w, t))
+        return w
+
+    def stop(self) -> None:
+        for w, _ in self.workers:
+            w.stop()
+        for _, t in self.workers:
+            t.join(15)
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    r = Running()
+    yield r
+    r.stop()
 
 
 def python() -> str:

@@ -12,45 +12,18 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 from unittest import mock
 
 import pytest
 
 import sluicegate
-from sluicegate import Listener, PermanentError, Producer, UnsupportedRedis, Worker
+from sluicegate import Listener, PermanentError, Producer, UnsupportedRedis
 from sluicegate._conn import Conn
 
-from conftest import FAST, HERE, REPO
+from conftest import FAST, HERE, REPO, Running
 
 LIB = REPO / "lua" / "dist" / "sluicegate_v2.lua"
-
-
-class Running:
-    """Workers started by a test, stopped (gracefully) at its end."""
-
-    def __init__(self) -> None:
-        self.workers: List[Any] = []
-
-    def start(self, url: str, handler: Any, ns: str, slots: int = 4, **kw: Any) -> Worker:
-        w = Worker(url, handler, slots=slots, namespace=ns, **{**FAST, **kw})
-        t = w.start()
-        assert w.ready.wait(10), "worker did not start"
-        self.workers.append((w, t))
-        return w
-
-    def stop(self) -> None:
-        for w, _ in self.workers:
-            w.stop()
-        for _, t in self.workers:
-            t.join(15)
-
-
-@pytest.fixture
-def running() -> Iterator[Running]:
-    r = Running()
-    yield r
-    r.stop()
 
 
 class Concurrency:

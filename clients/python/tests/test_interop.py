@@ -1,20 +1,23 @@
 """Interop with the Rust CLI (target/debug/sluicegate, built by `cargo build -p sluicegate-cli`):
-a Python producer served by `sluicegate worker --exec`, and `sluicegate submit` served by a
-Python worker. Skipped when the binary is missing."""
+a Python producer served by `sluicegate worker --exec`, `sluicegate submit` served by a Python
+worker, and the Python Admin agreeing with the CLI's operator commands. Skipped when the binary is
+missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, List
 
 import pytest
 
-from sluicegate import Producer, Worker
+from sluicegate import Admin, Paused, PermanentError, Producer, Worker
 
-from conftest import CLI, FAST
+from conftest import CLI, FAST, Running
 
 pytestmark = pytest.mark.skipif(not CLI.exists(), reason=f"{CLI} is missing: cargo build -p sluicegate-cli")
 
@@ -80,3 +83,55 @@ def test_a_cli_submit_is_served_by_a_python_worker(server: Any, ns: str, tmp_pat
     finally:
         w.stop()
         t.join(15)
+
+
+def test_the_python_admin_and_the_cli_agree(server: Any, ns: str, running: Running) -> None:
+    fixed = threading.Event()
+
+    def handler(ctx: Any, part: Any) -> Any:
+        if part["i"] == 1 and not fixed.is_set():
+            raise PermanentError("bad 1")
+        return part["i"]
+
+    def cli(*args: str) -> List[Any]:
+        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+    running.start(server.url, handler, ns, slots=2)
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    for n in range(3):
+        bad = n != 2
+        p.submit([{"i": i} for i in range(3)] if bad else [{"i": 0}], id=f"x{n}", tags=["cli"],
+                 own_stream=n == 1).wait(timeout=20)
+        time.sleep(0.005)
+    deadline = time.time() + 10
+    while len(admin.list(state="failed").requests) < 2 and time.time() < deadline:
+        time.sleep(0.02)  # the listing index shows a finish once its finisher's next step ran
+    page = admin.list()
+    assert cli("list") == [dataclasses.asdict(r) for r in page.requests] + [{"cursor": None}]
+    first = admin.list(limit=1, state="failed")
+    assert cli("list", "--limit", "1", "--state", "failed")[-1] == {"cursor": first.cursor}
+    rest = cli("list", "--limit", "5", "--state", "failed", "--cursor", str(first.cursor))
+    assert [r["id"] for r in rest[:-1]] == [r.id for r in admin.list(limit=5, state="failed", cursor=first.cursor).requests]
+    for rid in ("x0", "x1"):
+        dead = [{"index": d.index, "attempts": d.error.attempts, "permanent": d.error.permanent,
+                 "error": d.error.message, "payload": d.payload} for d in admin.dead(rid)]
+        assert dead == [{"index": 1, "attempts": 1, "permanent": True, "error": "bad 1", "payload": {"i": 1}}]
+        assert cli("dead", rid) == dead
+
+    admin.pause(7)
+    assert cli("pause", "--priority", "5") == [{"all": False, "priorities": [7, 5]}]
+    assert admin.paused() == Paused(False, [7, 5])
+    assert cli("resume") == [{"all": False, "priorities": []}]
+
+    fixed.set()
+    assert cli("requeue", "x0") == [{"id": "x0", "requeued": 1}]
+    assert admin.requeue("x1") == 1
+    for rid in ("x0", "x1"):
+        assert p.wait(rid, timeout=20).results == [0, 1, 2]
+    while len(admin.list(state="completed").requests) < 3 and time.time() < deadline + 10:
+        time.sleep(0.02)
+    assert [r["id"] for r in cli("list", "--state", "completed")[:-1]] == ["x2", "x1", "x0"]

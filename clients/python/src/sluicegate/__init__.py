@@ -13,9 +13,12 @@ Redis Functions library, shipped with this package.
 """
 
 from ._conn import library_source
+from .admin import Admin, DeadLetter, ListedRequest, ListPage, Paused
 from .errors import (
     DuplicateRequestId,
+    InvalidCursor,
     InvalidRequest,
+    NoDeadLetters,
     NotOpen,
     PermanentError,
     ProtocolError,
@@ -31,15 +34,22 @@ from .worker import Context, Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "Admin",
     "Completion",
     "Context",
+    "DeadLetter",
     "DuplicateRequestId",
     "Event",
+    "InvalidCursor",
     "InvalidRequest",
+    "ListPage",
+    "ListedRequest",
     "Listener",
+    "NoDeadLetters",
     "NotOpen",
     "OpenRequest",
     "PartError",
+    "Paused",
     "PermanentError",
     "Producer",
     "ProtocolError",

@@ -148,6 +148,15 @@ class Keys:
     def paused(self, shard: int) -> str:
         return self._shard(shard) + "paused"
 
+    def index_rows(self, shard: int) -> str:
+        """The listing index's rows of ``shard`` (key id -> ``<kind>|<priority>|<limit>|<tags>``);
+        its sorted sets are named from the same prefix (:meth:`index_set`)."""
+        return self._shard(shard) + "ix:row"
+
+    def index_set(self, shard: int, name: str) -> str:
+        """One set of the listing index of ``shard`` (``live``, ``completed``, ``t:<tag>``, ...)."""
+        return self._shard(shard) + "ix:" + name
+
     def bell(self, shard: int) -> str:
         return self._shard(shard) + "bell"
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
+import redis
+
 from . import errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import Keys, home_shard, token_shard
+from ._keys import Keys, home_shard, raw_id, token_shard
 
 T = TypeVar("T")
 
@@ -80,6 +82,77 @@ class Unfinished:
             lifecycle if lifecycle is not None else b"0",
             integer(get(4)) == 1,
         )
+
+
+@dataclass
+class Requeued:
+    """What ``requeue_dead`` answers: ``n`` = -1 (``FinishFirst``: run §6.3 for ``lifecycle``,
+    then call again), -2 (``ReopenFirst``: ``reopen`` as ``lifecycle``, then call again with it),
+    else how many dead letters were requeued, with the token elements to push."""
+
+    n: int
+    lifecycle: int
+    elements: List[Any] = field(default_factory=list)
+
+
+@dataclass
+class LaneSettings:
+    """A lane request's settings as its record stores them (``pol``, prelude.lua "Lanes"):
+    ``[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff base ms>,<backoff cap ms>``,
+    trailing fields at their defaults (1, 0, 1000, 60000) left out (Rust ``lane::Settings``)."""
+
+    NAMES = ("prio", "limit", "total", "maxatt", "timeout", "bbase", "bmax")
+    DEFAULTS = (1, 0, 1000, 60_000)
+
+    values: Tuple[int, ...]
+    fail_fast: bool
+
+    @staticmethod
+    def parse(pol: str) -> "LaneSettings":
+        bad = errors.ProtocolError(f"a lane request's settings are malformed: {quoted(pol)}")
+        fail_fast, rest = (True, pol[1:]) if pol.startswith("f") else (False, pol)
+        given = rest.split(",")
+        if not all(v.isascii() and v.isdigit() for v in given) or not 3 <= len(given) <= 7:
+            raise bad
+        values = [int(v) for v in given] + list(LaneSettings.DEFAULTS[len(given) - 3 :])
+        return LaneSettings(tuple(values), fail_fast)
+
+
+def record_meta(record: Dict[str, bytes]) -> Dict[str, str]:
+    """The scalar fields of a lane request's record under the names a meta hash gives them
+    (``prio``, ``limit``, ``total``, ``created``, ``gen``, ...; Rust ``lane::record_meta``): its
+    settings unpacked from ``pol``, its creation time and generation from ``lc``, its per-part
+    fields (``o<i>``, ``e<i>``, ``x<i>``, ``w<i>``) left out."""
+
+    def per_part(k: str) -> bool:
+        return len(k) > 1 and k[0] in "oexw" and k[1:].isascii() and k[1:].isdigit()
+
+    meta = {k: text(v) for k, v in record.items() if not per_part(k)}
+    pol = meta.pop("pol", None)
+    if pol is not None:
+        try:
+            settings: Optional[LaneSettings] = LaneSettings.parse(pol)
+        except errors.ProtocolError:
+            settings = None
+        if settings is not None:
+            meta.update(zip(LaneSettings.NAMES, (str(v) for v in settings.values)))
+            meta["failfast"] = "1" if settings.fail_fast else "0"
+    lc = meta.get("lc", "")
+    if lc.isascii() and lc.isdigit():
+        meta["created"] = str(int(lc) // 1000)
+        meta["gen"] = str(int(lc) % 1000)
+    meta.setdefault("failed", "0")
+    return meta
+
+
+def quoted(s: str) -> str:
+    """``s`` in double quotes, as Rust's ``{:?}`` of a string shows it in messages."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def refused_state(e: BaseException) -> bool:
+    """Whether ``e`` is the library's ``SGSTATE`` refusal."""
+    return isinstance(e, redis.exceptions.ResponseError) and str(e).split(" ", 1)[0] == "SGSTATE"
 
 
 def element_token(element: Any) -> int:
@@ -209,14 +282,45 @@ class Protocol:
             self.resume_requeue(kid, u.priority, u.shards, reopened)
 
     def resume_requeue(self, kid: str, priority: int, shards: int, lifecycle: int) -> None:
+        requeued = self.requeue_dead(kid, shards, str(lifecycle), resume=True)
+        if requeued.n >= 0 and requeued.elements:
+            self.push(kid, priority, shards, requeued.elements, self.settings.grace)
+
+    # ----- operators (§5 "Operators", §6.12) -----
+
+    def requeue_dead(self, kid: str, shards: int, reopen_as: str, *, resume: bool = False) -> Requeued:
+        """One ``requeue_dead`` call, armed: ``reopen_as`` is the lifecycle a failed request reopens
+        as ('' until ``reopen`` marked one), ``resume`` recovery's completion of a requeue whose
+        caller died after that mark. ``SGSTATE`` (not failed, running or queued) is
+        :class:`errors.NoDeadLetters`."""
         keys = self.keys.request(kid).all()
-        reply = fcall_items(
-            self.armed(kid, shards, lambda d: self.conn.fcall("requeue_dead", keys, [kid, str(lifecycle), d, "resume"]))
+
+        def step(deadline: int) -> Any:
+            args: List[Any] = [kid, reopen_as, deadline]
+            if resume:
+                args.append("resume")
+            try:
+                return self.conn.fcall("requeue_dead", keys, args)
+            except redis.exceptions.ResponseError as e:
+                if refused_state(e):
+                    raise errors.NoDeadLetters(raw_id(kid)) from e
+                raise
+
+        items = fcall_items(self.armed(kid, shards, step))
+        n = integer(items[0]) if items else 0
+        lifecycle = integer(items[1]) if len(items) > 1 else 0
+        return Requeued(n, lifecycle, items[2:] if n >= 0 else [])
+
+    def reopen(self, kid: str, shards: int, lifecycle: int) -> bool:
+        """``reopen`` on the home shard, before requeue reopens a failed request as ``lifecycle``:
+        indexes it again (first looked at a grace from now) and marks that lifecycle."""
+        home = home_shard(kid, shards)
+        k = self.keys
+        reply = self.conn.fcall(
+            "reopen", [k.active(home), k.registrations(home), k.finish_marks(home, kid)],
+            [kid, ms(self.settings.grace), lifecycle],
         )
-        if len(reply) >= 2 and integer(reply[0]) >= 0:
-            elements = reply[2:]
-            if elements:
-                self.push(kid, priority, shards, elements, self.settings.grace)
+        return integer(reply) == 1
 
     # ----- tokens -----
 

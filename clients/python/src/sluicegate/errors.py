@@ -31,6 +31,21 @@ class UnknownRequest(SluicegateError):
     """No such request (never submitted, or its retention ran out)."""
 
 
+class NoDeadLetters(SluicegateError):
+    """A request has no dead letters that can be requeued (only a failed, running or queued
+    request has)."""
+
+    def __init__(self, rid: str) -> None:
+        self.id = rid
+        super().__init__(
+            f'request "{rid}" has no dead letters that can be requeued (only a failed, running or queued request has)'
+        )
+
+
+class InvalidCursor(SluicegateError):
+    """A listing cursor is not one a page of this namespace gave."""
+
+
 class NotOpen(SluicegateError):
     """A streamed request is no longer open for parts (finalized, cancelled, expired)."""
 

@@ -1,0 +1,633 @@
+"""Operating sluicegate: listing requests, their dead letters, requeue, pause and resume (the
+Rust ``Admin`` of src/admin.rs and src/admin/listing.rs, call for call; docs/protocol.md §5
+"Listing" and "Operators", §6.12)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import codec, errors
+from ._conn import Conn, fcall_items, integer, text
+from ._keys import home_shard, key_id, lane_key_id, raw_id
+from ._protocol import Finished, LaneSettings, Protocol, Settings, ms, quoted, record_meta, refused_state
+from .producer import PartError
+
+#: Rows a page holds at most.
+MAX_LIST_LIMIT = 1000
+#: Index entries one :meth:`Admin.list` call looks at, at most, before it returns what it found
+#: with a cursor (a filter that few requests pass would otherwise read the whole index).
+MAX_LIST_LOOK = 10_000
+#: The most token shards a configuration may name: a pause is written on each of them.
+MAX_TOKEN_SHARDS = 1024
+#: A tag is 1 to this many bytes.
+MAX_TAG_BYTES = 64
+
+#: The states :meth:`Admin.list` filters on, and the index set each lives in.
+LIST_STATES: Dict[str, str] = {
+    "queued": "live",
+    "running": "live",
+    "scheduled": "live",
+    "open": "live",
+    "completed": "completed",
+    "failed": "failed",
+    "cancelled": "cancelled",
+}
+_REQUEST_STATES = ("loading", "scheduled", "queued", "running", "completed", "failed", "cancelled")
+_TERMINAL = ("completed", "failed", "cancelled")
+_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=@+-")
+
+
+@dataclass
+class ListedRequest:
+    """One request in a :class:`ListPage` (Rust ``ListedRequest``)."""
+
+    id: str
+    #: Its state, read from the request itself.
+    state: str
+    #: Streamed and not finalized.
+    open: bool
+    priority: int
+    #: Its concurrency limit.
+    concurrency: int
+    #: Parts in all (so far, for an open one).
+    total: int
+    #: Parts ended (done or dead).
+    done: int
+    #: Parts dead-lettered.
+    failed: int
+    #: When it was submitted (Redis time, ms since the epoch).
+    submitted_ms: int
+    tags: List[str] = field(default_factory=list)
+    tracked: bool = False
+
+
+@dataclass
+class ListPage:
+    """A page of :meth:`Admin.list`: requests newest first, and the cursor of the next page
+    (``None`` when there is no more)."""
+
+    requests: List[ListedRequest]
+    cursor: Optional[str]
+    #: Index entries looked at to fill the page.
+    looked_at: int
+
+
+@dataclass
+class DeadLetter:
+    """A dead-lettered part (:meth:`Admin.dead`): its error, and the payload it was submitted with,
+    decoded (MessagePack; else its text, or the bytes when they are not text), with ``raw`` as
+    stored."""
+
+    index: int
+    error: PartError
+    payload: Any
+    raw: bytes
+
+
+@dataclass
+class Paused:
+    """What an operator paused in a namespace: the whole of it, and priorities one by one
+    (highest first)."""
+
+    all: bool = False
+    priorities: List[int] = field(default_factory=list)
+
+    def covers(self, priority: int) -> bool:
+        """Whether slots take no tokens of ``priority``."""
+        return self.all or priority in self.priorities
+
+
+@dataclass
+class _Position:
+    """Where a walk of one shard's index stands: the score it reached and how many entries of
+    exactly that score it has passed."""
+
+    score: float
+    passed: int
+
+
+@dataclass
+class _Row:
+    """A request's row in the listing index: ``<kind>|<priority>|<limit>|<tags>``."""
+
+    own: bool
+    priority: int
+    limit: int
+    tags: List[str]
+
+    @staticmethod
+    def parse(row: str) -> "_Row":
+        bad = errors.ProtocolError(f"malformed listing row {quoted(row)}")
+        f = row.split("|", 3)
+        if f[0] not in ("r", "l") or len(f) < 3:
+            raise bad
+        if not (_digits(f[1]) and int(f[1]) <= 255 and _digits(f[2]) and int(f[2]) < 1 << 32):
+            raise bad
+        tags = [t for t in f[3].split(",") if t] if len(f) > 3 else []
+        return _Row(f[0] == "r", int(f[1]), int(f[2]), tags)
+
+
+@dataclass
+class _Listed:
+    """One row ``list`` returned."""
+
+    kid: str
+    submitted_ms: int
+    row: _Row
+    tracked: bool
+    #: Resumes right after this row.
+    after: _Position
+
+
+#: One shard's place in a walk: where to resume (a position), "start" or "done".
+_Cursor = Any
+
+
+def _digits(s: str) -> bool:
+    return s.isascii() and s.isdigit()
+
+
+def _check_id(rid: str) -> None:
+    """Refuses what the Rust ``RequestId::new`` refuses, in its words."""
+    if not rid:
+        raise errors.InvalidRequest("a request id cannot be empty")
+    n = len(rid.encode("utf-8"))
+    if n > 512:
+        raise errors.InvalidRequest(f"a request id is at most 512 bytes; this one has {n}")
+
+
+def _unknown(rid: str) -> errors.UnknownRequest:
+    return errors.UnknownRequest(f'no request with id "{rid}" (never submitted, or its results expired)')
+
+
+def _priority(p: int) -> int:
+    if not isinstance(p, int) or not 0 <= p <= 99:
+        raise errors.InvalidRequest(f"priority {p} is out of range: use 0 (lowest) to 99 (highest)")
+    return p
+
+
+def _check_tag(tag: str) -> None:
+    if not tag or len(tag.encode("utf-8")) > MAX_TAG_BYTES or not all(c in _TAG_CHARS for c in tag):
+        raise errors.InvalidRequest(
+            f"invalid tag {quoted(tag)}: a tag is 1 to {MAX_TAG_BYTES} characters of A-Z a-z 0-9 _ . : / = @ + -"
+        )
+
+
+def _encode_cursor(cursors: Sequence[_Cursor]) -> Optional[str]:
+    if all(c == "done" for c in cursors):
+        return None
+    parts = []
+    for c in cursors:
+        if c == "start":
+            parts.append("+")
+        elif c == "done":
+            parts.append("-")
+        else:
+            parts.append(f"{int(c.score)}.{c.passed}")
+    return "l1:" + ",".join(parts)
+
+
+def _decode_cursor(cursor: str, shards: int) -> List[_Cursor]:
+    bad = errors.InvalidCursor(
+        f"{quoted(cursor)} is not a list cursor of this namespace's {shards} shard(s): pass a cursor a page gave"
+    )
+    if not cursor.startswith("l1:"):
+        raise bad
+    parts = cursor[3:].split(",")
+    if len(parts) != shards:
+        raise bad
+    out: List[_Cursor] = []
+    for p in parts:
+        if p == "+":
+            out.append("start")
+        elif p == "-":
+            out.append("done")
+        else:
+            score, dot, passed = p.partition(".")
+            negative = score.startswith("-")
+            if not dot or not _digits(score[1:] if negative else score) or not _digits(passed):
+                raise bad
+            out.append(_Position(float(int(score)), int(passed)))
+    return out
+
+
+def _score_text(score: float) -> str:
+    return "+inf" if score == float("inf") else str(int(score))
+
+
+def _parse_score(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise errors.ProtocolError(f"list answered the score {quoted(s)}") from None
+
+
+def _holds(state: str, listed: str, is_open: bool) -> bool:
+    """Whether a request in ``listed`` state (open or not) is in the filter's ``state``."""
+    if state == "open":
+        return is_open and listed not in _TERMINAL
+    return listed == state
+
+
+def _payload(raw: bytes) -> Any:
+    """A payload decoded from MessagePack when it is that, else its text (or, for bytes that are
+    not text, the bytes), as the ``dead`` command shows it."""
+    try:
+        return codec.decode(raw)
+    except Exception:  # noqa: BLE001 - not MessagePack
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw
+
+
+def _first_entry_field(reply: Any) -> Optional[bytes]:
+    """The value of the first field of the first entry of an XRANGE reply."""
+    if not reply:
+        return None
+    entry = reply[0]
+    fields = entry[1] if isinstance(entry, (list, tuple)) and len(entry) > 1 else None
+    if isinstance(fields, dict):
+        return next(iter(fields.values()), None)
+    if isinstance(fields, (list, tuple)) and len(fields) > 1:
+        return fields[1]
+    return None
+
+
+def _entry_index(entry: str) -> int:
+    """The index of stream entry ``0-<index + 1>``."""
+    seq = entry[2:] if entry.startswith("0-") else ""
+    if not _digits(seq) or int(seq) < 1:
+        raise errors.ProtocolError(f"a dead letter's entry id {quoted(entry)} is not 0-<index + 1>")
+    return int(seq) - 1
+
+
+class Admin:
+    """What an operator needs: listing, dead letters, requeue, pause and resume (the Rust
+    ``Admin``). Give it the namespace's ``token_shards``: listing walks that many shards' indexes,
+    and a small request's record is found on its home shard among them.
+
+    >>> admin = Admin("redis://127.0.0.1:6379")                # doctest: +SKIP
+    >>> page = admin.list(state="failed", limit=20)            # doctest: +SKIP
+    >>> for r in page.requests:                                # doctest: +SKIP
+    ...     print(r.id, [d.error.message for d in admin.dead(r.id)])
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "sluicegate",
+        *,
+        lease: float = 2.0,
+        retention: float = 24 * 3600.0,
+        census_interval: float = 60.0,
+        lane_tokens: int = 64,
+        token_shards: int = 1,
+    ) -> None:
+        if not 1 <= token_shards <= MAX_TOKEN_SHARDS:
+            raise errors.InvalidRequest("token_shards must be from 1 to 1024")
+        settings = Settings(
+            namespace=namespace,
+            lease=lease,
+            retention=retention,
+            census_interval=census_interval,
+            lane_tokens=lane_tokens,
+            token_shards=token_shards,
+        )
+        self.protocol = Protocol(Conn(url), settings)
+
+    def close(self) -> None:
+        self.protocol.conn.close()
+
+    def __enter__(self) -> "Admin":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _lane_home(self, kid: str) -> int:
+        """The shard a lane request would call home (its record is there): with this admin's
+        token shards."""
+        return home_shard(kid, self.protocol.settings.token_shards)
+
+    # ----- listing -----
+
+    def list(
+        self,
+        state: Optional[str] = None,
+        priority: Optional[int] = None,
+        tag: Optional[str] = None,
+        tracked: bool = False,
+        older_than: Optional[float] = None,
+        limit: int = 100,
+        cursor: Optional[str] = None,
+    ) -> ListPage:
+        """Requests newest first, filtered by state (``queued``, ``running``, ``scheduled``,
+        ``open``, ``completed``, ``failed``, ``cancelled``), priority, tag, tracking and age
+        (``older_than`` seconds), ``limit`` (1 to 1,000) a page, from the listing index of each
+        home shard. Pass a page's ``cursor`` to get the next one. A filter few requests pass looks
+        at up to 10,000 entries and returns what it found with a cursor to go on.
+
+        Queued, running, scheduled and open requests share the index's ``live`` set and are told
+        apart by the request's own state, so those filters look at the live requests in turn."""
+        if not isinstance(limit, int) or not 0 < limit <= MAX_LIST_LIMIT:
+            raise errors.InvalidRequest(f"a page holds 1 to {MAX_LIST_LIMIT} requests")
+        if tag is not None:
+            _check_tag(tag)
+        if state is not None and state not in LIST_STATES:
+            raise errors.InvalidRequest(
+                f"unknown state {quoted(state)}: one of queued, running, scheduled, open, completed, failed, cancelled"
+            )
+        if priority is not None:
+            _priority(priority)
+        shards = self.protocol.settings.token_shards
+        cursors: List[_Cursor] = _decode_cursor(cursor, shards) if cursor is not None else ["start"] * shards
+        states = [LIST_STATES[state]] if state is not None else []
+        if tag is not None:
+            walk = [f"t:{tag}"]
+        elif tracked:
+            walk = ["tracked"]
+        elif not states:
+            walk = ["live", "completed", "failed", "cancelled"]
+        else:
+            walk = list(states)
+        # A live state is told apart after reading the request: look further for each page.
+        post_filter = state if state is not None and LIST_STATES[state] == "live" else None
+        if post_filter is not None or priority is not None or tag is not None:
+            budget = min(max(limit * 4, 1000), 5000)
+        else:
+            budget = limit
+        page: List[ListedRequest] = []
+        looked = 0
+        while len(page) < limit and looked < MAX_LIST_LOOK:
+            need = limit - len(page)
+            found: List[Tuple[int, _Listed]] = []
+            # Per shard walked: where its walk stopped (None: at the end of its sets).
+            ends: List[Optional[Tuple[Optional[_Position]]]] = [None] * shards
+            for shard in range(shards):
+                at = cursors[shard]
+                if at == "done":
+                    continue
+                rows, nxt, n = self._list_shard(
+                    shard, walk, states, None if at == "start" else at, older_than, need, max(budget, need),
+                    priority, tracked,
+                )
+                looked += n
+                ends[shard] = (nxt,)
+                found.extend((shard, r) for r in rows)
+            if all(e is None for e in ends):
+                break
+            # Newest first over the shards; take what the page needs, and each shard resumes right
+            # after the last row taken from it (or where its walk stopped, if all were).
+            found.sort(key=lambda sr: (sr[1].submitted_ms, sr[1].kid), reverse=True)
+            taken = found[:need]
+            for shard in range(shards):
+                end = ends[shard]
+                if end is None:
+                    continue
+                returned = sum(1 for s, _ in found if s == shard)
+                mine = [r for s, r in taken if s == shard]
+                if len(mine) < returned:
+                    if mine:
+                        cursors[shard] = mine[-1].after
+                else:
+                    cursors[shard] = "done" if end[0] is None else end[0]
+            rows = self._read_rows([r for _, r in taken])
+            page.extend(r for r in rows if post_filter is None or _holds(post_filter, r.state, r.open))
+            if all(c == "done" for c in cursors):
+                break
+        return ListPage(page, _encode_cursor(cursors), looked)
+
+    def _list_shard(
+        self, shard: int, walk: List[str], states: List[str], start: Optional[_Position], older_than: Optional[float],
+        limit: int, budget: int, priority: Optional[int], tracked: bool,
+    ) -> Tuple[List[_Listed], Optional[_Position], int]:
+        """``list`` on ``shard`` (FCALL_RO): its rows, where its next page starts (None at the end),
+        and how many entries it looked at."""
+        p = self.protocol
+        score, passed = (_score_text(start.score), start.passed) if start is not None else ("+inf", 0)
+        args: List[Any] = [
+            ",".join(walk),
+            ",".join(states),
+            score,
+            passed,
+            "" if older_than is None else ms(older_than),
+            limit,
+            budget,
+            "" if priority is None else str(priority),
+            "",  # a tag is walked (its own set), never filtered for
+            "1" if tracked else "",
+        ]
+        items = fcall_items(p.conn.fcall("list", [p.keys.index_rows(shard)], args, ro=True))
+        if len(items) < 3 or (len(items) - 3) % 7 != 0:
+            raise errors.ProtocolError(f"list answered {len(items)} items")
+        next_score = text(items[0])
+        nxt = None if next_score == "" else _Position(_parse_score(next_score), max(0, integer(items[1])))
+        looked = max(0, integer(items[2]))
+        rows = []
+        for i in range(3, len(items), 7):
+            r = items[i : i + 7]
+            rows.append(
+                _Listed(
+                    text(r[0]),
+                    integer(r[1]),
+                    _Row.parse(text(r[2])),
+                    integer(r[4]) == 1,
+                    _Position(_parse_score(text(r[5])), max(0, integer(r[6]))),
+                )
+            )
+        return rows, nxt, looked
+
+    def _read_rows(self, rows: List[_Listed]) -> List[ListedRequest]:
+        """The counters of listed rows, read from each request's own keys in one pipeline. A row
+        whose request is gone (expired, purged, or never created) is left out."""
+        if not rows:
+            return []
+        p = self.protocol
+        own_fields = ["state", "total", "left", "failed", "open"]
+        lane_fields = ["state", "left", "failed", "pol"]
+        pipe = p.conn.client.pipeline(transaction=False)
+        for r in rows:
+            if r.row.own:
+                pipe.hmget(p.keys.request(r.kid).meta, own_fields)
+            else:
+                pipe.hmget(p.keys.record(self._lane_home(r.kid), r.kid), lane_fields)
+        out = []
+        for r, values in zip(rows, pipe.execute()):
+            names = own_fields if r.row.own else lane_fields
+            got = {n: v for n, v in zip(names, values) if v is not None}
+            if "state" not in got:
+                continue
+            meta = {k: text(v) for k, v in got.items()} if r.row.own else record_meta(got)
+            st = meta["state"]
+            if st not in _REQUEST_STATES or st == "loading":
+                continue
+            num = lambda k: int(meta[k]) if _digits(meta.get(k, "")) else None  # noqa: E731
+            total = num("total") or 0
+            left = num("left")
+            left = total if left is None else left
+            done = total if st in ("completed", "failed") else max(0, total - left)
+            try:
+                rid = raw_id(r.kid) or r.kid
+            except ValueError:
+                rid = r.kid
+            out.append(
+                ListedRequest(
+                    id=rid,
+                    state=st,
+                    open=meta.get("open") == "1",
+                    priority=r.row.priority,
+                    concurrency=r.row.limit,
+                    total=total,
+                    done=done,
+                    failed=num("failed") or 0,
+                    submitted_ms=r.submitted_ms,
+                    tags=r.row.tags,
+                    tracked=r.tracked,
+                )
+            )
+        return out
+
+    # ----- dead letters and requeue -----
+
+    def dead(self, rid: str) -> List[DeadLetter]:
+        """The request's dead letters, by index: each one's error and payload (what
+        :meth:`requeue` would run again). Empty for a request without any; an unknown request is
+        :class:`UnknownRequest`."""
+        _check_id(rid)
+        p = self.protocol
+        kid = key_id(rid)
+        keys = p.keys.request(kid)
+        client = p.conn.client
+        if not client.exists(keys.meta):
+            return self._lane_dead(rid, kid)
+        # Dead letters wait in the retry set with an infinite score; their payloads stay pending in
+        # the stream (entry `0-<index + 1>`), their errors in the errors hash.
+        ids = [text(e) for e in client.zrangebyscore(keys.retry, "+inf", "+inf")]
+        dead = []
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start : start + 1000]
+            pipe = client.pipeline(transaction=False)
+            for entry in chunk:
+                pipe.xrange(keys.stream, entry, entry)
+                pipe.hget(keys.errors, _entry_index(entry))
+            replies = pipe.execute()
+            for n, entry in enumerate(chunk):
+                # Gone meanwhile (requeued and run, say): not a dead letter any more.
+                raw = _first_entry_field(replies[2 * n])
+                if raw is None:
+                    continue
+                record = replies[2 * n + 1] or b""
+                dead.append(DeadLetter(_entry_index(entry), PartError.from_record(record), _payload(raw), raw))
+        dead.sort(key=lambda d: d.index)
+        return dead
+
+    def _lane_dead(self, rid: str, kid: str) -> List[DeadLetter]:
+        """``dead`` of a lane request: its record keeps a dead part's payload (``x<index>``) and
+        error record (``e<index>``)."""
+        p = self.protocol
+        record = {text(k): v for k, v in p.conn.client.hgetall(p.keys.record(self._lane_home(kid), kid)).items()}
+        if not record:
+            raise _unknown(rid)
+        dead = []
+        for k, raw in record.items():
+            if k.startswith("x") and _digits(k[1:]):
+                index = int(k[1:])
+                error = PartError.from_record(record.get(f"e{index}", b""))
+                dead.append(DeadLetter(index, error, _payload(raw), raw))
+        dead.sort(key=lambda d: d.index)
+        return dead
+
+    def requeue(self, rid: str) -> int:
+        """Hands a request's dead letters out again, each with a fresh set of attempts; a failed
+        request reopens and will end with a new terminal record (the Rust ``requeue_dead``).
+        Returns how many were requeued. :class:`NoDeadLetters` unless the request is failed,
+        running or queued; :class:`UnknownRequest` for an unknown one."""
+        _check_id(rid)
+        p = self.protocol
+        kid = key_id(rid)
+        place = p.placement(kid)
+        if place is None:
+            # A lane request's record holds its dead letters.
+            home = self._lane_home(kid)
+            pol = p.conn.client.hget(p.keys.record(home, kid), "pol")
+            prio = LaneSettings.parse(text(pol)).values[0] if pol is not None else None
+            if prio is None or prio > 99:
+                raise _unknown(rid)
+            return self._lane_requeue(rid, kid, home, prio)
+        priority, shards = place
+        # A failed request is reopened only after its own lifecycle is announced and sealed, and
+        # after `reopen` indexed it again and marked the new lifecycle: requeue_dead says which step
+        # is missing, in that order.
+        reopen_as = ""
+        for _ in range(4):
+            requeued = p.requeue_dead(kid, shards, reopen_as)
+            if requeued.n == -1:
+                # A failure whose steps after the finish are not done: announce it first, so that
+                # its lifecycle keeps its one event.
+                p.finish(kid, priority, shards, Finished("failed", str(requeued.lifecycle).encode(), []))
+            elif requeued.n == -2:
+                p.reopen(kid, shards, requeued.lifecycle)
+                reopen_as = str(requeued.lifecycle)
+            else:
+                if requeued.elements:
+                    p.push(kid, priority, shards, requeued.elements, p.settings.grace)
+                return max(0, requeued.n)
+        raise errors.ProtocolError(f'request "{rid}" kept changing while it was being requeued; try again')
+
+    def _lane_requeue(self, rid: str, kid: str, home: int, priority: int) -> int:
+        """``lane_requeue`` of lane request ``kid``: the function pushes the lane tokens it wakes."""
+        p = self.protocol
+        k = p.keys
+        lane = lane_key_id(home, priority)
+        keys = k.request(lane).all() + [
+            k.record(home, kid), k.token_list(home, priority), k.bell(home), k.active(home),
+        ]
+        args = [lane, kid, max(1, p.settings.lane_tokens), ms(p.settings.census_interval)]
+        try:
+            reply = fcall_items(p.conn.fcall("lane_requeue", keys, args))
+        except Exception as e:
+            if refused_state(e):
+                raise errors.NoDeadLetters(rid) from e
+            raise
+        return max(0, integer(reply[0])) if reply else 0
+
+    # ----- pause -----
+
+    def pause(self, priority: Optional[int] = None) -> None:
+        """Pauses the namespace (``None``) or one priority: from their next take, worker slots take
+        no token of it; a slot holding one finishes its quantum first, and running handlers finish.
+        Submits still work. Kept in Redis until :meth:`resume`. Repeating it changes nothing."""
+        name = "all" if priority is None else str(_priority(priority))
+        # On every shard a worker may use, not only on this admin's.
+        pipe = self.protocol.conn.client.pipeline(transaction=False)
+        for shard in range(MAX_TOKEN_SHARDS):
+            pipe.hset(self.protocol.keys.paused(shard), name, 1)
+        pipe.execute()
+
+    def resume(self, priority: Optional[int] = None) -> None:
+        """Undoes pauses: ``None`` resumes everything (the namespace and every priority paused one
+        by one); a priority resumes that one only (a pause of the whole namespace stays)."""
+        if priority is not None:
+            _priority(priority)
+        pipe = self.protocol.conn.client.pipeline(transaction=False)
+        for shard in range(MAX_TOKEN_SHARDS):
+            key = self.protocol.keys.paused(shard)
+            if priority is None:
+                pipe.delete(key)
+            else:
+                pipe.hdel(key, str(priority))
+        pipe.execute()
+
+    def paused(self) -> Paused:
+        """What is paused (as the first token shard holds it; every shard holds the same, but for
+        a moment during a pause or resume)."""
+        paused = Paused()
+        for name in (text(f) for f in self.protocol.conn.client.hkeys(self.protocol.keys.paused(0))):
+            if _digits(name) and int(name) <= 255:
+                paused.priorities.append(int(name))
+            elif name == "all":
+                paused.all = True
+        paused.priorities.sort(reverse=True)
+        return paused
