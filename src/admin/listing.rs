@@ -385,8 +385,9 @@ impl Admin {
                     pipe.hmget::<(), _, _>(meta, vec!["state", "total", "left", "failed", "open"]).await?;
                 }
                 Kind::Lane => {
-                    let home = crate::shards::lane_home(&self.store, &r.key_id);
-                    let record = self.store.keys.record(home, &r.key_id);
+                    // Where it was listed, not where this admin's shard count would put it: the
+                    // two differ while a change of `token_shards` rolls out.
+                    let record = self.store.keys.record(r.shard, &r.key_id);
                     pipe.hmget::<(), _, _>(record, vec!["state", "left", "failed", "pol"]).await?;
                 }
             }

@@ -89,6 +89,8 @@ pub(crate) struct ListArgs<'a> {
 #[derive(Clone, Debug)]
 pub(crate) struct Listed {
     pub(crate) key_id: String,
+    /// The shard whose index listed it: its home shard, where a lane request's record is.
+    pub(crate) shard: u32,
     pub(crate) submitted_ms: i64,
     pub(crate) row: Row,
     pub(crate) tracked: bool,
@@ -141,6 +143,7 @@ pub(crate) async fn list(store: &Store, shard: u32, a: &ListArgs<'_>) -> Result<
         .map(|r| {
             Ok(Listed {
                 key_id: reply::text(&r[0])?,
+                shard,
                 submitted_ms: reply::int(&r[1])?,
                 row: Row::parse(&reply::text(&r[2])?)?,
                 tracked: reply::int(&r[4])? == 1,

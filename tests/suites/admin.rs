@@ -760,3 +760,28 @@ async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() 
     assert!(admin.purge(lane.id()).await.unwrap());
     assert!(matches!(admin.status(lane.id()).await.unwrap_err(), sluicegate::Error::UnknownRequest(_)));
 }
+
+/// While a change of `token_shards` rolls out, an admin whose count differs from the producers'
+/// still shows every lane request in the shards it walks: the record is read where the request was
+/// listed, not where the admin's own count would put it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_with_another_shard_count_lists_every_lane_request_of_the_shards_it_walks() {
+    use fred::prelude::HashesInterface;
+    use sluicegate::ListQuery;
+    let env = env_on(TOPOLOGY, "listshards").await;
+    let producer = Producer::connect(&env.config.clone().token_shards(3)).await.unwrap();
+    for n in 0..40 {
+        producer.request().submit([Job::new(n)]).await.unwrap();
+    }
+    let admin = Admin::connect(&env.config.clone().token_shards(2)).await.unwrap();
+    let ns = env.config.namespace_str();
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    let mut indexed = 0u64;
+    for shard in 0..2 {
+        let rows: u64 = redis.hlen(format!("{ns}:{{{ns}.q{shard}}}:ix:row")).await.unwrap();
+        indexed += rows;
+    }
+    assert!(indexed > 0 && indexed < 40, "the 40 requests spread over 3 shards: {indexed} on shards 0 and 1");
+    let page = admin.list(&ListQuery::new()).await.unwrap();
+    assert_eq!(page.requests.len() as u64, indexed, "every request listed on the shards walked is shown");
+}

@@ -133,6 +133,8 @@ class _Listed:
     """One row ``list`` returned."""
 
     kid: str
+    #: The shard whose index listed it: its home shard, where a lane request's record is.
+    shard: int
     submitted_ms: int
     row: _Row
     tracked: bool
@@ -431,6 +433,7 @@ class Admin:
             rows.append(
                 _Listed(
                     text(r[0]),
+                    shard,
                     integer(r[1]),
                     _Row.parse(text(r[2])),
                     integer(r[4]) == 1,
@@ -452,7 +455,9 @@ class Admin:
             if r.row.own:
                 pipe.hmget(p.keys.request(r.kid).meta, own_fields)
             else:
-                pipe.hmget(p.keys.record(self._lane_home(r.kid), r.kid), lane_fields)
+                # Where it was listed, not where this admin's shard count would put it: the two
+                # differ while a change of token shards rolls out.
+                pipe.hmget(p.keys.record(r.shard, r.kid), lane_fields)
         out = []
         for r, values in zip(rows, pipe.execute()):
             names = own_fields if r.row.own else lane_fields
