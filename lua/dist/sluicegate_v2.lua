@@ -1650,25 +1650,28 @@ local function ack(keys, args)
   local settled_ok, discarded, deleted = 0, 0, {}
   for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
+    -- The part's field in the results and errors hashes, as text: Redis would format a Lua
+    -- number as a double (%.17g), the costliest step of an argument.
+    local name = string.format('%d', index)
     -- The outcome of a part below `taken` was handed to the reader already (a requeued dead
     -- letter that ran again): nothing more is recorded for it.
     local past = index < taken
     if outcome == 'ok' then
       if not one_by_one then
         acked[#acked + 1] = id
-        results[#results + 1] = index
+        results[#results + 1] = name
         results[#results + 1] = body
       elseif redis.call('XACK', keys[2], 'g', id) == 1 then
         settled_ok = settled_ok + 1
         if discard or past then
           discarded = discarded + 1
         else
-          results[#results + 1] = index
+          results[#results + 1] = name
           results[#results + 1] = body
         end
         if m[6] == '1' then deleted[#deleted + 1] = id end
       end
-      if not past then cleared[#cleared + 1] = index end
+      if not past then cleared[#cleared + 1] = name end
       if args[i + 4] ~= '1' then
         -- Succeeded after retries: kept in the record, which the error record no longer is.
         redis.call('HINCRBY', keys[1], 'retried', 1)
@@ -1683,14 +1686,14 @@ local function ack(keys, args)
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if pending and redis.call('ZADD', keys[6], 'inf', id) == 1 then failed = failed + 1 end
       if not past then
-        errors[#errors + 1] = index
+        errors[#errors + 1] = name
         errors[#errors + 1] = body
       end
     elseif outcome == 'retry' then
       -- Stays pending (its payload with it) until sg_take_work claims it again when due.
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       if not past then
-        errors[#errors + 1] = index
+        errors[#errors + 1] = name
         errors[#errors + 1] = body
       end
       extra = extra + 1
