@@ -1,4 +1,5 @@
-"""The Python Admin: listing, dead letters, requeue, pause and resume, as the Rust Admin does them."""
+"""The Python Admin: status, listing, tracking, purge, dead letters, requeue, reprioritize, pause and
+resume, as the Rust Admin does them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ from typing import Any, List, Optional
 import pytest
 
 import sluicegate
-from sluicegate import Admin, NoDeadLetters, Paused, PermanentError, Producer, UnknownRequest, WaitTimeout
+from sluicegate import (
+    Admin,
+    IndexedError,
+    NoDeadLetters,
+    PartError,
+    Paused,
+    PermanentError,
+    Producer,
+    Refused,
+    Reprioritized,
+    UnknownRequest,
+    WaitTimeout,
+)
 
 from conftest import Running
 
@@ -303,3 +316,228 @@ def test_admin_on_a_three_master_cluster_across_token_shards(cluster: Any, ns: s
         held.wait(timeout=1.0)
     admin.resume()
     assert held.wait(timeout=20).results == [0, 10]
+
+
+def keys_of(admin: Admin, rid: str) -> List[str]:
+    """Every key of the namespace naming request ``rid`` (its own keys, a lane record, finish
+    marks), and every listing index entry of it."""
+    client = admin.protocol.conn.client
+    ns = admin.protocol.keys.ns
+    kid = sluicegate._keys.key_id(rid)
+    found = [
+        k.decode()
+        for k in client.scan_iter(match=f"{ns}:*", count=1000)
+        if "{" + kid + "}" in k.decode() or k.decode().endswith(":" + kid)
+    ]
+    for shard in range(admin.protocol.settings.token_shards):
+        k = admin.protocol.keys
+        if client.hexists(k.index_rows(shard), kid):
+            found.append(f"{k.index_rows(shard)}[{kid}]")
+        for name in ("live", "completed", "failed", "cancelled", "tracked", "exp", "t:keep"):
+            if client.zscore(k.index_set(shard, name), kid) is not None:
+                found.append(f"{k.index_set(shard, name)}[{kid}]")
+    return found
+
+
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_purge_deletes_a_finished_request_and_refuses_a_live_one(server: Any, ns: str, running: Running, own_stream: bool) -> None:
+    running.start(server.url, Flaky(), ns, slots=2)
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    h = p.submit(mixed(3, bad=(1,)), id="done", tags=["keep"], own_stream=own_stream)
+    assert h.wait(timeout=20).state == "failed"
+    other = p.submit(mixed(2), id="other", own_stream=own_stream)
+    assert other.wait(timeout=20).state == "completed"
+    listed(admin, ["done"], state="failed")
+    admin.track("done", True)
+    assert keys_of(admin, "done"), "a finished request has keys until its retention ends"
+
+    assert admin.purge("done") is True
+    assert keys_of(admin, "done") == []
+    assert [r.id for r in admin.list().requests] == ["other"]
+    assert admin.list(tracked=True).requests == [] and admin.list(tag="keep").requests == []
+    with pytest.raises(UnknownRequest):
+        admin.status("done")
+    assert admin.purge("done") is False
+    assert admin.purge("never-submitted") is False
+    assert admin.status("other").state == "completed"
+
+    admin.pause()
+    live = p.submit(mixed(2), id="live", own_stream=own_stream)
+    with pytest.raises(Refused) as e:
+        admin.purge(live.id)
+    assert str(e.value) == 'request "live" has not finished (or its finish is still being recorded): cancel it first'
+    assert admin.status("live").state == "queued"
+    assert [r.id for r in admin.list(state="queued").requests] == ["live"]
+    live.cancel()
+    listed(admin, ["live"], state="cancelled")
+    assert admin.purge("live") is True and keys_of(admin, "live") == []
+
+
+def test_track_marks_a_request_for_list_tracked(server: Any, ns: str, running: Running) -> None:
+    running.start(server.url, Flaky(), ns, slots=2)
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    for n, own in enumerate((False, True, False)):
+        p.submit(mixed(2), id=f"t{n}", own_stream=own).wait(timeout=20)
+        time.sleep(0.005)
+    admin.pause()
+    p.submit(mixed(2), id="queued", own_stream=True)
+    assert admin.list(tracked=True).requests == []
+    admin.track("t1", True)
+    admin.track("t0", True)
+    admin.track("queued", True)
+    admin.track("t0", True)  # a repeat changes nothing
+    assert [r.id for r in admin.list(tracked=True).requests] == ["queued", "t1", "t0"]
+    assert all(r.tracked for r in admin.list(tracked=True).requests)
+    assert admin.status("t1").tracked and not admin.status("t2").tracked
+    admin.track("t1", False)
+    admin.track("queued", False)
+    assert [r.id for r in admin.list(tracked=True).requests] == ["t0"]
+    assert not admin.status("t1").tracked
+    with pytest.raises(UnknownRequest) as e:
+        admin.track("nope", True)
+    assert str(e.value) == 'no request with id "nope" (never submitted, or its results expired)'
+    with pytest.raises(sluicegate.InvalidRequest, match=r"^a request id cannot be empty$"):
+        admin.track("", True)
+
+
+def test_reprioritize_moves_a_queued_request_ahead_of_another(server: Any, ns: str, running: Running) -> None:
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    # No worker yet: both wait, "low" in the list of priority 10, "high" in that of 50.
+    low = p.submit(mixed(3), id="low", priority=10, concurrency=2, own_stream=True)
+    high = p.submit(mixed(3), id="high", priority=50, own_stream=True)
+    assert admin.reprioritize("low", 90) == Reprioritized(10, 90, 2, 0)
+    assert admin.status("low").priority == 90
+    assert [r.id for r in admin.list(priority=90).requests] == ["low"]
+    assert admin.list(priority=10).requests == []
+    client, keys = admin.protocol.conn.client, admin.protocol.keys
+    assert client.llen(keys.token_list(0, 10)) == 0 and client.llen(keys.token_list(0, 90)) == 2
+    # A repeat moves nothing more (as with the Rust admin, it counts the tokens it found in the
+    # new list already as `left`: the old priority is the one before the last change).
+    assert admin.reprioritize("low", 90) == Reprioritized(10, 90, 0, 2)
+    assert client.llen(keys.token_list(0, 10)) == 0 and client.llen(keys.token_list(0, 90)) == 2
+
+    order: List[str] = []
+
+    def note(ctx: Any, part: Any) -> Any:
+        order.append(ctx.request_id)
+        return part["i"]
+
+    running.start(server.url, note, ns, slots=1)
+    assert low.wait(timeout=20).state == "completed"
+    assert high.wait(timeout=20).state == "completed"
+    assert order == ["low"] * 3 + ["high"] * 3
+
+
+def test_reprioritize_refuses_finished_lane_and_unknown_requests(server: Any, ns: str, running: Running) -> None:
+    running.start(server.url, Flaky(), ns, slots=2)
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    p.submit(mixed(2), id="done", own_stream=True).wait(timeout=20)
+    p.submit(mixed(2), id="lane-done").wait(timeout=20)
+    admin.pause()
+    p.submit(mixed(2), id="lane", priority=30)
+    for rid, state in (("done", "completed"), ("lane-done", "completed")):
+        with pytest.raises(Refused) as e:
+            admin.reprioritize(rid, 70)
+        assert str(e.value) == f'request "{rid}" has already finished ({state}): its priority can no longer change'
+    with pytest.raises(Refused) as lane:
+        admin.reprioritize("lane", 70)
+    assert str(lane.value) == (
+        'request "lane" is a small request that shares the lane of priority 30 with others: its sub-requests '
+        "already wait in that lane, so its priority cannot be changed and it runs at priority 30; submit small "
+        "requests with their own stream (RequestBuilder::own_stream) to be able to change their priority, or "
+        "cancel this one and submit it again"
+    )
+    assert admin.status("lane").priority == 30
+    with pytest.raises(UnknownRequest, match=r'^no request with id "nope"'):
+        admin.reprioritize("nope", 70)
+    with pytest.raises(sluicegate.InvalidRequest, match="priority 100 is out of range"):
+        admin.reprioritize("lane", 100)
+
+
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_status_counts_a_running_and_a_finished_request(server: Any, ns: str, running: Running, own_stream: bool) -> None:
+    release = threading.Event()
+    tries: List[int] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        if ctx.request_id == "run":
+            if part["i"] == 0:
+                raise RuntimeError("later")  # waits a long backoff for its retry
+            assert release.wait(20)
+            return part["i"]
+        if part["i"] == 1 and ctx.attempt == 1:
+            raise RuntimeError("once")
+        if part["i"] == 2:
+            raise PermanentError("bad 2")
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=1)
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    h = p.submit(mixed(3), id="run", concurrency=1, priority=40, max_attempts=3, backoff=60, backoff_max=60,
+                 tags=["st"], own_stream=own_stream)
+    deadline = time.time() + 10
+    while admin.status("run").retrying < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    st = admin.status("run")
+    assert (st.id, st.state, st.priority, st.concurrency, st.total, st.done, st.failed) == ("run", "running", 40, 1, 3, 0, 0)
+    # A lane request's parts in its lane are not told apart from running ones: 0.
+    assert (st.running, st.retrying) == ((1 if own_stream else 0), 1)
+    assert st.errors == [IndexedError(0, PartError("later", 1, False))]
+    assert st.max_attempts_seen == 1 and st.succeeded_after_retry == 0
+    assert st.created_ms > 0 and st.started_ms is not None and st.started_ms >= st.created_ms and st.finished_ms is None
+    assert not st.open and st.window is None and not st.discard_results and st.results_taken == 0
+    assert (st.tags, st.tracked, st.paused) == (["st"], False, False)
+    admin.pause(40)
+    assert admin.status("run").paused
+    admin.resume()
+    h.cancel()
+    release.set()
+
+    f = p.submit(mixed(3), id="fin", max_attempts=3, backoff=0.01, backoff_max=0.02, own_stream=own_stream)
+    assert f.wait(timeout=20).state == "failed"
+    st = admin.status("fin")
+    assert (st.state, st.total, st.done, st.failed, st.running, st.retrying) == ("failed", 3, 3, 1, 0, 0)
+    assert (st.succeeded_after_retry, st.max_attempts_seen) == (1, 2)
+    assert st.errors == [IndexedError(2, PartError("bad 2", 1, True))]
+    assert st.finished_ms is not None and st.finished_ms >= st.created_ms
+    assert st.tags == [] and not st.paused
+    admin.pause()
+    assert not admin.status("fin").paused  # finished: nothing to pause
+    assert admin.status("run").state == "cancelled"
+    with pytest.raises(UnknownRequest, match=r'^no request with id "nope"'):
+        admin.status("nope")
+
+
+def test_status_track_reprioritize_and_purge_on_a_three_master_cluster(cluster: Any, ns: str, running: Running) -> None:
+    p = Producer(cluster.url, ns, token_shards=3)
+    admin = Admin(cluster.url, ns, token_shards=3)
+    # Three tokens, one on each token shard (each on its own master's slots, or not).
+    q = p.submit(mixed(6), id="q", priority=20, concurrency=3, own_stream=True)
+    small = p.submit(mixed(2), id="small", priority=20)
+    assert admin.reprioritize("q", 80) == Reprioritized(20, 80, 3, 0)
+    assert [r.id for r in admin.list(priority=80).requests] == ["q"]
+    admin.track("q", True)
+    admin.track("small", True)
+    assert [r.id for r in admin.list(tracked=True).requests] == ["small", "q"]
+    st = admin.status("q")
+    assert (st.state, st.priority, st.total, st.done, st.tracked) == ("queued", 80, 6, 0, True)
+    assert admin.status("small").priority == 20
+    with pytest.raises(Refused):
+        admin.reprioritize("small", 80)
+    with pytest.raises(Refused, match="has not finished"):
+        admin.purge("q")
+
+    running.start(cluster.url, Flaky(), ns, slots=4, token_shards=3)
+    assert q.wait(timeout=20).results == [i * 10 for i in range(6)]
+    assert small.wait(timeout=20).state == "completed"
+    st = admin.status("q")
+    assert (st.state, st.done, st.failed, st.running, st.retrying) == ("completed", 6, 0, 0, 0)
+    listed(admin, ["small", "q"], state="completed")
+    assert admin.purge("q") is True and admin.purge("small") is True
+    assert keys_of(admin, "q") == [] and keys_of(admin, "small") == []
+    assert admin.list().requests == [] and admin.list(tracked=True).requests == []

@@ -13,7 +13,7 @@ Redis Functions library, shipped with this package.
 """
 
 from ._conn import library_source
-from .admin import Admin, DeadLetter, ListedRequest, ListPage, Paused
+from .admin import Admin, DeadLetter, IndexedError, ListedRequest, ListPage, Paused, Reprioritized, RequestStatus
 from .errors import (
     DuplicateRequestId,
     InvalidCursor,
@@ -22,6 +22,7 @@ from .errors import (
     NotOpen,
     PermanentError,
     ProtocolError,
+    Refused,
     SluicegateError,
     UnknownRequest,
     UnsupportedRedis,
@@ -40,6 +41,7 @@ __all__ = [
     "DeadLetter",
     "DuplicateRequestId",
     "Event",
+    "IndexedError",
     "InvalidCursor",
     "InvalidRequest",
     "ListPage",
@@ -53,7 +55,10 @@ __all__ = [
     "PermanentError",
     "Producer",
     "ProtocolError",
+    "Refused",
+    "Reprioritized",
     "RequestHandle",
+    "RequestStatus",
     "SluicegateError",
     "UnknownRequest",
     "UnsupportedRedis",

@@ -96,6 +96,20 @@ class Requeued:
 
 
 @dataclass
+class Reprioritize:
+    """What ``reprioritize`` answers: ``tag`` ``moved`` (the request has the new priority; ``old``
+    is the one before, ``shards`` its token shards, ``elements`` those of its tokens queued now, to
+    move from ``old``'s lists with ``relist``), ``refused`` (``state``: finished, or still loading)
+    or ``unknown`` (no request with keys of its own has the id; a lane request may)."""
+
+    tag: str
+    old: int = 0
+    shards: int = 1
+    elements: List[Any] = field(default_factory=list)
+    state: str = ""
+
+
+@dataclass
 class LaneSettings:
     """A lane request's settings as its record stores them (``pol``, prelude.lua "Lanes"):
     ``[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff base ms>,<backoff cap ms>``,
@@ -153,6 +167,21 @@ def quoted(s: str) -> str:
 def refused_state(e: BaseException) -> bool:
     """Whether ``e`` is the library's ``SGSTATE`` refusal."""
     return isinstance(e, redis.exceptions.ResponseError) and str(e).split(" ", 1)[0] == "SGSTATE"
+
+
+def refusal_why(e: BaseException) -> str:
+    """The library's words after the code of a refusal ``SG<CODE> <why>``."""
+    return str(e).partition(" ")[2]
+
+
+def _priority_item(item: Any) -> int:
+    """A priority a function answered (Rust ``priority_item``)."""
+    p = integer(item)
+    if not 0 <= p <= 255:
+        raise errors.ProtocolError(f"priority {p} out of range")
+    if p > 99:
+        raise errors.ProtocolError(f"priority {p} is out of range: use 0 (lowest) to 99 (highest)")
+    return p
 
 
 def element_token(element: Any) -> int:
@@ -320,6 +349,63 @@ class Protocol:
             "reopen", [k.active(home), k.registrations(home), k.finish_marks(home, kid)],
             [kid, ms(self.settings.grace), lifecycle],
         )
+        return integer(reply) == 1
+
+    def reprioritize(self, kid: str, priority: int) -> Reprioritize:
+        """``reprioritize``: gives request ``kid`` priority ``priority`` (in its meta hash)."""
+        items = fcall_items(self.conn.fcall("reprioritize", self.keys.request(kid).all(), [kid, priority]))
+        tag = text(items[0]) if items else ""
+        if tag == "moved":
+            old = items[1] if len(items) > 1 else None
+            shards = max(1, min(1024, integer(items[2], 1))) if len(items) > 2 else 1
+            return Reprioritize(tag, priority if old is None else _priority_item(old), shards, items[3:])
+        if tag == "refused":
+            return Reprioritize(tag, state=text(items[1]) if len(items) > 1 else "")
+        if tag == "unknown":
+            return Reprioritize(tag)
+        raise errors.ProtocolError(f"unexpected reprioritize reply {quoted(tag)}")
+
+    def relist(self, shard: int, old: int, new: int, elements: Sequence[Any]) -> int:
+        """``relist`` on ``shard``: moves ``elements`` from the list of priority ``old`` to the list
+        of ``new``, each to its place by epoch; those not found near either end of the old list, or
+        with no place near the head of the new one, stay. Returns how many moved."""
+        k = self.keys
+        moved = integer(self.conn.fcall("relist", [k.token_list(shard, old), k.token_list(shard, new)], elements))
+        return max(0, moved)
+
+    # ----- the listing index (§5 "Listing") -----
+
+    def track(self, shard: int, kid: str, on: bool) -> bool:
+        """``track`` on ``shard``: marks (or unmarks) ``kid`` as tracked. False when it is not
+        listed."""
+        return integer(self.conn.fcall("track", [self.keys.index_rows(shard)], [kid, "1" if on else "0"])) == 1
+
+    def relabel(self, shard: int, kid: str, priority: int) -> bool:
+        """``relabel`` on ``shard``: the listed row of ``kid`` takes ``priority``. False when it is
+        not listed."""
+        return integer(self.conn.fcall("relabel", [self.keys.index_rows(shard)], [kid, priority])) == 1
+
+    def purge(self, keys: Sequence[str]) -> bool:
+        """``purge`` on the request's slot: deletes ``keys`` (the first holds its ``state``) if it
+        finished. False when there was nothing; :class:`errors.Refused` (the library's words) when
+        it has not finished."""
+        try:
+            return integer(self.conn.fcall("purge", keys, [])) == 1
+        except redis.exceptions.ResponseError as e:
+            if refused_state(e):
+                raise errors.Refused(refusal_why(e)) from e
+            raise
+
+    def unlist(self, shard: int, kid: str) -> bool:
+        """``unlist`` on ``shard``: the request leaves the index and its finish marks go. False
+        when it was not listed; :class:`errors.Refused` while it is still in recovery's index."""
+        k = self.keys
+        try:
+            reply = self.conn.fcall("unlist", [k.index_rows(shard), k.active(shard), k.finish_marks(shard, kid)], [kid])
+        except redis.exceptions.ResponseError as e:
+            if refused_state(e):
+                raise errors.Refused(refusal_why(e)) from e
+            raise
         return integer(reply) == 1
 
     # ----- tokens -----

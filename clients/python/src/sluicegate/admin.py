@@ -1,16 +1,27 @@
-"""Operating sluicegate: listing requests, their dead letters, requeue, pause and resume (the
-Rust ``Admin`` of src/admin.rs and src/admin/listing.rs, call for call; docs/protocol.md §5
-"Listing" and "Operators", §6.12)."""
+"""Operating sluicegate: a request's status, listing requests, tracking, purging, their dead
+letters, requeue, priority changes, pause and resume (the Rust ``Admin`` of src/admin.rs and
+src/admin/listing.rs, call for call; docs/protocol.md §5 "Listing" and "Operators", §6.12)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
 from ._keys import home_shard, key_id, lane_key_id, raw_id
-from ._protocol import Finished, LaneSettings, Protocol, Settings, ms, quoted, record_meta, refused_state
+from ._protocol import (
+    Finished,
+    LaneSettings,
+    Protocol,
+    Settings,
+    by_shard,
+    ms,
+    quoted,
+    record_meta,
+    refused_state,
+)
 from .producer import PartError
 
 #: Rows a page holds at most.
@@ -22,6 +33,10 @@ MAX_LIST_LOOK = 10_000
 MAX_TOKEN_SHARDS = 1024
 #: A tag is 1 to this many bytes.
 MAX_TAG_BYTES = 64
+#: At most this many errors are listed in a :class:`RequestStatus`.
+STATUS_ERRORS = 100
+#: Elements per ``relist`` call.
+RELIST_CHUNK = 100
 
 #: The states :meth:`Admin.list` filters on, and the index set each lives in.
 LIST_STATES: Dict[str, str] = {
@@ -96,6 +111,84 @@ class Paused:
     def covers(self, priority: int) -> bool:
         """Whether slots take no tokens of ``priority``."""
         return self.all or priority in self.priorities
+
+
+@dataclass
+class IndexedError:
+    """One part's error record (Rust ``IndexedError``)."""
+
+    index: int
+    #: Its last error.
+    error: PartError
+
+
+@dataclass
+class RequestStatus:
+    """A request's state and counters (:meth:`Admin.status`; Rust ``RequestStatus``)."""
+
+    id: str
+    #: Where it is in its lifecycle: ``loading``, ``scheduled``, ``queued``, ``running``,
+    #: ``completed``, ``failed`` or ``cancelled``.
+    state: str
+    #: 0 to 99.
+    priority: int
+    #: Its concurrency limit.
+    concurrency: int
+    #: Parts in all.
+    total: int
+    #: Parts that ended: succeeded or dead-lettered.
+    done: int
+    #: Parts dead-lettered.
+    failed: int
+    #: Tokens held by worker slots right now (each runs one part at a time); 0 for a lane request,
+    #: whose parts in the lane are not told apart from those running.
+    running: int
+    #: Parts waiting for a retry or re-delivery.
+    retrying: int
+    #: A streamed request still open for parts.
+    open: bool
+    #: A streamed request's window: at most this many of its parts unsettled at once.
+    window: Optional[int]
+    #: Its results are discarded.
+    discard_results: bool
+    #: Results handed to its reader by ``results_from`` (the index of the next one to take).
+    results_taken: int
+    #: Parts that succeeded after more than one attempt.
+    succeeded_after_retry: int
+    #: Most attempts any part has had so far (failed, retrying or succeeded).
+    max_attempts_seen: int
+    #: When it was submitted (ms since the Unix epoch, Redis's clock).
+    created_ms: int
+    #: When its first part started.
+    started_ms: Optional[int]
+    #: When it turned terminal.
+    finished_ms: Optional[int]
+    #: Not terminal, and its priority or the whole namespace is paused (:meth:`Admin.pause`).
+    paused: bool = False
+    #: Its tags (empty when it has none, or when it is no longer listed).
+    tags: List[str] = field(default_factory=list)
+    #: Tracked (:meth:`Admin.track`).
+    tracked: bool = False
+    #: The last error of up to :data:`STATUS_ERRORS` parts (dead letters and pending retries), by
+    #: index.
+    errors: List[IndexedError] = field(default_factory=list)
+
+
+@dataclass
+class Reprioritized:
+    """What :meth:`Admin.reprioritize` did (Rust ``Reprioritized``; its ``from`` is ``from_``)."""
+
+    #: The priority the request had.
+    from_: int
+    #: The priority it has now.
+    to: int
+    #: Tokens that were waiting in the old priority's lists and wait in the new one's now.
+    moved: int
+    #: Tokens queued but not found waiting in the old lists (being taken or pushed at that moment,
+    #: or deeper than 1,000 elements from either end of a long list): each is taken once more at
+    #: the old priority and goes to the new one's list when handed back. Tokens held by slots, or
+    #: parked, are counted in neither: they go there at their next hand-back.
+    left: int
 
 
 @dataclass
@@ -232,6 +325,63 @@ def _holds(state: str, listed: str, is_open: bool) -> bool:
     return listed == state
 
 
+def _state(name: str) -> str:
+    """A request state read back from Redis; the Rust ``RequestState`` parse refuses any other."""
+    if name not in _REQUEST_STATES:
+        raise errors.ProtocolError(f"unknown request state {quoted(name)}")
+    return name
+
+
+def _not_reprioritized(rid: str, state: str) -> errors.Refused:
+    """The refusal of a request in ``state`` (finished, or still loading) to change its priority."""
+    if state == "loading":
+        return errors.Refused(
+            f'request "{rid}" is still being submitted: change its priority once its submit has returned'
+        )
+    return errors.Refused(f'request "{rid}" has already finished ({state}): its priority can no longer change')
+
+
+def _status_from(
+    rid: str, meta: Dict[str, str], errs: List[IndexedError], running: int, retrying: int
+) -> RequestStatus:
+    """A request's status from the scalar fields of its meta hash or lane record (both name them
+    alike), its error records, and what was counted beside them."""
+    num = lambda k: int(meta[k]) if _digits(meta.get(k, "")) else None  # noqa: E731
+    state = _state(meta.get("state", ""))
+    total = num("total") or 0
+    left = num("left")
+    left = total if left is None else left
+    errs.sort(key=lambda e: e.index)
+    # `maxseen` is written only past one attempt: a part settled at its first makes it 1.
+    seen = [e.error.attempts for e in errs]
+    maxseen = num("maxseen")
+    if maxseen is not None:
+        seen.append(maxseen & 0xFFFFFFFF)
+    max_attempts_seen = max(max(seen, default=0), 1 if left < total else 0)
+    window = num("window")
+    return RequestStatus(
+        id=rid,
+        state=state,
+        priority=(num("prio") or 0) & 0xFF,
+        concurrency=(num("limit") or 0) & 0xFFFFFFFF,
+        total=total,
+        done=total if state in ("completed", "failed") else max(0, total - left),
+        failed=num("failed") or 0,
+        running=running,
+        retrying=retrying,
+        open=meta.get("open") == "1",
+        window=window if window else None,
+        discard_results=meta.get("discard") == "1",
+        results_taken=num("taken") or 0,
+        succeeded_after_retry=num("retried") or 0,
+        max_attempts_seen=max_attempts_seen,
+        created_ms=num("created") or 0,
+        started_ms=num("started"),
+        finished_ms=num("finished"),
+        errors=errs[:STATUS_ERRORS],
+    )
+
+
 def _payload(raw: bytes) -> Any:
     """A payload decoded from MessagePack when it is that, else its text (or, for bytes that are
     not text, the bytes), as the ``dead`` command shows it."""
@@ -266,9 +416,10 @@ def _entry_index(entry: str) -> int:
 
 
 class Admin:
-    """What an operator needs: listing, dead letters, requeue, pause and resume (the Rust
-    ``Admin``). Give it the namespace's ``token_shards``: listing walks that many shards' indexes,
-    and a small request's record is found on its home shard among them.
+    """What an operator needs: status, listing, tracking, purging, dead letters, requeue,
+    priority changes, pause and resume (the Rust ``Admin``). Give it the namespace's
+    ``token_shards``: listing walks that many shards' indexes, and a small request's record is
+    found on its home shard among them.
 
     >>> admin = Admin("redis://127.0.0.1:6379")                # doctest: +SKIP
     >>> page = admin.list(state="failed", limit=20)            # doctest: +SKIP
@@ -312,6 +463,76 @@ class Admin:
         """The shard a lane request would call home (its record is there): with this admin's
         token shards."""
         return home_shard(kid, self.protocol.settings.token_shards)
+
+    def _home(self, kid: str) -> int:
+        """The home shard of a request: its own meta says how many shards it was submitted with;
+        a lane request (or an unknown one) is homed by this admin's."""
+        place = self.protocol.placement(kid)
+        return home_shard(kid, place[1]) if place is not None else self._lane_home(kid)
+
+    # ----- status -----
+
+    def status(self, rid: str) -> RequestStatus:
+        """The request's state and counters, whether it is paused, and its tags and tracking while
+        it is listed. An unknown request is :class:`UnknownRequest`."""
+        _check_id(rid)
+        kid = key_id(rid)
+        status = self._unpaused_status(rid, kid)
+        status.paused = status.state not in _TERMINAL and self.paused().covers(status.priority)
+        listing = self._listing_of(kid)
+        if listing is not None:
+            status.tags, status.tracked = listing
+        return status
+
+    def _unpaused_status(self, rid: str, kid: str) -> RequestStatus:
+        p = self.protocol
+        keys = p.keys.request(kid)
+        client = p.conn.client
+        meta = {text(k): text(v) for k, v in client.hgetall(keys.meta).items()}
+        if not meta:
+            return self._lane_status(rid, kid)
+        state = _state(meta.get("state", ""))
+        running = sum(1 for k, v in meta.items() if k.startswith("t") and v.startswith("h|"))
+        retrying = 0
+        if state not in _TERMINAL:
+            # Dead letters wait in the retry set too, at +inf: not counted.
+            retrying = client.zcount(keys.retry, "-inf", sys.float_info.max) + client.llen(keys.orphans)
+        errs = []
+        for index, record in client.hgetall(keys.errors).items():
+            if not _digits(text(index)):
+                raise errors.ProtocolError(f"an error record's field {quoted(text(index))} is not a part index")
+            errs.append(IndexedError(int(text(index)), PartError.from_record(record)))
+        return _status_from(rid, meta, errs, running, retrying)
+
+    def _lane_status(self, rid: str, kid: str) -> RequestStatus:
+        """``status`` of a lane request, from its record: ``running`` is not counted (its parts in
+        the lane are not told apart from those running), ``retrying`` counts parts whose last
+        attempt failed and that are not dead."""
+        p = self.protocol
+        record = {text(k): v for k, v in p.conn.client.hgetall(p.keys.record(self._lane_home(kid), kid)).items()}
+        if not record:
+            raise _unknown(rid)
+        meta = record_meta(record)
+        state = _state(meta.get("state", ""))
+        errs = [
+            IndexedError(int(k[1:]), PartError.from_record(v))
+            for k, v in record.items()
+            if k.startswith("e") and _digits(k[1:])
+        ]
+        dead = sum(1 for k in record if k.startswith("x"))
+        retrying = 0 if state in _TERMINAL else max(0, len(errs) - dead)
+        return _status_from(rid, meta, errs, 0, retrying)
+
+    def _listing_of(self, kid: str) -> Optional[Tuple[List[str], bool]]:
+        """The tags and tracking of a listed request (None when it is not listed)."""
+        p = self.protocol
+        home = self._home(kid)
+        row = p.conn.client.hget(p.keys.index_rows(home), kid)
+        if row is None:
+            return None
+        tags = _Row.parse(text(row)).tags
+        tracked = p.conn.client.zscore(p.keys.index_set(home, "tracked"), kid)
+        return tags, tracked is not None
 
     # ----- listing -----
 
@@ -494,6 +715,55 @@ class Admin:
             )
         return out
 
+    def track(self, rid: str, on: bool = True) -> None:
+        """Marks a request as tracked (``list(tracked=True)`` shows it), or unmarks it (``on``
+        false). An unknown request, or a finished one past its retention, is
+        :class:`UnknownRequest` (the Rust ``track`` returns nothing either)."""
+        _check_id(rid)
+        kid = key_id(rid)
+        if not self.protocol.track(self._home(kid), kid, on):
+            raise _unknown(rid)
+
+    # ----- purge -----
+
+    def purge(self, rid: str) -> bool:
+        """Deletes a finished request's keys now rather than at the end of its retention, and takes
+        it out of the listing index. Returns False when there was nothing to delete (unknown, or
+        already expired). A request that has not finished is :class:`Refused`: cancel it first."""
+        _check_id(rid)
+        p = self.protocol
+        kid = key_id(rid)
+        unfinished = errors.Refused(
+            f'request "{rid}" has not finished (or its finish is still being recorded): cancel it first'
+        )
+        place = p.placement(kid)
+        if place is not None:
+            home = home_shard(kid, place[1])
+            if p.conn.client.zscore(p.keys.active(home), kid) is not None:
+                raise unfinished
+            purge_keys = p.keys.request(kid).all()
+        else:
+            home = self._lane_home(kid)
+            purge_keys = [p.keys.record(home, kid)]
+        # A refusal by `purge` or `unlist` (its state not terminal) says the same, with the id.
+        try:
+            return self._unlist(home, kid, p.purge(purge_keys))
+        except errors.Refused as e:
+            raise unfinished from e
+
+    def _unlist(self, home: int, kid: str, purged: bool) -> bool:
+        """The index's half of a purge, after ``purge`` answered ``purged``. Refused when the id is
+        in use again: by a request that was live all along (nothing was purged), or by a new request
+        submitted once the keys were gone, which lists itself in the purged one's place (then the
+        purge is done)."""
+        try:
+            self.protocol.unlist(home, kid)
+        except errors.Refused:
+            if purged:
+                return True
+            raise
+        return purged
+
     # ----- dead letters and requeue -----
 
     def dead(self, rid: str) -> List[DeadLetter]:
@@ -597,6 +867,60 @@ class Admin:
                 raise errors.NoDeadLetters(rid) from e
             raise
         return max(0, integer(reply[0])) if reply else 0
+
+    # ----- priority -----
+
+    def reprioritize(self, rid: str, priority: int) -> Reprioritized:
+        """Changes the priority of a request that is queued or running (also a delayed one, or a
+        streamed one still open): :meth:`status` shows the new priority at once.
+
+        Its tokens waiting in the old priority's lists move to the new one's now (``relist``), each
+        keeping its place in time; a token held by a worker slot goes to the new priority's list
+        when the slot hands it back, a parked one when it is woken. Nothing is pushed: no token is
+        ever in two lists or in none.
+
+        :class:`Refused` for a request that has finished or is still being submitted, and for a
+        small request that took its priority's lane (submit with ``own_stream=True`` to be able to
+        change a small request's priority). An unknown id is :class:`UnknownRequest`."""
+        _check_id(rid)
+        _priority(priority)
+        p = self.protocol
+        kid = key_id(rid)
+        r = p.reprioritize(kid, priority)
+        if r.tag == "refused":
+            raise _not_reprioritized(rid, r.state)
+        if r.tag == "unknown":
+            raise self._lane_not_reprioritized(rid, kid)
+        queued = 0 if r.old == priority else len(r.elements)
+        moved = 0
+        # The listing index shows (and filters by) the new priority.
+        p.relabel(home_shard(kid, r.shards), kid, priority)
+        if r.old != priority:
+            # Each shard's elements in its own calls (their lists share that shard's hash tag), a
+            # bounded number per call: each call scans near the ends of the lists.
+            for shard, group in sorted(by_shard(kid, r.shards, r.elements).items()):
+                for start in range(0, len(group), RELIST_CHUNK):
+                    moved += p.relist(shard, r.old, priority, group[start : start + RELIST_CHUNK])
+        return Reprioritized(r.old, priority, moved, max(0, queued - moved))
+
+    def _lane_not_reprioritized(self, rid: str, kid: str) -> errors.SluicegateError:
+        """Why a request without keys of its own cannot be reprioritized: it is a lane request
+        (live or finished), or unknown."""
+        p = self.protocol
+        record = {text(k): v for k, v in p.conn.client.hgetall(p.keys.record(self._lane_home(kid), kid)).items()}
+        if not record:
+            return _unknown(rid)
+        meta = record_meta(record)
+        state = meta.get("state", "")
+        if state not in ("queued", "running"):
+            return _not_reprioritized(rid, state)
+        prio = meta.get("prio", "?")
+        return errors.Refused(
+            f'request "{rid}" is a small request that shares the lane of priority {prio} with others: its '
+            f"sub-requests already wait in that lane, so its priority cannot be changed and it runs at priority "
+            f"{prio}; submit small requests with their own stream (RequestBuilder::own_stream) to be able to "
+            f"change their priority, or cancel this one and submit it again"
+        )
 
     # ----- pause -----
 

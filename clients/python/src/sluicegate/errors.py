@@ -42,6 +42,12 @@ class NoDeadLetters(SluicegateError):
         )
 
 
+class Refused(SluicegateError):
+    """An operator's command that the request's state does not allow (purging one that has not
+    finished, changing the priority of a finished or lane request); the message says why (the Rust
+    ``Error::Refused``)."""
+
+
 class InvalidCursor(SluicegateError):
     """A listing cursor is not one a page of this namespace gave."""
 
