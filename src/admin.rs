@@ -26,9 +26,7 @@ pub use listing::{ListPage, ListQuery, ListState, ListedRequest, MAX_LIST_LIMIT,
 pub use tally::{Tally, MAX_TALLY};
 pub use tokens::{RequestTokens, TokenAudit, TokenState, MAX_TOKEN_AUDIT};
 
-/// The most token shards a configuration may name (`Config::token_shards`): a pause is written
-/// on each of them.
-const MAX_TOKEN_SHARDS: u32 = 1024;
+use crate::config::MAX_TOKEN_SHARDS;
 
 /// At most this many errors are listed in a [`RequestStatus`].
 pub const STATUS_ERRORS: usize = 100;
@@ -266,7 +264,8 @@ impl Admin {
     /// failed and that are not dead.
     async fn lane_status(&self, id: &RequestId) -> Result<RequestStatus> {
         let key_id = id.key_id();
-        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let record =
+            self.store.keys.record(crate::shards::lane_home_found(&self.store, &key_id).await?, &key_id);
         let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
         if fields.is_empty() {
             return Err(Error::UnknownRequest(id.clone()));
@@ -307,7 +306,7 @@ impl Admin {
         let keys = self.store.keys.request(&key_id);
         let Some(place) = crate::shards::placement(&self.store, &keys.meta).await? else {
             // A lane request's record holds its dead letters.
-            let home = crate::shards::lane_home(&self.store, &key_id);
+            let home = crate::shards::lane_home_found(&self.store, &key_id).await?;
             let pol: Option<String> =
                 self.store.client.hget(self.store.keys.record(home, &key_id), "pol").await?;
             let settings = pol.as_deref().map(crate::protocol::lane::Settings::parse).transpose()?;
@@ -403,7 +402,11 @@ impl Admin {
     /// or finished), or unknown.
     async fn lane_not_reprioritized(&self, id: &RequestId) -> Error {
         let key_id = id.key_id();
-        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let home = match crate::shards::lane_home_found(&self.store, &key_id).await {
+            Ok(home) => home,
+            Err(e) => return e,
+        };
+        let record = self.store.keys.record(home, &key_id);
         let fields: HashMap<String, Vec<u8>> = match self.store.client.hgetall(record.as_str()).await {
             Ok(fields) => fields,
             Err(e) => return e.into(),
@@ -573,7 +576,8 @@ impl Admin {
     /// record (`e<index>`).
     async fn lane_dead(&self, id: &RequestId) -> Result<Vec<DeadLetter>> {
         let key_id = id.key_id();
-        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
+        let record =
+            self.store.keys.record(crate::shards::lane_home_found(&self.store, &key_id).await?, &key_id);
         let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
         if fields.is_empty() {
             return Err(Error::UnknownRequest(id.clone()));

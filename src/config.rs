@@ -6,6 +6,9 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::request::{InvalidValue, Namespace};
 
+/// The most token shards a configuration may name ([`Config::token_shards`]).
+pub(crate) const MAX_TOKEN_SHARDS: u32 = 1024;
+
 /// Where Redis is, which namespace to use, and the timings of the protocol.
 ///
 /// Producers, workers and listeners of one system must agree on the namespace; the timings may
@@ -259,7 +262,7 @@ impl Config {
                 return Err(Error::Config(format!("{name} must be at least 1 ms")));
             }
         }
-        if !(1..=1024).contains(&self.token_shards) {
+        if !(1..=MAX_TOKEN_SHARDS).contains(&self.token_shards) {
             return Err(Error::Config(format!(
                 "token_shards must be from 1 to 1024, not {}",
                 self.token_shards

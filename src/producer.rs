@@ -273,8 +273,17 @@ impl Producer {
         id: &RequestId,
     ) -> Result<Option<Completion<O>>> {
         let key_id = id.key_id();
-        let record = self.store.keys.record(crate::shards::lane_home(&self.store, &key_id), &key_id);
-        let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
+        let own = crate::shards::lane_home(&self.store, &key_id);
+        let mut fields: HashMap<String, Vec<u8>> =
+            self.store.client.hgetall(self.store.keys.record(own, &key_id).as_str()).await?;
+        if fields.is_empty() {
+            // Submitted with another shard count than this producer's (a handle of another
+            // producer's request, while a change of `token_shards` rolls out).
+            let home = crate::shards::lane_home_found(&self.store, &key_id).await?;
+            if home != own {
+                fields = self.store.client.hgetall(self.store.keys.record(home, &key_id).as_str()).await?;
+            }
+        }
         let meta = lane::record_meta(&fields);
         let Some(state) = meta.get("state") else {
             return Err(Error::UnknownRequest(id.clone()));

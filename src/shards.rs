@@ -234,9 +234,32 @@ pub(crate) async fn reopen(store: &Store, key_id: &str, shards: u32, lifecycle: 
 }
 
 /// The shard a lane request `key_id` submitted here would call home (its record is there): with
-/// this component's token shards. Producers and operators of a namespace use the same setting.
+/// this component's token shards. Producers of a namespace use the same setting; lookups by id
+/// that may come from another setting use [`lane_home_found`].
 pub(crate) fn lane_home(store: &Store, key_id: &str) -> u32 {
     home_shard(key_id, store.keys.shards())
+}
+
+/// The shard holding lane request `key_id`'s record, for an operator looking it up by id: this
+/// component's home for it ([`lane_home`]) when its record is there; otherwise the home another
+/// shard count (1 to 1,024) gives it, where its record is, since an operator's `token_shards` may
+/// differ from the producer's (while a change rolls out, or when the operator's tool was not told).
+/// This component's home when no record is found (unknown, or expired). Costs one `EXISTS`, and
+/// one pipeline of them when the record is elsewhere.
+pub(crate) async fn lane_home_found(store: &Store, key_id: &str) -> Result<u32> {
+    let own = lane_home(store, key_id);
+    let here: u32 = store.client.exists(store.keys.record(own, key_id)).await?;
+    if here == 1 {
+        return Ok(own);
+    }
+    let candidates: std::collections::BTreeSet<u32> =
+        (1..=crate::config::MAX_TOKEN_SHARDS).map(|s| home_shard(key_id, s)).filter(|h| *h != own).collect();
+    let pipe = store.client.pipeline();
+    for shard in &candidates {
+        pipe.exists::<(), _>(store.keys.record(*shard, key_id)).await?;
+    }
+    let found: Vec<u32> = pipe.all().await?;
+    Ok(candidates.into_iter().zip(found).find(|(_, n)| *n == 1).map_or(own, |(shard, _)| shard))
 }
 
 /// A request's priority and token shards, from its meta hash; `None` if it is unknown.
@@ -257,11 +280,13 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
     let keys = store.keys.request(&key_id);
     let placement = placement(store, &keys.meta).await?;
     match operators::cancel(store, &key_id).await? {
-        Cancel::Unknown => match lane::cancel(store, lane_home(store, &key_id), &key_id).await? {
-            LaneCancelled::Now => Ok(Cancelled::Now),
-            LaneCancelled::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
-            LaneCancelled::Unknown => Err(Error::UnknownRequest(id.clone())),
-        },
+        Cancel::Unknown => {
+            match lane::cancel(store, lane_home_found(store, &key_id).await?, &key_id).await? {
+                LaneCancelled::Now => Ok(Cancelled::Now),
+                LaneCancelled::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
+                LaneCancelled::Unknown => Err(Error::UnknownRequest(id.clone())),
+            }
+        }
         Cancel::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
         Cancel::Finished(finished) => {
             let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });

@@ -475,7 +475,7 @@ impl Admin {
         let meta = self.store.keys.request(key_id).meta;
         Ok(match crate::shards::placement(&self.store, &meta).await? {
             Some(place) => home_shard(key_id, place.shards),
-            None => crate::shards::lane_home(&self.store, key_id),
+            None => crate::shards::lane_home_found(&self.store, key_id).await?,
         })
     }
 
@@ -513,7 +513,7 @@ impl Admin {
                 unlist(&self.store, home, &key_id, purged).await.map_err(say_unfinished)?
             }
             None => {
-                let home = crate::shards::lane_home(&self.store, &key_id);
+                let home = crate::shards::lane_home_found(&self.store, &key_id).await?;
                 let record = self.store.keys.record(home, &key_id);
                 let purged = listing::purge(&self.store, &[record.as_str()]).await.map_err(say_unfinished)?;
                 unlist(&self.store, home, &key_id, purged).await.map_err(say_unfinished)?

@@ -762,16 +762,17 @@ async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() 
 }
 
 /// While a change of `token_shards` rolls out, an admin whose count differs from the producers'
-/// still shows every lane request in the shards it walks: the record is read where the request was
-/// listed, not where the admin's own count would put it.
+/// still shows every lane request in the shards it walks (the record is read where the request was
+/// listed, not where the admin's own count would put it), and finds each by id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_admin_with_another_shard_count_lists_every_lane_request_of_the_shards_it_walks() {
+async fn an_admin_with_another_shard_count_lists_and_finds_every_lane_request() {
     use fred::prelude::HashesInterface;
     use sluicegate::ListQuery;
     let env = env_on(TOPOLOGY, "listshards").await;
     let producer = Producer::connect(&env.config.clone().token_shards(3)).await.unwrap();
+    let mut handles = Vec::new();
     for n in 0..40 {
-        producer.request().submit([Job::new(n)]).await.unwrap();
+        handles.push(producer.request().submit([Job::new(n)]).await.unwrap());
     }
     let admin = Admin::connect(&env.config.clone().token_shards(2)).await.unwrap();
     let ns = env.config.namespace_str();
@@ -784,4 +785,14 @@ async fn an_admin_with_another_shard_count_lists_every_lane_request_of_the_shard
     assert!(indexed > 0 && indexed < 40, "the 40 requests spread over 3 shards: {indexed} on shards 0 and 1");
     let page = admin.list(&ListQuery::new()).await.unwrap();
     assert_eq!(page.requests.len() as u64, indexed, "every request listed on the shards walked is shown");
+    // By id, every one is found wherever it lives, and an unknown id is still unknown.
+    for h in &handles {
+        let status = admin.status(h.id()).await.unwrap();
+        assert_eq!(status.state, RequestState::Queued, "{}", h.id());
+    }
+    assert!(admin.dead(handles[0].id()).await.unwrap().is_empty());
+    admin.cancel(handles[1].id()).await.unwrap();
+    assert_eq!(admin.status(handles[1].id()).await.unwrap().state, RequestState::Cancelled);
+    let unknown = sluicegate::RequestId::new("never-submitted").unwrap();
+    assert!(matches!(admin.status(&unknown).await.unwrap_err(), sluicegate::Error::UnknownRequest(_)));
 }

@@ -541,3 +541,18 @@ def test_status_track_reprioritize_and_purge_on_a_three_master_cluster(cluster: 
     assert admin.purge("q") is True and admin.purge("small") is True
     assert keys_of(admin, "q") == [] and keys_of(admin, "small") == []
     assert admin.list().requests == [] and admin.list(tracked=True).requests == []
+
+
+def test_an_admin_with_another_shard_count_lists_and_finds_every_lane_request(server: Any, ns: str) -> None:
+    p = Producer(server.url, ns, token_shards=3)
+    handles = [p.submit([{"i": n}]) for n in range(40)]
+    admin = Admin(server.url, ns, token_shards=2)
+    client = p.protocol.conn.client
+    indexed = sum(client.hlen(f"{ns}:{{{ns}.q{shard}}}:ix:row") for shard in range(2))
+    assert 0 < indexed < 40
+    assert len(admin.list(limit=100).requests) == indexed
+    for h in handles:
+        assert admin.status(h.id).state == "queued", h.id
+    assert admin.dead(handles[0].id) == []
+    with pytest.raises(sluicegate.UnknownRequest):
+        admin.status("never-submitted")

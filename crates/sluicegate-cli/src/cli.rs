@@ -77,6 +77,19 @@ pub(crate) struct Cli {
     )]
     pub(crate) tls_ca_file: Option<PathBuf>,
 
+    /// How many token shards the namespace uses (1 to 1024; `Config::token_shards`): a worker
+    /// serves shards 0 to N-1, a producer spreads its requests' tokens over them, and `list` and
+    /// `stats` read them all. Use the setting of the namespace's producers and workers
+    /// [default: 1].
+    #[arg(
+        long = "token-shards",
+        global = true,
+        help_heading = "Global options",
+        env = "SLUICEGATE_TOKEN_SHARDS",
+        value_name = "N"
+    )]
+    pub(crate) token_shards: Option<u32>,
+
     /// Give up connecting to Redis after this long.
     #[arg(long = "connect-timeout", global = true, help_heading = "Global options", value_parser = duration, default_value = "5s", value_name = "DURATION")]
     pub(crate) connect_timeout: Duration,

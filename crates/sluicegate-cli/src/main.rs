@@ -128,6 +128,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     if let Some(ca) = cli.tls_ca_file {
         config = config.tls_ca_file(ca);
     }
+    if let Some(shards) = cli.token_shards {
+        config = config.token_shards(shards);
+    }
     let ctx = Ctx { config, json: cli.json, connect_timeout: cli.connect_timeout };
     match cli.command {
         Command::Submit(args) => submit::run(&ctx, args).await,

@@ -801,6 +801,39 @@ fn list_filters_by_tag_and_state_track_marks_and_purge_removes_finished_requests
     fails_with(&sg.run_with_input(&["submit", "--tag", "two words"], b"x\n"), 2, "invalid tag \"two words\"");
 }
 
+/// `--token-shards N` (or `SLUICEGATE_TOKEN_SHARDS`): requests submitted over three shards are
+/// all listed, and a worker serving three shards runs every one of them; without it, the tool
+/// sees shard 0 only, but still finds each by id.
+#[test]
+fn token_shards_let_the_tool_list_and_serve_every_shard_of_a_sharded_namespace() {
+    let sg = Sg::new("cli-shards");
+    let ids: Vec<String> = (0..12).map(|n| format!("r{n}")).collect();
+    for id in &ids {
+        let out = sg.run_with_input(&["--token-shards", "3", "submit", "--id", id], b"x\n");
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let listed = |args: &[&str]| -> usize {
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--json", "list"]);
+        let out = sg.run(&all);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out).lines().count() - 1
+    };
+    assert_eq!(listed(&["--token-shards", "3"]), 12, "every shard's requests are listed");
+    assert!(listed(&[]) < 12, "one shard's only, without the setting");
+    for id in &ids {
+        let out = sg.run(&["--json", "status", id]);
+        assert!(out.status.success(), "status {id} without the setting: {}", stderr(&out));
+    }
+    let worker = sg.worker(&fixture("upper.sh"), &["--token-shards", "3"]);
+    for id in &ids {
+        let out = sg.run(&["results", "--wait", id]);
+        assert!(out.status.success(), "{id}: {}", stderr(&out));
+    }
+    worker.stop();
+    fails_with(&sg.run(&["--token-shards", "0", "list"]), 2, "token_shards must be from 1 to 1024");
+}
+
 /// `GET /metrics` from `addr`, by hand (HTTP/1.0: the body runs to the end of the connection).
 fn scrape(addr: &str) -> (String, String) {
     use std::io::Read;
