@@ -556,3 +556,9 @@ def test_an_admin_with_another_shard_count_lists_and_finds_every_lane_request(se
     assert admin.dead(handles[0].id) == []
     with pytest.raises(sluicegate.UnknownRequest):
         admin.status("never-submitted")
+    # A producer of one shard finds them too, and cancels one.
+    other = Producer(server.url, ns)
+    for h in handles:
+        assert other.status(h.id)["state"] == "queued", h.id
+    assert other.cancel(handles[1].id) == "cancelled"
+    assert other.try_completion(handles[1].id) is not None

@@ -13,6 +13,9 @@ from . import errors
 from ._conn import Conn, fcall_items, integer, text
 from ._keys import Keys, home_shard, raw_id, token_shard
 
+#: The most token shards a configuration may name.
+MAX_TOKEN_SHARDS = 1024
+
 T = TypeVar("T")
 
 #: How many times an armed step refused as late (SGLATE) is armed and sent again.
@@ -205,6 +208,25 @@ class Protocol:
         self.conn = conn
         self.settings = settings
         self.keys = Keys(settings.namespace)
+
+    def lane_home(self, kid: str) -> int:
+        """The shard holding lane request ``kid``'s record, looked up by id (Rust
+        ``shards::lane_home_found``): this client's home for it when its record is there;
+        otherwise the home another shard count (1 to 1,024) gives it, where its record is, since
+        the request may have been submitted with another count; this client's home when no record
+        is found (unknown, or expired)."""
+        own = home_shard(kid, self.settings.token_shards)
+        client = self.conn.client
+        if client.exists(self.keys.record(own, kid)):
+            return own
+        candidates = sorted({home_shard(kid, s) for s in range(1, MAX_TOKEN_SHARDS + 1)} - {own})
+        pipe = client.pipeline(transaction=False)
+        for shard in candidates:
+            pipe.exists(self.keys.record(shard, kid))
+        for shard, n in zip(candidates, pipe.execute()):
+            if n:
+                return shard
+        return own
 
     # ----- index and token lists -----
 

@@ -460,22 +460,8 @@ class Admin:
         self.close()
 
     def _lane_home(self, kid: str) -> int:
-        """The shard holding a lane request's record (Rust ``shards::lane_home_found``): this
-        admin's home for it when its record is there; otherwise the home another shard count (1 to
-        1,024) gives it, where its record is, since the admin's token shards may differ from the
-        producer's; this admin's home when no record is found."""
-        p = self.protocol
-        own = home_shard(kid, p.settings.token_shards)
-        if p.conn.client.exists(p.keys.record(own, kid)):
-            return own
-        candidates = sorted({home_shard(kid, s) for s in range(1, MAX_TOKEN_SHARDS + 1)} - {own})
-        pipe = p.conn.client.pipeline(transaction=False)
-        for shard in candidates:
-            pipe.exists(p.keys.record(shard, kid))
-        for shard, n in zip(candidates, pipe.execute()):
-            if n:
-                return shard
-        return own
+        """The shard holding a lane request's record (``Protocol.lane_home``)."""
+        return self.protocol.lane_home(kid)
 
     def _home(self, kid: str) -> int:
         """The home shard of a request: its own meta says how many shards it was submitted with;

@@ -349,6 +349,9 @@ class Producer:
         state, total, taken = client.hmget(keys.meta, ["state", "total", "taken"])
         if state is None:
             record = client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
+            if not record:
+                # Submitted with another shard count than this producer's.
+                record = client.hgetall(p.keys.record(p.lane_home(kid), kid))
             if not record or b"state" not in record:
                 raise errors.UnknownRequest(f'unknown request "{rid}" (never submitted, or its retention ran out)')
             st = text(record[b"state"])
@@ -407,7 +410,7 @@ class Producer:
         kid = key_id(rid)
         meta = p.conn.client.hgetall(p.keys.request(kid).meta)
         if not meta:
-            meta = p.conn.client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
+            meta = p.conn.client.hgetall(p.keys.record(p.lane_home(kid), kid))
         if not meta:
             raise errors.UnknownRequest(f'unknown request "{rid}"')
         return {text(k): text(v) for k, v in meta.items()}
@@ -427,7 +430,7 @@ class Producer:
             return "cancelled"
         if tag == "already":
             return text(reply[1]) if len(reply) > 1 else ""
-        shard = home_shard(kid, p.settings.token_shards)
+        shard = p.lane_home(kid)
         lane = fcall_items(
             p.conn.fcall("lane_cancel", [p.keys.record(shard, kid), p.keys.events(shard)],
                          [kid, ms(p.settings.retention), p.keys.done_channel()])
