@@ -13,7 +13,7 @@ from . import errors
 from ._conn import Conn, fcall_items, integer, text
 from ._keys import Keys, home_shard, raw_id, token_shard
 
-#: The most token shards a configuration may name.
+#: The most token shards a configuration may name (a pause is written on each of them).
 MAX_TOKEN_SHARDS = 1024
 
 T = TypeVar("T")

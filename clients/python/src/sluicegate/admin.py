@@ -12,6 +12,7 @@ from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
 from ._keys import home_shard, key_id, lane_key_id, raw_id
 from ._protocol import (
+    MAX_TOKEN_SHARDS,
     Finished,
     LaneSettings,
     Protocol,
@@ -29,8 +30,6 @@ MAX_LIST_LIMIT = 1000
 #: Index entries one :meth:`Admin.list` call looks at, at most, before it returns what it found
 #: with a cursor (a filter that few requests pass would otherwise read the whole index).
 MAX_LIST_LOOK = 10_000
-#: The most token shards a configuration may name: a pause is written on each of them.
-MAX_TOKEN_SHARDS = 1024
 #: A tag is 1 to this many bytes.
 MAX_TAG_BYTES = 64
 #: At most this many errors are listed in a :class:`RequestStatus`.

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
 from ._keys import generate_id, home_shard, key_id, lane_key_id, raw_id
-from ._protocol import Finished, Protocol, Settings, ms
+from ._protocol import MAX_TOKEN_SHARDS, Finished, Protocol, Settings, ms
 
 #: A lane request has at most this many parts and payload bytes (src/protocol/lane.rs).
 LANE_MAX_PARTS = 64
@@ -183,7 +183,7 @@ class Producer:
         lane_tokens: int = 64,
         token_shards: int = 1,
     ) -> None:
-        if not 1 <= token_shards <= 1024:
+        if not 1 <= token_shards <= MAX_TOKEN_SHARDS:
             raise errors.InvalidRequest("token_shards must be from 1 to 1024")
         settings = Settings(
             namespace=namespace,

@@ -30,7 +30,7 @@ from . import _recovery as recovery
 from . import codec
 from ._conn import TRANSIENT, Conn, fcall_items, integer, text
 from ._keys import home_shard, lane_of, raw_id
-from ._protocol import Finished, Protocol, Settings, Unfinished, ms
+from ._protocol import MAX_TOKEN_SHARDS, Finished, Protocol, Settings, Unfinished, ms
 from .errors import PermanentError
 
 log = logging.getLogger("sluicegate.worker")
@@ -285,7 +285,7 @@ class Worker:
             census_interval=census_interval, retention=retention, loading_ttl=loading_ttl,
             token_shards=token_shards,
         )
-        if not 1 <= token_shards <= 1024:
+        if not 1 <= token_shards <= MAX_TOKEN_SHARDS:
             raise ValueError("token_shards must be from 1 to 1024")
         self.shard_poll = shard_poll
         self.higher = _Higher(token_shards)
