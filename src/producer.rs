@@ -129,7 +129,11 @@ impl Producer {
                 return Err(Error::InvalidRequest("a request needs at least one part".into()));
             }
             let mut parts = parts.peekable();
-            if self.takes_lane(&spec, &first) && parts.peek().is_none() {
+            let lane = self.takes_lane(&spec, &first) && parts.peek().is_none();
+            if !spec.listed && !lane {
+                return Err(Error::InvalidRequest(UNLISTED_LANE_ONLY.into()));
+            }
+            if lane {
                 // A generated id is unique, so its record needs no nonce to know a re-sent submit.
                 let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
                 let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, &trace);
@@ -357,6 +361,11 @@ fn completion_from<O: DeserializeOwned>(
     Ok(Completion { id: id.clone(), state, first, total, failed, results })
 }
 
+/// The refusal of `unlisted` for a request that does not take a lane.
+const UNLISTED_LANE_ONLY: &str =
+    "only a request that takes its priority's lane can be unlisted: at most 64 parts and 64 KB given whole, \
+     not delayed, not own_stream, not opened for streaming";
+
 /// Describes a request before it is submitted.
 #[must_use = "a request is only sent by submit()"]
 pub struct RequestBuilder<'a> {
@@ -434,8 +443,12 @@ impl RequestBuilder<'_> {
     /// request counts leave it out. Everything done by id works as for any request: status,
     /// `wait`, events, cancel, requeue, results. For many tiny requests that nobody lists: it
     /// saves the index's Redis work at submit and finish (about a fifth of a single-part
-    /// request's Redis CPU, docs/benchmarks.md) and its 200-350 bytes per request. Not with
-    /// tags (they name sets of the index). Default: listed.
+    /// request's Redis CPU, docs/benchmarks.md) and its 200-350 bytes per request. Only for a
+    /// request that takes its priority's lane (a small one given whole: see
+    /// [`Config::lane_tokens`]; not delayed, not [`own_stream`](Self::own_stream), not
+    /// [`open`](Self::open)ed), which is created and entered in one step: a request of its own
+    /// stream is registered before it is created, and the index cannot then tell a duplicate id
+    /// held by an unlisted request. Not with tags (they name sets of the index). Default: listed.
     pub fn unlisted(mut self) -> Self {
         self.listed = false;
         self
@@ -606,6 +619,9 @@ impl RequestBuilder<'_> {
         let trace = send.carried();
         let opened = async {
             self.check_listing()?;
+            if !self.listed {
+                return Err(Error::InvalidRequest(UNLISTED_LANE_ONLY.into()));
+            }
             let key_id = id.key_id();
             let nonce = uuid::Uuid::new_v4().simple().to_string();
             let cfg = &producer.store.config;

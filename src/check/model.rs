@@ -87,6 +87,10 @@ pub(crate) struct Req {
     /// Submits of the id under way, and whether one died.
     pub(crate) submitting: u32,
     pub(crate) submit_died: bool,
+    /// Whether any submit of the id asked to leave it out of the listing index
+    /// (`RequestBuilder::unlisted`), and whether any did not.
+    pub(crate) submitted_unlisted: bool,
+    pub(crate) submitted_listed: bool,
 }
 
 impl Req {
@@ -131,7 +135,13 @@ fn kid_of(key: &str) -> Option<&str> {
 
 impl Model {
     pub(crate) fn submitting(&mut self, s: &Submit) {
-        self.requests.entry(s.request).or_default().submitting += 1;
+        let r = self.requests.entry(s.request).or_default();
+        r.submitting += 1;
+        if s.unlisted_here() {
+            r.submitted_unlisted = true;
+        } else {
+            r.submitted_listed = true;
+        }
     }
 
     pub(crate) fn call(&mut self, actor: u64, what: &str, key: &str, fault: Fault) {
@@ -510,12 +520,20 @@ struct IndexSeen {
     tracked_ttl: i64,
 }
 
-/// The listing index's invariants: a live request is listed as live; the tracked set holds listed
+/// The listing index's invariants: a live request is listed as live, unless it was submitted
+/// unlisted, and one only ever submitted unlisted is not listed; the tracked set holds listed
 /// requests only, counts its live ones exactly (`ix:tl`), and keeps no expiry while it has one.
 fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Result<(), String> {
     for (i, s) in seen {
         let kid = request_id(*i).key_id();
-        let takeover = world.model.requests.get(i).is_some_and(|m| m.may_wait_for_takeover());
+        let model = world.model.requests.get(i);
+        if model.is_some_and(|m| m.submitted_unlisted && !m.submitted_listed) && ix.rows.contains(&kid) {
+            return Err(format!("{}: submitted unlisted only, but listed", request_id(*i)));
+        }
+        if model.is_some_and(|m| m.submitted_unlisted) {
+            continue;
+        }
+        let takeover = model.is_some_and(|m| m.may_wait_for_takeover());
         if takeover && ix.rows.contains(&kid) {
             continue;
         }
@@ -848,6 +866,15 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     for (i, s) in &seen {
         let kid = request_id(*i).key_id();
         let row: Option<String> = c.hget(ix("row"), kid.as_str()).await.map_err(e)?;
+        let model = world.model.requests.get(i);
+        if model.is_some_and(|m| m.submitted_unlisted) {
+            if row.is_some() && !model.is_some_and(|m| m.submitted_listed) {
+                return Err(format!("{}: submitted unlisted only, but listed", request_id(*i)));
+            }
+            if row.is_none() {
+                continue;
+            }
+        }
         if s.meta.is_empty() || s.state() == "loading" {
             // (Or its keys have expired with its retention, and its entry will follow.)
             if row.is_some() && !expiring.contains(&kid) {

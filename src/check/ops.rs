@@ -54,6 +54,18 @@ pub(crate) struct Submit {
     /// (`RequestBuilder::own_stream`; absent in sequences recorded before lanes).
     #[serde(default)]
     pub(crate) own_stream: bool,
+    /// Left out of the listing index (`RequestBuilder::unlisted`; absent in sequences recorded
+    /// before it), when it takes a lane (see `unlisted_here`).
+    #[serde(default)]
+    pub(crate) unlisted: bool,
+}
+
+impl Submit {
+    /// Whether the submit asks to be unlisted: only a request that takes a lane may be (a whole
+    /// one, not delayed, not of its own stream; the checker's are at most 5 parts).
+    pub(crate) fn unlisted_here(&self) -> bool {
+        self.unlisted && !self.own_stream && matches!(self.shape, Shape::Whole { delay_ms: 0, .. })
+    }
 }
 
 /// One step of a sequence.
@@ -270,5 +282,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         backoff_ms: if rng.gen_bool(0.5) { 0 } else { rng.gen_range(50..600) },
         fail_fast: rng.gen_bool(0.2),
         own_stream: rng.gen_bool(0.4),
+        unlisted: rng.gen_bool(0.25),
     }
 }

@@ -843,7 +843,7 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
             )?
             .fail_fast(s.fail_fast)
             .own_stream(s.own_stream);
-        Ok(b)
+        Ok(if s.unlisted_here() { b.unlisted() } else { b })
     };
     let result = match &s.shape {
         Shape::Whole { parts, delay_ms } => {

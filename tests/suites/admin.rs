@@ -700,9 +700,9 @@ async fn tokens_say_who_holds_each_one_and_the_audit_finds_no_drift() {
     w.stop().await;
 }
 
-/// `unlisted()`: the request runs and answers by id as any other (wait, status, cancel, events),
-/// on its lane or its own stream, but `list` and the request counts of `stats` never see it, and
-/// tags on it are refused.
+/// `unlisted()`: the request runs and answers by id as any other (wait, status, cancel, events,
+/// dead, purge), but `list` and the request counts of `stats` never see it; tags on it, and a
+/// request that would not take a lane, are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() {
     use sluicegate::ListQuery;
@@ -715,14 +715,21 @@ async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() 
     assert!(refused.to_string().contains("unlisted request cannot carry tags"), "{refused}");
     let refused = producer.request().tag("t").unwrap().unlisted().open().await.err().unwrap();
     assert!(refused.to_string().contains("unlisted request cannot carry tags"), "{refused}");
+    let lane_only = "only a request that takes its priority's lane can be unlisted";
+    let refused = producer.request().unlisted().own_stream(true).submit([Job::new(1)]).await.err().unwrap();
+    assert!(refused.to_string().contains(lane_only), "{refused}");
+    let refused = producer.request().unlisted().submit((0..65).map(Job::new)).await.err().unwrap();
+    assert!(refused.to_string().contains(lane_only), "{refused}");
+    let refused = producer.request().unlisted().open().await.err().unwrap();
+    assert!(refused.to_string().contains(lane_only), "{refused}");
 
     let w = start_worker(&config, Probe::default(), 2, Quantum::default()).await;
     let listed = producer.request().submit([Job::new(1)]).await.unwrap();
     let lane = producer.request().unlisted().submit([Job::new(2)]).await.unwrap();
-    let own = producer.request().unlisted().own_stream(true).submit((0..3).map(Job::new)).await.unwrap();
+    let several = producer.request().unlisted().concurrency(2).unwrap().submit((0..3).map(Job::new)).await.unwrap();
     let failing = producer.request().unlisted().submit([Job { n: 4, sleep_ms: 0, fail: true }]).await.unwrap();
     assert_eq!(lane.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![4]);
-    assert_eq!(own.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![0, 2, 4]);
+    assert_eq!(several.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), vec![0, 2, 4]);
     assert_eq!(failing.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().state, RequestState::Failed);
     listed.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
     w.stop().await;
@@ -732,7 +739,7 @@ async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() 
 
     for (h, state) in [
         (&lane, RequestState::Completed),
-        (&own, RequestState::Completed),
+        (&several, RequestState::Completed),
         (&failing, RequestState::Failed),
         (&queued, RequestState::Cancelled),
     ] {
@@ -743,7 +750,7 @@ async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() 
         let e = tokio::time::timeout(Duration::from_secs(10), events.next()).await.unwrap().unwrap();
         seen.insert(e.id.to_string());
     }
-    for h in [&listed, &lane, &own, &failing, &queued] {
+    for h in [&listed, &lane, &several, &failing, &queued] {
         assert!(seen.contains(&h.id().to_string()), "no event of {}", h.id());
     }
     let page = admin.list(&ListQuery::new()).await.unwrap();

@@ -345,9 +345,14 @@ def test_an_unlisted_request_runs_but_stays_out_of_the_listing_index(server: Any
     p = Producer(server.url, ns)
     with pytest.raises(sluicegate.InvalidRequest, match="unlisted request cannot carry tags"):
         p.submit(parts(1), tags=["t"], unlisted=True)
+    for refused in (lambda: p.submit(parts(3), own_stream=True, unlisted=True),
+                    lambda: p.submit(parts(65), unlisted=True),
+                    lambda: p.open(unlisted=True)):
+        with pytest.raises(sluicegate.InvalidRequest, match="only a request that takes its priority's lane"):
+            refused()
     listed = p.submit(parts(1))
     lane = p.submit(parts(2), unlisted=True)
-    own = p.submit(parts(3), own_stream=True, unlisted=True)
+    own = p.submit(parts(3), concurrency=2, unlisted=True)
     for handle, n in ((listed, 1), (lane, 2), (own, 3)):
         assert handle.wait(timeout=30).results == [{"i": i, "double": 2 * i} for i in range(n)]
     rows = p.protocol.conn.client.hkeys(f"{ns}:{{{ns}.q0}}:ix:row")

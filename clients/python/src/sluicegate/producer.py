@@ -243,7 +243,10 @@ class Producer:
         policy = [max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)]
         ff = "1" if fail_fast else "0"
         size = sum(len(b) for b in payloads)
-        if s.lane_tokens > 0 and not own_stream and delay_ms == 0 and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES:
+        takes_lane = s.lane_tokens > 0 and not own_stream and delay_ms == 0 and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
+        if unlisted and not takes_lane:
+            raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
+        if takes_lane:
             shard = home_shard(kid, s.token_shards)
             lane = lane_key_id(shard, priority)
             k = p.keys
@@ -314,6 +317,8 @@ class Producer:
         kid = key_id(rid)
         nonce = uuid.uuid4().hex
         shards = s.token_shards
+        if unlisted:
+            raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         deadline = at + ms(s.loading_ttl) // 2
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
@@ -441,6 +446,13 @@ class Producer:
         if tag == "already":
             return text(lane[1]) if len(lane) > 1 else ""
         raise errors.UnknownRequest(f'unknown request "{rid}"')
+
+
+#: The refusal of ``unlisted`` for a request that does not take a lane (the Rust message).
+UNLISTED_LANE_ONLY = (
+    "only a request that takes its priority's lane can be unlisted: at most 64 parts and 64 KB given whole, "
+    "not delayed, not own_stream, not opened for streaming"
+)
 
 
 def _row(kind: str, priority: int, concurrency: int, tags: Sequence[str], unlisted: bool) -> str:
