@@ -195,10 +195,9 @@ pub(crate) async fn purge(store: &Store, keys: &[&str]) -> Result<bool> {
 pub(crate) async fn unlist(store: &Store, shard: u32, key_id: &str) -> Result<bool> {
     let (rows, active, marks) =
         (store.keys.index_rows(shard), store.keys.active(shard), store.keys.finish_marks(shard, key_id));
-    let unlisted = store
-        .fcall(Func::Unlist, &[rows.as_str(), active.as_str(), marks.as_str()], vec![key_id.into()])
-        .await
-        .map_err(refused)?;
+    let record = store.keys.record(shard, key_id);
+    let keys = [rows.as_str(), active.as_str(), marks.as_str(), record.as_str()];
+    let unlisted = store.fcall(Func::Unlist, &keys, vec![key_id.into()]).await.map_err(refused)?;
     Ok(reply::int(&unlisted)? == 1)
 }
 

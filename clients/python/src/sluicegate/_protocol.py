@@ -423,7 +423,9 @@ class Protocol:
         when it was not listed; :class:`errors.Refused` while it is still in recovery's index."""
         k = self.keys
         try:
-            reply = self.conn.fcall("unlist", [k.index_rows(shard), k.active(shard), k.finish_marks(shard, kid)], [kid])
+            reply = self.conn.fcall(
+                "unlist", [k.index_rows(shard), k.active(shard), k.finish_marks(shard, kid), k.record(shard, kid)], [kid]
+            )
         except redis.exceptions.ResponseError as e:
             if refused_state(e):
                 raise errors.Refused(refusal_why(e)) from e
