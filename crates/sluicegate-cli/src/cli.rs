@@ -312,7 +312,8 @@ pub(crate) struct SubmitArgs {
     pub(crate) tags: Vec<String>,
 
     /// Leave the request out of the listing index (`list`, the dashboard's lists, the request
-    /// counts of `stats`); everything by id works as usual. Not with --tag.
+    /// counts of `stats`); everything by id works as usual. Only for a small request (at most 64
+    /// lines and 64 KB, not --delay, not --stream). Not with --tag.
     #[arg(long, conflicts_with = "tags")]
     pub(crate) unlisted: bool,
 }
