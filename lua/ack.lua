@@ -15,8 +15,9 @@
 --         push element back (give_back) onto the list of the request's priority now (an operator
 --         may have changed it since the token was taken: reprioritize); {'park', wake} as
 --         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
---         terminal; {'fenced'}: this slot no longer holds the token with exactly these entries,
---         so nothing was recorded (its worker was declared dead and the work moved on, or the
+--         terminal (completed, failed, or failed at its deadline: meta `dl`, `why` =
+--         `deadline`); {'fenced'}: this slot no longer holds the token with exactly these
+--         entries, so nothing was recorded (its worker was declared dead and the work moved on, or the
 --         request was cancelled).
 -- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
 -- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
@@ -56,7 +57,7 @@ end
 
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -162,6 +163,10 @@ local function ack(keys, args)
     -- Fail fast: the first dead letter ends the request; the parts not yet run never will
     -- (unless its dead letters are requeued: then they run too).
     return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
+  end
+  if sg_past_deadline(m[8], now) then
+    -- Past the request's deadline: what this batch settled is recorded; nothing more starts.
+    return sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))

@@ -2,19 +2,26 @@
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
 -- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
+-- call finishes at its deadline
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
 --          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
---          token shards of the request[, queue wait ms]}: the sixth field only when this call
---          started the request (state queued -> running): how long it waited since it became
---          runnable (queued at its commit, or its delay's end), for the stats by stage;
+--          token shards of the request[, queue wait ms[, deadline ms]]}: the queue wait is how
+--          long the request waited since it became runnable (queued at its commit, or its
+--          delay's end) when this call started it (state queued -> running), for the stats by
+--          stage, else -1; the deadline, only for a request that has one, is in how many ms it
+--          falls: the slot cancels the handlers still running then;
 --          entry = {entry id, index, payload, attempt};
 --         {'park', wake}: no work left to hand out, the token waits in the request until work
 --          appears (wake: in how many ms a retry falls due, 0 if none);
+--         {'finished', state, lifecycle, sweep elements..., {'shards', S}}: as ack's, when the
+--          request's deadline has passed: this call ended it `failed` (`why` = `deadline`) and
+--          handed out nothing; S is its token shards, for the steps after the finish;
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
-    'queued', 'eligible')
+    'queued', 'eligible', 'dl')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -22,6 +29,7 @@ local function acquire(keys, args)
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
     -- The same slot presenting the same element again: a call re-sent after a reconnect whose
     -- first reply was lost. Hand out the entries it already holds instead of stranding them.
+    if m[11] then policy[6], policy[7] = -1, tonumber(m[11]) - sg_now() end
     local reply = {'run', policy}
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
@@ -34,12 +42,21 @@ local function acquire(keys, args)
   end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   local now = sg_now()
+  if sg_past_deadline(m[11], now) then
+    local out = sg_finish_deadline(keys, args[1], args[7] or '0', args[8] or '', now)
+    out[#out + 1] = {'shards', m[8] or '1'}
+    return out
+  end
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
   if next[1] ~= 'run' then return next end
   if m[3] == 'queued' then
     redis.call('HSET', keys[1], 'state', 'running', 'started', now)
     local since = math.max(tonumber(m[9] or now), tonumber(m[10] or '0'))
     policy[6] = math.max(now - since, 0)
+  end
+  if m[11] then
+    policy[6] = policy[6] or -1
+    policy[7] = tonumber(m[11]) - now
   end
   table.insert(next, 2, policy)
   return next

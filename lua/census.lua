@@ -20,9 +20,10 @@
 --         oldest has waited, since verify may not be able to tell yet); held: {k, epoch, holder}
 --         of every held token, for recovery to check that the holder's worker lives. Token k's
 --         elements belong on shard (home + k) % shards.
--- In the first chunk: a scheduled request whose time has come turns queued; a streamed request
--- past its expiry is cancelled; parked tokens are woken while work waits for them; the stream is
--- trimmed.
+-- In the first chunk: a request past its deadline (meta `dl`) ends `failed`, `why` = `deadline`,
+-- and one before it asks to be looked at then; a scheduled request whose time has come turns
+-- queued; a streamed request past its expiry is cancelled; parked tokens are woken while work
+-- waits for them; the stream is trimmed.
 local function census(keys, args)
   local state = redis.call('HGET', keys[1], 'state')
   if not state then return {'gone'} end
@@ -40,8 +41,18 @@ local function census(keys, args)
   local from, count = tonumber(args[5]), tonumber(args[6])
   local look = tonumber(args[7])
   local push, check, held = {}, {}, {}
-  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark')
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark', 'dl')
   if from == 0 then
+    if m[6] then
+      -- A request with a deadline: past it, it ends here if no hand-out ended it first (its
+      -- tokens all parked, its parts all running long, or no worker at all); before it, the
+      -- request is looked at no later than then.
+      if sg_past_deadline(m[6], now) then
+        local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
+        return {'finished', 'failed', prio, shards, f[3], 0}
+      end
+      look = math.min(look, tonumber(m[6]) - now)
+    end
     if state == 'scheduled' then
       -- A delayed request waits with parked tokens; the first census after its time promotes it.
       local eligible = tonumber(m[1] or '0')

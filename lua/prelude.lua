@@ -295,6 +295,32 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now, except)
   return out
 end
 
+-- A request's deadline (meta `dl`, Redis ms; RequestBuilder::deadline): whether Redis time `now`
+-- has reached it. Past it no part starts; the first hand-out (acquire, ack) or census that meets it
+-- finishes the request `failed` with `why` = `deadline` (sg_finish_deadline).
+local function sg_past_deadline(dl, now)
+  return dl ~= nil and dl ~= false and dl ~= '' and now >= tonumber(dl)
+end
+
+-- Ends a request at its deadline: `failed`, with `why` = `deadline`; the parts that never ran stay
+-- in the stream and have no result. sg_finish's reply.
+local function sg_finish_deadline(keys, rid, retention_ms, channel, now, except)
+  redis.call('HSET', keys[1], 'why', 'deadline')
+  return sg_finish(keys, rid, 'failed', retention_ms, channel, now, except)
+end
+
+-- The ms a new request's deadline leaves (a whole number of at least 1 and at most ten years; ''
+-- or 0: none), or nil and the error reply.
+local SG_MAX_DEADLINE_MS = 10 * 365 * 24 * 3600 * 1000
+local function sg_check_deadline(ms)
+  if ms == nil or ms == '' or ms == '0' then return 0, nil end
+  local v = tonumber(ms)
+  if not v or v < 1 or v % 1 ~= 0 or v > SG_MAX_DEADLINE_MS then
+    return nil, redis.error_reply('SGINVALID deadline must be a whole number of ms from 1 to ten years ahead')
+  end
+  return v, nil
+end
+
 -- Whether Redis time `now` is past a submit's deadline (ARGV given as ms; '' or absent: none).
 local function sg_late(deadline, now)
   return deadline and deadline ~= '' and tonumber(deadline) > 0 and now > tonumber(deadline)

@@ -16,12 +16,16 @@
 --   request again and marks the lifecycle, so that no late unindex of the failed one removes it),
 --   then call again with ARGV[2] set to it.
 -- Errors "SGSTATE ..." when the request cannot be requeued (unknown, loading, completed,
--- cancelled, or its retention ran out), "SGLATE ..." past the deadline.
+-- cancelled, failed at its deadline, or its retention ran out), "SGLATE ..." past the deadline.
 local function requeue_dead(keys, args)
   local late = sg_step_late(args[3])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep')
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why')
   local state = m[1]
+  if state == 'failed' and m[7] == 'deadline' then
+    -- It would end again at once: its deadline has passed for good.
+    return redis.error_reply('SGSTATE the request ended at its deadline: submit it again instead')
+  end
   if args[4] == 'resume' then
     if state ~= 'failed' then return {0, 0} end
     local lifecycle = sg_lifecycle(keys)

@@ -13,6 +13,8 @@
 -- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
 -- ARGV[14] trace context (optional; '' or absent = none): the producer's send span as its
 -- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
+-- ARGV[15] the request's deadline, in ms from now (optional; '' or 0 = none): stored as `dl`, the
+-- Redis time (ms) past which no part starts and the request ends `failed`, `why` = `deadline`
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -33,6 +35,9 @@ local function submit_open(keys, args)
   local trace = args[14] or ''
   invalid = sg_check_trace(trace)
   if invalid then return invalid end
+  local within
+  within, invalid = sg_check_deadline(args[15])
+  if invalid then return invalid end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -50,6 +55,7 @@ local function submit_open(keys, args)
     'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
   -- Only a traced request carries the field.
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
+  if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

@@ -90,6 +90,10 @@ pub struct RequestStatus {
     pub started_ms: Option<u64>,
     /// When it turned terminal.
     pub finished_ms: Option<u64>,
+    /// Its deadline (ms since the Unix epoch, Redis's clock; `RequestBuilder::deadline`), if any.
+    pub deadline_ms: Option<u64>,
+    /// Why a `failed` request ended, when not by its dead letters: `"deadline"`.
+    pub reason: Option<String>,
     /// Not terminal, and its priority or the whole namespace is paused ([`Admin::pause`]): no
     /// slot takes its tokens until a resume.
     pub paused: bool,
@@ -333,7 +337,8 @@ impl Admin {
                     // A failure whose steps after the finish are not done (its worker died, and
                     // recovery has not come by yet): announce it first, so that its lifecycle keeps
                     // its one event.
-                    let finished = Finished { state: "failed".into(), lifecycle, sweep: Vec::new() };
+                    let finished =
+                        Finished { state: "failed".into(), lifecycle, sweep: Vec::new(), shards: None };
                     crate::shards::finish(&self.store, &key_id, place, finished).await?;
                 }
                 Requeued::ReopenFirst(lifecycle) => {
@@ -807,7 +812,9 @@ fn status_from(
         .unwrap_or(0)
         .max(u32::from(left < total));
     errors.truncate(STATUS_ERRORS);
-    let done = if state == RequestState::Completed || state == RequestState::Failed {
+    let reason = meta.get("why").cloned();
+    // A request ended at its deadline leaves parts that never ran: they are not done.
+    let done = if state == RequestState::Completed || (state == RequestState::Failed && reason.is_none()) {
         total
     } else {
         total.saturating_sub(left)
@@ -831,6 +838,8 @@ fn status_from(
         created_ms: num("created").unwrap_or(0),
         started_ms: num("started"),
         finished_ms: num("finished"),
+        deadline_ms: num("dl"),
+        reason,
         errors,
         paused: false,
         tags: Vec::new(),

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use fred::prelude::*;
 use serde::de::DeserializeOwned;
@@ -86,6 +86,7 @@ impl Producer {
             window: 0,
             discard: false,
             tags: Vec::new(),
+            deadline: None,
         }
     }
 
@@ -111,6 +112,7 @@ impl Producer {
         let submitted = async {
             check_duration("delay", spec.delay)?;
             spec.check_listing()?;
+            let finish_within = spec.finish_within()?;
             if spec.window > 0 || spec.discard {
                 // A whole request is bounded by what the producer hands over at once; the window
                 // paces a streamed producer (and keeps windowed requests off the lanes).
@@ -136,7 +138,7 @@ impl Producer {
             if lane {
                 // A generated id is unique, so its record needs no nonce to know a re-sent submit.
                 let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
-                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, &trace);
+                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, &trace, None);
                 send.count(first.len() as u64);
                 lane::submit(&self.store, &req, first).await?;
                 self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
@@ -149,11 +151,13 @@ impl Producer {
             let row = spec.row(Kind::Own);
             let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
             let deadline = registration.deadline(&self.store);
-            let req = spec.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace);
+            let req = spec.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace, finish_within);
             let (elements, total) = self.write(&req, spec.delay, first, parts).await?;
             send.count(total);
-            // A delayed request is first looked at (and promoted) when its time comes.
+            // A delayed request is first looked at (and promoted) when its time comes; one with a
+            // deadline no later than that.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
+            let next = finish_within.map_or(next, |d| d.min(next));
             crate::shards::push(&self.store, &key_id, place, Look::First(registration), next, elements)
                 .await?;
             self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
@@ -225,6 +229,7 @@ impl Producer {
         self.store.config.lane_tokens > 0
             && !spec.own_stream
             && spec.delay.is_zero()
+            && spec.deadline.is_none()
             && first.len() <= lane::MAX_PARTS
             && bytes <= lane::MAX_BYTES
     }
@@ -236,11 +241,12 @@ impl Producer {
         let meta: Vec<Option<String>> = self
             .store
             .client
-            .hmget(keys.meta.as_str(), vec!["state", "total", "taken", "discard", "failed"])
+            .hmget(keys.meta.as_str(), vec!["state", "total", "taken", "discard", "failed", "why"])
             .await?;
         let num = |i: usize| meta.get(i).cloned().flatten().and_then(|v| v.parse::<u64>().ok());
         let (state, total, taken, failed) = (meta.first().cloned().flatten(), num(1), num(2), num(4));
         let discard = meta.get(3).cloned().flatten();
+        let reason = meta.get(5).cloned().flatten();
         let Some(state) = state else {
             return self.try_lane_completion(id).await;
         };
@@ -260,13 +266,14 @@ impl Producer {
                 total,
                 failed,
                 results: Vec::new(),
+                reason,
             }));
         }
         let oks: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.results.as_str()).await?;
         let errs: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
         // Results taken with results_from are not returned again (nor, once deleted, could be).
         let first = taken.unwrap_or(0).min(total);
-        let mut done = completion_from(id, state, first, total, &oks, &errs)?;
+        let mut done = completion_from(id, state, first, total, &oks, &errs, reason.as_deref())?;
         done.failed = failed.unwrap_or(done.failed);
         Ok(Some(done))
     }
@@ -332,7 +339,7 @@ fn completion<O: DeserializeOwned>(
     oks: &HashMap<u64, Vec<u8>>,
     errs: &HashMap<u64, Vec<u8>>,
 ) -> Result<Completion<O>> {
-    completion_from(id, state, 0, total, oks, errs)
+    completion_from(id, state, 0, total, oks, errs, None)
 }
 
 /// [`completion`] of the parts from `first` on (those before were taken with `results_from`):
@@ -344,12 +351,18 @@ fn completion_from<O: DeserializeOwned>(
     total: u64,
     oks: &HashMap<u64, Vec<u8>>,
     errs: &HashMap<u64, Vec<u8>>,
+    reason: Option<&str>,
 ) -> Result<Completion<O>> {
     let mut results = Vec::with_capacity(total.saturating_sub(first) as usize);
     for i in first..total {
         results.push(match (oks.get(&i), errs.get(&i)) {
             (Some(bytes), _) => Ok(codec::decode::<O>(bytes)?),
             (None, Some(record)) => Err(PartError::from_record(record)),
+            (None, None) if reason == Some("deadline") => Err(PartError {
+                message: "not run: the request's deadline passed first".into(),
+                attempts: 0,
+                permanent: true,
+            }),
             (None, None) => Err(PartError {
                 message: format!("no result recorded (request {state})"),
                 attempts: 0,
@@ -358,7 +371,7 @@ fn completion_from<O: DeserializeOwned>(
         });
     }
     let failed = errs.keys().filter(|i| **i < total && !oks.contains_key(i)).count() as u64;
-    Ok(Completion { id: id.clone(), state, first, total, failed, results })
+    Ok(Completion { id: id.clone(), state, first, total, failed, results, reason: reason.map(str::to_owned) })
 }
 
 /// The refusal of `unlisted` for a request that does not take a lane.
@@ -382,9 +395,56 @@ pub struct RequestBuilder<'a> {
     window: u64,
     discard: bool,
     tags: Vec<String>,
+    deadline: Option<Deadline>,
+}
+
+/// A request's deadline as the producer was given it.
+#[derive(Clone, Copy, Debug)]
+enum Deadline {
+    /// At this time, by this process's clock.
+    At(SystemTime),
+    /// This long after the submit reaches Redis.
+    In(Duration),
 }
 
 impl RequestBuilder<'_> {
+    /// Gives the request a deadline: past `at`, none of its parts starts, the handlers still
+    /// running see [`Context::cancelled`](crate::Context::cancelled) (and are stopped at their next
+    /// await, as at an attempt timeout: their parts get no result), and the request ends `failed`
+    /// with [`Completion::reason`] `"deadline"`. Its parts already done keep their results. A
+    /// request that completes before `at` completes. The time is taken against this process's
+    /// clock once, at the submit, and kept in Redis as Redis's now plus what was left, so later
+    /// clock differences between machines do not move it. A request with a deadline takes its own
+    /// stream, never a lane. `at` in the past is refused at the submit.
+    pub fn deadline(mut self, at: SystemTime) -> Self {
+        self.deadline = Some(Deadline::At(at));
+        self
+    }
+
+    /// [`deadline`](Self::deadline) `d` after the submit: Redis's now when it creates the
+    /// request, plus `d`.
+    pub fn deadline_in(mut self, d: Duration) -> Self {
+        self.deadline = Some(Deadline::In(d));
+        self
+    }
+
+    /// What the deadline leaves from now (at least 1 ms), or the refusal of one that has passed or
+    /// is too far.
+    fn finish_within(&self) -> Result<Option<Duration>> {
+        let left = match self.deadline {
+            None => return Ok(None),
+            Some(Deadline::In(d)) => d,
+            Some(Deadline::At(at)) => at.duration_since(SystemTime::now()).map_err(|_| {
+                Error::InvalidRequest(format!(
+                    "the deadline has passed ({:?} ago): give a time in the future",
+                    SystemTime::now().duration_since(at).unwrap_or_default()
+                ))
+            })?,
+        };
+        check_duration("deadline", left)?;
+        Ok(Some(left.max(Duration::from_millis(1))))
+    }
+
     /// For [`open`](Self::open): keeps Redis's memory bounded whatever the request's size (10
     /// million parts, a billion): [`OpenRequest::add`] waits while more than `w` of the parts
     /// added are not settled yet (neither done nor dead-lettered), polling every
@@ -574,6 +634,7 @@ impl RequestBuilder<'_> {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn new_request<'a>(
         &'a self,
         id: &'a RequestId,
@@ -582,6 +643,7 @@ impl RequestBuilder<'_> {
         shards: u32,
         deadline: i64,
         trace: &'a str,
+        finish_within: Option<Duration>,
     ) -> NewRequest<'a> {
         NewRequest {
             id,
@@ -601,6 +663,7 @@ impl RequestBuilder<'_> {
             tags: &self.tags,
             listed: self.listed,
             trace,
+            finish_within,
         }
     }
 
@@ -613,6 +676,7 @@ impl RequestBuilder<'_> {
         if let Some(expiry) = self.open_expiry {
             check_duration("open expiry", expiry)?;
         }
+        let finish_within = self.finish_within()?;
         let producer = self.producer.clone();
         let id = self.id.clone().unwrap_or_else(RequestId::generate);
         let send = otel::SendSpan::request(producer.store.config.namespace_str(), &id, self.priority);
@@ -629,10 +693,12 @@ impl RequestBuilder<'_> {
             let row = self.row(Kind::Own);
             let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
             let deadline = registration.deadline(&producer.store);
-            let req = self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace);
+            let req = self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace, finish_within);
             submit::stream_open(&producer.store, &req, self.open_expiry).await?;
-            // Its first look: when it expires unfinalized, or the census interval.
+            // Its first look: when it expires unfinalized or reaches its deadline, or the census
+            // interval.
             let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
+            let next = finish_within.map_or(next, |d| d.min(next));
             crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
                 .await?;
             producer.counting.recorder.count(self.priority, Counter::Submitted, 1);
@@ -960,6 +1026,9 @@ pub struct Completion<O> {
     pub failed: u64,
     /// One entry per sub-request from `first`, in sub-request order.
     pub results: Vec<Result<O, PartError>>,
+    /// Why a `failed` request ended, when not by its dead letters: `"deadline"` (see
+    /// [`RequestBuilder::deadline`]). `None` otherwise.
+    pub reason: Option<String>,
 }
 
 /// A page of a streamed request's outcomes ([`RequestHandle::results_from`]).

@@ -180,7 +180,7 @@ pub(crate) async fn finish(
     place: Placement,
     finished: Finished,
 ) -> Result<Option<i64>> {
-    let Finished { state, lifecycle, sweep } = finished;
+    let Finished { state, lifecycle, sweep, .. } = finished;
     let home = home_shard(key_id, place.shards);
     let mut groups = by_shard(key_id, place.shards, sweep);
     let home_sweep = groups.remove(&home).unwrap_or_default();

@@ -297,6 +297,32 @@ local function sg_finish(keys, rid, state, retention_ms, channel, now, except)
   return out
 end
 
+-- A request's deadline (meta `dl`, Redis ms; RequestBuilder::deadline): whether Redis time `now`
+-- has reached it. Past it no part starts; the first hand-out (acquire, ack) or census that meets it
+-- finishes the request `failed` with `why` = `deadline` (sg_finish_deadline).
+local function sg_past_deadline(dl, now)
+  return dl ~= nil and dl ~= false and dl ~= '' and now >= tonumber(dl)
+end
+
+-- Ends a request at its deadline: `failed`, with `why` = `deadline`; the parts that never ran stay
+-- in the stream and have no result. sg_finish's reply.
+local function sg_finish_deadline(keys, rid, retention_ms, channel, now, except)
+  redis.call('HSET', keys[1], 'why', 'deadline')
+  return sg_finish(keys, rid, 'failed', retention_ms, channel, now, except)
+end
+
+-- The ms a new request's deadline leaves (a whole number of at least 1 and at most ten years; ''
+-- or 0: none), or nil and the error reply.
+local SG_MAX_DEADLINE_MS = 10 * 365 * 24 * 3600 * 1000
+local function sg_check_deadline(ms)
+  if ms == nil or ms == '' or ms == '0' then return 0, nil end
+  local v = tonumber(ms)
+  if not v or v < 1 or v % 1 ~= 0 or v > SG_MAX_DEADLINE_MS then
+    return nil, redis.error_reply('SGINVALID deadline must be a whole number of ms from 1 to ten years ahead')
+  end
+  return v, nil
+end
+
 -- Whether Redis time `now` is past a submit's deadline (ARGV given as ms; '' or absent: none).
 local function sg_late(deadline, now)
   return deadline and deadline ~= '' and tonumber(deadline) > 0 and now > tonumber(deadline)
@@ -940,6 +966,8 @@ end
 -- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
 -- ARGV[14] trace context (optional; '' or absent = none): the producer's send span as its
 -- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
+-- ARGV[15] the request's deadline, in ms from now (optional; '' or 0 = none): stored as `dl`, the
+-- Redis time (ms) past which no part starts and the request ends `failed`, `why` = `deadline`
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -960,6 +988,9 @@ local function submit_open(keys, args)
   local trace = args[14] or ''
   invalid = sg_check_trace(trace)
   if invalid then return invalid end
+  local within
+  within, invalid = sg_check_deadline(args[15])
+  if invalid then return invalid end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -977,6 +1008,7 @@ local function submit_open(keys, args)
     'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
   -- Only a traced request carries the field.
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
+  if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])
@@ -1069,13 +1101,15 @@ end
 -- submit.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1..13] as submit_open's   ARGV[14] request key id   ARGV[15] trace context ('' = none;
--- submit_open's ARGV[14])   ARGV[16..] payloads
+-- submit_open's ARGV[14])   ARGV[16] deadline in ms from now ('' or 0 = none; submit_open's
+-- ARGV[15])   ARGV[17..] payloads
 -- Returns the token elements to push, or submit_open's / submit_commit's errors. The same call
 -- re-sent after a reconnect returns the elements of the tokens still queued.
 local function submit_small(keys, args)
   local open_args = {}
   for i = 1, 13 do open_args[i] = args[i] end
   open_args[14] = args[15]
+  open_args[15] = args[16]
   local opened = submit_open(keys, open_args)
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then
@@ -1083,10 +1117,10 @@ local function submit_small(keys, args)
     return submit_commit(keys, {args[14], '0', args[9]})
   end
   local load_args = {args[9], '0'}
-  for i = 16, #args do load_args[#load_args + 1] = args[i] end
+  for i = 17, #args do load_args[#load_args + 1] = args[i] end
   local loaded = load_parts(keys, load_args)
   if type(loaded) == 'table' and loaded.err then return loaded end
-  return submit_commit(keys, {args[14], tostring(#args - 15), args[9]})
+  return submit_commit(keys, {args[14], tostring(#args - 16), args[9]})
 end
 
 -- submit_abort: a producer gives up a submit that failed while loading: its keys go at once,
@@ -1111,7 +1145,8 @@ end
 -- ARGV[13])   ARGV[15] window W (optional; 0 or absent = none): the producer keeps at most W
 -- parts unsettled, and acks trim the stream as they go (stored as `window`)   ARGV[16] '1' =
 -- discard results: `ok` results are never stored (stored as `discard`)   ARGV[17] trace context
--- (optional; '' or absent = none; submit_open's ARGV[14])
+-- (optional; '' or absent = none; submit_open's ARGV[14])   ARGV[18] deadline in ms from now
+-- (optional; '' or 0 = none; submit_open's ARGV[15])
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
@@ -1124,7 +1159,7 @@ local function stream_open(keys, args)
     return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or ''})
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or ''})
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
   local now = sg_now()
@@ -1530,19 +1565,26 @@ end
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
 -- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
+-- call finishes at its deadline
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
 --          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
---          token shards of the request[, queue wait ms]}: the sixth field only when this call
---          started the request (state queued -> running): how long it waited since it became
---          runnable (queued at its commit, or its delay's end), for the stats by stage;
+--          token shards of the request[, queue wait ms[, deadline ms]]}: the queue wait is how
+--          long the request waited since it became runnable (queued at its commit, or its
+--          delay's end) when this call started it (state queued -> running), for the stats by
+--          stage, else -1; the deadline, only for a request that has one, is in how many ms it
+--          falls: the slot cancels the handlers still running then;
 --          entry = {entry id, index, payload, attempt};
 --         {'park', wake}: no work left to hand out, the token waits in the request until work
 --          appears (wake: in how many ms a retry falls due, 0 if none);
+--         {'finished', state, lifecycle, sweep elements..., {'shards', S}}: as ack's, when the
+--          request's deadline has passed: this call ended it `failed` (`why` = `deadline`) and
+--          handed out nothing; S is its token shards, for the steps after the finish;
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
-    'queued', 'eligible')
+    'queued', 'eligible', 'dl')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -1550,6 +1592,7 @@ local function acquire(keys, args)
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
     -- The same slot presenting the same element again: a call re-sent after a reconnect whose
     -- first reply was lost. Hand out the entries it already holds instead of stranding them.
+    if m[11] then policy[6], policy[7] = -1, tonumber(m[11]) - sg_now() end
     local reply = {'run', policy}
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
@@ -1562,12 +1605,21 @@ local function acquire(keys, args)
   end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   local now = sg_now()
+  if sg_past_deadline(m[11], now) then
+    local out = sg_finish_deadline(keys, args[1], args[7] or '0', args[8] or '', now)
+    out[#out + 1] = {'shards', m[8] or '1'}
+    return out
+  end
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
   if next[1] ~= 'run' then return next end
   if m[3] == 'queued' then
     redis.call('HSET', keys[1], 'state', 'running', 'started', now)
     local since = math.max(tonumber(m[9] or now), tonumber(m[10] or '0'))
     policy[6] = math.max(now - since, 0)
+  end
+  if m[11] then
+    policy[6] = policy[6] or -1
+    policy[7] = tonumber(m[11]) - now
   end
   table.insert(next, 2, policy)
   return next
@@ -1590,8 +1642,9 @@ end
 --         push element back (give_back) onto the list of the request's priority now (an operator
 --         may have changed it since the token was taken: reprioritize); {'park', wake} as
 --         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
---         terminal; {'fenced'}: this slot no longer holds the token with exactly these entries,
---         so nothing was recorded (its worker was declared dead and the work moved on, or the
+--         terminal (completed, failed, or failed at its deadline: meta `dl`, `why` =
+--         `deadline`); {'fenced'}: this slot no longer holds the token with exactly these
+--         entries, so nothing was recorded (its worker was declared dead and the work moved on, or the
 --         request was cancelled).
 -- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
 -- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
@@ -1631,7 +1684,7 @@ end
 
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -1737,6 +1790,10 @@ local function ack(keys, args)
     -- Fail fast: the first dead letter ends the request; the parts not yet run never will
     -- (unless its dead letters are requeued: then they run too).
     return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
+  end
+  if sg_past_deadline(m[8], now) then
+    -- Past the request's deadline: what this batch settled is recorded; nothing more starts.
+    return sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
@@ -1915,9 +1972,10 @@ end
 --         oldest has waited, since verify may not be able to tell yet); held: {k, epoch, holder}
 --         of every held token, for recovery to check that the holder's worker lives. Token k's
 --         elements belong on shard (home + k) % shards.
--- In the first chunk: a scheduled request whose time has come turns queued; a streamed request
--- past its expiry is cancelled; parked tokens are woken while work waits for them; the stream is
--- trimmed.
+-- In the first chunk: a request past its deadline (meta `dl`) ends `failed`, `why` = `deadline`,
+-- and one before it asks to be looked at then; a scheduled request whose time has come turns
+-- queued; a streamed request past its expiry is cancelled; parked tokens are woken while work
+-- waits for them; the stream is trimmed.
 local function census(keys, args)
   local state = redis.call('HGET', keys[1], 'state')
   if not state then return {'gone'} end
@@ -1935,8 +1993,18 @@ local function census(keys, args)
   local from, count = tonumber(args[5]), tonumber(args[6])
   local look = tonumber(args[7])
   local push, check, held = {}, {}, {}
-  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark')
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark', 'dl')
   if from == 0 then
+    if m[6] then
+      -- A request with a deadline: past it, it ends here if no hand-out ended it first (its
+      -- tokens all parked, its parts all running long, or no worker at all); before it, the
+      -- request is looked at no later than then.
+      if sg_past_deadline(m[6], now) then
+        local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
+        return {'finished', 'failed', prio, shards, f[3], 0}
+      end
+      look = math.min(look, tonumber(m[6]) - now)
+    end
     if state == 'scheduled' then
       -- A delayed request waits with parked tokens; the first census after its time promotes it.
       local eligible = tonumber(m[1] or '0')
@@ -2200,12 +2268,16 @@ end
 --   request again and marks the lifecycle, so that no late unindex of the failed one removes it),
 --   then call again with ARGV[2] set to it.
 -- Errors "SGSTATE ..." when the request cannot be requeued (unknown, loading, completed,
--- cancelled, or its retention ran out), "SGLATE ..." past the deadline.
+-- cancelled, failed at its deadline, or its retention ran out), "SGLATE ..." past the deadline.
 local function requeue_dead(keys, args)
   local late = sg_step_late(args[3])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep')
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why')
   local state = m[1]
+  if state == 'failed' and m[7] == 'deadline' then
+    -- It would end again at once: its deadline has passed for good.
+    return redis.error_reply('SGSTATE the request ended at its deadline: submit it again instead')
+  end
   if args[4] == 'resume' then
     if state ~= 'failed' then return {0, 0} end
     local lifecycle = sg_lifecycle(keys)

@@ -424,7 +424,11 @@ const CI_MIX: Mix = Mix { len: 60, faults: 0.12, restarts: true, drains: 0.2 };
 fn randomized_interleavings_keep_every_invariant() {
     match search(budget(110), 2, CI_MIX) {
         Ok((sequences, steps)) => {
-            eprintln!("protocol checker: {sequences} sequences, {steps} operations, no invariant broken")
+            eprintln!(
+                "protocol checker: {sequences} sequences, {steps} operations ({} requests ended at their \
+                 deadline), no invariant broken",
+                model::ENDED_AT_DEADLINE.load(Ordering::Relaxed)
+            )
         }
         Err(report) => panic!("{report}"),
     }
@@ -437,7 +441,11 @@ fn randomized_interleavings_keep_every_invariant_long() {
     let mix = Mix { len: 150, ..CI_MIX };
     match search(budget(3600), 2, mix) {
         Ok((sequences, steps)) => {
-            eprintln!("protocol checker: {sequences} sequences, {steps} operations, no invariant broken")
+            eprintln!(
+                "protocol checker: {sequences} sequences, {steps} operations ({} requests ended at their \
+                 deadline), no invariant broken",
+                model::ENDED_AT_DEADLINE.load(Ordering::Relaxed)
+            )
         }
         Err(report) => panic!("{report}"),
     }

@@ -636,6 +636,17 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
         {
             return Err(format!("{r}: sealed lifecycle {gen} with {} events", s.events));
         }
+        // A request ends at its deadline only once it has come (`dl`, the functions' clock), and
+        // only as failed.
+        if s.meta.get("why").map(String::as_str) == Some("deadline") {
+            let (dl, finished) = (s.num("dl"), s.num("finished"));
+            if s.state() != "failed" || dl == 0 || finished < dl {
+                return Err(format!(
+                    "{r}: ended at its deadline as {} at {finished}, deadline {dl}",
+                    s.state()
+                ));
+            }
+        }
         // Its counters say what is left: every part without a result or a dead letter, no more, no
         // less (a part counted down twice ends a request while another part still has to run).
         // Results taken by the reader and deleted (`ntaken`), and results not stored (`discarded`),
@@ -716,6 +727,10 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
     Ok(())
 }
 
+/// Requests the sequences' ends found ended at their deadline: the summary says how often the
+/// deadline paths ran.
+pub(crate) static ENDED_AT_DEADLINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The invariants that hold once everything has drained: every accepted part ended with a result
 /// or a dead letter, one terminal record and one event per lifecycle, nothing left to expire.
 pub(crate) async fn check_end(world: &World) -> Result<(), String> {
@@ -778,6 +793,10 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 return Err(format!("{r}: part {index}'s outcome was deleted, but the reader never got it"));
             }
         }
+        let at_deadline = s.meta.get("why").map(String::as_str) == Some("deadline");
+        if at_deadline {
+            ENDED_AT_DEADLINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let discard = s.meta.get("discard").map(String::as_str) == Some("1");
         if discard && s.state() == "completed" {
             let ok = s.results + s.num("ntaken") + s.num("discarded");
@@ -827,15 +846,18 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                         errors.get(&index)
                     ));
                 }
-                // Fail fast: the parts not yet run when the first dead letter ended it never run.
+                // Fail fast: the parts not yet run when the first dead letter ended it never run;
+                // nor do those of a request that reached its deadline.
                 (None, "failed")
                     if !errors.contains_key(&index)
-                        && s.meta.get("failfast").map(String::as_str) != Some("1") =>
+                        && s.meta.get("failfast").map(String::as_str) != Some("1")
+                        && !at_deadline =>
                 {
                     return Err(format!(
                         "{r}: failed, and part {index} has neither a result nor a dead letter"
                     ));
                 }
+                (None, "failed") if !errors.contains_key(&index) => {}
                 (None, "failed") => {
                     let failed = model.is_some_and(|m| m.failed_parts.contains(&index));
                     let failfast = s.meta.get("failfast").map(String::as_str) == Some("1");
@@ -846,7 +868,7 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 _ => {}
             }
         }
-        if s.state() == "failed" && errors.is_empty() && tfirst == 0 {
+        if s.state() == "failed" && errors.is_empty() && tfirst == 0 && !at_deadline {
             return Err(format!("{r}: failed without an error record"));
         }
     }

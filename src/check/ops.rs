@@ -58,13 +58,20 @@ pub(crate) struct Submit {
     /// before it), when it takes a lane (see `unlisted_here`).
     #[serde(default)]
     pub(crate) unlisted: bool,
+    /// A deadline this many ms (of the functions' clock) after the submit (0: none;
+    /// `RequestBuilder::deadline_in`; absent in sequences recorded before deadlines).
+    #[serde(default)]
+    pub(crate) deadline_ms: u32,
 }
 
 impl Submit {
     /// Whether the submit asks to be unlisted: only a request that takes a lane may be (a whole
     /// one, not delayed, not of its own stream; the checker's are at most 5 parts).
     pub(crate) fn unlisted_here(&self) -> bool {
-        self.unlisted && !self.own_stream && matches!(self.shape, Shape::Whole { delay_ms: 0, .. })
+        self.unlisted
+            && !self.own_stream
+            && self.deadline_ms == 0
+            && matches!(self.shape, Shape::Whole { delay_ms: 0, .. })
     }
 }
 
@@ -283,5 +290,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         fail_fast: rng.gen_bool(0.2),
         own_stream: rng.gen_bool(0.4),
         unlisted: rng.gen_bool(0.25),
+        deadline_ms: if rng.gen_bool(0.15) { rng.gen_range(100..3000) } else { 0 },
     }
 }

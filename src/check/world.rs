@@ -843,6 +843,11 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
             )?
             .fail_fast(s.fail_fast)
             .own_stream(s.own_stream);
+        let b = if s.deadline_ms > 0 {
+            b.deadline_in(Duration::from_millis(u64::from(s.deadline_ms)))
+        } else {
+            b
+        };
         Ok(if s.unlisted_here() { b.unlisted() } else { b })
     };
     let result = match &s.shape {

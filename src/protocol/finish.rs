@@ -20,6 +20,9 @@ pub(crate) struct Finished {
     pub(crate) lifecycle: i64,
     /// Stale token elements to sweep from the lists.
     pub(crate) sweep: Vec<Value>,
+    /// The request's token shards, when the reply says (`acquire`'s finish at a deadline, whose
+    /// slot has no policy of the request yet).
+    pub(crate) shards: Option<u32>,
 }
 
 impl Finished {
@@ -27,7 +30,16 @@ impl Finished {
     pub(crate) fn from_reply(mut items: impl Iterator<Item = Value>) -> Result<Finished> {
         let state = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
         let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-        Ok(Finished { state, lifecycle, sweep: items.collect() })
+        let mut sweep: Vec<Value> = items.collect();
+        let shards = match sweep.last() {
+            Some(Value::Array(last)) if last.first().and_then(Value::as_str).as_deref() == Some("shards") => {
+                let s = last.get(1).map(reply::int).transpose()?.unwrap_or(1);
+                sweep.pop();
+                Some(s.clamp(1, 1024) as u32)
+            }
+            _ => None,
+        };
+        Ok(Finished { state, lifecycle, sweep, shards })
     }
 }
 

@@ -73,10 +73,16 @@ pub(crate) async fn requeue_dead(
     let reply = match store.fcall(Func::RequeueDead, &keys.all(), args).await {
         Ok(reply) => reply,
         // Only a failed, running or queued request has dead letters to requeue.
-        Err(e) if Refusal::is(&e, Code::State).is_some() => {
-            return Err(Error::NoDeadLetters(RequestId::from_key_id(key_id)?))
-        }
-        Err(e) => return Err(e),
+        Err(e) => match Refusal::is(&e, Code::State) {
+            Some(r) if r.why.contains("deadline") => {
+                let id = RequestId::from_key_id(key_id)?;
+                return Err(Error::Refused(format!(
+                    "request \"{id}\" ended at its deadline, which has passed for good: submit it again instead"
+                )));
+            }
+            Some(_) => return Err(Error::NoDeadLetters(RequestId::from_key_id(key_id)?)),
+            None => return Err(e),
+        },
     };
     let mut items = reply::array(reply)?.into_iter();
     let n = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);

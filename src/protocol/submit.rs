@@ -53,6 +53,9 @@ pub(crate) struct NewRequest<'a> {
     pub(crate) discard: bool,
     /// Its trace context, stored as `trace` for the workers' spans (`otel`; empty: none).
     pub(crate) trace: &'a str,
+    /// Its deadline, as the time left from the producer's now (`RequestBuilder::deadline`): the
+    /// creating call stores Redis's now plus this as `dl`. `None`: no deadline.
+    pub(crate) finish_within: Option<Duration>,
 }
 
 impl NewRequest<'_> {
@@ -75,6 +78,11 @@ impl NewRequest<'_> {
             self.deadline.into(),
         ]
     }
+
+    /// The deadline argument the creating calls take after the trace context (ms; 0: none).
+    fn finish_within(&self) -> Value {
+        ms(self.finish_within.unwrap_or(Duration::ZERO))
+    }
 }
 
 /// `submit_small`: the whole request in one call, `delay` before it runs. Returns the token
@@ -87,7 +95,7 @@ pub(crate) async fn submit_small(
 ) -> Result<Vec<Value>> {
     let keys = store.keys.request(req.key_id);
     let mut args = req.args(store, delay);
-    args.extend([req.key_id.into(), req.trace.into()]);
+    args.extend([req.key_id.into(), req.trace.into(), req.finish_within()]);
     args.extend(parts);
     reply::array(store.fcall(Func::SubmitSmall, &keys.all(), args).await.map_err(|e| created(req.id, e))?)
 }
@@ -96,7 +104,7 @@ pub(crate) async fn submit_small(
 pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Duration) -> Result<()> {
     let keys = store.keys.request(req.key_id);
     let mut args = req.args(store, delay);
-    args.push(req.trace.into());
+    args.extend([req.trace.into(), req.finish_within()]);
     // Returns 1: nothing to read.
     store.fcall(Func::SubmitOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
@@ -153,7 +161,7 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
     args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
     args.push((req.window as i64).into());
     args.push((if req.discard { "1" } else { "0" }).into());
-    args.push(req.trace.into());
+    args.extend([req.trace.into(), req.finish_within()]);
     store.fcall(Func::StreamOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! `take`, `untake`, `give_back` and `release` on a shard's token side; `acquire`, `ack` and the
 //! read-only `holds` on a request's keys.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::types::Value;
@@ -68,13 +68,15 @@ pub(crate) async fn take(
         keys.record_prefix(shard).into(),
         keys.list_prefix(shard).into(),
     ];
+    let sent = Instant::now();
     let mut items = reply::array(store.fcall(Func::Take, &names, args).await?)?.into_iter();
     let (list, element) = match (items.next(), items.next()) {
         (Some(list), Some(element)) => (list, element),
         (Some(word), None) if reply::text(&word)? == "paused" => return Ok(Take::Paused),
         _ => return Ok(Take::Empty),
     };
-    let acquired = items.next().map(|reply| next(reply, true)).transpose()?.map(|(next, _)| next);
+    let acquired =
+        items.next().map(|reply| next(reply, Reading::LaneAcquire, sent)).transpose()?.map(|(next, _)| next);
     Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired }))
 }
 
@@ -123,6 +125,9 @@ pub(crate) struct Policy {
     pub(crate) backoff_max: Duration,
     /// The token shards the request was submitted with.
     pub(crate) shards: u32,
+    /// When the request's deadline falls, by this process's clock (`acquire`'s report); the slot
+    /// cancels the handlers still running then, and starts no part after it.
+    pub(crate) deadline: Option<Instant>,
 }
 
 /// A request a `lane_ack` finished (the reply's trailing `{'done', state, lifecycle, ...}`).
@@ -237,9 +242,17 @@ pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> 
         let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
         let mut keys = keys.all().to_vec();
         keys.extend([active.as_str(), armed.as_str()]);
-        return Ok(next(store.fcall(Func::LaneAcquire, &keys, args).await?, true)?.0);
+        return Ok(next(
+            store.fcall(Func::LaneAcquire, &keys, args).await?,
+            Reading::LaneAcquire,
+            Instant::now(),
+        )?
+        .0);
     }
-    Ok(next(store.fcall(Func::Acquire, &keys.all(), args).await?, true)?.0)
+    // For a request it finishes at its deadline.
+    args.extend([ms(store.config.retention), store.keys.done_channel().into()]);
+    let sent = Instant::now();
+    Ok(next(store.fcall(Func::Acquire, &keys.all(), args).await?, Reading::Acquire, sent)?.0)
 }
 
 /// How one entry of a batch ended, as `ack` records it.
@@ -319,12 +332,23 @@ pub(crate) async fn ack(
     }
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     let func = if lane.is_some() { Func::LaneAck } else { Func::Ack };
-    next(store.fcall(func, &keys, args).await?, false)
+    next(store.fcall(func, &keys, args).await?, Reading::Ack, Instant::now())
 }
 
-/// Reads an acquire (`with_policy`) or ack reply, and the lane requests a `lane_ack` reports
-/// finished (a trailing `{'done', ...}` item).
-fn next(reply: Value, with_policy: bool) -> Result<(Next, Vec<Done>)> {
+/// Which call's reply [`next`] reads: where a `run` reply's policy comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reading {
+    /// `acquire`: the policy is the item after the tag.
+    Acquire,
+    /// A lane's acquire (`lane_acquire`, or `take`'s): from the first entry's own policy.
+    LaneAcquire,
+    /// `ack` and `lane_ack`: none; the slot keeps the one its acquire reported.
+    Ack,
+}
+
+/// Reads an acquire or ack reply (`with_policy`: which), and the lane requests a `lane_ack`
+/// reports finished (a trailing `{'done', ...}` item).
+fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Vec<Done>)> {
     let mut items = reply::array(reply)?;
     let done = match items.last() {
         Some(Value::Array(last)) if last.first().and_then(Value::as_str).as_deref() == Some("done") => {
@@ -336,12 +360,10 @@ fn next(reply: Value, with_policy: bool) -> Result<(Next, Vec<Done>)> {
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     let next = match tag.as_str() {
         "run" => {
-            let mut items = items.peekable();
             // A lane's entries carry their own policies, its replies none of their own.
-            let lane = matches!(items.peek(), Some(Value::Array(e)) if e.len() >= 7);
             let mut started_after = None;
-            let mut policy = if with_policy && !lane {
-                let (policy, waited) = read_policy(items.next().unwrap_or(Value::Null))?;
+            let mut policy = if with_policy == Reading::Acquire {
+                let (policy, waited) = read_policy(items.next().unwrap_or(Value::Null), sent)?;
                 started_after = waited;
                 Some(policy)
             } else {
@@ -381,7 +403,7 @@ fn next(reply: Value, with_policy: bool) -> Result<(Next, Vec<Done>)> {
             let Some(first) = entries.first() else {
                 return Err(Error::Protocol("a 'run' reply without entries".into()));
             };
-            if with_policy && lane {
+            if with_policy == Reading::LaneAcquire {
                 policy = first.lane.as_ref().map(|l| l.policy);
             }
             Next::Run(entries, policy)
@@ -421,12 +443,18 @@ fn read_done(item: Value) -> Result<Vec<Done>> {
 fn read_lane_policy(pol: &str) -> Result<Policy> {
     let [_, _, _, max_attempts, timeout, base, cap] =
         super::lane::Settings::parse(pol)?.values.map(|v| v as i64);
-    Ok(read_policy(Value::Array(vec![max_attempts.into(), timeout.into(), base.into(), cap.into()]))?.0)
+    Ok(read_policy(
+        Value::Array(vec![max_attempts.into(), timeout.into(), base.into(), cap.into()]),
+        Instant::now(),
+    )?
+    .0)
 }
 
 /// A policy as the library reports it: `{max attempts, timeout ms, backoff base ms, backoff max ms
-/// [, token shards [, queue wait ms]]}`, and the queue wait when `acquire` started the request.
-fn read_policy(value: Value) -> Result<(Policy, Option<Duration>)> {
+/// [, token shards [, queue wait ms (-1: none) [, deadline ms]]]}`, and the queue wait when
+/// `acquire` started the request. `sent`: when the call was sent, before Redis read its clock, so
+/// that the deadline this process keeps is never later than Redis's.
+fn read_policy(value: Value, sent: Instant) -> Result<(Policy, Option<Duration>)> {
     let p: Vec<i64> = reply::array(value)?.iter().map(reply::int).collect::<Result<_>>()?;
     let [max_attempts, timeout, base, cap, ref rest @ ..] = p[..] else {
         return Err(Error::Protocol("a policy has fewer than four fields".into()));
@@ -437,8 +465,10 @@ fn read_policy(value: Value) -> Result<(Policy, Option<Duration>)> {
         backoff_base: Duration::from_millis(base.max(0) as u64),
         backoff_max: Duration::from_millis(cap.max(0) as u64),
         shards: rest.first().map_or(1, |s| (*s).clamp(1, 1024) as u32),
+        deadline: rest.get(2).map(|d| sent + Duration::from_millis((*d).max(0) as u64)),
     };
-    Ok((policy, rest.get(1).map(|w| Duration::from_millis((*w).max(0) as u64))))
+    let waited = rest.get(1).filter(|w| **w >= 0).map(|w| Duration::from_millis(*w as u64));
+    Ok((policy, waited))
 }
 
 /// One hold to check with `holds`: token `k` at `epoch`, held by `holder`.

@@ -76,7 +76,8 @@ impl Context {
     }
 
     /// Completes when this run's hold is lost (this worker was declared dead, the request
-    /// finished or was cancelled), the attempt timed out, or the worker shuts down hard: a long
+    /// finished or was cancelled), the attempt timed out, the request's deadline passed
+    /// (`RequestBuilder::deadline`), or the worker shuts down hard: a long
     /// handler should stop, its result will be dropped (after a lost hold, a failure it returns
     /// spends no attempt).
     pub fn cancelled(&self) -> &CancellationToken {

@@ -79,7 +79,13 @@ pub(crate) async fn finish_reported(store: &Store, key_id: &str, unfinished: Unf
             state,
             "completing the finish of a request (its finisher died or stalled)"
         );
-        crate::shards::finish(store, key_id, place, Finished { state, lifecycle, sweep: Vec::new() }).await?
+        crate::shards::finish(
+            store,
+            key_id,
+            place,
+            Finished { state, lifecycle, sweep: Vec::new(), shards: None },
+        )
+        .await?
     };
     match reopened {
         Some(next) => resume_requeue(store, key_id, place, next).await,

@@ -477,8 +477,12 @@ async fn run_batches<H: Handler>(
                 shared.stats.count(token.priority, Counter::Started, 1);
                 shared.stats.time(token.priority, Timing::Wait, waited);
             }
-            // Once stopping (or once the grace ran out), the rest of the batch is handed back.
-            if shared.stopping.is_cancelled() || matches!(outcomes.last(), Some(Outcome::Skipped)) {
+            // Once stopping (or once the grace ran out), the rest of the batch is handed back; past
+            // the request's deadline, no part starts.
+            if shared.stopping.is_cancelled()
+                || matches!(outcomes.last(), Some(Outcome::Skipped))
+                || entry.policy(policy).deadline.is_some_and(|d| Instant::now() >= d)
+            {
                 outcomes.push(Outcome::Skipped);
                 continue;
             }
@@ -524,7 +528,12 @@ async fn settle<H: Handler>(
     last: Next,
     policy: Option<Policy>,
 ) -> Result<()> {
-    let place = Placement { priority: token.priority, shards: policy.map_or(1, |p| p.shards) };
+    let shards = match &last {
+        // An acquire that ended the request at its deadline says its shards; no policy came.
+        Next::Finished(f) if policy.is_none() => f.shards.unwrap_or(1),
+        _ => policy.map_or(1, |p| p.shards),
+    };
+    let place = Placement { priority: token.priority, shards };
     match last {
         Next::Requeue(element, priority) => {
             give_back(shared, holder, token, priority, vec![element.into()]).await?
@@ -723,6 +732,12 @@ async fn supervise<H: Handler>(
         shared.stopping.cancelled().await;
         tokio::time::sleep(shared.shutdown_grace).await;
     };
+    let deadline = async {
+        match policy.deadline {
+            Some(at) => tokio::time::sleep_until(at.into()).await,
+            None => std::future::pending().await,
+        }
+    };
     let (abandoned, why) = tokio::select! {
         joined = &mut task => {
             // Cancelled from outside (its hold ended, or this worker was declared dead): a failure
@@ -744,6 +759,11 @@ async fn supervise<H: Handler>(
         _ = grace_over => {
             tracing::warn!(index = entry.index, "shutdown grace ran out; handing the sub-request back");
             (Outcome::Skipped, "outlived the shutdown grace")
+        }
+        _ = deadline => {
+            // Its ack, past the deadline, ends the request: nothing of this run is recorded.
+            tracing::info!(index = entry.index, "the request's deadline passed; stopping the sub-request");
+            (Outcome::Skipped, "ran past its request's deadline")
         }
     };
     abandon(task, &cancel, entry.index, why).await;

@@ -405,3 +405,139 @@ async fn a_pause_stops_new_takes_holds_across_a_worker_restart_and_a_resume_rest
     assert!(admin.stats().await.unwrap().paused.is_empty());
     w.stop().await;
 }
+
+/// A handler that runs 300 ms unless its context is cancelled first, and logs when each run
+/// started and ended (ms since the Unix epoch: the test's Redis runs on this machine's clock).
+/// The end is logged when the run's future is dropped, which also catches a run stopped at an
+/// await without returning.
+#[derive(Clone, Default)]
+struct Punctual {
+    runs: std::sync::Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
+}
+
+fn epoch_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+#[sluicegate::async_trait]
+impl sluicegate::Handler for Punctual {
+    type Input = u64;
+    type Output = u64;
+
+    async fn handle(&self, ctx: sluicegate::Context, n: u64) -> Result<u64, sluicegate::HandlerError> {
+        struct Ended(std::sync::Arc<std::sync::Mutex<Vec<(u64, u64)>>>, u64);
+        impl Drop for Ended {
+            fn drop(&mut self) {
+                self.0.lock().unwrap().push((self.1, epoch_ms()));
+            }
+        }
+        let _ended = Ended(self.runs.clone(), epoch_ms());
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(300)) => Ok(n),
+            _ = ctx.cancelled().cancelled() => Err(sluicegate::HandlerError::new("cancelled")),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_a_request_on_time() {
+    let env = env_on(TOPOLOGY, "deadline").await;
+    let handler = Punctual::default();
+    let w = start_worker(&env.config, handler.clone(), 4, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    let h = producer
+        .request()
+        .concurrency(4)
+        .unwrap()
+        // Mid-run: the rounds of 300 ms start about 0, 300, ... 1500 ms after the submit.
+        .deadline_in(Duration::from_millis(1650))
+        .submit(0..200u64)
+        .await
+        .unwrap();
+    let done = h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.state, RequestState::Failed);
+    assert_eq!(done.reason.as_deref(), Some("deadline"));
+    let status = admin.status(h.id()).await.unwrap();
+    let (dl, finished) = (status.deadline_ms.unwrap(), status.finished_ms.unwrap());
+    assert!(finished >= dl && finished <= dl + 250, "finished {} ms after its deadline", finished as i64 - dl as i64);
+    assert_eq!(status.reason.as_deref(), Some("deadline"));
+    assert!(status.done < 200, "{} parts done", status.done);
+
+    // About 4 slots x 5 rounds of 300 ms ran; every run began before the deadline (the decision
+    // to start is taken before it; the handler's first line runs a scheduling delay later) and
+    // every run still going at the deadline was stopped within 100 ms of it.
+    let runs = handler.runs.lock().unwrap().clone();
+    assert!((8..200).contains(&runs.len()), "{} runs", runs.len());
+    for (start, end) in &runs {
+        assert!(*start <= dl + 10, "a run started {} ms after the deadline", start - dl);
+        assert!(*end <= dl + 100, "a run ended {} ms after the deadline", end - dl);
+    }
+    let ok = done.results.iter().filter(|r| r.is_ok()).count();
+    assert!((8..200).contains(&ok), "{ok} parts succeeded");
+    // Runs going at the deadline were cut short (a slot's timer may fire a round trip before
+    // Redis's clock reaches it: it counts from when its acquire was sent).
+    assert!(runs.iter().any(|(start, end)| end - start < 250), "no run was cut short at the deadline");
+    for e in done.results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(e.message.contains("deadline"), "{}", e.message);
+    }
+    // Ended for good: a requeue would end it again at once.
+    let refused = admin.requeue_dead(h.id()).await.unwrap_err();
+    assert!(refused.to_string().contains("deadline"), "{refused}");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_a_request_that_nothing_hands_out_and_spares_one_that_completes() {
+    let env = env_on(TOPOLOGY, "deadline_idle").await;
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 2, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    let second = Duration::from_secs(1);
+    // Its parts fail and wait 30 s for a retry: its tokens park, and only recovery's look at
+    // the deadline can end it.
+    let retrying = producer
+        .request()
+        .concurrency(2)
+        .unwrap()
+        .max_attempts(5)
+        .unwrap()
+        .backoff(Duration::from_secs(30), Duration::from_secs(30))
+        .unwrap()
+        .deadline_in(second)
+        .submit((0..2).map(|n| Job { n, sleep_ms: 0, fail: true }))
+        .await
+        .unwrap();
+    // Delayed past its deadline: it never runs.
+    let late = producer
+        .request()
+        .delay(Duration::from_secs(3))
+        .deadline_in(second)
+        .submit([Job::new(7)])
+        .await
+        .unwrap();
+    // Done long before its deadline: it completes as any request.
+    let quick = producer.request().deadline_in(Duration::from_secs(60)).submit([Job::new(3)]).await.unwrap();
+    assert_eq!(quick.wait::<u64>().await.unwrap().reason, None);
+
+    for h in [&retrying, &late] {
+        let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+        assert_eq!((done.state, done.reason.as_deref()), (RequestState::Failed, Some("deadline")), "{}", h.id());
+        let status = admin.status(h.id()).await.unwrap();
+        let (dl, finished) = (status.deadline_ms.unwrap(), status.finished_ms.unwrap());
+        assert!(finished >= dl && finished <= dl + 1_000, "{}: finished {} ms after its deadline", h.id(), finished as i64 - dl as i64);
+    }
+    let done = retrying.wait::<u64>().await.unwrap();
+    assert!(done.results.iter().all(|r| r.as_ref().is_err_and(|e| e.message == "job 0 failed on purpose" || e.message == "job 1 failed on purpose")));
+    assert!(probe.starts().iter().all(|(id, _)| id != late.id().as_str()), "the delayed request ran");
+
+    // A deadline already passed, or ten years away, is refused before anything is written.
+    let past = std::time::SystemTime::now() - Duration::from_secs(1);
+    let Err(e) = producer.request().deadline(past).submit([Job::new(1)]).await else { panic!("accepted") };
+    assert!(matches!(e, Error::InvalidRequest(ref m) if m.contains("deadline has passed")), "{e}");
+    let far = producer.request().deadline_in(Duration::from_secs(11 * 365 * 24 * 3600)).submit([Job::new(1)]).await;
+    let Err(e) = far else { panic!("accepted") };
+    assert!(e.to_string().contains("deadline"), "{e}");
+    w.stop().await;
+}

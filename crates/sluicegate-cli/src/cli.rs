@@ -11,6 +11,25 @@ fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m30s)"))
 }
 
+/// A point in time: `+DURATION` from now, or an RFC 3339 time in UTC.
+fn deadline(text: &str) -> Result<Deadline, String> {
+    if let Some(rest) = text.strip_prefix('+') {
+        return duration(rest).map(Deadline::In);
+    }
+    humantime::parse_rfc3339_weak(text)
+        .map(Deadline::At)
+        .map_err(|e| format!("{e} (examples: +10m, +1h30m, 2026-12-01T10:00:00Z)"))
+}
+
+/// When a request must be done by (`submit --deadline`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Deadline {
+    /// This long after the submit.
+    In(Duration),
+    /// At this time.
+    At(std::time::SystemTime),
+}
+
 /// Distributed batch processing on Redis, from a shell.
 ///
 /// A request is a file of lines: each line is one sub-request. Workers run a command of
@@ -280,6 +299,12 @@ pub(crate) struct SubmitArgs {
     #[arg(long, value_parser = duration, value_name = "DURATION", conflicts_with = "stream")]
     pub(crate) delay: Option<Duration>,
 
+    /// Past this time no sub-request starts, running ones are stopped, and the request ends
+    /// failed (reason: deadline): `+DURATION` from now (+10m, +1h30m) or an RFC 3339 time in UTC
+    /// (2026-12-01T10:00:00Z).
+    #[arg(long, value_parser = deadline, value_name = "+DURATION|TIME")]
+    pub(crate) deadline: Option<Deadline>,
+
     /// End the request as failed at its first dead-lettered sub-request; the rest never run.
     #[arg(long = "fail-fast")]
     pub(crate) fail_fast: bool,
@@ -513,6 +538,15 @@ mod tests {
         assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(duration("soon").is_err_and(|e| e.contains("examples")));
+    }
+
+    #[test]
+    fn deadlines_are_a_duration_from_now_or_a_time() {
+        assert_eq!(deadline("+10m"), Ok(Deadline::In(Duration::from_secs(600))));
+        let at = std::time::UNIX_EPOCH + Duration::from_secs(1_795_000_000);
+        assert_eq!(deadline(&humantime::format_rfc3339(at).to_string()), Ok(Deadline::At(at)));
+        assert!(deadline("tomorrow").is_err_and(|e| e.contains("+10m")));
+        assert!(deadline("+soon").is_err_and(|e| e.contains("examples")));
     }
 
     #[test]

@@ -80,6 +80,12 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
             elapsed(since, finished)
         ));
     }
+    if let Some(dl) = s.deadline_ms {
+        lines.push(format!("deadline     {}", timestamp(dl)));
+    }
+    if let Some(reason) = &s.reason {
+        lines.push(format!("reason       {reason}"));
+    }
     if !s.errors.is_empty() {
         let shown = if s.errors.len() == sluicegate::STATUS_ERRORS { " (the first ones)" } else { "" };
         lines.push(format!("errors{shown}:"));

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use sluicegate::{shutdown_signal, Admin, Config, Producer, RequestBuilder, RequestHandle, RequestId};
 
-use crate::cli::SubmitArgs;
+use crate::cli::{Deadline, SubmitArgs};
 use crate::failure::{Code, Failure};
 use crate::input::{open_error, read_part, InputLines, InputReport};
 use crate::output::{count, print_results, Out, ResultStyle};
@@ -60,6 +60,11 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     }
     if let Some(delay) = args.delay {
         request = request.delay(delay);
+    }
+    match args.deadline {
+        Some(Deadline::In(d)) => request = request.deadline_in(d),
+        Some(Deadline::At(at)) => request = request.deadline(at),
+        None => {}
     }
     if let Some(expiry) = args.expire_open_after {
         request = request.expire_open_after(expiry);

@@ -48,18 +48,28 @@ def ms(seconds: float) -> int:
 
 @dataclass
 class Finished:
-    """``['finished', state, lifecycle, sweep...]``: the lifecycle is passed back as received."""
+    """``['finished', state, lifecycle, sweep...]``: the lifecycle is passed back as received.
+    ``acquire``'s finish at a request's deadline ends with ``['shards', S]``: the request's token
+    shards (``shards``), since its slot has no policy of the request yet (Rust ``Finished``)."""
 
     state: str
     lifecycle: bytes
     sweep: List[Any] = field(default_factory=list)
+    shards: Optional[int] = None
 
     @staticmethod
     def parse(items: Sequence[Any]) -> "Finished":
         lifecycle = items[1] if len(items) > 1 else b"0"
         if isinstance(lifecycle, int):
             lifecycle = str(lifecycle).encode()
-        return Finished(text(items[0]) if items else "", lifecycle, list(items[2:]))
+        sweep = list(items[2:])
+        shards = None
+        # Sweep elements are strings: a trailing array is the request's shard count.
+        last = sweep[-1] if sweep else None
+        if isinstance(last, (list, tuple)) and last and text(last[0]) == "shards":
+            sweep.pop()
+            shards = max(1, min(MAX_TOKEN_SHARDS, integer(last[1], 1) if len(last) > 1 else 1))
+        return Finished(text(items[0]) if items else "", lifecycle, sweep, shards)
 
 
 @dataclass
@@ -343,7 +353,8 @@ class Protocol:
         """One ``requeue_dead`` call, armed: ``reopen_as`` is the lifecycle a failed request reopens
         as ('' until ``reopen`` marked one), ``resume`` recovery's completion of a requeue whose
         caller died after that mark. ``SGSTATE`` (not failed, running or queued) is
-        :class:`errors.NoDeadLetters`."""
+        :class:`errors.NoDeadLetters`, or :class:`errors.Refused` for a request that ended at its
+        deadline (Rust ``operators::requeue_dead``)."""
         keys = self.keys.request(kid).all()
 
         def step(deadline: int) -> Any:
@@ -353,6 +364,11 @@ class Protocol:
             try:
                 return self.conn.fcall("requeue_dead", keys, args)
             except redis.exceptions.ResponseError as e:
+                if refused_state(e) and "deadline" in refusal_why(e):
+                    raise errors.Refused(
+                        f'request "{raw_id(kid)}" ended at its deadline, which has passed for good: '
+                        "submit it again instead"
+                    ) from e
                 if refused_state(e):
                     raise errors.NoDeadLetters(raw_id(kid)) from e
                 raise

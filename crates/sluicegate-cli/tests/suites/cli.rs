@@ -481,6 +481,34 @@ fn a_delayed_request_does_not_start_before_its_time() {
 }
 
 #[test]
+fn a_deadline_kills_the_running_command_and_ends_the_request_failed() {
+    let sg = Sg::new("cli-deadline");
+    let worker = sg.worker(&fixture("sleepy.sh"), &[]);
+    let started = Instant::now();
+    let out = sg.run_with_input(&["submit", "--deadline", "+1500ms", "--concurrency", "2"], b"quick\nsleep\nsleep\n");
+    let id = stdout(&out).trim().to_owned();
+    assert_eq!(sg.json(&["status", &id])["reason"], serde_json::Value::Null);
+    // Ended at its deadline, its sleeping commands killed: not after their 30 s.
+    let out = sg.run(&["results", "--wait", &id]);
+    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    assert_ne!(out.status.code(), Some(0), "{}", stderr(&out));
+    let status = sg.json(&["status", &id]);
+    assert_eq!((status["state"].as_str(), status["reason"].as_str()), (Some("failed"), Some("deadline")), "{status}");
+    let (dl, finished) = (status["deadline_ms"].as_u64().unwrap(), status["finished_ms"].as_u64().unwrap());
+    assert!(finished >= dl && finished < dl + 1_000, "finished {} ms after its deadline", finished - dl);
+    assert!(stdout(&sg.run(&["status", &id])).contains("reason       deadline"));
+    fails_with(&sg.run(&["requeue", &id]), 2, "ended at its deadline");
+    // A deadline that is not a time, or has passed: nothing is submitted.
+    fails_with(&sg.run_with_input(&["submit", "--deadline", "tomorrow"], b"x\n"), 2, "+10m");
+    fails_with(
+        &sg.run_with_input(&["submit", "--deadline", "2001-01-01T00:00:00Z"], b"x\n"),
+        2,
+        "the deadline has passed",
+    );
+    worker.stop();
+}
+
+#[test]
 fn bad_input_is_one_line_naming_the_problem() {
     let sg = Sg::new("cli-bad");
 
