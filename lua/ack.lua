@@ -57,7 +57,7 @@ end
 
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl', 'rate', 'tat')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -169,7 +169,7 @@ local function ack(keys, args)
     return sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
-    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end

@@ -21,7 +21,7 @@
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
-    'queued', 'eligible', 'dl')
+    'queued', 'eligible', 'dl', 'rate', 'tat')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -47,7 +47,7 @@ local function acquire(keys, args)
     out[#out + 1] = {'shards', m[8] or '1'}
     return out
   end
-  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), m[12], m[13])
   if next[1] ~= 'run' then return next end
   if m[3] == 'queued' then
     redis.call('HSET', keys[1], 'state', 'running', 'started', now)

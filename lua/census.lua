@@ -41,7 +41,7 @@ local function census(keys, args)
   local from, count = tonumber(args[5]), tonumber(args[6])
   local look = tonumber(args[7])
   local push, check, held = {}, {}, {}
-  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark', 'dl')
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark', 'dl', 'rate', 'tat')
   if from == 0 then
     if m[6] then
       -- A request with a deadline: past it, it ends here if no hand-out ended it first (its
@@ -89,7 +89,15 @@ local function census(keys, args)
     if newest and sg_index(newest[1]) > sg_index(delivered) then
       work = work + sg_index(newest[1]) - sg_index(delivered)
     end
-    push = sg_unpark(keys, rid, work, now)
+    local woken = work
+    if m[7] then
+      -- Rate-limited: wake only as many tokens as parts may start now, and come back when more
+      -- may (each woken token's hand-out takes what the limit then allows).
+      local room, t, base, tau = sg_rate_room(m[7], m[8], now)
+      woken = math.min(work, room)
+      if work > woken then look = math.min(look, math.max(math.ceil(base + woken * t - tau - now), 1)) end
+    end
+    push = sg_unpark(keys, rid, woken, now)
     if tonumber(redis.call('HGET', keys[1], 'npark') or '0') > 0 then
       -- Still parked tokens: wake them when the next retry falls due.
       local due = sg_next_retry(keys, now)

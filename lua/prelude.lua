@@ -191,13 +191,41 @@ local function sg_next_retry(keys, now)
   return nil
 end
 
+-- A request's rate limit (meta `rate` = "<R>/<interval ms>", `tat`; RequestBuilder::rate): GCRA,
+-- a token bucket kept as one number. Parts are emitted every T = interval / R ms with bursts of
+-- up to R: `tat` (the theoretical arrival time, ms) moves on by T per part started, and at `now`
+-- k more may start while max(tat, now) + k*T <= now + tau + T, tau = (R - 1) * T. The bucket
+-- refills by time alone: nothing writes it but a hand-out. Returns k (>= 0), T, max(tat, now)
+-- and tau.
+local function sg_rate_room(rate, tat, now)
+  local r, per = string.match(rate, '^(%d+)/(%d+)$')
+  local t = tonumber(per) / tonumber(r)
+  local tau = (tonumber(r) - 1) * t
+  local base = math.max(tonumber(tat or '0') or 0, now)
+  return math.max(math.floor((now + tau + t - base) / t + 1e-9), 0), t, base, tau
+end
+
 -- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
--- under the one token), or parks the token when there is none.
+-- under the one token), or parks the token when there is none. `rate` and `tat`: the meta
+-- fields of a rate-limited request (nil: none); the batch is then at most what the limit lets
+-- start now, and with no room the token parks until there is.
 -- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
 -- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
-local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate, tat)
+  local t, base
+  if rate then
+    local room, tau
+    room, t, base, tau = sg_rate_room(rate, tat, now)
+    if room < 1 then
+      redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+      redis.call('HINCRBY', keys[1], 'npark', 1)
+      return {'park', math.max(math.ceil(base - tau - now), 1)}
+    end
+    want = math.min(math.max(want or 1, 1), room)
+  end
   local work = sg_take_work(keys, consumer, now, extra, want)
   if #work > 0 then
+    if rate then redis.call('HSET', keys[1], 'tat', string.format('%.3f', base + #work * t)) end
     local ids = {}
     local reply = {'run'}
     for i, w in ipairs(work) do
@@ -307,6 +335,18 @@ end
 local function sg_finish_deadline(keys, rid, retention_ms, channel, now, except)
   redis.call('HSET', keys[1], 'why', 'deadline')
   return sg_finish(keys, rid, 'failed', retention_ms, channel, now, except)
+end
+
+-- A new request's rate limit, "<R>/<interval ms>" (R from 1 to 1,000,000, the interval from 1 ms
+-- to a day; '' or absent: none): the value to store, or nil and the error reply.
+local function sg_check_rate(rate)
+  if rate == nil or rate == '' then return '', nil end
+  local r, per = string.match(rate, '^(%d+)/(%d+)$')
+  r, per = tonumber(r), tonumber(per)
+  if not r or r < 1 or r > 1000000 or per < 1 or per > 86400000 then
+    return nil, redis.error_reply('SGINVALID a rate is <R>/<interval ms>: R from 1 to 1000000, the interval from 1 ms to a day')
+  end
+  return r .. '/' .. per, nil
 end
 
 -- The ms a new request's deadline leaves (a whole number of at least 1 and at most ten years; ''

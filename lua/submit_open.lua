@@ -15,6 +15,8 @@
 -- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
 -- ARGV[15] the request's deadline, in ms from now (optional; '' or 0 = none): stored as `dl`, the
 -- Redis time (ms) past which no part starts and the request ends `failed`, `why` = `deadline`
+-- ARGV[16] the request's rate limit, "<R>/<interval ms>" (optional; '' = none): at most R parts
+-- start per interval, across all workers (stored as `rate`; prelude, sg_rate_room)
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -38,6 +40,9 @@ local function submit_open(keys, args)
   local within
   within, invalid = sg_check_deadline(args[15])
   if invalid then return invalid end
+  local rate
+  rate, invalid = sg_check_rate(args[16])
+  if invalid then return invalid end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -56,6 +61,7 @@ local function submit_open(keys, args)
   -- Only a traced request carries the field.
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
+  if rate ~= '' then redis.call('HSET', keys[1], 'rate', rate) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

@@ -87,6 +87,7 @@ impl Producer {
             discard: false,
             tags: Vec::new(),
             deadline: None,
+            rate: None,
         }
     }
 
@@ -230,6 +231,7 @@ impl Producer {
             && !spec.own_stream
             && spec.delay.is_zero()
             && spec.deadline.is_none()
+            && spec.rate.is_none()
             && first.len() <= lane::MAX_PARTS
             && bytes <= lane::MAX_BYTES
     }
@@ -396,6 +398,7 @@ pub struct RequestBuilder<'a> {
     discard: bool,
     tags: Vec<String>,
     deadline: Option<Deadline>,
+    rate: Option<(u32, Duration)>,
 }
 
 /// A request's deadline as the producer was given it.
@@ -426,6 +429,28 @@ impl RequestBuilder<'_> {
     pub fn deadline_in(mut self, d: Duration) -> Self {
         self.deadline = Some(Deadline::In(d));
         self
+    }
+
+    /// Limits the request's rate: at most `n` of its parts start per `per`, across all workers,
+    /// with bursts of up to `n` (a part started is any hand-out: a first attempt, a retry, a part
+    /// run again after its worker died). Over any window W, at most `n * W / per + n` start. The
+    /// limit is kept in Redis as one timestamp refilled by time (GCRA): when it is reached, the
+    /// request's tokens leave the slots (which serve other requests meanwhile) and are woken as
+    /// room comes back, so nothing polls. It is on top of the concurrency limit, which bounds the
+    /// rate already for handlers of steady duration. A rate-limited request takes its own stream,
+    /// never a lane. `n` from 1 to 1,000,000 and `per` from 1 ms to a day, else
+    /// [`Error::InvalidRequest`].
+    pub fn rate(mut self, n: u32, per: Duration) -> Result<Self> {
+        if !(1..=1_000_000).contains(&n)
+            || per < Duration::from_millis(1)
+            || per > Duration::from_secs(86_400)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "a rate is 1 to 1000000 parts per 1 ms to a day, not {n} per {per:?}"
+            )));
+        }
+        self.rate = Some((n, per));
+        Ok(self)
     }
 
     /// What the deadline leaves from now (at least 1 ms), or the refusal of one that has passed or
@@ -664,6 +689,7 @@ impl RequestBuilder<'_> {
             listed: self.listed,
             trace,
             finish_within,
+            rate: self.rate,
         }
     }
 

@@ -84,6 +84,8 @@ pub(crate) struct Req {
     pub(crate) unlisted: bool,
     /// Its state as the last step's check saw it (`None`: no keys).
     pub(crate) last_state: Option<String>,
+    /// When its handlers started (ms by the functions' clock), for the rate limit's check.
+    pub(crate) starts: Vec<u64>,
     /// Submits of the id under way, and whether one died.
     pub(crate) submitting: u32,
     pub(crate) submit_died: bool,
@@ -157,8 +159,19 @@ impl Model {
         self.running.remove(&actor);
     }
 
-    pub(crate) fn handler_started(&mut self, actor: u64, request: &str, index: u64, attempt: u32) {
+    /// A handler started, at `at_ms` by the functions' clock.
+    pub(crate) fn handler_started(
+        &mut self,
+        actor: u64,
+        request: &str,
+        index: u64,
+        attempt: u32,
+        at_ms: u64,
+    ) {
         self.running.insert(actor, (request.to_owned(), index, attempt));
+        if let Some(i) = index_of(request) {
+            self.requests.entry(i).or_default().starts.push(at_ms);
+        }
     }
 
     pub(crate) fn verdict(&mut self, request: &str, index: u64, _attempt: u32, verdict: Verdict) {
@@ -645,6 +658,28 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
                     "{r}: ended at its deadline as {} at {finished}, deadline {dl}",
                     s.state()
                 ));
+            }
+        }
+        // A rate-limited request (`rate` = "<R>/<interval ms>") starts at most R * W / interval + R
+        // parts in any window W: at most 2R in any interval (its handlers start in the step of the
+        // hand-out that gave them their part, at that step's time).
+        if let Some((n, per)) = s.meta.get("rate").and_then(|v| v.split_once('/')) {
+            let (n, per) = (n.parse::<usize>().unwrap_or(0), per.parse::<u64>().unwrap_or(0));
+            let created = s.num("created");
+            let mut starts: Vec<u64> = world
+                .model
+                .requests
+                .get(i)
+                .map(|m| m.starts.iter().copied().filter(|t| *t >= created).collect())
+                .unwrap_or_default();
+            starts.sort_unstable();
+            for (at, t) in starts.iter().enumerate() {
+                let within = starts[at..].iter().take_while(|u| **u < t + per).count();
+                if within > 2 * n {
+                    return Err(format!(
+                        "{r}: {within} parts started within {per} ms from {t}, rate {n}/{per} ms"
+                    ));
+                }
             }
         }
         // Its counters say what is left: every part without a result or a dead letter, no more, no

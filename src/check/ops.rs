@@ -62,6 +62,10 @@ pub(crate) struct Submit {
     /// `RequestBuilder::deadline_in`; absent in sequences recorded before deadlines).
     #[serde(default)]
     pub(crate) deadline_ms: u32,
+    /// A rate limit: at most this many parts started per this many ms of the functions' clock
+    /// (`RequestBuilder::rate`; absent in sequences recorded before rate limits).
+    #[serde(default)]
+    pub(crate) rate: Option<(u8, u16)>,
 }
 
 impl Submit {
@@ -71,6 +75,7 @@ impl Submit {
         self.unlisted
             && !self.own_stream
             && self.deadline_ms == 0
+            && self.rate.is_none()
             && matches!(self.shape, Shape::Whole { delay_ms: 0, .. })
     }
 }
@@ -291,5 +296,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         own_stream: rng.gen_bool(0.4),
         unlisted: rng.gen_bool(0.25),
         deadline_ms: if rng.gen_bool(0.15) { rng.gen_range(100..3000) } else { 0 },
+        rate: rng.gen_bool(0.15).then(|| (rng.gen_range(1..=3), rng.gen_range(200..2000))),
     }
 }

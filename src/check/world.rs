@@ -673,7 +673,10 @@ impl World {
             }
             Some(Some(Event::Handler { request, index, attempt, resume })) => {
                 actor.task = Some(task);
-                self.model.handler_started(id, &request, index, attempt);
+                let now =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                let at_ms = now.as_millis() as u64 + self.clock_ms;
+                self.model.handler_started(id, &request, index, attempt, at_ms);
                 self.parked.push(Parked::Handler { actor: id, request, index, attempt, resume });
                 Ok(())
             }
@@ -847,6 +850,10 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
             b.deadline_in(Duration::from_millis(u64::from(s.deadline_ms)))
         } else {
             b
+        };
+        let b = match s.rate {
+            Some((n, per_ms)) => b.rate(u32::from(n), Duration::from_millis(u64::from(per_ms)))?,
+            None => b,
         };
         Ok(if s.unlisted_here() { b.unlisted() } else { b })
     };

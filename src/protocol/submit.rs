@@ -56,6 +56,8 @@ pub(crate) struct NewRequest<'a> {
     /// Its deadline, as the time left from the producer's now (`RequestBuilder::deadline`): the
     /// creating call stores Redis's now plus this as `dl`. `None`: no deadline.
     pub(crate) finish_within: Option<Duration>,
+    /// Its rate limit: at most this many parts started per interval (`RequestBuilder::rate`).
+    pub(crate) rate: Option<(u32, Duration)>,
 }
 
 impl NewRequest<'_> {
@@ -79,9 +81,11 @@ impl NewRequest<'_> {
         ]
     }
 
-    /// The deadline argument the creating calls take after the trace context (ms; 0: none).
-    fn finish_within(&self) -> Value {
-        ms(self.finish_within.unwrap_or(Duration::ZERO))
+    /// The deadline and rate arguments the creating calls take after the trace context (ms,
+    /// 0: none; `<R>/<interval ms>`, '': none).
+    fn limits(&self) -> [Value; 2] {
+        let rate = self.rate.map_or(String::new(), |(n, per)| format!("{n}/{}", crate::config::millis(per)));
+        [ms(self.finish_within.unwrap_or(Duration::ZERO)), rate.into()]
     }
 }
 
@@ -95,7 +99,8 @@ pub(crate) async fn submit_small(
 ) -> Result<Vec<Value>> {
     let keys = store.keys.request(req.key_id);
     let mut args = req.args(store, delay);
-    args.extend([req.key_id.into(), req.trace.into(), req.finish_within()]);
+    args.extend([req.key_id.into(), req.trace.into()]);
+    args.extend(req.limits());
     args.extend(parts);
     reply::array(store.fcall(Func::SubmitSmall, &keys.all(), args).await.map_err(|e| created(req.id, e))?)
 }
@@ -104,7 +109,8 @@ pub(crate) async fn submit_small(
 pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Duration) -> Result<()> {
     let keys = store.keys.request(req.key_id);
     let mut args = req.args(store, delay);
-    args.extend([req.trace.into(), req.finish_within()]);
+    args.push(req.trace.into());
+    args.extend(req.limits());
     // Returns 1: nothing to read.
     store.fcall(Func::SubmitOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
@@ -161,7 +167,8 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
     args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
     args.push((req.window as i64).into());
     args.push((if req.discard { "1" } else { "0" }).into());
-    args.extend([req.trace.into(), req.finish_within()]);
+    args.push(req.trace.into());
+    args.extend(req.limits());
     store.fcall(Func::StreamOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }

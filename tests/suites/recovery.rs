@@ -788,6 +788,8 @@ async fn a_producer_that_stalls_past_its_deadline_creates_nothing() {
     args.push((registered_at + 1_000).into());
     args.push(kid.into());
     args.push("".into()); // no trace context
+    args.push(0.into()); // no deadline
+    args.push("".into()); // no rate limit
     args.push(payload);
     let mut all: Vec<Value> = vec![fcall("submit_small").into(), 6.into()];
     all.extend(raw.request_keys(kid).into_iter().map(Value::from));

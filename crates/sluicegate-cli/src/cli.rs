@@ -21,6 +21,16 @@ fn deadline(text: &str) -> Result<Deadline, String> {
         .map_err(|e| format!("{e} (examples: +10m, +1h30m, 2026-12-01T10:00:00Z)"))
 }
 
+/// A rate limit: `N/DURATION`, the duration's 1 optional (`100/s`, `5/1m`, `20/250ms`).
+fn rate(text: &str) -> Result<(u32, Duration), String> {
+    let fail = || format!("{text:?} is not a rate (examples: 100/s, 5/1m, 20/250ms)");
+    let (n, per) = text.split_once('/').ok_or_else(fail)?;
+    let n = n.trim().parse::<u32>().map_err(|_| fail())?;
+    let per = per.trim();
+    let per = if per.starts_with(|c: char| c.is_ascii_digit()) { per.to_owned() } else { format!("1{per}") };
+    Ok((n, humantime::parse_duration(&per).map_err(|_| fail())?))
+}
+
 /// When a request must be done by (`submit --deadline`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Deadline {
@@ -305,6 +315,11 @@ pub(crate) struct SubmitArgs {
     #[arg(long, value_parser = deadline, value_name = "+DURATION|TIME")]
     pub(crate) deadline: Option<Deadline>,
 
+    /// At most N sub-requests start per DURATION, across all workers, with bursts of up to N:
+    /// 100/s, 5/1m, 20/250ms.
+    #[arg(long, value_parser = rate, value_name = "N/DURATION")]
+    pub(crate) rate: Option<(u32, Duration)>,
+
     /// End the request as failed at its first dead-lettered sub-request; the rest never run.
     #[arg(long = "fail-fast")]
     pub(crate) fail_fast: bool,
@@ -538,6 +553,15 @@ mod tests {
         assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(duration("soon").is_err_and(|e| e.contains("examples")));
+    }
+
+    #[test]
+    fn rates_are_a_count_per_duration() {
+        assert_eq!(rate("100/s"), Ok((100, Duration::from_secs(1))));
+        assert_eq!(rate("5/1m"), Ok((5, Duration::from_secs(60))));
+        assert_eq!(rate("20/250ms"), Ok((20, Duration::from_millis(250))));
+        assert!(rate("fast").is_err_and(|e| e.contains("100/s")));
+        assert!(rate("-1/s").is_err());
     }
 
     #[test]

@@ -61,6 +61,9 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     if let Some(delay) = args.delay {
         request = request.delay(delay);
     }
+    if let Some((n, per)) = args.rate {
+        request = request.rate(n, per)?;
+    }
     match args.deadline {
         Some(Deadline::In(d)) => request = request.deadline_in(d),
         Some(Deadline::At(at)) => request = request.deadline(at),

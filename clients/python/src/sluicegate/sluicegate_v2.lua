@@ -193,13 +193,41 @@ local function sg_next_retry(keys, now)
   return nil
 end
 
+-- A request's rate limit (meta `rate` = "<R>/<interval ms>", `tat`; RequestBuilder::rate): GCRA,
+-- a token bucket kept as one number. Parts are emitted every T = interval / R ms with bursts of
+-- up to R: `tat` (the theoretical arrival time, ms) moves on by T per part started, and at `now`
+-- k more may start while max(tat, now) + k*T <= now + tau + T, tau = (R - 1) * T. The bucket
+-- refills by time alone: nothing writes it but a hand-out. Returns k (>= 0), T, max(tat, now)
+-- and tau.
+local function sg_rate_room(rate, tat, now)
+  local r, per = string.match(rate, '^(%d+)/(%d+)$')
+  local t = tonumber(per) / tonumber(r)
+  local tau = (tonumber(r) - 1) * t
+  local base = math.max(tonumber(tat or '0') or 0, now)
+  return math.max(math.floor((now + tau + t - base) / t + 1e-9), 0), t, base, tau
+end
+
 -- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
--- under the one token), or parks the token when there is none.
+-- under the one token), or parks the token when there is none. `rate` and `tat`: the meta
+-- fields of a rate-limited request (nil: none); the batch is then at most what the limit lets
+-- start now, and with no room the token parks until there is.
 -- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
 -- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
-local function sg_next(keys, k, epoch, holder, consumer, now, extra, want)
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate, tat)
+  local t, base
+  if rate then
+    local room, tau
+    room, t, base, tau = sg_rate_room(rate, tat, now)
+    if room < 1 then
+      redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+      redis.call('HINCRBY', keys[1], 'npark', 1)
+      return {'park', math.max(math.ceil(base - tau - now), 1)}
+    end
+    want = math.min(math.max(want or 1, 1), room)
+  end
   local work = sg_take_work(keys, consumer, now, extra, want)
   if #work > 0 then
+    if rate then redis.call('HSET', keys[1], 'tat', string.format('%.3f', base + #work * t)) end
     local ids = {}
     local reply = {'run'}
     for i, w in ipairs(work) do
@@ -309,6 +337,18 @@ end
 local function sg_finish_deadline(keys, rid, retention_ms, channel, now, except)
   redis.call('HSET', keys[1], 'why', 'deadline')
   return sg_finish(keys, rid, 'failed', retention_ms, channel, now, except)
+end
+
+-- A new request's rate limit, "<R>/<interval ms>" (R from 1 to 1,000,000, the interval from 1 ms
+-- to a day; '' or absent: none): the value to store, or nil and the error reply.
+local function sg_check_rate(rate)
+  if rate == nil or rate == '' then return '', nil end
+  local r, per = string.match(rate, '^(%d+)/(%d+)$')
+  r, per = tonumber(r), tonumber(per)
+  if not r or r < 1 or r > 1000000 or per < 1 or per > 86400000 then
+    return nil, redis.error_reply('SGINVALID a rate is <R>/<interval ms>: R from 1 to 1000000, the interval from 1 ms to a day')
+  end
+  return r .. '/' .. per, nil
 end
 
 -- The ms a new request's deadline leaves (a whole number of at least 1 and at most ten years; ''
@@ -968,6 +1008,8 @@ end
 -- propagator writes it, a JSON object, stored as `trace` for workers to parent their spans on
 -- ARGV[15] the request's deadline, in ms from now (optional; '' or 0 = none): stored as `dl`, the
 -- Redis time (ms) past which no part starts and the request ends `failed`, `why` = `deadline`
+-- ARGV[16] the request's rate limit, "<R>/<interval ms>" (optional; '' = none): at most R parts
+-- start per interval, across all workers (stored as `rate`; prelude, sg_rate_room)
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -991,6 +1033,9 @@ local function submit_open(keys, args)
   local within
   within, invalid = sg_check_deadline(args[15])
   if invalid then return invalid end
+  local rate
+  rate, invalid = sg_check_rate(args[16])
+  if invalid then return invalid end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -1009,6 +1054,7 @@ local function submit_open(keys, args)
   -- Only a traced request carries the field.
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
+  if rate ~= '' then redis.call('HSET', keys[1], 'rate', rate) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])
@@ -1102,7 +1148,7 @@ end
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1..13] as submit_open's   ARGV[14] request key id   ARGV[15] trace context ('' = none;
 -- submit_open's ARGV[14])   ARGV[16] deadline in ms from now ('' or 0 = none; submit_open's
--- ARGV[15])   ARGV[17..] payloads
+-- ARGV[15])   ARGV[17] rate limit ('' = none; submit_open's ARGV[16])   ARGV[18..] payloads
 -- Returns the token elements to push, or submit_open's / submit_commit's errors. The same call
 -- re-sent after a reconnect returns the elements of the tokens still queued.
 local function submit_small(keys, args)
@@ -1110,6 +1156,7 @@ local function submit_small(keys, args)
   for i = 1, 13 do open_args[i] = args[i] end
   open_args[14] = args[15]
   open_args[15] = args[16]
+  open_args[16] = args[17]
   local opened = submit_open(keys, open_args)
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then
@@ -1117,10 +1164,10 @@ local function submit_small(keys, args)
     return submit_commit(keys, {args[14], '0', args[9]})
   end
   local load_args = {args[9], '0'}
-  for i = 17, #args do load_args[#load_args + 1] = args[i] end
+  for i = 18, #args do load_args[#load_args + 1] = args[i] end
   local loaded = load_parts(keys, load_args)
   if type(loaded) == 'table' and loaded.err then return loaded end
-  return submit_commit(keys, {args[14], tostring(#args - 16), args[9]})
+  return submit_commit(keys, {args[14], tostring(#args - 17), args[9]})
 end
 
 -- submit_abort: a producer gives up a submit that failed while loading: its keys go at once,
@@ -1146,7 +1193,8 @@ end
 -- parts unsettled, and acks trim the stream as they go (stored as `window`)   ARGV[16] '1' =
 -- discard results: `ok` results are never stored (stored as `discard`)   ARGV[17] trace context
 -- (optional; '' or absent = none; submit_open's ARGV[14])   ARGV[18] deadline in ms from now
--- (optional; '' or 0 = none; submit_open's ARGV[15])
+-- (optional; '' or 0 = none; submit_open's ARGV[15])   ARGV[19] rate limit (optional; '' = none;
+-- submit_open's ARGV[16])
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
@@ -1159,7 +1207,7 @@ local function stream_open(keys, args)
     return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or ''})
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or '', args[19] or ''})
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
   local now = sg_now()
@@ -1584,7 +1632,7 @@ end
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
-    'queued', 'eligible', 'dl')
+    'queued', 'eligible', 'dl', 'rate', 'tat')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -1610,7 +1658,7 @@ local function acquire(keys, args)
     out[#out + 1] = {'shards', m[8] or '1'}
     return out
   end
-  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]))
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), m[12], m[13])
   if next[1] ~= 'run' then return next end
   if m[3] == 'queued' then
     redis.call('HSET', keys[1], 'state', 'running', 'started', now)
@@ -1684,7 +1732,7 @@ end
 
 local function ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl', 'rate', 'tat')
   local tok = m[1]
   if not tok then return {'fenced'} end
   local f = sg_split(tok)
@@ -1796,7 +1844,7 @@ local function ack(keys, args)
     return sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
-    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]))
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end
@@ -1993,7 +2041,7 @@ local function census(keys, args)
   local from, count = tonumber(args[5]), tonumber(args[6])
   local look = tonumber(args[7])
   local push, check, held = {}, {}, {}
-  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark', 'dl')
+  local m = redis.call('HMGET', keys[1], 'eligible', 'open', 'open_deadline', 'ntok', 'npark', 'dl', 'rate', 'tat')
   if from == 0 then
     if m[6] then
       -- A request with a deadline: past it, it ends here if no hand-out ended it first (its
@@ -2041,7 +2089,15 @@ local function census(keys, args)
     if newest and sg_index(newest[1]) > sg_index(delivered) then
       work = work + sg_index(newest[1]) - sg_index(delivered)
     end
-    push = sg_unpark(keys, rid, work, now)
+    local woken = work
+    if m[7] then
+      -- Rate-limited: wake only as many tokens as parts may start now, and come back when more
+      -- may (each woken token's hand-out takes what the limit then allows).
+      local room, t, base, tau = sg_rate_room(m[7], m[8], now)
+      woken = math.min(work, room)
+      if work > woken then look = math.min(look, math.max(math.ceil(base + woken * t - tau - now), 1)) end
+    end
+    push = sg_unpark(keys, rid, woken, now)
     if tonumber(redis.call('HGET', keys[1], 'npark') or '0') > 0 then
       -- Still parked tokens: wake them when the next retry falls due.
       local due = sg_next_retry(keys, now)
