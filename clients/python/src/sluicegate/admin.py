@@ -135,7 +135,8 @@ class RequestStatus:
     concurrency: int
     #: Parts in all.
     total: int
-    #: Parts that ended: succeeded or dead-lettered.
+    #: Parts that ended: succeeded or dead-lettered (of a request ended at its deadline, only
+    #: those settled: the parts that never ran are not done).
     done: int
     #: Parts dead-lettered.
     failed: int
@@ -162,6 +163,11 @@ class RequestStatus:
     started_ms: Optional[int]
     #: When it turned terminal.
     finished_ms: Optional[int]
+    #: Its deadline (ms since the Unix epoch, Redis's clock; ``Producer.submit(deadline=...)``), if
+    #: any.
+    deadline_ms: Optional[int] = None
+    #: Why a ``failed`` request ended, when not by its dead letters: ``"deadline"``.
+    reason: Optional[str] = None
     #: Not terminal, and its priority or the whole namespace is paused (:meth:`Admin.pause`).
     paused: bool = False
     #: Its tags (empty when it has none, or when it is no longer listed).
@@ -358,13 +364,16 @@ def _status_from(
         seen.append(maxseen & 0xFFFFFFFF)
     max_attempts_seen = max(max(seen, default=0), 1 if left < total else 0)
     window = num("window")
+    reason = meta.get("why")
+    # A request ended at its deadline leaves parts that never ran: they are not done.
+    ended_whole = state == "completed" or (state == "failed" and reason is None)
     return RequestStatus(
         id=rid,
         state=state,
         priority=(num("prio") or 0) & 0xFF,
         concurrency=(num("limit") or 0) & 0xFFFFFFFF,
         total=total,
-        done=total if state in ("completed", "failed") else max(0, total - left),
+        done=total if ended_whole else max(0, total - left),
         failed=num("failed") or 0,
         running=running,
         retrying=retrying,
@@ -377,6 +386,8 @@ def _status_from(
         created_ms=num("created") or 0,
         started_ms=num("started"),
         finished_ms=num("finished"),
+        deadline_ms=num("dl"),
+        reason=reason,
         errors=errs[:STATUS_ERRORS],
     )
 
@@ -816,7 +827,8 @@ class Admin:
         """Hands a request's dead letters out again, each with a fresh set of attempts; a failed
         request reopens and will end with a new terminal record (the Rust ``requeue_dead``).
         Returns how many were requeued. :class:`NoDeadLetters` unless the request is failed,
-        running or queued; :class:`UnknownRequest` for an unknown one."""
+        running or queued; :class:`Refused` for one that ended at its deadline (it would end again
+        at once: submit it again instead); :class:`UnknownRequest` for an unknown one."""
         _check_id(rid)
         p = self.protocol
         kid = key_id(rid)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from datetime import datetime, timezone
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
@@ -23,6 +25,10 @@ LOAD_CHUNK_BYTES = 4 << 20
 APPEND_CHUNK = 1000
 MAX_DELAY_S = 10 * 365 * 24 * 3600
 TERMINAL = ("completed", "failed", "cancelled")
+#: A request's deadline: seconds from now, or a point in time (a naive ``datetime`` is UTC).
+Deadline = Union[float, int, datetime]
+#: :attr:`Completion.reason` of a request that ended at its deadline.
+DEADLINE_REASON = "deadline"
 
 
 @dataclass
@@ -48,12 +54,15 @@ class PartError:
 @dataclass
 class Completion:
     """A finished request: its terminal state, its results in part order (None where a part has
-    no result) and the errors of the parts without one, by index."""
+    no result) and the errors of the parts without one, by index. ``reason`` says why a
+    ``failed`` request ended when not by its dead letters: ``"deadline"`` (its deadline passed;
+    the parts that never ran have an error saying so); None otherwise."""
 
     id: str
     state: str
     results: List[Any] = field(default_factory=list)
     errors: Dict[int, PartError] = field(default_factory=dict)
+    reason: Optional[str] = None
 
     @property
     def total(self) -> int:
@@ -64,8 +73,11 @@ class Completion:
         return len(self.errors)
 
 
-def _completion(rid: str, state: str, total: int, oks: Dict[int, bytes], errs: Dict[int, bytes]) -> Completion:
-    done = Completion(rid, state)
+def _completion(rid: str, state: str, total: int, oks: Dict[int, bytes], errs: Dict[int, bytes],
+                reason: Optional[str] = None) -> Completion:
+    """The completion from a request's results and error records (Rust ``completion_from``): a
+    part with neither never ran, and of a request ended at its deadline, says so."""
+    done = Completion(rid, state, reason=reason)
     for i in range(total):
         if i in oks:
             done.results.append(codec.decode(oks[i]))
@@ -73,6 +85,8 @@ def _completion(rid: str, state: str, total: int, oks: Dict[int, bytes], errs: D
             done.results.append(None)
             if i in errs:
                 done.errors[i] = PartError.from_record(errs[i])
+            elif reason == DEADLINE_REASON:
+                done.errors[i] = PartError("not run: the request's deadline passed first", 0, True)
             else:
                 done.errors[i] = PartError(f"no result recorded (request {state})")
     return done
@@ -224,14 +238,24 @@ class Producer:
         timeout: Optional[float] = None,
         fail_fast: bool = False,
         unlisted: bool = False,
+        deadline: Optional[Deadline] = None,
     ) -> RequestHandle:
         """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
         once it is durable in Redis. Delays, backoffs and the timeout are in seconds. ``unlisted``
         leaves it out of the listing index (listing and the request counts of stats); everything
-        by id works as usual."""
+        by id works as usual.
+
+        ``deadline`` (seconds from now, or a ``datetime``; a naive one is UTC): past it none of the
+        request's parts starts, the handlers still running are cancelled (their parts get no
+        result), and the request ends ``failed`` with :attr:`Completion.reason` ``"deadline"``;
+        the parts already done keep their results. It is taken against this process's clock once,
+        here, and kept in Redis as Redis's now plus what was left. A deadline that has passed, or
+        more than ten years ahead, is :class:`InvalidRequest`. A request with a deadline takes a
+        stream of its own, never a lane (Rust ``RequestBuilder::deadline``)."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
+        due = _deadline_at(deadline)
         payloads = [codec.encode(v) for v in parts]
         if not payloads:
             raise errors.InvalidRequest("a request needs at least one part")
@@ -243,7 +267,10 @@ class Producer:
         policy = [max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)]
         ff = "1" if fail_fast else "0"
         size = sum(len(b) for b in payloads)
-        takes_lane = s.lane_tokens > 0 and not own_stream and delay_ms == 0 and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
+        takes_lane = (
+            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None
+            and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
+        )
         if unlisted and not takes_lane:
             raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
         if takes_lane:
@@ -264,13 +291,17 @@ class Producer:
             return RequestHandle(self, rid)
         shards = s.token_shards
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
-        deadline = at + ms(s.loading_ttl) // 2
+        step_deadline = at + ms(s.loading_ttl) // 2
         keys = p.keys.request(kid).all()
-        head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, deadline]
+        head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, step_deadline]
+        # After the head: the trace context ('': none), the deadline (ms from now), the rate limit
+        # ('': none; this client sets none).
         if len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
-            elements = fcall_items(p.conn.fcall("submit_small", keys, [*head, kid, "", *payloads]))
+            elements = fcall_items(
+                p.conn.fcall("submit_small", keys, [*head, kid, "", _within_ms(due), "", *payloads])
+            )
         else:
-            p.conn.fcall("submit_open", keys, [*head, ""])
+            p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), ""])
             try:
                 loaded = 0
                 while loaded < len(payloads):
@@ -289,8 +320,12 @@ class Producer:
                     pass
                 raise
             elements = fcall_items(p.conn.fcall("submit_commit", keys, [kid, len(payloads), nonce]))
-        nxt = delay if delay_ms > 0 else s.census_interval
-        p.push(kid, priority, shards, elements, nxt or s.census_interval, first=score)
+        # A delayed request is first looked at (and promoted) when its time comes; one with a
+        # deadline no later than that.
+        nxt = (delay if delay_ms > 0 else s.census_interval) or s.census_interval
+        if due is not None:
+            nxt = min(nxt, max(0.001, due - time.monotonic()))
+        p.push(kid, priority, shards, elements, nxt, first=score)
         return RequestHandle(self, rid)
 
     def open(
@@ -307,11 +342,17 @@ class Producer:
         fail_fast: bool = False,
         expire_after: Optional[float] = None,
         unlisted: bool = False,
+        deadline: Optional[Deadline] = None,
     ) -> OpenRequest:
-        """Opens a streamed request (§6.9): runnable at once, complete once finalized and done."""
+        """Opens a streamed request (§6.9): runnable at once, complete once finalized and done.
+        ``deadline`` as :meth:`submit`'s: past it, the request ends ``failed`` (reason
+        ``"deadline"``) whether finalized or not; :meth:`OpenRequest.add` and
+        :meth:`OpenRequest.finalize` are then :class:`NotOpen`, and ``handle.wait()`` returns the
+        completion."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, expire_after)
+        due = _deadline_at(deadline)
         rid = id if id is not None else generate_id()
         _check_id(rid)
         kid = key_id(rid)
@@ -320,11 +361,17 @@ class Producer:
         if unlisted:
             raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
-        deadline = at + ms(s.loading_ttl) // 2
+        step_deadline = at + ms(s.loading_ttl) // 2
+        # ... window 0, results kept, no trace context, the deadline (ms from now), no rate limit.
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
-                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, deadline, 0, 0, ""]
+                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, step_deadline, 0, 0, "",
+                _within_ms(due), ""]
         p.conn.fcall("stream_open", p.keys.request(kid).all(), args)
+        # Its first look: when it expires unfinalized or reaches its deadline, or the census
+        # interval.
         nxt = min(expire_after, s.census_interval) if expire_after else s.census_interval
+        if due is not None:
+            nxt = min(nxt, max(0.001, due - time.monotonic()))
         p.push(kid, priority, shards, [], nxt, first=score)
         return OpenRequest(self, rid, kid, nonce, priority, shards)
 
@@ -351,7 +398,7 @@ class Producer:
         kid = key_id(rid)
         keys = p.keys.request(kid)
         client = p.conn.client
-        state, total, taken = client.hmget(keys.meta, ["state", "total", "taken"])
+        state, total, taken, why = client.hmget(keys.meta, ["state", "total", "taken", "why"])
         if state is None:
             record = client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
             if not record:
@@ -368,7 +415,7 @@ class Producer:
             return None
         oks = _by_index(client.hgetall(keys.results))
         errs = _by_index(client.hgetall(keys.errors))
-        done = _completion(rid, st, integer(total), oks, errs)
+        done = _completion(rid, st, integer(total), oks, errs, None if why is None else text(why))
         first = min(integer(taken), len(done.results))
         if first:
             done.results = done.results[first:]
@@ -483,3 +530,35 @@ def _check(priority: int, concurrency: int, max_attempts: int, backoff: float, b
         raise errors.InvalidRequest("a timeout must be longer than 0")
     if delay is not None and not 0 <= delay <= MAX_DELAY_S:
         raise errors.InvalidRequest("a delay must be from 0 to ten years")
+
+
+def _deadline_at(deadline: Optional[Deadline]) -> Optional[float]:
+    """When ``deadline`` falls on this process's ``time.monotonic()`` clock (None: no deadline),
+    taken once against the wall clock for a ``datetime``. A deadline that has passed, or more than
+    ten years ahead, is :class:`InvalidRequest` (Rust ``RequestBuilder::finish_within``)."""
+    if deadline is None:
+        return None
+    if isinstance(deadline, datetime):
+        at = deadline if deadline.tzinfo is not None else deadline.replace(tzinfo=timezone.utc)
+        left = (at - datetime.now(timezone.utc)).total_seconds()
+    elif isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
+        left = float(deadline)
+        if math.isnan(left):
+            raise errors.InvalidRequest("a deadline must be a number of seconds from now, or a datetime, not NaN")
+    else:
+        raise errors.InvalidRequest(
+            f"a deadline must be a number of seconds from now, or a datetime, not {type(deadline).__name__}"
+        )
+    if left <= 0:
+        raise errors.InvalidRequest(f"the deadline has passed ({-left:.3f}s ago): give a time in the future")
+    if left > MAX_DELAY_S:
+        raise errors.InvalidRequest(f"the deadline is too far ({left:.0f}s from now): at most ten years ahead")
+    return time.monotonic() + left
+
+
+def _within_ms(due: Optional[float]) -> int:
+    """The ms a deadline leaves from now, at least 1, as the creating calls take it (0: none).
+    Rounded down, so that Redis's deadline is never later than the one given."""
+    if due is None:
+        return 0
+    return max(1, int((due - time.monotonic()) * 1000))

@@ -43,8 +43,8 @@ REAP_BATCH = 16
 
 class Context:
     """What a handler is told about the part it runs. ``cancelled`` turns true when the part's
-    request was cancelled or finished, or this worker lost its hold (its result would be dropped):
-    a long handler should check it and stop."""
+    request was cancelled or finished, its deadline passed, its attempt timed out, or this worker
+    lost its hold (its result would be dropped): a long handler should check it and stop."""
 
     def __init__(self, request_id: str, index: int, attempt: int, priority: int, cancel: "_Cancel") -> None:
         self.request_id = request_id
@@ -109,6 +109,13 @@ class _Policy:
     base_ms: int = 1000
     cap_ms: int = 60000
     shards: int = 1
+    #: When the request's deadline falls, on this process's ``time.monotonic()`` clock (acquire's
+    #: report): no part starts after it, and the handlers still running then are cancelled.
+    deadline: Optional[float] = None
+
+    def past_deadline(self) -> bool:
+        """Whether the request's deadline (if any) has passed."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def is_last(self, attempt: int, permanent: bool) -> bool:
         return permanent or attempt >= self.max_attempts
@@ -119,12 +126,18 @@ class _Policy:
         return int(half + half * random.random())
 
 
-def _read_policy(v: Any) -> Tuple[_Policy, Optional[int]]:
+def _read_policy(v: Any, sent: float) -> Tuple[_Policy, Optional[int]]:
+    """A policy as ``acquire`` reports it: ``[max attempts, timeout ms, backoff base ms, backoff
+    max ms[, token shards[, queue wait ms (-1: none)[, ms until the deadline]]]]``, and the queue
+    wait. ``sent``: when the call was sent (``time.monotonic()``), before Redis read its clock, so
+    that the deadline kept here is never later than Redis's (Rust ``read_policy``)."""
     p = [integer(x) for x in (v or [])]
     if len(p) < 4:
         raise ValueError("a policy has fewer than four fields")
     shards = max(1, min(1024, p[4])) if len(p) > 4 else 1
-    return _Policy(max(1, p[0]), max(0, p[1]), max(0, p[2]), max(0, p[3]), shards), (p[5] if len(p) > 5 else None)
+    deadline = sent + max(0, p[6]) / 1000 if len(p) > 6 else None
+    waited = p[5] if len(p) > 5 and p[5] >= 0 else None
+    return _Policy(max(1, p[0]), max(0, p[1]), max(0, p[2]), max(0, p[3]), shards, deadline), waited
 
 
 def _lane_policy(pol: str) -> _Policy:
@@ -161,17 +174,26 @@ class _Next:
     finished: Optional[Finished] = None
 
 
-def _parse_next(reply: Any, with_policy: bool) -> _Next:
+#: Which call's reply :func:`_parse_next` reads, which says where a ``run`` reply's policy comes
+#: from (Rust ``Reading``): ``acquire`` (the item after the tag), ``lane`` (``lane_acquire`` or
+#: ``take``'s: the first entry's own), ``ack`` (``ack`` and ``lane_ack``: none; the slot keeps the
+#: one its acquire reported).
+ACQUIRE, LANE_ACQUIRE, ACK = "acquire", "lane", "ack"
+
+
+def _parse_next(reply: Any, reading: str, sent: float = 0.0) -> _Next:
+    """Reads an acquire or ack reply; ``sent`` is when the call was sent (``time.monotonic()``),
+    which an acquire's deadline counts from. The call, not the shape of the items, says whether a
+    policy comes first: a policy of seven fields is as long as a lane entry."""
     items = fcall_items(reply)
     if items and isinstance(items[-1], (list, tuple)) and items[-1] and text(items[-1][0]) == "done":
         items = items[:-1]
     tag = text(items[0]) if items else ""
     rest = items[1:]
     if tag == "run":
-        lane = bool(rest) and isinstance(rest[0], (list, tuple)) and len(rest) > 0 and _is_lane_entry(rest[0])
         policy = None
-        if with_policy and not lane:
-            policy, _ = _read_policy(rest[0])
+        if reading == ACQUIRE:
+            policy, _ = _read_policy(rest[0] if rest else None, sent)
             rest = rest[1:]
         entries = []
         for e in rest:
@@ -181,7 +203,7 @@ def _parse_next(reply: Any, with_policy: bool) -> _Next:
             entries.append(_Entry(e[0], integer(e[1]), e[2] or b"", integer(e[3], 1), lane_info))
         if not entries:
             raise ValueError("a 'run' reply without entries")
-        if with_policy and lane:
+        if reading == LANE_ACQUIRE:
             policy = entries[0].lane[2] if entries[0].lane else None
         return _Next("run", entries, policy)
     if tag == "requeue":
@@ -190,15 +212,11 @@ def _parse_next(reply: Any, with_policy: bool) -> _Next:
     if tag == "park":
         return _Next("park", wake_ms=max(0, integer(rest[0] if rest else 0)))
     if tag == "finished":
+        # (acquire's, at a deadline, ends with ['shards', S]: Finished.parse reads it.)
         return _Next("finished", finished=Finished.parse(rest))
     if tag in ("drop", "stale", "fenced"):
         return _Next(tag)
     raise ValueError(f"unexpected reply {tag!r}")
-
-
-def _is_lane_entry(e: Any) -> bool:
-    # A policy is an array of bulk strings / integers (no nested array); an entry has 4 or 7+ items.
-    return isinstance(e, (list, tuple)) and len(e) >= 7
 
 
 @dataclass
@@ -227,6 +245,14 @@ class _Lease:
 
 class _Failure(Exception):
     pass
+
+
+def _tick(deadline: Optional[float]) -> float:
+    """How long a supervised handler is waited for before its limits are checked again: 20 ms, or
+    less when the request's deadline falls sooner."""
+    if deadline is None:
+        return 0.02
+    return min(0.02, max(0.0, deadline - time.monotonic()))
 
 
 def _retry_transient(what: str, fn: Callable[[], Any], limit: float = 60.0) -> Any:
@@ -670,7 +696,8 @@ class _Slot:
         if len(reply) < 2:
             return "nothing"
         list_key, element = text(reply[0]), text(reply[1])
-        acquired = _parse_next(reply[2], True) if len(reply) > 2 else None
+        # Only a lane's token comes acquired.
+        acquired = _parse_next(reply[2], LANE_ACQUIRE) if len(reply) > 2 else None
         prio = k.priority_of_list(list_key)
         parts = element.split("|")
         try:
@@ -732,8 +759,11 @@ class _Slot:
             shard = lane[0]
             args.append(self.p.keys.record_prefix(shard))
             keys += [self.p.keys.active(shard), self.p.keys.armed(shard)]
-            return _parse_next(self.p.conn.fcall("lane_acquire", keys, args), True)
-        return _parse_next(self.p.conn.fcall("acquire", keys, args), True)
+            return _parse_next(self.p.conn.fcall("lane_acquire", keys, args), LANE_ACQUIRE)
+        # Retention and channel: for a request the call finishes at its deadline.
+        args += [ms(self.w.settings.retention), self.p.keys.done_channel()]
+        sent = time.monotonic()
+        return _parse_next(self.p.conn.fcall("acquire", keys, args), ACQUIRE, sent)
 
     def run_batch(self, t: _Token, entries: List[_Entry], policy: Optional[_Policy]) -> List[Tuple[Any, ...]]:
         w = self.w
@@ -742,7 +772,9 @@ class _Slot:
         w._hold(self.n, _Lease(meta, t.k, t.epoch, self._holder, None, time.monotonic(), batch_cancel))
         outcomes: List[Tuple[Any, ...]] = []
         for e in entries:
-            if w.stopping.is_set() or (outcomes and outcomes[-1][0] == "skip"):
+            # Once stopping (or once the grace ran out), the rest of the batch is handed back; past
+            # the request's deadline, no part starts (the ack then ends the request).
+            if w.stopping.is_set() or (outcomes and outcomes[-1][0] == "skip") or e.policy(policy).past_deadline():
                 outcomes.append(("skip",))
                 continue
             cancel = batch_cancel
@@ -803,7 +835,13 @@ class _Slot:
             fut = self.executor.submit(call)
         began = time.monotonic()
         abandoned: Optional[Tuple[Any, ...]] = None
-        while not ended.wait(0.02):
+        while not ended.wait(_tick(policy.deadline)):
+            if policy.past_deadline():
+                # Its ack, past the deadline, ends the request: nothing of this run is recorded,
+                # and no attempt is spent.
+                log.info("the request's deadline passed; stopping part %d", e.index)
+                abandoned = ("skip",)
+                break
             if policy.timeout_ms > 0 and time.monotonic() - began >= policy.timeout_ms / 1000:
                 abandoned = ("fail", f"attempt timed out after {policy.timeout_ms / 1000:g}s", False)
                 break
@@ -865,10 +903,13 @@ class _Slot:
             if lane is not None and e.lane is not None:
                 args += [e.lane[0], e.lane[1], e.index]
         func = "lane_ack" if lane is not None else "ack"
-        return _parse_next(self.p.conn.fcall(func, keys, args), False)
+        return _parse_next(self.p.conn.fcall(func, keys, args), ACK)
 
     def settle(self, t: _Token, last: _Next, policy: Optional[_Policy]) -> None:
         shards = policy.shards if policy else 1
+        if policy is None and last.finished is not None and last.finished.shards is not None:
+            # An acquire that ended the request at its deadline says its shards; no policy came.
+            shards = last.finished.shards
         if last.tag == "requeue":
             self.give_back(t, last.priority, [last.element])
         elif last.tag == "finished" and last.finished is not None:
