@@ -165,8 +165,9 @@ local function ack(keys, args)
     return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
   end
   if sg_past_deadline(m[8], now) then
-    -- Past the request's deadline: what this batch settled is recorded; nothing more starts.
-    return sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
+    -- Past the request's deadline: what this batch settled is recorded; nothing more starts, and
+    -- the last holder's ack finishes the request.
+    return sg_deadline_wait(keys, k, epoch) or sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])

@@ -15,8 +15,9 @@
 --         {'park', wake}: no work left to hand out, the token waits in the request until work
 --          appears (wake: in how many ms a retry falls due, 0 if none);
 --         {'finished', state, lifecycle, sweep elements..., {'shards', S}}: as ack's, when the
---          request's deadline has passed: this call ended it `failed` (`why` = `deadline`) and
---          handed out nothing; S is its token shards, for the steps after the finish;
+--          request's deadline has passed and no other slot holds a batch of it: this call ended it
+--          `failed` (`why` = `deadline`) and handed out nothing; S is its token shards, for the
+--          steps after the finish ({'park', 0} while another slot holds one: its ack finishes);
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
@@ -43,6 +44,8 @@ local function acquire(keys, args)
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   local now = sg_now()
   if sg_past_deadline(m[11], now) then
+    local wait = sg_deadline_wait(keys, args[2], args[3])
+    if wait then return wait end
     local out = sg_finish_deadline(keys, args[1], args[7] or '0', args[8] or '', now)
     out[#out + 1] = {'shards', m[8] or '1'}
     return out

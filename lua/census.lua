@@ -48,8 +48,20 @@ local function census(keys, args)
       -- tokens all parked, its parts all running long, or no worker at all); before it, the
       -- request is looked at no later than then.
       if sg_past_deadline(m[6], now) then
-        local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
-        return {'finished', 'failed', prio, shards, f[3], 0}
+        -- Slots still holding batches ack within ms (their timers cancel their handlers), and
+        -- the last of them finishes it; a grace after the deadline it ends here regardless. Held
+        -- tokens are listed meanwhile, for the check that their holders live.
+        if now < tonumber(m[6]) + grace then
+          sg_each_token(keys, 0, tonumber(m[4] or '0'), function(k, tok)
+            local f = sg_split(tok)
+            if f[1] == 'h' then held[#held + 1] = {k, f[2], f[3]} end
+          end)
+        end
+        if #held == 0 then
+          local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
+          return {'finished', 'failed', prio, shards, f[3], 0}
+        end
+        return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held}
       end
       look = math.min(look, tonumber(m[6]) - now)
     end

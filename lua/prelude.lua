@@ -337,6 +337,24 @@ local function sg_finish_deadline(keys, rid, retention_ms, channel, now, except)
   return sg_finish(keys, rid, 'failed', retention_ms, channel, now, except)
 end
 
+-- Past its deadline a request hands out nothing, but it finishes only once no slot holds a batch
+-- of it: those slots' timers cancel their handlers at the deadline and their acks come within
+-- ms, so the parts done just before it keep their results instead of being fenced. A hand-out
+-- (acquire, ack) past the deadline calls this with its own token k: while another token is held,
+-- k parks (`p|<epoch>`) and the reply is {'park', 0}; otherwise nil, and the caller finishes the
+-- request. census finishes it anyway a grace after the deadline (a holder that never acks).
+local function sg_deadline_wait(keys, k, epoch)
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local held = false
+  sg_each_token(keys, 0, ntok, function(i, tok)
+    if i ~= tonumber(k) and string.sub(tok, 1, 2) == 'h|' then held = true end
+  end)
+  if not held then return nil end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  redis.call('HINCRBY', keys[1], 'npark', 1)
+  return {'park', 0}
+end
+
 -- A new request's rate limit, "<R>/<interval ms>" (R from 1 to 1,000,000, the interval from 1 ms
 -- to a day; '' or absent: none): the value to store, or nil and the error reply.
 local function sg_check_rate(rate)

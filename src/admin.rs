@@ -94,6 +94,8 @@ pub struct RequestStatus {
     pub deadline_ms: Option<u64>,
     /// Why a `failed` request ended, when not by its dead letters: `"deadline"`.
     pub reason: Option<String>,
+    /// Its rate limit (`RequestBuilder::rate`), if any.
+    pub rate: Option<RateLimit>,
     /// Not terminal, and its priority or the whole namespace is paused ([`Admin::pause`]): no
     /// slot takes its tokens until a resume.
     pub paused: bool,
@@ -104,6 +106,16 @@ pub struct RequestStatus {
     /// The last error of up to [`STATUS_ERRORS`] sub-requests (dead letters and pending retries),
     /// by index.
     pub errors: Vec<IndexedError>,
+}
+
+/// A request's rate limit: at most `n` parts start per `per_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct RateLimit {
+    /// Parts per interval.
+    pub n: u32,
+    /// The interval, in ms.
+    pub per_ms: u64,
 }
 
 /// One sub-request's error record.
@@ -839,6 +851,10 @@ fn status_from(
         started_ms: num("started"),
         finished_ms: num("finished"),
         deadline_ms: num("dl"),
+        rate: meta
+            .get("rate")
+            .and_then(|r| r.split_once('/'))
+            .and_then(|(n, per)| Some(RateLimit { n: n.parse().ok()?, per_ms: per.parse().ok()? })),
         reason,
         errors,
         paused: false,

@@ -79,8 +79,9 @@ mod worker;
 
 pub use admin::{
     Admin, DeadLetter, IndexedError, ListPage, ListQuery, ListState, ListedRequest, Paused, PriorityTokens,
-    Reprioritized, RequestCounts, RequestStatus, RequestTokens, SlotWork, Stats, Tally, TokenAudit,
-    TokenState, WorkerInfo, MAX_LIST_LIMIT, MAX_LIST_LOOK, MAX_TALLY, MAX_TOKEN_AUDIT, STATUS_ERRORS,
+    RateLimit, Reprioritized, RequestCounts, RequestStatus, RequestTokens, SlotWork, Stats, Tally,
+    TokenAudit, TokenState, WorkerInfo, MAX_LIST_LIMIT, MAX_LIST_LOOK, MAX_TALLY, MAX_TOKEN_AUDIT,
+    STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};

@@ -739,6 +739,8 @@ async fn supervise<H: Handler>(
         }
     };
     let (abandoned, why) = tokio::select! {
+        // A run that ended as a limit fell due counts as ended: its outcome is recorded.
+        biased;
         joined = &mut task => {
             // Cancelled from outside (its hold ended, or this worker was declared dead): a failure
             // it returns is the cancellation's, not the sub-request's, so no attempt is spent
@@ -761,28 +763,46 @@ async fn supervise<H: Handler>(
             (Outcome::Skipped, "outlived the shutdown grace")
         }
         _ = deadline => {
-            // Its ack, past the deadline, ends the request: nothing of this run is recorded.
+            // Its ack, past the deadline, ends the request: nothing of this run is recorded,
+            // unless the handler had succeeded by the time it was stopped (below).
             tracing::info!(index = entry.index, "the request's deadline passed; stopping the sub-request");
             (Outcome::Skipped, "ran past its request's deadline")
         }
     };
-    abandon(task, &cancel, entry.index, why).await;
-    abandoned
+    let ended = abandon(task, &cancel, entry.index, why).await;
+    match ended {
+        // It succeeded as it was being stopped (at the deadline, or at the end of the grace):
+        // the part is done, and its result kept.
+        Some(Ok(Ok(output))) if matches!(abandoned, Outcome::Skipped) => {
+            outcome_of::<H::Output>(Ok(Ok(output)))
+        }
+        _ => abandoned,
+    }
 }
 
-/// Stops a handler the slot no longer waits for (`why`: it timed out, or outlived the shutdown
-/// grace): cancels its context, aborts its task, and waits for it to end.
-async fn abandon<T>(mut task: tokio::task::JoinHandle<T>, cancel: &CancellationToken, index: u64, why: &str) {
+/// Stops a handler the slot no longer waits for (`why`: it timed out, outlived the shutdown
+/// grace, or ran past its request's deadline): cancels its context, aborts its task, and waits for
+/// it to end. Returns how it ended, unless it ignored its cancellation for [`ZOMBIE_WAIT`].
+async fn abandon<T>(
+    mut task: tokio::task::JoinHandle<T>,
+    cancel: &CancellationToken,
+    index: u64,
+    why: &str,
+) -> Option<std::result::Result<T, tokio::task::JoinError>> {
     cancel.cancel();
     task.abort();
     // An abort takes effect at the handler's next await: one that blocks or spins goes on.
-    if tokio::time::timeout(ZOMBIE_WAIT, &mut task).await.is_err() {
-        tracing::warn!(
-            index,
-            "a handler that {why} ignores its cancellation (it blocks or spins): its slot keeps the token \
-             until it ends, so that the request's limit holds"
-        );
-        let _ = task.await;
+    match tokio::time::timeout(ZOMBIE_WAIT, &mut task).await {
+        Ok(ended) => Some(ended),
+        Err(_) => {
+            tracing::warn!(
+                index,
+                "a handler that {why} ignores its cancellation (it blocks or spins): its slot keeps the token \
+                 until it ends, so that the request's limit holds"
+            );
+            let _ = task.await;
+            None
+        }
     }
 }
 

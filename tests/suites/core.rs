@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use sluicegate::{Error, Listener, Producer, Quantum, RequestState};
-use crate::support::{env_on, assert_namespace_drains, start_worker, Job, Probe};
+use crate::support::{env_on, env_streams, assert_namespace_drains, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_requests_finish_in_order_and_reach_but_never_exceed_their_limits() {
@@ -406,13 +406,17 @@ async fn a_pause_stops_new_takes_holds_across_a_worker_restart_and_a_resume_rest
     w.stop().await;
 }
 
-/// A handler that runs 300 ms unless its context is cancelled first, and logs when each run
+/// A handler that runs 300 ms (or `run_ms`) unless its context is cancelled first, and logs when each run
 /// started and ended (ms since the Unix epoch: the test's Redis runs on this machine's clock).
 /// The end is logged when the run's future is dropped, which also catches a run stopped at an
 /// await without returning.
 #[derive(Clone, Default)]
 struct Punctual {
     runs: std::sync::Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
+    /// The parts whose run was not cut short.
+    done: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+    /// How long a run takes, when not 300 ms.
+    run_ms: Option<u64>,
 }
 
 fn epoch_ms() -> u64 {
@@ -433,7 +437,10 @@ impl sluicegate::Handler for Punctual {
         }
         let _ended = Ended(self.runs.clone(), epoch_ms());
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(300)) => Ok(n),
+            _ = tokio::time::sleep(Duration::from_millis(self.run_ms.unwrap_or(300))) => {
+                self.done.lock().unwrap().push(n);
+                Ok(n)
+            }
             _ = ctx.cancelled().cancelled() => Err(sluicegate::HandlerError::new("cancelled")),
         }
     }
@@ -480,6 +487,11 @@ async fn a_deadline_ends_a_request_on_time() {
     assert!(runs.iter().any(|(start, end)| end - start < 250), "no run was cut short at the deadline");
     for e in done.results.iter().filter_map(|r| r.as_ref().err()) {
         assert!(e.message.contains("deadline"), "{}", e.message);
+    }
+    // Every run that was not cut short kept its result: the request finished only once the
+    // slots still holding batches at the deadline had acked.
+    for n in handler.done.lock().unwrap().iter() {
+        assert_eq!(done.results[*n as usize], Ok(*n), "part {n} ran to its end");
     }
     // Ended for good: a requeue would end it again at once.
     let refused = admin.requeue_dead(h.id()).await.unwrap_err();
@@ -540,4 +552,34 @@ async fn a_deadline_ends_a_request_that_nothing_hands_out_and_spares_one_that_co
     let Err(e) = far else { panic!("accepted") };
     assert!(e.to_string().contains("deadline"), "{e}");
     w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_keeps_the_result_of_every_part_that_ran_to_its_end() {
+    // Many slots acking short runs around the deadline: the first ack past it must not fence
+    // the others' batches, whose parts ended before their slots' timers fired.
+    let env = env_streams(TOPOLOGY, "deadline_acks").await;
+    let handler = Punctual { run_ms: Some(2), ..Punctual::default() };
+    let a = start_worker(&env.config, handler.clone(), 8, Quantum::default()).await;
+    let b = start_worker(&env.config, handler.clone(), 8, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    for round in 0..3 {
+        let h = producer
+            .request()
+            .concurrency(16)
+            .unwrap()
+            .deadline_in(Duration::from_millis(700))
+            .submit(round * 100_000..round * 100_000 + 20_000u64)
+            .await
+            .unwrap();
+        let done = h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+        assert_eq!(done.reason.as_deref(), Some("deadline"));
+        let ran: Vec<u64> = handler.done.lock().unwrap().iter().copied().filter(|n| n / 100_000 == round).collect();
+        let ok = done.results.iter().filter(|r| r.is_ok()).count();
+        assert!(!ran.is_empty() && ok < 20_000, "{ok} results");
+        let lost: Vec<&u64> = ran.iter().filter(|n| done.results[(**n % 100_000) as usize].is_err()).collect();
+        assert!(lost.is_empty(), "{} of {} parts ran to their end but have no result: {lost:?}", lost.len(), ran.len());
+    }
+    a.stop().await;
+    b.stop().await;
 }

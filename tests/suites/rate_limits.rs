@@ -33,6 +33,10 @@ async fn a_rate_limit_holds_within_five_percent_over_a_minute() {
     let a = start_worker(&env.config, handler.clone(), 8, Quantum::default()).await;
     let b = start_worker(&env.config, handler.clone(), 8, Quantum::default()).await;
     let producer = Producer::connect(&env.config).await.unwrap();
+    for (n, per) in [(0, Duration::from_secs(1)), (5, Duration::ZERO), (5, Duration::from_secs(90_000))] {
+        let Err(e) = producer.request().rate(n, per) else { panic!("rate {n} per {per:?} accepted") };
+        assert!(e.to_string().contains("a rate is 1 to 1000000 parts per 1 ms to a day"), "{e}");
+    }
     // Without the limit, 16 slots of 1 ms handlers start thousands of parts a second.
     let h = producer
         .request()
@@ -65,6 +69,8 @@ async fn a_rate_limit_holds_within_five_percent_over_a_minute() {
         assert!(window <= 200, "{window} parts started within a second from {t} ms");
     }
     let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    let rate = admin.status(h.id()).await.unwrap().rate.unwrap();
+    assert_eq!((rate.n, rate.per_ms), (100, 1_000));
     admin.cancel(h.id()).await.unwrap();
     a.stop().await;
     b.stop().await;

@@ -80,6 +80,13 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
             elapsed(since, finished)
         ));
     }
+    if let Some(rate) = s.rate {
+        lines.push(format!(
+            "rate         at most {} started per {}",
+            rate.n,
+            humantime::format_duration(std::time::Duration::from_millis(rate.per_ms))
+        ));
+    }
     if let Some(dl) = s.deadline_ms {
         lines.push(format!("deadline     {}", timestamp(dl)));
     }

@@ -271,7 +271,9 @@ const pages = {
           h('div', { class: 'facts' },
             ...[['Priority', st.priority], ['Concurrency limit', st.concurrency], ['Parts', num(st.total)], ['Done', num(st.done)], ['Dead-lettered', num(st.failed)],
               ['Running now', num(st.running)], ['Retrying', num(st.retrying)], ['Max attempts seen', st.max_attempts_seen], ['Succeeded after retry', num(st.succeeded_after_retry)],
-              ['Tags', (st.tags || []).join(', ') || '–'], ['Tracked', st.tracked ? 'yes' : 'no'], ['Streamed', st.open ? 'open' : st.window ? `window ${st.window}` : 'no']]
+              ['Tags', (st.tags || []).join(', ') || '–'], ['Tracked', st.tracked ? 'yes' : 'no'], ['Streamed', st.open ? 'open' : st.window ? `window ${st.window}` : 'no'],
+              ['Deadline', st.deadline_ms ? when(st.deadline_ms) : '–'], ['Rate limit', st.rate ? `${st.rate.n} per ${age(st.rate.per_ms)}` : '–'],
+              ...(st.reason ? [['Ended by', st.reason]] : [])]
               .map(([k, v]) => h('div', {}, h('span', {}, k), v)))),
         S.config.actions ? this.actionsFor(st, terminal) : null,
         st.completion || terminal ? h('div', { class: 'card', id: 'completion' }, h('h2', {}, 'Completion event'),
