@@ -339,6 +339,24 @@ local function sg_finish_deadline(keys, rid, retention_ms, channel, now, except)
   return sg_finish(keys, rid, 'failed', retention_ms, channel, now, except)
 end
 
+-- Past its deadline a request hands out nothing, but it finishes only once no slot holds a batch
+-- of it: those slots' timers cancel their handlers at the deadline and their acks come within
+-- ms, so the parts done just before it keep their results instead of being fenced. A hand-out
+-- (acquire, ack) past the deadline calls this with its own token k: while another token is held,
+-- k parks (`p|<epoch>`) and the reply is {'park', 0}; otherwise nil, and the caller finishes the
+-- request. census finishes it anyway a grace after the deadline (a holder that never acks).
+local function sg_deadline_wait(keys, k, epoch)
+  local ntok = tonumber(redis.call('HGET', keys[1], 'ntok') or '0')
+  local held = false
+  sg_each_token(keys, 0, ntok, function(i, tok)
+    if i ~= tonumber(k) and string.sub(tok, 1, 2) == 'h|' then held = true end
+  end)
+  if not held then return nil end
+  redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  redis.call('HINCRBY', keys[1], 'npark', 1)
+  return {'park', 0}
+end
+
 -- A new request's rate limit, "<R>/<interval ms>" (R from 1 to 1,000,000, the interval from 1 ms
 -- to a day; '' or absent: none): the value to store, or nil and the error reply.
 local function sg_check_rate(rate)
@@ -1626,8 +1644,9 @@ end
 --         {'park', wake}: no work left to hand out, the token waits in the request until work
 --          appears (wake: in how many ms a retry falls due, 0 if none);
 --         {'finished', state, lifecycle, sweep elements..., {'shards', S}}: as ack's, when the
---          request's deadline has passed: this call ended it `failed` (`why` = `deadline`) and
---          handed out nothing; S is its token shards, for the steps after the finish;
+--          request's deadline has passed and no other slot holds a batch of it: this call ended it
+--          `failed` (`why` = `deadline`) and handed out nothing; S is its token shards, for the
+--          steps after the finish ({'park', 0} while another slot holds one: its ack finishes);
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
@@ -1654,6 +1673,8 @@ local function acquire(keys, args)
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   local now = sg_now()
   if sg_past_deadline(m[11], now) then
+    local wait = sg_deadline_wait(keys, args[2], args[3])
+    if wait then return wait end
     local out = sg_finish_deadline(keys, args[1], args[7] or '0', args[8] or '', now)
     out[#out + 1] = {'shards', m[8] or '1'}
     return out
@@ -1840,8 +1861,9 @@ local function ack(keys, args)
     return sg_finish(keys, args[1], 'failed', args[7], args[8], now, tonumber(k))
   end
   if sg_past_deadline(m[8], now) then
-    -- Past the request's deadline: what this batch settled is recorded; nothing more starts.
-    return sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
+    -- Past the request's deadline: what this batch settled is recorded; nothing more starts, and
+    -- the last holder's ack finishes the request.
+    return sg_deadline_wait(keys, k, epoch) or sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])
@@ -2048,8 +2070,20 @@ local function census(keys, args)
       -- tokens all parked, its parts all running long, or no worker at all); before it, the
       -- request is looked at no later than then.
       if sg_past_deadline(m[6], now) then
-        local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
-        return {'finished', 'failed', prio, shards, f[3], 0}
+        -- Slots still holding batches ack within ms (their timers cancel their handlers), and
+        -- the last of them finishes it; a grace after the deadline it ends here regardless. Held
+        -- tokens are listed meanwhile, for the check that their holders live.
+        if now < tonumber(m[6]) + grace then
+          sg_each_token(keys, 0, tonumber(m[4] or '0'), function(k, tok)
+            local f = sg_split(tok)
+            if f[1] == 'h' then held[#held + 1] = {k, f[2], f[3]} end
+          end)
+        end
+        if #held == 0 then
+          local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
+          return {'finished', 'failed', prio, shards, f[3], 0}
+        end
+        return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held}
       end
       look = math.min(look, tonumber(m[6]) - now)
     end
