@@ -13,7 +13,17 @@ Redis Functions library, shipped with this package.
 """
 
 from ._conn import library_source
-from .admin import Admin, DeadLetter, IndexedError, ListedRequest, ListPage, Paused, Reprioritized, RequestStatus
+from .admin import (
+    Admin,
+    DeadLetter,
+    IndexedError,
+    ListedRequest,
+    ListPage,
+    Paused,
+    RateLimit,
+    Reprioritized,
+    RequestStatus,
+)
 from .errors import (
     DuplicateRequestId,
     InvalidCursor,
@@ -55,6 +65,7 @@ __all__ = [
     "PermanentError",
     "Producer",
     "ProtocolError",
+    "RateLimit",
     "Refused",
     "Reprioritized",
     "RequestHandle",

@@ -121,6 +121,17 @@ class IndexedError:
     error: PartError
 
 
+@dataclass(frozen=True)
+class RateLimit:
+    """A request's rate limit (Rust ``RateLimit``): at most ``n`` parts start per ``per_ms`` ms
+    (``Producer.submit(rate=(n, per_ms / 1000))``)."""
+
+    #: Parts per interval.
+    n: int
+    #: The interval, in ms.
+    per_ms: int
+
+
 @dataclass
 class RequestStatus:
     """A request's state and counters (:meth:`Admin.status`; Rust ``RequestStatus``)."""
@@ -168,6 +179,8 @@ class RequestStatus:
     deadline_ms: Optional[int] = None
     #: Why a ``failed`` request ended, when not by its dead letters: ``"deadline"``.
     reason: Optional[str] = None
+    #: Its rate limit (``Producer.submit(rate=...)``), if any.
+    rate: Optional[RateLimit] = None
     #: Not terminal, and its priority or the whole namespace is paused (:meth:`Admin.pause`).
     paused: bool = False
     #: Its tags (empty when it has none, or when it is no longer listed).
@@ -388,8 +401,18 @@ def _status_from(
         finished_ms=num("finished"),
         deadline_ms=num("dl"),
         reason=reason,
+        rate=_rate_limit(meta.get("rate")),
         errors=errs[:STATUS_ERRORS],
     )
+
+
+def _rate_limit(rate: Optional[str]) -> Optional[RateLimit]:
+    """Meta ``rate``, ``"<n>/<interval ms>"``, as the Rust ``status_from`` reads it: None when
+    absent (or not two whole numbers)."""
+    n, slash, per = (rate or "").partition("/")
+    if not (slash and _digits(n) and _digits(per)):
+        return None
+    return RateLimit(int(n), int(per))
 
 
 def _payload(raw: bytes) -> Any:

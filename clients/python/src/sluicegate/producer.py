@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
@@ -29,6 +30,13 @@ TERMINAL = ("completed", "failed", "cancelled")
 Deadline = Union[float, int, datetime]
 #: :attr:`Completion.reason` of a request that ended at its deadline.
 DEADLINE_REASON = "deadline"
+#: A request's rate limit: at most ``n`` parts start per ``per`` seconds (``(100, 1.0)``: 100 a
+#: second).
+Rate = Tuple[int, float]
+#: A rate limit's bounds (Rust ``RequestBuilder::rate``): 1 to this many parts ...
+MAX_RATE_PARTS = 1_000_000
+#: ... per 1 ms to a day.
+MAX_RATE_PER_S = 24 * 3600
 
 
 @dataclass
@@ -239,6 +247,7 @@ class Producer:
         fail_fast: bool = False,
         unlisted: bool = False,
         deadline: Optional[Deadline] = None,
+        rate: Optional[Rate] = None,
     ) -> RequestHandle:
         """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
         once it is durable in Redis. Delays, backoffs and the timeout are in seconds. ``unlisted``
@@ -251,11 +260,21 @@ class Producer:
         the parts already done keep their results. It is taken against this process's clock once,
         here, and kept in Redis as Redis's now plus what was left. A deadline that has passed, or
         more than ten years ahead, is :class:`InvalidRequest`. A request with a deadline takes a
-        stream of its own, never a lane (Rust ``RequestBuilder::deadline``)."""
+        stream of its own, never a lane (Rust ``RequestBuilder::deadline``).
+
+        ``rate`` ``(n, per)``: at most ``n`` of the request's parts start per ``per`` seconds,
+        across all workers, with bursts of up to ``n`` (over any window W, at most
+        ``n * W / per + n``). A start is any hand-out: a first attempt, a retry, a part run again
+        after its worker died. The limit is kept in Redis and held by the library's hand-out, so
+        workers of either language honour it; it is on top of ``concurrency``. ``n`` is an int
+        from 1 to 1,000,000 and ``per`` from 0.001 (1 ms) to 86,400 (a day), kept in whole ms;
+        else :class:`InvalidRequest`. A rate-limited request takes a stream of its own, never a
+        lane, so it cannot be ``unlisted`` (Rust ``RequestBuilder::rate``)."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
         due = _deadline_at(deadline)
+        limit = _rate_arg(rate)
         payloads = [codec.encode(v) for v in parts]
         if not payloads:
             raise errors.InvalidRequest("a request needs at least one part")
@@ -268,7 +287,7 @@ class Producer:
         ff = "1" if fail_fast else "0"
         size = sum(len(b) for b in payloads)
         takes_lane = (
-            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None
+            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None and not limit
             and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
         )
         if unlisted and not takes_lane:
@@ -294,14 +313,14 @@ class Producer:
         step_deadline = at + ms(s.loading_ttl) // 2
         keys = p.keys.request(kid).all()
         head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, step_deadline]
-        # After the head: the trace context ('': none), the deadline (ms from now), the rate limit
-        # ('': none; this client sets none).
+        # After the head: the trace context ('': none), the deadline (ms from now; 0: none), the
+        # rate limit ('<n>/<interval ms>'; '': none).
         if len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
             elements = fcall_items(
-                p.conn.fcall("submit_small", keys, [*head, kid, "", _within_ms(due), "", *payloads])
+                p.conn.fcall("submit_small", keys, [*head, kid, "", _within_ms(due), limit, *payloads])
             )
         else:
-            p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), ""])
+            p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), limit])
             try:
                 loaded = 0
                 while loaded < len(payloads):
@@ -343,16 +362,18 @@ class Producer:
         expire_after: Optional[float] = None,
         unlisted: bool = False,
         deadline: Optional[Deadline] = None,
+        rate: Optional[Rate] = None,
     ) -> OpenRequest:
         """Opens a streamed request (§6.9): runnable at once, complete once finalized and done.
         ``deadline`` as :meth:`submit`'s: past it, the request ends ``failed`` (reason
         ``"deadline"``) whether finalized or not; :meth:`OpenRequest.add` and
         :meth:`OpenRequest.finalize` are then :class:`NotOpen`, and ``handle.wait()`` returns the
-        completion."""
+        completion. ``rate`` as :meth:`submit`'s."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, expire_after)
         due = _deadline_at(deadline)
+        limit = _rate_arg(rate)
         rid = id if id is not None else generate_id()
         _check_id(rid)
         kid = key_id(rid)
@@ -362,10 +383,10 @@ class Producer:
             raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         step_deadline = at + ms(s.loading_ttl) // 2
-        # ... window 0, results kept, no trace context, the deadline (ms from now), no rate limit.
+        # ... window 0, results kept, no trace context, the deadline (ms from now), the rate limit.
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
                 ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, step_deadline, 0, 0, "",
-                _within_ms(due), ""]
+                _within_ms(due), limit]
         p.conn.fcall("stream_open", p.keys.request(kid).all(), args)
         # Its first look: when it expires unfinalized or reaches its deadline, or the census
         # interval.
@@ -562,3 +583,25 @@ def _within_ms(due: Optional[float]) -> int:
     if due is None:
         return 0
     return max(1, int((due - time.monotonic()) * 1000))
+
+
+def _rate_arg(rate: Optional[Rate]) -> str:
+    """A rate limit ``(n, per seconds)`` as the creating calls take it, ``"<n>/<interval ms>"``
+    ('': none). ``n`` must be an int from 1 to 1,000,000 and ``per`` from 1 ms to a day, else
+    :class:`InvalidRequest` in the Rust ``RequestBuilder::rate``'s words. The interval is kept in
+    whole ms, rounded down as the Rust client does (after rounding ``per`` to the microsecond, so
+    that ``0.3`` is 300 ms whatever its binary fraction)."""
+    if rate is None:
+        return ""
+    bounds = f"a rate is 1 to {MAX_RATE_PARTS} parts per 1 ms to a day"
+    if not isinstance(rate, (tuple, list)) or len(rate) != 2:
+        raise errors.InvalidRequest(f"{bounds}, not {rate!r}: give (parts, seconds)")
+    n, per = rate
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise errors.InvalidRequest(f"{bounds}, not {n!r} per {per!r} s: the parts are a whole number")
+    if isinstance(per, bool) or not isinstance(per, numbers.Real):
+        raise errors.InvalidRequest(f"{bounds}, not {n!r} per {per!r}: the interval is in seconds")
+    n, per = int(n), float(per)
+    if not (1 <= n <= MAX_RATE_PARTS and 0.001 <= per <= MAX_RATE_PER_S):
+        raise errors.InvalidRequest(f"{bounds}, not {n} per {per!r} s")
+    return f"{n}/{max(1, round(per * 1_000_000) // 1000)}"

@@ -338,6 +338,9 @@ class Worker:
         self._leases_lock = threading.Lock()
         self._wakes: List[Tuple[float, str, int]] = []
         self._wakes_lock = threading.Lock()
+        #: Set when a wake falls due sooner than the chores thread planned to look (or at the
+        #: halt): it looks again at once instead of sleeping on to its next recovery pass.
+        self._wakes_sooner = threading.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._threads: List[threading.Thread] = []
         self.fenced = 0
@@ -380,6 +383,7 @@ class Worker:
                     t.join(0.2)
         finally:
             self._halt.set()
+            self._wakes_sooner.set()
             for t in liveness:
                 t.join(5)
             try:
@@ -529,6 +533,11 @@ class Worker:
     def _wake_at(self, at: float, kid: str, shards: int) -> None:
         with self._wakes_lock:
             heapq.heappush(self._wakes, (at, kid, shards))
+            sooner = self._wakes[0][0] == at
+        if sooner:
+            # A parked token's wake (a retry, a rate limit's next unit) may fall due well before
+            # the next recovery pass: the chores thread plans again.
+            self._wakes_sooner.set()
 
     def _chores(self) -> None:
         p = Protocol(Conn(self.url, load=False), self.settings)
@@ -561,7 +570,10 @@ class Worker:
                         log.debug("wake-up failed; recovery will look at the request: %s", e)
                 with self._wakes_lock:
                     soonest = min([next_pass, next_scan] + ([self._wakes[0][0]] if self._wakes else []))
-                self._halt.wait(max(0.0, soonest - time.monotonic()))
+                    # Cleared under the lock: a wake queued from here on sets it again.
+                    self._wakes_sooner.clear()
+                if not self._halt.is_set():
+                    self._wakes_sooner.wait(max(0.0, soonest - time.monotonic()))
         finally:
             p.conn.close()
 
