@@ -379,7 +379,7 @@ fn completion_from<O: DeserializeOwned>(
 /// The refusal of `unlisted` for a request that does not take a lane.
 const UNLISTED_LANE_ONLY: &str =
     "only a request that takes its priority's lane can be unlisted: at most 64 parts and 64 KB given whole, \
-     not delayed, not own_stream, not opened for streaming";
+     not delayed, not own_stream, not opened for streaming, with no deadline or rate limit";
 
 /// Describes a request before it is submitted.
 #[must_use = "a request is only sent by submit()"]

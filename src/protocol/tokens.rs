@@ -185,8 +185,9 @@ pub(crate) enum Next {
     /// list of `priority`, the request's priority now (an operator may have changed it since the
     /// take); `None` (a lane's ack, whose priority never changes): the list it was taken from.
     Requeue(String, Option<Priority>),
-    /// `{'park', wake}`: parked; a retry falls due in `wake` (zero: none waits).
-    Park(Duration),
+    /// `{'park', wake[, shards]}`: parked; a retry falls due, or the rate limit has room, in `wake`
+    /// (zero: neither); `acquire` also names the request's token shards.
+    Park(Duration, Option<u32>),
     /// `{'finished', ...}` (`ack`): the request just turned terminal.
     Finished(Finished),
     /// `{'drop'}` (`acquire`): the request is finished, cancelled or unknown.
@@ -414,7 +415,8 @@ fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Vec<
         }
         "park" => {
             let wake = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
-            Next::Park(Duration::from_millis(wake.max(0) as u64))
+            let shards = items.next().map(|v| reply::int(&v)).transpose()?.map(|s| s.clamp(1, 1024) as u32);
+            Next::Park(Duration::from_millis(wake.max(0) as u64), shards)
         }
         "finished" => Next::Finished(Finished::from_reply(items)?),
         "drop" => Next::Drop,

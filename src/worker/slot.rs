@@ -531,6 +531,8 @@ async fn settle<H: Handler>(
     let shards = match &last {
         // An acquire that ended the request at its deadline says its shards; no policy came.
         Next::Finished(f) if policy.is_none() => f.shards.unwrap_or(1),
+        // So does an acquire that parked the token.
+        Next::Park(_, Some(shards)) if policy.is_none() => *shards,
         _ => policy.map_or(1, |p| p.shards),
     };
     let place = Placement { priority: token.priority, shards };
@@ -544,7 +546,7 @@ async fn settle<H: Handler>(
             crate::shards::finish(&shared.store, &token.element.key_id, place, finished).await?;
         }
         // A retry falls due later: the token is woken then.
-        Next::Park(wake) if !wake.is_zero() => {
+        Next::Park(wake, _) if !wake.is_zero() => {
             wake_later(shared, &token.element.key_id, place.shards, wake).await?
         }
         Next::Fenced => {
@@ -555,7 +557,7 @@ async fn settle<H: Handler>(
             // slot a batch it never saw: settle it as recovery would (a no-op if the token moved on).
             reclaim(shared, holder, token).await?;
         }
-        Next::Park(_) | Next::Drop | Next::Stale | Next::Run(..) => {}
+        Next::Park(..) | Next::Drop | Next::Stale | Next::Run(..) => {}
     }
     Ok(())
 }

@@ -519,7 +519,7 @@ class Producer:
 #: The refusal of ``unlisted`` for a request that does not take a lane (the Rust message).
 UNLISTED_LANE_ONLY = (
     "only a request that takes its priority's lane can be unlisted: at most 64 parts and 64 KB given whole, "
-    "not delayed, not own_stream, not opened for streaming"
+    "not delayed, not own_stream, not opened for streaming, with no deadline or rate limit"
 )
 
 

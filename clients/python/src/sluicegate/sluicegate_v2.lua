@@ -1641,8 +1641,10 @@ end
 --          stage, else -1; the deadline, only for a request that has one, is in how many ms it
 --          falls: the slot cancels the handlers still running then;
 --          entry = {entry id, index, payload, attempt};
---         {'park', wake}: no work left to hand out, the token waits in the request until work
---          appears (wake: in how many ms a retry falls due, 0 if none);
+--         {'park', wake, S}: no work left to hand out (or none the request's rate limit lets
+--          start now), the token waits in the request until there is (wake: in how many ms a retry
+--          falls due or the rate limit has room, 0 if neither; S: the request's token shards, for
+--          the slot's arm of that wake);
 --         {'finished', state, lifecycle, sweep elements..., {'shards', S}}: as ack's, when the
 --          request's deadline has passed and no other slot holds a batch of it: this call ended it
 --          `failed` (`why` = `deadline`) and handed out nothing; S is its token shards, for the
@@ -1680,6 +1682,11 @@ local function acquire(keys, args)
     return out
   end
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), m[12], m[13])
+  if next[1] == 'park' then
+    -- The slot has no policy of the request yet: the shards tell it where to arm the wake.
+    next[3] = m[8] or '1'
+    return next
+  end
   if next[1] ~= 'run' then return next end
   if m[3] == 'queued' then
     redis.call('HSET', keys[1], 'state', 'running', 'started', now)

@@ -172,6 +172,7 @@ class _Next:
     priority: Optional[int] = None
     wake_ms: int = 0
     finished: Optional[Finished] = None
+    park_shards: Optional[int] = None
 
 
 #: Which call's reply :func:`_parse_next` reads, which says where a ``run`` reply's policy comes
@@ -210,7 +211,9 @@ def _parse_next(reply: Any, reading: str, sent: float = 0.0) -> _Next:
         prio = integer(rest[1]) if len(rest) > 1 and rest[1] is not None else None
         return _Next("requeue", element=rest[0] if rest else None, priority=prio)
     if tag == "park":
-        return _Next("park", wake_ms=max(0, integer(rest[0] if rest else 0)))
+        # acquire's also names the request's token shards (its slot has no policy yet).
+        shards = max(1, min(1024, integer(rest[1]))) if len(rest) > 1 and rest[1] is not None else None
+        return _Next("park", wake_ms=max(0, integer(rest[0] if rest else 0)), park_shards=shards)
     if tag == "finished":
         # (acquire's, at a deadline, ends with ['shards', S]: Finished.parse reads it.)
         return _Next("finished", finished=Finished.parse(rest))
@@ -922,6 +925,9 @@ class _Slot:
         if policy is None and last.finished is not None and last.finished.shards is not None:
             # An acquire that ended the request at its deadline says its shards; no policy came.
             shards = last.finished.shards
+        if policy is None and last.park_shards is not None:
+            # So does an acquire that parked the token.
+            shards = last.park_shards
         if last.tag == "requeue":
             self.give_back(t, last.priority, [last.element])
         elif last.tag == "finished" and last.finished is not None:
