@@ -54,9 +54,10 @@ impl Producer {
         Ok(Self { store, doorbell: Arc::new(OnceCell::new()), counting })
     }
 
-    /// A producer on a store of the checker's, counting for the stats by stage in `recorder`
-    /// (which the checker flushes when it chooses: no flush task).
-    #[cfg(test)]
+    /// A producer on a store of its owner's, counting for the stats by stage in `recorder`, which
+    /// its owner flushes (no flush task of its own): a worker's recovery, which fires schedules
+    /// (flushed with the worker's counts), and the checker's producers.
+    #[cfg(any(test, feature = "schedules"))]
     pub(crate) fn from_store(store: Store, recorder: Arc<Recorder>) -> Self {
         let counting = Arc::new(Counting { recorder, stop: CancellationToken::new() });
         Self { store, doorbell: Arc::new(OnceCell::new()), counting }
@@ -102,7 +103,7 @@ impl Producer {
     async fn submit<I, T>(&self, spec: RequestBuilder<'_>, parts: I) -> Result<RequestHandle>
     where
         I: IntoIterator<Item = T>,
-        T: Serialize,
+        T: codec::Part,
     {
         let id = spec.id.clone().unwrap_or_else(RequestId::generate);
         let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
@@ -178,7 +179,7 @@ impl Producer {
     ) -> Result<(Vec<Value>, u64)>
     where
         I: Iterator<Item = T>,
-        T: Serialize,
+        T: codec::Part,
     {
         let mut rest = rest.peekable();
         if rest.peek().is_none() {
@@ -203,7 +204,7 @@ impl Producer {
     async fn load<I, T>(&self, key_id: &str, nonce: &str, first: Vec<Value>, mut rest: I) -> Result<u64>
     where
         I: Iterator<Item = T>,
-        T: Serialize,
+        T: codec::Part,
     {
         let mut total: u64 = 0;
         let mut chunk = first;
@@ -438,8 +439,8 @@ impl RequestBuilder<'_> {
         self
     }
 
-    /// Leaves the request out of the listing index: [`Admin::list`](crate::Admin::list), `sluicegate
-    /// list` and the dashboard's lists do not show it, and [`Admin::stats`](crate::Admin::stats)'
+    /// Leaves the request out of the listing index: `Admin::list`, `sluicegate list` and the
+    /// dashboard's lists do not show it, and `Admin::stats`'
     /// request counts leave it out. Everything done by id works as for any request: status,
     /// `wait`, events, cancel, requeue, results. For many tiny requests that nobody lists: it
     /// saves the index's Redis work at submit and finish (about a fifth of a single-part
@@ -543,6 +544,13 @@ impl RequestBuilder<'_> {
         I: IntoIterator<Item = T>,
         T: Serialize,
     {
+        let producer = self.producer;
+        producer.submit(self, parts).await
+    }
+
+    /// [`submit`](Self::submit) of parts encoded already (a schedule's).
+    #[cfg(feature = "schedules")]
+    pub(crate) async fn submit_encoded(self, parts: Vec<codec::Encoded>) -> Result<RequestHandle> {
         let producer = self.producer;
         producer.submit(self, parts).await
     }
@@ -793,13 +801,13 @@ fn check_duration(what: &str, d: Duration) -> Result<()> {
 fn encode_chunk<I, T>(parts: &mut I, max: usize) -> Result<Vec<Value>>
 where
     I: Iterator<Item = T>,
-    T: Serialize,
+    T: codec::Part,
 {
     let mut chunk = Vec::new();
     let mut bytes = 0;
     while bytes < LOAD_CHUNK_BYTES && chunk.len() < max {
         let Some(part) = parts.next() else { break };
-        let encoded = codec::encode(&part)?;
+        let encoded = part.into_part()?;
         bytes += encoded.len();
         chunk.push(Value::Bytes(encoded.into()));
     }
@@ -931,7 +939,7 @@ impl RequestHandle {
         self.producer.try_completion(&self.id).await
     }
 
-    /// Cancels the request (see [`Admin::cancel`](crate::Admin::cancel)).
+    /// Cancels the request (see `Admin::cancel`).
     pub async fn cancel(&self) -> Result<crate::Cancelled> {
         crate::shards::cancel(&self.producer.store, &self.id).await
     }

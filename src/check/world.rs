@@ -364,7 +364,9 @@ impl World {
                 let w = self.worker(*worker).await?;
                 let (shared, process) = (w.shared.clone(), Process::Worker(*worker, w.incarnation));
                 self.spawn(process, Task::Recover, async move {
-                    if let Err(e) = crate::worker::recovery::pass(&shared.store, &shared.metrics).await {
+                    if let Err(e) =
+                        crate::worker::recovery::pass(&shared.store, &shared.metrics, &shared.stats).await
+                    {
                         return Outcome::Error(e.to_string());
                     }
                     match crate::worker::recovery::scan_held(&shared.store, &shared.metrics).await {
