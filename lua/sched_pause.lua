@@ -2,7 +2,7 @@
 -- owed; ticks due before the pause still are (the next firing owes them, computing them from the
 -- pause time it reads here), so a pause leaves the due set alone. A resume records the gap and
 -- asks for a look at the next tick (or now, when the firing is behind).
--- KEYS[1] the due set   KEYS[2] the schedule's state
+-- KEYS[1] the due set   KEYS[2] the schedule's state   KEYS[3] the schedules' counter (sched_add)
 -- ARGV[1] name   ARGV[2] '1' pause, '0' resume
 -- Returns {'paused', gen}, {'resumed', gen}, {'already', gen} (it was paused, or not paused,
 -- already: nothing changed) or {'unknown'} (no such schedule).
@@ -12,7 +12,8 @@ local function sched_pause(keys, args)
   local pause = args[2] == '1'
   if (pause and s[2]) or (not pause and not s[2]) then return {'already', tonumber(s[1])} end
   local now = sg_now()
-  local gen = redis.call('HINCRBY', keys[2], 'gen', 1)
+  local gen = redis.call('HINCRBY', keys[3], 'n', 1)
+  redis.call('HSET', keys[2], 'gen', gen)
   if pause then
     redis.call('HSET', keys[2], 'paused', now)
     return {'paused', gen}

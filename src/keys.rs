@@ -202,6 +202,13 @@ impl Keys {
     }
 
     #[cfg(feature = "schedules")]
+    /// Hash: the schedules' counter (field `n`), from which every change of a schedule takes its `gen`, so
+    /// that no two states of any schedule share one. On shard 0.
+    pub(crate) fn schedules_gen(&self) -> String {
+        format!("{}:{{{}.q0}}:sch:gen", self.ns, self.ns)
+    }
+
+    #[cfg(feature = "schedules")]
     /// Hash of one schedule's state (`gen`, `from`, `next`, `paused`, `gaps`, `owe`, `last`:
     /// lua/sched_add.lua). On shard 0.
     pub(crate) fn schedule_state(&self, name: &str) -> String {
@@ -294,8 +301,8 @@ mod tests {
         assert_eq!(keys.schedules_due(), "ns:{ns.q0}:sch:due");
         #[cfg(feature = "schedules")]
         assert_eq!(
-            (keys.schedules(), keys.schedule_state("nightly")),
-            ("ns:{ns.q0}:sch".into(), "ns:{ns.q0}:sch:s:nightly".into())
+            (keys.schedules(), keys.schedule_state("nightly"), keys.schedules_gen()),
+            ("ns:{ns.q0}:sch".into(), "ns:{ns.q0}:sch:s:nightly".into(), "ns:{ns.q0}:sch:gen".into())
         );
     }
 

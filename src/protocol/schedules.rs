@@ -43,7 +43,7 @@ impl Gap {
 /// A schedule's state hash (lua/sched_add.lua says what each field means).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct State {
-    /// Raised by every add, replace, pause and resume; `None`: no such schedule.
+    /// New at every add, replace, pause and resume; `None`: no such schedule.
     pub(crate) gen: Option<i64>,
     /// Ticks at or before it are not owed (its add or replace).
     pub(crate) from: i64,
@@ -118,7 +118,12 @@ pub(crate) enum Stored {
 
 /// `sched_add`: stores `spec` (JSON) under `name`; replaces another spec only if `replace`.
 pub(crate) async fn add(store: &Store, name: &str, spec: &str, replace: bool) -> Result<Stored> {
-    let keys = [store.keys.schedules(), store.keys.schedules_due(), store.keys.schedule_state(name)];
+    let keys = [
+        store.keys.schedules(),
+        store.keys.schedules_due(),
+        store.keys.schedule_state(name),
+        store.keys.schedules_gen(),
+    ];
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     let args: Vec<Value> = vec![name.into(), spec.into(), if replace { "1" } else { "0" }.into()];
     let items = reply::array(store.fcall(Func::SchedAdd, &keys, args).await?)?;
@@ -144,9 +149,10 @@ pub(crate) enum Switched {
 
 /// `sched_pause`: pauses schedule `name` (`pause`), or resumes it.
 pub(crate) async fn pause(store: &Store, name: &str, pause: bool) -> Result<Switched> {
-    let (due, state) = (store.keys.schedules_due(), store.keys.schedule_state(name));
+    let (due, state, gen) =
+        (store.keys.schedules_due(), store.keys.schedule_state(name), store.keys.schedules_gen());
     let args: Vec<Value> = vec![name.into(), if pause { "1" } else { "0" }.into()];
-    let items = reply::array(store.fcall(Func::SchedPause, &[&due, &state], args).await?)?;
+    let items = reply::array(store.fcall(Func::SchedPause, &[&due, &state, &gen], args).await?)?;
     match items.first().map(reply::text).transpose()?.as_deref() {
         Some("paused" | "resumed") => Ok(Switched::Done),
         Some("already") => Ok(Switched::Already),

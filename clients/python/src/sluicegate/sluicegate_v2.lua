@@ -3013,15 +3013,17 @@ end
 -- due set. Cron is never read here: the ticks are computed by the worker that fires it (Rust,
 -- from a Redis time), so a new schedule's first tick is left to the first firing, which takes
 -- the first tick after `from`.
--- The state: `gen` (raised by every add, replace, pause and resume: a firing computed from an
--- older one is refused), `from` (ticks at or before it are not owed: when the schedule was added
+-- The state: `gen` (a new value of the schedules' counter at every add, replace, pause and
+-- resume, never one a schedule of this name had before it was removed: a firing computed from an
+-- older state is refused), `from` (ticks at or before it are not owed: when the schedule was added
 -- or replaced), `next` (the first tick not yet owed; absent until the first firing), `paused`
 -- (when it was paused, while it is), `gaps` (the pauses since `next`: "<paused>:<resumed>,...";
 -- a tick within one is not owed; a firing drops those it has passed), `resumed` (when it was last
 -- resumed), `owe` (ticks owed and not yet submitted: "<ms>,<ms>,...", oldest first), `last` (the
 -- latest tick paid).
 -- KEYS[1] the schedules (hash: name -> spec)   KEYS[2] the due set (sorted set: name -> ms when
--- a worker should look at it)   KEYS[3] the schedule's state
+-- a worker should look at it)   KEYS[3] the schedule's state   KEYS[4] the schedules' counter
+-- (hash: field `n`, the last gen given)
 -- ARGV[1] name   ARGV[2] spec (JSON)   ARGV[3] '1': replace a schedule of this name whose spec
 -- differs
 -- Returns {'added', gen}, {'replaced', gen}, {'same', gen} (it is there with this very spec: a
@@ -3039,8 +3041,8 @@ local function sched_add(keys, args)
   end
   local now = sg_now()
   redis.call('HSET', keys[1], name, spec)
-  local gen = redis.call('HINCRBY', keys[3], 'gen', 1)
-  redis.call('HSET', keys[3], 'from', now)
+  local gen = redis.call('HINCRBY', keys[4], 'n', 1)
+  redis.call('HSET', keys[3], 'gen', gen, 'from', now)
   redis.call('HDEL', keys[3], 'next', 'paused', 'gaps', 'resumed')
   -- Looked at now: the first firing sets `next`.
   redis.call('ZADD', keys[2], now, name)
@@ -3052,7 +3054,7 @@ end
 -- owed; ticks due before the pause still are (the next firing owes them, computing them from the
 -- pause time it reads here), so a pause leaves the due set alone. A resume records the gap and
 -- asks for a look at the next tick (or now, when the firing is behind).
--- KEYS[1] the due set   KEYS[2] the schedule's state
+-- KEYS[1] the due set   KEYS[2] the schedule's state   KEYS[3] the schedules' counter (sched_add)
 -- ARGV[1] name   ARGV[2] '1' pause, '0' resume
 -- Returns {'paused', gen}, {'resumed', gen}, {'already', gen} (it was paused, or not paused,
 -- already: nothing changed) or {'unknown'} (no such schedule).
@@ -3062,7 +3064,8 @@ local function sched_pause(keys, args)
   local pause = args[2] == '1'
   if (pause and s[2]) or (not pause and not s[2]) then return {'already', tonumber(s[1])} end
   local now = sg_now()
-  local gen = redis.call('HINCRBY', keys[2], 'gen', 1)
+  local gen = redis.call('HINCRBY', keys[3], 'n', 1)
+  redis.call('HSET', keys[2], 'gen', gen)
   if pause then
     redis.call('HSET', keys[2], 'paused', now)
     return {'paused', gen}
