@@ -13,11 +13,22 @@ Redis Functions library, shipped with this package.
 """
 
 from ._conn import library_source
-from .admin import Admin, DeadLetter, IndexedError, ListedRequest, ListPage, Paused, Reprioritized, RequestStatus
+from .admin import (
+    Admin,
+    DeadLetter,
+    IndexedError,
+    ListedRequest,
+    ListPage,
+    Paused,
+    Reprioritized,
+    RequestStatus,
+    Schedule,
+)
 from .errors import (
     DuplicateRequestId,
     InvalidCursor,
     InvalidRequest,
+    InvalidSchedule,
     NoDeadLetters,
     NotOpen,
     PermanentError,
@@ -25,6 +36,7 @@ from .errors import (
     Refused,
     SluicegateError,
     UnknownRequest,
+    UnknownSchedule,
     UnsupportedRedis,
     WaitTimeout,
 )
@@ -44,6 +56,7 @@ __all__ = [
     "IndexedError",
     "InvalidCursor",
     "InvalidRequest",
+    "InvalidSchedule",
     "ListPage",
     "ListedRequest",
     "Listener",
@@ -59,8 +72,10 @@ __all__ = [
     "Reprioritized",
     "RequestHandle",
     "RequestStatus",
+    "Schedule",
     "SluicegateError",
     "UnknownRequest",
+    "UnknownSchedule",
     "UnsupportedRedis",
     "WaitTimeout",
     "Worker",
