@@ -156,6 +156,11 @@ impl Default for Template {
 /// Checks a schedule name: 1 to [`MAX_SCHEDULE_NAME_BYTES`] characters of `A-Z a-z 0-9` and
 /// `_ . : / = + -` (a tag's, without `@`, which separates the name from the tick in its
 /// requests' ids).
+/// ```
+/// use sluicegate::check_schedule_name;
+/// assert!(check_schedule_name("nightly-report").is_ok());
+/// assert!(check_schedule_name("a@b").is_err());
+/// ```
 pub fn check_schedule_name(name: &str) -> Result<()> {
     let allowed = |b: u8| b.is_ascii_alphanumeric() || b"_.:/=+-".contains(&b);
     if name.is_empty() || name.len() > MAX_SCHEDULE_NAME_BYTES || !name.bytes().all(allowed) {

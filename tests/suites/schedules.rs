@@ -51,16 +51,19 @@ async fn fired(admin: &Admin, name: &str) -> BTreeMap<i64, RequestState> {
     }
 }
 
-/// Waits until schedule `name`, paused, is done firing: out of the due set (every tick before its
-/// pause fired), owing nothing, and every request it fired finished; returns them by tick.
+/// Waits until schedule `name`, paused, is done firing: every tick before its pause fired (it is
+/// out of the due set, or due only after its pause), it owes nothing, and every request it fired
+/// finished; returns them by tick.
 async fn settled(admin: &Admin, config: &Config, name: &str, within: Duration) -> BTreeMap<i64, RequestState> {
     let redis = sluicegate_testkit::connect(config.url()).await.unwrap();
     let deadline = Instant::now() + within;
     loop {
         let due: Option<f64> = redis.zscore(shard0(config, "sch:due"), name).await.unwrap();
-        let owed = admin.schedule(name).await.unwrap().owed_ms;
+        let listed = admin.schedule(name).await.unwrap();
+        let (owed, paused) = (listed.owed_ms, listed.paused_ms.expect("paused"));
         let fired = fired(admin, name).await;
-        if due.is_none() && owed.is_empty() && fired.values().all(|s| s.is_terminal()) {
+        let done_firing = !matches!(due, Some(due) if due as i64 <= paused);
+        if done_firing && owed.is_empty() && fired.values().all(|s| s.is_terminal()) {
             return fired;
         }
         assert!(Instant::now() < deadline, "schedule {name} is due at {due:?}, owes {owed:?}; fired {fired:?}");
