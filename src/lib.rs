@@ -53,7 +53,7 @@
 //!   around each handler run, with the trace context carried in Redis from one to the other; they
 //!   go to the global tracer provider and propagator of the `opentelemetry` crate
 //!   (docs/operations.md, "Tracing").
-//! - `schedules` (default): cron-driven requests ([`ScheduleSpec`], [`Admin::schedule_add`]),
+//! - `schedules` (default): cron-driven requests (`ScheduleSpec`, `Admin::schedule_add`),
 //!   fired by every worker's recovery, exactly once per tick (docs/operations.md, "Schedules").
 //!   It brings the `croner` and `chrono-tz` crates (the time zone database, about 1 MB); a worker
 //!   built without it fires no schedule (the others still do).

@@ -440,9 +440,9 @@ impl RequestBuilder<'_> {
     }
 
     /// Leaves the request out of the listing index: `Admin::list`, `sluicegate list` and the
-    /// dashboard's lists do not show it, and `Admin::stats`'
-    /// request counts leave it out. Everything done by id works as for any request: status,
-    /// `wait`, events, cancel, requeue, results. For many tiny requests that nobody lists: it
+    /// dashboard's lists do not show it, and `Admin::stats`' request counts leave it out.
+    /// Everything done by id works as for any request: status, `wait`, events, cancel, requeue,
+    /// results. For many tiny requests that nobody lists: it
     /// saves the index's Redis work at submit and finish (about a fifth of a single-part
     /// request's Redis CPU, docs/benchmarks.md) and its 200-350 bytes per request. Only for a
     /// request that takes its priority's lane (a small one given whole: see
