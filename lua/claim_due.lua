@@ -2,12 +2,19 @@
 -- and do not census the same request at once (a double census would still be safe: every
 -- restore is a compare-and-set on the token's epoch).
 -- KEYS[1] the active-request index   KEYS[2] the looks armed before a step (arm)
--- ARGV[1] at most this many requests   ARGV[2] claim (ms): others skip them for this long
+-- KEYS[3] (optional) the shard's lane deadlines: not read here
+-- KEYS[4] (optional, shard 0 only, with KEYS[3]) the schedules' due set (sched_add.lua)
+-- ARGV[1] at most this many requests (and schedules)   ARGV[2] claim (ms): others skip them for
+-- this long
 -- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
 -- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
 -- is served by this census (its step ran before it fell due); one that is not due yet stays, and
 -- the next look is set no later than it. Also drops finished requests whose retention has passed
 -- from the shard's listing index (prelude.lua, "The listing index"), a hundred at most.
+-- With KEYS[4], the reply goes on with '' (no key id is empty), the Redis time now (ms), from which
+-- the caller computes the schedules' ticks, and the names of the due schedules it claimed (each
+-- due again when the claim runs out, unless sched_fire or sched_paid set it first). Without it
+-- the reply is the requests' pairs alone, as for callers that pass two keys.
 local function claim_due(keys, args)
   local now = sg_now()
   local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
@@ -21,5 +28,14 @@ local function claim_due(keys, args)
     out[#out + 1] = claim
   end
   sg_ix_trim(sg_ix(keys[1]), now, SG_IX_TRIM_CLAIM)
+  if keys[4] then
+    out[#out + 1] = ''
+    out[#out + 1] = now
+    local names = redis.call('ZRANGEBYSCORE', keys[4], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
+    for _, name in ipairs(names) do
+      redis.call('ZADD', keys[4], claim, name)
+      out[#out + 1] = name
+    end
+  end
   return out
 end

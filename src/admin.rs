@@ -20,6 +20,8 @@ use crate::worker::registry;
 pub use crate::worker::{SlotWork, WorkerInfo};
 
 mod listing;
+#[cfg(feature = "schedules")]
+mod schedules;
 mod tally;
 mod tokens;
 pub use listing::{ListPage, ListQuery, ListState, ListedRequest, MAX_LIST_LIMIT, MAX_LIST_LOOK};

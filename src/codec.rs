@@ -16,3 +16,28 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
         Error::Codec(format!("cannot decode {} bytes as {}: {e}", bytes.len(), std::any::type_name::<T>()))
     })
 }
+
+/// A part as a producer sends it: a value to encode, or bytes encoded already (a schedule's
+/// stored parts).
+pub(crate) trait Part {
+    /// The part's MessagePack.
+    fn into_part(self) -> Result<Vec<u8>>;
+}
+
+impl<T: Serialize> Part for T {
+    fn into_part(self) -> Result<Vec<u8>> {
+        encode(&self)
+    }
+}
+
+/// MessagePack encoded already: sent as it is.
+#[cfg(feature = "schedules")]
+#[derive(Clone, Debug)]
+pub(crate) struct Encoded(pub(crate) Vec<u8>);
+
+#[cfg(feature = "schedules")]
+impl Part for Encoded {
+    fn into_part(self) -> Result<Vec<u8>> {
+        Ok(self.0)
+    }
+}

@@ -41,6 +41,9 @@ pub struct Config {
     /// How long the stats by stage are kept; `None`: the retention.
     pub(crate) stats_retention: Option<Duration>,
     pub(crate) stats_flush: Duration,
+    /// Load the test build of the library, whose clock tests move (`test-clock` feature only).
+    #[cfg(feature = "test-clock")]
+    pub(crate) test_clock: bool,
 }
 
 /// The URL used when neither the caller nor `REDIS_URL` names one.
@@ -68,6 +71,8 @@ impl Config {
             tls_client_cert: None,
             stats_retention: None,
             stats_flush: Duration::from_secs(5),
+            #[cfg(feature = "test-clock")]
+            test_clock: false,
         }
     }
 
@@ -211,6 +216,17 @@ impl Config {
     /// (`tls-auth-clients yes`).
     pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
         self.tls_client_cert = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// Tests only (`test-clock` feature): components of this configuration load a build of the
+    /// functions library whose clock a test moves ([`set_test_clock`](crate::set_test_clock)),
+    /// and load it without replacing one already loaded, which would reset that clock. Never for
+    /// a deployment.
+    #[cfg(feature = "test-clock")]
+    #[doc(hidden)]
+    pub fn test_clock(mut self, on: bool) -> Self {
+        self.test_clock = on;
         self
     }
 

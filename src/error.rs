@@ -60,6 +60,16 @@ pub enum Error {
     /// their namespace, say); the message says what to do.
     #[error("refused: {0}")]
     Refused(String),
+    /// A schedule is malformed: its name, cron pattern, time zone, missed-ticks policy or
+    /// request template (the message names which, and what is allowed).
+    #[error("invalid schedule: {0}")]
+    InvalidSchedule(String),
+    /// No schedule has this name.
+    #[error("no schedule named \"{0}\"")]
+    UnknownSchedule(String),
+    /// A schedule of this name exists with another spec.
+    #[error("schedule \"{0}\" exists with another spec: remove it first, or replace it")]
+    ScheduleExists(String),
     /// The component was shut down.
     #[error("shut down")]
     Shutdown,

@@ -182,6 +182,39 @@ impl Keys {
         format!("{}:{{{}.q0}}:st:{minute}", self.ns, self.ns)
     }
 
+    /// Sorted set of the lane requests homed on `shard` that have a deadline; score: the deadline
+    /// (ms). Passed to `claim_due` (its KEYS[3]).
+    pub(crate) fn lane_deadlines(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:dl", self.ns, self.ns)
+    }
+
+    #[cfg(feature = "schedules")]
+    /// Hash of the schedules: name -> spec (JSON: cron, time zone, missed policy, request
+    /// template). On shard 0, with the other schedule keys; none expires.
+    pub(crate) fn schedules(&self) -> String {
+        format!("{}:{{{}.q0}}:sch", self.ns, self.ns)
+    }
+
+    /// Sorted set of the schedules; score: when a worker should look at it next (ms): its next
+    /// tick, or the end of a claim. On shard 0.
+    pub(crate) fn schedules_due(&self) -> String {
+        format!("{}:{{{}.q0}}:sch:due", self.ns, self.ns)
+    }
+
+    #[cfg(feature = "schedules")]
+    /// Hash: the schedules' counter (field `n`), from which every change of a schedule takes its `gen`, so
+    /// that no two states of any schedule share one. On shard 0.
+    pub(crate) fn schedules_gen(&self) -> String {
+        format!("{}:{{{}.q0}}:sch:gen", self.ns, self.ns)
+    }
+
+    #[cfg(feature = "schedules")]
+    /// Hash of one schedule's state (`gen`, `from`, `next`, `paused`, `gaps`, `owe`, `last`:
+    /// lua/sched_add.lua). On shard 0.
+    pub(crate) fn schedule_state(&self, name: &str) -> String {
+        format!("{}:{{{}.q0}}:sch:s:{name}", self.ns, self.ns)
+    }
+
     /// Pub/sub channel announcing terminal states ("<key id>|<state>").
     pub(crate) fn done_channel(&self) -> String {
         format!("{}:done", self.ns)
@@ -264,6 +297,13 @@ mod tests {
         assert_eq!(keys.workers(), "ns:{ns.q0}:workers");
         assert_eq!(keys.worker_info(), "ns:{ns.q0}:winfo");
         assert_eq!(keys.stats_minute(28_000_000), "ns:{ns.q0}:st:28000000");
+        assert_eq!(keys.lane_deadlines(2), "ns:{ns.q2}:dl");
+        assert_eq!(keys.schedules_due(), "ns:{ns.q0}:sch:due");
+        #[cfg(feature = "schedules")]
+        assert_eq!(
+            (keys.schedules(), keys.schedule_state("nightly"), keys.schedules_gen()),
+            ("ns:{ns.q0}:sch".into(), "ns:{ns.q0}:sch:s:nightly".into(), "ns:{ns.q0}:sch:gen".into())
+        );
     }
 
     #[test]

@@ -53,6 +53,10 @@
 //!   around each handler run, with the trace context carried in Redis from one to the other; they
 //!   go to the global tracer provider and propagator of the `opentelemetry` crate
 //!   (docs/operations.md, "Tracing").
+//! - `schedules` (default): cron-driven requests (`ScheduleSpec`, `Admin::schedule_add`),
+//!   fired by every worker's recovery, exactly once per tick (docs/operations.md, "Schedules").
+//!   It brings the `croner` and `chrono-tz` crates (the time zone database, about 1 MB); a worker
+//!   built without it fires no schedule (the others still do).
 
 mod admin;
 #[cfg(test)]
@@ -70,6 +74,8 @@ mod producer;
 pub mod protocol;
 mod reply;
 mod request;
+#[cfg(feature = "schedules")]
+mod schedule;
 mod shards;
 mod stats;
 mod store;
@@ -93,7 +99,23 @@ pub use request::{
     check_tag, Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
     MAX_REQUEST_ID_BYTES, MAX_TAGS, MAX_TAG_BYTES,
 };
+#[cfg(feature = "schedules")]
+pub use schedule::{
+    check_schedule_name, Missed, Schedule, ScheduleSpec, MAX_CATCH_UP, MAX_SCHEDULE_NAME_BYTES,
+    MAX_SPEC_BYTES,
+};
 pub use stats::{MinuteStats, PriorityStages, StageBucket, StageHistogram, StageStats};
+/// Tests only (`test-clock` feature): sets the clock of the functions library that components
+/// of a [`Config::test_clock`] configuration load, on every master of `config`'s Redis: from now
+/// on Redis time runs `speed` times as fast as real time, after a jump forward of `jump`. Returns
+/// the Redis time (ms) after the change. Loads that library first if none is loaded.
+#[cfg(feature = "test-clock")]
+#[doc(hidden)]
+pub async fn set_test_clock(config: &Config, speed: f64, jump: std::time::Duration) -> Result<i64> {
+    let store = protocol::connect(&config.clone().test_clock(true)).await?;
+    store.set_test_clock(speed, i64::try_from(jump.as_millis()).unwrap_or(i64::MAX)).await
+}
+
 pub use worker::{
     shutdown_signal, Context, Handler, HandlerError, Quantum, TimeHistogram, Worker, WorkerBuilder,
     WorkerMetrics,

@@ -148,6 +148,9 @@ mod on {
             Error::Timeout(_) => "timeout",
             Error::Refused(_) => "refused",
             Error::Shutdown => "shutdown",
+            Error::InvalidSchedule(_) => "invalid_schedule",
+            Error::UnknownSchedule(_) => "unknown_schedule",
+            Error::ScheduleExists(_) => "schedule_exists",
         }
     }
 

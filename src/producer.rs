@@ -54,9 +54,10 @@ impl Producer {
         Ok(Self { store, doorbell: Arc::new(OnceCell::new()), counting })
     }
 
-    /// A producer on a store of the checker's, counting for the stats by stage in `recorder`
-    /// (which the checker flushes when it chooses: no flush task).
-    #[cfg(test)]
+    /// A producer on a store of its owner's, counting for the stats by stage in `recorder`, which
+    /// its owner flushes (no flush task of its own): a worker's recovery, which fires schedules
+    /// (flushed with the worker's counts), and the checker's producers.
+    #[cfg(any(test, feature = "schedules"))]
     pub(crate) fn from_store(store: Store, recorder: Arc<Recorder>) -> Self {
         let counting = Arc::new(Counting { recorder, stop: CancellationToken::new() });
         Self { store, doorbell: Arc::new(OnceCell::new()), counting }
@@ -104,7 +105,7 @@ impl Producer {
     async fn submit<I, T>(&self, spec: RequestBuilder<'_>, parts: I) -> Result<RequestHandle>
     where
         I: IntoIterator<Item = T>,
-        T: Serialize,
+        T: codec::Part,
     {
         let id = spec.id.clone().unwrap_or_else(RequestId::generate);
         let span = tracing::info_span!("submit", request_id = %id, priority = spec.priority.get());
@@ -183,7 +184,7 @@ impl Producer {
     ) -> Result<(Vec<Value>, u64)>
     where
         I: Iterator<Item = T>,
-        T: Serialize,
+        T: codec::Part,
     {
         let mut rest = rest.peekable();
         if rest.peek().is_none() {
@@ -208,7 +209,7 @@ impl Producer {
     async fn load<I, T>(&self, key_id: &str, nonce: &str, first: Vec<Value>, mut rest: I) -> Result<u64>
     where
         I: Iterator<Item = T>,
-        T: Serialize,
+        T: codec::Part,
     {
         let mut total: u64 = 0;
         let mut chunk = first;
@@ -412,7 +413,7 @@ enum Deadline {
 
 impl RequestBuilder<'_> {
     /// Gives the request a deadline: past `at`, none of its parts starts, the handlers still
-    /// running see [`Context::cancelled`](crate::Context::cancelled) (and are stopped at their next
+    /// running see `Context::cancelled` (and are stopped at their next
     /// await, as at an attempt timeout: their parts get no result), and the request ends `failed`
     /// with [`Completion::reason`] `"deadline"`. Its parts already done keep their results. A
     /// request that completes before `at` completes. The time is taken against this process's
@@ -523,10 +524,10 @@ impl RequestBuilder<'_> {
         self
     }
 
-    /// Leaves the request out of the listing index: [`Admin::list`](crate::Admin::list), `sluicegate
-    /// list` and the dashboard's lists do not show it, and [`Admin::stats`](crate::Admin::stats)'
-    /// request counts leave it out. Everything done by id works as for any request: status,
-    /// `wait`, events, cancel, requeue, results. For many tiny requests that nobody lists: it
+    /// Leaves the request out of the listing index: `Admin::list`, `sluicegate list` and the
+    /// dashboard's lists do not show it, and `Admin::stats`' request counts leave it out.
+    /// Everything done by id works as for any request: status, `wait`, events, cancel, requeue,
+    /// results. For many tiny requests that nobody lists: it
     /// saves the index's Redis work at submit and finish (about a fifth of a single-part
     /// request's Redis CPU, docs/benchmarks.md) and its 200-350 bytes per request. Only for a
     /// request that takes its priority's lane (a small one given whole: see
@@ -628,6 +629,13 @@ impl RequestBuilder<'_> {
         I: IntoIterator<Item = T>,
         T: Serialize,
     {
+        let producer = self.producer;
+        producer.submit(self, parts).await
+    }
+
+    /// [`submit`](Self::submit) of parts encoded already (a schedule's).
+    #[cfg(feature = "schedules")]
+    pub(crate) async fn submit_encoded(self, parts: Vec<codec::Encoded>) -> Result<RequestHandle> {
         let producer = self.producer;
         producer.submit(self, parts).await
     }
@@ -885,13 +893,13 @@ fn check_duration(what: &str, d: Duration) -> Result<()> {
 fn encode_chunk<I, T>(parts: &mut I, max: usize) -> Result<Vec<Value>>
 where
     I: Iterator<Item = T>,
-    T: Serialize,
+    T: codec::Part,
 {
     let mut chunk = Vec::new();
     let mut bytes = 0;
     while bytes < LOAD_CHUNK_BYTES && chunk.len() < max {
         let Some(part) = parts.next() else { break };
-        let encoded = codec::encode(&part)?;
+        let encoded = part.into_part()?;
         bytes += encoded.len();
         chunk.push(Value::Bytes(encoded.into()));
     }
@@ -1023,7 +1031,7 @@ impl RequestHandle {
         self.producer.try_completion(&self.id).await
     }
 
-    /// Cancels the request (see [`Admin::cancel`](crate::Admin::cancel)).
+    /// Cancels the request (see `Admin::cancel`).
     pub async fn cancel(&self) -> Result<crate::Cancelled> {
         crate::shards::cancel(&self.producer.store, &self.id).await
     }

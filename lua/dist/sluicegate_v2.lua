@@ -2005,12 +2005,19 @@ end
 -- and do not census the same request at once (a double census would still be safe: every
 -- restore is a compare-and-set on the token's epoch).
 -- KEYS[1] the active-request index   KEYS[2] the looks armed before a step (arm)
--- ARGV[1] at most this many requests   ARGV[2] claim (ms): others skip them for this long
+-- KEYS[3] (optional) the shard's lane deadlines: not read here
+-- KEYS[4] (optional, shard 0 only, with KEYS[3]) the schedules' due set (sched_add.lua)
+-- ARGV[1] at most this many requests (and schedules)   ARGV[2] claim (ms): others skip them for
+-- this long
 -- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
 -- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
 -- is served by this census (its step ran before it fell due); one that is not due yet stays, and
 -- the next look is set no later than it. Also drops finished requests whose retention has passed
 -- from the shard's listing index (prelude.lua, "The listing index"), a hundred at most.
+-- With KEYS[4], the reply goes on with '' (no key id is empty), the Redis time now (ms), from which
+-- the caller computes the schedules' ticks, and the names of the due schedules it claimed (each
+-- due again when the claim runs out, unless sched_fire or sched_paid set it first). Without it
+-- the reply is the requests' pairs alone, as for callers that pass two keys.
 local function claim_due(keys, args)
   local now = sg_now()
   local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
@@ -2024,6 +2031,15 @@ local function claim_due(keys, args)
     out[#out + 1] = claim
   end
   sg_ix_trim(sg_ix(keys[1]), now, SG_IX_TRIM_CLAIM)
+  if keys[4] then
+    out[#out + 1] = ''
+    out[#out + 1] = now
+    local names = redis.call('ZRANGEBYSCORE', keys[4], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
+    for _, name in ipairs(names) do
+      redis.call('ZADD', keys[4], claim, name)
+      out[#out + 1] = name
+    end
+  end
   return out
 end
 
@@ -3148,6 +3164,193 @@ local function stats_add(keys, args)
   return n
 end
 
+-- sched_get: a schedule's spec and state (read-only). The
+-- schedules live on shard 0 (docs/protocol.md §3, "Schedules"); the state fields are explained in
+-- sched_add.lua.
+-- KEYS[1] the schedules (hash: name -> spec JSON)   KEYS[2] the schedule's state (hash)
+-- ARGV[1] the schedule's name
+-- Returns {spec, gen, from, next, paused, gaps, owe, last}: each as stored (nil where absent; a
+-- removed schedule has neither spec nor state).
+local function sched_get(keys, args)
+  local spec = redis.call('HGET', keys[1], args[1])
+  local s = redis.call('HMGET', keys[2], 'gen', 'from', 'next', 'paused', 'gaps', 'owe', 'last')
+  return {spec, s[1], s[2], s[3], s[4], s[5], s[6], s[7]}
+end
+
+-- sched_add: create a schedule, or replace one. A schedule is a spec (its cron, time zone, missed
+-- policy and request template, as JSON) and a state hash, both on shard 0, and its entry in the
+-- due set. Cron is never read here: the ticks are computed by the worker that fires it (Rust,
+-- from a Redis time), so a new schedule's first tick is left to the first firing, which takes
+-- the first tick after `from`.
+-- The state: `gen` (a new value of the schedules' counter at every add, replace, pause and
+-- resume, never one a schedule of this name had before it was removed: a firing computed from an
+-- older state is refused), `from` (ticks at or before it are not owed: when the schedule was added
+-- or replaced), `next` (the first tick not yet owed; absent until the first firing), `paused`
+-- (when it was paused, while it is), `gaps` (the pauses since `next`: "<paused>:<resumed>,...";
+-- a tick within one is not owed; a firing drops those it has passed), `resumed` (when it was last
+-- resumed), `owe` (ticks owed and not yet submitted: "<ms>,<ms>,...", oldest first), `last` (the
+-- latest tick paid).
+-- KEYS[1] the schedules (hash: name -> spec)   KEYS[2] the due set (sorted set: name -> ms when
+-- a worker should look at it)   KEYS[3] the schedule's state   KEYS[4] the schedules' counter
+-- (hash: field `n`, the last gen given)
+-- ARGV[1] name   ARGV[2] spec (JSON)   ARGV[3] '1': replace a schedule of this name whose spec
+-- differs
+-- Returns {'added', gen}, {'replaced', gen}, {'same', gen} (it is there with this very spec: a
+-- re-sent add; nothing changed) or {'exists', gen} (with another spec, and ARGV[3] is not '1':
+-- nothing changed). A replaced schedule is active (not paused) from now; ticks it owes are kept,
+-- and paid with the new spec.
+local function sched_add(keys, args)
+  local name, spec = args[1], args[2]
+  local old = redis.call('HGET', keys[1], name)
+  if old == spec then
+    return {'same', tonumber(redis.call('HGET', keys[3], 'gen') or '0')}
+  end
+  if old and args[3] ~= '1' then
+    return {'exists', tonumber(redis.call('HGET', keys[3], 'gen') or '0')}
+  end
+  local now = sg_now()
+  redis.call('HSET', keys[1], name, spec)
+  local gen = redis.call('HINCRBY', keys[4], 'n', 1)
+  redis.call('HSET', keys[3], 'gen', gen, 'from', now)
+  redis.call('HDEL', keys[3], 'next', 'paused', 'gaps', 'resumed')
+  -- Looked at now: the first firing sets `next`.
+  redis.call('ZADD', keys[2], now, name)
+  if old then return {'replaced', gen} end
+  return {'added', gen}
+end
+
+-- sched_pause: pause or resume a schedule. Ticks after the pause and up to the resume are not
+-- owed; ticks due before the pause still are (the next firing owes them, computing them from the
+-- pause time it reads here), so a pause leaves the due set alone, unless nothing is left to do
+-- before the pause (the next tick is after it, and nothing is owed): then the schedule leaves it.
+-- A resume records the gap and asks for a look at the next tick (or now, when the firing is
+-- behind).
+-- KEYS[1] the due set   KEYS[2] the schedule's state   KEYS[3] the schedules' counter (sched_add)
+-- ARGV[1] name   ARGV[2] '1' pause, '0' resume
+-- Returns {'paused', gen}, {'resumed', gen}, {'already', gen} (it was paused, or not paused,
+-- already: nothing changed) or {'unknown'} (no such schedule).
+local function sched_pause(keys, args)
+  local s = redis.call('HMGET', keys[2], 'gen', 'paused', 'gaps', 'next', 'owe')
+  if not s[1] then return {'unknown'} end
+  local pause = args[2] == '1'
+  if (pause and s[2]) or (not pause and not s[2]) then return {'already', tonumber(s[1])} end
+  local now = sg_now()
+  local gen = redis.call('HINCRBY', keys[3], 'n', 1)
+  redis.call('HSET', keys[2], 'gen', gen)
+  if pause then
+    redis.call('HSET', keys[2], 'paused', now)
+    if s[4] and tonumber(s[4]) > now and not s[5] then redis.call('ZREM', keys[1], args[1]) end
+    return {'paused', gen}
+  end
+  local gap = s[2] .. ':' .. now
+  if s[3] and s[3] ~= '' then gap = s[3] .. ',' .. gap end
+  redis.call('HSET', keys[2], 'gaps', gap, 'resumed', now)
+  redis.call('HDEL', keys[2], 'paused')
+  local look = now
+  if s[4] and tonumber(s[4]) > now then look = tonumber(s[4]) end
+  redis.call('ZADD', keys[1], 'LT', look, args[1])
+  return {'resumed', gen}
+end
+
+-- sched_fire: move a schedule's due ticks into its debt (`owe`), once. The caller (a worker's
+-- recovery, on shard 0) read the state with sched_get, computed from that state and a Redis time
+-- the ticks owed up to that time and the first tick after it; this is a compare-and-set on the
+-- `gen` and `next` it read, so of racing callers one moves the ticks, and a re-sent call moves
+-- nothing twice. Whatever the answer, the caller then submits every tick owed (its own, and those
+-- left by a caller that died) and pays each with sched_paid.
+-- KEYS[1] the due set   KEYS[2] the schedule's state
+-- ARGV[1] name   ARGV[2] the gen read   ARGV[3] the next read ('' if absent)   ARGV[4] the new
+-- next (ms)   ARGV[5] the gaps to keep (pruned of those before the new next; '' for none)
+-- ARGV[6] claim (ms): while ticks are owed, others look again only after this long
+-- ARGV[7...] the ticks to owe (ms), oldest first
+-- Returns {'ok' or 'conflict', tick, tick, ...}: whether this call moved the ticks, and every tick
+-- owed now, oldest first.
+local function sched_fire(keys, args)
+  local s = redis.call('HMGET', keys[2], 'gen', 'next', 'paused', 'owe')
+  local owe = {}
+  if s[4] and s[4] ~= '' then
+    for t in string.gmatch(s[4], '[^,]+') do owe[#owe + 1] = tonumber(t) end
+  end
+  local tag = 'ok'
+  if not s[1] or s[1] ~= args[2] or (s[2] or '') ~= args[3] then
+    tag = 'conflict'
+  else
+    local seen = {}
+    for _, t in ipairs(owe) do seen[t] = true end
+    for i = 7, #args do
+      local t = tonumber(args[i])
+      if not seen[t] then
+        seen[t] = true
+        owe[#owe + 1] = t
+      end
+    end
+    table.sort(owe)
+    local text = {}
+    for i, t in ipairs(owe) do text[i] = sg_int(t) end
+    redis.call('HSET', keys[2], 'next', args[4])
+    if #text > 0 then redis.call('HSET', keys[2], 'owe', table.concat(text, ',')) end
+    if args[5] ~= '' then
+      redis.call('HSET', keys[2], 'gaps', args[5])
+    else
+      redis.call('HDEL', keys[2], 'gaps')
+    end
+    -- Paused, a schedule is looked at again only while ticks before its pause are not owed yet
+    -- (the caller computed up to a time before the pause).
+    if #owe > 0 then
+      redis.call('ZADD', keys[1], sg_now() + tonumber(args[6]), args[1])
+    elseif s[3] and tonumber(args[4]) > tonumber(s[3]) then
+      redis.call('ZREM', keys[1], args[1])
+    else
+      redis.call('ZADD', keys[1], args[4], args[1])
+    end
+  end
+  local out = {tag}
+  for _, t in ipairs(owe) do out[#out + 1] = t end
+  return out
+end
+
+-- sched_paid: an owed tick's request was submitted (the submit answered Ok, or SGDUPLICATE: it
+-- exists already), so the tick leaves the debt. With nothing left owed, the schedule is next
+-- looked at for its next tick (while it is paused, only if that tick fell before the pause).
+-- KEYS[1] the due set   KEYS[2] the schedule's state
+-- ARGV[1] name   ARGV[2] the tick (ms)
+-- Returns 1 when the tick was owed, 0 when not (paid already, or the schedule was removed).
+local function sched_paid(keys, args)
+  local s = redis.call('HMGET', keys[2], 'gen', 'owe', 'next', 'paused', 'last')
+  if not s[1] or not s[2] then return 0 end
+  local tick = tonumber(args[2])
+  local left, found = {}, false
+  for t in string.gmatch(s[2], '[^,]+') do
+    if tonumber(t) == tick then found = true else left[#left + 1] = t end
+  end
+  if not found then return 0 end
+  if not s[5] or tonumber(s[5]) < tick then redis.call('HSET', keys[2], 'last', args[2]) end
+  if #left > 0 then
+    redis.call('HSET', keys[2], 'owe', table.concat(left, ','))
+    return 1
+  end
+  redis.call('HDEL', keys[2], 'owe')
+  local next = tonumber(s[3] or sg_now())
+  if s[4] and next > tonumber(s[4]) then
+    redis.call('ZREM', keys[1], args[1])
+  else
+    redis.call('ZADD', keys[1], next, args[1])
+  end
+  return 1
+end
+
+-- sched_del: remove a schedule: its spec, its state and its due entry. Ticks it owes and has not
+-- submitted yet are dropped (a firing under way may still submit one); its requests stay.
+-- KEYS[1] the schedules   KEYS[2] the due set   KEYS[3] the schedule's state
+-- ARGV[1] name
+-- Returns 1 when it existed, 0 when not.
+local function sched_del(keys, args)
+  local existed = redis.call('HDEL', keys[1], args[1])
+  redis.call('ZREM', keys[2], args[1])
+  redis.call('DEL', keys[3])
+  return existed
+end
+
 redis.register_function('sg2_submit_open', submit_open)
 redis.register_function('sg2_load_parts', load_parts)
 redis.register_function('sg2_submit_commit', submit_commit)
@@ -3196,3 +3399,9 @@ redis.register_function('sg2_unlist', unlist)
 redis.register_function('sg2_purge', purge)
 redis.register_function('sg2_relabel', relabel)
 redis.register_function('sg2_stats_add', stats_add)
+redis.register_function{function_name='sg2_sched_get', callback=sched_get, flags={'no-writes'}}
+redis.register_function('sg2_sched_add', sched_add)
+redis.register_function('sg2_sched_pause', sched_pause)
+redis.register_function('sg2_sched_fire', sched_fire)
+redis.register_function('sg2_sched_paid', sched_paid)
+redis.register_function('sg2_sched_del', sched_del)

@@ -29,6 +29,8 @@
 pub(crate) mod gate;
 mod model;
 mod ops;
+#[cfg(feature = "schedules")]
+mod schedules;
 mod world;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -157,6 +159,15 @@ async fn drain(world: &mut World) -> Result<(), String> {
         if paused > 0 {
             world.apply(&Op::Resume { priority: None }).await?;
         }
+        // Schedules are paused, so that their ticks stop and the drain can end (again each round:
+        // an add or resume parked before the drain may land after a pause).
+        #[cfg(feature = "schedules")]
+        for name in 0..ops::SCHEDULES {
+            if world.model.schedules.active(name) {
+                let action = ops::ScheduleAction::Pause;
+                world.apply(&Op::Schedule { name, action }).await?;
+            }
+        }
         if trace {
             eprintln!(
                 "drain round {round} [parked: {}, actors: {}]",
@@ -207,7 +218,7 @@ async fn drain(world: &mut World) -> Result<(), String> {
             && held
                 .iter()
                 .all(|h| live.iter().any(|w| h.strip_prefix(w.as_str()).is_some_and(|s| s.starts_with('/'))));
-        if idle && indexed == 0 && reaped {
+        if idle && indexed == 0 && reaped && schedules_quiet(world).await? {
             return Ok(());
         }
         if round == DRAIN_ROUNDS - 1 {
@@ -263,7 +274,15 @@ async fn drain(world: &mut World) -> Result<(), String> {
             }
         }
         world.apply(&Op::Recover { worker: (round % WORKERS as usize) as u8 }).await?;
-        let tick = if BACKSTOP_ROUNDS.contains(&round) {
+        // Time leaps only while no schedule ticks: a leap would owe a schedule more ticks than it
+        // catches up on, which the model does not follow (they are paused at the next round).
+        #[cfg(feature = "schedules")]
+        let ticking = (0..ops::SCHEDULES).any(|n| world.model.schedules.active(n));
+        #[cfg(not(feature = "schedules"))]
+        let ticking = false;
+        let tick = if ticking {
+            DRAIN_TICK
+        } else if BACKSTOP_ROUNDS.contains(&round) {
             world.config.census_interval.as_millis() as u32
         } else if idle && indexed > 0 {
             world.config.loading_ttl.as_millis() as u32 / 2
@@ -274,6 +293,29 @@ async fn drain(world: &mut World) -> Result<(), String> {
         model::check_step(world).await?;
     }
     Ok(())
+}
+
+/// Whether no schedule fires any more: none is in the due set (a schedule leaves it only once it
+/// is paused and every tick before its pause was fired, or removed) and none owes a tick, and
+/// every request they fired has finished its steps (recovery's index and the listing's live set
+/// are empty: the requests of the pool are checked the same way above).
+async fn schedules_quiet(world: &World) -> Result<bool, String> {
+    if !cfg!(feature = "schedules") {
+        return Ok(true);
+    }
+    let ns = world.config.namespace_str();
+    let e = |e: fred::error::Error| e.to_string();
+    let shard0 = |suffix: &str| format!("{ns}:{{{ns}.q0}}:{suffix}");
+    let indexed: i64 = world.reader.zcard(shard0("active")).await.map_err(e)?;
+    let live: i64 = world.reader.zcard(shard0("ix:live")).await.map_err(e)?;
+    let due: i64 = world.reader.zcard(shard0("sch:due")).await.map_err(e)?;
+    let mut quiet = indexed == 0 && live == 0 && due == 0;
+    for name in 0..ops::SCHEDULES {
+        let owe: Option<String> =
+            world.reader.hget(shard0(&format!("sch:s:s{name}")), "owe").await.map_err(e)?;
+        quiet &= owe.is_none();
+    }
+    Ok(quiet)
 }
 
 /// Draws the sequence of seed `seed`.

@@ -127,6 +127,12 @@ pub(crate) struct Model {
     pub(crate) submits_died: u64,
     pub(crate) runs_ok: u64,
     pub(crate) runs_failed: u64,
+    /// Schedule ticks submitted by worker incarnations no longer running (each counted once by
+    /// its worker for the stats by stage, as a submit).
+    pub(crate) schedule_submits_before: u64,
+    /// When each schedule was active, and what it fired.
+    #[cfg(feature = "schedules")]
+    pub(crate) schedules: super::schedules::Schedules,
 }
 
 /// The key id in a request key `<ns>:r:{<kid>}…`.
@@ -619,6 +625,11 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
     }
     let (seen, now, index) = snapshot_with_index(world).await?;
     purged_since(world, &seen).await?;
+    #[cfg(feature = "schedules")]
+    {
+        let (reader, ns) = (world.reader.clone(), world.config.namespace_str().to_owned());
+        world.model.schedules.step(&reader, &ns, now as i64).await?;
+    }
     check_index(world, &seen, &index)?;
     if std::mem::take(&mut world.model.stats_added) {
         check_stats(world).await?;
@@ -959,6 +970,10 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     let keys = scan(c, &format!("{ns}:*")).await?;
     for key in keys {
         let ttl: i64 = c.pttl(&key).await.map_err(e)?;
+        // Schedules hold until they are removed.
+        if ttl < 0 && (key.ends_with(":sch") || key.contains(":sch:")) {
+            continue;
+        }
         if ttl < 0 && key.contains(":p:") {
             // A token list may keep stale elements put back by a slot's clean stop (a take it never
             // saw the reply of): those of finished requests, which the next slot to take drops.
@@ -989,11 +1004,14 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     // counted twice; a re-sent or lost-reply `stats_add` may only add, a producer's death may only
     // lose. What workers count has no exact figure to meet (an ack whose reply is lost is not
     // counted), but without a flush counted twice it never exceeds what happened.
+    #[cfg(feature = "schedules")]
+    world.model.schedules.end(c, ns).await?;
     let stats = check_stats(world).await?;
     let sum = |f: fn(&crate::stats::PriorityStages) -> u64| stats.priorities.iter().map(f).sum::<u64>();
     let m = &world.model;
     let submitted = sum(|p| p.submitted);
-    let most = m.submits_accepted + m.submits_died;
+    // Schedules' ticks are submitted by workers, which count them alike.
+    let most = m.submits_accepted + m.submits_died + m.schedule_submits_before;
     if (!m.stats_over && submitted > most) || (!m.stats_lost && submitted < m.submits_accepted) {
         return Err(format!(
             "stats: {submitted} requests submitted, {} submits accepted and {} died (a flush re-sent: {}, a \

@@ -20,6 +20,24 @@ pub(crate) const REQUEST_IDS: u8 = 6;
 pub(crate) const WORKERS: u8 = 3;
 pub(crate) const SLOTS: u8 = 2;
 pub(crate) const PRODUCERS: u8 = 3;
+/// Schedules are named `s0`, `s1`, ...: this many.
+pub(crate) const SCHEDULES: u8 = 2;
+
+/// What an operator does to a schedule (`Op::Schedule`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum ScheduleAction {
+    /// Adds it: cron `*/<every_s> * * * * *` (a tick every few seconds of the checker's virtual
+    /// time), missed ticks caught up to `catch_up` (large, so that what is owed does not depend
+    /// on when the workers' claims came). Refused while another spec has the name; the same one
+    /// again changes nothing.
+    Add {
+        every_s: u8,
+        catch_up: u8,
+    },
+    Pause,
+    Resume,
+    Remove,
+}
 
 /// How a request is submitted.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -172,6 +190,13 @@ pub(crate) enum Op {
     },
     /// redis-server is killed and restarted from its append-only file (`appendfsync always`).
     Restart,
+    /// An operator adds, pauses, resumes or removes schedule `s<name>` (`Admin::schedule_add`,
+    /// ...). Workers fire it in their recovery passes (`Op::Recover`), each tick's request
+    /// `s<name>@<tick>` (one part; `s0`'s take a lane, `s1`'s a stream of their own).
+    Schedule {
+        name: u8,
+        action: ScheduleAction,
+    },
     /// Everything drains as at the end of a sequence (no faults; every request finishes, nothing
     /// runs), and the sequence goes on: what follows meets finished requests (purges, tracks, ids
     /// submitted again).
@@ -211,6 +236,10 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             _ => draw_purge_finished(rng),
         };
     }
+    // Schedules: one operation in 25, the others' weights scaled alike.
+    if cfg!(feature = "schedules") && rng.gen_bool(0.04) {
+        return draw_schedule(rng);
+    }
     let roll = rng.gen_range(0..1000);
     match roll {
         0..=409 => {
@@ -241,6 +270,16 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
         _ if mix.restarts => Op::Restart,
         _ => Op::Advance { ms: 100 },
     }
+}
+
+fn draw_schedule(rng: &mut StdRng) -> Op {
+    let action = match rng.gen_range(0..20) {
+        0..=7 => ScheduleAction::Add { every_s: rng.gen_range(1..=3), catch_up: 100 },
+        8..=11 => ScheduleAction::Pause,
+        12..=16 => ScheduleAction::Resume,
+        _ => ScheduleAction::Remove,
+    };
+    Op::Schedule { name: rng.gen_range(0..SCHEDULES), action }
 }
 
 fn draw_purge_finished(rng: &mut StdRng) -> Op {

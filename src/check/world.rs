@@ -76,6 +76,8 @@ pub(crate) enum Task {
     /// A producer's or a worker's flush of its stats by stage.
     Flush,
     Pause,
+    /// An operator's action on schedule `.0`.
+    Schedule(u8),
     /// A reader of request `.0`'s results, from part `.1`, spawned while the model had seen `.2`
     /// purges of the id (a page that ends after another purge is of a request it no longer knows).
     Read(u8, u64, u32),
@@ -364,7 +366,9 @@ impl World {
                 let w = self.worker(*worker).await?;
                 let (shared, process) = (w.shared.clone(), Process::Worker(*worker, w.incarnation));
                 self.spawn(process, Task::Recover, async move {
-                    if let Err(e) = crate::worker::recovery::pass(&shared.store, &shared.metrics).await {
+                    if let Err(e) =
+                        crate::worker::recovery::pass(&shared.store, &shared.metrics, &shared.stats).await
+                    {
                         return Outcome::Error(e.to_string());
                     }
                     match crate::worker::recovery::scan_held(&shared.store, &shared.metrics).await {
@@ -565,6 +569,20 @@ impl World {
                 }
                 Ok(())
             }
+            #[cfg(feature = "schedules")]
+            Op::Schedule { name, action } => {
+                let admin = Admin::from_store(self.store.clone());
+                let (name, action) = (*name % super::ops::SCHEDULES, *action);
+                self.spawn(Process::Operator, Task::Schedule(name), async move {
+                    match super::schedules::act(&admin, name, action).await {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => Outcome::Error(e),
+                    }
+                })
+                .await
+            }
+            #[cfg(not(feature = "schedules"))]
+            Op::Schedule { .. } => Ok(()),
             Op::Restart | Op::Drain => Ok(()), // done by the runner
         }
     }
@@ -740,8 +758,8 @@ impl World {
             self.model.stats_lost = true;
         }
         if let Process::Worker(w, inc) = process {
-            if self.workers[w as usize].as_ref().is_some_and(|p| p.incarnation == inc) {
-                self.workers[w as usize] = None;
+            if let Some(p) = self.workers[w as usize].take_if(|p| p.incarnation == inc) {
+                self.model.schedule_submits_before += p.shared.metrics.schedule_submits.load(Relaxed);
             }
         }
     }
@@ -761,6 +779,7 @@ impl World {
         plain.gate = None;
         for w in self.workers.iter_mut() {
             let Some(p) = w.take() else { continue };
+            self.model.schedule_submits_before += p.shared.metrics.schedule_submits.load(Relaxed);
             let shared = slot::Shared {
                 store: plain.clone(),
                 handler: p.shared.handler.clone(),

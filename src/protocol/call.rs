@@ -20,6 +20,10 @@ impl Store {
     /// `FUNCTION LOAD` relies on it being loaded already (by an operator, or another component);
     /// if it is not, the first call says so.
     pub(crate) async fn load_library(&self) -> Result<()> {
+        #[cfg(feature = "test-clock")]
+        if self.config.test_clock {
+            return self.load_test_clock_library().await;
+        }
         #[cfg(test)]
         let code = if self.gate.is_some() { super::checker_library_source() } else { library_source() };
         #[cfg(not(test))]
@@ -103,6 +107,63 @@ impl Store {
         all.extend(keys.iter().map(|k| Value::from(*k)));
         all.extend(args);
         self.client.custom::<Value, Value>(cmd, all).await
+    }
+}
+
+/// The test build of the library (`Config::test_clock`), loaded on every master without REPLACE:
+/// one loaded already (by another component of the test) keeps the clock the test set.
+#[cfg(feature = "test-clock")]
+impl Store {
+    async fn load_test_clock_library(&self) -> Result<()> {
+        let code = super::library::test_clock_library_source();
+        for node in self.masters() {
+            let loaded = match &node {
+                Some(server) => {
+                    self.client
+                        .with_cluster_node(server.clone())
+                        .function_load::<Value, _>(false, code.clone())
+                        .await
+                }
+                None => self.client.function_load::<Value, _>(false, code.clone()).await,
+            };
+            match loaded {
+                Err(e) if e.details().contains("already exists") => {}
+                other => {
+                    other?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every master of a cluster (`Some`), or the one server (`None`).
+    fn masters(&self) -> Vec<Option<fred::types::config::Server>> {
+        match self.client.cached_cluster_state() {
+            Some(state) if self.client.is_clustered() => {
+                state.unique_primary_nodes().into_iter().map(Some).collect()
+            }
+            _ => vec![None],
+        }
+    }
+
+    /// Sets the test clock on every master (`sg2_test_clock`): from now on Redis time runs `speed`
+    /// times as fast as real time, after a jump of `jump_ms`. Returns the Redis time of the first
+    /// master after the change.
+    pub(crate) async fn set_test_clock(&self, speed: f64, jump_ms: i64) -> Result<i64> {
+        let name = format!("sg{}_test_clock", super::PROTOCOL_VERSION);
+        let args: Vec<Value> = vec![name.into(), 0.into(), speed.to_string().into(), jump_ms.into()];
+        let mut first = None;
+        for node in self.masters() {
+            let cmd = CustomCommand::new("FCALL", ClusterHash::Random, false);
+            let now: i64 = match &node {
+                Some(server) => {
+                    self.client.with_cluster_node(server.clone()).custom(cmd, args.clone()).await?
+                }
+                None => self.client.custom(cmd, args.clone()).await?,
+            };
+            first.get_or_insert(now);
+        }
+        first.ok_or_else(|| Error::Config("no Redis master to set the test clock on".into()))
     }
 }
 

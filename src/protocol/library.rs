@@ -64,13 +64,19 @@ pub(crate) enum Func {
     Purge,
     Relabel,
     StatsAdd,
+    SchedGet,
+    SchedAdd,
+    SchedPause,
+    SchedFire,
+    SchedPaid,
+    SchedDel,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 48] = [
+    pub(crate) const ALL: [Func; 54] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -119,6 +125,12 @@ impl Func {
         Func::Purge,
         Func::Relabel,
         Func::StatsAdd,
+        Func::SchedGet,
+        Func::SchedAdd,
+        Func::SchedPause,
+        Func::SchedFire,
+        Func::SchedPaid,
+        Func::SchedDel,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -172,6 +184,12 @@ impl Func {
             Func::Purge => "purge",
             Func::Relabel => "relabel",
             Func::StatsAdd => "stats_add",
+            Func::SchedGet => "sched_get",
+            Func::SchedAdd => "sched_add",
+            Func::SchedPause => "sched_pause",
+            Func::SchedFire => "sched_fire",
+            Func::SchedPaid => "sched_paid",
+            Func::SchedDel => "sched_del",
         }
     }
 
@@ -183,7 +201,7 @@ impl Func {
     /// Functions that only read, registered `no-writes`: callable with FCALL_RO, on replicas, and
     /// while Redis is at its memory limit.
     pub(crate) fn read_only(self) -> bool {
-        matches!(self, Func::Holds | Func::Outstanding | Func::List)
+        matches!(self, Func::Holds | Func::Outstanding | Func::List | Func::SchedGet)
     }
 
     fn source(self) -> &'static str {
@@ -236,6 +254,12 @@ impl Func {
             Func::Purge => include_str!("../../lua/purge.lua"),
             Func::Relabel => include_str!("../../lua/relabel.lua"),
             Func::StatsAdd => include_str!("../../lua/stats_add.lua"),
+            Func::SchedGet => include_str!("../../lua/sched_get.lua"),
+            Func::SchedAdd => include_str!("../../lua/sched_add.lua"),
+            Func::SchedPause => include_str!("../../lua/sched_pause.lua"),
+            Func::SchedFire => include_str!("../../lua/sched_fire.lua"),
+            Func::SchedPaid => include_str!("../../lua/sched_paid.lua"),
+            Func::SchedDel => include_str!("../../lua/sched_del.lua"),
         }
     }
 }
@@ -267,7 +291,7 @@ pub fn library_source() -> String {
 /// checker's schedule instead of the wall clock's.
 #[cfg(test)]
 pub(crate) fn checker_library_source() -> String {
-    const REAL: &str = "return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+    const REAL: &str = REAL_CLOCK;
     const VIRTUAL: &str = "return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
                            + tonumber(redis.call('GET', 'sgcheck:clock') or '0')\n";
     let real = library_source();
@@ -277,6 +301,53 @@ pub(crate) fn checker_library_source() -> String {
         "sg_now in lua/prelude.lua changed: update the checker's clock"
     );
     real.replace(REAL, VIRTUAL)
+}
+
+/// The line of `sg_now` (lua/prelude.lua) that reads Redis's clock, which the test builds of the
+/// library replace.
+#[cfg(any(test, feature = "test-clock"))]
+const REAL_CLOCK: &str = "return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
+
+/// The library with a clock tests can move (`Config::test_clock`): Redis time runs at a speed
+/// from an offset, both set by an extra function, `sg2_test_clock` (ARGV[1] the speed, a factor
+/// of real time; ARGV[2] a jump forward, ms; returns the new time). Both live in a variable of the
+/// library itself, not in a key: a key read would cross slots on a cluster, where each master
+/// keeps its own clock, set by a call to each (`store::set_test_clock`). A `FUNCTION LOAD REPLACE`
+/// resets it: components of a test-clock configuration load it without REPLACE.
+#[cfg(feature = "test-clock")]
+pub(crate) fn test_clock_library_source() -> String {
+    const CLOCK: &str = r"
+-- The test clock (test builds only): Redis time runs `speed` times as fast as the real clock from
+-- the moment it was last set, plus the jumps it was given.
+local sg_clock = {speed = 1, real = 0, virtual = 0}
+local function sg_test_time(real)
+  return math.floor(sg_clock.virtual + (real - sg_clock.real) * sg_clock.speed)
+end
+";
+    const SET: &str = r"
+local function test_clock(keys, args)
+  local t = redis.call('TIME')
+  local real = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local virtual = sg_test_time(real) + tonumber(args[2] or '0')
+  sg_clock.real, sg_clock.virtual, sg_clock.speed = real, virtual, tonumber(args[1] or '1')
+  return virtual
+end
+";
+    let real = library_source();
+    assert_eq!(
+        real.matches(REAL_CLOCK).count(),
+        1,
+        "sg_now in lua/prelude.lua changed: update the test clock"
+    );
+    let moved = real.replace(
+        REAL_CLOCK,
+        "return sg_test_time(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))\n",
+    );
+    let header_end = moved.find("\n\n").map_or(0, |i| i + 2);
+    let (header, rest) = moved.split_at(header_end);
+    format!(
+        "{header}{CLOCK}\n{rest}{SET}redis.register_function('sg{PROTOCOL_VERSION}_test_clock', test_clock)\n"
+    )
 }
 
 /// Commands sluicegate's producers, workers, listeners and operators send, directly or from

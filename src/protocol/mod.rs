@@ -6,7 +6,8 @@
 //! the library text itself is checked in as `lua/dist/sluicegate_v2.lua` for them. This module is
 //! the only place that builds FCALL arguments and reads the replies: producers, slots, recovery
 //! and operators call the typed functions, grouped as docs/protocol.md §5 groups the transitions
-//! (`submit`, `index`, `tokens`, `finish`, `recovery`, `operators`, `registry`, `stats`). Each
+//! (`submit`, `index`, `tokens`, `finish`, `recovery`, `operators`, `registry`, `stats`,
+//! `schedules`). Each
 //! function computes its keys from `Keys` where they follow from its arguments, takes durations
 //! as `Duration`, and returns its reply decoded into a type named for what the Lua returns; a
 //! refusal (`SG*`) comes back as the error it is, for the caller to read with `Refusal`.
@@ -37,6 +38,8 @@ pub(crate) mod operators;
 pub(crate) mod recovery;
 mod refusal;
 pub(crate) mod registry;
+#[cfg(feature = "schedules")]
+pub(crate) mod schedules;
 pub(crate) mod stats;
 pub(crate) mod submit;
 pub(crate) mod tokens;

@@ -22,24 +22,47 @@ pub(crate) struct Claimed {
     pub(crate) claim: i64,
 }
 
-/// `claim_due` on `shard`: claims at most `limit` requests whose look is due, for `claim_for`.
+/// What `claim_due` claimed.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Due {
+    /// The requests whose look is due.
+    pub(crate) requests: Vec<Claimed>,
+    /// On shard 0, when asked for: the Redis time of the claim (ms) and the due schedules claimed.
+    #[cfg_attr(not(feature = "schedules"), allow(dead_code))]
+    pub(crate) schedules: Option<(i64, Vec<String>)>,
+}
+
+/// `claim_due` on `shard`: claims at most `limit` requests whose look is due, for `claim_for`;
+/// with `schedules` (shard 0 only), also the due schedules.
 pub(crate) async fn claim_due(
     store: &Store,
     shard: u32,
     limit: i64,
     claim_for: Duration,
-) -> Result<Vec<Claimed>> {
+    schedules: bool,
+) -> Result<Due> {
     let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
-    let claimed = reply::array(
-        store.fcall(Func::ClaimDue, &[&active, &armed], vec![limit.into(), ms(claim_for)]).await?,
-    )?;
-    Ok(claimed
+    let (deadlines, due) = (store.keys.lane_deadlines(shard), store.keys.schedules_due());
+    let keys: Vec<&str> =
+        if schedules && shard == 0 { vec![&active, &armed, &deadlines, &due] } else { vec![&active, &armed] };
+    let claimed = reply::array(store.fcall(Func::ClaimDue, &keys, vec![limit.into(), ms(claim_for)]).await?)?;
+    // The requests' pairs, then (with the schedules' key) '' and the schedules' part.
+    let split = claimed.iter().position(|v| v.as_str().is_some_and(|s| s.is_empty()));
+    let (pairs, rest) = claimed.split_at(split.unwrap_or(claimed.len()));
+    let requests = pairs
         .chunks(2)
         .filter_map(|p| match p {
             [kid, claim] => Some(Claimed { key_id: kid.as_string()?, claim: claim.as_i64()? }),
             _ => None,
         })
-        .collect())
+        .collect();
+    let schedules = match rest {
+        [_, now, names @ ..] => {
+            Some((reply::int(now)?, names.iter().map(reply::text).collect::<Result<Vec<String>>>()?))
+        }
+        _ => None,
+    };
+    Ok(Due { requests, schedules })
 }
 
 /// `drop_gone`: drops request `key_id`'s entry from its home shard `home`'s index, once the

@@ -175,7 +175,7 @@ async fn chores<H: Handler>(shared: &Shared<H>, store: &Store, mut wakes: mpsc::
     loop {
         tokio::select! {
             _ = poll.tick() => {
-                if let Err(e) = super::recovery::pass(store, &metrics).await {
+                if let Err(e) = super::recovery::pass(store, &metrics, &shared.stats).await {
                     tracing::warn!(error = %e, "recovery pass failed; retrying next interval");
                 }
             }

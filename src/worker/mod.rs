@@ -74,6 +74,15 @@ pub struct WorkerMetrics {
     /// commit, or its delay's end) until its first part was handed out here,
     /// [`TimeHistogram::WAIT_BUCKETS`].
     pub queue_wait: TimeHistogram,
+    /// Schedule ticks this worker's recovery submitted (each tick's request is created once,
+    /// whichever worker's submit created it: this counts those that did here).
+    pub schedule_submits: AtomicU64,
+    /// Schedule ticks whose submit here found the tick's request there already (another worker,
+    /// or a re-sent submit, created it first): refused, as meant.
+    pub schedule_duplicates: AtomicU64,
+    /// Schedule firings refused because the schedule changed after this worker read it (another
+    /// worker fired those ticks first, or an operator paused, resumed or replaced it).
+    pub schedule_conflicts: AtomicU64,
 }
 
 impl Default for WorkerMetrics {
@@ -90,6 +99,9 @@ impl Default for WorkerMetrics {
             busy_slots: AtomicU64::new(0),
             run_time: TimeHistogram::new(&TimeHistogram::RUN_BUCKETS),
             queue_wait: TimeHistogram::new(&TimeHistogram::WAIT_BUCKETS),
+            schedule_submits: AtomicU64::new(0),
+            schedule_duplicates: AtomicU64::new(0),
+            schedule_conflicts: AtomicU64::new(0),
         }
     }
 }

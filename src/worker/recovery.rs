@@ -13,6 +13,9 @@
 //!   queued longer than the grace for `verify` to check in their list (O(1)), and lists held tokens
 //!   for a check that their holders' workers are alive. A request found terminal but still indexed
 //!   (its finisher died) has the steps after its finish completed (`shards::finish`).
+//! - **Schedules** (`crate::schedule`, `schedules` feature): the same claim on shard 0 also takes
+//!   the schedules whose next tick is due, and the pass fires them: their ticks' requests are
+//!   submitted, exactly once per tick however many workers race.
 //! - **The take records' backstop** ([`scan_held`]): records whose worker is gone from the
 //!   registry (its registry entry lost with a failover, say) are reclaimed too.
 //!
@@ -20,6 +23,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 use fred::prelude::*;
 use futures::stream::{self, StreamExt};
@@ -34,6 +38,7 @@ use crate::protocol::operators::Requeued;
 use crate::protocol::recovery::{self as calls, Census, HeldToken, Rearm, Reclaimed, Unfinished};
 use crate::protocol::{tokens, Finished, TakeRecord};
 use crate::shards::Placement;
+use crate::stats::Recorder;
 use crate::store::Store;
 
 /// Requests claimed per pass per shard, and looked at concurrently.
@@ -43,17 +48,35 @@ const CONCURRENT: usize = 16;
 const CENSUS_CHUNK: i64 = 1_000;
 
 /// One pass over every configured shard's `active` index: returns how many requests it looked at.
-pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics) -> Result<usize> {
+/// The schedules it fires submit through a producer counting in `stats`, the worker's.
+pub(crate) async fn pass(store: &Store, metrics: &WorkerMetrics, stats: &Arc<Recorder>) -> Result<usize> {
     let mut n = 0;
     for shard in 0..store.keys.shards() {
-        n += pass_shard(store, metrics, shard).await?;
+        n += pass_shard(store, metrics, stats, shard).await?;
     }
     Ok(n)
 }
 
-async fn pass_shard(store: &Store, metrics: &WorkerMetrics, shard: u32) -> Result<usize> {
+async fn pass_shard(
+    store: &Store,
+    metrics: &WorkerMetrics,
+    stats: &Arc<Recorder>,
+    shard: u32,
+) -> Result<usize> {
     // Others skip a claimed request for a few leases; a claimer that dies is replaced after that.
-    let claimed = calls::claim_due(store, shard, CLAIM_BATCH, store.config.lease.saturating_mul(5)).await?;
+    let claim = store.config.lease.saturating_mul(5);
+    let due = calls::claim_due(store, shard, CLAIM_BATCH, claim, cfg!(feature = "schedules")).await?;
+    #[cfg(feature = "schedules")]
+    if let Some((now, names)) = due.schedules.filter(|(_, names)| !names.is_empty()) {
+        let producer = crate::producer::Producer::from_store(store.clone(), stats.clone());
+        let fired = crate::schedule::fire::fire(store, &producer, now, &names, claim).await;
+        metrics.schedule_submits.fetch_add(fired.submitted, Relaxed);
+        metrics.schedule_duplicates.fetch_add(fired.duplicates, Relaxed);
+        metrics.schedule_conflicts.fetch_add(fired.conflicts, Relaxed);
+    }
+    #[cfg(not(feature = "schedules"))]
+    let _ = stats;
+    let claimed = due.requests;
     let n = claimed.len();
     stream::iter(claimed)
         .for_each_concurrent(store.concurrency(CONCURRENT), |c| async move {

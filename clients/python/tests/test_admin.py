@@ -562,3 +562,32 @@ def test_an_admin_with_another_shard_count_lists_and_finds_every_lane_request(se
         assert other.status(h.id)["state"] == "queued", h.id
     assert other.cancel(handles[1].id) == "cancelled"
     assert other.try_completion(handles[1].id) is not None
+
+
+def test_schedules_are_paused_resumed_and_removed_by_name(server: Any, ns: str) -> None:
+    from sluicegate import InvalidSchedule, UnknownSchedule
+
+    admin = Admin(server.url, ns)
+    k = admin.protocol.keys
+    # A schedule as the Rust Admin stores it (sched_add; docs/protocol.md §3, "Schedules").
+    spec = '{"cron":"*/5 * * * *","missed":"skip","request":{"parts":["oWE="],"priority":60}}'
+    reply = admin.protocol.conn.fcall(
+        "sched_add", [k.schedules(), k.schedules_due(), k.schedule_state("every-5m"), k.schedules_gen()],
+        ["every-5m", spec, "0"],
+    )
+    assert reply[0] == b"added"
+    [s] = admin.schedules()
+    assert (s.name, s.cron, s.time_zone, s.missed, s.parts, s.priority, s.tags) == (
+        "every-5m", "*/5 * * * *", None, "skip", 1, 60, ["schedule:every-5m"]
+    )
+    assert s.paused_ms is None and s.added_ms > 0
+    assert admin.schedule_pause("every-5m") and not admin.schedule_pause("every-5m")
+    assert admin.schedule("every-5m").paused_ms is not None
+    assert admin.schedule_resume("every-5m") and not admin.schedule_resume("every-5m")
+    admin.schedule_remove("every-5m")
+    assert admin.schedules() == []
+    for call in (admin.schedule_pause, admin.schedule_resume, admin.schedule_remove, admin.schedule):
+        with pytest.raises(UnknownSchedule):
+            call("every-5m")
+    with pytest.raises(InvalidSchedule, match="invalid schedule name"):
+        admin.schedule_pause("a@b")

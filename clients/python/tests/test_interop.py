@@ -135,3 +135,38 @@ def test_the_python_admin_and_the_cli_agree(server: Any, ns: str, running: Runni
     while len(admin.list(state="completed").requests) < 3 and time.time() < deadline + 10:
         time.sleep(0.02)
     assert [r["id"] for r in cli("list", "--state", "completed")[:-1]] == ["x2", "x1", "x0"]
+
+
+def test_a_schedule_added_by_the_cli_is_listed_paused_resumed_and_removed_by_the_python_admin(
+    server: Any, ns: str, tmp_path: Path
+) -> None:
+    from sluicegate import Schedule, UnknownSchedule
+
+    def cli(*args: str, stdin: str = "") -> List[Any]:
+        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", *args],
+                             input=stdin, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+    cli("schedule", "add", "nightly", "--cron", "30 2 * * *", "--tz", "Europe/Rome", "--missed", "catch-up",
+        "--catch-up", "3", "--", "--priority", "70", "--tag", "team:ops", "-", stdin='{"report": 1}\n{"report": 2}\n')
+    admin = Admin(server.url, ns)
+    [listed] = admin.schedules()
+    [rust] = cli("schedule", "list")
+    assert listed == Schedule(
+        name="nightly", cron="30 2 * * *", time_zone="Europe/Rome", missed="catch-up 3", added_ms=rust["added_ms"],
+        paused_ms=None, next_ms=None, last_ms=None, owed_ms=[], parts=2, priority=70,
+        tags=["schedule:nightly", "team:ops"],
+    )
+    # (The Rust Admin computes the first tick from the pattern; no worker fired it yet.)
+    assert rust["next_ms"] > rust["added_ms"]
+    assert admin.schedule_pause("nightly") is True
+    assert admin.schedule_pause("nightly") is False
+    [rust] = cli("schedule", "list")
+    assert rust["paused_ms"] == admin.schedule("nightly").paused_ms is not None
+    assert admin.schedule_resume("nightly") is True
+    assert cli("schedule", "list")[0]["paused_ms"] is None
+    admin.schedule_remove("nightly")
+    assert admin.schedules() == [] and cli("schedule", "list") == []
+    with pytest.raises(UnknownSchedule, match='no schedule named "nightly"'):
+        admin.schedule_remove("nightly")

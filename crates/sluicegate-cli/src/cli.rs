@@ -269,6 +269,101 @@ pub(crate) enum Command {
         sluicegate events            # what is retained, then exit\n  \
         sluicegate events --follow   # and keep printing new ones until ctrl-c")]
     Events(EventsArgs),
+
+    /// Requests submitted by a cron pattern: add, list, pause, resume, remove schedules.
+    #[command(after_help = "Example:\n  \
+        sluicegate schedule add nightly --cron '30 2 * * *' --tz Europe/Rome -- --priority 70 report.jsonl\n  \
+        sluicegate schedule list\n  \
+        sluicegate schedule pause nightly\n\n\
+        Each tick submits request NAME@<tick ms>, tagged schedule:NAME, exactly once however many\n\
+        workers run; the workers' recovery fires them (`list --tag schedule:NAME` finds them).")]
+    Schedule(ScheduleArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ScheduleArgs {
+    #[command(subcommand)]
+    pub(crate) action: ScheduleAction,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum ScheduleAction {
+    /// Add a schedule: its cron pattern, and after `--` the request as `submit` takes it.
+    #[command(after_help = "Example:\n  \
+        sluicegate schedule add every-5m --cron '*/5 * * * *' -- --concurrency 2 --tag sync jobs.txt\n  \
+        echo '{\"report\": \"daily\"}' | sluicegate schedule add daily --cron @daily --missed catch-up --catch-up 3 --\n\n\
+        The pattern has 5 fields (minute hour day-of-month month day-of-week), or 6 with seconds\n\
+        first, or is @hourly, @daily, @weekly, @monthly, @yearly. The input (a file, or stdin) is\n\
+        read now: its lines are the parts of every tick's request, stored with the schedule.\n\
+        Not with --id (ids are NAME@<tick>), --stream, --wait or --expire-open-after.")]
+    Add(ScheduleAddArgs),
+    /// List the schedules: pattern, policy, next and last tick, ticks owed.
+    List,
+    /// Pause a schedule: ticks after now are not owed until it is resumed.
+    Pause(ScheduleNameArg),
+    /// Resume a paused schedule: ticks while it was paused are never owed.
+    Resume(ScheduleNameArg),
+    /// Remove a schedule (its requests stay).
+    Remove(ScheduleNameArg),
+}
+
+/// The request template of `schedule add`: the arguments after `--`, read as `submit` reads its
+/// own.
+#[derive(Parser, Debug)]
+#[command(
+    name = "sluicegate schedule add NAME --cron PATTERN --",
+    disable_help_flag = true,
+    disable_version_flag = true
+)]
+pub(crate) struct SubmitTemplate {
+    #[command(flatten)]
+    pub(crate) args: SubmitArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ScheduleNameArg {
+    /// The schedule's name.
+    pub(crate) name: String,
+}
+
+/// What to do about ticks missed while no worker fired a schedule.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MissedArg {
+    /// Submit only the latest missed tick.
+    Skip,
+    /// Submit the last N missed ticks (--catch-up N), oldest first.
+    CatchUp,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ScheduleAddArgs {
+    /// The schedule's name: 1 to 55 characters of A-Z a-z 0-9 _ . : / = + - (not @).
+    pub(crate) name: String,
+
+    /// The cron pattern, e.g. '*/5 * * * *'.
+    #[arg(long, value_name = "PATTERN")]
+    pub(crate) cron: String,
+
+    /// The pattern's time zone (an IANA name, e.g. Europe/Rome) [default: UTC].
+    #[arg(long, value_name = "ZONE")]
+    pub(crate) tz: Option<String>,
+
+    /// Ticks missed while no worker ran: submit the latest only, or catch up on the last N.
+    #[arg(long, value_enum, default_value = "skip")]
+    pub(crate) missed: MissedArg,
+
+    /// With --missed catch-up: how many missed ticks to submit, 1 to 100.
+    #[arg(long = "catch-up", value_name = "N")]
+    pub(crate) catch_up: Option<u32>,
+
+    /// Replace a schedule of this name that has another spec (it is active again from now).
+    #[arg(long)]
+    pub(crate) replace: bool,
+
+    /// The request of each tick, as `submit` takes it: options, then the input file (or none:
+    /// standard input).
+    #[arg(last = true, value_name = "SUBMIT ARGS")]
+    pub(crate) submit: Vec<String>,
 }
 
 #[derive(Args, Debug)]

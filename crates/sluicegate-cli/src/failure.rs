@@ -16,7 +16,7 @@ pub(crate) enum Code {
     BadInput = 2,
     /// Redis could not be reached, or answered with an error.
     Redis = 3,
-    /// No request has this id (never submitted, or expired).
+    /// No request has this id (never submitted, or expired), or no schedule this name.
     UnknownRequest = 4,
     /// `results` of a request that is still running.
     NotFinished = 5,
@@ -75,8 +75,10 @@ impl From<Error> for Failure {
             | Error::NotOpen(_)
             | Error::NoDeadLetters(_)
             | Error::Refused(_)
+            | Error::InvalidSchedule(_)
+            | Error::ScheduleExists(_)
             | Error::Codec(_) => Code::BadInput,
-            Error::UnknownRequest(_) => Code::UnknownRequest,
+            Error::UnknownRequest(_) | Error::UnknownSchedule(_) => Code::UnknownRequest,
             // Redis, an unsupported server, a protocol mismatch, and whatever the library adds
             // later: all are about the server side, not about what the user typed.
             _ => Code::Redis,

@@ -1,7 +1,7 @@
 //! `sluicegate`: submit requests, run workers and operate a sluicegate system from a shell.
 //!
 //! Each command lives in a module of its own (`submit`, `worker` with its `exec` handler,
-//! `reprioritize`, `ops` for the operator's other commands); `cli` has the command line,
+//! `reprioritize`, `schedules`, `ops` for the operator's other commands); `cli` has the command line,
 //! `failure` the exit codes, `input` and `output` what goes in and out. docs/cli.md is the
 //! manual.
 
@@ -13,6 +13,7 @@ mod listing;
 mod ops;
 mod output;
 mod reprioritize;
+mod schedules;
 mod stats;
 mod submit;
 mod worker;
@@ -154,5 +155,6 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Resume(args) => ops::pause(&ctx, args.priority, false).await,
         Command::Results(args) => ops::results(&ctx, args).await,
         Command::Events(args) => ops::events(&ctx, args).await,
+        Command::Schedule(args) => schedules::run(&ctx, args.action).await,
     }
 }

@@ -255,6 +255,21 @@ impl Collector for WorkerCollector {
                 "Calls to Redis by this worker that failed: unreachable, timed out, or an error reply (not the library's refusals)",
                 &m.redis_errors,
             ),
+            (
+                "schedule_submits",
+                "Schedule ticks whose request this worker's recovery created",
+                &m.schedule_submits,
+            ),
+            (
+                "schedule_duplicates",
+                "Schedule ticks whose submit here found the tick's request there already (another worker created it): refused, as meant",
+                &m.schedule_duplicates,
+            ),
+            (
+                "schedule_conflicts",
+                "Schedule firings refused because the schedule changed after this worker read it (another worker fired it, or an operator changed it)",
+                &m.schedule_conflicts,
+            ),
         ] {
             let counter = ConstCounter::new(count.load(Relaxed));
             let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
@@ -318,6 +333,7 @@ mod tests {
         );
         assert!(text.contains("sluicegate_leases_lost_total{namespace=\"ns1\"} 0\n"), "{text}");
         assert!(text.contains("sluicegate_redis_errors_total{namespace=\"ns1\"} 0\n"), "{text}");
+        assert!(text.contains("sluicegate_schedule_submits_total{namespace=\"ns1\"} 0\n"), "{text}");
         assert!(text.contains("# TYPE sluicegate_slots_busy gauge\n"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }

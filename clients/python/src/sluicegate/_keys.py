@@ -190,6 +190,22 @@ class Keys:
     def reaping(self) -> str:
         return self._shard(0) + "reaping"
 
+    def schedules(self) -> str:
+        """The schedules (hash: name -> spec JSON), on shard 0."""
+        return self._shard(0) + "sch"
+
+    def schedules_due(self) -> str:
+        """The schedules' due set (name -> ms when a worker should look at it), on shard 0."""
+        return self._shard(0) + "sch:due"
+
+    def schedules_gen(self) -> str:
+        """The schedules' counter, from which every change takes its ``gen``, on shard 0."""
+        return self._shard(0) + "sch:gen"
+
+    def schedule_state(self, name: str) -> str:
+        """One schedule's state (hash), on shard 0."""
+        return self._shard(0) + "sch:s:" + name
+
     def up_channel(self, shard: int) -> str:
         return self._shard(shard) + "up"
 

@@ -1,6 +1,9 @@
 """Operating sluicegate: a request's status, listing requests, tracking, purging, their dead
-letters, requeue, priority changes, pause and resume (the Rust ``Admin`` of src/admin.rs and
-src/admin/listing.rs, call for call; docs/protocol.md §5 "Listing" and "Operators", §6.12)."""
+letters, requeue, priority changes, pause and resume, and schedules (the Rust ``Admin`` of
+src/admin.rs, src/admin/listing.rs and src/admin/schedules.rs, call for call; docs/protocol.md §5
+"Listing", "Operators" and "Schedules", §6.12). Schedules are added by the Rust ``Admin`` or the CLI
+(``sluicegate schedule add``), which parse cron patterns and time zones, and fired by Rust
+workers."""
 
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ LIST_STATES: Dict[str, str] = {
 }
 _REQUEST_STATES = ("loading", "scheduled", "queued", "running", "completed", "failed", "cancelled")
 _TERMINAL = ("completed", "failed", "cancelled")
+_SCHEDULE_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=+-")
+#: A schedule's name is 1 to this many bytes (its requests' tag, ``schedule:<name>``, is a tag).
+MAX_SCHEDULE_NAME_BYTES = 55
 _TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=@+-")
 
 
@@ -74,6 +80,71 @@ class ListedRequest:
     submitted_ms: int
     tags: List[str] = field(default_factory=list)
     tracked: bool = False
+
+
+@dataclass
+class Schedule:
+    """A schedule as :meth:`Admin.schedules` lists it (the Rust ``Schedule``)."""
+
+    name: str
+    #: Its cron pattern.
+    cron: str
+    #: Its time zone (``None``: UTC).
+    time_zone: Optional[str]
+    #: ``"skip"`` or ``"catch-up N"``.
+    missed: str
+    #: When it was added, or last replaced (ms, Redis time): ticks after it are owed.
+    added_ms: int
+    #: When it was paused, while it is.
+    paused_ms: Optional[int]
+    #: The next tick not owed yet (ms); ``None`` when paused, and (unlike the Rust ``Admin``,
+    #: which computes it from the pattern) before its first firing.
+    next_ms: Optional[int]
+    #: The latest tick whose request was submitted.
+    last_ms: Optional[int]
+    #: Ticks owed whose requests are not submitted yet, oldest first.
+    owed_ms: List[int]
+    #: Parts of each tick's request.
+    parts: int
+    #: Each tick's request's priority.
+    priority: int
+    #: Each tick's request's tags (``schedule:<name>`` first; none when unlisted).
+    tags: List[str] = field(default_factory=list)
+
+
+def _check_schedule_name(name: str) -> None:
+    if not name or len(name.encode()) > MAX_SCHEDULE_NAME_BYTES or not set(name) <= _SCHEDULE_NAME_CHARS:
+        raise errors.InvalidSchedule(
+            f"invalid schedule name {quoted(name)}: a name is 1 to {MAX_SCHEDULE_NAME_BYTES} characters of "
+            "A-Z a-z 0-9 _ . : / = + - (not @, which separates a schedule's name from the tick in its requests' ids)"
+        )
+
+
+def _schedule_from(name: str, spec_json: str, state: Dict[str, str]) -> Schedule:
+    import json
+
+    spec = json.loads(spec_json)
+    request = spec.get("request") or {}
+    missed = "skip"
+    if spec.get("missed") == "catch-up" and spec.get("catch_up"):
+        missed = f"catch-up {int(spec['catch_up'])}"
+    tags: List[str] = [] if request.get("unlisted") else [f"schedule:{name}", *request.get("tags", [])]
+    num = lambda f: int(state[f]) if state.get(f, "").lstrip("-").isdigit() else None  # noqa: E731
+    paused = num("paused")
+    return Schedule(
+        name=name,
+        cron=spec.get("cron", ""),
+        time_zone=spec.get("tz"),
+        missed=missed,
+        added_ms=num("from") or 0,
+        paused_ms=paused,
+        next_ms=None if paused is not None else num("next"),
+        last_ms=num("last"),
+        owed_ms=[int(t) for t in state.get("owe", "").split(",") if t.lstrip("-").isdigit()],
+        parts=len(request.get("parts", [])),
+        priority=int(request.get("priority", 50)),
+        tags=tags,
+    )
 
 
 @dataclass
@@ -993,3 +1064,55 @@ class Admin:
                 paused.all = True
         paused.priorities.sort(reverse=True)
         return paused
+
+    # ----- schedules -----
+
+    def _schedule_state(self, name: str) -> Dict[str, str]:
+        raw = self.protocol.conn.client.hgetall(self.protocol.keys.schedule_state(name))
+        return {text(k): text(v) for k, v in raw.items()}
+
+    def schedules(self) -> List[Schedule]:
+        """Every schedule, by name."""
+        specs = self.protocol.conn.client.hgetall(self.protocol.keys.schedules())
+        out = [_schedule_from(text(n), text(s), self._schedule_state(text(n))) for n, s in specs.items()]
+        return sorted(out, key=lambda s: s.name)
+
+    def schedule(self, name: str) -> Schedule:
+        """One schedule; :class:`UnknownSchedule` if there is none of that name."""
+        _check_schedule_name(name)
+        spec = self.protocol.conn.client.hget(self.protocol.keys.schedules(), name)
+        if spec is None:
+            raise errors.UnknownSchedule(name)
+        return _schedule_from(name, text(spec), self._schedule_state(name))
+
+    def _switch(self, name: str, pause: bool) -> bool:
+        _check_schedule_name(name)
+        k = self.protocol.keys
+        reply = fcall_items(
+            self.protocol.conn.fcall(
+                "sched_pause", [k.schedules_due(), k.schedule_state(name), k.schedules_gen()], [name, "1" if pause else "0"]
+            )
+        )
+        tag = text(reply[0]) if reply else ""
+        if tag == "unknown":
+            raise errors.UnknownSchedule(name)
+        return tag in ("paused", "resumed")
+
+    def schedule_pause(self, name: str) -> bool:
+        """Pauses a schedule: ticks after now are not owed until it is resumed (those due before
+        are still fired). Returns False if it was paused already."""
+        return self._switch(name, True)
+
+    def schedule_resume(self, name: str) -> bool:
+        """Resumes a paused schedule: ticks while it was paused are never owed. Returns False if
+        it was not paused."""
+        return self._switch(name, False)
+
+    def schedule_remove(self, name: str) -> None:
+        """Removes a schedule (its requests stay; ticks it owed and had not submitted are
+        dropped); :class:`UnknownSchedule` if there is none of that name."""
+        _check_schedule_name(name)
+        k = self.protocol.keys
+        removed = self.protocol.conn.fcall("sched_del", [k.schedules(), k.schedules_due(), k.schedule_state(name)], [name])
+        if integer(removed) != 1:
+            raise errors.UnknownSchedule(name)

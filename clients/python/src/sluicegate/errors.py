@@ -48,6 +48,18 @@ class Refused(SluicegateError):
     ``Error::Refused``)."""
 
 
+class InvalidSchedule(SluicegateError):
+    """A schedule's name is not one (1 to 55 characters of ``A-Z a-z 0-9 _ . : / = + -``)."""
+
+
+class UnknownSchedule(SluicegateError):
+    """No schedule has this name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f'no schedule named "{name}"')
+        self.name = name
+
+
 class InvalidCursor(SluicegateError):
     """A listing cursor is not one a page of this namespace gave."""
 

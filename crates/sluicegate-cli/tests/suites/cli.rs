@@ -1122,14 +1122,93 @@ fn an_exec_commands_background_children_end_with_it_on_exit_timeout_and_cancel()
 }
 
 #[test]
+fn a_schedule_added_from_submit_arguments_fires_each_second_and_pauses_resumes_and_goes() {
+    let sg = Sg::new("cli-sched");
+    let input = sg.file("parts.txt", b"hello\nworld\n");
+    let added = sg.json(&[
+        "schedule", "add", "each-second", "--cron", "* * * * * *", "--missed", "catch-up", "--catch-up", "5", "--",
+        "--priority", "70", "--tag", "team:ops", "--max-attempts", "2", &input,
+    ]);
+    assert_eq!(added["name"], "each-second");
+    assert_eq!((added["parts"].as_u64(), added["priority"].as_u64()), (Some(2), Some(70)));
+    assert_eq!(added["missed"], "catch-up 5");
+    assert_eq!(added["tags"], serde_json::json!(["schedule:each-second", "team:ops"]));
+    // The same again is no change; another spec under the name is refused.
+    let again = sg.run(&["schedule", "add", "each-second", "--cron", "* * * * * *", "--missed", "catch-up", "--catch-up", "5", "--",
+        "--priority", "70", "--tag", "team:ops", "--max-attempts", "2", &input]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    let other = sg.run(&["schedule", "add", "each-second", "--cron", "*/2 * * * * *", "--", &input]);
+    fails_with(&other, 2, "schedule \"each-second\" exists with another spec");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    // Every tick's request is submitted with the template, and runs.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let done = loop {
+        let out = sg.run(&["--json", "list", "--tag", "schedule:each-second", "--state", "completed"]);
+        let rows: Vec<Value> =
+            stdout(&out).lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &Value| v.get("id").is_some()).collect();
+        if rows.len() >= 2 {
+            break rows;
+        }
+        assert!(Instant::now() < deadline, "no two ticks completed within 20 s");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let id = done[0]["id"].as_str().unwrap();
+    let (name, tick) = id.split_once('@').unwrap();
+    assert_eq!(name, "each-second");
+    assert_eq!(tick.parse::<u64>().unwrap() % 1000, 0, "{id}");
+    assert_eq!((done[0]["priority"].as_u64(), done[0]["total"].as_u64()), (Some(70), Some(2)));
+    assert_eq!(stdout(&sg.run(&["results", id])), "\"HELLO\"\n\"WORLD\"\n", "the parts' results");
+    let paused = sg.run(&["schedule", "pause", "each-second"]);
+    assert_eq!(stdout(&paused), "paused schedule each-second\n");
+    assert_eq!(stdout(&sg.run(&["schedule", "pause", "each-second"])), "schedule each-second was paused already\n");
+    let listed = sg.json(&["schedule", "list"]);
+    assert_eq!((listed["name"].as_str(), listed["next_ms"].as_u64()), (Some("each-second"), None));
+    assert!(listed["paused_ms"].as_u64().is_some(), "{listed}");
+    let table = stdout(&sg.run(&["schedule", "list"]));
+    assert!(table.lines().nth(1).is_some_and(|l| l.starts_with("each-second") && l.contains("paused since")), "{table}");
+    assert_eq!(stdout(&sg.run(&["schedule", "resume", "each-second"])), "resumed schedule each-second\n");
+    assert_eq!(stdout(&sg.run(&["schedule", "remove", "each-second"])), "removed schedule each-second (its requests stay)\n");
+    assert_fails(&sg.run(&["schedule", "remove", "each-second"]), 4, "no schedule named \"each-second\"");
+    assert_fails(&sg.run(&["schedule", "pause", "nope"]), 4, "no schedule named \"nope\"");
+    assert_eq!(stdout(&sg.run(&["schedule", "list"])).lines().count(), 1, "only the header is left");
+    worker.stop();
+}
+
+#[test]
+fn a_bad_schedule_is_one_line_naming_the_problem() {
+    let sg = Sg::new("cli-sched-bad");
+    let input = sg.file("parts.txt", b"x\n");
+    let add = |name: &str, extra: &[&str], template: &[&str]| {
+        let mut args = vec!["schedule", "add", name, "--cron", "*/5 * * * *"];
+        args.extend_from_slice(extra);
+        args.push("--");
+        args.extend_from_slice(template);
+        sg.run(&args)
+    };
+    fails_with(&add("a@b", &[], &[&input]), 2, "invalid schedule name \"a@b\"");
+    fails_with(&sg.run(&["schedule", "add", "x", "--cron", "61 * * * *", "--", &input]), 2, "invalid cron \"61 * * * *\"");
+    fails_with(&add("x", &["--tz", "Mars/Base"], &[&input]), 2, "unknown time zone \"Mars/Base\"");
+    fails_with(&add("x", &["--missed", "catch-up"], &[&input]), 2, "--missed catch-up needs --catch-up N");
+    fails_with(&add("x", &["--missed", "catch-up", "--catch-up", "101"], &[&input]), 2, "catch-up 101 is out of range");
+    fails_with(&add("x", &[], &["--id", "fixed", &input]), 2, "cannot take --id");
+    fails_with(&add("x", &[], &["--stream", &input]), 2, "cannot take --stream");
+    fails_with(&add("x", &[], &["--priority", "120", &input]), 2, "priority 120 is out of range");
+    fails_with(&add("x", &[], &["--no-such-option", &input]), 2, "the request after `--`");
+    let empty = sg.file("empty.txt", b"");
+    fails_with(&add("x", &[], &[&empty]), 2, "the input has no lines");
+    fails_with(&add("x", &[], &["/no/such/file"]), 2, "cannot read /no/such/file");
+    assert_eq!(stdout(&sg.run(&["schedule", "list"])).lines().count(), 1, "nothing was added");
+}
+
+#[test]
 fn every_command_has_help_with_an_example() {
     let commands =
         [
         "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "purge", "stats", "pause", "resume", "metrics", "results",
-        "events",
+        "events", "schedule", "schedule add",
     ];
     for cmd in commands {
-        let out = Command::new(BIN).args([cmd, "--help"]).output().unwrap();
+        let out = Command::new(BIN).args(cmd.split(' ')).arg("--help").output().unwrap();
         assert!(out.status.success());
         assert!(stdout(&out).contains("Example:\n  sluicegate "), "{cmd} --help:\n{}", stdout(&out));
     }
