@@ -190,7 +190,7 @@ pub(crate) async fn finish(
     });
     futures::future::try_join_all(sweeps).await?;
     finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
-    seal_and_unindex(store, key_id, home, lifecycle).await
+    seal_and_unindex(store, key_id, home, lifecycle, &state).await
 }
 
 /// Steps 2 and 3 of [`finish()`]; alone, for a request whose event is already recorded. Returns the
@@ -200,9 +200,10 @@ pub(crate) async fn seal_and_unindex(
     key_id: &str,
     home: u32,
     lifecycle: i64,
+    state: &str,
 ) -> Result<Option<i64>> {
     if finish::seal(store, key_id, lifecycle).await? {
-        return Ok(match finish::unindex(store, key_id, home, lifecycle).await? {
+        return Ok(match finish::unindex(store, key_id, home, lifecycle, state).await? {
             Unindexed::StaysFor(next) => Some(next),
             Unindexed::Done => None,
         });

@@ -96,14 +96,21 @@ pub(crate) enum Unindexed {
 
 /// `unindex`: takes request `key_id`, whose lifecycle `lifecycle` finished, out of its home shard
 /// `home`'s index, unless a requeue has reopened it since.
-pub(crate) async fn unindex(store: &Store, key_id: &str, home: u32, lifecycle: i64) -> Result<Unindexed> {
+/// `state`: its terminal state, for a listing row a refused duplicate submit left live.
+pub(crate) async fn unindex(
+    store: &Store,
+    key_id: &str,
+    home: u32,
+    lifecycle: i64,
+    state: &str,
+) -> Result<Unindexed> {
     let (active, marks, reg, armed) = (
         store.keys.active(home),
         store.keys.finish_marks(home, key_id),
         store.keys.registrations(home),
         store.keys.armed(home),
     );
-    let args: Vec<Value> = vec![key_id.into(), lifecycle.into(), ms(store.config.retention)];
+    let args: Vec<Value> = vec![key_id.into(), lifecycle.into(), ms(store.config.retention), state.into()];
     let left = reply::int(&store.fcall(Func::Unindex, &[&active, &marks, &reg, &armed], args).await?)?;
     // 1 (left) and 0 (not there) are below any lifecycle (`created * 1000 + gen`).
     Ok(if left > lifecycle { Unindexed::StaysFor(left) } else { Unindexed::Done })

@@ -95,7 +95,7 @@ pub(crate) async fn finish_reported(store: &Store, key_id: &str, unfinished: Unf
     let place = Placement { priority, shards };
     let reopened = if sealed {
         // Its event was written before the seal: only the index entry is left.
-        crate::shards::seal_and_unindex(store, key_id, home_shard(key_id, shards), lifecycle).await?
+        crate::shards::seal_and_unindex(store, key_id, home_shard(key_id, shards), lifecycle, &state).await?
     } else {
         tracing::info!(
             request = key_id,

@@ -1987,6 +1987,9 @@ end
 -- KEYS[1] active-request index   KEYS[2] the request's finish marks (finish_index)
 -- KEYS[3] registration times   KEYS[4] the looks armed before a step (arm)
 -- ARGV[1] request key id   ARGV[2] the lifecycle that finished   ARGV[3] retention (ms)
+-- ARGV[4] its terminal state (optional): a listing row still live for the id is moved to that
+-- state's set. A later submit of the id, refused as a duplicate while this request is retained,
+-- registered (and so listed the id as live) before its refusal; nothing else would move it.
 -- Returns 1 when the request left the index, 0 when it was not there, or the newer lifecycle a
 -- requeue marked (reopen) when the entry stays for it: recovery then completes that requeue if it
 -- was left half-way (requeue_dead with 'resume'). The marks stay for the retention, as the
@@ -1998,6 +2001,13 @@ local function unindex(keys, args)
   redis.call('PEXPIRE', keys[2], args[3])
   redis.call('HDEL', keys[3], args[1])
   redis.call('ZREM', keys[4], args[1])
+  if args[4] and args[4] ~= '' then
+    local ix = sg_ix(keys[1])
+    if redis.call('ZSCORE', ix .. 'live', args[1]) then
+      local now = sg_now()
+      sg_ix_finish(ix, args[1], args[4], now + tonumber(args[3]), now)
+    end
+  end
   return redis.call('ZREM', keys[1], args[1])
 end
 
