@@ -12,6 +12,10 @@
 --         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal but
 --         still indexed, so the steps after its finish (finish_index, seal, unindex) are to be
 --         completed; sealed is 1 when only unindex is left;
+--         {'waiting', shards, look, ukid...}: a downstream waiting for its upstreams (its tokens parked,
+--         nothing of it can be lost): look again in `look` ms (at its deadline, or an hour), and
+--         check that the upstreams listed (those not ended, by its fields) still exist: their
+--         releases open it, and one that vanished without a release is settled as gone;
 --         or {'ok', priority, shards, next, look, push, check, held}: next: the first token of the
 --         next chunk (-1 after the last); look: in how many ms the request wants its next look,
 --         counting this chunk and ARGV[7] (the last chunk's is the request's); push: elements of
@@ -64,6 +68,17 @@ local function census(keys, args)
         return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held}
       end
       look = math.min(look, tonumber(m[6]) - now)
+    end
+    if state == 'waiting' then
+      local ups = redis.call('HGET', keys[1], 'ups') or ''
+      local wait_look = SG_WAITING_LOOK_MS
+      if m[6] then wait_look = math.min(wait_look, tonumber(m[6]) - now) end
+      local out = {'waiting', shards, math.max(wait_look, 1)}
+      for ukid in string.gmatch(ups, '[^,]+') do
+        local f = sg_dag_field(redis.call('HGET', keys[1], 'u:' .. ukid))
+        if f and f[1] == 'w' then out[#out + 1] = ukid end
+      end
+      return out
     end
     if state == 'scheduled' then
       -- A delayed request waits with parked tokens; the first census after its time promotes it.

@@ -25,7 +25,8 @@ local function drop_gone(keys, args)
   redis.call('ZREM', keys[1], args[1])
   redis.call('ZREM', keys[4], args[1])
   redis.call('HDEL', keys[2], args[1])
-  redis.call('DEL', keys[3])
+  -- A downstream linked to it was refused at its submit (it was not created): its set goes too.
+  redis.call('DEL', keys[3], sg_shard_key(keys[1], 'dn:' .. args[1]))
   sg_ix_remove(sg_ix(keys[1]), args[1], now)
   return 1
 end

@@ -15,7 +15,9 @@
 -- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
 --         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
 --         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
---         ...}, one pair per request finished, for the stats by stage.
+--         ...}, one pair per request finished, for the stats by stage; and when some of them have
+--         downstreams, with {'rel', key id, ...}: their releases, owed (in the outbox) and for
+--         the caller to run.
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -45,7 +47,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn'),
         set = {}, del = {}, feed = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -100,7 +102,7 @@ local function lane_ack(keys, args)
     end
   end
   -- The records' writes, then the finished requests' announcements and the fed parts.
-  local announced, finished, states = {}, {}, {}
+  local announced, finished, states, released = {}, {}, {}, {'rel'}
   for _, kid in ipairs(order) do
     local rec, record = recs[kid], prefix .. kid
     local fields = {}
@@ -114,7 +116,8 @@ local function lane_ack(keys, args)
     if rec.state then
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
-      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now)
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, rec.r[8])
+      if rec.r[8] then released[#released + 1] = kid end
       finished[#finished + 1] = kid
       states[#states + 1] = rec.state
       done[#done + 1] = rec.state
@@ -137,5 +140,6 @@ local function lane_ack(keys, args)
     reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end
   if #done > 1 then reply[#reply + 1] = done end
+  if #released > 1 then reply[#reply + 1] = released end
   return reply
 end

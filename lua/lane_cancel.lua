@@ -3,10 +3,11 @@
 -- those running record nothing (their lifecycle is no longer live).
 -- KEYS[1] the request's record   KEYS[2] the shard's events stream
 -- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
--- Returns {'finished', 'cancelled', lifecycle}, {'already', state} when it was terminal, or
+-- Returns {'finished', 'cancelled', lifecycle}, with a fourth item 'rel' when it has downstreams
+-- (its release is owed, and for the caller to run), {'already', state} when it was terminal, or
 -- {'unknown'}.
 local function lane_cancel(keys, args)
-  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol')
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol', 'dn')
   if not m[1] then return {'unknown'} end
   if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
   local now = sg_now()
@@ -14,9 +15,10 @@ local function lane_cancel(keys, args)
   for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
-  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now)
+  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now, m[4])
   sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
   redis.call('PUBLISH', args[3], line)
   redis.call('PEXPIRE', keys[2], args[2])
+  if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end

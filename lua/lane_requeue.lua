@@ -55,6 +55,8 @@ local function lane_requeue(keys, args)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
+    -- Its downstreams (if any) wait for this lifecycle's end: their set is kept while it runs.
+    redis.call('PERSIST', sg_shard_key(keys[10], 'dn:' .. args[2]))
     sg_ix_reopen(sg_ix(keys[10]), args[2])
     feed = math.min(pol.limit, left)
   end

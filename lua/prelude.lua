@@ -355,6 +355,98 @@ local function sg_deadline_wait(keys, k, epoch)
   return {'park', 0}
 end
 
+-- Dependencies between requests (docs/protocol.md §5, "Dependencies"). A downstream D is
+-- submitted `after` upstreams: its meta lists them in `ups` (key ids, comma-separated, in the
+-- order given) and keeps one field per upstream U, `u:<ukid>`:
+--   w|<lc>            U has not ended; lc: U's lifecycle when D linked (its created ms * 1000 + gen)
+--   c|<lc>            U's lifecycle lc completed
+--   f|<lc>|<state>    U's lifecycle lc ended otherwise: failed, cancelled, or gone
+-- `upw` counts the w fields and `upf` the f ones, both changed only with a field, in the same call,
+-- so they never drift; `onup` is D's policy for a failed upstream: 'fail' (D ends failed, `why`
+-- = `upstream:<ukid>`) or 'run' (any end of U counts). U's lifecycle tells a later request of the
+-- same id (another created) from U: it is never taken for U. A D whose gate is closed waits in
+-- state `waiting`, its tokens parked; its upstreams' releases (dag_settle) open it.
+-- U's side, on U's home shard: the set `dn:<ukid>` names its downstreams ("<dkid>|<D's token
+-- shards>"), a lane record's field `dn` says it has some, and the sorted set `rel` (the release
+-- outbox) holds U's key id from its finish until every downstream heard of it (rel_done).
+
+-- How long after a finish recovery first runs the release the finisher owes (ms): the finisher
+-- runs it at once, and recovery (claim_due) only if it has not answered by then.
+local SG_REL_DELAY_MS = 10000
+-- How often recovery looks at a waiting request (ms): its releases come from its upstreams' side,
+-- and this look only checks that no upstream vanished without one.
+local SG_WAITING_LOOK_MS = 3600000
+
+-- A key of the shard `shard_key` belongs to ("<ns>:{<ns>.q<s>}:<name>"), named `name`.
+local function sg_shard_key(shard_key, name)
+  return string.match(shard_key, '^(.*:)[^:]*$') .. name
+end
+
+-- A field `u:<ukid>` as {status, lc, state}, or nil.
+local function sg_dag_field(v)
+  if not v then return nil end
+  local f = sg_split(v)
+  return {f[1], tonumber(f[2]), f[3]}
+end
+
+-- Writes D's field for U as `status|lc[|state]` and keeps `upw`/`upf` in step with the change.
+local function sg_dag_set(keys, ukid, old, status, lc, state)
+  local v = status .. '|' .. sg_int(lc)
+  if status == 'f' then v = v .. '|' .. state end
+  redis.call('HSET', keys[1], 'u:' .. ukid, v)
+  local dw, df = 0, 0
+  if old and old[1] == 'w' then dw = dw - 1 end
+  if old and old[1] == 'f' then df = df - 1 end
+  if status == 'w' then dw = dw + 1 end
+  if status == 'f' then df = df + 1 end
+  if dw ~= 0 then redis.call('HINCRBY', keys[1], 'upw', dw) end
+  if df ~= 0 then redis.call('HINCRBY', keys[1], 'upf', df) end
+end
+
+-- Whether news of U's lifecycle `lc` (status c or f) is newer than D's field `old` for U: same U
+-- (the created ms of both lifecycles agree) and a later lifecycle, or the end of the one D waits on.
+local function sg_dag_newer(old, lc)
+  if not old then return true end
+  if math.floor(old[2] / 1000) ~= math.floor(lc / 1000) then return false end
+  return lc > old[2] or (lc == old[2] and old[1] == 'w')
+end
+
+-- What D's gate says, from its counters: 'fail' (an upstream failed and D's policy is 'fail'),
+-- 'wait' (an upstream has not ended), or 'open'.
+local function sg_dag_gate(m_upw, m_upf, onup)
+  if tonumber(m_upf or '0') > 0 and onup ~= 'run' then return 'fail' end
+  if tonumber(m_upw or '0') > 0 then return 'wait' end
+  return 'open'
+end
+
+-- The first upstream in `ups` whose field says it failed: the one D's `why` names.
+local function sg_dag_failed_one(keys, ups)
+  for ukid in string.gmatch(ups, '[^,]+') do
+    local f = sg_dag_field(redis.call('HGET', keys[1], 'u:' .. ukid))
+    if f and f[1] == 'f' then return ukid end
+  end
+  return ''
+end
+
+-- Ends D `failed` because of upstream `ukid` (its parked tokens need no sweep): sg_finish's reply.
+local function sg_dag_fail(keys, rid, ukid, retention_ms, channel, now)
+  redis.call('HSET', keys[1], 'why', 'upstream:' .. ukid)
+  return sg_finish(keys, rid, 'failed', retention_ms, channel, now)
+end
+
+-- Opens a waiting D: `queued` (since now) with every parked token woken; returns the elements.
+local function sg_dag_open(keys, rid, now)
+  redis.call('HSET', keys[1], 'state', 'queued', 'queued', now)
+  return sg_unpark(keys, rid, tonumber(redis.call('HGET', keys[1], 'ntok') or '0'), now)
+end
+
+-- Whether failed D can run again: it failed because of an upstream, and its gate is open now (the
+-- upstream was requeued and completed). requeue_dead then reopens it although it has no dead letter.
+local function sg_dag_reopenable(why, m_upw, m_upf, onup)
+  return why ~= nil and why ~= false and string.sub(why, 1, 9) == 'upstream:'
+    and sg_dag_gate(m_upw, m_upf, onup) == 'open'
+end
+
 -- A new request's rate limit, "<R>/<interval ms>" (R from 1 to 1,000,000, the interval from 1 ms
 -- to a day; '' or absent: none): the value to store, or nil and the error reply.
 local function sg_check_rate(rate)
@@ -866,10 +958,13 @@ end
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
 -- finished as one message, keeps the events stream for the retention (PEXPIRE), and moves them in
--- the listing index (sg_ix_finish_many, sg_ix_finished), once per call.
-local function sg_lane_announce(record, kid, state, retention, events, now)
+-- the listing index (sg_ix_finish_many, sg_ix_finished), once per call. A request with downstreams
+-- (its record's `dn`, read by the caller) is put in the shard's release outbox in the same step
+-- (prelude.lua, "Dependencies between requests"); the caller's reply names it.
+local function sg_lane_announce(record, kid, state, retention, events, now, dn)
   redis.call('PEXPIRE', record, retention)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
 end
 

@@ -10,6 +10,8 @@ local function reopen(keys, args)
   -- Kept (no expiry) while the reopened request runs; its own finish_index sets one.
   redis.call('HSET', keys[3], 'o', args[3])
   redis.call('PERSIST', keys[3])
+  -- Its downstreams (if any) wait for this lifecycle's end: their set is kept while it runs.
+  redis.call('PERSIST', sg_shard_key(keys[1], 'dn:' .. args[1]))
   redis.call('HSETNX', keys[2], args[1], now)
   sg_ix_reopen(sg_ix(keys[1]), args[1])
   return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])

@@ -8,7 +8,10 @@
 -- ARGV[4] 'resume' (recovery): complete a requeue whose caller died after `reopen` marked ARGV[2],
 -- only if the request is still the failed lifecycle just before it; otherwise do nothing ({0, 0})
 -- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle when a failed
--- request was reopened, else 0; and token elements to push (re-created or woken tokens). For a
+-- request was reopened, else 0; and token elements to push (re-created or woken tokens). A
+-- downstream that failed because of an upstream (`why` = `upstream:<ukid>`) has no dead letter:
+-- it is reopened (n = 0) once its gate is open again (prelude.lua, "Dependencies between
+-- requests"), and is otherwise left as it is ({0, 0}). For a
 -- failed request, nothing changes and the reply says what to do first:
 --   {-1, lifecycle}: its finish is not sealed yet (its event may be unwritten): complete the steps
 --   after that finish (finish_index, seal, unindex) and call again;
@@ -20,7 +23,8 @@
 local function requeue_dead(keys, args)
   local late = sg_step_late(args[3])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why')
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why', 'upw',
+    'upf', 'onup')
   local state = m[1]
   if state == 'failed' and m[7] == 'deadline' then
     -- It would end again at once: its deadline has passed for good.
@@ -42,16 +46,20 @@ local function requeue_dead(keys, args)
   end
   local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
   local n = #dead
-  if n == 0 then return {0, 0} end
+  -- A downstream failed because of an upstream has no dead letter, and reopens once its gate is
+  -- open again (the upstream was requeued and completed).
+  if n == 0 and not (state == 'failed' and sg_dag_reopenable(m[7], m[8], m[9], m[10])) then return {0, 0} end
   local now = sg_now()
   for _, id in ipairs(dead) do
     -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.
     redis.call('XCLAIM', keys[2], 'g', 'requeue', 0, id, 'RETRYCOUNT', 0, 'JUSTID')
     redis.call('ZADD', keys[6], now, id)
   end
-  redis.call('HINCRBY', keys[1], 'extra', n)
-  redis.call('HINCRBY', keys[1], 'left', n)
-  redis.call('HINCRBY', keys[1], 'failed', -n)
+  if n > 0 then
+    redis.call('HINCRBY', keys[1], 'extra', n)
+    redis.call('HINCRBY', keys[1], 'left', n)
+    redis.call('HINCRBY', keys[1], 'failed', -n)
+  end
   if state == 'failed' then
     redis.call('HINCRBY', keys[1], 'gen', 1)
     -- Elements of the earlier lifecycle may linger in a list: start the epochs above them.
@@ -59,7 +67,7 @@ local function requeue_dead(keys, args)
     local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
     for i = 1, 6 do redis.call('PERSIST', keys[i]) end
     redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
-    redis.call('HDEL', keys[1], 'finished', 'sealed')
+    redis.call('HDEL', keys[1], 'finished', 'sealed', 'why')
     local out, fields = {n, args[2]}, {}
     for k = 0, ntok - 1 do
       fields[#fields + 1] = 't' .. k

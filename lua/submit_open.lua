@@ -17,6 +17,10 @@
 -- Redis time (ms) past which no part starts and the request ends `failed`, `why` = `deadline`
 -- ARGV[16] the request's rate limit, "<R>/<interval ms>" (optional; '' = none): at most R parts
 -- start per interval, across all workers (stored as `rate`; prelude, sg_rate_room)
+-- ARGV[17] the policy for a failed upstream (optional; '' = 'fail'): 'fail' or 'run'
+-- ARGV[18] the upstreams (optional; '' = none): key ids, comma-separated, at most 1,000: the
+-- request is a downstream, committed `waiting` until they end (prelude.lua, "Dependencies between
+-- requests"); its producer links it to each (dag_link) before submit_commit. Not with a delay.
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -43,6 +47,20 @@ local function submit_open(keys, args)
   local rate
   rate, invalid = sg_check_rate(args[16])
   if invalid then return invalid end
+  local ups, onup = args[18] or '', args[17] or ''
+  if onup == '' then onup = 'fail' end
+  if onup ~= 'fail' and onup ~= 'run' then
+    return redis.error_reply('SGINVALID the policy for a failed upstream is fail or run')
+  end
+  if ups ~= '' then
+    local n = 0
+    for ukid in string.gmatch(ups .. ',', '([^,]*),') do
+      if ukid == '' then return redis.error_reply('SGINVALID an upstream key id is empty') end
+      n = n + 1
+    end
+    if n > 1000 then return redis.error_reply('SGINVALID a request has at most 1000 upstreams') end
+    if delay > 0 then return redis.error_reply('SGINVALID a request submitted after others cannot be delayed') end
+  end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -62,6 +80,7 @@ local function submit_open(keys, args)
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
   if rate ~= '' then redis.call('HSET', keys[1], 'rate', rate) end
+  if ups ~= '' then redis.call('HSET', keys[1], 'ups', ups, 'onup', onup, 'upw', 0, 'upf', 0) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])

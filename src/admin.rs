@@ -10,11 +10,10 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::protocol::operators::{self, Reprioritize, Requeued};
-use crate::protocol::Finished;
+use crate::keys::home_shard;
+use crate::protocol::operators::{self, Reprioritize};
 use crate::request::RequestId;
 use crate::request::{Cancelled, PartError, Priority, RequestState};
-use crate::shards::Look;
 use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::{SlotWork, WorkerInfo};
@@ -108,6 +107,25 @@ pub struct RequestStatus {
     /// The last error of up to [`STATUS_ERRORS`] sub-requests (dead letters and pending retries),
     /// by index.
     pub errors: Vec<IndexedError>,
+    /// The requests it was submitted after (`RequestBuilder::after`), in the order given, each
+    /// as far as this request has heard of it.
+    pub upstreams: Vec<Upstream>,
+    /// Requests submitted after it: at most [`STATUS_DOWNSTREAMS`] of them, in no order.
+    pub downstreams: Vec<String>,
+}
+
+/// The most downstreams [`RequestStatus::downstreams`] lists.
+pub const STATUS_DOWNSTREAMS: usize = 100;
+
+/// An upstream of a request ([`RequestStatus::upstreams`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Upstream {
+    /// The upstream request.
+    pub id: String,
+    /// How it ended, as its downstream heard: `None` while the downstream waits for it;
+    /// `"completed"`, `"failed"`, `"cancelled"`, or `"gone"` (nothing of it was left).
+    pub ended: Option<String>,
 }
 
 /// A request's rate limit: at most `n` parts start per `per_ms`.
@@ -274,7 +292,21 @@ impl Admin {
             .iter()
             .map(|(&index, record)| IndexedError { index, error: PartError::from_record(record) })
             .collect();
-        status_from(id, &meta, errors, running, retrying)
+        let mut status = status_from(id, &meta, errors, running, retrying)?;
+        let shards = meta.get("shards").and_then(|s| s.parse().ok()).unwrap_or(1u32).max(1);
+        status.downstreams = self.downstreams_of(&id.key_id(), home_shard(&id.key_id(), shards)).await?;
+        Ok(status)
+    }
+
+    /// Up to [`STATUS_DOWNSTREAMS`] downstreams of request `key_id`, homed on `home`.
+    async fn downstreams_of(&self, key_id: &str, home: u32) -> Result<Vec<String>> {
+        let (_, entries) = crate::protocol::dag::downstreams_page(&self.store, home, key_id, "0").await?;
+        Ok(entries
+            .iter()
+            .filter_map(|e| RequestId::from_key_id(e.rsplit_once('|')?.0).ok())
+            .take(STATUS_DOWNSTREAMS)
+            .map(|id| id.to_string())
+            .collect())
     }
 
     /// `status` of a lane request, from its record: `running` is not counted (its parts in the
@@ -282,8 +314,8 @@ impl Admin {
     /// failed and that are not dead.
     async fn lane_status(&self, id: &RequestId) -> Result<RequestStatus> {
         let key_id = id.key_id();
-        let record =
-            self.store.keys.record(crate::shards::lane_home_found(&self.store, &key_id).await?, &key_id);
+        let home = crate::shards::lane_home_found(&self.store, &key_id).await?;
+        let record = self.store.keys.record(home, &key_id);
         let fields: HashMap<String, Vec<u8>> = self.store.client.hgetall(record.as_str()).await?;
         if fields.is_empty() {
             return Err(Error::UnknownRequest(id.clone()));
@@ -301,7 +333,11 @@ impl Admin {
             .collect();
         let dead = fields.keys().filter(|k| k.starts_with('x')).count() as u64;
         let retrying = if state.is_terminal() { 0 } else { (errors.len() as u64).saturating_sub(dead) };
-        status_from(id, &meta, errors, 0, retrying)
+        let mut status = status_from(id, &meta, errors, 0, retrying)?;
+        if fields.contains_key("dn") {
+            status.downstreams = self.downstreams_of(&key_id, home).await?;
+        }
+        Ok(status)
     }
 
     /// Cancels a request: no sub-request of it starts afterwards, running handlers see their
@@ -334,40 +370,7 @@ impl Admin {
             };
             return crate::protocol::lane::requeue(&self.store, home, priority, &key_id).await;
         };
-        // A failed request is reopened only after its own lifecycle is announced and sealed, and
-        // after `reopen` indexed it again and marked the new lifecycle (so that no late unindex of
-        // the failed one removes it): requeue_dead says which step is missing, in that order.
-        // Recovery looks after each call, in case this process dies between waking tokens and
-        // pushing them (a request not indexed, a failed one, is indexed again by `reopen` with its
-        // own look).
-        let grace = self.store.config.grace();
-        let mut reopen_as = String::new();
-        for _ in 0..4 {
-            let requeued =
-                crate::shards::requeue_dead(&self.store, &key_id, place.shards, &reopen_as, false).await;
-            let requeued = requeued?;
-            match requeued {
-                Requeued::FinishFirst(lifecycle) => {
-                    // A failure whose steps after the finish are not done (its worker died, and
-                    // recovery has not come by yet): announce it first, so that its lifecycle keeps
-                    // its one event.
-                    let finished =
-                        Finished { state: "failed".into(), lifecycle, sweep: Vec::new(), shards: None };
-                    crate::shards::finish(&self.store, &key_id, place, finished).await?;
-                }
-                Requeued::ReopenFirst(lifecycle) => {
-                    crate::shards::reopen(&self.store, &key_id, place.shards, lifecycle).await?;
-                    reopen_as = lifecycle.to_string();
-                }
-                Requeued::Done { n, elements } => {
-                    if !elements.is_empty() {
-                        crate::shards::push(&self.store, &key_id, place, Look::More, grace, elements).await?;
-                    }
-                    return Ok(n.max(0) as u64);
-                }
-            }
-        }
-        Err(Error::Protocol(format!("request \"{id}\" kept changing while it was being requeued; try again")))
+        crate::shards::requeue(&self.store, &key_id, place).await
     }
 
     /// Changes the priority of a request that is queued or running (also a delayed one, or a
@@ -862,5 +865,24 @@ fn status_from(
         paused: false,
         tags: Vec::new(),
         tracked: false,
+        upstreams: upstreams_of(meta),
+        downstreams: Vec::new(),
     })
+}
+
+/// A downstream's upstreams, from its meta (`ups` and the fields `u:<key id>`).
+fn upstreams_of(meta: &HashMap<String, String>) -> Vec<Upstream> {
+    let Some(ups) = meta.get("ups") else { return Vec::new() };
+    ups.split(',')
+        .filter_map(|ukid| {
+            let id = RequestId::from_key_id(ukid).ok()?.to_string();
+            let field = meta.get(&format!("u:{ukid}"));
+            let ended = match field.map(|f| f.split('|').collect::<Vec<_>>()).as_deref() {
+                Some(["c", ..]) => Some("completed".to_owned()),
+                Some(["f", _, state, ..]) => Some((*state).to_owned()),
+                _ => None,
+            };
+            Some(Upstream { id, ended })
+        })
+        .collect()
 }

@@ -44,6 +44,10 @@ pub struct Config {
     /// Load the test build of the library, whose clock tests move (`test-clock` feature only).
     #[cfg(feature = "test-clock")]
     pub(crate) test_clock: bool,
+    /// Finishers leave the releases their finishes owe to recovery, as if each died right after
+    /// its finish (`test-clock` feature only).
+    #[cfg(feature = "test-clock")]
+    pub(crate) test_no_inline_release: bool,
 }
 
 /// The URL used when neither the caller nor `REDIS_URL` names one.
@@ -73,6 +77,8 @@ impl Config {
             stats_flush: Duration::from_secs(5),
             #[cfg(feature = "test-clock")]
             test_clock: false,
+            #[cfg(feature = "test-clock")]
+            test_no_inline_release: false,
         }
     }
 
@@ -227,6 +233,16 @@ impl Config {
     #[doc(hidden)]
     pub fn test_clock(mut self, on: bool) -> Self {
         self.test_clock = on;
+        self
+    }
+
+    /// Tests only (`test-clock` feature): a finish whose request has downstreams does not run
+    /// their release itself, as if its finisher died right after the finish; recovery runs it
+    /// from the outbox. Never for a deployment.
+    #[cfg(feature = "test-clock")]
+    #[doc(hidden)]
+    pub fn test_no_inline_release(mut self, on: bool) -> Self {
+        self.test_no_inline_release = on;
         self
     }
 

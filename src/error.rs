@@ -21,6 +21,27 @@ pub enum Error {
     /// No request with this id exists (never submitted, or its retention ran out).
     #[error("no request with id \"{0}\" (never submitted, or its results expired)")]
     UnknownRequest(RequestId),
+    /// A request was submitted `after` a request that cannot be waited for: unknown (never
+    /// submitted, or its retention ran out), or still being submitted (its submit has not
+    /// returned). Nothing of the new request is kept.
+    #[error("upstream request \"{id}\" {why}; nothing of the request submitted after it is kept")]
+    UnknownUpstream {
+        /// The upstream named.
+        id: RequestId,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A part's result asked for is not there: the part has not ended, or its request's results
+    /// were taken (`results_from`), discarded, or went with its retention.
+    #[error("request \"{id}\" has no result for part {index}: {why}")]
+    NoResult {
+        /// The request.
+        id: RequestId,
+        /// The part.
+        index: u64,
+        /// Why, as far as can be told.
+        why: &'static str,
+    },
     /// An events cursor is not one (see `Cursor`'s text form).
     #[error("invalid cursor: {0}")]
     InvalidCursor(String),

@@ -182,10 +182,16 @@ impl Keys {
         format!("{}:{{{}.q0}}:st:{minute}", self.ns, self.ns)
     }
 
-    /// Sorted set of the lane requests homed on `shard` that have a deadline; score: the deadline
-    /// (ms). Passed to `claim_due` (its KEYS[3]).
-    pub(crate) fn lane_deadlines(&self, shard: u32) -> String {
-        format!("{}:{{{}.q{shard}}}:dl", self.ns, self.ns)
+    /// Set of the downstreams of request `key_id`, on its home shard: `<dkid>|<D's token shards>`
+    /// (docs/protocol.md §5, "Dependencies").
+    pub(crate) fn downstreams(&self, shard: u32, key_id: &str) -> String {
+        format!("{}:{{{}.q{shard}}}:dn:{key_id}", self.ns, self.ns)
+    }
+
+    /// Sorted set of the releases owed by the requests homed on `shard` (the release outbox): key
+    /// id of a finished request with downstreams; score: when recovery should run its release (ms).
+    pub(crate) fn releases(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:rel", self.ns, self.ns)
     }
 
     #[cfg(feature = "schedules")]
@@ -297,7 +303,8 @@ mod tests {
         assert_eq!(keys.workers(), "ns:{ns.q0}:workers");
         assert_eq!(keys.worker_info(), "ns:{ns.q0}:winfo");
         assert_eq!(keys.stats_minute(28_000_000), "ns:{ns.q0}:st:28000000");
-        assert_eq!(keys.lane_deadlines(2), "ns:{ns.q2}:dl");
+        assert_eq!(keys.releases(2), "ns:{ns.q2}:rel");
+        assert_eq!(keys.downstreams(2, "a%7Cb"), "ns:{ns.q2}:dn:a%7Cb");
         assert_eq!(keys.schedules_due(), "ns:{ns.q0}:sch:due");
         #[cfg(feature = "schedules")]
         assert_eq!(

@@ -86,15 +86,18 @@ mod worker;
 pub use admin::{
     Admin, DeadLetter, IndexedError, ListPage, ListQuery, ListState, ListedRequest, Paused, PriorityTokens,
     RateLimit, Reprioritized, RequestCounts, RequestStatus, RequestTokens, SlotWork, Stats, Tally,
-    TokenAudit, TokenState, WorkerInfo, MAX_LIST_LIMIT, MAX_LIST_LOOK, MAX_TALLY, MAX_TOKEN_AUDIT,
-    STATUS_ERRORS,
+    TokenAudit, TokenState, Upstream, WorkerInfo, MAX_LIST_LIMIT, MAX_LIST_LOOK, MAX_TALLY, MAX_TOKEN_AUDIT,
+    STATUS_DOWNSTREAMS, STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Cursor, Listener};
 pub use loader::Loader;
-pub use producer::{Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage};
+pub use producer::{
+    Completion, OnUpstreamFailure, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage,
+    MAX_UPSTREAMS,
+};
 pub use request::{
     check_tag, Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
     MAX_REQUEST_ID_BYTES, MAX_TAGS, MAX_TAG_BYTES,

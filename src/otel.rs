@@ -137,6 +137,8 @@ mod on {
             Error::InvalidRequestId(_) | Error::InvalidRequest(_) => "invalid_request",
             Error::DuplicateRequestId(_) => "duplicate_request_id",
             Error::UnknownRequest(_) => "unknown_request",
+            Error::UnknownUpstream { .. } => "unknown_upstream",
+            Error::NoResult { .. } => "no_result",
             Error::InvalidCursor(_) => "invalid_cursor",
             Error::Codec(_) => "codec",
             Error::Redis(_) => "redis",

@@ -89,6 +89,8 @@ impl Producer {
             tags: Vec::new(),
             deadline: None,
             rate: None,
+            after: Vec::new(),
+            on_upstream_failure: OnUpstreamFailure::Fail,
         }
     }
 
@@ -114,6 +116,7 @@ impl Producer {
         let submitted = async {
             check_duration("delay", spec.delay)?;
             spec.check_listing()?;
+            spec.check_upstreams(&id)?;
             let finish_within = spec.finish_within()?;
             if spec.window > 0 || spec.discard {
                 // A whole request is bounded by what the producer hands over at once; the window
@@ -140,7 +143,7 @@ impl Producer {
             if lane {
                 // A generated id is unique, so its record needs no nonce to know a re-sent submit.
                 let nonce = if spec.id.is_some() { nonce.as_str() } else { "" };
-                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, &trace, None);
+                let req = spec.new_request(&id, &key_id, nonce, place.shards, 0, &trace, None, &[]);
                 send.count(first.len() as u64);
                 lane::submit(&self.store, &req, first).await?;
                 self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
@@ -153,9 +156,28 @@ impl Producer {
             let row = spec.row(Kind::Own);
             let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
             let deadline = registration.deadline(&self.store);
-            let req = spec.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace, finish_within);
-            let (elements, total) = self.write(&req, spec.delay, first, parts).await?;
+            let upstreams: Vec<String> = spec.after.iter().map(RequestId::key_id).collect();
+            let req = spec.new_request(
+                &id,
+                &key_id,
+                &nonce,
+                place.shards,
+                deadline,
+                &trace,
+                finish_within,
+                &upstreams,
+            );
+            let (committed, total) = self.write(&req, spec.delay, first, parts, &spec.after).await?;
             send.count(total);
+            let elements = match committed {
+                submit::Committed::Elements(elements) => elements,
+                submit::Committed::Failed(finished) => {
+                    // An upstream had failed already: it ended at once, and is announced now.
+                    crate::shards::finish(&self.store, &key_id, place, finished).await?;
+                    self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
+                    return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
+                }
+            };
             // A delayed request is first looked at (and promoted) when its time comes; one with a
             // deadline no later than that.
             let next = if spec.delay.is_zero() { self.store.config.census_interval } else { spec.delay };
@@ -173,36 +195,46 @@ impl Producer {
     }
 
     /// Creates the request with its parts, `first` (already encoded) and then the rest: in one
-    /// call if there is no rest, else opened, loaded chunk by chunk and committed. Returns the
-    /// token elements to push, and how many parts it has.
+    /// call if there is no rest and no upstream, else opened, loaded chunk by chunk, linked to its
+    /// `upstreams` (between the load and the commit: a release from then on reaches it, and each
+    /// upstream exists before it is committed, so no cycle can form) and committed. Returns what
+    /// the commit made of it, and how many parts it has.
     async fn write<I, T>(
         &self,
         req: &NewRequest<'_>,
         delay: Duration,
         first: Vec<Value>,
         rest: I,
-    ) -> Result<(Vec<Value>, u64)>
+        upstreams: &[RequestId],
+    ) -> Result<(submit::Committed, u64)>
     where
         I: Iterator<Item = T>,
         T: codec::Part,
     {
         let mut rest = rest.peekable();
-        if rest.peek().is_none() {
+        if rest.peek().is_none() && upstreams.is_empty() {
             let total = first.len() as u64;
-            return Ok((submit::submit_small(&self.store, req, delay, first).await?, total));
+            let elements = submit::submit_small(&self.store, req, delay, first).await?;
+            return Ok((submit::Committed::Elements(elements), total));
         }
         submit::submit_open(&self.store, req, delay).await?;
-        let total = match self.load(req.key_id, req.nonce, first, rest).await {
-            Ok(total) => total,
+        let loaded = async {
+            let total = self.load(req.key_id, req.nonce, first, rest).await?;
+            let links = crate::shards::dag::link_all(&self.store, req.key_id, req.shards, upstreams).await?;
+            Ok::<_, Error>((total, links))
+        };
+        let (total, links) = match loaded.await {
+            Ok(loaded) => loaded,
             Err(e) => {
                 // Nothing of a half-written request is visible to workers; remove it now so the id
-                // can be used again (it would expire after the loading ttl anyway).
+                // can be used again (it would expire after the loading ttl anyway). Its entries in
+                // upstreams' sets of downstreams name no request, and are passed over.
                 let _ = submit::submit_abort(&self.store, req.key_id, req.nonce).await;
                 return Err(e);
             }
         };
         // From here on the request may be committed: never delete it on error.
-        Ok((submit::submit_commit(&self.store, req.key_id, total, req.nonce).await?, total))
+        Ok((submit::submit_commit(&self.store, req.key_id, total, req.nonce, &links).await?, total))
     }
 
     /// Writes the parts in chunks, `first` (already encoded) and then the rest. Returns how many.
@@ -233,6 +265,7 @@ impl Producer {
             && spec.delay.is_zero()
             && spec.deadline.is_none()
             && spec.rate.is_none()
+            && spec.after.is_empty()
             && first.len() <= lane::MAX_PARTS
             && bytes <= lane::MAX_BYTES
     }
@@ -400,7 +433,26 @@ pub struct RequestBuilder<'a> {
     tags: Vec<String>,
     deadline: Option<Deadline>,
     rate: Option<(u32, Duration)>,
+    after: Vec<RequestId>,
+    on_upstream_failure: OnUpstreamFailure,
 }
+
+/// What a request submitted [`after`](RequestBuilder::after) others does when one of them ends
+/// without completing (failed, cancelled, or gone).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnUpstreamFailure {
+    /// It ends `failed` too, without running, with [`Completion::reason`] `upstream:<id>`
+    /// (naming the upstream); so do its own downstreams that fail the same way. If that upstream
+    /// is requeued and then completes, it reopens and runs.
+    #[default]
+    Fail,
+    /// It runs once every upstream has ended, however.
+    Run,
+}
+
+/// The most upstreams a request can be submitted after.
+pub const MAX_UPSTREAMS: usize = 1000;
 
 /// A request's deadline as the producer was given it.
 #[derive(Clone, Copy, Debug)]
@@ -412,6 +464,65 @@ enum Deadline {
 }
 
 impl RequestBuilder<'_> {
+    /// Runs the request only after the requests `ids` (its upstreams): it is stored at once, in
+    /// state `waiting`, and gets its tokens when every one of them has completed. One that fails
+    /// or is cancelled fails this request too, unless
+    /// [`on_upstream_failure`](Self::on_upstream_failure) says otherwise. Its handlers can read
+    /// the upstreams' results with `Context::upstream`. A request may
+    /// have up to [`MAX_UPSTREAMS`] upstreams and any number of downstreams, on any shards and
+    /// cluster slots.
+    ///
+    /// Each upstream must exist when this request is submitted (its submit has returned), so no
+    /// cycle can form; an unknown one is refused with [`Error::UnknownUpstream`], and nothing of
+    /// this request is kept. An id given twice counts once; calls add up. A request submitted
+    /// after others takes its own stream, never a lane, and cannot be delayed or
+    /// [`open`](Self::open)ed for streaming.
+    ///
+    /// ```no_run
+    /// # async fn demo(producer: sluicegate::Producer) -> sluicegate::Result<()> {
+    /// let split = producer.request().submit(["a.csv", "b.csv"]).await?;
+    /// let merge = producer.request().after([split.id().clone()]).submit(["merge"]).await?;
+    /// merge.wait::<String>().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn after(mut self, ids: impl IntoIterator<Item = RequestId>) -> Self {
+        for id in ids {
+            if !self.after.contains(&id) {
+                self.after.push(id);
+            }
+        }
+        self
+    }
+
+    /// What the request does when an upstream (see [`after`](Self::after)) ends without
+    /// completing; default [`OnUpstreamFailure::Fail`].
+    pub fn on_upstream_failure(mut self, policy: OnUpstreamFailure) -> Self {
+        self.on_upstream_failure = policy;
+        self
+    }
+
+    /// Refuses upstreams this request cannot wait for as built: itself, too many, with a delay.
+    fn check_upstreams(&self, id: &RequestId) -> Result<()> {
+        if self.after.is_empty() {
+            return Ok(());
+        }
+        if self.after.contains(id) {
+            return Err(Error::InvalidRequest(format!("request \"{id}\" cannot be submitted after itself")));
+        }
+        if self.after.len() > MAX_UPSTREAMS {
+            return Err(Error::InvalidRequest(format!(
+                "a request can be submitted after at most {MAX_UPSTREAMS} others, not {}",
+                self.after.len()
+            )));
+        }
+        if !self.delay.is_zero() {
+            return Err(Error::InvalidRequest(
+                "a request submitted after others cannot be delayed as well".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Gives the request a deadline: past `at`, none of its parts starts, the handlers still
     /// running see `Context::cancelled` (and are stopped at their next
     /// await, as at an attempt timeout: their parts get no result), and the request ends `failed`
@@ -677,6 +788,7 @@ impl RequestBuilder<'_> {
         deadline: i64,
         trace: &'a str,
         finish_within: Option<Duration>,
+        upstreams: &'a [String],
     ) -> NewRequest<'a> {
         NewRequest {
             id,
@@ -698,6 +810,8 @@ impl RequestBuilder<'_> {
             trace,
             finish_within,
             rate: self.rate,
+            upstreams,
+            run_after_failure: self.on_upstream_failure == OnUpstreamFailure::Run,
         }
     }
 
@@ -706,6 +820,11 @@ impl RequestBuilder<'_> {
     pub async fn open(self) -> Result<OpenRequest> {
         if !self.delay.is_zero() {
             return Err(Error::InvalidRequest("a streamed request cannot be delayed".into()));
+        }
+        if !self.after.is_empty() {
+            return Err(Error::InvalidRequest(
+                "a streamed request cannot be submitted after others: submit() it whole".into(),
+            ));
         }
         if let Some(expiry) = self.open_expiry {
             check_duration("open expiry", expiry)?;
@@ -727,7 +846,8 @@ impl RequestBuilder<'_> {
             let row = self.row(Kind::Own);
             let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
             let deadline = registration.deadline(&producer.store);
-            let req = self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace, finish_within);
+            let req =
+                self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace, finish_within, &[]);
             submit::stream_open(&producer.store, &req, self.open_expiry).await?;
             // Its first look: when it expires unfinalized or reaches its deadline, or the census
             // interval.

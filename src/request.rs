@@ -267,6 +267,9 @@ pub enum RequestState {
     Loading,
     /// Accepted and durable, waiting for its scheduled time; no worker can see it yet.
     Scheduled,
+    /// Accepted and durable, waiting for the requests it was submitted after (its upstreams) to
+    /// complete; no worker can see it yet.
+    Waiting,
     /// Accepted, durable, waiting for a worker.
     Queued,
     /// At least one sub-request has started.
@@ -290,6 +293,7 @@ impl RequestState {
         match self {
             Self::Loading => "loading",
             Self::Scheduled => "scheduled",
+            Self::Waiting => "waiting",
             Self::Queued => "queued",
             Self::Running => "running",
             Self::Completed => "completed",
@@ -305,6 +309,7 @@ impl FromStr for RequestState {
         Ok(match s {
             "loading" => Self::Loading,
             "scheduled" => Self::Scheduled,
+            "waiting" => Self::Waiting,
             "queued" => Self::Queued,
             "running" => Self::Running,
             "completed" => Self::Completed,
@@ -386,7 +391,8 @@ mod tests {
 
     #[test]
     fn states_round_trip_through_their_stored_names() {
-        for s in ["loading", "scheduled", "queued", "running", "completed", "failed", "cancelled"] {
+        for s in ["loading", "scheduled", "waiting", "queued", "running", "completed", "failed", "cancelled"]
+        {
             assert_eq!(s.parse::<RequestState>().unwrap().as_str(), s);
         }
     }

@@ -357,6 +357,98 @@ local function sg_deadline_wait(keys, k, epoch)
   return {'park', 0}
 end
 
+-- Dependencies between requests (docs/protocol.md §5, "Dependencies"). A downstream D is
+-- submitted `after` upstreams: its meta lists them in `ups` (key ids, comma-separated, in the
+-- order given) and keeps one field per upstream U, `u:<ukid>`:
+--   w|<lc>            U has not ended; lc: U's lifecycle when D linked (its created ms * 1000 + gen)
+--   c|<lc>            U's lifecycle lc completed
+--   f|<lc>|<state>    U's lifecycle lc ended otherwise: failed, cancelled, or gone
+-- `upw` counts the w fields and `upf` the f ones, both changed only with a field, in the same call,
+-- so they never drift; `onup` is D's policy for a failed upstream: 'fail' (D ends failed, `why`
+-- = `upstream:<ukid>`) or 'run' (any end of U counts). U's lifecycle tells a later request of the
+-- same id (another created) from U: it is never taken for U. A D whose gate is closed waits in
+-- state `waiting`, its tokens parked; its upstreams' releases (dag_settle) open it.
+-- U's side, on U's home shard: the set `dn:<ukid>` names its downstreams ("<dkid>|<D's token
+-- shards>"), a lane record's field `dn` says it has some, and the sorted set `rel` (the release
+-- outbox) holds U's key id from its finish until every downstream heard of it (rel_done).
+
+-- How long after a finish recovery first runs the release the finisher owes (ms): the finisher
+-- runs it at once, and recovery (claim_due) only if it has not answered by then.
+local SG_REL_DELAY_MS = 10000
+-- How often recovery looks at a waiting request (ms): its releases come from its upstreams' side,
+-- and this look only checks that no upstream vanished without one.
+local SG_WAITING_LOOK_MS = 3600000
+
+-- A key of the shard `shard_key` belongs to ("<ns>:{<ns>.q<s>}:<name>"), named `name`.
+local function sg_shard_key(shard_key, name)
+  return string.match(shard_key, '^(.*:)[^:]*$') .. name
+end
+
+-- A field `u:<ukid>` as {status, lc, state}, or nil.
+local function sg_dag_field(v)
+  if not v then return nil end
+  local f = sg_split(v)
+  return {f[1], tonumber(f[2]), f[3]}
+end
+
+-- Writes D's field for U as `status|lc[|state]` and keeps `upw`/`upf` in step with the change.
+local function sg_dag_set(keys, ukid, old, status, lc, state)
+  local v = status .. '|' .. sg_int(lc)
+  if status == 'f' then v = v .. '|' .. state end
+  redis.call('HSET', keys[1], 'u:' .. ukid, v)
+  local dw, df = 0, 0
+  if old and old[1] == 'w' then dw = dw - 1 end
+  if old and old[1] == 'f' then df = df - 1 end
+  if status == 'w' then dw = dw + 1 end
+  if status == 'f' then df = df + 1 end
+  if dw ~= 0 then redis.call('HINCRBY', keys[1], 'upw', dw) end
+  if df ~= 0 then redis.call('HINCRBY', keys[1], 'upf', df) end
+end
+
+-- Whether news of U's lifecycle `lc` (status c or f) is newer than D's field `old` for U: same U
+-- (the created ms of both lifecycles agree) and a later lifecycle, or the end of the one D waits on.
+local function sg_dag_newer(old, lc)
+  if not old then return true end
+  if math.floor(old[2] / 1000) ~= math.floor(lc / 1000) then return false end
+  return lc > old[2] or (lc == old[2] and old[1] == 'w')
+end
+
+-- What D's gate says, from its counters: 'fail' (an upstream failed and D's policy is 'fail'),
+-- 'wait' (an upstream has not ended), or 'open'.
+local function sg_dag_gate(m_upw, m_upf, onup)
+  if tonumber(m_upf or '0') > 0 and onup ~= 'run' then return 'fail' end
+  if tonumber(m_upw or '0') > 0 then return 'wait' end
+  return 'open'
+end
+
+-- The first upstream in `ups` whose field says it failed: the one D's `why` names.
+local function sg_dag_failed_one(keys, ups)
+  for ukid in string.gmatch(ups, '[^,]+') do
+    local f = sg_dag_field(redis.call('HGET', keys[1], 'u:' .. ukid))
+    if f and f[1] == 'f' then return ukid end
+  end
+  return ''
+end
+
+-- Ends D `failed` because of upstream `ukid` (its parked tokens need no sweep): sg_finish's reply.
+local function sg_dag_fail(keys, rid, ukid, retention_ms, channel, now)
+  redis.call('HSET', keys[1], 'why', 'upstream:' .. ukid)
+  return sg_finish(keys, rid, 'failed', retention_ms, channel, now)
+end
+
+-- Opens a waiting D: `queued` (since now) with every parked token woken; returns the elements.
+local function sg_dag_open(keys, rid, now)
+  redis.call('HSET', keys[1], 'state', 'queued', 'queued', now)
+  return sg_unpark(keys, rid, tonumber(redis.call('HGET', keys[1], 'ntok') or '0'), now)
+end
+
+-- Whether failed D can run again: it failed because of an upstream, and its gate is open now (the
+-- upstream was requeued and completed). requeue_dead then reopens it although it has no dead letter.
+local function sg_dag_reopenable(why, m_upw, m_upf, onup)
+  return why ~= nil and why ~= false and string.sub(why, 1, 9) == 'upstream:'
+    and sg_dag_gate(m_upw, m_upf, onup) == 'open'
+end
+
 -- A new request's rate limit, "<R>/<interval ms>" (R from 1 to 1,000,000, the interval from 1 ms
 -- to a day; '' or absent: none): the value to store, or nil and the error reply.
 local function sg_check_rate(rate)
@@ -868,10 +960,13 @@ end
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
 -- finished as one message, keeps the events stream for the retention (PEXPIRE), and moves them in
--- the listing index (sg_ix_finish_many, sg_ix_finished), once per call.
-local function sg_lane_announce(record, kid, state, retention, events, now)
+-- the listing index (sg_ix_finish_many, sg_ix_finished), once per call. A request with downstreams
+-- (its record's `dn`, read by the caller) is put in the shard's release outbox in the same step
+-- (prelude.lua, "Dependencies between requests"); the caller's reply names it.
+local function sg_lane_announce(record, kid, state, retention, events, now, dn)
   redis.call('PEXPIRE', record, retention)
   redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
 end
 
@@ -1028,6 +1123,10 @@ end
 -- Redis time (ms) past which no part starts and the request ends `failed`, `why` = `deadline`
 -- ARGV[16] the request's rate limit, "<R>/<interval ms>" (optional; '' = none): at most R parts
 -- start per interval, across all workers (stored as `rate`; prelude, sg_rate_room)
+-- ARGV[17] the policy for a failed upstream (optional; '' = 'fail'): 'fail' or 'run'
+-- ARGV[18] the upstreams (optional; '' = none): key ids, comma-separated, at most 1,000: the
+-- request is a downstream, committed `waiting` until they end (prelude.lua, "Dependencies between
+-- requests"); its producer links it to each (dag_link) before submit_commit. Not with a delay.
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -1054,6 +1153,20 @@ local function submit_open(keys, args)
   local rate
   rate, invalid = sg_check_rate(args[16])
   if invalid then return invalid end
+  local ups, onup = args[18] or '', args[17] or ''
+  if onup == '' then onup = 'fail' end
+  if onup ~= 'fail' and onup ~= 'run' then
+    return redis.error_reply('SGINVALID the policy for a failed upstream is fail or run')
+  end
+  if ups ~= '' then
+    local n = 0
+    for ukid in string.gmatch(ups .. ',', '([^,]*),') do
+      if ukid == '' then return redis.error_reply('SGINVALID an upstream key id is empty') end
+      n = n + 1
+    end
+    if n > 1000 then return redis.error_reply('SGINVALID a request has at most 1000 upstreams') end
+    if delay > 0 then return redis.error_reply('SGINVALID a request submitted after others cannot be delayed') end
+  end
   if redis.call('EXISTS', keys[1]) == 1 then
     if redis.call('HGET', keys[1], 'nonce') == args[9] then return 1 end
     return redis.error_reply('SGDUPLICATE request id is already in use')
@@ -1073,6 +1186,7 @@ local function submit_open(keys, args)
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
   if rate ~= '' then redis.call('HSET', keys[1], 'rate', rate) end
+  if ups ~= '' then redis.call('HSET', keys[1], 'ups', ups, 'onup', onup, 'upw', 0, 'upf', 0) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
   redis.call('PEXPIRE', keys[1], args[4])
@@ -1109,8 +1223,16 @@ end
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id (encoded, as in the keys)   ARGV[2] number of parts the producer added
 -- ARGV[3] the submission nonce given to submit_open
+-- For a downstream (submit_open's ARGV[18]): ARGV[4] retention (ms)   ARGV[5] completion channel
+-- ARGV[6..] one group of four per upstream, as its
+-- link answered (dag_link, and the upstream's meta): upstream key id, lifecycle, 'w' (not ended),
+-- 'c' (completed) or 'f' (ended otherwise), and the state it ended in ('' for 'w'). A release that
+-- came before the commit (dag_settle while loading) is kept if it is news of the same upstream.
 -- Returns the token elements "<rid>|<k>|<epoch>" to push onto the request's priority list (none
--- for a delayed request), or an error "SGSTATE ..." (not loading: its loading ttl ran out, or
+-- for a delayed request, or for a downstream left `waiting`, its tokens parked until its upstreams
+-- end), {'finished', 'failed', lifecycle} for a downstream whose upstream failed (its policy
+-- 'fail': it ends at once, `why` = `upstream:<ukid>`, and the steps after its finish follow), or
+-- an error "SGSTATE ..." (not loading: its loading ttl ran out, or
 -- another producer's request) or "SGINCOMPLETE ..." (parts missing). The same call re-sent after
 -- a reconnect returns the elements of the tokens still queued.
 local function submit_commit(keys, args)
@@ -1119,6 +1241,9 @@ local function submit_commit(keys, args)
     return redis.error_reply('SGSTATE request is not loading (its loading time ran out?)')
   end
   if m[1] ~= 'loading' then
+    if m[1] == 'failed' and redis.call('HGET', keys[1], 'ups') then
+      return {'finished', 'failed', sg_lifecycle(keys)}
+    end
     local out = {}
     sg_each_token(keys, 0, tonumber(m[3]), function(k, tok)
       local f = sg_split(tok)
@@ -1133,6 +1258,16 @@ local function submit_commit(keys, args)
   if redis.call('XLEN', keys[2]) ~= total then
     return redis.error_reply('SGINCOMPLETE the stream does not hold every part')
   end
+  local ups = redis.call('HGET', keys[1], 'ups')
+  if ups then
+    local linked = {}
+    for i = 6, #args, 4 do linked[args[i]] = true end
+    for ukid in string.gmatch(ups, '[^,]+') do
+      if not linked[ukid] and redis.call('HEXISTS', keys[1], 'u:' .. ukid) == 0 then
+        return redis.error_reply('SGINVALID upstream ' .. ukid .. ' was not linked before the commit')
+      end
+    end
+  end
   local now = sg_now()
   local ntok = math.min(tonumber(redis.call('HGET', keys[1], 'limit')), total)
   redis.call('PERSIST', keys[1])
@@ -1140,7 +1275,35 @@ local function submit_commit(keys, args)
   redis.call('HSET', keys[1], 'state', 'queued', 'total', total, 'left', total, 'ntok', ntok, 'queued', now)
   local delay = tonumber(redis.call('HGET', keys[1], 'delay') or '0')
   local fields, out = {}, {}
-  if delay > 0 then
+  local gate = 'open'
+  if ups then
+    for i = 6, #args, 4 do
+      local ukid, lc = args[i], tonumber(args[i + 1])
+      local old = sg_dag_field(redis.call('HGET', keys[1], 'u:' .. ukid))
+      if not string.find(',' .. ups .. ',', ',' .. ukid .. ',', 1, true) then
+        -- Not one of its upstreams: ignored.
+      elseif not old or math.floor(old[2] / 1000) ~= math.floor(lc / 1000) or old[2] < lc
+        or (old[2] == lc and old[1] == 'w') then
+        sg_dag_set(keys, ukid, old, args[i + 2], lc, args[i + 3])
+      end
+    end
+    local c = redis.call('HMGET', keys[1], 'upw', 'upf', 'onup')
+    gate = sg_dag_gate(c[1], c[2], c[3])
+  end
+  if gate ~= 'open' then
+    -- A downstream whose upstreams have not all ended waits with parked tokens: dag_settle opens
+    -- it. One whose upstream failed (policy 'fail') ends now.
+    redis.call('HSET', keys[1], 'state', 'waiting', 'npark', ntok)
+    for k = 0, ntok - 1 do
+      fields[#fields + 1] = 't' .. k
+      fields[#fields + 1] = 'p|' .. now
+    end
+    sg_hset_many(keys[1], fields)
+    if gate == 'fail' then
+      return sg_dag_fail(keys, args[1], sg_dag_failed_one(keys, ups), args[4], args[5], now)
+    end
+    return out
+  elseif delay > 0 then
     -- Scheduled: tokens wait parked, and no worker can see the request until recovery promotes
     -- it (census) once its time has come.
     redis.call('HSET', keys[1], 'state', 'scheduled', 'eligible', now + delay, 'npark', ntok)
@@ -1481,6 +1644,8 @@ local function reopen(keys, args)
   -- Kept (no expiry) while the reopened request runs; its own finish_index sets one.
   redis.call('HSET', keys[3], 'o', args[3])
   redis.call('PERSIST', keys[3])
+  -- Its downstreams (if any) wait for this lifecycle's end: their set is kept while it runs.
+  redis.call('PERSIST', sg_shard_key(keys[1], 'dn:' .. args[1]))
   redis.call('HSETNX', keys[2], args[1], now)
   sg_ix_reopen(sg_ix(keys[1]), args[1])
   return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
@@ -1931,11 +2096,14 @@ end
 -- KEYS[1] active-request index   KEYS[2] events stream   KEYS[3] the request's priority list
 -- KEYS[4] the request's finish marks (hash: `e` last lifecycle whose event was written, `o` last
 -- lifecycle reopened by requeue_dead), kept for the retention after unindex   KEYS[5] the home
--- shard's bell
+-- shard's bell (its downstreams `dn:<kid>` and the release outbox `rel` are the shard's too,
+-- named from KEYS[1]: prelude.lua, "Dependencies between requests")
 -- ARGV[1] request key id   ARGV[2] terminal state   ARGV[3] retention (ms)   ARGV[4] lifecycle
 -- that finished   ARGV[5..] stale token elements to remove from the priority list
--- Returns 1 when this call recorded the event, 0 when it had been recorded already (or the request
--- has left the index, which it does only after its event).
+-- Returns 1 when this call recorded the event, 2 when it did and the request has downstreams (its
+-- release is owed: in the outbox, for recovery to run if the caller does not, see rel_done), 0
+-- when it had been recorded already (or the request has left the index, which it does only after
+-- its event). The marks also keep the state the lifecycle ended in (`s`), for the release.
 local function finish_index(keys, args)
   sg_sweep(keys[3], keys[5], args, 5)
   if not redis.call('ZSCORE', keys[1], args[1]) then return 0 end
@@ -1943,7 +2111,7 @@ local function finish_index(keys, args)
   local written = redis.call('HGET', keys[4], 'e')
   if written and tonumber(written) >= lifecycle then return 0 end
   local retention = tonumber(args[3])
-  redis.call('HSET', keys[4], 'e', args[4])
+  redis.call('HSET', keys[4], 'e', args[4], 's', args[2])
   -- Until unindex shortens it, the marks must outlive the request's keys, which are held as long.
   redis.call('PEXPIRE', keys[4], retention + SG_FINISH_HOLD_MS)
   local now = sg_now()
@@ -1951,6 +2119,10 @@ local function finish_index(keys, args)
     'rid', args[1], 'state', args[2])
   redis.call('PEXPIRE', keys[2], retention)
   sg_ix_finish(sg_ix(keys[1]), args[1], args[2], now + retention, now)
+  if redis.call('EXISTS', sg_shard_key(keys[1], 'dn:' .. args[1])) == 1 then
+    redis.call('ZADD', sg_shard_key(keys[1], 'rel'), now + SG_REL_DELAY_MS, args[1])
+    return 2
+  end
   return 1
 end
 
@@ -2015,22 +2187,25 @@ end
 -- and do not census the same request at once (a double census would still be safe: every
 -- restore is a compare-and-set on the token's epoch).
 -- KEYS[1] the active-request index   KEYS[2] the looks armed before a step (arm)
--- KEYS[3] (optional) the shard's lane deadlines: not read here
+-- KEYS[3] (optional) the shard's release outbox (prelude.lua, "Dependencies between requests")
 -- KEYS[4] (optional, shard 0 only, with KEYS[3]) the schedules' due set (sched_add.lua)
--- ARGV[1] at most this many requests (and schedules)   ARGV[2] claim (ms): others skip them for
--- this long
+-- ARGV[1] at most this many requests (and releases, and schedules)   ARGV[2] claim (ms): others
+-- skip them for this long
 -- Returns {key id, claim, key id, claim, ...}: the claimed requests, each with the score its claim
 -- set (ms), which recovery's re-arm compares (prelude.lua, sg_rearm). An armed look that is due
 -- is served by this census (its step ran before it fell due); one that is not due yet stays, and
 -- the next look is set no later than it. Also drops finished requests whose retention has passed
 -- from the shard's listing index (prelude.lua, "The listing index"), a hundred at most.
--- With KEYS[4], the reply goes on with '' (no key id is empty), the Redis time now (ms), from which
--- the caller computes the schedules' ticks, and the names of the due schedules it claimed (each
--- due again when the claim runs out, unless sched_fire or sched_paid set it first). Without it
--- the reply is the requests' pairs alone, as for callers that pass two keys.
+-- With KEYS[3], the reply goes on with '' (no key id is empty), the Redis time now (ms), the
+-- number of releases claimed and their upstreams' key ids (each due again when the claim runs
+-- out, unless rel_done took it out first); with KEYS[4] too, then the names of the due schedules
+-- it claimed, from which and the time the caller computes their ticks (each due again when the
+-- claim runs out, unless sched_fire or sched_paid set it first). With two keys the reply is the
+-- requests' pairs alone.
 local function claim_due(keys, args)
   local now = sg_now()
-  local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
+  local limit = tonumber(args[1])
+  local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now, 'LIMIT', 0, limit)
   local out = {}
   local claim = now + tonumber(args[2])
   for _, rid in ipairs(due) do
@@ -2041,10 +2216,18 @@ local function claim_due(keys, args)
     out[#out + 1] = claim
   end
   sg_ix_trim(sg_ix(keys[1]), now, SG_IX_TRIM_CLAIM)
-  if keys[4] then
+  if keys[3] then
     out[#out + 1] = ''
     out[#out + 1] = now
-    local names = redis.call('ZRANGEBYSCORE', keys[4], '-inf', now, 'LIMIT', 0, tonumber(args[1]))
+    local rels = redis.call('ZRANGEBYSCORE', keys[3], '-inf', now, 'LIMIT', 0, limit)
+    out[#out + 1] = #rels
+    for _, ukid in ipairs(rels) do
+      redis.call('ZADD', keys[3], claim, ukid)
+      out[#out + 1] = ukid
+    end
+  end
+  if keys[4] then
+    local names = redis.call('ZRANGEBYSCORE', keys[4], '-inf', now, 'LIMIT', 0, limit)
     for _, name in ipairs(names) do
       redis.call('ZADD', keys[4], claim, name)
       out[#out + 1] = name
@@ -2067,6 +2250,10 @@ end
 --         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal but
 --         still indexed, so the steps after its finish (finish_index, seal, unindex) are to be
 --         completed; sealed is 1 when only unindex is left;
+--         {'waiting', shards, look, ukid...}: a downstream waiting for its upstreams (its tokens parked,
+--         nothing of it can be lost): look again in `look` ms (at its deadline, or an hour), and
+--         check that the upstreams listed (those not ended, by its fields) still exist: their
+--         releases open it, and one that vanished without a release is settled as gone;
 --         or {'ok', priority, shards, next, look, push, check, held}: next: the first token of the
 --         next chunk (-1 after the last); look: in how many ms the request wants its next look,
 --         counting this chunk and ARGV[7] (the last chunk's is the request's); push: elements of
@@ -2119,6 +2306,17 @@ local function census(keys, args)
         return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held}
       end
       look = math.min(look, tonumber(m[6]) - now)
+    end
+    if state == 'waiting' then
+      local ups = redis.call('HGET', keys[1], 'ups') or ''
+      local wait_look = SG_WAITING_LOOK_MS
+      if m[6] then wait_look = math.min(wait_look, tonumber(m[6]) - now) end
+      local out = {'waiting', shards, math.max(wait_look, 1)}
+      for ukid in string.gmatch(ups, '[^,]+') do
+        local f = sg_dag_field(redis.call('HGET', keys[1], 'u:' .. ukid))
+        if f and f[1] == 'w' then out[#out + 1] = ukid end
+      end
+      return out
     end
     if state == 'scheduled' then
       -- A delayed request waits with parked tokens; the first census after its time promotes it.
@@ -2348,7 +2546,8 @@ local function drop_gone(keys, args)
   redis.call('ZREM', keys[1], args[1])
   redis.call('ZREM', keys[4], args[1])
   redis.call('HDEL', keys[2], args[1])
-  redis.call('DEL', keys[3])
+  -- A downstream linked to it was refused at its submit (it was not created): its set goes too.
+  redis.call('DEL', keys[3], sg_shard_key(keys[1], 'dn:' .. args[1]))
   sg_ix_remove(sg_ix(keys[1]), args[1], now)
   return 1
 end
@@ -2383,7 +2582,10 @@ end
 -- ARGV[4] 'resume' (recovery): complete a requeue whose caller died after `reopen` marked ARGV[2],
 -- only if the request is still the failed lifecycle just before it; otherwise do nothing ({0, 0})
 -- Returns {n, reopened, elements...}: how many were requeued; the new lifecycle when a failed
--- request was reopened, else 0; and token elements to push (re-created or woken tokens). For a
+-- request was reopened, else 0; and token elements to push (re-created or woken tokens). A
+-- downstream that failed because of an upstream (`why` = `upstream:<ukid>`) has no dead letter:
+-- it is reopened (n = 0) once its gate is open again (prelude.lua, "Dependencies between
+-- requests"), and is otherwise left as it is ({0, 0}). For a
 -- failed request, nothing changes and the reply says what to do first:
 --   {-1, lifecycle}: its finish is not sealed yet (its event may be unwritten): complete the steps
 --   after that finish (finish_index, seal, unindex) and call again;
@@ -2395,7 +2597,8 @@ end
 local function requeue_dead(keys, args)
   local late = sg_step_late(args[3])
   if late then return late end
-  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why')
+  local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why', 'upw',
+    'upf', 'onup')
   local state = m[1]
   if state == 'failed' and m[7] == 'deadline' then
     -- It would end again at once: its deadline has passed for good.
@@ -2417,16 +2620,20 @@ local function requeue_dead(keys, args)
   end
   local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
   local n = #dead
-  if n == 0 then return {0, 0} end
+  -- A downstream failed because of an upstream has no dead letter, and reopens once its gate is
+  -- open again (the upstream was requeued and completed).
+  if n == 0 and not (state == 'failed' and sg_dag_reopenable(m[7], m[8], m[9], m[10])) then return {0, 0} end
   local now = sg_now()
   for _, id in ipairs(dead) do
     -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.
     redis.call('XCLAIM', keys[2], 'g', 'requeue', 0, id, 'RETRYCOUNT', 0, 'JUSTID')
     redis.call('ZADD', keys[6], now, id)
   end
-  redis.call('HINCRBY', keys[1], 'extra', n)
-  redis.call('HINCRBY', keys[1], 'left', n)
-  redis.call('HINCRBY', keys[1], 'failed', -n)
+  if n > 0 then
+    redis.call('HINCRBY', keys[1], 'extra', n)
+    redis.call('HINCRBY', keys[1], 'left', n)
+    redis.call('HINCRBY', keys[1], 'failed', -n)
+  end
   if state == 'failed' then
     redis.call('HINCRBY', keys[1], 'gen', 1)
     -- Elements of the earlier lifecycle may linger in a list: start the epochs above them.
@@ -2434,7 +2641,7 @@ local function requeue_dead(keys, args)
     local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
     for i = 1, 6 do redis.call('PERSIST', keys[i]) end
     redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
-    redis.call('HDEL', keys[1], 'finished', 'sealed')
+    redis.call('HDEL', keys[1], 'finished', 'sealed', 'why')
     local out, fields = {n, args[2]}, {}
     for k = 0, ntok - 1 do
       fields[#fields + 1] = 't' .. k
@@ -2735,7 +2942,9 @@ end
 -- Returns {'run', entry, ...} as lane_acquire; {'requeue', element}; {'park', wake};
 --         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
 --         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
---         ...}, one pair per request finished, for the stats by stage.
+--         ...}, one pair per request finished, for the stats by stage; and when some of them have
+--         downstreams, with {'rel', key id, ...}: their releases, owed (in the outbox) and for
+--         the caller to run.
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -2765,7 +2974,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn'),
         set = {}, del = {}, feed = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -2820,7 +3029,7 @@ local function lane_ack(keys, args)
     end
   end
   -- The records' writes, then the finished requests' announcements and the fed parts.
-  local announced, finished, states = {}, {}, {}
+  local announced, finished, states, released = {}, {}, {}, {'rel'}
   for _, kid in ipairs(order) do
     local rec, record = recs[kid], prefix .. kid
     local fields = {}
@@ -2834,7 +3043,8 @@ local function lane_ack(keys, args)
     if rec.state then
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
-      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now)
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, rec.r[8])
+      if rec.r[8] then released[#released + 1] = kid end
       finished[#finished + 1] = kid
       states[#states + 1] = rec.state
       done[#done + 1] = rec.state
@@ -2857,6 +3067,7 @@ local function lane_ack(keys, args)
     reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end
   if #done > 1 then reply[#reply + 1] = done end
+  if #released > 1 then reply[#reply + 1] = released end
   return reply
 end
 
@@ -2865,10 +3076,11 @@ end
 -- those running record nothing (their lifecycle is no longer live).
 -- KEYS[1] the request's record   KEYS[2] the shard's events stream
 -- ARGV[1] request key id   ARGV[2] retention (ms)   ARGV[3] completion channel
--- Returns {'finished', 'cancelled', lifecycle}, {'already', state} when it was terminal, or
+-- Returns {'finished', 'cancelled', lifecycle}, with a fourth item 'rel' when it has downstreams
+-- (its release is owed, and for the caller to run), {'already', state} when it was terminal, or
 -- {'unknown'}.
 local function lane_cancel(keys, args)
-  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol')
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol', 'dn')
   if not m[1] then return {'unknown'} end
   if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
   local now = sg_now()
@@ -2876,10 +3088,11 @@ local function lane_cancel(keys, args)
   for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
-  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now)
+  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now, m[4])
   sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
   redis.call('PUBLISH', args[3], line)
   redis.call('PEXPIRE', keys[2], args[2])
+  if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end
 
@@ -2940,6 +3153,8 @@ local function lane_requeue(keys, args)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
+    -- Its downstreams (if any) wait for this lifecycle's end: their set is kept while it runs.
+    redis.call('PERSIST', sg_shard_key(keys[10], 'dn:' .. args[2]))
     sg_ix_reopen(sg_ix(keys[10]), args[2])
     feed = math.min(pol.limit, left)
   end
@@ -3085,14 +3300,17 @@ end
 -- index (not finished, or its finish steps not all done; or a new request of the id registered
 -- since its keys went, which its first push lists), listed as live (a new lane request of the
 -- id, which recovery's index does not name) or, given KEYS[4], while a lane request of the id
--- exists (one created after `purge` looked, and finished since): nothing is changed.
+-- exists (one created after `purge` looked, and finished since), or while its release to its
+-- downstreams is owed (the shard's outbox `rel` holds it): nothing is changed. Its set of
+-- downstreams goes with the marks.
 local function unlist(keys, args)
   local ix = string.sub(keys[1], 1, -4)
   if redis.call('ZSCORE', keys[2], args[1]) or redis.call('ZSCORE', ix .. 'live', args[1])
-    or (keys[4] and redis.call('EXISTS', keys[4]) == 1) then
+    or (keys[4] and redis.call('EXISTS', keys[4]) == 1)
+    or redis.call('ZSCORE', sg_shard_key(keys[2], 'rel'), args[1]) then
     return redis.error_reply('SGSTATE the request has not finished (or is still finishing)')
   end
-  redis.call('DEL', keys[3])
+  redis.call('DEL', keys[3], sg_shard_key(keys[2], 'dn:' .. args[1]))
   return sg_ix_remove(ix, args[1], sg_now())
 end
 
@@ -3361,6 +3579,153 @@ local function sched_del(keys, args)
   return existed
 end
 
+-- dag_link: a downstream D being submitted links itself to upstream U, on U's home shard, between
+-- D's submit_open and its submit_commit (prelude.lua, "Dependencies between requests"): D joins
+-- U's downstreams, so that U's finish owes D a release, and the reply says where U stands now.
+-- Atomic with U's finish on this shard (finish_index, a lane finish): a finish before it is in the
+-- reply, a finish after it finds D in the set.
+-- KEYS[1] U's downstreams (dn:<ukid>)   KEYS[2] U's finish marks   KEYS[3] U's lane record (its
+-- home is this shard)   KEYS[4] the shard's active index   KEYS[5] the shard's release outbox
+-- ARGV[1] U's key id   ARGV[2] D's entry "<dkid>|<D's token shards>"   ARGV[3] retention (ms)
+-- Returns {'live', lc} when U has not ended (lc: a lane request's lifecycle; '' for a request of
+-- its own stream, whose meta says), {'done', lc, state} when U's latest lifecycle lc has ended in
+-- state, or {'unknown'} when there is no request U (never created, or gone with its retention);
+-- then nothing is written. The set keeps no expiry while U may still end or a release of it is
+-- owed; once U has ended it lives a retention past its last link or release, as U's marks do.
+local function dag_link(keys, args)
+  local r = redis.call('HMGET', keys[3], 'state', 'lc')
+  local state, lc = r[1], r[2]
+  local live
+  if state then
+    redis.call('HSET', keys[3], 'dn', 1)
+    live = state == 'queued' or state == 'running'
+  else
+    local m = redis.call('HMGET', keys[2], 'e', 's', 'o')
+    local indexed = redis.call('ZSCORE', keys[4], args[1])
+    if m[1] and not (m[3] and tonumber(m[3]) > tonumber(m[1])) then
+      lc, state, live = m[1], m[2] or 'completed', false
+    elseif indexed then
+      lc, live = '', true
+    else
+      return {'unknown'}
+    end
+  end
+  redis.call('SADD', keys[1], args[2])
+  if live then
+    redis.call('PERSIST', keys[1])
+    return {'live', lc}
+  end
+  -- Ended: D learns it here. A release still owed (the outbox holds U) may or may not reach D too
+  -- (dag_settle records a lifecycle once), and sets the set's expiry when it is done.
+  if not redis.call('ZSCORE', keys[5], args[1]) then redis.call('PEXPIRE', keys[1], args[3]) end
+  return {'done', lc, state}
+end
+
+-- dag_settle: tells downstream D that a lifecycle of its upstream U has ended (prelude.lua,
+-- "Dependencies between requests"): U's release calls it for every downstream it names, and
+-- recovery's look at a waiting D for an upstream that vanished. It records the news in D's field
+-- for U (once per lifecycle: a repeat, or older news, changes nothing) and applies D's gate.
+-- An armed step (shards::armed): the elements of the tokens it wakes are pushed by its caller.
+-- KEYS[1..6] D's keys (prelude.lua)
+-- ARGV[1] D's key id   ARGV[2] U's key id   ARGV[3] U's lifecycle that ended   ARGV[4] its state
+-- (completed, failed, cancelled; or gone with lifecycle 0: nothing of U is left, news for
+-- whichever lifecycle D waits on)   ARGV[5] retention (ms)   ARGV[6] completion channel
+-- ARGV[7] the deadline of the caller's arm (sg_step_late)
+-- Returns, whether or not this call changed the field (so that a caller that died after it is
+-- replaced by a release that does the same):
+--   {'open', priority, shards, element...}: D's gate opened in this call: it is `queued`, and its
+--     woken tokens' elements are to be pushed;
+--   {'finished', 'failed', lifecycle}: D failed because of an upstream in this call, or has since
+--     and its finish steps may be undone (the caller completes them, repeatable);
+--   {'reopen', lifecycle}: D failed because of an upstream and its gate is open now (a requeued
+--     upstream completed): the caller requeues it (requeue_dead, which reopens it);
+--   {'recorded'}: nothing for the caller to do (D waits for more, runs, or ended otherwise);
+--   {'none'}: D is no downstream of this U (gone, its id used again, or never linked).
+-- Errors "SGLATE ..." past the deadline.
+local function dag_settle(keys, args)
+  local late = sg_step_late(args[7])
+  if late then return late end
+  local ukid, lc = args[2], tonumber(args[3])
+  local field = 'u:' .. ukid
+  local m = redis.call('HMGET', keys[1], 'state', field, 'ups', 'onup', 'why')
+  local state = m[1]
+  if not state or not m[3] or not string.find(',' .. m[3] .. ',', ',' .. ukid .. ',', 1, true) then
+    return {'none'}
+  end
+  local old = sg_dag_field(m[2])
+  if args[4] == 'gone' and lc == 0 then
+    -- U vanished (its keys and marks gone, its lifecycle unknown): news of whichever D waits on.
+    if old and old[1] == 'w' then sg_dag_set(keys, ukid, old, 'f', old[2], 'gone') end
+  else
+    if old and math.floor(old[2] / 1000) ~= math.floor(lc / 1000) then return {'none'} end
+    if sg_dag_newer(old, lc) then
+      local status = 'f'
+      if args[4] == 'completed' then status = 'c' end
+      sg_dag_set(keys, ukid, old, status, lc, args[4])
+    end
+  end
+  if state == 'loading' then
+    -- Its commit applies the gate.
+    return {'recorded'}
+  end
+  local c = redis.call('HMGET', keys[1], 'upw', 'upf', 'prio', 'shards')
+  local gate = sg_dag_gate(c[1], c[2], m[4])
+  local now = sg_now()
+  if state == 'waiting' then
+    if gate == 'fail' then
+      local f = sg_dag_fail(keys, args[1], sg_dag_failed_one(keys, m[3]), args[5], args[6], now)
+      return {'finished', 'failed', f[3]}
+    end
+    if gate == 'open' then
+      local out = {'open', c[3], c[4] or '1'}
+      for _, e in ipairs(sg_dag_open(keys, args[1], now)) do out[#out + 1] = e end
+      return out
+    end
+    return {'recorded'}
+  end
+  if state == 'failed' and m[5] and string.sub(m[5], 1, 9) == 'upstream:' then
+    if sg_dag_reopenable(m[5], c[1], c[2], m[4]) then return {'reopen', sg_lifecycle(keys)} end
+    if redis.call('HGET', keys[1], 'sealed') ~= sg_lifecycle(keys) then
+      return {'finished', 'failed', sg_lifecycle(keys)}
+    end
+  end
+  return {'recorded'}
+end
+
+-- rel_done: the release of upstream U's finished lifecycle has reached every downstream U names
+-- (dag_settle, and what each reply asked for): U leaves the release outbox, unless a later
+-- lifecycle of U has finished since (a requeue), whose release is then still owed. From now on U's
+-- set of downstreams expires a retention after this, as U's marks do, unless U runs again (a link
+-- or a reopen keeps it then).
+-- KEYS[1] the shard's release outbox   KEYS[2] U's finish marks   KEYS[3] U's lane record (its home
+-- is this shard)   KEYS[4] U's downstreams
+-- ARGV[1] U's key id   ARGV[2] the lifecycle released ('': none, the caller found U running
+-- again)   ARGV[3] retention (ms)
+-- Returns 1 when U left the outbox, 0 when it stays (a later finish owes another release).
+local function rel_done(keys, args)
+  local r = redis.call('HMGET', keys[3], 'state', 'lc')
+  local latest, live
+  if r[1] then
+    live = r[1] == 'queued' or r[1] == 'running'
+    if not live then latest = r[2] end
+  else
+    local m = redis.call('HMGET', keys[2], 'e', 'o')
+    latest = m[1]
+    live = m[2] and (not m[1] or tonumber(m[2]) > tonumber(m[1]))
+  end
+  if args[2] == '' then
+    -- The caller found U running again (requeued since that finish): its next finish owes the next
+    -- release, if it still runs (a finish since then owes this one).
+    if not live then return 0 end
+    redis.call('ZREM', keys[1], args[1])
+    return 1
+  end
+  if latest and tonumber(latest) > tonumber(args[2]) then return 0 end
+  redis.call('ZREM', keys[1], args[1])
+  if not live then redis.call('PEXPIRE', keys[4], args[3]) end
+  return 1
+end
+
 redis.register_function('sg2_submit_open', submit_open)
 redis.register_function('sg2_load_parts', load_parts)
 redis.register_function('sg2_submit_commit', submit_commit)
@@ -3415,3 +3780,6 @@ redis.register_function('sg2_sched_pause', sched_pause)
 redis.register_function('sg2_sched_fire', sched_fire)
 redis.register_function('sg2_sched_paid', sched_paid)
 redis.register_function('sg2_sched_del', sched_del)
+redis.register_function('sg2_dag_link', dag_link)
+redis.register_function('sg2_dag_settle', dag_settle)
+redis.register_function('sg2_rel_done', rel_done)

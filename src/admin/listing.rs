@@ -35,6 +35,8 @@ pub enum ListState {
     Running,
     /// Waiting for its scheduled time.
     Scheduled,
+    /// Waiting for the requests it was submitted after.
+    Waiting,
     /// Streamed and not finalized yet (queued or running).
     Open,
     /// Every sub-request succeeded.
@@ -49,7 +51,7 @@ impl ListState {
     /// The index set it lives in.
     fn set(self) -> &'static str {
         match self {
-            Self::Queued | Self::Running | Self::Scheduled | Self::Open => "live",
+            Self::Queued | Self::Running | Self::Scheduled | Self::Waiting | Self::Open => "live",
             Self::Completed => "completed",
             Self::Failed => "failed",
             Self::Cancelled => "cancelled",
@@ -62,6 +64,7 @@ impl ListState {
             Self::Queued => state == RequestState::Queued,
             Self::Running => state == RequestState::Running,
             Self::Scheduled => state == RequestState::Scheduled,
+            Self::Waiting => state == RequestState::Waiting,
             Self::Open => open && !state.is_terminal(),
             Self::Completed => state == RequestState::Completed,
             Self::Failed => state == RequestState::Failed,
@@ -69,10 +72,11 @@ impl ListState {
         }
     }
 
-    const NAMES: [(&'static str, ListState); 7] = [
+    const NAMES: [(&'static str, ListState); 8] = [
         ("queued", Self::Queued),
         ("running", Self::Running),
         ("scheduled", Self::Scheduled),
+        ("waiting", Self::Waiting),
         ("open", Self::Open),
         ("completed", Self::Completed),
         ("failed", Self::Failed),
@@ -85,7 +89,7 @@ impl FromStr for ListState {
     fn from_str(s: &str) -> Result<Self> {
         Self::NAMES.iter().find(|(n, _)| *n == s).map(|(_, st)| *st).ok_or_else(|| {
             Error::InvalidRequest(format!(
-                "unknown state {s:?}: one of queued, running, scheduled, open, completed, failed, cancelled"
+                "unknown state {s:?}: one of queued, running, scheduled, waiting, open, completed, failed, cancelled"
             ))
         })
     }
@@ -276,7 +280,7 @@ impl Admin {
     /// requests stay listed for their retention. A filter few requests pass looks at up to
     /// [`MAX_LIST_LOOK`] entries and returns what it found with a cursor to go on.
     ///
-    /// Queued, running, scheduled and open requests share the index's `live` set and are told
+    /// Queued, running, scheduled, waiting and open requests share the index's `live` set and are told
     /// apart by the request's own state, so those filters look at the live requests in turn.
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage> {
         if query.limit == 0 || query.limit > MAX_LIST_LIMIT {

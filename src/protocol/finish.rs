@@ -51,9 +51,20 @@ pub(crate) async fn sweep(store: &Store, shard: u32, list: &str, elements: Vec<V
     Ok(())
 }
 
+/// What `finish_index` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Indexed {
+    /// This call recorded the event.
+    Recorded,
+    /// This call recorded the event, and the request has downstreams: their release is owed (in
+    /// the shard's outbox), for the caller to run.
+    ReleaseOwed,
+    /// The event had been recorded (or the request has left the index).
+    Before,
+}
+
 /// `finish_index`: records the one event of lifecycle `lifecycle` of request `key_id` on its home
-/// shard `home`, and sweeps `sweep` from its priority list there. Returns whether this call
-/// recorded the event (false: it had been recorded).
+/// shard `home`, and sweeps `sweep` from its priority list there.
 pub(crate) async fn finish_index(
     store: &Store,
     key_id: &str,
@@ -62,7 +73,7 @@ pub(crate) async fn finish_index(
     state: &str,
     lifecycle: i64,
     sweep: Vec<Value>,
-) -> Result<bool> {
+) -> Result<Indexed> {
     let mut args: Vec<Value> =
         vec![key_id.into(), state.into(), ms(store.config.retention), lifecycle.into()];
     args.extend(sweep);
@@ -74,7 +85,11 @@ pub(crate) async fn finish_index(
         store.keys.bell(home),
     );
     let recorded = store.fcall(Func::FinishIndex, &[&active, &events, &list, &marks, &bell], args).await?;
-    Ok(reply::int(&recorded)? == 1)
+    Ok(match reply::int(&recorded)? {
+        1 => Indexed::Recorded,
+        2 => Indexed::ReleaseOwed,
+        _ => Indexed::Before,
+    })
 }
 
 /// `seal`: starts the retention of request `key_id`'s finished lifecycle `lifecycle`. Returns

@@ -76,8 +76,8 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
 /// What `lane_cancel` answered.
 #[derive(Debug)]
 pub(crate) enum LaneCancelled {
-    /// It is cancelled now.
-    Now,
+    /// It is cancelled now; `release_owed`: it has downstreams, whose release is the caller's to run.
+    Now { release_owed: bool },
     /// It was terminal before, in this state.
     Already(String),
     /// No such lane request.
@@ -92,7 +92,10 @@ pub(crate) async fn cancel(store: &Store, shard: u32, key_id: &str) -> Result<La
     let mut items = reply::array(store.fcall(Func::LaneCancel, &keys, args).await?)?.into_iter();
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     Ok(match tag.as_str() {
-        "finished" => LaneCancelled::Now,
+        "finished" => {
+            let release_owed = items.nth(2).is_some_and(|v| v.as_str().as_deref() == Some("rel"));
+            LaneCancelled::Now { release_owed }
+        }
         "already" => {
             LaneCancelled::Already(items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default())
         }

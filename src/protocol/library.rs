@@ -70,13 +70,16 @@ pub(crate) enum Func {
     SchedFire,
     SchedPaid,
     SchedDel,
+    DagLink,
+    DagSettle,
+    RelDone,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 54] = [
+    pub(crate) const ALL: [Func; 57] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -131,6 +134,9 @@ impl Func {
         Func::SchedFire,
         Func::SchedPaid,
         Func::SchedDel,
+        Func::DagLink,
+        Func::DagSettle,
+        Func::RelDone,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -190,6 +196,9 @@ impl Func {
             Func::SchedFire => "sched_fire",
             Func::SchedPaid => "sched_paid",
             Func::SchedDel => "sched_del",
+            Func::DagLink => "dag_link",
+            Func::DagSettle => "dag_settle",
+            Func::RelDone => "rel_done",
         }
     }
 
@@ -260,6 +269,9 @@ impl Func {
             Func::SchedFire => include_str!("../../lua/sched_fire.lua"),
             Func::SchedPaid => include_str!("../../lua/sched_paid.lua"),
             Func::SchedDel => include_str!("../../lua/sched_del.lua"),
+            Func::DagLink => include_str!("../../lua/dag_link.lua"),
+            Func::DagSettle => include_str!("../../lua/dag_settle.lua"),
+            Func::RelDone => include_str!("../../lua/rel_done.lua"),
         }
     }
 }
@@ -396,6 +408,9 @@ const APP_COMMANDS: &[&str] = &[
     "publish",
     "rpop",
     "rpush",
+    "sadd",
+    "scard",
+    "sscan",
     "time",
     "xack",
     "xadd",

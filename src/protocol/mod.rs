@@ -7,7 +7,7 @@
 //! the only place that builds FCALL arguments and reads the replies: producers, slots, recovery
 //! and operators call the typed functions, grouped as docs/protocol.md §5 groups the transitions
 //! (`submit`, `index`, `tokens`, `finish`, `recovery`, `operators`, `registry`, `stats`,
-//! `schedules`). Each
+//! `schedules`, `dag`). Each
 //! function computes its keys from `Keys` where they follow from its arguments, takes durations
 //! as `Duration`, and returns its reply decoded into a type named for what the Lua returns; a
 //! refusal (`SG*`) comes back as the error it is, for the caller to read with `Refusal`.
@@ -28,6 +28,7 @@ use crate::reply;
 use crate::request::Priority;
 
 mod call;
+pub(crate) mod dag;
 mod element;
 pub(crate) mod finish;
 pub(crate) mod index;

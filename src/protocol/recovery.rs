@@ -27,13 +27,15 @@ pub(crate) struct Claimed {
 pub(crate) struct Due {
     /// The requests whose look is due.
     pub(crate) requests: Vec<Claimed>,
+    /// The upstreams whose release is due (docs/protocol.md §5, "Dependencies"): key ids.
+    pub(crate) releases: Vec<String>,
     /// On shard 0, when asked for: the Redis time of the claim (ms) and the due schedules claimed.
     #[cfg_attr(not(feature = "schedules"), allow(dead_code))]
     pub(crate) schedules: Option<(i64, Vec<String>)>,
 }
 
-/// `claim_due` on `shard`: claims at most `limit` requests whose look is due, for `claim_for`;
-/// with `schedules` (shard 0 only), also the due schedules.
+/// `claim_due` on `shard`: claims at most `limit` requests whose look is due, and as many releases
+/// that are due, for `claim_for`; with `schedules` (shard 0 only), also the due schedules.
 pub(crate) async fn claim_due(
     store: &Store,
     shard: u32,
@@ -42,11 +44,14 @@ pub(crate) async fn claim_due(
     schedules: bool,
 ) -> Result<Due> {
     let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
-    let (deadlines, due) = (store.keys.lane_deadlines(shard), store.keys.schedules_due());
-    let keys: Vec<&str> =
-        if schedules && shard == 0 { vec![&active, &armed, &deadlines, &due] } else { vec![&active, &armed] };
+    let (releases, due) = (store.keys.releases(shard), store.keys.schedules_due());
+    let mut keys: Vec<&str> = vec![&active, &armed, &releases];
+    let schedules = schedules && shard == 0;
+    if schedules {
+        keys.push(&due);
+    }
     let claimed = reply::array(store.fcall(Func::ClaimDue, &keys, vec![limit.into(), ms(claim_for)]).await?)?;
-    // The requests' pairs, then (with the schedules' key) '' and the schedules' part.
+    // The requests' pairs, then '', the time, the releases (their count first) and the schedules.
     let split = claimed.iter().position(|v| v.as_str().is_some_and(|s| s.is_empty()));
     let (pairs, rest) = claimed.split_at(split.unwrap_or(claimed.len()));
     let requests = pairs
@@ -56,13 +61,18 @@ pub(crate) async fn claim_due(
             _ => None,
         })
         .collect();
-    let schedules = match rest {
-        [_, now, names @ ..] => {
-            Some((reply::int(now)?, names.iter().map(reply::text).collect::<Result<Vec<String>>>()?))
-        }
-        _ => None,
+    let [_, now, count, rest @ ..] = rest else {
+        return Ok(Due { requests, releases: Vec::new(), schedules: None });
     };
-    Ok(Due { requests, schedules })
+    let count = usize::try_from(reply::int(count)?).unwrap_or(0).min(rest.len());
+    let (rels, names) = rest.split_at(count);
+    let releases = rels.iter().map(reply::text).collect::<Result<Vec<String>>>()?;
+    let schedules = if schedules {
+        Some((reply::int(now)?, names.iter().map(reply::text).collect::<Result<Vec<String>>>()?))
+    } else {
+        None
+    };
+    Ok(Due { requests, releases, schedules })
 }
 
 /// `drop_gone`: drops request `key_id`'s entry from its home shard `home`'s index, once the
@@ -155,6 +165,16 @@ pub(crate) enum Census {
     Gone,
     /// `{'loading'}`: its producer is writing it (or died doing so).
     Loading,
+    /// `{'waiting', shards, look, ukid...}`: a downstream waiting for its upstreams; look again in
+    /// `look` ms, and check that the upstreams listed (not ended, by its fields) still exist.
+    Waiting {
+        /// Its token shards.
+        shards: u32,
+        /// In how many ms to look again.
+        look: i64,
+        /// The key ids of its upstreams that have not ended.
+        upstreams: Vec<String>,
+    },
     /// `{'finished', ...}`: terminal, still indexed.
     Finished(Unfinished),
     /// `{'ok', ...}`: one chunk of tokens looked at.
@@ -188,6 +208,12 @@ pub(crate) async fn census(
     match tag.as_str() {
         "gone" => return Ok(Census::Gone),
         "loading" => return Ok(Census::Loading),
+        "waiting" => {
+            let shards = shards_of(reply.next());
+            let look = reply.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(1);
+            let upstreams = reply.map(|v| reply::text(&v)).collect::<Result<Vec<String>>>()?;
+            return Ok(Census::Waiting { shards, look, upstreams });
+        }
         "finished" => return Ok(Census::Finished(Unfinished::from_reply(reply)?)),
         "ok" => {}
         _ => return Ok(Census::Unexpected(tag)),

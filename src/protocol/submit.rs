@@ -58,6 +58,10 @@ pub(crate) struct NewRequest<'a> {
     pub(crate) finish_within: Option<Duration>,
     /// Its rate limit: at most this many parts started per interval (`RequestBuilder::rate`).
     pub(crate) rate: Option<(u32, Duration)>,
+    /// The key ids of its upstreams (`RequestBuilder::after`; empty: none), and whether it runs
+    /// when one of them fails (`OnUpstreamFailure::Run`) instead of failing.
+    pub(crate) upstreams: &'a [String],
+    pub(crate) run_after_failure: bool,
 }
 
 impl NewRequest<'_> {
@@ -111,6 +115,10 @@ pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Dura
     let mut args = req.args(store, delay);
     args.push(req.trace.into());
     args.extend(req.limits());
+    if !req.upstreams.is_empty() {
+        args.push((if req.run_after_failure { "run" } else { "fail" }).into());
+        args.push(req.upstreams.join(",").into());
+    }
     // Returns 1: nothing to read.
     store.fcall(Func::SubmitOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
@@ -136,20 +144,51 @@ pub(crate) async fn load_parts(
     }
 }
 
-/// `submit_commit`: makes loading request `key_id`, of `total` parts, runnable. Returns the token
-/// elements to push.
+/// One upstream of a downstream being committed, as its link found it: key id, lifecycle, and
+/// its end (`None`: not ended).
+pub(crate) type Linked = (String, i64, Option<String>);
+
+/// What `submit_commit` made of the request.
+#[derive(Debug)]
+pub(crate) enum Committed {
+    /// Runnable (or delayed, or a downstream left waiting): the token elements to push.
+    Elements(Vec<Value>),
+    /// A downstream whose upstream failed: it ended at once, failed; the steps after its finish
+    /// follow.
+    Failed(Finished),
+}
+
+/// `submit_commit`: makes loading request `key_id`, of `total` parts, runnable; a downstream with
+/// `links`, what its links (`dag_link`) found of each of its upstreams.
 pub(crate) async fn submit_commit(
     store: &Store,
     key_id: &str,
     total: u64,
     nonce: &str,
-) -> Result<Vec<Value>> {
+    links: &[Linked],
+) -> Result<Committed> {
     let keys = store.keys.request(key_id);
-    let args: Vec<Value> = vec![key_id.into(), (total as i64).into(), nonce.into()];
-    match store.fcall(Func::SubmitCommit, &keys.all(), args).await {
-        Ok(reply) => reply::array(reply),
-        Err(e) => Err(created(&id_of(key_id)?, e)),
+    let mut args: Vec<Value> = vec![key_id.into(), (total as i64).into(), nonce.into()];
+    if !links.is_empty() {
+        args.extend([ms(store.config.retention), store.keys.done_channel().into()]);
+        for (ukid, lifecycle, end) in links {
+            let (status, state) = match end.as_deref() {
+                None => ("w", ""),
+                Some("completed") => ("c", "completed"),
+                Some(other) => ("f", other),
+            };
+            args.extend([ukid.as_str().into(), (*lifecycle).into(), status.into(), state.into()]);
+        }
     }
+    let mut items = match store.fcall(Func::SubmitCommit, &keys.all(), args).await {
+        Ok(reply) => reply::array(reply)?,
+        Err(e) => return Err(created(&id_of(key_id)?, e)),
+    };
+    if items.first().and_then(Value::as_str).as_deref() == Some("finished") {
+        items.remove(0);
+        return Ok(Committed::Failed(Finished::from_reply(items.into_iter())?));
+    }
+    Ok(Committed::Elements(items))
 }
 
 /// `submit_abort`: deletes loading request `key_id` if it is this producer's (`nonce`). Returns

@@ -130,6 +130,15 @@ pub(crate) struct Policy {
     pub(crate) deadline: Option<Instant>,
 }
 
+/// What a `lane_ack` reports of the lane requests it finished, beside its next step: each one's
+/// state and lifecycle (the call announced them itself; the slot counts them), and the key ids of
+/// those with downstreams, whose releases are owed (in the outbox) and the slot's to run.
+#[derive(Debug, Default)]
+pub(crate) struct LaneFinishes {
+    pub(crate) done: Vec<Done>,
+    pub(crate) releases: Vec<String>,
+}
+
 /// A request a `lane_ack` finished (the reply's trailing `{'done', state, lifecycle, ...}`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Done {
@@ -306,7 +315,7 @@ pub(crate) async fn ack(
     holding: &Holding<'_>,
     then: Then,
     reports: Vec<Report<'_>>,
-) -> Result<(Next, Vec<Done>)> {
+) -> Result<(Next, LaneFinishes)> {
     let mut keys: Vec<String> =
         store.keys.request(&holding.element.key_id).all().iter().map(|k| (*k).to_owned()).collect();
     let lane = lane_of(&holding.element.key_id).map(|(shard, _)| shard);
@@ -357,15 +366,19 @@ enum Reading {
 }
 
 /// Reads an acquire or ack reply (`with_policy`: which), and the lane requests a `lane_ack`
-/// reports finished (a trailing `{'done', ...}` item).
-fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Vec<Done>)> {
+/// reports finished (trailing `{'done', ...}` and `{'rel', ...}` items).
+fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, LaneFinishes)> {
     let mut items = reply::array(reply)?;
-    let done = match items.last() {
-        Some(Value::Array(last)) if last.first().and_then(Value::as_str).as_deref() == Some("done") => {
-            read_done(items.pop().unwrap_or(Value::Null))?
+    let trailing = |items: &mut Vec<Value>, tag: &str| match items.last() {
+        Some(Value::Array(last)) if last.first().and_then(Value::as_str).as_deref() == Some(tag) => {
+            reply::array(items.pop().unwrap_or(Value::Null))
         }
-        _ => Vec::new(),
+        _ => Ok(Vec::new()),
     };
+    let releases =
+        trailing(&mut items, "rel")?.iter().skip(1).map(reply::text).collect::<Result<Vec<String>>>()?;
+    let done = read_done(trailing(&mut items, "done")?)?;
+    let finishes = LaneFinishes { done, releases };
     let mut items = items.into_iter();
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     let next = match tag.as_str() {
@@ -433,12 +446,12 @@ fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Vec<
         "fenced" => Next::Fenced,
         other => return Err(Error::Protocol(format!("unexpected reply {other:?}"))),
     };
-    Ok((next, done))
+    Ok((next, finishes))
 }
 
-/// The requests of a `lane_ack`'s trailing `{'done', state, lifecycle, ...}`.
-fn read_done(item: Value) -> Result<Vec<Done>> {
-    let mut fields = reply::array(item)?.into_iter().skip(1);
+/// The requests of a `lane_ack`'s trailing `{'done', state, lifecycle, ...}` (its items).
+fn read_done(item: Vec<Value>) -> Result<Vec<Done>> {
+    let mut fields = item.into_iter().skip(1);
     let mut done = Vec::new();
     while let (Some(state), Some(lifecycle)) = (fields.next(), fields.next()) {
         let lifecycle = reply::text(&lifecycle)?

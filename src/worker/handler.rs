@@ -1,14 +1,15 @@
 //! What users implement: a [`Handler`] runs one sub-request, told about it by a [`Context`].
 
 use std::fmt;
+use std::ops::Range;
 
 use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::request::Priority;
-use crate::request::RequestId;
+use crate::request::{PartError, Priority, RequestId};
+use crate::store::Store;
 
 /// Runs one sub-request. Workers call it concurrently from many slots, so it takes `&self`.
 ///
@@ -40,13 +41,26 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// What a handler knows about the sub-request it runs.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Context {
     pub(crate) request_id: RequestId,
     pub(crate) index: u64,
     pub(crate) attempt: u32,
     pub(crate) priority: Priority,
     pub(crate) cancelled: CancellationToken,
+    /// The worker's connection, for reading upstreams' results.
+    pub(crate) store: Store,
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("request_id", &self.request_id)
+            .field("index", &self.index)
+            .field("attempt", &self.attempt)
+            .field("priority", &self.priority)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Context {
@@ -82,6 +96,29 @@ impl Context {
     /// spends no attempt).
     pub fn cancelled(&self) -> &CancellationToken {
         &self.cancelled
+    }
+
+    /// The results of parts `range` (indexes from 0, clamped to the request's parts) of request
+    /// `id`, in part order: typically an upstream this request was submitted
+    /// [`after`](crate::RequestBuilder::after), whose results are then final, read on demand
+    /// (nothing is copied into this request's parts). A part that was dead-lettered reads as its
+    /// [`PartError`]. Results live for their request's retention; a part without one (not ended,
+    /// its results taken with `results_from` or discarded, or expired) is
+    /// [`Error::NoResult`](crate::Error::NoResult), an unknown request
+    /// [`Error::UnknownRequest`](crate::Error::UnknownRequest).
+    ///
+    /// ```no_run
+    /// # use sluicegate::{Context, RequestId};
+    /// # async fn demo(ctx: Context, split: RequestId) -> sluicegate::Result<()> {
+    /// let pieces: Vec<Result<String, _>> = ctx.upstream(&split, 0..100).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn upstream<O: DeserializeOwned>(
+        &self,
+        id: &RequestId,
+        range: Range<u64>,
+    ) -> crate::Result<Vec<Result<O, PartError>>> {
+        super::upstream::results(&self.store, id, range).await
     }
 }
 

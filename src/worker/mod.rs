@@ -7,6 +7,7 @@ mod liveness;
 pub(crate) mod recovery;
 pub(crate) mod registry;
 pub(crate) mod slot;
+mod upstream;
 
 use std::future::Future;
 use std::sync::atomic::AtomicU64;

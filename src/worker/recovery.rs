@@ -76,6 +76,13 @@ async fn pass_shard(
     }
     #[cfg(not(feature = "schedules"))]
     let _ = stats;
+    // Releases their finishers did not run (they died, or stalled past the outbox's due time).
+    for ukid in &due.releases {
+        tracing::info!(upstream = ukid.as_str(), "running a release its finisher left undone");
+        if let Err(e) = crate::shards::dag::release(store, shard, ukid, 0).await {
+            tracing::warn!(upstream = ukid.as_str(), error = %e, "release failed");
+        }
+    }
     let claimed = due.requests;
     let n = claimed.len();
     stream::iter(claimed)
@@ -161,6 +168,13 @@ pub(crate) async fn census(
                 // ttl), or committed it just now and may die before it pushes: look again soon.
                 index::arm(store, key_id, shard, cfg.grace(), Arming::Census { claim }).await?;
                 return Ok(());
+            }
+            Census::Waiting { shards, look, upstreams } => {
+                // Its releases come from its upstreams' side; this look only checks that none of
+                // them vanished without one.
+                let look = std::time::Duration::from_millis(look.max(1) as u64);
+                index::arm(store, key_id, shard, look, Arming::Census { claim }).await?;
+                return crate::shards::dag::check_waiting(store, key_id, shards, &upstreams).await;
             }
             Census::Finished(unfinished) => return finish_reported(store, key_id, unfinished).await,
             Census::Chunk(chunk) => chunk,

@@ -690,6 +690,7 @@ async fn run_handler<H: Handler>(
         attempt: entry.attempt,
         priority: token.priority,
         cancelled: cancel.clone(),
+        store: shared.store.clone(),
     };
     let outcome = supervise(shared, entry, policy, cancel, ctx, &span).await;
     span.end(match &outcome {
@@ -885,7 +886,7 @@ async fn ack<H: Handler>(
             lane,
         });
     }
-    let (next, done) = tokens::ack(store, holding, then, reports)
+    let (next, finishes) = tokens::ack(store, holding, then, reports)
         .instrument(tracing::debug_span!("ack", entries = entries.len()))
         .await?;
     if !matches!(next, Next::Fenced) {
@@ -895,8 +896,15 @@ async fn ack<H: Handler>(
         {
             stats.count(priority, counter, n);
         }
-        for d in done {
+        for d in finishes.done {
             stats.finished(priority, &d.state, d.lifecycle);
+        }
+    }
+    // Lane requests with downstreams that this call finished: their releases are owed (in the
+    // outbox, for recovery if this fails), and run here, before the next batch.
+    if let Some((shard, _)) = crate::keys::lane_of(&holding.element.key_id) {
+        for ukid in finishes.releases {
+            crate::shards::dag::release_owed(store, shard, &ukid, 0).await;
         }
     }
     Ok(next)

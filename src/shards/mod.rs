@@ -6,6 +6,8 @@
 //! verified on that shard's list. Every call here touches the keys of one shard only, or (`seal`)
 //! the request's own keys.
 
+pub(crate) mod dag;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -14,7 +16,7 @@ use fred::prelude::*;
 use crate::config::millis;
 use crate::error::{Error, Result};
 use crate::keys::{home_shard, token_shard};
-use crate::protocol::finish::Unindexed;
+use crate::protocol::finish::{Indexed, Unindexed};
 use crate::protocol::index::{Arming, PushLook};
 use crate::protocol::lane::{self, LaneCancelled};
 use crate::protocol::operators::Cancel;
@@ -173,6 +175,9 @@ where
 ///    event is late is neither lost nor unannounced);
 /// 3. the request leaves `active` (`unindex`).
 ///
+/// 4. with downstreams, their release (`dag::release`), which `finish_index` put in the home
+///    shard's outbox in the same step as the event, so that recovery runs it if this does not.
+///
 /// Returns the lifecycle a requeue marked (`reopen`) when the request stays indexed for it.
 pub(crate) async fn finish(
     store: &Store,
@@ -180,6 +185,36 @@ pub(crate) async fn finish(
     place: Placement,
     finished: Finished,
 ) -> Result<Option<i64>> {
+    finish_at(store, key_id, place, finished, 0).await
+}
+
+/// [`finish()`] as the `depth`-th finish of a cascade (a downstream failed by its upstream's
+/// release is the first): past [`dag::INLINE_DEPTH`] its own release is left to recovery.
+fn finish_at<'a>(
+    store: &'a Store,
+    key_id: &'a str,
+    place: Placement,
+    finished: Finished,
+    depth: usize,
+) -> futures::future::BoxFuture<'a, Result<Option<i64>>> {
+    Box::pin(async move {
+        let home = home_shard(key_id, place.shards);
+        let (reopened, owed) = finish_steps(store, key_id, place, finished).await?;
+        if owed {
+            dag::release_owed(store, home, key_id, depth).await;
+        }
+        Ok(reopened)
+    })
+}
+
+/// Steps 1 to 3 of [`finish()`]: the lifecycle a requeue marked, if any, and whether a release is
+/// owed.
+async fn finish_steps(
+    store: &Store,
+    key_id: &str,
+    place: Placement,
+    finished: Finished,
+) -> Result<(Option<i64>, bool)> {
     let Finished { state, lifecycle, sweep, .. } = finished;
     let home = home_shard(key_id, place.shards);
     let mut groups = by_shard(key_id, place.shards, sweep);
@@ -189,8 +224,10 @@ pub(crate) async fn finish(
         async move { finish::sweep(store, shard, &list, elements).await }
     });
     futures::future::try_join_all(sweeps).await?;
-    finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
-    seal_and_unindex(store, key_id, home, lifecycle, &state).await
+    let indexed =
+        finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
+    let reopened = seal_and_unindex(store, key_id, home, lifecycle, &state).await?;
+    Ok((reopened, indexed == Indexed::ReleaseOwed))
 }
 
 /// Steps 2 and 3 of [`finish()`]; alone, for a request whose event is already recorded. Returns the
@@ -225,6 +262,42 @@ pub(crate) async fn requeue_dead(
         operators::requeue_dead(store, key_id, reopen_as, deadline, resume)
     })
     .await
+}
+
+/// Hands the dead letters of request `key_id` (of its own stream, placed at `place`) out again;
+/// a failed one reopens (also a downstream its upstream had failed, once its gate is open again).
+/// A failed request is reopened only after its own lifecycle is announced and sealed, and after
+/// `reopen` indexed it again and marked the new lifecycle (so that no late unindex of the failed
+/// one removes it): `requeue_dead` says which step is missing, in that order. Recovery looks after
+/// each call, in case this process dies between waking tokens and pushing them (a request not
+/// indexed, a failed one, is indexed again by `reopen` with its own look). Returns how many dead
+/// letters were requeued.
+pub(crate) async fn requeue(store: &Store, key_id: &str, place: Placement) -> Result<u64> {
+    let grace = store.config.grace();
+    let mut reopen_as = String::new();
+    for _ in 0..4 {
+        match requeue_dead(store, key_id, place.shards, &reopen_as, false).await? {
+            Requeued::FinishFirst(lifecycle) => {
+                // A failure whose steps after the finish are not done (its worker died, and
+                // recovery has not come by yet): announce it first, so that its lifecycle keeps
+                // its one event.
+                let finished =
+                    Finished { state: "failed".into(), lifecycle, sweep: Vec::new(), shards: None };
+                finish(store, key_id, place, finished).await?;
+            }
+            Requeued::ReopenFirst(lifecycle) => {
+                reopen(store, key_id, place.shards, lifecycle).await?;
+                reopen_as = lifecycle.to_string();
+            }
+            Requeued::Done { n, elements } => {
+                if !elements.is_empty() {
+                    push(store, key_id, place, Look::More, grace, elements).await?;
+                }
+                return Ok(n.max(0) as u64);
+            }
+        }
+    }
+    Err(Error::Protocol(format!("request \"{key_id}\" kept changing while it was being requeued; try again")))
 }
 
 /// Before requeue reopens a failed request as `lifecycle`: indexes it again and marks the new
@@ -282,8 +355,14 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
     let placement = placement(store, &keys.meta).await?;
     match operators::cancel(store, &key_id).await? {
         Cancel::Unknown => {
-            match lane::cancel(store, lane_home_found(store, &key_id).await?, &key_id).await? {
-                LaneCancelled::Now => Ok(Cancelled::Now),
+            let home = lane_home_found(store, &key_id).await?;
+            match lane::cancel(store, home, &key_id).await? {
+                LaneCancelled::Now { release_owed } => {
+                    if release_owed {
+                        dag::release_owed(store, home, &key_id, 0).await;
+                    }
+                    Ok(Cancelled::Now)
+                }
                 LaneCancelled::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
                 LaneCancelled::Unknown => Err(Error::UnknownRequest(id.clone())),
             }
