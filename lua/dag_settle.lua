@@ -62,6 +62,10 @@ local function dag_settle(keys, args)
   end
   if state == 'failed' and m[5] and string.sub(m[5], 1, 9) == 'upstream:' then
     if sg_dag_reopenable(m[5], c[1], c[2], m[4]) then return {'reopen', sg_lifecycle(keys)} end
+    -- The upstream it names may have completed since (requeued) while another is still failed:
+    -- the record names that one from now on.
+    local still = sg_dag_failed_one(keys, m[3])
+    if still ~= '' and m[5] ~= 'upstream:' .. still then redis.call('HSET', keys[1], 'why', 'upstream:' .. still) end
     if redis.call('HGET', keys[1], 'sealed') ~= sg_lifecycle(keys) then
       return {'finished', 'failed', sg_lifecycle(keys)}
     end

@@ -38,17 +38,18 @@ local function requeue_dead(keys, args)
   if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
     return redis.error_reply('SGSTATE only a failed, running or queued request has dead letters to requeue')
   end
+  local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
+  local n = #dead
+  -- A downstream failed because of an upstream has no dead letter, and reopens once its gate is
+  -- open again (the upstream was requeued and completed). With nothing to requeue, nothing is
+  -- asked of the caller either (a reopen asked for and not carried out would keep it indexed).
+  if n == 0 and not (state == 'failed' and sg_dag_reopenable(m[7], m[8], m[9], m[10])) then return {0, 0} end
   local lifecycle = sg_lifecycle(keys)
   if state == 'failed' then
     if m[4] ~= lifecycle then return {-1, lifecycle} end
     local next = sg_int(tonumber(lifecycle) + 1)
     if args[2] ~= next then return {-2, next} end
   end
-  local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
-  local n = #dead
-  -- A downstream failed because of an upstream has no dead letter, and reopens once its gate is
-  -- open again (the upstream was requeued and completed).
-  if n == 0 and not (state == 'failed' and sg_dag_reopenable(m[7], m[8], m[9], m[10])) then return {0, 0} end
   local now = sg_now()
   for _, id in ipairs(dead) do
     -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.

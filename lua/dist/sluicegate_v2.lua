@@ -2612,17 +2612,18 @@ local function requeue_dead(keys, args)
   if state ~= 'failed' and state ~= 'running' and state ~= 'queued' then
     return redis.error_reply('SGSTATE only a failed, running or queued request has dead letters to requeue')
   end
+  local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
+  local n = #dead
+  -- A downstream failed because of an upstream has no dead letter, and reopens once its gate is
+  -- open again (the upstream was requeued and completed). With nothing to requeue, nothing is
+  -- asked of the caller either (a reopen asked for and not carried out would keep it indexed).
+  if n == 0 and not (state == 'failed' and sg_dag_reopenable(m[7], m[8], m[9], m[10])) then return {0, 0} end
   local lifecycle = sg_lifecycle(keys)
   if state == 'failed' then
     if m[4] ~= lifecycle then return {-1, lifecycle} end
     local next = sg_int(tonumber(lifecycle) + 1)
     if args[2] ~= next then return {-2, next} end
   end
-  local dead = redis.call('ZRANGEBYSCORE', keys[6], 'inf', 'inf')
-  local n = #dead
-  -- A downstream failed because of an upstream has no dead letter, and reopens once its gate is
-  -- open again (the upstream was requeued and completed).
-  if n == 0 and not (state == 'failed' and sg_dag_reopenable(m[7], m[8], m[9], m[10])) then return {0, 0} end
   local now = sg_now()
   for _, id in ipairs(dead) do
     -- RETRYCOUNT 0: the next delivery counts as attempt 1 again.
@@ -3317,16 +3318,27 @@ end
 -- purge: deletes a finished request's keys now, rather than at the end of its retention
 -- (`Admin::purge`; then `unlist` on its home shard). Run on the request's slot.
 -- KEYS[1] the hash holding its `state` (a request's meta, or a lane request's record)
--- KEYS[2..] its other keys (none for a lane request)
+-- KEYS[2..] its other keys (none for a lane request); with ARGV[1], the last one is instead its
+-- home shard's release outbox (a lane request's: its record is on that shard)
+-- ARGV[1] (optional) its key id: refused while the outbox holds it (its downstreams have not all
+-- heard of its finish yet; prelude.lua, "Dependencies between requests")
 -- Returns 1 when the keys were deleted, 0 when there was nothing (unknown, or expired). Errors
--- "SGSTATE ..." when the request has not finished: nothing is deleted.
+-- "SGSTATE ..." when the request has not finished, or its release is owed: nothing is deleted.
 local function purge(keys, args)
   local state = redis.call('HGET', keys[1], 'state')
   if not state then return 0 end
   if state ~= 'completed' and state ~= 'failed' and state ~= 'cancelled' then
     return redis.error_reply('SGSTATE the request has not finished (state ' .. state .. '): cancel it first')
   end
-  redis.call('DEL', unpack(keys))
+  local delete = keys
+  if args[1] then
+    if redis.call('ZSCORE', keys[#keys], args[1]) then
+      return redis.error_reply('SGSTATE the request has finished, but its downstreams have not all heard yet')
+    end
+    delete = {}
+    for i = 1, #keys - 1 do delete[i] = keys[i] end
+  end
+  redis.call('DEL', unpack(delete))
   return 1
 end
 
@@ -3685,6 +3697,10 @@ local function dag_settle(keys, args)
   end
   if state == 'failed' and m[5] and string.sub(m[5], 1, 9) == 'upstream:' then
     if sg_dag_reopenable(m[5], c[1], c[2], m[4]) then return {'reopen', sg_lifecycle(keys)} end
+    -- The upstream it names may have completed since (requeued) while another is still failed:
+    -- the record names that one from now on.
+    local still = sg_dag_failed_one(keys, m[3])
+    if still ~= '' and m[5] ~= 'upstream:' .. still then redis.call('HSET', keys[1], 'why', 'upstream:' .. still) end
     if redis.call('HGET', keys[1], 'sealed') ~= sg_lifecycle(keys) then
       return {'finished', 'failed', sg_lifecycle(keys)}
     end

@@ -510,7 +510,17 @@ impl Admin {
                         Ok(self.store.client.zscore(active_key.as_str(), key_id.as_str()).await?)
                     })
                     .await?;
-                if active.is_some() {
+                // Out of the index, its finish is recorded: a release it owes is in the outbox
+                // already, and nothing adds one now that it has finished (until a requeue, which
+                // `purge` refuses to race: the request is not finished then).
+                let releases = self.store.keys.releases(home);
+                let owed: Option<f64> = self
+                    .store
+                    .call("zscore", &releases, || async {
+                        Ok(self.store.client.zscore(releases.as_str(), key_id.as_str()).await?)
+                    })
+                    .await?;
+                if active.is_some() || owed.is_some() {
                     return Err(unfinished());
                 }
                 let purged = listing::purge(&self.store, &keys.all()).await.map_err(say_unfinished)?;
@@ -518,8 +528,7 @@ impl Admin {
             }
             None => {
                 let home = crate::shards::lane_home_found(&self.store, &key_id).await?;
-                let record = self.store.keys.record(home, &key_id);
-                let purged = listing::purge(&self.store, &[record.as_str()]).await.map_err(say_unfinished)?;
+                let purged = listing::purge_lane(&self.store, home, &key_id).await.map_err(say_unfinished)?;
                 unlist(&self.store, home, &key_id, purged).await.map_err(say_unfinished)?
             }
         };

@@ -339,6 +339,103 @@ impl Seen {
     }
 }
 
+/// What a downstream's meta says of its upstream `ukid` (`u:<ukid>`): its status (`w`, `c`, `f`)
+/// and the lifecycle it names.
+fn upstream_field(d: &Seen, ukid: &str) -> Option<(String, u64)> {
+    let field = d.meta.get(&format!("u:{ukid}"))?;
+    let mut f = field.split('|');
+    Some((f.next()?.to_owned(), f.next()?.parse().ok()?))
+}
+
+/// The request of the pool behind upstream `ukid` of a downstream, as seen now, if it is the one
+/// the downstream linked to (the same created ms as the lifecycle `lc` its field names), with its
+/// lifecycle now.
+fn same_upstream<'a>(seen: &'a BTreeMap<u8, Seen>, ukid: &str, lc: u64) -> Option<(&'a Seen, u64)> {
+    let u = seen.get(&index_of(ukid)?)?;
+    let created = u.num("created");
+    (created > 0 && created == lc / 1000).then(|| (u, created * 1000 + u.num("gen")))
+}
+
+/// A downstream's gate, checked while a handler of its runs under a live lease: every upstream it
+/// linked to has completed (its policy 'fail'), or ended (its policy 'run') in the lifecycle it
+/// waited on. An upstream whose id went with a purge, or was taken by a later request, is not
+/// the one it waited on.
+fn check_gate(r: &RequestId, d: &Seen, seen: &BTreeMap<u8, Seen>) -> Result<(), String> {
+    let Some(ups) = d.meta.get("ups") else { return Ok(()) };
+    let run = d.meta.get("onup").map(String::as_str) == Some("run");
+    for ukid in ups.split(',') {
+        let Some((status, lc)) = upstream_field(d, ukid) else {
+            return Err(format!("{r} runs, but has no field for its upstream {ukid}"));
+        };
+        let Some((u, now)) = same_upstream(seen, ukid, lc) else { continue };
+        let ended = if run { u.terminal() || now > lc } else { u.state() == "completed" };
+        if !ended || status == "w" {
+            return Err(format!(
+                "{r} runs while its upstream {ukid} is {} (lifecycle {now}; its field: {status} {lc}; policy {})",
+                u.state(),
+                if run { "run" } else { "fail" }
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A downstream that failed because of an upstream (`why` = `upstream:<ukid>`): its field says that
+/// upstream failed, its policy is 'fail', and (`end`: once everything has drained) that upstream
+/// has not completed since, or the downstream would have reopened.
+fn check_failed_by_upstream(
+    r: &RequestId,
+    d: &Seen,
+    seen: &BTreeMap<u8, Seen>,
+    end: bool,
+) -> Result<(), String> {
+    let Some(ukid) = d.meta.get("why").and_then(|w| w.strip_prefix("upstream:")) else { return Ok(()) };
+    if d.state() != "failed" || d.meta.get("onup").map(String::as_str) == Some("run") {
+        return Err(format!(
+            "{r} is {} because of upstream {ukid}, with policy {:?}",
+            d.state(),
+            d.meta.get("onup")
+        ));
+    }
+    let Some((status, lc)) = upstream_field(d, ukid) else {
+        return Err(format!("{r} failed because of {ukid}, which is not its upstream"));
+    };
+    if status != "f" {
+        return Err(format!("{r} failed because of its upstream {ukid}, whose field says {status} {lc}"));
+    }
+    if let Some((u, now)) = same_upstream(seen, ukid, lc) {
+        if u.state() == "completed" && (end || now == lc) {
+            return Err(format!(
+                "{r} failed because of its upstream {ukid} (lifecycle {lc}), which completed (lifecycle {now})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Once everything has drained, a downstream that ran (completed, or failed by its own parts)
+/// did so after each upstream it waited on completed ('fail') or ended ('run').
+fn check_ran_after_upstreams(r: &RequestId, d: &Seen, seen: &BTreeMap<u8, Seen>) -> Result<(), String> {
+    let Some(ups) = d.meta.get("ups") else { return Ok(()) };
+    let why = d.meta.get("why").map(String::as_str).unwrap_or("");
+    if !(d.state() == "completed" || (d.state() == "failed" && why.is_empty())) {
+        return Ok(());
+    }
+    let run = d.meta.get("onup").map(String::as_str) == Some("run");
+    for ukid in ups.split(',') {
+        let Some((_, lc)) = upstream_field(d, ukid) else { continue };
+        let Some((u, _)) = same_upstream(seen, ukid, lc) else { continue };
+        if !u.terminal() || (!run && u.state() != "completed") {
+            return Err(format!(
+                "{r} is {} but its upstream {ukid} is {} after the drain",
+                d.state(),
+                u.state()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The registered workers and when their registrations expire (the functions' clock).
 pub(crate) async fn registry(world: &World) -> Result<HashMap<String, u64>, String> {
     let ns = world.config.namespace_str();
@@ -718,6 +815,7 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
                 return Err(format!("{r}: {left} parts unsettled, above its window of {window}"));
             }
         }
+        check_failed_by_upstream(&r, s, &seen, false)?;
         // An entry waits in one place to be handed out again: listed twice, it runs twice and
         // (were `left` counted per ack) ends the request while another part still has to run.
         if !s.listed_twice.is_empty() {
@@ -751,6 +849,7 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
                 }));
         if under_live_lease {
             *live.entry(request.clone()).or_default() += 1;
+            check_gate(&request_id(i), s, &seen)?;
         }
     }
     for (request, n) in live {
@@ -776,6 +875,10 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
 /// Requests the sequences' ends found ended at their deadline: the summary says how often the
 /// deadline paths ran.
 pub(crate) static ENDED_AT_DEADLINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Downstreams the sequences' ends found failed because of an upstream, and ran after their
+/// upstreams (completed, or failed by their own parts): how often the dependencies' paths ran.
+pub(crate) static FAILED_BY_UPSTREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+pub(crate) static RAN_AFTER_UPSTREAMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The invariants that hold once everything has drained: every accepted part ended with a result
 /// or a dead letter, one terminal record and one event per lifecycle, nothing left to expire.
@@ -843,6 +946,16 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
         if at_deadline {
             ENDED_AT_DEADLINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        // Failed because of an upstream: none of its parts ran.
+        let by_upstream = s.meta.get("why").is_some_and(|w| w.starts_with("upstream:"));
+        if by_upstream {
+            FAILED_BY_UPSTREAM.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        } else if s.meta.contains_key("ups") && s.state() != "cancelled" {
+            RAN_AFTER_UPSTREAMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        check_failed_by_upstream(&r, s, &seen, true)?;
+        check_ran_after_upstreams(&r, s, &seen)?;
+        let at_deadline = at_deadline || by_upstream;
         let discard = s.meta.get("discard").map(String::as_str) == Some("1");
         if discard && s.state() == "completed" {
             let ok = s.results + s.num("ntaken") + s.num("discarded");

@@ -84,6 +84,22 @@ pub(crate) struct Submit {
     /// (`RequestBuilder::rate`; absent in sequences recorded before rate limits).
     #[serde(default)]
     pub(crate) rate: Option<(u8, u16)>,
+    /// Submitted after requests of the pool (`RequestBuilder::after`; absent in sequences recorded
+    /// before dependencies), each picked as `Reprioritize` picks: with a multiple of 4, id `pick /
+    /// 4` of the pool, whatever it is (unknown, loading, itself: refused); otherwise one of the
+    /// pool's requests that exist at that moment, modulo their number. Refused with a delay, or
+    /// streamed.
+    #[serde(default)]
+    pub(crate) after: Vec<u8>,
+    /// With `after`: it runs once its upstreams ended however (`OnUpstreamFailure::Run`), instead
+    /// of failing with a failed one.
+    #[serde(default)]
+    pub(crate) run_anyway: bool,
+    /// Submitted under the first id of the pool from `request` on that has no request (none
+    /// loading or existing, and no submit of it under way), if any: a new request rather than a
+    /// duplicate (absent in sequences recorded before dependencies).
+    #[serde(default)]
+    pub(crate) fresh_id: bool,
 }
 
 impl Submit {
@@ -94,6 +110,7 @@ impl Submit {
             && !self.own_stream
             && self.deadline_ms == 0
             && self.rate.is_none()
+            && self.after.is_empty()
             && matches!(self.shape, Shape::Whole { delay_ms: 0, .. })
     }
 }
@@ -122,6 +139,12 @@ pub(crate) enum Op {
     },
     Requeue {
         request: u8,
+    },
+    /// An operator requeues a failed request: picked as `Reprioritize` picks, among the pool's
+    /// failed requests at that moment (drawn for dependencies: an upstream that failed its
+    /// downstreams, requeued, releases them again when it completes).
+    RequeueFailed {
+        pick: u8,
     },
     Finalize {
         request: u8,
@@ -223,6 +246,10 @@ pub(crate) struct Mix {
     pub(crate) restarts: bool,
     /// Share of sequences with an `Op::Drain` (somewhere in their second half).
     pub(crate) drains: f64,
+    /// Share of operations drawn for dependencies between requests: submits after others (under
+    /// a free id, one attempt per part), and the requeues and cancels that fail and reopen their
+    /// downstreams; with it, handlers fail permanently more often.
+    pub(crate) dags: f64,
 }
 
 /// Draws one operation; `drained`: an `Op::Drain` came before, and an operator's commands on
@@ -236,6 +263,24 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             _ => draw_purge_finished(rng),
         };
     }
+    if mix.dags > 0.0 && rng.gen_bool(mix.dags) {
+        return match rng.gen_range(0..10) {
+            0..=4 => {
+                let mut submit = draw_submit(rng);
+                if submit.after.is_empty() {
+                    submit.after.push(rng.gen());
+                }
+                submit.shape = Shape::Whole { parts: rng.gen_range(1..=3), delay_ms: 0 };
+                submit.fresh_id = true;
+                // A failure ends its part at once: upstreams fail more often, and downstreams with
+                // them.
+                submit.max_attempts = 1;
+                Op::Submit(submit)
+            }
+            5..=7 => Op::RequeueFailed { pick: rng.gen() },
+            _ => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
+        };
+    }
     // Schedules: one operation in 25, the others' weights scaled alike.
     if cfg!(feature = "schedules") && rng.gen_bool(0.04) {
         return draw_schedule(rng);
@@ -243,7 +288,9 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
     let roll = rng.gen_range(0..1000);
     match roll {
         0..=409 => {
-            Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict: draw_verdict(rng) }
+            let verdict =
+                if mix.dags > 0.0 && rng.gen_bool(0.3) { Verdict::Permanent } else { draw_verdict(rng) };
+            Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict }
         }
         410..=429 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
         430..=569 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
@@ -313,7 +360,14 @@ fn draw_verdict(rng: &mut StdRng) -> Verdict {
 }
 
 fn draw_submit(rng: &mut StdRng) -> Submit {
-    let shape = if rng.gen_bool(0.3) {
+    let request = rng.gen_range(0..REQUEST_IDS);
+    // A third of the submits come after one or two other requests of the pool, mostly whole and
+    // not delayed (streamed or delayed, or after an unknown request or itself: refused).
+    let after: Vec<u8> =
+        if rng.gen_bool(0.33) { (0..rng.gen_range(1..=2)).map(|_| rng.gen()).collect() } else { Vec::new() };
+    let shape = if !after.is_empty() && rng.gen_bool(0.9) {
+        Shape::Whole { parts: rng.gen_range(1..=3), delay_ms: 0 }
+    } else if rng.gen_bool(0.3) {
         let adds = (0..rng.gen_range(1..=3)).map(|_| rng.gen_range(1..=3)).collect();
         // More often than not a window of 1 to 3 parts, below most such requests' sizes, so that
         // add waits; the results discarded now and then.
@@ -325,7 +379,7 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
     };
     Submit {
         producer: rng.gen_range(0..PRODUCERS),
-        request: rng.gen_range(0..REQUEST_IDS),
+        request,
         shape,
         limit: rng.gen_range(1..=3),
         priority: [10, 50, 90][rng.gen_range(0..3)],
@@ -336,5 +390,8 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         unlisted: rng.gen_bool(0.25),
         deadline_ms: if rng.gen_bool(0.15) { rng.gen_range(100..3000) } else { 0 },
         rate: rng.gen_bool(0.15).then(|| (rng.gen_range(1..=3), rng.gen_range(200..2000))),
+        after,
+        run_anyway: rng.gen_bool(0.3),
+        fresh_id: false,
     }
 }

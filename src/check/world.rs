@@ -331,10 +331,32 @@ impl World {
                 if self.producers_busy[s.producer as usize] {
                     return Ok(());
                 }
+                let s = &self.fresh(s).await?;
                 self.producers_busy[s.producer as usize] = true;
                 self.model.submitting(s);
                 let producer = Producer::from_store(self.store.clone(), self.producer_stats(s.producer));
-                let s2 = s.clone();
+                let mut s2 = s.clone();
+                // Its upstreams, picked as `Reprioritize` picks (mostly among the pool's requests
+                // that exist now, whatever their state; now and then an id that may not exist).
+                const ANY: [&str; 8] = [
+                    "loading",
+                    "scheduled",
+                    "waiting",
+                    "queued",
+                    "running",
+                    "completed",
+                    "failed",
+                    "cancelled",
+                ];
+                s2.after.clear();
+                for pick in &s.after {
+                    let mut up = self.pick_target(*pick, &ANY, true).await?;
+                    if up == s.request && pick % 4 != 0 {
+                        // Itself is refused at once: pick another, if any.
+                        up = self.pick_target(pick.wrapping_add(1) | 1, &ANY, true).await?;
+                    }
+                    s2.after.push(up);
+                }
                 self.spawn(Process::Producer(s.producer), Task::Submit(s.clone()), async move {
                     submit(&producer, &s2).await
                 })
@@ -412,6 +434,10 @@ impl World {
                     }
                 })
                 .await
+            }
+            Op::RequeueFailed { pick } => {
+                let request = self.pick_target(*pick, &["failed"], true).await?;
+                Box::pin(self.apply(&Op::Requeue { request })).await
             }
             Op::Requeue { request } => {
                 self.model.requests.entry(*request).or_default().requeue_tried = true;
@@ -616,6 +642,29 @@ impl World {
             }
         }
         Ok(if found.is_empty() { pick % super::ops::REQUEST_IDS } else { found[pick as usize % found.len()] })
+    }
+
+    /// `s`, under a free id of the pool if it asks for one (`Submit::fresh_id`).
+    async fn fresh(&self, s: &Submit) -> Result<Submit, String> {
+        let mut s = s.clone();
+        if !s.fresh_id {
+            return Ok(s);
+        }
+        let ns = self.config.namespace_str();
+        for n in 0..super::ops::REQUEST_IDS {
+            let i = (s.request + n) % super::ops::REQUEST_IDS;
+            let kid = request_id(i).key_id();
+            let keys: i64 = self
+                .reader
+                .exists(vec![format!("{ns}:r:{{{kid}}}"), format!("{ns}:{{{ns}.q0}}:s:{kid}")])
+                .await
+                .map_err(|e| e.to_string())?;
+            if keys == 0 && self.model.requests.get(&i).map_or(true, |r| r.submitting == 0) {
+                s.request = i;
+                break;
+            }
+        }
+        Ok(s)
     }
 
     /// The recorder of producer process `p`: what it counted since its last flush.
@@ -876,6 +925,9 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
             Some((n, per_ms)) => b.rate(u32::from(n), Duration::from_millis(u64::from(per_ms)))?,
             None => b,
         };
+        let policy =
+            if s.run_anyway { crate::OnUpstreamFailure::Run } else { crate::OnUpstreamFailure::Fail };
+        let b = b.after(s.after.iter().map(|u| request_id(*u))).on_upstream_failure(policy);
         Ok(if s.unlisted_here() { b.unlisted() } else { b })
     };
     let result = match &s.shape {

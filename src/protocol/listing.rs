@@ -190,6 +190,15 @@ pub(crate) async fn purge(store: &Store, keys: &[&str]) -> Result<bool> {
     Ok(reply::int(&purged)? == 1)
 }
 
+/// `purge` of lane request `key_id`, homed on `shard`: its record, unless its release to its
+/// downstreams is owed (`Error::Refused` then, as while it runs).
+pub(crate) async fn purge_lane(store: &Store, shard: u32, key_id: &str) -> Result<bool> {
+    let (record, releases) = (store.keys.record(shard, key_id), store.keys.releases(shard));
+    let keys = [record.as_str(), releases.as_str()];
+    let purged = store.fcall(Func::Purge, &keys, vec![key_id.into()]).await.map_err(refused)?;
+    Ok(reply::int(&purged)? == 1)
+}
+
 /// `unlist` on `shard`: the request leaves the index and its finish marks go. False when it was
 /// not listed; `Error::Refused` while it is still in recovery's index.
 pub(crate) async fn unlist(store: &Store, shard: u32, key_id: &str) -> Result<bool> {

@@ -105,7 +105,7 @@ async fn break_claims(redis: Client, config: Config, stop: CancellationToken) ->
     let mut broken = 0;
     while !stop.is_cancelled() {
         let reply: Vec<Value> = fcall(&redis, "claim_due", &keys, &["100".into(), "0".into()]).await.convert().unwrap();
-        // '' and the Redis time, then the names.
+        // '' and the Redis time, then the releases and the names.
         let now = reply.get(1).and_then(Value::as_i64).expect("the Redis time");
         let scores: Vec<(String, f64)> = redis.zrange(&keys[3], 0, -1, None, false, None, true).await.unwrap();
         for (name, score) in scores {
@@ -203,7 +203,9 @@ async fn a_tick_fired_by_a_worker_that_died_before_submitting_is_paid_after_the_
     let claim_keys = ["dead-a", "dead-b", "dead-c", "sch:due"].map(|k| shard0(&config, k));
     let claimed: Vec<String> =
         fcall(&redis, "claim_due", &claim_keys, &["100".into(), "3000".into()]).await.convert().unwrap();
-    assert_eq!(claimed.get(2).map(String::as_str), Some(name), "{claimed:?}");
+    // '', the Redis time, the releases claimed (none: "dead-c" is no outbox), then the names.
+    assert_eq!(claimed.get(2).map(String::as_str), Some("0"), "{claimed:?}");
+    assert_eq!(claimed.get(3).map(String::as_str), Some(name), "{claimed:?}");
     let now: i64 = claimed[1].parse().unwrap();
     let state_keys = [shard0(&config, "sch"), shard0(&config, &format!("sch:s:{name}"))];
     let read: Vec<Value> = fcall(&redis, "sched_get", &state_keys, &[name.into()]).await.convert().unwrap();
