@@ -130,7 +130,7 @@ def test_list_refuses_what_the_rust_admin_refuses(server: Any, ns: str) -> None:
         admin.list(limit=1001)
     with pytest.raises(sluicegate.InvalidRequest) as e:
         admin.list(state="done")
-    assert str(e.value) == 'unknown state "done": one of queued, running, scheduled, open, completed, failed, cancelled'
+    assert str(e.value) == 'unknown state "done": one of queued, running, scheduled, waiting, open, completed, failed, cancelled'
     with pytest.raises(sluicegate.InvalidRequest, match=r'^invalid tag "a b": a tag is 1 to 64 characters'):
         admin.list(tag="a b")
     with pytest.raises(sluicegate.InvalidCursor) as c:

@@ -24,6 +24,7 @@ from .admin import (
     Reprioritized,
     RequestStatus,
     Schedule,
+    Upstream,
 )
 from .errors import (
     DuplicateRequestId,
@@ -31,6 +32,7 @@ from .errors import (
     InvalidRequest,
     InvalidSchedule,
     NoDeadLetters,
+    NoResult,
     NotOpen,
     PermanentError,
     ProtocolError,
@@ -38,6 +40,7 @@ from .errors import (
     SluicegateError,
     UnknownRequest,
     UnknownSchedule,
+    UnknownUpstream,
     UnsupportedRedis,
     WaitTimeout,
 )
@@ -62,6 +65,7 @@ __all__ = [
     "ListedRequest",
     "Listener",
     "NoDeadLetters",
+    "NoResult",
     "NotOpen",
     "OpenRequest",
     "PartError",
@@ -78,7 +82,9 @@ __all__ = [
     "SluicegateError",
     "UnknownRequest",
     "UnknownSchedule",
+    "UnknownUpstream",
     "UnsupportedRedis",
+    "Upstream",
     "WaitTimeout",
     "Worker",
     "library_source",

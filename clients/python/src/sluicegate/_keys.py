@@ -172,6 +172,16 @@ class Keys:
     def finish_marks(self, shard: int, kid: str) -> str:
         return self._shard(shard) + "f:" + kid
 
+    def downstreams(self, shard: int, kid: str) -> str:
+        """The set of the downstreams of request ``kid`` (``<dkid>|<D's token shards>``), on its
+        home ``shard`` (prelude.lua, "Dependencies between requests")."""
+        return self._shard(shard) + "dn:" + kid
+
+    def releases(self, shard: int) -> str:
+        """The release outbox of the requests homed on ``shard``: key id of a finished request with
+        downstreams -> when recovery should run its release (ms)."""
+        return self._shard(shard) + "rel"
+
     def record_prefix(self, shard: int) -> str:
         return self._shard(shard) + "s:"
 

@@ -4,6 +4,7 @@ library call; nothing outside this module and ``_conn`` packs FCALL arguments.""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -11,10 +12,21 @@ import redis
 
 from . import errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import Keys, home_shard, raw_id, token_shard
+from ._keys import Keys, home_shard, key_id, raw_id, token_shard
+
+log = logging.getLogger("sluicegate.protocol")
 
 #: The most token shards a configuration may name (a pause is written on each of them).
 MAX_TOKEN_SHARDS = 1024
+#: The priority of a request whose meta is gone by the time a step needs it (Rust
+#: ``Priority::default()``).
+DEFAULT_PRIORITY = 50
+#: How deep a cascade of finishes (a downstream failed by its upstream, then its own downstreams,
+#: ...) a finisher follows itself; deeper hops are left to recovery's next claim of the outbox
+#: (src/shards/dag.rs ``INLINE_DEPTH``).
+INLINE_DEPTH = 16
+#: Downstreams one ``SSCAN`` of an upstream's set asks for.
+DOWNSTREAMS_PAGE = 100
 
 T = TypeVar("T")
 
@@ -36,6 +48,9 @@ class Settings:
     wait_poll: float = 2.0
     lane_tokens: int = 64
     token_shards: int = 1
+    #: Tests only: a finish whose request has downstreams leaves their release to recovery (the
+    #: outbox), as if its finisher died right after it (Rust ``Config::test_no_inline_release``).
+    inline_releases: bool = True
 
     @property
     def grace(self) -> float:
@@ -106,6 +121,42 @@ class Requeued:
     n: int
     lifecycle: int
     elements: List[Any] = field(default_factory=list)
+
+
+@dataclass
+class Ended:
+    """An upstream's lifecycle that ended (Rust ``dag::Ended``): its lifecycle (created ms * 1000 +
+    gen) and its terminal state (completed, failed, cancelled; or ``gone``, lifecycle 0, for one
+    of which nothing was left)."""
+
+    lifecycle: int
+    state: str
+
+
+#: What a release tells the downstreams of an upstream of which nothing is left.
+GONE = Ended(0, "gone")
+
+
+@dataclass
+class Link:
+    """Where an upstream stands, as ``dag_link`` (or a read of its home shard) finds it (Rust
+    ``dag::Link``): ``tag`` ``live`` (not ended; ``lifecycle``: a lane request's, None for a
+    request of its own stream, whose meta says), ``done`` (its latest lifecycle ended, ``ended``)
+    or ``unknown``."""
+
+    tag: str
+    lifecycle: Optional[int] = None
+    ended: Optional[Ended] = None
+
+
+def _opt_int(v: Any) -> Optional[int]:
+    """A reply item or field as an int, None when absent or not one ('' included)."""
+    if v is None:
+        return None
+    if isinstance(v, int):
+        return v
+    t = text(v)
+    return int(t) if t.lstrip("-").isdigit() else None
 
 
 @dataclass
@@ -304,7 +355,13 @@ class Protocol:
 
     # ----- the steps after a finish (§6.3) -----
 
-    def finish(self, kid: str, priority: int, shards: int, finished: Finished) -> Optional[int]:
+    def finish(self, kid: str, priority: int, shards: int, finished: Finished, depth: int = 0) -> Optional[int]:
+        """The steps after request ``kid`` turned terminal, each repeatable (Rust
+        ``shards::finish``): stale elements swept and the lifecycle's one event (``finish_index``),
+        ``seal``, ``unindex``; then, when ``finish_index`` answered that the request has
+        downstreams (2: its release is owed, in the outbox), their release (:meth:`release_owed`).
+        ``depth``: how many finishes of a cascade this one follows. Returns the lifecycle a requeue
+        marked (``reopen``) when the request stays indexed for it."""
         k = self.keys
         home = home_shard(kid, shards)
         groups = by_shard(kid, shards, finished.sweep)
@@ -312,12 +369,17 @@ class Protocol:
         for shard, group in groups.items():
             if group:
                 self.conn.fcall("sweep", [k.token_list(shard, priority), k.bell(shard)], group)
-        self.conn.fcall(
-            "finish_index",
-            [k.active(home), k.events(home), k.token_list(home, priority), k.finish_marks(home, kid), k.bell(home)],
-            [kid, finished.state, ms(self.settings.retention), finished.lifecycle, *home_sweep],
+        indexed = integer(
+            self.conn.fcall(
+                "finish_index",
+                [k.active(home), k.events(home), k.token_list(home, priority), k.finish_marks(home, kid), k.bell(home)],
+                [kid, finished.state, ms(self.settings.retention), finished.lifecycle, *home_sweep],
+            )
         )
-        return self.seal_and_unindex(kid, home, finished.lifecycle)
+        reopened = self.seal_and_unindex(kid, home, finished.lifecycle)
+        if indexed == 2:
+            self.release_owed(home, kid, depth)
+        return reopened
 
     def seal_and_unindex(self, kid: str, home: int, lifecycle: bytes) -> Optional[int]:
         k = self.keys
@@ -378,6 +440,29 @@ class Protocol:
         lifecycle = integer(items[1]) if len(items) > 1 else 0
         return Requeued(n, lifecycle, items[2:] if n >= 0 else [])
 
+    def requeue(self, kid: str, priority: int, shards: int) -> int:
+        """Hands the dead letters of request ``kid`` (of its own stream) out again; a failed one
+        reopens (also a downstream its upstream had failed, once its gate is open again). A failed
+        request is reopened only after its own lifecycle is announced and sealed, and after
+        ``reopen`` indexed it again and marked the new lifecycle: ``requeue_dead`` says which step
+        is missing, in that order (Rust ``shards::requeue``). Returns how many dead letters were
+        requeued."""
+        reopen_as = ""
+        for _ in range(4):
+            requeued = self.requeue_dead(kid, shards, reopen_as)
+            if requeued.n == -1:
+                # A failure whose steps after the finish are not done: announce it first, so that
+                # its lifecycle keeps its one event.
+                self.finish(kid, priority, shards, Finished("failed", str(requeued.lifecycle).encode(), []))
+            elif requeued.n == -2:
+                self.reopen(kid, shards, requeued.lifecycle)
+                reopen_as = str(requeued.lifecycle)
+            else:
+                if requeued.elements:
+                    self.push(kid, priority, shards, requeued.elements, self.settings.grace)
+                return max(0, requeued.n)
+        raise errors.ProtocolError(f'request "{raw_id(kid)}" kept changing while it was being requeued; try again')
+
     def reopen(self, kid: str, shards: int, lifecycle: int) -> bool:
         """``reopen`` on the home shard, before requeue reopens a failed request as ``lifecycle``:
         indexes it again (first looked at a grace from now) and marks that lifecycle."""
@@ -423,12 +508,13 @@ class Protocol:
         not listed."""
         return integer(self.conn.fcall("relabel", [self.keys.index_rows(shard)], [kid, priority])) == 1
 
-    def purge(self, keys: Sequence[str]) -> bool:
+    def purge(self, keys: Sequence[str], args: Sequence[Any] = ()) -> bool:
         """``purge`` on the request's slot: deletes ``keys`` (the first holds its ``state``) if it
-        finished. False when there was nothing; :class:`errors.Refused` (the library's words) when
-        it has not finished."""
+        finished. With ``args`` ``[key id]`` (a lane request), the last key is its home shard's
+        release outbox, and a release still owed refuses it. False when there was nothing;
+        :class:`errors.Refused` (the library's words) when it has not finished."""
         try:
-            return integer(self.conn.fcall("purge", keys, [])) == 1
+            return integer(self.conn.fcall("purge", keys, list(args))) == 1
         except redis.exceptions.ResponseError as e:
             if refused_state(e):
                 raise errors.Refused(refusal_why(e)) from e
@@ -447,6 +533,203 @@ class Protocol:
                 raise errors.Refused(refusal_why(e)) from e
             raise
         return integer(reply) == 1
+
+    # ----- dependencies between requests (prelude.lua, "Dependencies between requests") -----
+
+    def dag_link(self, home: int, ukid: str, entry: str) -> Link:
+        """``dag_link``: downstream ``entry`` (``<dkid>|<its token shards>``) joins upstream
+        ``ukid``'s downstreams, on the upstream's home shard ``home``."""
+        k = self.keys
+        items = fcall_items(
+            self.conn.fcall(
+                "dag_link",
+                [k.downstreams(home, ukid), k.finish_marks(home, ukid), k.record(home, ukid), k.active(home),
+                 k.releases(home)],
+                [ukid, entry, ms(self.settings.retention)],
+            )
+        )
+        tag = text(items[0]) if items else ""
+        lifecycle = _opt_int(items[1]) if len(items) > 1 else None
+        if tag == "live":
+            return Link("live", lifecycle)
+        if tag == "done" and lifecycle is not None:
+            return Link("done", lifecycle, Ended(lifecycle, text(items[2]) if len(items) > 2 else ""))
+        return Link("unknown")
+
+    def link_all(self, dkid: str, shards: int, upstreams: Sequence[str]) -> List[Tuple[str, int, Optional[str]]]:
+        """Links downstream ``dkid`` (submitted with ``shards`` token shards) to each of
+        ``upstreams`` (raw ids), on their home shards, between its ``submit_open`` and its
+        ``submit_commit`` (Rust ``dag::link_all``). Returns what each link found, for the commit:
+        (key id, lifecycle, the state it ended in or None). An upstream that is unknown, or still
+        being submitted, is :class:`errors.UnknownUpstream`."""
+        entry = f"{dkid}|{shards}"
+        links = []
+        client = self.conn.client
+        for start in range(0, len(upstreams), DOWNSTREAMS_PAGE):
+            some = upstreams[start : start + DOWNSTREAMS_PAGE]
+            pipe = client.pipeline(transaction=False)
+            for upstream in some:
+                pipe.hmget(self.keys.request(key_id(upstream)).meta, ["state", "created", "gen", "shards"])
+            for upstream, meta in zip(some, pipe.execute()):
+                links.append(self._link_one(entry, upstream, meta))
+        return links
+
+    def _link_one(self, entry: str, upstream: str, meta: Sequence[Any]) -> Tuple[str, int, Optional[str]]:
+        ukid = key_id(upstream)
+        state, created, gen, shards = meta
+        unknown = errors.UnknownUpstream(upstream, "is unknown (never submitted, or its retention ran out)")
+        # A request of its own stream is homed by the shard count in its meta; a lane request's
+        # record is on the home of the count it was submitted with, which may not be this one's.
+        lifecycle: Optional[int] = None
+        if state is not None and text(state) == "loading":
+            raise errors.UnknownUpstream(upstream, "is still being submitted: submit after it once its submit returned")
+        if state is not None:
+            home = home_shard(ukid, max(1, integer(shards, 1)))
+            lifecycle = integer(created) * 1000 + integer(gen)
+        else:
+            home = self.lane_home(ukid)
+        link = self.dag_link(home, ukid, entry)
+        if link.tag == "live":
+            lc = link.lifecycle if link.lifecycle is not None else lifecycle
+            if lc is None:
+                raise unknown
+            return ukid, lc, None
+        if link.tag == "done" and link.ended is not None:
+            return ukid, link.ended.lifecycle, link.ended.state
+        raise unknown
+
+    def dag_settle(self, dkid: str, ukid: str, ended: Ended, deadline: int) -> List[Any]:
+        """``dag_settle``: tells downstream ``dkid`` that lifecycle ``ended`` of upstream ``ukid``
+        has ended; the reply's items. ``deadline``: the caller's arm's (:meth:`armed`)."""
+        return fcall_items(
+            self.conn.fcall(
+                "dag_settle", self.keys.request(dkid).all(),
+                [dkid, ukid, ended.lifecycle, ended.state, ms(self.settings.retention), self.keys.done_channel(),
+                 deadline],
+            )
+        )
+
+    def rel_done(self, home: int, ukid: str, lifecycle: Optional[int]) -> bool:
+        """``rel_done``: the release of upstream ``ukid``'s lifecycle ``lifecycle`` reached every
+        downstream (None: the release found it running again); whether it left the outbox of its
+        home shard ``home`` (False: a later finish owes another)."""
+        k = self.keys
+        reply = self.conn.fcall(
+            "rel_done",
+            [k.releases(home), k.finish_marks(home, ukid), k.record(home, ukid), k.downstreams(home, ukid)],
+            [ukid, "" if lifecycle is None else lifecycle, ms(self.settings.retention)],
+        )
+        return integer(reply) == 1
+
+    def ended(self, home: int, ukid: str) -> Link:
+        """Where upstream ``ukid``, homed on ``home``, stands, read from its home shard: its lane
+        record, or its finish marks and index entry (what ``dag_link`` reads, writing nothing)."""
+        k = self.keys
+        client = self.conn.client
+        state, lc = client.hmget(k.record(home, ukid), ["state", "lc"])
+        lifecycle = _opt_int(lc)
+        if state is not None and lifecycle is not None:
+            if text(state) in ("queued", "running"):
+                return Link("live", lifecycle)
+            return Link("done", lifecycle, Ended(lifecycle, text(state)))
+        e, s, o = client.hmget(k.finish_marks(home, ukid), ["e", "s", "o"])
+        written, reopened = _opt_int(e), _opt_int(o)
+        if written is not None and (reopened is None or reopened <= written):
+            return Link("done", written, Ended(written, text(s) if s is not None else "completed"))
+        if client.zscore(k.active(home), ukid) is not None:
+            return Link("live")
+        return Link("unknown")
+
+    def downstreams_page(self, home: int, ukid: str, cursor: int) -> Tuple[int, List[str]]:
+        """A page of upstream ``ukid``'s downstreams (``SSCAN`` of its set on its home shard
+        ``home``, from ``cursor``): the next cursor (0 after the last page) and the entries
+        ``<dkid>|<shards>``."""
+        nxt, entries = self.conn.client.sscan(self.keys.downstreams(home, ukid), cursor=cursor, count=DOWNSTREAMS_PAGE)
+        return integer(nxt), [text(e) for e in entries]
+
+    def release_owed(self, home: int, ukid: str, depth: int = 0) -> None:
+        """The release of upstream ``ukid`` (homed on ``home``) that its finish just put in the
+        outbox, run by its finisher at once. An error (or a cascade deeper than
+        :data:`INLINE_DEPTH`) leaves it to recovery, which claims the outbox's entry when it falls
+        due (Rust ``dag::release_owed``)."""
+        if not self.settings.inline_releases or depth >= INLINE_DEPTH:
+            return
+        try:
+            self.dag_release(home, ukid, depth)
+        except Exception as e:  # noqa: BLE001 - the outbox keeps it for recovery
+            log.warning("releasing the downstreams of %s failed; recovery will: %s", ukid, e)
+
+    def dag_release(self, home: int, ukid: str, depth: int = 0) -> None:
+        """Runs the release of upstream ``ukid``, homed on ``home``, that its finish owes (in the
+        outbox): tells every downstream in its set that its latest lifecycle ended, and does what
+        each answer asks (push an opened gate's tokens, finish a downstream failed by it, reopen
+        one it failed before); then takes it out of the outbox. Repeatable (Rust ``dag::release``).
+        ``depth``: how many finishes this one follows in a cascade."""
+        link = self.ended(home, ukid)
+        if link.tag == "live":
+            # Running again (requeued after its finish): its next finish owes the next release.
+            self.rel_done(home, ukid, None)
+            return
+        # Its marks gone with its retention: whoever still waits learns it is gone.
+        ended = link.ended if link.tag == "done" and link.ended is not None else GONE
+        cursor = 0
+        while True:
+            cursor, entries = self.downstreams_page(home, ukid, cursor)
+            for entry in entries:
+                dkid, bar, shards = entry.rpartition("|")
+                if not bar:
+                    continue
+                n = int(shards) if shards.isdigit() else 1
+                self.settle(dkid, max(1, min(MAX_TOKEN_SHARDS, n)), ukid, ended, depth)
+            if cursor == 0:
+                break
+        self.rel_done(home, ukid, ended.lifecycle)
+
+    def settle(self, dkid: str, shards: int, ukid: str, ended: Ended, depth: int = 0) -> None:
+        """``dag_settle`` of downstream ``dkid`` (homed by ``shards``) for upstream ``ukid``, armed,
+        and what its answer asks (Rust ``dag::settle``)."""
+        items = self.armed(dkid, shards, lambda deadline: self.dag_settle(dkid, ukid, ended, deadline))
+        tag = text(items[0]) if items else ""
+        if tag == "open":
+            priority = _priority_item(items[1]) if len(items) > 1 and items[1] is not None else DEFAULT_PRIORITY
+            place_shards = max(1, min(MAX_TOKEN_SHARDS, integer(items[2], 1))) if len(items) > 2 else 1
+            self.push(dkid, priority, place_shards, items[3:], self.settings.census_interval)
+        elif tag == "finished":
+            place = self.placement(dkid) or (DEFAULT_PRIORITY, shards)
+            self.finish(dkid, place[0], place[1], Finished.parse(items[1:]), depth + 1)
+        elif tag == "reopen":
+            place = self.placement(dkid)
+            if place is not None:
+                log.info("reopening request %s, which its upstream %s had failed", dkid, ukid)
+                self.requeue(dkid, place[0], place[1])
+
+    def check_waiting(self, dkid: str, shards: int, upstreams: Sequence[str]) -> None:
+        """Recovery's look at waiting downstream ``dkid`` (homed by ``shards``): each upstream
+        listed (not ended, by its fields) is read where it lives; one that has ended, or is gone,
+        is settled here, in case its release never reached this downstream (Rust
+        ``dag::check_waiting``)."""
+        for ukid in upstreams:
+            ended = self.upstream_now(ukid)
+            if ended is None:
+                continue
+            log.info("settling waiting request %s's upstream %s (%s)", dkid, ukid, ended.state)
+            self.settle(dkid, shards, ukid, ended, 0)
+
+    def upstream_now(self, ukid: str) -> Optional[Ended]:
+        """Where upstream ``ukid`` stands, read from its own keys: None while it is live, its
+        ended lifecycle once terminal, or ``gone`` (lifecycle 0) when nothing of it is left."""
+        state, created, gen = self.conn.client.hmget(self.keys.request(ukid).meta, ["state", "created", "gen"])
+        if state is not None:
+            st = text(state)
+            if st in ("completed", "failed", "cancelled"):
+                return Ended(integer(created) * 1000 + integer(gen), st)
+            return None
+        link = self.ended(self.lane_home(ukid), ukid)
+        if link.tag == "live":
+            return None
+        if link.tag == "done" and link.ended is not None:
+            return link.ended
+        return GONE
 
     # ----- tokens -----
 

@@ -20,17 +20,41 @@ CLAIM_BATCH = 200
 CENSUS_CHUNK = 1000
 
 
+def claim_due(p: Protocol, shard: int) -> Tuple[List[Tuple[str, int]], List[str]]:
+    """``claim_due`` on ``shard`` with its release outbox (KEYS[3]; no schedules' key: a Python
+    worker fires none): the requests whose look is due, each with its claim, and the upstreams
+    whose release is due (their finishers died, or stalled past the outbox's due time)."""
+    k = p.keys
+    reply = fcall_items(
+        p.conn.fcall(
+            "claim_due", [k.active(shard), k.armed(shard), k.releases(shard)], [CLAIM_BATCH, ms(5 * p.settings.lease)]
+        )
+    )
+    # The requests' pairs, then '', the time, the releases' count and their key ids.
+    split = next((i for i, v in enumerate(reply) if text(v) == ""), len(reply))
+    pairs = [(text(reply[i]), integer(reply[i + 1])) for i in range(0, split - 1, 2)]
+    rest = reply[split + 1 :]
+    releases: List[str] = []
+    if len(rest) >= 2:
+        count = max(0, min(integer(rest[1]), len(rest) - 2))
+        releases = [text(v) for v in rest[2 : 2 + count]]
+    return pairs, releases
+
+
 def recovery_pass(p: Protocol) -> int:
-    """One pass over each shard's ``active`` index: claims the requests whose look is due and
-    censuses each. Returns how many it looked at."""
+    """One pass over each shard's ``active`` index and release outbox: runs the releases that
+    fell due, claims the requests whose look is due and censuses each. Returns how many requests
+    it looked at."""
     n = 0
     for shard in range(p.settings.token_shards):
-        k = p.keys
-        reply = fcall_items(
-            p.conn.fcall("claim_due", [k.active(shard), k.armed(shard)], [CLAIM_BATCH, ms(5 * p.settings.lease)])
-        )
-        for i in range(0, len(reply) - 1, 2):
-            kid, claim = text(reply[i]), integer(reply[i + 1])
+        pairs, releases = claim_due(p, shard)
+        for ukid in releases:
+            log.info("running the release of %s that its finisher left undone", ukid)
+            try:
+                p.dag_release(shard, ukid)
+            except Exception as e:  # noqa: BLE001 - due again when the claim runs out
+                log.warning("release of %s failed: %s", ukid, e)
+        for kid, claim in pairs:
             n += 1
             try:
                 census(p, shard, kid, claim)
@@ -64,6 +88,15 @@ def census(p: Protocol, shard: int, kid: str, claim: Optional[int]) -> None:
         if tag == "loading":
             k = p.keys
             p.conn.fcall("arm", [k.active(shard), k.armed(shard)], [kid, ms(s.grace), "" if claim is None else claim])
+            return
+        if tag == "waiting":
+            # A downstream waiting for its upstreams: their releases open it, and this look only
+            # checks that none of them vanished without one.
+            shards = max(1, min(1024, integer(reply[1], 1))) if len(reply) > 1 else 1
+            look = max(1, integer(reply[2], 1)) if len(reply) > 2 else 1
+            k = p.keys
+            p.conn.fcall("arm", [k.active(shard), k.armed(shard)], [kid, look, "" if claim is None else claim])
+            p.check_waiting(kid, shards, [text(u) for u in reply[3:]])
             return
         if tag == "finished":
             p.finish_reported(kid, Unfinished.parse(reply[1:]))

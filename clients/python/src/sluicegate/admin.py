@@ -16,7 +16,6 @@ from ._conn import Conn, fcall_items, integer, text
 from ._keys import home_shard, key_id, lane_key_id, raw_id
 from ._protocol import (
     MAX_TOKEN_SHARDS,
-    Finished,
     LaneSettings,
     Protocol,
     Settings,
@@ -39,18 +38,21 @@ MAX_TAG_BYTES = 64
 STATUS_ERRORS = 100
 #: Elements per ``relist`` call.
 RELIST_CHUNK = 100
+#: At most this many downstreams are listed in a :class:`RequestStatus`.
+STATUS_DOWNSTREAMS = 100
 
 #: The states :meth:`Admin.list` filters on, and the index set each lives in.
 LIST_STATES: Dict[str, str] = {
     "queued": "live",
     "running": "live",
     "scheduled": "live",
+    "waiting": "live",
     "open": "live",
     "completed": "completed",
     "failed": "failed",
     "cancelled": "cancelled",
 }
-_REQUEST_STATES = ("loading", "scheduled", "queued", "running", "completed", "failed", "cancelled")
+_REQUEST_STATES = ("loading", "scheduled", "waiting", "queued", "running", "completed", "failed", "cancelled")
 _TERMINAL = ("completed", "failed", "cancelled")
 _SCHEDULE_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=+-")
 #: A schedule's name is 1 to this many bytes (its requests' tag, ``schedule:<name>``, is a tag).
@@ -204,12 +206,23 @@ class RateLimit:
 
 
 @dataclass
+class Upstream:
+    """An upstream of a request (:attr:`RequestStatus.upstreams`; Rust ``Upstream``)."""
+
+    #: The upstream request.
+    id: str
+    #: How it ended, as its downstream heard: None while the downstream waits for it;
+    #: ``"completed"``, ``"failed"``, ``"cancelled"``, or ``"gone"`` (nothing of it was left).
+    ended: Optional[str] = None
+
+
+@dataclass
 class RequestStatus:
     """A request's state and counters (:meth:`Admin.status`; Rust ``RequestStatus``)."""
 
     id: str
-    #: Where it is in its lifecycle: ``loading``, ``scheduled``, ``queued``, ``running``,
-    #: ``completed``, ``failed`` or ``cancelled``.
+    #: Where it is in its lifecycle: ``loading``, ``scheduled``, ``waiting`` (for its upstreams),
+    #: ``queued``, ``running``, ``completed``, ``failed`` or ``cancelled``.
     state: str
     #: 0 to 99.
     priority: int
@@ -261,6 +274,11 @@ class RequestStatus:
     #: The last error of up to :data:`STATUS_ERRORS` parts (dead letters and pending retries), by
     #: index.
     errors: List[IndexedError] = field(default_factory=list)
+    #: The requests it was submitted after (``Producer.submit(after=...)``), in the order given,
+    #: each as far as this request has heard of it.
+    upstreams: List[Upstream] = field(default_factory=list)
+    #: Requests submitted after it: at most :data:`STATUS_DOWNSTREAMS` of them, in no order.
+    downstreams: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -474,7 +492,25 @@ def _status_from(
         reason=reason,
         rate=_rate_limit(meta.get("rate")),
         errors=errs[:STATUS_ERRORS],
+        upstreams=_upstreams_of(meta),
     )
+
+
+def _upstreams_of(meta: Dict[str, str]) -> List[Upstream]:
+    """A downstream's upstreams, from its meta (``ups`` and the fields ``u:<key id>``: ``w|<lc>``,
+    ``c|<lc>``, ``f|<lc>|<state>``)."""
+    out = []
+    for ukid in meta.get("ups", "").split(","):
+        if not ukid:
+            continue
+        try:
+            uid = raw_id(ukid)
+        except ValueError:
+            continue
+        f = meta.get(f"u:{ukid}", "").split("|")
+        ended = "completed" if f[0] == "c" else f[2] if f[0] == "f" and len(f) > 2 else None
+        out.append(Upstream(uid, ended))
+    return out
 
 
 def _rate_limit(rate: Optional[str]) -> Optional[RateLimit]:
@@ -605,14 +641,33 @@ class Admin:
             if not _digits(text(index)):
                 raise errors.ProtocolError(f"an error record's field {quoted(text(index))} is not a part index")
             errs.append(IndexedError(int(text(index)), PartError.from_record(record)))
-        return _status_from(rid, meta, errs, running, retrying)
+        status = _status_from(rid, meta, errs, running, retrying)
+        shards = max(1, int(meta["shards"])) if _digits(meta.get("shards", "")) else 1
+        status.downstreams = self._downstreams_of(kid, home_shard(kid, shards))
+        return status
+
+    def _downstreams_of(self, kid: str, home: int) -> List[str]:
+        """Up to :data:`STATUS_DOWNSTREAMS` downstreams of request ``kid``, homed on ``home`` (one
+        page of its set, as the Rust ``Admin`` reads it)."""
+        _, entries = self.protocol.downstreams_page(home, kid, 0)
+        out = []
+        for entry in entries:
+            dkid, bar, _ = entry.rpartition("|")
+            if not bar:
+                continue
+            try:
+                out.append(raw_id(dkid))
+            except ValueError:
+                continue
+        return out[:STATUS_DOWNSTREAMS]
 
     def _lane_status(self, rid: str, kid: str) -> RequestStatus:
         """``status`` of a lane request, from its record: ``running`` is not counted (its parts in
         the lane are not told apart from those running), ``retrying`` counts parts whose last
         attempt failed and that are not dead."""
         p = self.protocol
-        record = {text(k): v for k, v in p.conn.client.hgetall(p.keys.record(self._lane_home(kid), kid)).items()}
+        home = self._lane_home(kid)
+        record = {text(k): v for k, v in p.conn.client.hgetall(p.keys.record(home, kid)).items()}
         if not record:
             raise _unknown(rid)
         meta = record_meta(record)
@@ -624,7 +679,10 @@ class Admin:
         ]
         dead = sum(1 for k in record if k.startswith("x"))
         retrying = 0 if state in _TERMINAL else max(0, len(errs) - dead)
-        return _status_from(rid, meta, errs, 0, retrying)
+        status = _status_from(rid, meta, errs, 0, retrying)
+        if "dn" in record:
+            status.downstreams = self._downstreams_of(kid, home)
+        return status
 
     def _listing_of(self, kid: str) -> Optional[Tuple[List[str], bool]]:
         """The tags and tracking of a listed request (None when it is not listed)."""
@@ -650,20 +708,22 @@ class Admin:
         cursor: Optional[str] = None,
     ) -> ListPage:
         """Requests newest first, filtered by state (``queued``, ``running``, ``scheduled``,
-        ``open``, ``completed``, ``failed``, ``cancelled``), priority, tag, tracking and age
+        ``waiting``, ``open``, ``completed``, ``failed``, ``cancelled``), priority, tag, tracking and age
         (``older_than`` seconds), ``limit`` (1 to 1,000) a page, from the listing index of each
         home shard. Pass a page's ``cursor`` to get the next one. A filter few requests pass looks
         at up to 10,000 entries and returns what it found with a cursor to go on.
 
-        Queued, running, scheduled and open requests share the index's ``live`` set and are told
-        apart by the request's own state, so those filters look at the live requests in turn."""
+        Queued, running, scheduled, waiting and open requests share the index's ``live`` set and
+        are told apart by the request's own state, so those filters look at the live requests in
+        turn."""
         if not isinstance(limit, int) or not 0 < limit <= MAX_LIST_LIMIT:
             raise errors.InvalidRequest(f"a page holds 1 to {MAX_LIST_LIMIT} requests")
         if tag is not None:
             _check_tag(tag)
         if state is not None and state not in LIST_STATES:
             raise errors.InvalidRequest(
-                f"unknown state {quoted(state)}: one of queued, running, scheduled, open, completed, failed, cancelled"
+                f"unknown state {quoted(state)}: one of queued, running, scheduled, waiting, open, completed, failed, "
+                "cancelled"
             )
         if priority is not None:
             _priority(priority)
@@ -842,15 +902,22 @@ class Admin:
         place = p.placement(kid)
         if place is not None:
             home = home_shard(kid, place[1])
-            if p.conn.client.zscore(p.keys.active(home), kid) is not None:
+            # Out of the index, its finish is recorded: a release it owes is in the outbox already,
+            # and nothing adds one now that it has finished (until a requeue, which `purge` refuses
+            # to race: the request is not finished then).
+            if (
+                p.conn.client.zscore(p.keys.active(home), kid) is not None
+                or p.conn.client.zscore(p.keys.releases(home), kid) is not None
+            ):
                 raise unfinished
-            purge_keys = p.keys.request(kid).all()
+            purge_keys, purge_args = p.keys.request(kid).all(), []
         else:
+            # A lane request's record, unless its release to its downstreams is owed (in `purge`).
             home = self._lane_home(kid)
-            purge_keys = [p.keys.record(home, kid)]
+            purge_keys, purge_args = [p.keys.record(home, kid), p.keys.releases(home)], [kid]
         # A refusal by `purge` or `unlist` (its state not terminal) says the same, with the id.
         try:
-            return self._unlist(home, kid, p.purge(purge_keys))
+            return self._unlist(home, kid, p.purge(purge_keys, purge_args))
         except errors.Refused as e:
             raise unfinished from e
 
@@ -935,25 +1002,10 @@ class Admin:
             if prio is None or prio > 99:
                 raise _unknown(rid)
             return self._lane_requeue(rid, kid, home, prio)
-        priority, shards = place
         # A failed request is reopened only after its own lifecycle is announced and sealed, and
-        # after `reopen` indexed it again and marked the new lifecycle: requeue_dead says which step
-        # is missing, in that order.
-        reopen_as = ""
-        for _ in range(4):
-            requeued = p.requeue_dead(kid, shards, reopen_as)
-            if requeued.n == -1:
-                # A failure whose steps after the finish are not done: announce it first, so that
-                # its lifecycle keeps its one event.
-                p.finish(kid, priority, shards, Finished("failed", str(requeued.lifecycle).encode(), []))
-            elif requeued.n == -2:
-                p.reopen(kid, shards, requeued.lifecycle)
-                reopen_as = str(requeued.lifecycle)
-            else:
-                if requeued.elements:
-                    p.push(kid, priority, shards, requeued.elements, p.settings.grace)
-                return max(0, requeued.n)
-        raise errors.ProtocolError(f'request "{rid}" kept changing while it was being requeued; try again')
+        # after `reopen` indexed it again and marked the new lifecycle (Protocol.requeue). Its
+        # downstreams that it failed reopen once it completes (its release).
+        return p.requeue(kid, place[0], place[1])
 
     def _lane_requeue(self, rid: str, kid: str, home: int, priority: int) -> int:
         """``lane_requeue`` of lane request ``kid``: the function pushes the lane tokens it wakes."""

@@ -31,6 +31,30 @@ class UnknownRequest(SluicegateError):
     """No such request (never submitted, or its retention ran out)."""
 
 
+class UnknownUpstream(SluicegateError):
+    """A request was submitted ``after`` a request that cannot be waited for: unknown (never
+    submitted, or its retention ran out), or still being submitted (its submit has not returned).
+    Nothing of the new request is kept (the Rust ``Error::UnknownUpstream``). ``id`` is the upstream
+    named, ``why`` what is wrong with it."""
+
+    def __init__(self, upstream: str, why: str) -> None:
+        self.id = upstream
+        self.why = why
+        super().__init__(f'upstream request "{upstream}" {why}; nothing of the request submitted after it is kept')
+
+
+class NoResult(SluicegateError):
+    """A part's result asked for (``Context.upstream``) is not there: the part has not ended, or its
+    request's results were taken, discarded, or went with its retention (the Rust
+    ``Error::NoResult``)."""
+
+    def __init__(self, rid: str, index: int, why: str) -> None:
+        self.id = rid
+        self.index = index
+        self.why = why
+        super().__init__(f'request "{rid}" has no result for part {index}: {why}')
+
+
 class NoDeadLetters(SluicegateError):
     """A request has no dead letters that can be requeued (only a failed, running or queued
     request has)."""

@@ -30,6 +30,10 @@ TERMINAL = ("completed", "failed", "cancelled")
 Deadline = Union[float, int, datetime]
 #: :attr:`Completion.reason` of a request that ended at its deadline.
 DEADLINE_REASON = "deadline"
+#: The most upstreams a request can be submitted after (Rust ``MAX_UPSTREAMS``).
+MAX_UPSTREAMS = 1000
+#: An upstream as ``submit(after=...)`` takes it: a request id, or a handle (its ``id``).
+UpstreamRef = Union[str, "RequestHandle", "OpenRequest"]
 #: A request's rate limit: at most ``n`` parts start per ``per`` seconds (``(100, 1.0)``: 100 a
 #: second).
 Rate = Tuple[int, float]
@@ -248,6 +252,8 @@ class Producer:
         unlisted: bool = False,
         deadline: Optional[Deadline] = None,
         rate: Optional[Rate] = None,
+        after: Iterable[UpstreamRef] = (),
+        on_upstream_failure: str = "fail",
     ) -> RequestHandle:
         """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
         once it is durable in Redis. Delays, backoffs and the timeout are in seconds. ``unlisted``
@@ -269,17 +275,34 @@ class Producer:
         workers of either language honour it; it is on top of ``concurrency``. ``n`` is an int
         from 1 to 1,000,000 and ``per`` from 0.001 (1 ms) to 86,400 (a day), kept in whole ms;
         else :class:`InvalidRequest`. A rate-limited request takes a stream of its own, never a
-        lane, so it cannot be ``unlisted`` (Rust ``RequestBuilder::rate``)."""
+        lane, so it cannot be ``unlisted`` (Rust ``RequestBuilder::rate``).
+
+        ``after`` (request ids, or handles): runs the request only after these requests, its
+        upstreams. It is stored at once, in state ``waiting``, and gets its tokens when every one
+        of them has completed; handlers can read their results with :meth:`Context.upstream`. With
+        ``on_upstream_failure`` ``"fail"`` (the default) an upstream that fails, is cancelled or is
+        gone fails this request too, without running it, with :attr:`Completion.reason`
+        ``"upstream:<id>"`` (and so do its own downstreams); if that upstream is requeued and then
+        completes, this request reopens and runs. With ``"run"`` it runs once every upstream has
+        ended, however. Each upstream must exist when this request is submitted (its submit has
+        returned), so no cycle can form: an unknown one, or one still being submitted, raises
+        :class:`UnknownUpstream` naming it, and nothing of this request is kept. An id given twice
+        counts once; at most 1,000 upstreams. Such a request takes a stream of its own, never a
+        lane (so it cannot be ``unlisted``), and cannot be delayed or submitted after itself
+        (Rust ``RequestBuilder::after`` and ``on_upstream_failure``)."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
+        upstreams = _upstream_ids(after)
+        onup = _upstream_policy(on_upstream_failure)
+        rid = id if id is not None else generate_id()
+        _check_id(rid)
+        _check_upstreams(rid, upstreams, delay)
         due = _deadline_at(deadline)
         limit = _rate_arg(rate)
         payloads = [codec.encode(v) for v in parts]
         if not payloads:
             raise errors.InvalidRequest("a request needs at least one part")
-        rid = id if id is not None else generate_id()
-        _check_id(rid)
         kid = key_id(rid)
         nonce = uuid.uuid4().hex
         delay_ms = ms(delay or 0)
@@ -287,7 +310,7 @@ class Producer:
         ff = "1" if fail_fast else "0"
         size = sum(len(b) for b in payloads)
         takes_lane = (
-            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None and not limit
+            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None and not limit and not upstreams
             and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
         )
         if unlisted and not takes_lane:
@@ -314,13 +337,16 @@ class Producer:
         keys = p.keys.request(kid).all()
         head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, step_deadline]
         # After the head: the trace context ('': none), the deadline (ms from now; 0: none), the
-        # rate limit ('<n>/<interval ms>'; '': none).
-        if len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
+        # rate limit ('<n>/<interval ms>'; '': none); for a downstream, its policy for a failed
+        # upstream and its upstreams' key ids.
+        if not upstreams and len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
             elements = fcall_items(
                 p.conn.fcall("submit_small", keys, [*head, kid, "", _within_ms(due), limit, *payloads])
             )
         else:
-            p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), limit])
+            dag = [onup, ",".join(key_id(u) for u in upstreams)] if upstreams else []
+            p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), limit, *dag])
+            links: List[Tuple[str, int, Optional[str]]] = []
             try:
                 loaded = 0
                 while loaded < len(payloads):
@@ -332,13 +358,29 @@ class Producer:
                         nbytes += len(b)
                     p.conn.fcall("load_parts", keys, [nonce, loaded, *chunk])
                     loaded += len(chunk)
+                # Linked between the load and the commit: a release from then on reaches it, and
+                # each upstream exists before it is committed, so no cycle can form.
+                links = p.link_all(kid, shards, upstreams)
             except Exception:
+                # Nothing of a half-written request is visible to workers; its entries in upstreams'
+                # sets of downstreams name no request, and are passed over.
                 try:
                     p.conn.fcall("submit_abort", keys, [nonce])
                 except Exception:  # noqa: BLE001 - the loading ttl frees it anyway
                     pass
                 raise
-            elements = fcall_items(p.conn.fcall("submit_commit", keys, [kid, len(payloads), nonce]))
+            # From here on the request may be committed: never delete it on error.
+            commit: List[Any] = [kid, len(payloads), nonce]
+            if links:
+                commit += [ms(s.retention), p.keys.done_channel()]
+                for ukid, lifecycle, end in links:
+                    status = "w" if end is None else "c" if end == "completed" else "f"
+                    commit += [ukid, lifecycle, status, end or ""]
+            elements = fcall_items(p.conn.fcall("submit_commit", keys, commit))
+            if elements and text(elements[0]) == "finished":
+                # An upstream had failed already: it ended at once, failed, and is announced now.
+                p.finish(kid, priority, shards, Finished.parse(elements[1:]))
+                return RequestHandle(self, rid)
         # A delayed request is first looked at (and promoted) when its time comes; one with a
         # deadline no later than that.
         nxt = (delay if delay_ms > 0 else s.census_interval) or s.census_interval
@@ -363,15 +405,19 @@ class Producer:
         unlisted: bool = False,
         deadline: Optional[Deadline] = None,
         rate: Optional[Rate] = None,
+        after: Iterable[UpstreamRef] = (),
     ) -> OpenRequest:
         """Opens a streamed request (§6.9): runnable at once, complete once finalized and done.
         ``deadline`` as :meth:`submit`'s: past it, the request ends ``failed`` (reason
         ``"deadline"``) whether finalized or not; :meth:`OpenRequest.add` and
         :meth:`OpenRequest.finalize` are then :class:`NotOpen`, and ``handle.wait()`` returns the
-        completion. ``rate`` as :meth:`submit`'s."""
+        completion. ``rate`` as :meth:`submit`'s. A streamed request cannot be submitted ``after``
+        others (:class:`InvalidRequest`): :meth:`submit` it whole."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, expire_after)
+        if _upstream_ids(after):
+            raise errors.InvalidRequest("a streamed request cannot be submitted after others: submit() it whole")
         due = _deadline_at(deadline)
         limit = _rate_arg(rate)
         rid = id if id is not None else generate_id()
@@ -510,6 +556,9 @@ class Producer:
         )
         tag = text(lane[0]) if lane else "unknown"
         if tag == "finished":
+            if len(lane) > 3 and text(lane[3]) == "rel":
+                # It has downstreams: its release is owed (in the outbox), and run here.
+                p.release_owed(shard, kid)
             return "cancelled"
         if tag == "already":
             return text(lane[1]) if len(lane) > 1 else ""
@@ -535,6 +584,44 @@ def _row(kind: str, priority: int, concurrency: int, tags: Sequence[str], unlist
 def _check_id(rid: str) -> None:
     if not rid or len(rid.encode("utf-8")) > 512:
         raise errors.InvalidRequest("a request id is a non-empty string of at most 512 bytes")
+
+
+def _upstream_ids(after: Iterable[UpstreamRef]) -> List[str]:
+    """The ids of ``after`` (ids, or handles and open requests: their ``id``), each once, in the
+    order given (Rust ``RequestBuilder::after``)."""
+    if isinstance(after, (str, bytes)):
+        raise errors.InvalidRequest("after takes a list of request ids, not one id: after=[id]")
+    out: List[str] = []
+    for u in after:
+        rid = u if isinstance(u, str) else getattr(u, "id", None)
+        if not isinstance(rid, str):
+            raise errors.InvalidRequest(f"after takes request ids (or handles), not {type(u).__name__}")
+        _check_id(rid)
+        if rid not in out:
+            out.append(rid)
+    return out
+
+
+def _upstream_policy(policy: str) -> str:
+    """``on_upstream_failure`` as ``submit_open`` takes it: ``fail`` or ``run``."""
+    if policy not in ("fail", "run"):
+        raise errors.InvalidRequest(f"on_upstream_failure is \"fail\" or \"run\", not {policy!r}")
+    return policy
+
+
+def _check_upstreams(rid: str, upstreams: Sequence[str], delay: Optional[float]) -> None:
+    """Refuses upstreams a request cannot wait for as built: itself, too many, with a delay (Rust
+    ``RequestBuilder::check_upstreams``)."""
+    if not upstreams:
+        return
+    if rid in upstreams:
+        raise errors.InvalidRequest(f'request "{rid}" cannot be submitted after itself')
+    if len(upstreams) > MAX_UPSTREAMS:
+        raise errors.InvalidRequest(
+            f"a request can be submitted after at most {MAX_UPSTREAMS} others, not {len(upstreams)}"
+        )
+    if delay:
+        raise errors.InvalidRequest("a request submitted after others cannot be delayed as well")
 
 
 def _check(priority: int, concurrency: int, max_attempts: int, backoff: float, backoff_max: float,

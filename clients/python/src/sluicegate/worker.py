@@ -29,9 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import _recovery as recovery
 from . import codec
 from ._conn import TRANSIENT, Conn, fcall_items, integer, text
-from ._keys import home_shard, lane_of, raw_id
-from ._protocol import MAX_TOKEN_SHARDS, Finished, Protocol, Settings, Unfinished, ms
-from .errors import PermanentError
+from ._keys import home_shard, key_id, lane_of, raw_id
+from ._protocol import MAX_TOKEN_SHARDS, Finished, LaneSettings, Protocol, Settings, Unfinished, ms
+from .errors import NoResult, PermanentError, UnknownRequest
+from .producer import PartError
 
 log = logging.getLogger("sluicegate.worker")
 
@@ -46,12 +47,14 @@ class Context:
     request was cancelled or finished, its deadline passed, its attempt timed out, or this worker
     lost its hold (its result would be dropped): a long handler should check it and stop."""
 
-    def __init__(self, request_id: str, index: int, attempt: int, priority: int, cancel: "_Cancel") -> None:
+    def __init__(self, request_id: str, index: int, attempt: int, priority: int, cancel: "_Cancel",
+                 protocol: Optional[Protocol] = None) -> None:
         self.request_id = request_id
         self.index = index
         self.attempt = attempt
         self.priority = priority
         self._cancel = cancel
+        self._protocol = protocol
 
     @property
     def cancelled(self) -> bool:
@@ -65,8 +68,74 @@ class Context:
     def idempotency_key(self) -> str:
         return f"{self.request_id}/{self.index}"
 
+    def upstream(self, request_id: str, start: int = 0, end: Optional[int] = None) -> List[Any]:
+        """The results of parts ``start`` to ``end`` (excluded; None: to the last; both clamped to
+        the request's parts) of request ``request_id``, in part order: typically an upstream this
+        request was submitted after (``Producer.submit(after=...)``), whose results are then final,
+        read on demand (nothing is copied into this request's parts). A part that was
+        dead-lettered reads as its :class:`PartError` (an instance in the list, in its place).
+        Results live for their request's retention; a part without one (not ended, its results
+        taken or discarded, or expired) raises :class:`NoResult`, an unknown request
+        :class:`UnknownRequest` (the Rust ``Context::upstream``). Two reads per call, whatever the
+        range; a blocking call, which an ``async`` handler may run with ``asyncio.to_thread``."""
+        if self._protocol is None:
+            raise RuntimeError("this context has no connection to read results with")
+        return upstream_results(self._protocol, request_id, start, end)
+
     def __repr__(self) -> str:
         return f"Context(request_id={self.request_id!r}, index={self.index}, attempt={self.attempt})"
+
+
+def upstream_results(p: Protocol, rid: str, start: int = 0, end: Optional[int] = None) -> List[Any]:
+    """The outcomes of parts ``start..end`` of request ``rid`` (clamped to its parts), decoded; a
+    dead-lettered part as its :class:`PartError` (Rust ``worker::upstream::results``): a request of
+    its own stream keeps them in its ``:res`` and ``:err`` hashes, a lane request in its record
+    (``o<i>``, ``e<i>``)."""
+    kid = key_id(rid)
+    keys = p.keys.request(kid)
+    client = p.conn.client
+    total, discard = client.hmget(keys.meta, ["total", "discard"])
+    if total is not None:
+        lo, hi = _clamp(start, end, integer(total))
+        oks_key, errs_key = keys.results, keys.errors
+        ok_fields = [str(i) for i in range(lo, hi)]
+        err_fields = ok_fields
+        discarded = text(discard) == "1"
+    else:
+        record = p.keys.record(p.lane_home(kid), kid)
+        pol = client.hget(record, "pol")
+        if pol is None:
+            raise UnknownRequest(f'no request with id "{rid}" (never submitted, or its results expired)')
+        lo, hi = _clamp(start, end, LaneSettings.parse(text(pol)).values[2])
+        oks_key = errs_key = record
+        ok_fields = [f"o{i}" for i in range(lo, hi)]
+        err_fields = [f"e{i}" for i in range(lo, hi)]
+        discarded = False
+    if lo >= hi:
+        return []
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(oks_key, ok_fields)
+    pipe.hmget(errs_key, err_fields)
+    oks, errs = pipe.execute()
+    out: List[Any] = []
+    for index, ok, err in zip(range(lo, hi), oks, errs):
+        if ok is not None:
+            out.append(codec.decode(ok))
+        elif err is not None:
+            out.append(PartError.from_record(err))
+        else:
+            why = (
+                "its results are discarded" if discarded else
+                "the part has not ended, or its result was taken (results_from) or expired with its retention"
+            )
+            raise NoResult(rid, index, why)
+    return out
+
+
+def _clamp(start: int, end: Optional[int], total: int) -> Tuple[int, int]:
+    """``start..end`` within ``0..total``."""
+    start = max(0, start)
+    return min(start, total), min(total if end is None else max(0, end), total)
 
 
 class _Cancel:
@@ -173,6 +242,9 @@ class _Next:
     wake_ms: int = 0
     finished: Optional[Finished] = None
     park_shards: Optional[int] = None
+    #: Key ids of the lane requests with downstreams that a ``lane_ack`` finished (its trailing
+    #: ``{'rel', ...}``): their releases are owed (in the outbox), and the slot's to run.
+    releases: List[str] = field(default_factory=list)
 
 
 #: Which call's reply :func:`_parse_next` reads, which says where a ``run`` reply's policy comes
@@ -187,8 +259,23 @@ def _parse_next(reply: Any, reading: str, sent: float = 0.0) -> _Next:
     which an acquire's deadline counts from. The call, not the shape of the items, says whether a
     policy comes first: a policy of seven fields is as long as a lane entry."""
     items = fcall_items(reply)
-    if items and isinstance(items[-1], (list, tuple)) and items[-1] and text(items[-1][0]) == "done":
-        items = items[:-1]
+    releases: List[str] = []
+    if _trailing(items, "rel"):
+        releases = [text(v) for v in items.pop()[1:]]
+    if _trailing(items, "done"):
+        items.pop()
+    nxt = _parse_items(items, reading, sent)
+    nxt.releases = releases
+    return nxt
+
+
+def _trailing(items: List[Any], tag: str) -> bool:
+    """Whether the last item of a reply is an array ``{tag, ...}`` (``lane_ack``'s ``done`` and
+    ``rel``)."""
+    return bool(items) and isinstance(items[-1], (list, tuple)) and bool(items[-1]) and text(items[-1][0]) == tag
+
+
+def _parse_items(items: List[Any], reading: str, sent: float) -> _Next:
     tag = text(items[0]) if items else ""
     rest = items[1:]
     if tag == "run":
@@ -817,7 +904,7 @@ class _Slot:
             payload = codec.decode(e.payload)
         except Exception as err:  # noqa: BLE001
             return ("fail", f"payload does not decode: {err}", True)
-        ctx = Context(rid, e.index, e.attempt, priority, cancel)
+        ctx = Context(rid, e.index, e.attempt, priority, cancel, self.p)
         w = self.w
         ended = threading.Event()
         if w.is_async:
@@ -918,7 +1005,13 @@ class _Slot:
             if lane is not None and e.lane is not None:
                 args += [e.lane[0], e.lane[1], e.index]
         func = "lane_ack" if lane is not None else "ack"
-        return _parse_next(self.p.conn.fcall(func, keys, args), ACK)
+        nxt = _parse_next(self.p.conn.fcall(func, keys, args), ACK)
+        if lane is not None:
+            # Lane requests with downstreams that this call finished: their releases are owed (in
+            # the outbox, for recovery if this fails), and run here, before the next batch.
+            for ukid in nxt.releases:
+                self.p.release_owed(lane[0], ukid)
+        return nxt
 
     def settle(self, t: _Token, last: _Next, policy: Optional[_Policy]) -> None:
         shards = policy.shards if policy else 1
