@@ -68,7 +68,8 @@ class Completion:
     """A finished request: its terminal state, its results in part order (None where a part has
     no result) and the errors of the parts without one, by index. ``reason`` says why a
     ``failed`` request ended when not by its dead letters: ``"deadline"`` (its deadline passed;
-    the parts that never ran have an error saying so); None otherwise."""
+    the parts that never ran have an error saying so), or ``"upstream:<id>"`` (an upstream it was
+    submitted after failed, naming it by its key id; none of its parts ran); None otherwise."""
 
     id: str
     state: str
