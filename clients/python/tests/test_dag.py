@@ -274,7 +274,8 @@ def test_a_downstream_of_a_failed_request_fails_at_its_commit(server: Any, ns: s
 
 def test_a_release_whose_finisher_died_is_run_by_recovery(server: Any, ns: str) -> None:
     # Finishers leave every release to recovery, as if each died right after its finish; the
-    # outbox entries fall due 10 s after a finish, which this test brings forward (as time would).
+    # outbox entries fall due 10 s after a finish, and a waiting request's next look an hour after
+    # the last, which this test brings forward (as time would).
     steps = Steps()
     steps.gate.clear()
     w = Worker(server.url, steps, slots=4, namespace=ns, **FAST)
@@ -300,9 +301,16 @@ def test_a_release_whose_finisher_died_is_run_by_recovery(server: Any, ns: str) 
         owed = until("A's and B's releases in the outbox", lambda: dict(client.zrange(k.releases(0), 0, -1, withscores=True)).keys() >= {a.id.encode(), b.id.encode()})
         assert owed
         time.sleep(0.5)
-        assert Admin(server.url, ns).status(c.id).state == "waiting"
-        for up in (a, b):
-            client.zadd(k.releases(0), {up.id: 0}, xx=True)
+        admin = Admin(server.url, ns)
+        assert admin.status(c.id).state == "waiting"
+        # A's release falls due and recovery runs it; B's is lost (its outbox entry gone).
+        client.zadd(k.releases(0), {a.id: 0}, xx=True)
+        client.zrem(k.releases(0), b.id)
+        until("A's release", lambda: admin.status(c.id).upstreams == [Upstream(a.id, "completed"), Upstream(b.id, None)])
+        time.sleep(0.3)
+        assert admin.status(c.id).state == "waiting"
+        # C's next look (an hour away, brought forward) finds B ended, and settles it itself.
+        client.zadd(k.active(0), {c.id: 0}, xx=True)
         assert outputs(c) == [11]
         until("C's release in the outbox", lambda: client.zscore(k.releases(0), c.id) is not None)
         time.sleep(0.3)
