@@ -133,7 +133,8 @@ pub(crate) enum Command {
     #[command(after_help = "Example:\n  \
         sluicegate submit --priority 80 --concurrency 3 --max-attempts 3 --wait lines.txt\n  \
         printf '{\"n\": 1}\\n{\"n\": 2}\\n' | sluicegate submit --id job-42 -\n  \
-        tail -f urls.txt | sluicegate submit --stream --concurrency 8\n\n\
+        tail -f urls.txt | sluicegate submit --stream --concurrency 8\n  \
+        sluicegate submit --after job-42 --after job-43 merge.txt   # runs once both have completed\n\n\
         A line that parses as JSON is sent as that JSON value; any other line is sent as a JSON string.\n\
         With --wait, results are printed one per line in input order; a failed sub-request prints\n\
         {\"error\": \"...\", \"attempts\": N, \"permanent\": BOOL}.")]
@@ -150,9 +151,10 @@ pub(crate) enum Command {
         the timeout = failure retried up to the request's --max-attempts.")]
     Worker(WorkerArgs),
 
-    /// Show a request's state, counters, timings and errors.
+    /// Show a request's state, counters, timings, errors, and the requests it runs after and
+    /// before.
     #[command(
-        after_help = "Example:\n  sluicegate status job-42\n  sluicegate --json status job-42 | jq .done"
+        after_help = "Example:\n  sluicegate status job-42\n  sluicegate --json status job-42 | jq .done\n  sluicegate --json status job-42 | jq '.upstreams, .downstreams'"
     )]
     Status(IdArg),
 
@@ -451,6 +453,28 @@ pub(crate) struct SubmitArgs {
     /// lines and 64 KB, not --delay, not --stream). Not with --tag.
     #[arg(long, conflicts_with = "tags")]
     pub(crate) unlisted: bool,
+
+    /// Run the request only once request ID (its upstream) has completed; repeat for more (at
+    /// most 1000). Until then it is `waiting`; an upstream that fails or is cancelled fails it
+    /// too, without running it (see --on-upstream-failure). ID must exist already. Not with
+    /// --stream, --delay or --unlisted.
+    #[arg(long = "after", value_name = "ID", conflicts_with_all = ["stream", "delay", "unlisted"])]
+    pub(crate) after: Vec<String>,
+
+    /// With --after: what the request does when an upstream ends without completing (failed,
+    /// cancelled, or gone) [default: fail].
+    #[arg(long = "on-upstream-failure", value_enum, value_name = "fail|run", requires = "after")]
+    pub(crate) on_upstream_failure: Option<UpstreamFailureArg>,
+}
+
+/// What a request submitted `--after` others does when one of them does not complete.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum UpstreamFailureArg {
+    /// End `failed` too, without running (reason upstream:<id>); it reopens and runs if that
+    /// upstream is requeued and completes.
+    Fail,
+    /// Run anyway, once every upstream has ended.
+    Run,
 }
 
 #[derive(Args, Debug)]
@@ -514,7 +538,8 @@ pub(crate) struct PurgeArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct ListArgs {
-    /// Only requests in this state: queued, running, scheduled, open, completed, failed, cancelled.
+    /// Only requests in this state: queued, running, scheduled, waiting, open, completed, failed,
+    /// cancelled.
     #[arg(long, value_name = "STATE")]
     pub(crate) state: Option<String>,
 

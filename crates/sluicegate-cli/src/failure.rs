@@ -57,6 +57,13 @@ impl From<Error> for Failure {
                     format!("no request with id {:?} (never submitted, or its results expired)", id.as_str()),
                 )
             }
+            // Only `submit --after` names upstreams; nothing of the request was kept.
+            Error::UnknownUpstream { id, why } => {
+                return Self::new(
+                    Code::UnknownRequest,
+                    format!("--after {:?}: that request {why}; nothing was submitted", id.as_str()),
+                )
+            }
             Error::DuplicateRequestId(id) => {
                 return Self::bad_input(format!(
                     "request id {:?} is already in use; choose another --id or wait until its retention ends",
@@ -78,7 +85,9 @@ impl From<Error> for Failure {
             | Error::InvalidSchedule(_)
             | Error::ScheduleExists(_)
             | Error::Codec(_) => Code::BadInput,
-            Error::UnknownRequest(_) | Error::UnknownSchedule(_) => Code::UnknownRequest,
+            Error::UnknownRequest(_) | Error::UnknownSchedule(_) | Error::UnknownUpstream { .. } => {
+                Code::UnknownRequest
+            }
             // Redis, an unsupported server, a protocol mismatch, and whatever the library adds
             // later: all are about the server side, not about what the user typed.
             _ => Code::Redis,
@@ -138,5 +147,15 @@ mod tests {
         assert_eq!(failure.message, "no request with id \"x\" (never submitted, or its results expired)");
         assert_eq!(Failure::from(Error::Config("bad".into())).code, Code::BadInput);
         assert_eq!(Failure::from(Error::Protocol("odd".into())).code, Code::Redis);
+        let upstream = Error::UnknownUpstream {
+            id: sluicegate::RequestId::new("up").unwrap(),
+            why: "is unknown (never submitted, or its retention ran out)",
+        };
+        let failure = Failure::from(upstream);
+        assert_eq!(failure.code, Code::UnknownRequest);
+        assert_eq!(
+            failure.message,
+            "--after \"up\": that request is unknown (never submitted, or its retention ran out); nothing was submitted"
+        );
     }
 }

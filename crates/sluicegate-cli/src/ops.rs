@@ -73,9 +73,14 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
         ));
     }
     if let Some(finished) = s.finished_ms {
-        let since = s.started_ms.unwrap_or(s.created_ms);
+        // A request that never started (cancelled while queued, failed by its upstream) counts
+        // from its creation.
+        let (since, what) = match s.started_ms {
+            Some(started) => (started, "started"),
+            None => (s.created_ms, "created"),
+        };
         lines.push(format!(
-            "finished     {} ({} after started)",
+            "finished     {} ({} after {what})",
             timestamp(finished),
             elapsed(since, finished)
         ));
@@ -91,7 +96,26 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
         lines.push(format!("deadline     {}", timestamp(dl)));
     }
     if let Some(reason) = &s.reason {
-        lines.push(format!("reason       {reason}"));
+        match reason.strip_prefix("upstream:") {
+            Some(up) => lines.push(format!(
+                "reason       {reason} (upstream {up} did not complete, so this request did not run)"
+            )),
+            None => lines.push(format!("reason       {reason}")),
+        }
+    }
+    if !s.upstreams.is_empty() {
+        lines.push("upstreams (it runs after them):".into());
+        for u in &s.upstreams {
+            lines.push(format!("  {}: {}", u.id, u.ended.as_deref().unwrap_or("not ended yet")));
+        }
+    }
+    if !s.downstreams.is_empty() {
+        let shown =
+            if s.downstreams.len() == sluicegate::STATUS_DOWNSTREAMS { ", the first ones" } else { "" };
+        lines.push(format!("downstreams (they run after it{shown}):"));
+        for d in &s.downstreams {
+            lines.push(format!("  {d}"));
+        }
     }
     if !s.errors.is_empty() {
         let shown = if s.errors.len() == sluicegate::STATUS_ERRORS { " (the first ones)" } else { "" };

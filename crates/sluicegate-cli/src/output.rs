@@ -97,8 +97,18 @@ pub(crate) fn print_results(
 /// Completed is success; failed and cancelled are [`Code::RequestFailed`], with a summary.
 pub(crate) fn outcome(completion: &Completion<Value>) -> Result<(), Failure> {
     let id = &completion.id;
+    let upstream = completion.reason.as_deref().and_then(|r| r.strip_prefix("upstream:"));
     match completion.state {
         RequestState::Completed => Ok(()),
+        RequestState::Failed if upstream.is_some() => {
+            let up = upstream.unwrap_or_default();
+            Err(Failure::new(
+                Code::RequestFailed,
+                format!(
+                    "request {id} failed: its upstream {up} did not complete, so it did not run (see `sluicegate status {up}`)"
+                ),
+            ))
+        }
         RequestState::Failed => {
             let total = completion.results.len();
             let mut failed =

@@ -49,6 +49,7 @@ async fn add(ctx: &Ctx, args: ScheduleAddArgs) -> Result<(), Failure> {
         (template.stream, "--stream"),
         (template.wait, "--wait"),
         (template.expire_open_after.is_some(), "--expire-open-after"),
+        (!template.after.is_empty(), "--after (a schedule has no upstreams)"),
     ];
     if let Some((_, option)) = refused.iter().find(|(given, _)| *given) {
         return Err(Failure::bad_input(format!("a schedule's request cannot take {option}")));

@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use sluicegate::{shutdown_signal, Admin, Config, Producer, RequestBuilder, RequestHandle, RequestId};
+use sluicegate::{
+    shutdown_signal, Admin, Config, OnUpstreamFailure, Producer, RequestBuilder, RequestHandle, RequestId,
+};
 
-use crate::cli::{Deadline, SubmitArgs};
+use crate::cli::{Deadline, SubmitArgs, UpstreamFailureArg};
 use crate::failure::{Code, Failure};
 use crate::input::{open_error, read_part, InputLines, InputReport};
 use crate::output::{count, print_results, Out, ResultStyle};
@@ -30,6 +32,7 @@ const STREAM_BUFFER: usize = 1_024;
 const STREAM_BATCH: usize = 1_000;
 
 pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
+    let upstreams = upstreams(&args.after)?;
     let reader: Box<dyn BufRead + Send> = match args.file.as_deref() {
         None => Box::new(BufReader::with_capacity(READ_BUFFER, io::stdin())),
         Some(path) if path == Path::new("-") => Box::new(BufReader::with_capacity(READ_BUFFER, io::stdin())),
@@ -72,6 +75,13 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     if let Some(expiry) = args.expire_open_after {
         request = request.expire_open_after(expiry);
     }
+    if !upstreams.is_empty() {
+        let policy = match args.on_upstream_failure {
+            Some(UpstreamFailureArg::Run) => OnUpstreamFailure::Run,
+            Some(UpstreamFailureArg::Fail) | None => OnUpstreamFailure::Fail,
+        };
+        request = request.after(upstreams).on_upstream_failure(policy);
+    }
     let (handle, parts) = if args.stream {
         stream(ctx, request, reader, args.max_payload_bytes, !args.wait).await?
     } else {
@@ -100,6 +110,14 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
         (false, false) => ResultStyle::Json,
     };
     print_results(&mut Out::new(), &completion, style)
+}
+
+/// The ids of `--after`, checked before anything is read or sent.
+fn upstreams(after: &[String]) -> Result<Vec<RequestId>, Failure> {
+    after
+        .iter()
+        .map(|id| RequestId::new(id.as_str()).map_err(|e| Failure::bad_input(format!("--after {id:?}: {e}"))))
+        .collect()
 }
 
 fn print_id(ctx: &Ctx, id: &RequestId, parts: Option<u64>) -> Result<(), Failure> {

@@ -481,6 +481,92 @@ fn a_delayed_request_does_not_start_before_its_time() {
 }
 
 #[test]
+fn a_request_submitted_after_others_waits_for_them_and_fails_with_one_that_fails_unless_told_to_run() {
+    let sg = Sg::new("cli-dag");
+    let submit = |args: &[&str], input: &[u8]| {
+        let out = sg.run_with_input(args, input);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    };
+    // No worker yet: the upstream stays queued, and its downstream waits for it, visibly.
+    submit(&["submit", "--id", "up-a"], b"alpha\n");
+    submit(&["submit", "--id", "down-b", "--after", "up-a"], b"beta\n");
+    let b = sg.json(&["status", "down-b"]);
+    assert_eq!(b["state"], "waiting", "{b}");
+    assert_eq!(b["upstreams"], serde_json::json!([{"id": "up-a", "ended": null}]), "{b}");
+    assert_eq!(sg.json(&["status", "up-a"])["downstreams"], serde_json::json!(["down-b"]));
+    let human = stdout(&sg.run(&["status", "down-b"]));
+    assert!(human.contains("state        waiting\n"), "{human}");
+    assert!(human.contains("\nupstreams (it runs after them):\n  up-a: not ended yet\n"), "{human}");
+    let human = stdout(&sg.run(&["status", "up-a"]));
+    assert!(human.contains("\ndownstreams (they run after it):\n  down-b\n"), "{human}");
+    let listed: Vec<Value> = stdout(&sg.run(&["--json", "list", "--state", "waiting"]))
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|v| v.get("id").cloned())
+        .collect();
+    assert_eq!(listed, ["down-b"], "only the downstream is waiting");
+
+    // What cannot be waited for is refused in one line, and nothing is kept.
+    assert_fails(
+        &sg.run_with_input(&["submit", "--id", "down-x", "--after", "no-such-request"], b"x\n"),
+        4,
+        "--after \"no-such-request\": that request is unknown (never submitted, or its retention ran out); nothing was submitted",
+    );
+    assert_eq!(sg.run(&["status", "down-x"]).status.code(), Some(4), "nothing of down-x was kept");
+    let streamed = sg.run_with_input(&["submit", "--after", "up-a", "--stream"], b"x\n");
+    fails_with(&streamed, 2, "cannot be used with");
+    fails_with(&sg.run_with_input(&["submit", "--on-upstream-failure", "run"], b"x\n"), 2, "--after <ID>");
+
+    // An upstream that fails: the downstream that fails with it never runs, the one told to run
+    // does. The script notes every request it runs.
+    let ran = sg.dir.join("ran");
+    let script = sg.file(
+        "fails.sh",
+        format!(
+            "#!/bin/sh\necho \"$SLUICEGATE_REQUEST_ID\" >> '{}'\np=$(cat)\n\
+             case \"$p\" in *fail*) echo 'bad input' >&2; exit 100;; esac\n\
+             printf '%s\\n' \"$p\" | tr '[:lower:]' '[:upper:]'\n",
+            ran.display()
+        )
+        .as_bytes(),
+    );
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    submit(&["submit", "--id", "up-f"], b"fail\n");
+    submit(&["submit", "--id", "down-g", "--after", "up-f"], b"gamma\n");
+    let run_anyway = ["submit", "--id", "down-h", "--after", "up-f", "--after", "up-a", "--on-upstream-failure", "run"];
+    submit(&run_anyway, b"eta\n");
+    let worker = sg.worker(&script, &[]);
+
+    let out = sg.run(&["results", "--wait", "--raw", "down-b"]);
+    assert_eq!(stdout(&out), "BETA\n", "{}", stderr(&out));
+    let b = sg.json(&["status", "down-b"]);
+    assert_eq!(b["state"], "completed", "{b}");
+    assert_eq!(b["upstreams"], serde_json::json!([{"id": "up-a", "ended": "completed"}]), "{b}");
+    let out = sg.run(&["results", "--wait", "down-g"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).ends_with(
+            "error: request down-g failed: its upstream up-f did not complete, so it did not run (see `sluicegate status up-f`)\n"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    let g = sg.json(&["status", "down-g"]);
+    assert_eq!((&g["state"], &g["reason"]), (&Value::from("failed"), &Value::from("upstream:up-f")), "{g}");
+    assert_eq!(g["upstreams"], serde_json::json!([{"id": "up-f", "ended": "failed"}]), "{g}");
+    let human = stdout(&sg.run(&["status", "down-g"]));
+    assert!(human.contains("reason       upstream:up-f (upstream up-f did not complete"), "{human}");
+    let out = sg.run(&["results", "--wait", "--raw", "down-h"]);
+    assert_eq!(stdout(&out), "ETA\n", "{}", stderr(&out));
+    let h = sg.json(&["status", "down-h"]);
+    let ups = serde_json::json!([{"id": "up-f", "ended": "failed"}, {"id": "up-a", "ended": "completed"}]);
+    assert_eq!(h["upstreams"], ups, "{h}");
+    worker.stop();
+    let ran = fs::read_to_string(&ran).unwrap();
+    assert!(!ran.lines().any(|l| l == "down-g"), "a downstream of a failed upstream ran: {ran}");
+}
+
+#[test]
 fn a_deadline_kills_the_running_command_and_ends_the_request_failed() {
     let sg = Sg::new("cli-deadline");
     let worker = sg.worker(&fixture("sleepy.sh"), &[]);
@@ -1192,6 +1278,7 @@ fn a_bad_schedule_is_one_line_naming_the_problem() {
     fails_with(&add("x", &["--missed", "catch-up", "--catch-up", "101"], &[&input]), 2, "catch-up 101 is out of range");
     fails_with(&add("x", &[], &["--id", "fixed", &input]), 2, "cannot take --id");
     fails_with(&add("x", &[], &["--stream", &input]), 2, "cannot take --stream");
+    fails_with(&add("x", &[], &["--after", "a-request", &input]), 2, "cannot take --after");
     fails_with(&add("x", &[], &["--priority", "120", &input]), 2, "priority 120 is out of range");
     fails_with(&add("x", &[], &["--no-such-option", &input]), 2, "the request after `--`");
     let empty = sg.file("empty.txt", b"");
