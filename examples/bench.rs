@@ -261,23 +261,35 @@ struct Noop {
     hold: Option<CancellationToken>,
     /// Parts run, all requests together.
     ran: Arc<std::sync::atomic::AtomicU64>,
+    /// `dag_release`: a part whose payload is "hold" says it started (`.0`) and waits for `.1`
+    /// before it ends.
+    gate: Option<Arc<(tokio::sync::Notify, tokio::sync::Notify)>>,
 }
 
 #[async_trait]
 impl Handler for Noop {
     type Input = String;
     type Output = ();
-    async fn handle(&self, ctx: Context, _input: String) -> Result<(), HandlerError> {
+    async fn handle(&self, ctx: Context, input: String) -> Result<(), HandlerError> {
         self.ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let started = Instant::now();
         if self.track {
-            let now = Instant::now();
             self.marks
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(ctx.request_id().to_string(), (now, now));
+                .insert(ctx.request_id().to_string(), (started, started));
         }
         if let Some(hold) = &self.hold {
             hold.cancelled().await;
+        }
+        if let Some(gate) = self.gate.as_ref().filter(|_| input == "hold") {
+            gate.0.notify_one();
+            gate.1.notified().await;
+            let ended = Instant::now();
+            self.marks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(ctx.request_id().to_string(), (started, ended));
         }
         Ok(())
     }
@@ -694,6 +706,67 @@ impl Bench {
                 .latencies(finish)
                 .note("handler returns -> wait() returns (ack, finish, pub/sub, results read)"),
         ])
+    }
+
+    /// Dependencies: an upstream's end to its downstream's start. Each of `samples` rounds, on an
+    /// idle worker: an upstream of one part (in its lane) starts and holds; a downstream of one
+    /// part is submitted after it (so it waits, and the upstream's finish releases it); the
+    /// upstream's part is let go. Then the same with one upstream of its own stream and 100
+    /// downstreams (a fan-out: each downstream's start counts).
+    async fn dag_release(&self) -> Result<Vec<Row>, BoxError> {
+        let config = self.config("dag");
+        let gate = Arc::new((tokio::sync::Notify::new(), tokio::sync::Notify::new()));
+        let handler = Noop { track: true, gate: Some(gate.clone()), ..Noop::default() };
+        let marks = handler.marks.clone();
+        let (stop, task) = self.worker(&config, handler, SLOTS).await?;
+        let producer = Producer::connect(&config).await?;
+        let samples = self.scaled(1_000);
+        let rounds = self.scaled(20).max(2);
+        let fan = 100;
+        let mut rows = Vec::new();
+        for (scenario, n, downstreams) in [("dag_release", samples, 1), ("dag_fanout_100", rounds, fan)] {
+            // The first 20 rounds warm up (connections, the library's first calls): neither their
+            // latencies nor their cost count.
+            const WARM_UP: u64 = 20;
+            let mut lat = Vec::new();
+            let mut s0 = stats(&self.nodes).await?;
+            for round in 0..n + WARM_UP {
+                if round == WARM_UP {
+                    s0 = stats(&self.nodes).await?;
+                }
+                let up = producer.request().own_stream(downstreams > 1).submit(["hold"]).await?;
+                gate.0.notified().await;
+                let mut downs = Vec::new();
+                for _ in 0..downstreams {
+                    downs.push(producer.request().after([up.id().clone()]).submit([PAYLOAD]).await?);
+                }
+                gate.1.notify_one();
+                for d in &downs {
+                    d.wait::<()>().await?;
+                }
+                if round >= WARM_UP {
+                    let m = marks.lock().unwrap_or_else(|p| p.into_inner());
+                    let ended = m[up.id().as_str()].1;
+                    lat.extend(downs.iter().map(|d| m[d.id().as_str()].0 - ended));
+                }
+            }
+            let s1 = stats(&self.nodes).await?;
+            let row = Row::new(scenario, n * downstreams).latencies(lat).cost(&s0, &s1);
+            rows.push(row.note(if downstreams == 1 {
+                "1 upstream (its lane) + 1 downstream, one pair at a time, idle worker: upstream's handler end -> \
+                 downstream's handler start; cost per pair (both submits, runs, the release)"
+                    .to_owned()
+            } else {
+                format!(
+                    "1 upstream (own stream) + {downstreams} downstreams, one set at a time, idle worker of \
+                     {SLOTS} slots: upstream's handler end -> each downstream's handler start; cost per downstream"
+                )
+            }));
+        }
+        stop.cancel();
+        task.await??;
+        self.drop_namespace(&config).await?;
+        Ok(rows)
     }
 
     async fn priority_under_load(&self) -> Result<Vec<Row>, BoxError> {
@@ -1258,6 +1331,9 @@ impl Bench {
         if wants("priority_under_load") {
             rows.extend(self.priority_under_load().await?);
         }
+        if wants("dag_release") || wants("dag_fanout_100") {
+            rows.extend(self.dag_release().await?);
+        }
         // Only when named: several rounds of the same drain, with the stats by stage off and on.
         if chosen.contains(&"stats_overhead") {
             rows.extend(self.stats_overhead().await?);
@@ -1359,6 +1435,7 @@ fn print_ratios(rows: &[Row]) {
         ("idle_latency", "idle_latency"),
         ("idle_completion_latency", "idle_completion_latency"),
         ("priority_under_load", "priority_under_load"),
+        ("dag_release", "flow_release"),
     ];
     println!("\nsluicegate vs BullMQ (each ratio > 1 means sluicegate is better)");
     println!(

@@ -321,6 +321,46 @@ const scenarios = {
     });
   },
 
+  // A flow of one parent and one child, one at a time on an idle Worker: the child's processor end ->
+  // the parent's processor start (BullMQ moves the parent to wait when its last child completes).
+  async flow_release(ctx) {
+    const N = scaled(1000);
+    const q = ctx.queue('release');
+    const fp = ctx.flowProducer();
+    const qe = ctx.events('release');
+    const ends = new Map();
+    const starts = new Map();
+    const w = ctx.worker('release', async (job) => {
+      if (job.name === 'parent') starts.set(job.data.pair, now());
+      else ends.set(job.data.pair, now()); // last thing before the processor returns
+    });
+    await Promise.all([q.waitUntilReady(), fp.waitUntilReady(), qe.waitUntilReady(), w.waitUntilReady()]);
+    const once = async (pair) => {
+      const tree = await fp.add({
+        name: 'parent',
+        queueName: 'release',
+        data: { ...PAYLOAD, pair },
+        children: [{ name: 'child', queueName: 'release', data: { ...PAYLOAD, pair } }],
+      });
+      await tree.job.waitUntilFinished(qe, 10_000);
+      return starts.get(pair) - ends.get(pair);
+    };
+    for (let i = 0; i < 20; i++) await once(`warm-${i}`);
+    await sleep(200);
+    const lat = [];
+    const s0 = await snapshot();
+    for (let i = 0; i < N; i++) lat.push(await once(`p-${i}`));
+    const s1 = await snapshot();
+    const a = percentiles(lat);
+    emit('flow_release', {
+      items: N,
+      p50: a.p50,
+      p99: a.p99,
+      c: cost(s0, s1, N),
+      note: 'flow of 1 parent + 1 child, one at a time, idle Worker: child processor end -> parent processor start',
+    });
+  },
+
   async memory(ctx) {
     const N = scaled(100_000);
     const q = ctx.queue('memory');

@@ -16,7 +16,8 @@ use futures::future::{try_join_all, BoxFuture};
 use super::{armed, finish_at, placement, push, requeue, Look, Placement};
 use crate::error::{Error, Result};
 use crate::keys::home_shard;
-use crate::protocol::dag::{self as calls, Ended, Link, Settled};
+pub(crate) use crate::protocol::dag::Ended;
+use crate::protocol::dag::{self as calls, Link, Settled};
 use crate::protocol::submit::Linked;
 use crate::request::{Priority, RequestId};
 use crate::store::Store;
@@ -80,7 +81,8 @@ async fn link_one(store: &Store, entry: &str, upstream: &RequestId) -> Result<Li
 /// The release of upstream `ukid` (homed on `home`) that its finish just put in the outbox, run
 /// by its finisher at once. An error (or a cascade deeper than [`INLINE_DEPTH`]) leaves it to
 /// recovery, which claims the outbox's entry when it falls due.
-pub(crate) async fn release_owed(store: &Store, home: u32, ukid: &str, depth: usize) {
+/// `ended`: the lifecycle that finished, as the finisher knows it (else it is read).
+pub(crate) async fn release_owed(store: &Store, home: u32, ukid: &str, ended: Option<Ended>, depth: usize) {
     #[cfg(feature = "test-clock")]
     if store.config.test_no_inline_release {
         return;
@@ -88,7 +90,7 @@ pub(crate) async fn release_owed(store: &Store, home: u32, ukid: &str, depth: us
     if depth >= INLINE_DEPTH {
         return;
     }
-    if let Err(e) = release(store, home, ukid, depth).await {
+    if let Err(e) = release_from(store, home, ukid, ended, depth).await {
         tracing::warn!(upstream = ukid, error = %e, "releasing the downstreams failed; recovery will");
     }
 }
@@ -104,16 +106,31 @@ pub(crate) fn release<'a>(
     ukid: &'a str,
     depth: usize,
 ) -> BoxFuture<'a, Result<()>> {
+    release_from(store, home, ukid, None, depth)
+}
+
+/// [`release`] of lifecycle `known` when the caller knows which ended (its finisher), else of the
+/// one its home shard says ended last.
+fn release_from<'a>(
+    store: &'a Store,
+    home: u32,
+    ukid: &'a str,
+    known: Option<Ended>,
+    depth: usize,
+) -> BoxFuture<'a, Result<()>> {
     Box::pin(async move {
-        let ended = match calls::ended(store, home, ukid).await? {
-            Link::Ended(ended) => ended,
-            // Running again (requeued after its finish): its next finish owes the next release.
-            Link::Live { .. } => {
-                calls::rel_done(store, home, ukid, None).await?;
-                return Ok(());
-            }
-            // Its marks are gone with its retention: whoever still waits learns it is gone.
-            Link::Unknown => Ended { lifecycle: 0, state: "gone".into() },
+        let ended = match known {
+            Some(ended) => ended,
+            None => match calls::ended(store, home, ukid).await? {
+                Link::Ended(ended) => ended,
+                // Running again (requeued after its finish): its next finish owes the next release.
+                Link::Live { .. } => {
+                    calls::rel_done(store, home, ukid, None).await?;
+                    return Ok(());
+                }
+                // Its marks are gone with its retention: whoever still waits learns it is gone.
+                Link::Unknown => Ended { lifecycle: 0, state: "gone".into() },
+            },
         };
         let mut cursor = "0".to_owned();
         loop {

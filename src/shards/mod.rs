@@ -198,36 +198,25 @@ fn finish_at<'a>(
     depth: usize,
 ) -> futures::future::BoxFuture<'a, Result<Option<i64>>> {
     Box::pin(async move {
+        let Finished { state, lifecycle, sweep, .. } = finished;
         let home = home_shard(key_id, place.shards);
-        let (reopened, owed) = finish_steps(store, key_id, place, finished).await?;
-        if owed {
-            dag::release_owed(store, home, key_id, depth).await;
+        let mut groups = by_shard(key_id, place.shards, sweep);
+        let home_sweep = groups.remove(&home).unwrap_or_default();
+        let sweeps = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
+            let list = store.keys.token_list(shard, place.priority);
+            async move { finish::sweep(store, shard, &list, elements).await }
+        });
+        futures::future::try_join_all(sweeps).await?;
+        let indexed =
+            finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
+        if indexed == Indexed::ReleaseOwed {
+            // Its downstreams first (their wait is the latency users see); the seal and unindex
+            // after, as ever (the request stays in `active` meanwhile).
+            let ended = dag::Ended { lifecycle, state: state.clone() };
+            dag::release_owed(store, home, key_id, Some(ended), depth).await;
         }
-        Ok(reopened)
+        seal_and_unindex(store, key_id, home, lifecycle, &state).await
     })
-}
-
-/// Steps 1 to 3 of [`finish()`]: the lifecycle a requeue marked, if any, and whether a release is
-/// owed.
-async fn finish_steps(
-    store: &Store,
-    key_id: &str,
-    place: Placement,
-    finished: Finished,
-) -> Result<(Option<i64>, bool)> {
-    let Finished { state, lifecycle, sweep, .. } = finished;
-    let home = home_shard(key_id, place.shards);
-    let mut groups = by_shard(key_id, place.shards, sweep);
-    let home_sweep = groups.remove(&home).unwrap_or_default();
-    let sweeps = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
-        let list = store.keys.token_list(shard, place.priority);
-        async move { finish::sweep(store, shard, &list, elements).await }
-    });
-    futures::future::try_join_all(sweeps).await?;
-    let indexed =
-        finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
-    let reopened = seal_and_unindex(store, key_id, home, lifecycle, &state).await?;
-    Ok((reopened, indexed == Indexed::ReleaseOwed))
 }
 
 /// Steps 2 and 3 of [`finish()`]; alone, for a request whose event is already recorded. Returns the
@@ -359,7 +348,7 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
             match lane::cancel(store, home, &key_id).await? {
                 LaneCancelled::Now { release_owed } => {
                     if release_owed {
-                        dag::release_owed(store, home, &key_id, 0).await;
+                        dag::release_owed(store, home, &key_id, None, 0).await;
                     }
                     Ok(Cancelled::Now)
                 }

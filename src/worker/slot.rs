@@ -904,7 +904,7 @@ async fn ack<H: Handler>(
     // outbox, for recovery if this fails), and run here, before the next batch.
     if let Some((shard, _)) = crate::keys::lane_of(&holding.element.key_id) {
         for ukid in finishes.releases {
-            crate::shards::dag::release_owed(store, shard, &ukid, 0).await;
+            crate::shards::dag::release_owed(store, shard, &ukid, None, 0).await;
         }
     }
     Ok(next)
