@@ -357,11 +357,13 @@ class Protocol:
 
     def finish(self, kid: str, priority: int, shards: int, finished: Finished, depth: int = 0) -> Optional[int]:
         """The steps after request ``kid`` turned terminal, each repeatable (Rust
-        ``shards::finish``): stale elements swept and the lifecycle's one event (``finish_index``),
-        ``seal``, ``unindex``; then, when ``finish_index`` answered that the request has
-        downstreams (2: its release is owed, in the outbox), their release (:meth:`release_owed`).
-        ``depth``: how many finishes of a cascade this one follows. Returns the lifecycle a requeue
-        marked (``reopen``) when the request stays indexed for it."""
+        ``shards::finish``): stale elements swept and the lifecycle's one event (``finish_index``);
+        when that answered that the request has downstreams (2: its release is owed, in the
+        outbox), their release (:meth:`release_owed`) of the lifecycle and state it knows ended
+        (first: their wait is the latency users see); then ``seal`` and ``unindex`` (the request
+        stays indexed meanwhile). ``depth``: how many finishes of a cascade this one follows.
+        Returns the lifecycle a requeue marked (``reopen``) when the request stays indexed for
+        it."""
         k = self.keys
         home = home_shard(kid, shards)
         groups = by_shard(kid, shards, finished.sweep)
@@ -376,10 +378,10 @@ class Protocol:
                 [kid, finished.state, ms(self.settings.retention), finished.lifecycle, *home_sweep],
             )
         )
-        reopened = self.seal_and_unindex(kid, home, finished.lifecycle)
         if indexed == 2:
-            self.release_owed(home, kid, depth)
-        return reopened
+            ended = Ended(integer(finished.lifecycle), finished.state)
+            self.release_owed(home, kid, depth, ended)
+        return self.seal_and_unindex(kid, home, finished.lifecycle)
 
     def seal_and_unindex(self, kid: str, home: int, lifecycle: bytes) -> Optional[int]:
         k = self.keys
@@ -647,31 +649,35 @@ class Protocol:
         nxt, entries = self.conn.client.sscan(self.keys.downstreams(home, ukid), cursor=cursor, count=DOWNSTREAMS_PAGE)
         return integer(nxt), [text(e) for e in entries]
 
-    def release_owed(self, home: int, ukid: str, depth: int = 0) -> None:
+    def release_owed(self, home: int, ukid: str, depth: int = 0, ended: Optional[Ended] = None) -> None:
         """The release of upstream ``ukid`` (homed on ``home``) that its finish just put in the
-        outbox, run by its finisher at once. An error (or a cascade deeper than
+        outbox, run by its finisher at once; ``ended``: the lifecycle that finished, as the
+        finisher knows it (else it is read). An error (or a cascade deeper than
         :data:`INLINE_DEPTH`) leaves it to recovery, which claims the outbox's entry when it falls
         due (Rust ``dag::release_owed``)."""
         if not self.settings.inline_releases or depth >= INLINE_DEPTH:
             return
         try:
-            self.dag_release(home, ukid, depth)
+            self.dag_release(home, ukid, depth, ended)
         except Exception as e:  # noqa: BLE001 - the outbox keeps it for recovery
             log.warning("releasing the downstreams of %s failed; recovery will: %s", ukid, e)
 
-    def dag_release(self, home: int, ukid: str, depth: int = 0) -> None:
+    def dag_release(self, home: int, ukid: str, depth: int = 0, known: Optional[Ended] = None) -> None:
         """Runs the release of upstream ``ukid``, homed on ``home``, that its finish owes (in the
-        outbox): tells every downstream in its set that its latest lifecycle ended, and does what
-        each answer asks (push an opened gate's tokens, finish a downstream failed by it, reopen
-        one it failed before); then takes it out of the outbox. Repeatable (Rust ``dag::release``).
-        ``depth``: how many finishes this one follows in a cascade."""
-        link = self.ended(home, ukid)
-        if link.tag == "live":
-            # Running again (requeued after its finish): its next finish owes the next release.
-            self.rel_done(home, ukid, None)
-            return
-        # Its marks gone with its retention: whoever still waits learns it is gone.
-        ended = link.ended if link.tag == "done" and link.ended is not None else GONE
+        outbox): tells every downstream in its set that a lifecycle of it ended (``known``, when
+        the caller knows which: its finisher; else the one its home shard says ended last), and
+        does what each answer asks (push an opened gate's tokens, finish a downstream failed by
+        it, reopen one it failed before); then takes it out of the outbox. Repeatable (Rust
+        ``dag::release``). ``depth``: how many finishes this one follows in a cascade."""
+        ended = known
+        if ended is None:
+            link = self.ended(home, ukid)
+            if link.tag == "live":
+                # Running again (requeued after its finish): its next finish owes the next release.
+                self.rel_done(home, ukid, None)
+                return
+            # Its marks gone with its retention: whoever still waits learns it is gone.
+            ended = link.ended if link.tag == "done" and link.ended is not None else GONE
         cursor = 0
         while True:
             cursor, entries = self.downstreams_page(home, ukid, cursor)
