@@ -424,3 +424,32 @@ def test_a_python_request_after_a_cli_submit_reads_its_results(server: Any, ns: 
     running.start(server.url, handler, ns, slots=2)
     assert outputs(d) == [100 + 4 + 6]
     assert p.wait("from-cli", timeout=20).results == [2, 4, 6]
+
+
+@needs_cli
+def test_a_cli_submit_after_python_requests_is_run_by_a_python_worker(server: Any, ns: str, running: Running,
+                                                                     tmp_path: Path) -> None:
+    steps = Steps()
+    steps.failing.set()
+    p = Producer(server.url, ns)
+    a = p.submit(parts([1, 2]), concurrency=2)
+    f = p.submit(parts([0], fail=True))
+
+    def cli_submit(rid: str, *args: str, part: Dict[str, Any]) -> None:
+        src = tmp_path / f"{rid}.txt"
+        src.write_text(json.dumps(part) + "\n")
+        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "submit", "--id", rid, *args,
+                              str(src)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+    # The Rust producer links the downstreams; the Python worker releases them.
+    cli_submit("cli-after-a", "--after", a.id, part=parts([10], [a])[0])
+    cli_submit("cli-after-f", "--after", f.id, part=parts([20])[0])
+    cli_submit("cli-after-f-run", "--after", f.id, "--on-upstream-failure", "run", part=parts([30])[0])
+    assert Admin(server.url, ns).status("cli-after-a").upstreams == [Upstream(a.id, None)]
+    running.start(server.url, steps, ns, slots=2)
+    assert p.wait("cli-after-a", timeout=20).results == [13]
+    done = p.wait("cli-after-f", timeout=20)
+    assert (done.state, done.reason) == ("failed", f"upstream:{f.id}")
+    assert p.wait("cli-after-f-run", timeout=20).results == [30]
+    assert not steps.started(RequestHandle(p, "cli-after-f"))
