@@ -18,7 +18,7 @@ const S = {
 /** An element: h('td', {class: 'num'}, 'text', child, ...). Text is always set as text. */
 function h(tag, attrs, ...children) {
   const el = document.createElementNS(
-    ['svg', 'line', 'polyline', 'text', 'rect', 'g', 'path', 'circle'].includes(tag) ? 'http://www.w3.org/2000/svg' : 'http://www.w3.org/1999/xhtml',
+    ['svg', 'line', 'polyline', 'text', 'rect', 'g', 'path', 'circle', 'defs', 'marker', 'title'].includes(tag) ? 'http://www.w3.org/2000/svg' : 'http://www.w3.org/1999/xhtml',
     tag);
   for (const [k, v] of Object.entries(attrs || {})) {
     if (v === undefined || v === null || v === false) continue;
@@ -153,6 +153,94 @@ function chart(throughput) {
   return [svg, legend];
 }
 
+// ---- the graph of a request's dependencies ------------------------------------------------------
+
+/** How often the request page reads its graph again: one status per node, up to 100 of them. */
+const GRAPH_EVERY_MS = 5000;
+
+/** The neighbourhood of request `st` (/api/requests/{id}/graph) as an inline SVG: a column per
+ *  step (the longest path to it among the nodes shown), upstreams to the left, edges from a request
+ *  to those submitted after it; each node shows its state and is a click away from its page. A
+ *  DAG, so no cycle; a cycle, were there one, would still be drawn, without looping. */
+function dagGraph(g, st) {
+  const NW = 176, NH = 42, GX = 64, GY = 14, P = 6;
+  // The request itself as this reading has it: the graph may be a few seconds older.
+  const nodes = g.nodes.map(n => n.id === st.id ? Object.assign({}, n, { state: st.state, done: st.done, total: st.total }) : n);
+  const ups = new Map(nodes.map(n => [n.id, []]));
+  for (const e of g.edges) if (ups.has(e.from) && ups.has(e.to)) ups.get(e.to).push(e.from);
+  const col = new Map();
+  const colOf = (id, path) => {
+    if (col.has(id)) return col.get(id);
+    if (path.has(id)) return 0; // no cycle can form; never loop if one did
+    path.add(id);
+    const c = Math.max(0, ...ups.get(id).map(u => colOf(u, path) + 1));
+    path.delete(id);
+    col.set(id, c);
+    return c;
+  };
+  nodes.forEach(n => colOf(n.id, new Set()));
+  // Then each request as close to its nearest downstream as it can be (the last ones first), so
+  // that an edge spans one column wherever it can, rather than running behind other nodes.
+  const downs = new Map(nodes.map(n => [n.id, []]));
+  for (const e of g.edges) if (ups.has(e.from) && ups.has(e.to)) downs.get(e.from).push(e.to);
+  for (const n of [...nodes].sort((a, b) => col.get(b.id) - col.get(a.id))) {
+    const ds = downs.get(n.id);
+    if (ds.length) col.set(n.id, Math.max(col.get(n.id), Math.min(...ds.map(d => col.get(d))) - 1));
+  }
+  const columns = [];
+  for (const n of nodes) { const c = col.get(n.id); (columns[c] = columns[c] || []).push(n); }
+  const used = columns.filter(Boolean);
+  const rows = Math.max(...used.map(c => c.length));
+  const W = 2 * P + used.length * NW + (used.length - 1) * GX, H = 2 * P + rows * NH + (rows - 1) * GY;
+  // Each column centred, its nodes in the order of their upstreams' heights (fewer crossings).
+  const pos = new Map();
+  used.forEach((column, c) => {
+    const key = n => { const ys = ups.get(n.id).filter(u => pos.has(u)).map(u => pos.get(u).y); return ys.length ? ys.reduce((a, b) => a + b, 0) / ys.length : -1; };
+    column.sort((a, b) => key(a) - key(b) || a.level - b.level || (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+    const top = P + (rows - column.length) * (NH + GY) / 2;
+    column.forEach((n, i) => pos.set(n.id, { x: P + c * (NW + GX), y: top + i * (NH + GY) }));
+  });
+  const svg = h('svg', { class: 'dag', id: 'dag', viewBox: `0 0 ${W} ${H}`, width: W, height: H, 'data-nodes': nodes.length, 'data-edges': g.edges.length },
+    h('defs', {}, h('marker', { id: 'dag-arrow', viewBox: '0 0 10 10', refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: 'auto' }, h('path', { class: 'arrow', d: 'M 0 0 L 10 5 L 0 10 z' }))));
+  for (const e of g.edges) {
+    const a = pos.get(e.from), b = pos.get(e.to);
+    if (!a || !b) continue;
+    const x1 = a.x + NW, y1 = a.y + NH / 2, x2 = b.x, y2 = b.y + NH / 2, dx = Math.max(20, (x2 - x1) / 2);
+    svg.append(h('path', { class: 'edge' + (e.ended ? ` ended-${e.ended}` : ''), d: `M ${x1} ${y1} C ${x1 + dx} ${y1}, ${x2 - dx} ${y2}, ${x2} ${y2}`, 'marker-end': 'url(#dag-arrow)', 'data-from': e.from, 'data-to': e.to },
+      h('title', {}, `${e.to} runs after ${e.from}` + (e.ended ? `, which ended ${e.ended}` : ''))));
+  }
+  for (const n of nodes) {
+    const p = pos.get(n.id), root = n.id === st.id;
+    const go = () => { if (!root) location.hash = requestLink(n.id); };
+    svg.append(h('g', { class: `node state-${n.state}` + (root ? ' root' : ''), transform: `translate(${p.x},${p.y})`, 'data-id': n.id, 'data-state': n.state,
+      tabindex: root ? null : 0, role: root ? null : 'link', onclick: go, onkeydown: ev => { if (ev.key === 'Enter') go(); } },
+      h('title', {}, `${n.id}: ${n.state}` + (n.reason ? ` (${n.reason})` : '') + (root ? ' (this request)' : '')),
+      h('rect', { width: NW, height: NH, rx: 6 }),
+      h('text', { x: 10, y: 17, class: 'id' }, n.id.length > 24 ? n.id.slice(0, 23) + '…' : n.id),
+      h('text', { x: 10, y: 33, class: 'sub' }, n.found ? `${n.state} · ${num(n.done)} / ${num(n.total)}` : 'gone: nothing of it is left')));
+  }
+  return [h('div', { class: 'dag-wrap' }, svg),
+    h('p', { class: 'muted' }, `${nodes.length} request${nodes.length > 1 ? 's' : ''}, up to ${g.depth} steps each way` + (g.truncated ? '; more are not shown' : '') + '. A node opens its request.')];
+}
+
+/** The requests this one runs after (with how each ended, as it heard) and before, and their graph. */
+function dependencies(st, graph) {
+  const now = new Map(((graph && graph.nodes) || []).map(n => [n.id, n.id === st.id ? st.state : n.state]));
+  const link = id => h('a', { href: requestLink(id), class: 'mono' }, id);
+  const state = id => now.has(id) ? badge(now.get(id)) : h('span', { class: 'muted' }, '–');
+  const ups = st.upstreams || [], downs = st.downstreams || [];
+  return h('div', { class: 'card', id: 'dependencies' }, h('h2', {}, 'Dependencies'),
+    h('div', { class: 'deps' },
+      h('div', { id: 'upstreams' }, h('h3', {}, `Runs after (${ups.length})`),
+        table([['Upstream'], ['Ended, as this request heard'], ['State now']],
+          ups.map(u => h('tr', { 'data-id': u.id }, h('td', {}, link(u.id)), h('td', {}, u.ended ? badge(u.ended) : h('span', { class: 'muted' }, 'not yet')), h('td', {}, state(u.id)))),
+          'It was submitted after no other request.')),
+      h('div', { id: 'downstreams' }, h('h3', {}, `Run after it (${downs.length}${downs.length >= 100 ? ', the first ones' : ''})`),
+        table([['Downstream'], ['State now']], downs.map(d => h('tr', { 'data-id': d }, h('td', {}, link(d)), h('td', {}, state(d)))),
+          'No request was submitted after it.'))),
+    graph ? dagGraph(graph, st) : h('p', { class: 'muted' }, 'Reading the graph…'));
+}
+
 // ---- pages -----------------------------------------------------------------------------------
 
 function requestRow(r) {
@@ -214,7 +302,7 @@ const pages = {
       this.params = params;
       this.cursors = [];
       const f = h('form', { class: 'filters', id: 'filters' },
-        h('label', {}, 'State', h('select', { name: 'state' }, ['', 'queued', 'running', 'scheduled', 'open', 'completed', 'failed', 'cancelled'].map(s => h('option', { value: s, selected: params.get('state') === s }, s || 'any')))),
+        h('label', {}, 'State', h('select', { name: 'state' }, ['', 'queued', 'running', 'scheduled', 'waiting', 'open', 'completed', 'failed', 'cancelled'].map(s => h('option', { value: s, selected: params.get('state') === s }, s || 'any')))),
         h('label', {}, 'Priority', h('input', { name: 'priority', type: 'number', min: 0, max: 99, value: params.get('priority') || '' })),
         h('label', {}, 'Tag', h('input', { name: 'tag', value: params.get('tag') || '', placeholder: 'customer:42' })),
         h('label', {}, 'Older than', h('input', { name: 'older_than', value: params.get('older_than') || '', placeholder: '15m, 2h, 7d' })),
@@ -249,6 +337,7 @@ const pages = {
   request: {
     render(main, params, id) {
       this.main = main; this.id = id; this.dead = null; this.lastFailed = -1; this.actionsKey = null;
+      this.graph = null; this.graphAt = 0;
       return this.tick();
     },
     async tick() {
@@ -259,6 +348,12 @@ const pages = {
       if (st.failed !== this.lastFailed) {
         this.lastFailed = st.failed;
         try { this.dead = st.failed ? await api(`/api/requests/${enc}/dead`) : { total: 0, dead: [] }; } catch (_) { this.dead = null; }
+      }
+      // The graph costs a status per node: read at the first reading, then every few seconds.
+      const linked = (st.upstreams || []).length + (st.downstreams || []).length > 0;
+      if (!linked) this.graph = null;
+      else if (!this.graph || Date.now() - this.graphAt >= GRAPH_EVERY_MS) {
+        try { this.graph = await api(`/api/requests/${enc}/graph`); this.graphAt = Date.now(); } catch (_) { /* the last one stays */ }
       }
       const terminal = ['completed', 'failed', 'cancelled'].includes(st.state);
       const step = (label, ms, from) => h('div', { class: 'step' + (ms ? ' on' : '') }, h('b', {}, label), ms ? when(ms) : 'not yet', ms && from ? h('div', { class: 'muted' }, `after ${age(ms - from)}`) : null);
@@ -273,9 +368,10 @@ const pages = {
               ['Running now', num(st.running)], ['Retrying', num(st.retrying)], ['Max attempts seen', st.max_attempts_seen], ['Succeeded after retry', num(st.succeeded_after_retry)],
               ['Tags', (st.tags || []).join(', ') || '–'], ['Tracked', st.tracked ? 'yes' : 'no'], ['Streamed', st.open ? 'open' : st.window ? `window ${st.window}` : 'no'],
               ['Deadline', st.deadline_ms ? when(st.deadline_ms) : '–'], ['Rate limit', st.rate ? `${st.rate.n} per ${age(st.rate.per_ms)}` : '–'],
-              ...(st.reason ? [['Ended by', st.reason]] : [])]
+              ...(st.reason ? [['Ended by', st.reason.startsWith('upstream:') ? ['upstream ', h('a', { href: requestLink(st.reason.slice(9)) }, st.reason.slice(9))] : st.reason]] : [])]
               .map(([k, v]) => h('div', {}, h('span', {}, k), v)))),
         S.config.actions ? this.actionsFor(st, terminal) : null,
+        linked ? dependencies(st, this.graph) : null,
         st.completion || terminal ? h('div', { class: 'card', id: 'completion' }, h('h2', {}, 'Completion event'),
           st.completion ? h('p', {}, badge(st.completion.state), ` written ${ago(st.completion.at_ms)} · cursor `, h('code', {}, st.completion.cursor))
             : h('p', { class: 'muted' }, `Finished ${st.state} ${ago(st.finished_ms)}; its event is older than the 200 this dashboard keeps (sluicegate events shows every retained one).`)) : null,

@@ -50,6 +50,7 @@ pub(crate) fn routes(shared: &Arc<Shared>) -> Router<Arc<Shared>> {
         .route("/api/requests/{id}", get(status))
         .route("/api/requests/{id}/dead", get(dead))
         .route("/api/requests/{id}/tokens", get(tokens))
+        .route("/api/requests/{id}/graph", get(graph))
         .route("/api/workers", get(workers))
         .route("/api/events", get(events))
         .route("/api/tokens", get(token_audit))
@@ -264,6 +265,30 @@ async fn tokens(
 ) -> ApiResult<Json<sluicegate::RequestTokens>> {
     let id = request_id(&id)?;
     Ok(Json(shared.admin.tokens(&id).await?))
+}
+
+/// `/api/requests/{id}/graph?depth=&limit=`: the request's neighbourhood among the requests it
+/// runs after and before (`crate::graph`).
+async fn graph(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    Query(params): Query<HashMap<String, String>>,
+) -> ApiResult<Json<crate::graph::Graph>> {
+    let id = request_id(&id)?;
+    let bounded = |name: &str, max: usize| -> ApiResult<usize> {
+        let Some(value) = params.get(name).filter(|v| !v.is_empty()) else { return Ok(max) };
+        value
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| ApiError::bad(format!("{name} {value:?} is not a number from 1 to {max}")))
+    };
+    if let Some(other) = params.keys().find(|k| !["depth", "limit"].contains(&k.as_str())) {
+        return Err(ApiError::bad(format!("unknown parameter {other:?}: depth, limit")));
+    }
+    let depth = bounded("depth", crate::graph::MAX_DEPTH)?;
+    let limit = bounded("limit", crate::graph::MAX_NODES)?;
+    Ok(Json(crate::graph::neighbourhood(&shared.admin, &id, depth, limit).await?))
 }
 
 async fn workers(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Value>> {

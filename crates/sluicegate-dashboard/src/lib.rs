@@ -9,6 +9,7 @@
 //! - `live`: the hub that reads the namespace once per interval, whoever watches, and fans the
 //!   reading and every completion event (from a [`sluicegate::Listener`]) out to each browser as
 //!   server-sent events: the Redis cost of a dashboard does not grow with its viewers;
+//! - `graph`: a request's neighbourhood among the requests it runs after and before;
 //! - `auth`: the bearer token, the login form and its session cookie, and who did what;
 //! - `assets`: the single-page app (HTML, vanilla JS, CSS) compiled into the binary: nothing is
 //!   fetched from elsewhere, and it works offline.
@@ -32,6 +33,7 @@ mod api;
 mod assets;
 mod auth;
 mod error;
+mod graph;
 mod live;
 
 use std::net::SocketAddr;

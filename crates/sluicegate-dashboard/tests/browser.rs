@@ -234,7 +234,8 @@ async fn a_read_only_dashboard_hides_and_refuses_actions_and_wants_its_token() {
     let driver = Driver::start();
     let env = env(Topology::Single, "browser-ro").await;
     let p = producer(&env.config).await;
-    p.request().id("waiting-1").unwrap().submit(0..5u64).await.unwrap();
+    let upstream = p.request().id("waiting-1").unwrap().submit(0..5u64).await.unwrap();
+    p.request().id("after-1").unwrap().after([upstream.id().clone()]).submit(0..2u64).await.unwrap();
     let served = serve(&env.config, DashboardOptions::new().token("let-me-in")).await;
     let browser = driver.browser().await;
     let result = async {
@@ -253,6 +254,24 @@ async fn a_read_only_dashboard_hides_and_refuses_actions_and_wants_its_token() {
         let buttons = browser.execute("return document.querySelectorAll('#main button').length", vec![]).await.unwrap();
         assert_eq!(buttons, json!(0), "a read-only dashboard shows no action");
         shot(&browser, "read-only-detail").await;
+
+        // Its dependencies: the graph draws it and the request submitted after it, a click away.
+        let graph = "const d = document.querySelector('#dag .node[data-id=\"after-1\"]'); \
+            return document.querySelectorAll('#dag .node').length === 2 \
+            && document.querySelectorAll('#dag .edge').length === 1 \
+            && d !== null && d.dataset.state === 'waiting' \
+            && document.querySelector('#dag .node.root').dataset.id === 'waiting-1'";
+        until(&browser, "the graph of waiting-1 and its downstream", graph).await;
+        shot(&browser, "request-graph").await;
+        click(&browser, "#dag .node[data-id=\"after-1\"]").await;
+        let downstream = "const e = document.querySelector('#request-id'); \
+            const s = document.querySelector('#request-state'); \
+            const u = document.querySelector('#upstreams tr[data-id=\"waiting-1\"]'); \
+            return e && e.textContent === 'after-1' && s.textContent.includes('waiting') \
+            && u && u.textContent.includes('not yet') \
+            && document.querySelector('#dag .node.root').dataset.id === 'after-1'";
+        until(&browser, "the downstream's page, waiting for waiting-1", downstream).await;
+        shot(&browser, "request-waiting").await;
     }
     .await;
     browser.close().await.unwrap();

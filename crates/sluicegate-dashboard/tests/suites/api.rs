@@ -266,3 +266,135 @@ async fn a_large_tally_is_read_every_tally_interval_and_the_readings_between_sho
     assert_eq!(second["tokens"]["capacity"], 1_001, "the last tally is carried: {}", second["tokens"]);
     assert_eq!(second["stats"]["tally"]["records_read"], first["stats"]["tally"]["records_read"]);
 }
+
+/// A request's graph: two steps each way from it, each node with its state, every link between
+/// the nodes shown; bounded by its limit; a neighbour whose retention ran out shows as gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_graph_is_its_neighbourhood_two_steps_each_way_and_bounded() {
+    let env = env(TOPOLOGY, "dash-graph").await;
+    let p = producer(&env.config).await;
+    // A chain g-a -> g-b -> ... -> g-f, and g-x after g-a too. No worker: g-a stays queued and
+    // the others wait.
+    let mut handles = Vec::new();
+    for id in ["g-a", "g-b", "g-c", "g-d", "g-e", "g-f"] {
+        let mut request = p.request().id(id).unwrap();
+        if let Some(up) = handles.last().map(|h: &sluicegate::RequestHandle| h.id().clone()) {
+            request = request.after([up]);
+        }
+        handles.push(request.submit([1u64]).await.unwrap());
+    }
+    p.request().id("g-x").unwrap().after([handles[0].id().clone()]).submit([1u64]).await.unwrap();
+    let served = serve(&env.config, DashboardOptions::new()).await;
+    let addr = served.addr;
+    let nodes = |g: &Value| -> Vec<(String, i64, String)> {
+        g["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| {
+                (
+                    n["id"].as_str().unwrap().into(),
+                    n["level"].as_i64().unwrap(),
+                    n["state"].as_str().unwrap().into(),
+                )
+            })
+            .collect()
+    };
+    let edges = |g: &Value| -> Vec<(String, String, Value)> {
+        let mut e: Vec<(String, String, Value)> = g["edges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (e["from"].as_str().unwrap().into(), e["to"].as_str().unwrap().into(), e["ended"].clone())
+            })
+            .collect();
+        e.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        e
+    };
+    let owned = |v: &[(&str, i64, &str)]| -> Vec<(String, i64, String)> {
+        v.iter().map(|(id, l, s)| ((*id).into(), *l, (*s).into())).collect()
+    };
+    let link = |from: &str, to: &str, ended: Value| (from.to_owned(), to.to_owned(), ended);
+
+    // Two steps up and two down from g-c; g-f (three down) and g-x (a sibling) are not in it.
+    let (s, g) = get_json(addr, "/api/requests/g-c/graph", &[]).await;
+    assert_eq!(s, 200, "{g}");
+    let want = [
+        ("g-c", 0, "waiting"),
+        ("g-b", -1, "waiting"),
+        ("g-d", 1, "waiting"),
+        ("g-a", -2, "queued"),
+        ("g-e", 2, "waiting"),
+    ];
+    assert_eq!(nodes(&g), owned(&want), "{g}");
+    let chain = vec![
+        link("g-a", "g-b", Value::Null),
+        link("g-b", "g-c", Value::Null),
+        link("g-c", "g-d", Value::Null),
+        link("g-d", "g-e", Value::Null),
+    ];
+    assert_eq!(edges(&g), chain, "{g}");
+    assert_eq!(
+        (&g["id"], &g["depth"], &g["truncated"]),
+        (&Value::from("g-c"), &Value::from(2), &Value::Bool(false)),
+        "{g}"
+    );
+    // g-a's downstreams: both shown from it.
+    let (_, g) = get_json(addr, "/api/requests/g-a/graph?depth=1", &[]).await;
+    assert_eq!(g["nodes"].as_array().unwrap().len(), 3, "{g}");
+    assert_eq!(g["nodes"][0]["downstreams"], 2, "{g}");
+    // Bounded: a limit keeps the nearest, one side after the other, and says it cut.
+    let (_, g) = get_json(addr, "/api/requests/g-c/graph?limit=3", &[]).await;
+    assert_eq!(
+        nodes(&g),
+        owned(&[("g-c", 0, "waiting"), ("g-b", -1, "waiting"), ("g-d", 1, "waiting")]),
+        "{g}"
+    );
+    assert_eq!(g["truncated"], true, "{g}");
+    let (_, g) = get_json(addr, "/api/requests/g-c/graph?limit=2&depth=1", &[]).await;
+    assert_eq!(
+        (g["nodes"].as_array().unwrap().len(), edges(&g)),
+        (2, vec![link("g-b", "g-c", Value::Null)]),
+        "{g}"
+    );
+    for (query, names) in [
+        ("limit=101", "limit \"101\""),
+        ("depth=3", "depth \"3\""),
+        ("depth=0", "depth \"0\""),
+        ("colour=red", "unknown parameter \"colour\""),
+    ] {
+        let (s, e) = get_json(addr, &format!("/api/requests/g-c/graph?{query}"), &[]).await;
+        assert_eq!(s, 400, "{query}: {e}");
+        assert!(e["error"].as_str().unwrap().contains(names), "{query}: {e}");
+    }
+    assert_eq!(get_json(addr, "/api/requests/nobody/graph", &[]).await.0, 404);
+    let (_, page) = get_json(addr, "/api/requests?state=waiting", &[]).await;
+    let mut waiting: Vec<&str> =
+        page["requests"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
+    waiting.sort_unstable();
+    assert_eq!(waiting, ["g-b", "g-c", "g-d", "g-e", "g-f", "g-x"], "{page}");
+
+    // g-a cancelled: its downstreams fail with it. Then purged: it is gone, and shows so.
+    handles[0].cancel().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get_json(addr, "/api/requests/g-b", &[]).await.1["state"] != "failed" {
+        assert!(Instant::now() < deadline, "g-b did not fail with its cancelled upstream");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    assert!(admin.purge(handles[0].id()).await.unwrap());
+    let (s, g) = get_json(addr, "/api/requests/g-b/graph?depth=1", &[]).await;
+    assert_eq!(s, 200, "{g}");
+    assert_eq!(nodes(&g), owned(&[("g-b", 0, "failed"), ("g-a", -1, "gone"), ("g-c", 1, "failed")]), "{g}");
+    assert_eq!(
+        (&g["nodes"][0]["reason"], &g["nodes"][1]["found"]),
+        (&Value::from("upstream:g-a"), &Value::Bool(false)),
+        "{g}"
+    );
+    assert_eq!(
+        edges(&g),
+        vec![link("g-a", "g-b", Value::from("cancelled")), link("g-b", "g-c", Value::from("failed"))],
+        "{g}"
+    );
+}
