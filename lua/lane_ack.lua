@@ -16,8 +16,8 @@
 --         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
 --         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
 --         ...}, one pair per request finished, for the stats by stage; and when some of them have
---         downstreams, with {'rel', key id, ...}: their releases, owed (in the outbox) and for
---         the caller to run.
+--         downstreams, with {'rel', key id, state, lifecycle, ...}: their releases, owed (in the
+--         outbox) and for the caller to run.
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -117,7 +117,11 @@ local function lane_ack(keys, args)
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
       announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, rec.r[8])
-      if rec.r[8] then released[#released + 1] = kid end
+      if rec.r[8] then
+        released[#released + 1] = kid
+        released[#released + 1] = rec.state
+        released[#released + 1] = rec.r[2]
+      end
       finished[#finished + 1] = kid
       states[#states + 1] = rec.state
       done[#done + 1] = rec.state

@@ -2944,8 +2944,8 @@ end
 --         {'fenced'} as ack. Requests that finished are announced by this call itself; when some
 --         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
 --         ...}, one pair per request finished, for the stats by stage; and when some of them have
---         downstreams, with {'rel', key id, ...}: their releases, owed (in the outbox) and for
---         the caller to run.
+--         downstreams, with {'rel', key id, state, lifecycle, ...}: their releases, owed (in the
+--         outbox) and for the caller to run.
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -3045,7 +3045,11 @@ local function lane_ack(keys, args)
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
       announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, rec.r[8])
-      if rec.r[8] then released[#released + 1] = kid end
+      if rec.r[8] then
+        released[#released + 1] = kid
+        released[#released + 1] = rec.state
+        released[#released + 1] = rec.r[2]
+      end
       finished[#finished + 1] = kid
       states[#states + 1] = rec.state
       done[#done + 1] = rec.state
@@ -3637,7 +3641,9 @@ end
 -- "Dependencies between requests"): U's release calls it for every downstream it names, and
 -- recovery's look at a waiting D for an upstream that vanished. It records the news in D's field
 -- for U (once per lifecycle: a repeat, or older news, changes nothing) and applies D's gate.
--- An armed step (shards::armed): the elements of the tokens it wakes are pushed by its caller.
+-- The elements of the tokens it wakes are pushed by its caller: a release's caller that dies
+-- before the push leaves the release in the outbox, whose re-run gets them again (below); other
+-- callers arm a look first (shards::armed) and pass its deadline.
 -- KEYS[1..6] D's keys (prelude.lua)
 -- ARGV[1] D's key id   ARGV[2] U's key id   ARGV[3] U's lifecycle that ended   ARGV[4] its state
 -- (completed, failed, cancelled; or gone with lifecycle 0: nothing of U is left, news for
@@ -3646,7 +3652,8 @@ end
 -- Returns, whether or not this call changed the field (so that a caller that died after it is
 -- replaced by a release that does the same):
 --   {'open', priority, shards, element...}: D's gate opened in this call: it is `queued`, and its
---     woken tokens' elements are to be pushed;
+--     woken tokens' elements are to be pushed; or it opened before and no part of it was handed
+--     out yet: the elements of its queued tokens, to be pushed (again: a copy is harmless);
 --   {'finished', 'failed', lifecycle}: D failed because of an upstream in this call, or has since
 --     and its finish steps may be undone (the caller completes them, repeatable);
 --   {'reopen', lifecycle}: D failed because of an upstream and its gate is open now (a requeued
@@ -3694,6 +3701,17 @@ local function dag_settle(keys, args)
       return out
     end
     return {'recorded'}
+  end
+  if state == 'queued' then
+    -- Opened before, and no part handed out yet: its queued tokens' elements, again. A release
+    -- whose caller died between the call that opened it and the push is run again from the outbox,
+    -- and pushes them then; an element pushed twice is taken once (acquire moves the token to held).
+    local out = {'open', c[3], c[4] or '1'}
+    sg_each_token(keys, 0, tonumber(redis.call('HGET', keys[1], 'ntok') or '0'), function(k, tok)
+      local f = sg_split(tok)
+      if f[1] == 'q' then out[#out + 1] = sg_element(args[1], k, f[2]) end
+    end)
+    return out
   end
   if state == 'failed' and m[5] and string.sub(m[5], 1, 9) == 'upstream:' then
     if sg_dag_reopenable(m[5], c[1], c[2], m[4]) then return {'reopen', sg_lifecycle(keys)} end

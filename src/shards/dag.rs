@@ -7,8 +7,9 @@
 //! anchor gone only after the last call answered. The anchor of a release is the upstream's
 //! entry in its home shard's outbox (`rel`), written in the same step as its finish; the finisher
 //! runs the release at once, and recovery runs it again for every entry that stays past its due
-//! time (`claim_due`). Each downstream's part of it is an armed step (`dag_settle`), so a gate it
-//! opens has its tokens looked at if its caller dies before pushing them.
+//! time (`claim_due`). A gate a settle opens has its tokens' elements handed out again by a re-run
+//! (while no part of the downstream has started), so a caller that dies before pushing them
+//! leaves them to the release's re-run.
 
 use fred::prelude::*;
 use futures::future::{try_join_all, BoxFuture};
@@ -153,10 +154,21 @@ fn release_from<'a>(
 async fn settle_one(store: &Store, entry: &str, ukid: &str, ended: &Ended, depth: usize) -> Result<()> {
     let Some((dkid, shards)) = entry.rsplit_once('|') else { return Ok(()) };
     let shards: u32 = shards.parse().unwrap_or(1).clamp(1, crate::config::MAX_TOKEN_SHARDS);
-    settle(store, dkid, shards, ukid, ended, depth).await
+    settle(store, dkid, shards, ukid, ended, depth, Anchor::Outbox).await
 }
 
-/// `dag_settle` of downstream `dkid` for upstream `ukid`, armed, and what its answer asks.
+/// What makes sure the elements of a gate a settle opens are pushed if its caller dies first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Anchor {
+    /// The release's entry in the outbox: it stays until the release is done, and a re-run of
+    /// `dag_settle` hands out the elements of a downstream still `queued` again.
+    Outbox,
+    /// A look armed on the downstream's home shard a grace ahead (`shards::armed`): recovery's
+    /// look at a waiting request, which no outbox entry covers.
+    Armed,
+}
+
+/// `dag_settle` of downstream `dkid` for upstream `ukid`, and what its answer asks.
 async fn settle(
     store: &Store,
     dkid: &str,
@@ -164,9 +176,14 @@ async fn settle(
     ukid: &str,
     ended: &Ended,
     depth: usize,
+    anchor: Anchor,
 ) -> Result<()> {
-    let settled =
-        armed(store, dkid, shards, |deadline| calls::settle(store, dkid, ukid, ended, deadline)).await?;
+    let settled = match anchor {
+        Anchor::Outbox => calls::settle(store, dkid, ukid, ended, 0).await?,
+        Anchor::Armed => {
+            armed(store, dkid, shards, |deadline| calls::settle(store, dkid, ukid, ended, deadline)).await?
+        }
+    };
     match settled {
         Settled::Open { priority, shards, elements } => {
             let place = Placement { priority, shards };
@@ -213,7 +230,7 @@ pub(crate) async fn check_waiting(
             state = ended.state,
             "settling a waiting request's upstream"
         );
-        settle(store, dkid, shards, ukid, &ended, 0).await?;
+        settle(store, dkid, shards, ukid, &ended, 0, Anchor::Armed).await?;
     }
     Ok(())
 }

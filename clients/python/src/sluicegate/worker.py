@@ -30,7 +30,7 @@ from . import _recovery as recovery
 from . import codec
 from ._conn import TRANSIENT, Conn, fcall_items, integer, text
 from ._keys import home_shard, key_id, lane_of, raw_id
-from ._protocol import MAX_TOKEN_SHARDS, Finished, LaneSettings, Protocol, Settings, Unfinished, ms
+from ._protocol import MAX_TOKEN_SHARDS, Ended, Finished, LaneSettings, Protocol, Settings, Unfinished, ms
 from .errors import NoResult, PermanentError, UnknownRequest
 from .producer import PartError
 
@@ -243,8 +243,9 @@ class _Next:
     finished: Optional[Finished] = None
     park_shards: Optional[int] = None
     #: Key ids of the lane requests with downstreams that a ``lane_ack`` finished (its trailing
-    #: ``{'rel', ...}``): their releases are owed (in the outbox), and the slot's to run.
-    releases: List[str] = field(default_factory=list)
+    #: ``{'rel', key id, state, lifecycle, ...}``), with the lifecycle each ended: their releases are
+    #: owed (in the outbox), and the slot's to run.
+    releases: List[Tuple[str, Ended]] = field(default_factory=list)
 
 
 #: Which call's reply :func:`_parse_next` reads, which says where a ``run`` reply's policy comes
@@ -259,9 +260,11 @@ def _parse_next(reply: Any, reading: str, sent: float = 0.0) -> _Next:
     which an acquire's deadline counts from. The call, not the shape of the items, says whether a
     policy comes first: a policy of seven fields is as long as a lane entry."""
     items = fcall_items(reply)
-    releases: List[str] = []
+    releases: List[Tuple[str, Ended]] = []
     if _trailing(items, "rel"):
-        releases = [text(v) for v in items.pop()[1:]]
+        # Key id, state, lifecycle of each.
+        rel = items.pop()[1:]
+        releases = [(text(rel[i]), Ended(integer(rel[i + 2]), text(rel[i + 1]))) for i in range(0, len(rel) - 2, 3)]
     if _trailing(items, "done"):
         items.pop()
     nxt = _parse_items(items, reading, sent)
@@ -1009,8 +1012,8 @@ class _Slot:
         if lane is not None:
             # Lane requests with downstreams that this call finished: their releases are owed (in
             # the outbox, for recovery if this fails), and run here, before the next batch.
-            for ukid in nxt.releases:
-                self.p.release_owed(lane[0], ukid)
+            for ukid, ended in nxt.releases:
+                self.p.release_owed(lane[0], ukid, ended=ended)
         return nxt
 
     def settle(self, t: _Token, last: _Next, policy: Optional[_Policy]) -> None:
