@@ -132,11 +132,12 @@ pub(crate) struct Policy {
 
 /// What a `lane_ack` reports of the lane requests it finished, beside its next step: each one's
 /// state and lifecycle (the call announced them itself; the slot counts them), and the key ids of
-/// those with downstreams, whose releases are owed (in the outbox) and the slot's to run.
+/// those with downstreams, with what ended, whose releases are owed (in the outbox) and the slot's
+/// to run.
 #[derive(Debug, Default)]
 pub(crate) struct LaneFinishes {
     pub(crate) done: Vec<Done>,
-    pub(crate) releases: Vec<String>,
+    pub(crate) releases: Vec<(String, super::dag::Ended)>,
 }
 
 /// A request a `lane_ack` finished (the reply's trailing `{'done', state, lifecycle, ...}`).
@@ -375,8 +376,15 @@ fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Lane
         }
         _ => Ok(Vec::new()),
     };
-    let releases =
-        trailing(&mut items, "rel")?.iter().skip(1).map(reply::text).collect::<Result<Vec<String>>>()?;
+    // `{'rel', key id, state, lifecycle, ...}`.
+    let rel = trailing(&mut items, "rel")?;
+    let mut releases = Vec::new();
+    for triple in rel.get(1..).unwrap_or_default().chunks(3) {
+        if let [kid, state, lifecycle] = triple {
+            let ended = super::dag::Ended { lifecycle: reply::int(lifecycle)?, state: reply::text(state)? };
+            releases.push((reply::text(kid)?, ended));
+        }
+    }
     let done = read_done(trailing(&mut items, "done")?)?;
     let finishes = LaneFinishes { done, releases };
     let mut items = items.into_iter();
@@ -515,4 +523,42 @@ pub(crate) async fn holds(store: &Store, meta: &str, held: &[Hold<'_>]) -> Resul
     }
     let lost = reply::array(store.fcall(Func::Holds, &[meta], args).await?)?;
     Ok(lost.iter().filter_map(|v| v.as_string()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Value {
+        Value::String(s.into())
+    }
+
+    /// A `lane_ack` reply that finished requests, some with downstreams: the `done` pairs for the
+    /// stats, and each release with the state and lifecycle that ended (the release reads nothing
+    /// first).
+    #[test]
+    fn a_lane_acks_trailing_items_name_what_finished_and_the_releases_owed() {
+        let reply = Value::Array(vec![
+            text("park"),
+            0.into(),
+            Value::Array(vec![
+                text("done"),
+                text("completed"),
+                text("1795000000000000"),
+                text("failed"),
+                text("7"),
+            ]),
+            Value::Array(vec![text("rel"), text("r1"), text("completed"), text("1795000000000000")]),
+        ]);
+        let (next, finishes) = next(reply, Reading::Ack, Instant::now()).unwrap();
+        assert!(matches!(next, Next::Park(..)), "{next:?}");
+        assert_eq!(finishes.done.len(), 2);
+        assert_eq!(
+            finishes.releases,
+            vec![(
+                "r1".to_owned(),
+                super::super::dag::Ended { lifecycle: 1_795_000_000_000_000, state: "completed".into() }
+            )]
+        );
+    }
 }

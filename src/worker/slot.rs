@@ -903,8 +903,8 @@ async fn ack<H: Handler>(
     // Lane requests with downstreams that this call finished: their releases are owed (in the
     // outbox, for recovery if this fails), and run here, before the next batch.
     if let Some((shard, _)) = crate::keys::lane_of(&holding.element.key_id) {
-        for ukid in finishes.releases {
-            crate::shards::dag::release_owed(store, shard, &ukid, None, 0).await;
+        for (ukid, ended) in finishes.releases {
+            crate::shards::dag::release_owed(store, shard, &ukid, Some(ended), 0).await;
         }
     }
     Ok(next)
