@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::keys::home_shard;
 use crate::protocol::operators::{self, Reprioritize};
 use crate::request::RequestId;
-use crate::request::{Cancelled, PartError, Priority, RequestState};
+use crate::request::{reason_shown, Cancelled, OnUpstreamFailure, PartError, Priority, RequestState};
 use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::{SlotWork, WorkerInfo};
@@ -93,7 +93,8 @@ pub struct RequestStatus {
     pub finished_ms: Option<u64>,
     /// Its deadline (ms since the Unix epoch, Redis's clock; `RequestBuilder::deadline`), if any.
     pub deadline_ms: Option<u64>,
-    /// Why a `failed` request ended, when not by its dead letters: `"deadline"`.
+    /// Why a `failed` request ended, when not by its dead letters: `"deadline"`, or
+    /// `"upstream:<id>"` (an upstream that did not complete; `RequestBuilder::after`).
     pub reason: Option<String>,
     /// Its rate limit (`RequestBuilder::rate`), if any.
     pub rate: Option<RateLimit>,
@@ -110,6 +111,9 @@ pub struct RequestStatus {
     /// The requests it was submitted after (`RequestBuilder::after`), in the order given, each
     /// as far as this request has heard of it.
     pub upstreams: Vec<Upstream>,
+    /// What it does when an upstream does not complete (`RequestBuilder::on_upstream_failure`);
+    /// `None` for a request without upstreams.
+    pub on_upstream_failure: Option<OnUpstreamFailure>,
     /// Requests submitted after it: at most [`STATUS_DOWNSTREAMS`] of them, in no order.
     pub downstreams: Vec<String>,
 }
@@ -829,7 +833,7 @@ fn status_from(
         .unwrap_or(0)
         .max(u32::from(left < total));
     errors.truncate(STATUS_ERRORS);
-    let reason = meta.get("why").cloned();
+    let reason = meta.get("why").map(|why| reason_shown(why));
     // A request ended at its deadline leaves parts that never ran: they are not done.
     let done = if state == RequestState::Completed || (state == RequestState::Failed && reason.is_none()) {
         total
@@ -866,6 +870,10 @@ fn status_from(
         tags: Vec::new(),
         tracked: false,
         upstreams: upstreams_of(meta),
+        on_upstream_failure: meta.get("ups").map(|_| match meta.get("onup").map(String::as_str) {
+            Some("run") => OnUpstreamFailure::Run,
+            _ => OnUpstreamFailure::Fail,
+        }),
         downstreams: Vec::new(),
     })
 }

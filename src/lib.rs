@@ -95,12 +95,11 @@ pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Cursor, Listener};
 pub use loader::Loader;
 pub use producer::{
-    Completion, OnUpstreamFailure, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage,
-    MAX_UPSTREAMS,
+    Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage, MAX_UPSTREAMS,
 };
 pub use request::{
-    check_tag, Cancelled, Concurrency, InvalidValue, Namespace, PartError, Priority, RequestId, RequestState,
-    MAX_REQUEST_ID_BYTES, MAX_TAGS, MAX_TAG_BYTES,
+    check_tag, Cancelled, Concurrency, InvalidValue, Namespace, OnUpstreamFailure, PartError, Priority,
+    RequestId, RequestState, MAX_REQUEST_ID_BYTES, MAX_TAGS, MAX_TAG_BYTES,
 };
 #[cfg(feature = "schedules")]
 pub use schedule::{

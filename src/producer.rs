@@ -18,7 +18,9 @@ use crate::otel;
 use crate::protocol::lane;
 use crate::protocol::listing::{Kind, Row};
 use crate::protocol::submit::{self, NewRequest};
-use crate::request::{Concurrency, PartError, Priority, RequestId, RequestState};
+use crate::request::{
+    reason_shown, Concurrency, OnUpstreamFailure, PartError, Priority, RequestId, RequestState,
+};
 use crate::shards::{Look, Placement};
 use crate::stats::{Counter, Recorder};
 use crate::store::Store;
@@ -195,9 +197,10 @@ impl Producer {
     }
 
     /// Creates the request with its parts, `first` (already encoded) and then the rest: in one
-    /// call if there is no rest and no upstream, else opened, loaded chunk by chunk, linked to its
-    /// `upstreams` (between the load and the commit: a release from then on reaches it, and each
-    /// upstream exists before it is committed, so no cycle can form) and committed. Returns what
+    /// call if there is no rest and no upstream, else opened, linked to its `upstreams` (after the
+    /// open, so that a release from then on reaches it, and before the commit, so that each
+    /// upstream exists before it is committed and no cycle can form), loaded chunk by chunk and
+    /// committed. Returns what
     /// the commit made of it, and how many parts it has.
     async fn write<I, T>(
         &self,
@@ -219,8 +222,9 @@ impl Producer {
         }
         submit::submit_open(&self.store, req, delay).await?;
         let loaded = async {
-            let total = self.load(req.key_id, req.nonce, first, rest).await?;
+            // Links first: an upstream that cannot be waited for is refused before any part is sent.
             let links = crate::shards::dag::link_all(&self.store, req.key_id, req.shards, upstreams).await?;
+            let total = self.load(req.key_id, req.nonce, first, rest).await?;
             Ok::<_, Error>((total, links))
         };
         let (total, links) = match loaded.await {
@@ -282,7 +286,7 @@ impl Producer {
         let num = |i: usize| meta.get(i).cloned().flatten().and_then(|v| v.parse::<u64>().ok());
         let (state, total, taken, failed) = (meta.first().cloned().flatten(), num(1), num(2), num(4));
         let discard = meta.get(3).cloned().flatten();
-        let reason = meta.get(5).cloned().flatten();
+        let reason = meta.get(5).cloned().flatten().map(|why| reason_shown(&why));
         let Some(state) = state else {
             return self.try_lane_completion(id).await;
         };
@@ -399,6 +403,14 @@ fn completion_from<O: DeserializeOwned>(
                 attempts: 0,
                 permanent: true,
             }),
+            (None, None) if reason.is_some_and(|r| r.starts_with("upstream:")) => Err(PartError {
+                message: format!(
+                    "not run: its upstream {} did not complete",
+                    reason.and_then(|r| r.strip_prefix("upstream:")).unwrap_or_default()
+                ),
+                attempts: 0,
+                permanent: true,
+            }),
             (None, None) => Err(PartError {
                 message: format!("no result recorded (request {state})"),
                 attempts: 0,
@@ -435,20 +447,6 @@ pub struct RequestBuilder<'a> {
     rate: Option<(u32, Duration)>,
     after: Vec<RequestId>,
     on_upstream_failure: OnUpstreamFailure,
-}
-
-/// What a request submitted [`after`](RequestBuilder::after) others does when one of them ends
-/// without completing (failed, cancelled, or gone).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum OnUpstreamFailure {
-    /// It ends `failed` too, without running, with [`Completion::reason`] `upstream:<id>`
-    /// (naming the upstream); so do its own downstreams that fail the same way. If that upstream
-    /// is requeued and then completes, it reopens and runs.
-    #[default]
-    Fail,
-    /// It runs once every upstream has ended, however.
-    Run,
 }
 
 /// The most upstreams a request can be submitted after.
@@ -1181,7 +1179,8 @@ pub struct Completion<O> {
     /// One entry per sub-request from `first`, in sub-request order.
     pub results: Vec<Result<O, PartError>>,
     /// Why a `failed` request ended, when not by its dead letters: `"deadline"` (see
-    /// [`RequestBuilder::deadline`]). `None` otherwise.
+    /// [`RequestBuilder::deadline`]), or `"upstream:<id>"`, the upstream that did not complete
+    /// (see [`RequestBuilder::after`]). `None` otherwise.
     pub reason: Option<String>,
 }
 

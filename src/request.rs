@@ -258,6 +258,30 @@ impl Default for Concurrency {
     }
 }
 
+/// What a request submitted [`after`](crate::RequestBuilder::after) others does when one of them ends
+/// without completing (failed, cancelled, or gone).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum OnUpstreamFailure {
+    /// It ends `failed` too, without running, with [`Completion::reason`](crate::Completion::reason) `upstream:<id>`
+    /// (naming the upstream); so do its own downstreams that fail the same way. If that upstream
+    /// is requeued and then completes, it reopens and runs.
+    #[default]
+    Fail,
+    /// It runs once every upstream has ended, however.
+    Run,
+}
+
+/// A terminal record's reason as users read it: `upstream:<key id>` (as stored) names the upstream
+/// by its id.
+pub(crate) fn reason_shown(why: &str) -> String {
+    match why.strip_prefix("upstream:").map(RequestId::from_key_id) {
+        Some(Ok(id)) => format!("upstream:{id}"),
+        _ => why.to_owned(),
+    }
+}
+
 /// Where a request is in its lifecycle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -386,7 +386,8 @@ impl Admin {
             match r.row.kind {
                 Kind::Own => {
                     let meta = self.store.keys.request(&r.key_id).meta;
-                    pipe.hmget::<(), _, _>(meta, vec!["state", "total", "left", "failed", "open"]).await?;
+                    pipe.hmget::<(), _, _>(meta, vec!["state", "total", "left", "failed", "open", "why"])
+                        .await?;
                 }
                 Kind::Lane => {
                     // Where it was listed, not where this admin's shard count would put it: the
@@ -401,7 +402,7 @@ impl Admin {
         for (r, reply) in rows.into_iter().zip(replies) {
             let values: Vec<Option<String>> = reply.convert()?;
             let names: &[&str] = match r.row.kind {
-                Kind::Own => &["state", "total", "left", "failed", "open"],
+                Kind::Own => &["state", "total", "left", "failed", "open", "why"],
                 Kind::Lane => &["state", "left", "failed", "pol"],
             };
             let mut fields: HashMap<String, Vec<u8>> = HashMap::new();
@@ -426,7 +427,11 @@ impl Admin {
             let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
             let total = num("total").unwrap_or(0);
             let left = num("left").unwrap_or(total);
-            let done = if matches!(state, RequestState::Completed | RequestState::Failed) {
+            // As `status` counts it: a request ended at its deadline, or by an upstream, leaves
+            // parts that never ran, which are not done.
+            let ended_early = meta.contains_key("why");
+            let done = if state == RequestState::Completed || (state == RequestState::Failed && !ended_early)
+            {
                 total
             } else {
                 total.saturating_sub(left)

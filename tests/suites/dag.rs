@@ -192,7 +192,9 @@ async fn a_failed_upstream_fails_its_downstreams_once_and_a_requeued_one_release
     steps.failing.store(true, Ordering::SeqCst);
     let producer = Producer::connect(&env.config).await.unwrap();
     let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
-    let a = producer.request().own_stream(true).submit(parts(0..2, &[], true)).await.unwrap();
+    // An id whose key id differs (percent-encoded): the reason names the id.
+    let a_id = format!("a stream:{}", sluicegate::RequestId::generate());
+    let a = producer.request().id(a_id).unwrap().own_stream(true).submit(parts(0..2, &[], true)).await.unwrap();
     let b = producer.request().after(ids(&[&a])).submit(parts(10..11, &[&a], false)).await.unwrap();
     let c = producer.request().after(ids(&[&b])).submit(parts(20..21, &[&b], false)).await.unwrap();
     let d = producer
@@ -211,6 +213,12 @@ async fn a_failed_upstream_fails_its_downstreams_once_and_a_requeued_one_release
     }
     assert_eq!(outputs(&d).await, vec![30]);
     assert!(!steps.started(&b) && !steps.started(&c), "a downstream of a failed upstream ran");
+    let c_done = c.wait::<u64>().await.unwrap();
+    let part = c_done.results[0].as_ref().unwrap_err();
+    assert_eq!(part.message, format!("not run: its upstream {} did not complete", b.id()));
+    let status = admin.status(b.id()).await.unwrap();
+    assert_eq!(status.on_upstream_failure, Some(OnUpstreamFailure::Fail));
+    assert_eq!(status.done, 0, "none of its parts ran");
     // One event per request: a, b, c failed and d completed.
     let mut events: HashMap<RequestId, Vec<RequestState>> = HashMap::new();
     while let Ok(Ok(e)) = tokio::time::timeout(Duration::from_millis(1500), listener.next()).await {

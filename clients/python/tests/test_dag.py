@@ -163,7 +163,7 @@ def test_a_failed_upstream_fails_its_downstreams_once_and_a_requeued_one_release
     assert outputs(d) == [30]
     assert not steps.started(b) and not steps.started(c), "a downstream of a failed upstream ran"
     assert admin.status(c.id).upstreams == [Upstream(b.id, "failed")]
-    assert c.wait().errors[0].message == "no result recorded (request failed)"
+    assert c.wait().errors[0].message == f"not run: its upstream {b.id} did not complete"
     # One event per request: a, b, c failed and d completed.
     events: Dict[str, List[str]] = {}
     quiet = 0

@@ -104,7 +104,11 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
         }
     }
     if !s.upstreams.is_empty() {
-        lines.push("upstreams (it runs after them):".into());
+        let policy = match s.on_upstream_failure {
+            Some(sluicegate::OnUpstreamFailure::Run) => "it runs once they all ended, however",
+            _ => "it fails if one does not complete",
+        };
+        lines.push(format!("upstreams (it runs after them; {policy}):"));
         for u in &s.upstreams {
             lines.push(format!("  {}: {}", u.id, u.ended.as_deref().unwrap_or("not ended yet")));
         }

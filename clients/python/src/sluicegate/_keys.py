@@ -17,6 +17,17 @@ def key_id(raw: str) -> str:
     return "".join(chr(b) if b in _SAFE else "%%%02X" % b for b in raw.encode("utf-8"))
 
 
+def reason_shown(why: Optional[str]) -> Optional[str]:
+    """A terminal record's reason as users read it (Rust ``reason_shown``): ``upstream:<key id>``,
+    as stored, names the upstream by its id."""
+    if why is not None and why.startswith("upstream:"):
+        try:
+            return "upstream:" + raw_id(why[len("upstream:"):])
+        except ValueError:
+            return why
+    return why
+
+
 def raw_id(kid: str) -> str:
     """The raw id of a key id (percent-decoded); raises ValueError when it is not valid UTF-8."""
     out = bytearray()

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import home_shard, key_id, lane_key_id, raw_id
+from ._keys import home_shard, key_id, lane_key_id, raw_id, reason_shown
 from ._protocol import (
     MAX_TOKEN_SHARDS,
     LaneSettings,
@@ -466,7 +466,7 @@ def _status_from(
         seen.append(maxseen & 0xFFFFFFFF)
     max_attempts_seen = max(max(seen, default=0), 1 if left < total else 0)
     window = num("window")
-    reason = meta.get("why")
+    reason = reason_shown(meta.get("why"))
     # A request ended at its deadline leaves parts that never ran: they are not done.
     ended_whole = state == "completed" or (state == "failed" and reason is None)
     return RequestStatus(
@@ -832,7 +832,7 @@ class Admin:
         if not rows:
             return []
         p = self.protocol
-        own_fields = ["state", "total", "left", "failed", "open"]
+        own_fields = ["state", "total", "left", "failed", "open", "why"]
         lane_fields = ["state", "left", "failed", "pol"]
         pipe = p.conn.client.pipeline(transaction=False)
         for r in rows:
@@ -856,7 +856,10 @@ class Admin:
             total = num("total") or 0
             left = num("left")
             left = total if left is None else left
-            done = total if st in ("completed", "failed") else max(0, total - left)
+            # As status counts it: a request ended at its deadline, or by an upstream, leaves parts
+            # that never ran, which are not done.
+            ended_whole = st == "completed" or (st == "failed" and "why" not in meta)
+            done = total if ended_whole else max(0, total - left)
             try:
                 rid = raw_id(r.kid) or r.kid
             except ValueError:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import generate_id, home_shard, key_id, lane_key_id, raw_id
+from ._keys import generate_id, home_shard, key_id, lane_key_id, raw_id, reason_shown
 from ._protocol import MAX_TOKEN_SHARDS, Finished, Protocol, Settings, ms
 
 #: A lane request has at most this many parts and payload bytes (src/protocol/lane.rs).
@@ -100,6 +100,9 @@ def _completion(rid: str, state: str, total: int, oks: Dict[int, bytes], errs: D
                 done.errors[i] = PartError.from_record(errs[i])
             elif reason == DEADLINE_REASON:
                 done.errors[i] = PartError("not run: the request's deadline passed first", 0, True)
+            elif reason is not None and reason.startswith("upstream:"):
+                upstream = reason[len("upstream:"):]
+                done.errors[i] = PartError(f"not run: its upstream {upstream} did not complete", 0, True)
             else:
                 done.errors[i] = PartError(f"no result recorded (request {state})")
     return done
@@ -349,6 +352,11 @@ class Producer:
             p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), limit, *dag])
             links: List[Tuple[str, int, Optional[str]]] = []
             try:
+                # Linked after the open (a release from then on reaches it) and before the commit
+                # (each upstream exists before it is committed, so no cycle can form); before the
+                # load, so that an upstream that cannot be waited for is refused before any part
+                # is sent.
+                links = p.link_all(kid, shards, upstreams)
                 loaded = 0
                 while loaded < len(payloads):
                     chunk: List[bytes] = []
@@ -359,9 +367,6 @@ class Producer:
                         nbytes += len(b)
                     p.conn.fcall("load_parts", keys, [nonce, loaded, *chunk])
                     loaded += len(chunk)
-                # Linked between the load and the commit: a release from then on reaches it, and
-                # each upstream exists before it is committed, so no cycle can form.
-                links = p.link_all(kid, shards, upstreams)
             except Exception:
                 # Nothing of a half-written request is visible to workers; its entries in upstreams'
                 # sets of downstreams name no request, and are passed over.
@@ -483,7 +488,7 @@ class Producer:
             return None
         oks = _by_index(client.hgetall(keys.results))
         errs = _by_index(client.hgetall(keys.errors))
-        done = _completion(rid, st, integer(total), oks, errs, None if why is None else text(why))
+        done = _completion(rid, st, integer(total), oks, errs, reason_shown(None if why is None else text(why)))
         first = min(integer(taken), len(done.results))
         if first:
             done.results = done.results[first:]

@@ -496,7 +496,7 @@ fn a_request_submitted_after_others_waits_for_them_and_fails_with_one_that_fails
     assert_eq!(sg.json(&["status", "up-a"])["downstreams"], serde_json::json!(["down-b"]));
     let human = stdout(&sg.run(&["status", "down-b"]));
     assert!(human.contains("state        waiting\n"), "{human}");
-    assert!(human.contains("\nupstreams (it runs after them):\n  up-a: not ended yet\n"), "{human}");
+    assert!(human.contains("\nupstreams (it runs after them; it fails if one does not complete):\n  up-a: not ended yet\n"), "{human}");
     let human = stdout(&sg.run(&["status", "up-a"]));
     assert!(human.contains("\ndownstreams (they run after it):\n  down-b\n"), "{human}");
     let listed: Vec<Value> = stdout(&sg.run(&["--json", "list", "--state", "waiting"]))
