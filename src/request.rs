@@ -258,13 +258,13 @@ impl Default for Concurrency {
     }
 }
 
-/// What a request submitted [`after`](crate::RequestBuilder::after) others does when one of them ends
+/// What a request submitted after others (`RequestBuilder::after`) does when one of them ends
 /// without completing (failed, cancelled, or gone).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum OnUpstreamFailure {
-    /// It ends `failed` too, without running, with [`Completion::reason`](crate::Completion::reason) `upstream:<id>`
+    /// It ends `failed` too, without running, with `Completion::reason` `upstream:<id>`
     /// (naming the upstream); so do its own downstreams that fail the same way. If that upstream
     /// is requeued and then completes, it reopens and runs.
     #[default]
