@@ -9,7 +9,7 @@
 -- chunk is due sooner: the census interval for the first chunk, the previous chunk's look for
 -- the others
 -- Returns {'gone'}: no such request (expired, or not created yet: drop_gone); {'loading'};
---         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal but
+--         {'finished', state, priority, shards, lifecycle, sealed, group}: the request is terminal but
 --         still indexed, so the steps after its finish (finish_index, seal, unindex) are to be
 --         completed; sealed is 1 when only unindex is left;
 --         {'waiting', shards, look, ukid...}: a downstream waiting for its upstreams (its tokens parked,
@@ -23,7 +23,8 @@
 --         in their list must be verified (verify; the look comes again after as long as the
 --         oldest has waited, since verify may not be able to tell yet); held: {k, epoch, holder}
 --         of every held token, for recovery to check that the holder's worker lives. Token k's
---         elements belong on shard (home + k) % shards.
+--         elements belong on shard (home + k) % shards; with a tenant group (the last item, ''
+--         for none), on the group's shard, in the group's queue.
 -- In the first chunk: a request past its deadline (meta `dl`) ends `failed`, `why` = `deadline`,
 -- and one before it asks to be looked at then; a scheduled request whose time has come turns
 -- queued; a streamed request past its expiry is cancelled; parked tokens are woken while work
@@ -35,11 +36,12 @@ local function census(keys, args)
   local rid, grace = args[1], tonumber(args[2])
   local shards = redis.call('HGET', keys[1], 'shards') or '1'
   local prio = redis.call('HGET', keys[1], 'prio')
+  local grp = redis.call('HGET', keys[1], 'grp') or ''
   if state == 'completed' or state == 'failed' or state == 'cancelled' then
     local lifecycle = sg_lifecycle(keys)
     local sealed = 0
     if redis.call('HGET', keys[1], 'sealed') == lifecycle then sealed = 1 end
-    return {'finished', state, prio, shards, lifecycle, sealed}
+    return {'finished', state, prio, shards, lifecycle, sealed, grp}
   end
   local now = sg_now()
   local from, count = tonumber(args[5]), tonumber(args[6])
@@ -63,9 +65,9 @@ local function census(keys, args)
         end
         if #held == 0 then
           local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
-          return {'finished', 'failed', prio, shards, f[3], 0}
+          return {'finished', 'failed', prio, shards, f[3], 0, grp}
         end
-        return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held}
+        return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held, grp}
       end
       look = math.min(look, tonumber(m[6]) - now)
     end
@@ -84,7 +86,7 @@ local function census(keys, args)
       -- A delayed request waits with parked tokens; the first census after its time promotes it.
       local eligible = tonumber(m[1] or '0')
       if eligible > now then
-        return {'ok', prio, shards, -1, eligible - now, {}, {}, {}}
+        return {'ok', prio, shards, -1, eligible - now, {}, {}, {}, grp}
       end
       redis.call('HSET', keys[1], 'state', 'queued')
     end
@@ -94,7 +96,7 @@ local function census(keys, args)
         -- incomplete, so it ends cancelled.
         redis.call('DEL', keys[6])
         local f = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
-        return {'finished', 'cancelled', prio, shards, f[3], 0}
+        return {'finished', 'cancelled', prio, shards, f[3], 0, grp}
       end
       look = math.min(look, tonumber(m[3]) - now)
     end
@@ -154,5 +156,5 @@ local function census(keys, args)
   end)
   local next = to
   if to >= ntok then next = -1 end
-  return {'ok', prio, shards, next, math.max(look, 1), push, check, held}
+  return {'ok', prio, shards, next, math.max(look, 1), push, check, held, grp}
 end

@@ -12,7 +12,7 @@
 -- ARGV[7] the deadline of the caller's arm (sg_step_late)
 -- Returns, whether or not this call changed the field (so that a caller that died after it is
 -- replaced by a release that does the same):
---   {'open', priority, shards, element...}: D's gate opened in this call: it is `queued`, and its
+--   {'open', priority, shards, group ('' for none), element...}: D's gate opened in this call: it is `queued`, and its
 --     woken tokens' elements are to be pushed; or it opened before and no part of it was handed
 --     out yet: the elements of its queued tokens, to be pushed (again: a copy is harmless);
 --   {'finished', 'failed', lifecycle}: D failed because of an upstream in this call, or has since
@@ -48,7 +48,7 @@ local function dag_settle(keys, args)
     -- Its commit applies the gate.
     return {'recorded'}
   end
-  local c = redis.call('HMGET', keys[1], 'upw', 'upf', 'prio', 'shards')
+  local c = redis.call('HMGET', keys[1], 'upw', 'upf', 'prio', 'shards', 'grp')
   local gate = sg_dag_gate(c[1], c[2], m[4])
   local now = sg_now()
   if state == 'waiting' then
@@ -57,7 +57,7 @@ local function dag_settle(keys, args)
       return {'finished', 'failed', f[3]}
     end
     if gate == 'open' then
-      local out = {'open', c[3], c[4] or '1'}
+      local out = {'open', c[3], c[4] or '1', c[5] or ''}
       for _, e in ipairs(sg_dag_open(keys, args[1], now)) do out[#out + 1] = e end
       return out
     end
@@ -67,7 +67,7 @@ local function dag_settle(keys, args)
     -- Opened before, and no part handed out yet: its queued tokens' elements, again. A release
     -- whose caller died between the call that opened it and the push is run again from the outbox,
     -- and pushes them then; an element pushed twice is taken once (acquire moves the token to held).
-    local out = {'open', c[3], c[4] or '1'}
+    local out = {'open', c[3], c[4] or '1', c[5] or ''}
     sg_each_token(keys, 0, tonumber(redis.call('HGET', keys[1], 'ntok') or '0'), function(k, tok)
       local f = sg_split(tok)
       if f[1] == 'q' then out[#out + 1] = sg_element(args[1], k, f[2]) end

@@ -526,12 +526,17 @@ local SG_HELD_TTL_MS = 3600000
 -- a slot for nothing; the expiry keeps strays from lasting.
 local SG_BELL_TTL_MS = 600000
 
+-- Pushes onto a group's queue instead (defined in "Tenant groups" below: it pushes the group's
+-- tokens, not the request's, onto the shard's lists).
+local sg_group_push
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
 -- holding a lower priority give their token back at the end of their batch (one per worker), so a
 -- newly waiting higher priority does not wait for their quantum to run out.
 local function sg_push(list, bell, elements, from)
+  if string.find(list, ':grp:', 1, true) then return sg_group_push(list, elements, from or 1) end
   local i, n = from or 1, 0
   while i <= #elements do
     local last = math.min(i + 999, #elements)
@@ -567,9 +572,210 @@ local function sg_sweep(list, bell, elements, from)
   for i = from, math.min(#elements, from + SG_SWEEP_MAX - 1) do
     if redis.call('LPOS', list, elements[i], 'MAXLEN', 1000) then
       redis.call('LREM', list, 1, elements[i])
-      redis.call('RPOP', bell)
+      -- (A group's queue has no bells: its tokens' elements brought them.)
+      if not string.find(list, ':grp:', 1, true) then redis.call('RPOP', bell) end
     end
   end
+end
+
+-- Tenant groups (docs/protocol.md §5, "Groups"). A request submitted in group G (meta `grp`) has
+-- all its tokens on G's shard, and its token elements wait in G's queues, one list per priority,
+-- `<shard>grp:<G>:p:<P>` (and the sorted set `<shard>grp:<G>:w` names the priorities that may
+-- have some), never on the shard's lists. What waits on the shard's lists instead is G's own
+-- tokens: G has `limit` of them, in its meta hash `<shard>grp:<G>`, fields `t<k>` as a request's:
+--   q|<epoch>|<since>|<P>      queued: the element "^<G>|<k>|<epoch>" is on the shard's list of P
+--   h|<epoch>|<holder>|<since> held by the slot whose take record names it
+--   p|<epoch>                  parked: G had no work
+-- A slot that takes a group token pops G's highest-priority request element in the same call, and
+-- its take record names both; the group token goes back in the step that ends the record (give
+-- back, release, untake, the slot's next take, recovery's reclaim of a dead slot's record), so at
+-- most `limit` of G's request tokens are held at once, and the count cannot drift: nothing counts,
+-- every token is a field with one holder. Within a priority the shard's list is first in, first
+-- out, so groups take turns, each through its own tokens, however many requests each has queued.
+-- Other fields: `limit`, `ntok` (token fields are t0 .. t<ntok-1>; retired ones are gone),
+-- `nlive` (how many exist), `npark`, `floor` (no queued token sits below this priority). The
+-- shard's hash `gconf` holds the limits operators set (group_set), and its set `groups` the
+-- groups with a meta hash. A group whose tokens are all parked expires after a day idle.
+
+-- A group's limit when no operator set one (Admin::set_group).
+local SG_GROUP_DEFAULT_LIMIT = 10
+local SG_GROUP_IDLE_MS = 86400000
+
+-- Checks a group name: '' or nil for none, else 1 to 64 of [A-Za-z0-9._-]. The error reply, or nil.
+local function sg_check_group(name)
+  if name == nil or name == '' then return nil end
+  if #name > 64 or not string.match(name, '^[%w._%-]+$') then
+    return redis.error_reply('SGINVALID a group name is 1 to 64 letters, digits, dots, underscores or hyphens')
+  end
+  return nil
+end
+
+-- A group's meta key, from its shard's key prefix ("<ns>:{<ns>.q<s>}:") and name.
+local function sg_group_key(shard, name) return shard .. 'grp:' .. name end
+
+-- A group queue's group meta key and priority (nil if `list` is not a group queue).
+local function sg_group_of_queue(list)
+  return string.match(list, '^(.*:grp:[^:]+):p:(%d+)$')
+end
+
+-- The shard's key prefix and the group's name, from its meta key.
+local function sg_group_parts(gkey)
+  return string.match(gkey, '^(.*:)grp:([^:]+)$')
+end
+
+-- The group's highest priority with work waiting (nil: none), forgetting priorities whose queue
+-- has emptied.
+local function sg_group_top(gkey)
+  for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
+    if redis.call('LLEN', gkey .. ':p:' .. p) > 0 then return tonumber(p) end
+    redis.call('ZREM', gkey .. ':w', p)
+  end
+  return nil
+end
+
+-- Makes a group's meta the first time work is queued in it: `limit` tokens, all parked.
+local function sg_group_open(gkey, now)
+  if redis.call('HEXISTS', gkey, 'limit') == 1 then return end
+  local shard, name = sg_group_parts(gkey)
+  local limit = tonumber(redis.call('HGET', shard .. 'gconf', name) or SG_GROUP_DEFAULT_LIMIT)
+  local fields = {'limit', limit, 'ntok', limit, 'nlive', limit, 'npark', limit, 'floor', 0}
+  for k = 0, limit - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(gkey, fields)
+  redis.call('SADD', shard .. 'groups', name)
+end
+
+-- Queues group token k (whose epoch was `epoch`) on the shard's list of priority p, under a new epoch.
+local function sg_group_queue(gkey, k, epoch, p, now)
+  local next_epoch = sg_next_epoch(epoch, now)
+  redis.call('HSET', gkey, 't' .. k, 'q|' .. next_epoch .. '|' .. now .. '|' .. p)
+  local shard, name = sg_group_parts(gkey)
+  sg_push(shard .. 'p:' .. p, shard .. 'bell', {'^' .. name .. '|' .. k .. '|' .. next_epoch})
+end
+
+-- Parks group token k: the group has no work for it. A group whose tokens are all parked holds
+-- nothing and has nothing queued: it expires if it stays so for SG_GROUP_IDLE_MS.
+local function sg_group_park(gkey, k, epoch, now)
+  redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
+  local npark = redis.call('HINCRBY', gkey, 'npark', 1)
+  if npark >= tonumber(redis.call('HGET', gkey, 'nlive') or '0') then
+    redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS)
+  end
+end
+
+-- Retires group token k (its number is at or above a lowered limit). `maxep` keeps the largest
+-- epoch a retired token had: one made again later (group_set) starts above it, so that a stale
+-- element of the old one is never taken for it.
+local function sg_group_retire(gkey, k)
+  local m = redis.call('HMGET', gkey, 't' .. k, 'maxep')
+  if not m[1] then return end
+  local epoch = tonumber(sg_split(m[1])[2])
+  if epoch > tonumber(m[2] or '0') then redis.call('HSET', gkey, 'maxep', sg_int(epoch)) end
+  redis.call('HDEL', gkey, 't' .. k)
+  redis.call('HINCRBY', gkey, 'nlive', -1)
+end
+
+-- Pushes request elements onto group queue `list` (sg_push's stand-in for group queues), then
+-- wakes as many of the group's parked tokens, and moves its queued tokens that sit below the
+-- queue's priority up to it (their old elements become stale: take drops them), so that the
+-- group's work competes at its own priority. Returns the number of elements pushed.
+sg_group_push = function(list, elements, from)
+  local gkey, p = sg_group_of_queue(list)
+  p = tonumber(p)
+  local i, n = from, 0
+  while i <= #elements do
+    local last = math.min(i + 999, #elements)
+    redis.call('LPUSH', list, unpack(elements, i, last))
+    n = n + last - i + 1
+    i = last + 1
+  end
+  if n == 0 then return 0 end
+  redis.call('ZADD', gkey .. ':w', p, p)
+  local now = sg_now()
+  sg_group_open(gkey, now)
+  local m = redis.call('HMGET', gkey, 'ntok', 'npark', 'floor', 'limit')
+  local ntok, npark, floor, limit = tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
+  local wake, raise = math.min(npark, n), p > floor
+  if wake == 0 and not raise then return n end
+  local woken = 0
+  sg_each_token({gkey}, 0, ntok, function(k, tok)
+    local f = sg_split(tok)
+    if f[1] == 'p' and woken < wake and k < limit then
+      woken = woken + 1
+      sg_group_queue(gkey, k, f[2], p, now)
+    elseif f[1] == 'q' and raise and tonumber(f[4]) < p then
+      sg_group_queue(gkey, k, f[2], p, now)
+    end
+  end)
+  if woken > 0 then
+    redis.call('HINCRBY', gkey, 'npark', -woken)
+    redis.call('PERSIST', gkey)
+  end
+  if raise then redis.call('HSET', gkey, 'floor', p) end
+  return n
+end
+
+-- Group token k of epoch `epoch` goes back (the take record that held it ended): queued at the
+-- group's top priority if it has work, parked if not, retired if above the limit. Does nothing
+-- unless the token is still held under that epoch (a record ended twice, a group that expired).
+local function sg_group_end(gkey, k, epoch, now)
+  local m = redis.call('HMGET', gkey, 't' .. k, 'limit', 'floor')
+  if not m[1] then return end
+  local f = sg_split(m[1])
+  if f[1] ~= 'h' or f[2] ~= epoch then return end
+  if k >= tonumber(m[2]) then return sg_group_retire(gkey, k) end
+  local top = sg_group_top(gkey)
+  if not top then return sg_group_park(gkey, k, epoch, now) end
+  sg_group_queue(gkey, k, epoch, top, now)
+  if top < tonumber(m[3]) then redis.call('HSET', gkey, 'floor', top) end
+end
+
+-- Ends the group part of a take record (split: fields 6 to 8 are the group, its token and the
+-- token's epoch; a record without them held no group token). `shard`: the shard's key prefix.
+local function sg_held_end(shard, f)
+  if f[6] and f[6] ~= '' then sg_group_end(sg_group_key(shard, f[6]), tonumber(f[7]), f[8], sg_now()) end
+end
+
+-- A slot took group element f (split: "^<G>", k, epoch) from the shard's list: if the token is
+-- current, it is now held by `holder`, with the group's highest-priority request element not
+-- paused (`paused`: priority text -> true, or nil), popped from its queue. Returns {queue,
+-- request element}, or nil when there is nothing to take: the element was stale, the token retired,
+-- or the group had no work (the token parks) or only work of paused priorities (the token waits
+-- on the shard's list of the highest of them, where no slot takes it until it is resumed).
+local function sg_group_take(shard, f, holder, now, paused)
+  local gkey = sg_group_key(shard, string.sub(f[1], 2))
+  local k = tonumber(f[2])
+  local m = redis.call('HMGET', gkey, 't' .. k, 'limit')
+  if not m[1] then return nil end
+  local t = sg_split(m[1])
+  if t[1] ~= 'q' or t[2] ~= f[3] then return nil end
+  if k >= tonumber(m[2]) then
+    sg_group_retire(gkey, k)
+    return nil
+  end
+  local waiting = nil
+  for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
+    local queue = gkey .. ':p:' .. p
+    if paused and paused[p] then
+      if not waiting and redis.call('LLEN', queue) > 0 then waiting = tonumber(p) end
+    else
+      local element = redis.call('RPOP', queue)
+      if element then
+        if redis.call('LLEN', queue) == 0 then redis.call('ZREM', gkey .. ':w', p) end
+        redis.call('HSET', gkey, 't' .. k, 'h|' .. f[3] .. '|' .. holder .. '|' .. now)
+        return {queue, element}
+      end
+      redis.call('ZREM', gkey .. ':w', p)
+    end
+  end
+  if waiting then
+    sg_group_queue(gkey, k, f[3], waiting, now)
+  else
+    sg_group_park(gkey, k, f[3], now)
+  end
+  return nil
 end
 
 -- Recovery's re-arm of a request's next look to `due` (ms): set as computed when the score is still

@@ -9,7 +9,7 @@
 --         run again first), or re-queued by the slot's last ack whose push (give_back) never ran
 --         (a higher epoch, still queued: a newer element is issued, so that a push of the older
 --         one that did happen is merely refused when taken);
---         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal (the
+--         {'finished', state, priority, shards, lifecycle, sealed, group}: the request is terminal (the
 --         slot may have died between its finish and the steps after it: census's reply);
 --         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
 --         wake-up of a retry that falls due in that many ms): recovery is to look then (arm); a
@@ -22,12 +22,12 @@ local function reclaim(keys, args)
   local rid, k, epoch, holder = args[1], args[2], args[3], args[4]
   local tok = redis.call('HGET', keys[1], 't' .. k)
   if not tok then
-    local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed')
+    local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed', 'grp')
     if m[1] == 'completed' or m[1] == 'failed' or m[1] == 'cancelled' then
       local lifecycle = sg_lifecycle(keys)
       local sealed = 0
       if m[4] == lifecycle then sealed = 1 end
-      return {'finished', m[1], m[2], m[3] or '1', lifecycle, sealed}
+      return {'finished', m[1], m[2], m[3] or '1', lifecycle, sealed, m[5] or ''}
     end
     return {'none'}
   end

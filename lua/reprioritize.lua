@@ -16,15 +16,20 @@
 --         {'unknown'}: no such request (a small request in a lane has no meta hash: its record
 --         is on its home shard, see lanes);
 --         {'refused', state}: it is finished (completed, failed, cancelled) or still loading.
+-- A request in a tenant group is refused with "SGINVALID ...": its elements wait in its group's
+-- queues, and its group's tokens on the shard's lists (prelude.lua, "Tenant groups").
 -- Errors "SGINVALID priority must be an integer from 0 to 99".
 local function reprioritize(keys, args)
   local prio = tonumber(args[2])
   if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
     return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
   end
-  local m = redis.call('HMGET', keys[1], 'state', 'prio', 'pprio', 'ntok', 'shards', 'lane')
+  local m = redis.call('HMGET', keys[1], 'state', 'prio', 'pprio', 'ntok', 'shards', 'lane', 'grp')
   local state = m[1]
   if not state or m[6] then return {'unknown'} end
+  if m[7] then
+    return redis.error_reply('SGINVALID a request in a tenant group keeps the priority it was submitted with')
+  end
   if state ~= 'scheduled' and state ~= 'queued' and state ~= 'running' then return {'refused', state} end
   local old = tonumber(m[2])
   if old == prio then

@@ -10,7 +10,7 @@
 -- discard results: `ok` results are never stored (stored as `discard`)   ARGV[17] trace context
 -- (optional; '' or absent = none; submit_open's ARGV[14])   ARGV[18] deadline in ms from now
 -- (optional; '' or 0 = none; submit_open's ARGV[15])   ARGV[19] rate limit (optional; '' = none;
--- submit_open's ARGV[16])
+-- submit_open's ARGV[16])   ARGV[20] group (optional; '' = none; submit_open's ARGV[19])
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
@@ -23,7 +23,7 @@ local function stream_open(keys, args)
     return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or '', args[19] or ''})
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or '', args[19] or '', '', '', args[20] or ''})
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
   local now = sg_now()

@@ -21,6 +21,8 @@
 -- ARGV[18] the upstreams (optional; '' = none): key ids, comma-separated, at most 1,000: the
 -- request is a downstream, committed `waiting` until they end (prelude.lua, "Dependencies between
 -- requests"); its producer links it to each (dag_link) before submit_commit. Not with a delay.
+-- ARGV[19] the tenant group (optional; '' = none): stored as `grp`; the request's tokens then all
+-- live on the group's shard and wait in its queues (prelude.lua, "Tenant groups")
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -46,6 +48,9 @@ local function submit_open(keys, args)
   if invalid then return invalid end
   local rate
   rate, invalid = sg_check_rate(args[16])
+  if invalid then return invalid end
+  local grp = args[19] or ''
+  invalid = sg_check_group(grp)
   if invalid then return invalid end
   local ups, onup = args[18] or '', args[17] or ''
   if onup == '' then onup = 'fail' end
@@ -80,6 +85,7 @@ local function submit_open(keys, args)
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
   if rate ~= '' then redis.call('HSET', keys[1], 'rate', rate) end
+  if grp ~= '' then redis.call('HSET', keys[1], 'grp', grp) end
   if ups ~= '' then redis.call('HSET', keys[1], 'ups', ups, 'onup', onup, 'upw', 0, 'upf', 0) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')

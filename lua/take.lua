@@ -15,14 +15,25 @@
 -- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
 -- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
 -- named here rather than passed, since a hundred key arguments cost more than the pop
+-- A group's token (element "^<G>|<k>|<epoch>", prelude "Tenant groups") brings the group's
+-- highest-priority request element, popped from its queue in the same call: the record then names
+-- both ("<element>|<take id>|<queue>|<G>|<k>|<epoch>"), and the reply the queue and the request's
+-- element. Stale group elements, and group tokens that find no work (they park), are passed over:
+-- up to SG_TAKE_POPS elements per call.
+-- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
+-- held, if any, goes back (prelude, sg_held_end).
 -- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
 -- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
 -- slot then acquires it, and `lane_acquire` hands out the same entries again.
+local SG_TAKE_POPS = 16
+
 local function take(keys, args)
   local holder, id = args[1], args[2]
+  local shard = sg_shard_key(keys[1], '')
   local held = redis.call('HGET', keys[1], holder)
+  local previous = nil
   if held then
     local f = sg_split(held)
     if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
@@ -30,13 +41,18 @@ local function take(keys, args)
       -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
       -- name no live slot uses.
       redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
+    else
+      previous = f
     end
   end
+  -- The previous record ends whatever this take finds (the field is overwritten or deleted below).
+  if previous then sg_held_end(shard, previous) end
   local lmpop = sg_lmpop_lists(args[9])
   -- (A caller of before pauses passes four keys: it takes as if nothing were paused.)
   local pauses = keys[5] and redis.call('HGETALL', keys[5]) or {}
+  local paused = nil
   if #pauses > 0 then
-    local paused = {}
+    paused = {}
     for i = 1, #pauses, 2 do paused[pauses[i]] = true end
     lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
     if not lmpop then
@@ -46,20 +62,39 @@ local function take(keys, args)
       return {'paused'}
     end
   end
-  local popped = redis.call(unpack(lmpop))
-  if not popped then
+  local list, element, record = nil, nil, nil
+  local now = nil
+  for _ = 1, SG_TAKE_POPS do
+    local popped = redis.call(unpack(lmpop))
+    if not popped then break end
+    local f = sg_split(popped[2][1])
+    if string.sub(f[1], 1, 1) ~= '^' then
+      list, element = popped[1], popped[2][1]
+      record = element .. '|' .. id .. '|' .. list
+      break
+    end
+    now = now or sg_now()
+    local got = sg_group_take(shard, f, holder, now, paused)
+    if got then
+      list, element = got[1], got[2]
+      record = element .. '|' .. id .. '|' .. list .. '|' .. string.sub(f[1], 2) .. '|' .. f[2] .. '|' .. f[3]
+      break
+    end
+    -- The element passed over takes its bell along.
+    redis.call('RPOP', keys[2])
+  end
+  if not element then
     if held then redis.call('HDEL', keys[1], holder) end
     return {}
   end
-  local element = popped[2][1]
-  redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
+  redis.call('HSET', keys[1], holder, record)
   redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
   if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
   local f = sg_split(element)
   local priority = string.match(f[1], '^~%d+%.(%d+)$')
-  if not priority then return {popped[1], element} end
+  if not priority then return {list, element} end
   local base = args[7] .. priority
   local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
   local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
-  return {popped[1], element, acquired}
+  return {list, element, acquired}
 end

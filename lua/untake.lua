@@ -17,6 +17,13 @@ local function untake(keys, args)
     return 1
   end
   redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
+  local gkey, p = sg_group_of_queue(f[5])
+  if gkey then
+    -- Back in its group's queue; the group token goes back with it (to this work).
+    redis.call('ZADD', gkey .. ':w', p, p)
+    sg_held_end(sg_shard_key(keys[1], ''), f)
+    return 1
+  end
   redis.call('LPUSH', keys[2], '1')
   redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
   return 1

@@ -18,11 +18,13 @@ use crate::store::Store;
 use crate::worker::registry;
 pub use crate::worker::{SlotWork, WorkerInfo};
 
+mod groups;
 mod listing;
 #[cfg(feature = "schedules")]
 mod schedules;
 mod tally;
 mod tokens;
+pub use groups::{GroupStatus, DEFAULT_GROUP_LIMIT, MAX_GROUPS_LISTED, MAX_GROUP_LIMIT};
 pub use listing::{ListPage, ListQuery, ListState, ListedRequest, MAX_LIST_LIMIT, MAX_LIST_LOOK};
 pub use tally::{Tally, MAX_TALLY};
 pub use tokens::{RequestTokens, TokenAudit, TokenState, MAX_TOKEN_AUDIT};
@@ -415,7 +417,9 @@ impl Admin {
         if from != priority {
             // Each shard's elements in its own calls (their lists share that shard's hash tag),
             // a bounded number per call: each call scans near the ends of the lists.
-            for (shard, elements) in crate::shards::by_shard(&key_id, shards, elements) {
+            for (shard, elements) in
+                crate::shards::by_shard(&key_id, &crate::shards::Placement::new(from, shards), elements)
+            {
                 for chunk in elements.chunks(RELIST_CHUNK) {
                     moved += operators::relist(&self.store, shard, from, priority, chunk.to_vec()).await?;
                 }

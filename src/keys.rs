@@ -14,12 +14,17 @@ pub(crate) fn home_shard(key_id: &str, shards: u32) -> u32 {
     if let Some((shard, _)) = lane_of(key_id) {
         return shard;
     }
+    fnv1a(key_id) % shards.max(1)
+}
+
+/// FNV-1a, 32 bit.
+fn fnv1a(text: &str) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
-    for b in key_id.bytes() {
+    for b in text.bytes() {
         h ^= u32::from(b);
         h = h.wrapping_mul(0x0100_0193);
     }
-    h % shards.max(1)
+    h
 }
 
 /// The shard of token `k` of a request with `shards` shards (a lane's tokens are all on its own).
@@ -29,6 +34,19 @@ pub(crate) fn token_shard(key_id: &str, shards: u32, k: u64) -> u32 {
     }
     let shards = shards.max(1);
     ((u64::from(home_shard(key_id, shards)) + k) % u64::from(shards)) as u32
+}
+
+/// The shard of tenant group `name` among `shards` token shards: FNV-1a (32 bit) of the name,
+/// modulo `shards`. Every token of a request in the group lives there.
+pub(crate) fn group_shard(name: &str, shards: u32) -> u32 {
+    fnv1a(name) % shards.max(1)
+}
+
+/// The group name of a group queue key (`...:grp:<name>:p:<priority>`); `None` for any other key.
+pub(crate) fn group_of_queue(list: &str) -> Option<&str> {
+    let (_, rest) = list.rsplit_once(":grp:")?;
+    let (name, _) = rest.split_once(":p:")?;
+    Some(name)
 }
 
 /// The key id of the lane of `priority` on `shard`: `~<shard>.<priority>`. A request's key id never
@@ -84,13 +102,43 @@ impl Keys {
         format!("{}{}", self.list_prefix(shard), priority.get())
     }
 
-    /// The shard and priority a token list key stands for.
+    /// The shard and priority a token list key stands for: a shard's priority list, or a tenant
+    /// group's queue (whose priority lists are on its shard).
     pub(crate) fn priority_of_list(&self, list: &str) -> Option<(u32, Priority)> {
         let p: u8 = list.rsplit(':').next()?.parse().ok()?;
         let p = Priority::new(p).ok()?;
         let prefix = format!("{}:{{{}.q", self.ns, self.ns);
         let shard: u32 = list.strip_prefix(&prefix)?.split('}').next()?.parse().ok()?;
+        if let Some(name) = group_of_queue(list) {
+            return (self.group_queue(shard, name, p) == list).then_some((shard, p));
+        }
         (self.token_list(shard, p) == list).then_some((shard, p))
+    }
+
+    /// The meta hash of tenant group `name` on `shard`, its group's shard (docs/protocol.md §3,
+    /// "Tenant groups"): its limit and its tokens.
+    pub(crate) fn group(&self, shard: u32, name: &str) -> String {
+        format!("{}grp:{name}", self.shard_prefix(shard))
+    }
+
+    /// The queue of group `name`'s request token elements of `priority`.
+    pub(crate) fn group_queue(&self, shard: u32, name: &str, priority: Priority) -> String {
+        format!("{}:p:{}", self.group(shard, name), priority.get())
+    }
+
+    /// Sorted set of the priorities whose queue of group `name` may hold elements.
+    pub(crate) fn group_work(&self, shard: u32, name: &str) -> String {
+        format!("{}:w", self.group(shard, name))
+    }
+
+    /// Hash of the group limits operators set for the groups of `shard`: name -> limit.
+    pub(crate) fn group_limits(&self, shard: u32) -> String {
+        format!("{}gconf", self.shard_prefix(shard))
+    }
+
+    /// Set of the groups of `shard` that have a meta hash (recovery's audit scans it).
+    pub(crate) fn groups(&self, shard: u32) -> String {
+        format!("{}groups", self.shard_prefix(shard))
     }
 
     /// Sorted set of the requests homed on `shard` not yet terminal; score: when recovery should

@@ -84,10 +84,11 @@ mod tls;
 mod worker;
 
 pub use admin::{
-    Admin, DeadLetter, IndexedError, ListPage, ListQuery, ListState, ListedRequest, Paused, PriorityTokens,
-    RateLimit, Reprioritized, RequestCounts, RequestStatus, RequestTokens, SlotWork, Stats, Tally,
-    TokenAudit, TokenState, Upstream, WorkerInfo, MAX_LIST_LIMIT, MAX_LIST_LOOK, MAX_TALLY, MAX_TOKEN_AUDIT,
-    STATUS_DOWNSTREAMS, STATUS_ERRORS,
+    Admin, DeadLetter, GroupStatus, IndexedError, ListPage, ListQuery, ListState, ListedRequest, Paused,
+    PriorityTokens, RateLimit, Reprioritized, RequestCounts, RequestStatus, RequestTokens, SlotWork, Stats,
+    Tally, TokenAudit, TokenState, Upstream, WorkerInfo, DEFAULT_GROUP_LIMIT, MAX_GROUPS_LISTED,
+    MAX_GROUP_LIMIT, MAX_LIST_LIMIT, MAX_LIST_LOOK, MAX_TALLY, MAX_TOKEN_AUDIT, STATUS_DOWNSTREAMS,
+    STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};

@@ -93,6 +93,7 @@ impl Producer {
             rate: None,
             after: Vec::new(),
             on_upstream_failure: OnUpstreamFailure::Fail,
+            group: None,
         }
     }
 
@@ -130,7 +131,11 @@ impl Producer {
             }
             let key_id = id.key_id();
             let nonce = uuid::Uuid::new_v4().simple().to_string();
-            let place = Placement { priority: spec.priority, shards: self.store.keys.shards() };
+            let place = Placement {
+                priority: spec.priority,
+                shards: self.store.keys.shards(),
+                group: spec.group.clone(),
+            };
             // The first chunk decides: a request that fits in it is submitted in one call.
             let mut parts = parts.into_iter();
             let first = encode_chunk(&mut parts, self.load_chunk())?;
@@ -156,7 +161,7 @@ impl Producer {
             // before pushing its tokens leaves a request recovery finds and completes. Never taken
             // back (it may be the winner's, when two producers submit one id).
             let row = spec.row(Kind::Own);
-            let registration = crate::shards::register(&self.store, &key_id, place, &row).await?;
+            let registration = crate::shards::register(&self.store, &key_id, place.clone(), &row).await?;
             let deadline = registration.deadline(&self.store);
             let upstreams: Vec<String> = spec.after.iter().map(RequestId::key_id).collect();
             let req = spec.new_request(
@@ -175,7 +180,7 @@ impl Producer {
                 submit::Committed::Elements(elements) => elements,
                 submit::Committed::Failed(finished) => {
                     // An upstream had failed already: it ended at once, and is announced now.
-                    crate::shards::finish(&self.store, &key_id, place, finished).await?;
+                    crate::shards::finish(&self.store, &key_id, place.clone(), finished).await?;
                     self.counting.recorder.count(spec.priority, Counter::Submitted, 1);
                     return Ok(RequestHandle { id: id.clone(), producer: self.clone() });
                 }
@@ -215,7 +220,7 @@ impl Producer {
         T: codec::Part,
     {
         let mut rest = rest.peekable();
-        if rest.peek().is_none() && upstreams.is_empty() {
+        if rest.peek().is_none() && upstreams.is_empty() && req.group.is_none() {
             let total = first.len() as u64;
             let elements = submit::submit_small(&self.store, req, delay, first).await?;
             return Ok((submit::Committed::Elements(elements), total));
@@ -270,6 +275,7 @@ impl Producer {
             && spec.deadline.is_none()
             && spec.rate.is_none()
             && spec.after.is_empty()
+            && spec.group.is_none()
             && first.len() <= lane::MAX_PARTS
             && bytes <= lane::MAX_BYTES
     }
@@ -447,6 +453,7 @@ pub struct RequestBuilder<'a> {
     rate: Option<(u32, Duration)>,
     after: Vec<RequestId>,
     on_upstream_failure: OnUpstreamFailure,
+    group: Option<String>,
 }
 
 /// The most upstreams a request can be submitted after.
@@ -539,6 +546,19 @@ impl RequestBuilder<'_> {
     pub fn deadline_in(mut self, d: Duration) -> Self {
         self.deadline = Some(Deadline::In(d));
         self
+    }
+
+    /// Puts the request in tenant group `name` (docs/architecture.md, "Tenant groups"): at most
+    /// the group's limit of sub-requests of all its requests run at once, on top of the request's
+    /// own concurrency, and within a priority the groups with work take turns, so that a tenant
+    /// with a thousand requests queued cannot crowd out one with a single request. The limit is
+    /// set with `Admin::set_group` (default: `DEFAULT_GROUP_LIMIT`, 10). A request in a group takes its own
+    /// stream, never a lane, and keeps its priority (no `Admin::reprioritize`). `name` is 1 to 64
+    /// ASCII letters, digits, `.`, `_` or `-`, else [`Error::InvalidRequest`].
+    pub fn group(mut self, name: &str) -> Result<Self> {
+        crate::request::check_group(name).map_err(Error::InvalidRequest)?;
+        self.group = Some(name.to_owned());
+        Ok(self)
     }
 
     /// Limits the request's rate: at most `n` of its parts start per `per`, across all workers,
@@ -810,6 +830,7 @@ impl RequestBuilder<'_> {
             rate: self.rate,
             upstreams,
             run_after_failure: self.on_upstream_failure == OnUpstreamFailure::Run,
+            group: self.group.as_deref(),
         }
     }
 
@@ -840,9 +861,13 @@ impl RequestBuilder<'_> {
             let key_id = id.key_id();
             let nonce = uuid::Uuid::new_v4().simple().to_string();
             let cfg = &producer.store.config;
-            let place = Placement { priority: self.priority, shards: producer.store.keys.shards() };
+            let place = Placement {
+                priority: self.priority,
+                shards: producer.store.keys.shards(),
+                group: self.group.clone(),
+            };
             let row = self.row(Kind::Own);
-            let registration = crate::shards::register(&producer.store, &key_id, place, &row).await?;
+            let registration = crate::shards::register(&producer.store, &key_id, place.clone(), &row).await?;
             let deadline = registration.deadline(&producer.store);
             let req =
                 self.new_request(&id, &key_id, &nonce, place.shards, deadline, &trace, finish_within, &[]);
@@ -851,8 +876,15 @@ impl RequestBuilder<'_> {
             // interval.
             let next = self.open_expiry.map_or(cfg.census_interval, |e| e.min(cfg.census_interval));
             let next = finish_within.map_or(next, |d| d.min(next));
-            crate::shards::push(&producer.store, &key_id, place, Look::First(registration), next, Vec::new())
-                .await?;
+            crate::shards::push(
+                &producer.store,
+                &key_id,
+                place.clone(),
+                Look::First(registration),
+                next,
+                Vec::new(),
+            )
+            .await?;
             producer.counting.recorder.count(self.priority, Counter::Submitted, 1);
             Ok(OpenRequest {
                 handle: RequestHandle { id: id.clone(), producer: producer.clone() },
@@ -966,7 +998,8 @@ impl OpenRequest {
             self.outstanding = outstanding.unwrap_or(self.outstanding + n);
             if !elements.is_empty() {
                 let next = store.config.census_interval;
-                crate::shards::push(store, &self.key_id, self.place, Look::More, next, elements).await?;
+                crate::shards::push(store, &self.key_id, self.place.clone(), Look::More, next, elements)
+                    .await?;
             }
         }
         Ok(())

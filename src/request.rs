@@ -384,6 +384,18 @@ pub enum Cancelled {
     AlreadyFinished(RequestState),
 }
 
+/// Checks a tenant group's name: 1 to 64 ASCII letters, digits, `.`, `_` or `-`. The error says
+/// what is wrong, for `Error::InvalidRequest`.
+pub(crate) fn check_group(name: &str) -> std::result::Result<(), String> {
+    let ok = (1..=64).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not {name:?}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,8 +10,9 @@ use serde::Serialize;
 
 use super::Admin;
 use crate::error::{Error, Result};
-use crate::keys::{lane_of, token_shard};
-use crate::request::{RequestId, RequestState};
+use crate::keys::lane_of;
+use crate::request::{Priority, RequestId, RequestState};
+use crate::shards::Placement;
 
 /// Requests one [`Admin::token_audit`] reads at most.
 pub const MAX_TOKEN_AUDIT: u32 = 1_000;
@@ -232,6 +233,7 @@ fn request_tokens(key_id: &str, meta: &HashMap<String, String>, list: bool) -> R
     let num = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
     let lane = lane_of(key_id);
     let shards = num("shards").unwrap_or(1).max(1) as u32;
+    let place = Placement { priority: Priority::default(), shards, group: meta.get("grp").cloned() };
     let state: Option<RequestState> = meta.get("state").and_then(|s| s.parse().ok());
     // A finished request's record keeps its `ntok`, but it owns no token any more.
     let expected = if state.is_some_and(RequestState::is_terminal) { 0 } else { num("ntok").unwrap_or(0) };
@@ -241,7 +243,7 @@ fn request_tokens(key_id: &str, meta: &HashMap<String, String>, list: bool) -> R
         meta.iter().filter_map(|(f, v)| Some((f.strip_prefix('t')?.parse::<u64>().ok()?, v))).collect();
     numbered.sort_unstable_by_key(|(k, _)| *k);
     for (k, field) in numbered {
-        let Some(token) = TokenState::parse(k, token_shard(key_id, shards, k), field) else { continue };
+        let Some(token) = TokenState::parse(k, place.token_shard(key_id, k), field) else { continue };
         match token {
             TokenState::Queued { .. } => queued += 1,
             TokenState::Held { .. } => held += 1,

@@ -61,7 +61,7 @@ pub(crate) async fn link(store: &Store, home: u32, ukid: &str, entry: &str) -> R
 #[derive(Debug)]
 pub(crate) enum Settled {
     /// The downstream's gate opened: push these elements of its woken tokens.
-    Open { priority: Priority, shards: u32, elements: Vec<Value> },
+    Open { priority: Priority, shards: u32, group: Option<String>, elements: Vec<Value> },
     /// It failed because of an upstream (now, or before with its finish steps maybe undone):
     /// complete the steps after its finish.
     Finished(Finished),
@@ -99,7 +99,8 @@ pub(crate) async fn settle(
             let priority = super::priority_item(items.next())?.unwrap_or_default();
             let shards =
                 items.next().and_then(|v| reply::int(&v).ok()).map_or(1, |s| s.clamp(1, 1024) as u32);
-            Settled::Open { priority, shards, elements: items.collect() }
+            let group = super::recovery::group_of(items.next())?;
+            Settled::Open { priority, shards, group, elements: items.collect() }
         }
         "finished" => Settled::Finished(Finished::from_reply(items)?),
         "reopen" => Settled::Reopen,

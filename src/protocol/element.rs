@@ -38,12 +38,16 @@ impl fmt::Display for TokenElement {
 }
 
 /// What a slot writes when it takes a token: the token, the take's serial number, and the list it
-/// came from (so that recovery can put it back there).
+/// came from (so that recovery can put it back there); for a request in a tenant group, the list
+/// is the group's queue, and the group's token the take holds follows (`|<group>|<k>|<epoch>`,
+/// given back by whichever call ends the record).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct TakeRecord {
     pub(crate) token: TokenElement,
     pub(crate) take: String,
     pub(crate) list: String,
+    /// The group token held with it, as written: `<group>|<k>|<epoch>`.
+    pub(crate) group_token: Option<String>,
 }
 
 impl TakeRecord {
@@ -53,13 +57,23 @@ impl TakeRecord {
         let f: Vec<&str> = text.splitn(5, '|').collect();
         let [key_id, k, epoch, take, list] = f[..] else { return None };
         let token = TokenElement::parse(&format!("{key_id}|{k}|{epoch}"))?;
-        Some(Self { token, take: take.to_owned(), list: list.to_owned() })
+        let (list, group_token) = match list.split_once('|') {
+            Some((queue, group)) if crate::keys::group_of_queue(queue).is_some() => {
+                (queue, Some(group.to_owned()))
+            }
+            _ => (list, None),
+        };
+        Some(Self { token, take: take.to_owned(), list: list.to_owned(), group_token })
     }
 }
 
 impl fmt::Display for TakeRecord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}|{}|{}", self.token, self.take, self.list)
+        write!(f, "{}|{}|{}", self.token, self.take, self.list)?;
+        match &self.group_token {
+            Some(group) => write!(f, "|{group}"),
+            None => Ok(()),
+        }
     }
 }
 

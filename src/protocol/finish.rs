@@ -7,7 +7,6 @@ use fred::types::Value;
 use super::{ms, Func};
 use crate::error::Result;
 use crate::reply;
-use crate::request::Priority;
 use crate::store::Store;
 
 /// A request that has just turned terminal, as a finishing function reports it
@@ -69,7 +68,7 @@ pub(crate) async fn finish_index(
     store: &Store,
     key_id: &str,
     home: u32,
-    priority: Priority,
+    list: &str,
     state: &str,
     lifecycle: i64,
     sweep: Vec<Value>,
@@ -77,14 +76,13 @@ pub(crate) async fn finish_index(
     let mut args: Vec<Value> =
         vec![key_id.into(), state.into(), ms(store.config.retention), lifecycle.into()];
     args.extend(sweep);
-    let (active, events, list, marks, bell) = (
+    let (active, events, marks, bell) = (
         store.keys.active(home),
         store.keys.events(home),
-        store.keys.token_list(home, priority),
         store.keys.finish_marks(home, key_id),
         store.keys.bell(home),
     );
-    let recorded = store.fcall(Func::FinishIndex, &[&active, &events, &list, &marks, &bell], args).await?;
+    let recorded = store.fcall(Func::FinishIndex, &[&active, &events, list, &marks, &bell], args).await?;
     Ok(match reply::int(&recorded)? {
         1 => Indexed::Recorded,
         2 => Indexed::ReleaseOwed,

@@ -8,7 +8,6 @@ use fred::types::Value;
 use super::{ms, Func};
 use crate::error::Result;
 use crate::reply;
-use crate::request::Priority;
 use crate::request::RequestId;
 use crate::store::Store;
 
@@ -63,7 +62,7 @@ pub(crate) async fn push_home(
     store: &Store,
     key_id: &str,
     home: u32,
-    priority: Priority,
+    list: &str,
     next_look: Duration,
     look: PushLook,
     elements: Vec<Value>,
@@ -74,13 +73,9 @@ pub(crate) async fn push_home(
     };
     let mut args: Vec<Value> = vec![key_id.into(), ms(next_look), mode.into()];
     args.extend(elements);
-    let (list, bell, active, reg) = (
-        store.keys.token_list(home, priority),
-        store.keys.bell(home),
-        store.keys.active(home),
-        store.keys.registrations(home),
-    );
-    reply::int(&store.fcall(Func::Push, &[&list, &bell, &active, &reg], args).await?)
+    let (bell, active, reg) =
+        (store.keys.bell(home), store.keys.active(home), store.keys.registrations(home));
+    reply::int(&store.fcall(Func::Push, &[list, &bell, &active, &reg], args).await?)
 }
 
 /// `push` without the index keys: queues `elements` on `list`, a priority list of `shard`.

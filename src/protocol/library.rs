@@ -73,13 +73,15 @@ pub(crate) enum Func {
     DagLink,
     DagSettle,
     RelDone,
+    GroupSet,
+    GroupAudit,
 }
 
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `lane_acquire`).
-    pub(crate) const ALL: [Func; 57] = [
+    pub(crate) const ALL: [Func; 59] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -137,6 +139,8 @@ impl Func {
         Func::DagLink,
         Func::DagSettle,
         Func::RelDone,
+        Func::GroupSet,
+        Func::GroupAudit,
     ];
 
     /// The Lua function name, which is also the file name in `lua/`.
@@ -198,6 +202,8 @@ impl Func {
             Func::SchedDel => "sched_del",
             Func::DagLink => "dag_link",
             Func::DagSettle => "dag_settle",
+            Func::GroupSet => "group_set",
+            Func::GroupAudit => "group_audit",
             Func::RelDone => "rel_done",
         }
     }
@@ -271,6 +277,8 @@ impl Func {
             Func::SchedDel => include_str!("../../lua/sched_del.lua"),
             Func::DagLink => include_str!("../../lua/dag_link.lua"),
             Func::DagSettle => include_str!("../../lua/dag_settle.lua"),
+            Func::GroupSet => include_str!("../../lua/group_set.lua"),
+            Func::GroupAudit => include_str!("../../lua/group_audit.lua"),
             Func::RelDone => include_str!("../../lua/rel_done.lua"),
         }
     }

@@ -31,6 +31,7 @@ mod call;
 pub(crate) mod dag;
 mod element;
 pub(crate) mod finish;
+pub(crate) mod groups;
 pub(crate) mod index;
 pub(crate) mod lane;
 mod library;

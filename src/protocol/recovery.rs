@@ -104,6 +104,8 @@ pub(crate) struct Unfinished {
     pub(crate) lifecycle: i64,
     /// Whether it is sealed already (only `unindex` is left).
     pub(crate) sealed: bool,
+    /// Its tenant group, if any.
+    pub(crate) group: Option<String>,
 }
 
 impl Unfinished {
@@ -113,13 +115,19 @@ impl Unfinished {
         let shards = shards_of(items.next());
         let lifecycle = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0);
         let sealed = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or(0) == 1;
-        Ok(Unfinished { state, priority: priority_of(prio), shards, lifecycle, sealed })
+        let group = group_of(items.next())?;
+        Ok(Unfinished { state, priority: priority_of(prio), shards, lifecycle, sealed, group })
     }
 }
 
 /// The token shards a reply names (absent from requests of older builds: 1).
 fn shards_of(v: Option<Value>) -> u32 {
     v.and_then(|v| reply::int(&v).ok()).map_or(1, |s| s.clamp(1, 1024) as u32)
+}
+
+/// The tenant group a reply names ('' or absent: none).
+pub(crate) fn group_of(v: Option<Value>) -> Result<Option<String>> {
+    Ok(v.map(|v| reply::text(&v)).transpose()?.filter(|g| !g.is_empty()))
 }
 
 fn priority_of(prio: i64) -> Priority {
@@ -138,7 +146,7 @@ pub(crate) struct HeldToken {
 }
 
 /// One chunk of a census of a live request (`{'ok', priority, shards, next, look, push, check,
-/// held}`).
+/// held, group}`).
 #[derive(Debug)]
 pub(crate) struct CensusChunk {
     /// The request's priority.
@@ -156,6 +164,8 @@ pub(crate) struct CensusChunk {
     /// Every held token in this chunk, for a check that its holder's worker lives. Malformed
     /// items are skipped.
     pub(crate) held: Vec<HeldToken>,
+    /// Its tenant group, if any.
+    pub(crate) group: Option<String>,
 }
 
 /// What `census` found.
@@ -234,6 +244,7 @@ pub(crate) async fn census(
             });
         }
     }
+    let group = group_of(reply.next())?;
     Ok(Census::Chunk(CensusChunk {
         priority: priority_of(prio),
         shards,
@@ -242,6 +253,7 @@ pub(crate) async fn census(
         push,
         check,
         held,
+        group,
     }))
 }
 
@@ -254,13 +266,14 @@ pub(crate) struct Rearm {
     pub(crate) claim: Option<i64>,
 }
 
-/// `verify` on `shard`, for request `key_id` of `priority`: pushes `push`, and returns which of
-/// `check` are missing from the list; on the home shard (`rearm`) also sets the next look.
+/// `verify` on `shard`, for request `key_id` whose elements wait in `list` there: pushes `push`,
+/// and returns which of `check` are missing from the list; on the home shard (`rearm`) also sets
+/// the next look.
 pub(crate) async fn verify(
     store: &Store,
     key_id: &str,
     shard: u32,
-    priority: Priority,
+    list: &str,
     push: Vec<Value>,
     check: Vec<Value>,
     rearm: Option<Rearm>,
@@ -273,14 +286,9 @@ pub(crate) async fn verify(
     if let Some(r) = rearm {
         args.push(claim_arg(r.claim));
     }
-    let (list, bell, active, armed) = (
-        store.keys.token_list(shard, priority),
-        store.keys.bell(shard),
-        store.keys.active(shard),
-        store.keys.armed(shard),
-    );
+    let (bell, active, armed) = (store.keys.bell(shard), store.keys.active(shard), store.keys.armed(shard));
     let keys: Vec<&str> =
-        if rearm.is_some() { vec![&list, &bell, &active, &armed] } else { vec![&list, &bell] };
+        if rearm.is_some() { vec![list, &bell, &active, &armed] } else { vec![list, &bell] };
     reply::array(store.fcall(Func::Verify, &keys, args).await?)
 }
 

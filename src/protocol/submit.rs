@@ -62,6 +62,8 @@ pub(crate) struct NewRequest<'a> {
     /// when one of them fails (`OnUpstreamFailure::Run`) instead of failing.
     pub(crate) upstreams: &'a [String],
     pub(crate) run_after_failure: bool,
+    /// Its tenant group (`RequestBuilder::group`), if any.
+    pub(crate) group: Option<&'a str>,
 }
 
 impl NewRequest<'_> {
@@ -115,9 +117,12 @@ pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Dura
     let mut args = req.args(store, delay);
     args.push(req.trace.into());
     args.extend(req.limits());
-    if !req.upstreams.is_empty() {
+    if !req.upstreams.is_empty() || req.group.is_some() {
         args.push((if req.run_after_failure { "run" } else { "fail" }).into());
         args.push(req.upstreams.join(",").into());
+    }
+    if let Some(group) = req.group {
+        args.push(group.into());
     }
     // Returns 1: nothing to read.
     store.fcall(Func::SubmitOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
@@ -208,6 +213,7 @@ pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Opt
     args.push((if req.discard { "1" } else { "0" }).into());
     args.push(req.trace.into());
     args.extend(req.limits());
+    args.push(req.group.unwrap_or_default().into());
     store.fcall(Func::StreamOpen, &keys.all(), args).await.map_err(|e| created(req.id, e))?;
     Ok(())
 }

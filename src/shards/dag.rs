@@ -185,14 +185,14 @@ async fn settle(
         }
     };
     match settled {
-        Settled::Open { priority, shards, elements } => {
-            let place = Placement { priority, shards };
+        Settled::Open { priority, shards, group, elements } => {
+            let place = Placement { priority, shards, group };
             push(store, dkid, place, Look::More, store.config.census_interval, elements).await?;
         }
         Settled::Finished(finished) => {
             let place = placement(store, &store.keys.request(dkid).meta)
                 .await?
-                .unwrap_or(Placement { priority: Priority::default(), shards });
+                .unwrap_or(Placement::new(Priority::default(), shards));
             finish_at(store, dkid, place, finished, depth + 1).await?;
         }
         Settled::Reopen => {

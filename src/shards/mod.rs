@@ -15,7 +15,7 @@ use fred::prelude::*;
 
 use crate::config::millis;
 use crate::error::{Error, Result};
-use crate::keys::{home_shard, token_shard};
+use crate::keys::{group_shard, home_shard, token_shard};
 use crate::protocol::finish::{Indexed, Unindexed};
 use crate::protocol::index::{Arming, PushLook};
 use crate::protocol::lane::{self, LaneCancelled};
@@ -32,19 +32,51 @@ fn element_token(element: &Value) -> u64 {
 }
 
 /// Elements grouped by the shard their token lives on.
-pub(crate) fn by_shard(key_id: &str, shards: u32, elements: Vec<Value>) -> BTreeMap<u32, Vec<Value>> {
+pub(crate) fn by_shard(key_id: &str, place: &Placement, elements: Vec<Value>) -> BTreeMap<u32, Vec<Value>> {
     let mut out: BTreeMap<u32, Vec<Value>> = BTreeMap::new();
     for e in elements {
-        out.entry(token_shard(key_id, shards, element_token(&e))).or_default().push(e);
+        out.entry(place.token_shard(key_id, element_token(&e))).or_default().push(e);
     }
     out
 }
 
 /// Where a request's tokens and index entry live.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Placement {
     pub(crate) priority: Priority,
     pub(crate) shards: u32,
+    /// Its tenant group, if any (`RequestBuilder::group`): every token then lives on the group's
+    /// shard and waits in the group's queue.
+    pub(crate) group: Option<String>,
+}
+
+impl Placement {
+    /// A request's placement without a group.
+    pub(crate) fn new(priority: Priority, shards: u32) -> Self {
+        Self { priority, shards, group: None }
+    }
+
+    /// The shard token `k` of request `key_id` lives on.
+    pub(crate) fn token_shard(&self, key_id: &str, k: u64) -> u32 {
+        match &self.group {
+            Some(name) => group_shard(name, self.shards),
+            None => token_shard(key_id, self.shards, k),
+        }
+    }
+
+    /// The list the request's token elements wait in on `shard` at `priority`: the shard's list
+    /// of that priority, or its group's queue.
+    pub(crate) fn list_at(&self, store: &Store, shard: u32, priority: Priority) -> String {
+        match &self.group {
+            Some(name) => store.keys.group_queue(shard, name, priority),
+            None => store.keys.token_list(shard, priority),
+        }
+    }
+
+    /// [`list_at`](Self::list_at) the request's priority.
+    pub(crate) fn list(&self, store: &Store, shard: u32) -> String {
+        self.list_at(store, shard, self.priority)
+    }
 }
 
 /// A registration: when Redis recorded it, from which the producer's deadline follows.
@@ -102,14 +134,14 @@ pub(crate) async fn push(
     elements: Vec<Value>,
 ) -> Result<()> {
     let home = home_shard(key_id, place.shards);
-    let mut groups = by_shard(key_id, place.shards, elements);
+    let mut groups = by_shard(key_id, &place, elements);
     let look = match look {
         Look::First(r) => PushLook::First { score: r.look },
         Look::More => PushLook::More,
     };
     let home_elements = groups.remove(&home).unwrap_or_default();
-    index::push_home(store, key_id, home, place.priority, next, look, home_elements).await?;
-    push_elsewhere(store, key_id, place.priority, groups).await
+    index::push_home(store, key_id, home, &place.list(store, home), next, look, home_elements).await?;
+    push_elsewhere(store, key_id, &place, groups).await
 }
 
 /// Pushes elements onto their tokens' shard lists without touching the index (`push` with two
@@ -117,11 +149,11 @@ pub(crate) async fn push(
 pub(crate) async fn push_elsewhere(
     store: &Store,
     key_id: &str,
-    priority: Priority,
+    place: &Placement,
     groups: BTreeMap<u32, Vec<Value>>,
 ) -> Result<()> {
     let calls = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
-        let list = store.keys.token_list(shard, priority);
+        let list = place.list(store, shard);
         async move { index::push(store, key_id, shard, &list, elements).await }
     });
     futures::future::try_join_all(calls).await?;
@@ -200,15 +232,16 @@ fn finish_at<'a>(
     Box::pin(async move {
         let Finished { state, lifecycle, sweep, .. } = finished;
         let home = home_shard(key_id, place.shards);
-        let mut groups = by_shard(key_id, place.shards, sweep);
+        let mut groups = by_shard(key_id, &place, sweep);
         let home_sweep = groups.remove(&home).unwrap_or_default();
         let sweeps = groups.into_iter().filter(|(_, e)| !e.is_empty()).map(|(shard, elements)| {
-            let list = store.keys.token_list(shard, place.priority);
+            let list = place.list(store, shard);
             async move { finish::sweep(store, shard, &list, elements).await }
         });
         futures::future::try_join_all(sweeps).await?;
+        let home_list = place.list(store, home);
         let indexed =
-            finish::finish_index(store, key_id, home, place.priority, &state, lifecycle, home_sweep).await?;
+            finish::finish_index(store, key_id, home, &home_list, &state, lifecycle, home_sweep).await?;
         if indexed == Indexed::ReleaseOwed {
             // Its downstreams first (their wait is the latency users see); the seal and unindex
             // after, as ever (the request stays in `active` meanwhile).
@@ -272,7 +305,7 @@ pub(crate) async fn requeue(store: &Store, key_id: &str, place: Placement) -> Re
                 // its one event.
                 let finished =
                     Finished { state: "failed".into(), lifecycle, sweep: Vec::new(), shards: None };
-                finish(store, key_id, place, finished).await?;
+                finish(store, key_id, place.clone(), finished).await?;
             }
             Requeued::ReopenFirst(lifecycle) => {
                 reopen(store, key_id, place.shards, lifecycle).await?;
@@ -327,12 +360,13 @@ pub(crate) async fn lane_home_found(store: &Store, key_id: &str) -> Result<u32> 
 
 /// A request's priority and token shards, from its meta hash; `None` if it is unknown.
 pub(crate) async fn placement(store: &Store, meta: &str) -> Result<Option<Placement>> {
-    let (prio, shards): (Option<u8>, Option<u32>) = store
-        .call("hmget", meta, || async { Ok(store.client.hmget(meta, vec!["prio", "shards"]).await?) })
+    let (prio, shards, group): (Option<u8>, Option<u32>, Option<String>) = store
+        .call("hmget", meta, || async { Ok(store.client.hmget(meta, vec!["prio", "shards", "grp"]).await?) })
         .await?;
     Ok(prio.map(|p| Placement {
         priority: Priority::new(p).unwrap_or_default(),
         shards: shards.unwrap_or(1).max(1),
+        group,
     }))
 }
 
@@ -358,7 +392,7 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
         }
         Cancel::Already(state) => Ok(Cancelled::AlreadyFinished(state.parse()?)),
         Cancel::Finished(finished) => {
-            let place = placement.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
+            let place = placement.unwrap_or(Placement::new(Priority::default(), 1));
             finish(store, &key_id, place, finished).await?;
             Ok(Cancelled::Now)
         }
@@ -369,8 +403,7 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
 pub(crate) async fn finalize(store: &Store, key_id: &str, nonce: &str) -> Result<()> {
     if let Finalized::Finished(finished) = submit::stream_finalize(store, key_id, nonce).await? {
         let meta = store.keys.request(key_id).meta;
-        let place =
-            placement(store, &meta).await?.unwrap_or(Placement { priority: Priority::default(), shards: 1 });
+        let place = placement(store, &meta).await?.unwrap_or(Placement::new(Priority::default(), 1));
         finish(store, key_id, place, finished).await?;
     }
     Ok(())

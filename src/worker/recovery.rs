@@ -32,7 +32,7 @@ use super::registry::{self, WorkerInfo};
 use super::WorkerMetrics;
 use crate::config::millis;
 use crate::error::Result;
-use crate::keys::{home_shard, token_shard};
+use crate::keys::{group_of_queue, home_shard};
 use crate::protocol::index::{self, Arming};
 use crate::protocol::operators::Requeued;
 use crate::protocol::recovery::{self as calls, Census, HeldToken, Rearm, Reclaimed, Unfinished};
@@ -98,8 +98,8 @@ async fn pass_shard(
 /// Completes the steps after a finish of a request found terminal but still indexed (census's or
 /// reclaim's report).
 pub(crate) async fn finish_reported(store: &Store, key_id: &str, unfinished: Unfinished) -> Result<()> {
-    let Unfinished { state, priority, shards, lifecycle, sealed } = unfinished;
-    let place = Placement { priority, shards };
+    let Unfinished { state, priority, shards, lifecycle, sealed, group } = unfinished;
+    let place = Placement { priority, shards, group };
     let reopened = if sealed {
         // Its event was written before the seal: only the index entry is left.
         crate::shards::seal_and_unindex(store, key_id, home_shard(key_id, shards), lifecycle, &state).await?
@@ -112,7 +112,7 @@ pub(crate) async fn finish_reported(store: &Store, key_id: &str, unfinished: Unf
         crate::shards::finish(
             store,
             key_id,
-            place,
+            place.clone(),
             Finished { state, lifecycle, sweep: Vec::new(), shards: None },
         )
         .await?
@@ -184,12 +184,12 @@ pub(crate) async fn census(
             }
         };
         look_so_far = chunk.look;
-        let place = Placement { priority: chunk.priority, shards: chunk.shards };
+        let place = Placement { priority: chunk.priority, shards: chunk.shards, group: chunk.group };
         metrics.tokens_restored.fetch_add(chunk.push.len() as u64, Relaxed);
         // The home shard's verify sets the next look: only after the last chunk, whose reply
         // carries it, and always made, so that the look is set even with nothing to push or check.
         let rearm = chunk.next.is_none().then_some(Rearm { look: chunk.look, claim });
-        verify(store, metrics, key_id, place, chunk.push, chunk.check, rearm).await?;
+        verify(store, metrics, key_id, place.clone(), chunk.push, chunk.check, rearm).await?;
         reclaim_dead_holders(store, metrics, key_id, place, chunk.held).await?;
         match chunk.next {
             Some(next) => from = next,
@@ -209,8 +209,8 @@ async fn verify(
     rearm: Option<Rearm>,
 ) -> Result<()> {
     let home = home_shard(key_id, place.shards);
-    let mut pushes = crate::shards::by_shard(key_id, place.shards, push);
-    let mut checks = crate::shards::by_shard(key_id, place.shards, check);
+    let mut pushes = crate::shards::by_shard(key_id, &place, push);
+    let mut checks = crate::shards::by_shard(key_id, &place, check);
     let mut on: BTreeSet<u32> = pushes.keys().chain(checks.keys()).copied().collect();
     if rearm.is_some() {
         on.insert(home);
@@ -220,7 +220,8 @@ async fn verify(
         let push = pushes.remove(&s).unwrap_or_default();
         let check = checks.remove(&s).unwrap_or_default();
         let rearm = rearm.filter(|_| s == home);
-        missing.extend(calls::verify(store, key_id, s, place.priority, push, check, rearm).await?);
+        let list = place.list(store, s);
+        missing.extend(calls::verify(store, key_id, s, &list, push, check, rearm).await?);
     }
     if missing.is_empty() {
         return Ok(());
@@ -265,8 +266,8 @@ async fn reclaim_dead_holders(
                 holder,
                 "a token is held by a worker that is gone; reclaiming it"
             );
-            let shard = token_shard(key_id, place.shards, k as u64);
-            let list = store.keys.token_list(shard, place.priority);
+            let shard = place.token_shard(key_id, k as u64);
+            let list = place.list(store, shard);
             reclaim(store, metrics, key_id, k, &epoch, &holder, shard, &list, None).await?;
         }
     }
@@ -296,8 +297,12 @@ async fn reclaim(
         Reclaimed::Push(element, priority) => {
             metrics.holds_reclaimed.fetch_add(1, Relaxed);
             metrics.tokens_restored.fetch_add(1, Relaxed);
-            // The request's priority now: an operator may have changed it since the take.
-            let list = priority.map_or_else(|| list.to_owned(), |p| store.keys.token_list(shard, p));
+            // The request's priority now: an operator may have changed it since the take (never
+            // of a request in a group: its element goes back to the group's queue it came from).
+            let list = match priority {
+                Some(p) if group_of_queue(list).is_none() => store.keys.token_list(shard, p),
+                _ => list.to_owned(),
+            };
             match take {
                 Some((record_holder, take)) => {
                     tokens::give_back(store, shard, &list, record_holder, take, element).await?;
@@ -379,6 +384,7 @@ async fn reclaim_record(
 /// reaped), and any a live slot abandoned ("/lost/"), are reclaimed.
 pub(crate) async fn scan_held(store: &Store, metrics: &WorkerMetrics) -> Result<()> {
     for shard in 0..store.keys.shards() {
+        audit_groups(store, metrics, shard).await?;
         let held = store.keys.held(shard);
         let records: BTreeMap<String, String> =
             store.call("hgetall", &held, || async { Ok(store.client.hgetall(held.as_str()).await?) }).await?;
@@ -402,6 +408,28 @@ pub(crate) async fn scan_held(store: &Store, metrics: &WorkerMetrics) -> Result<
     }
     Ok(())
 }
+
+/// Recovery's audit of the tenant groups on `shard` (`group_audit`): a group token held by a take
+/// record that no longer exists goes back. Runs before the shard's records are reclaimed, which
+/// give back the tokens of the records that do exist.
+async fn audit_groups(store: &Store, metrics: &WorkerMetrics, shard: u32) -> Result<()> {
+    let mut cursor = "0".to_owned();
+    loop {
+        let (next, returned) =
+            crate::protocol::groups::audit(store, shard, &cursor, GROUP_AUDIT_CHUNK).await?;
+        if returned > 0 {
+            tracing::warn!(shard, tokens = returned, "giving back group tokens whose take records are gone");
+            metrics.tokens_restored.fetch_add(returned as u64, Relaxed);
+        }
+        if next == "0" {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+/// How many groups one `group_audit` call looks at.
+const GROUP_AUDIT_CHUNK: u32 = 100;
 
 /// The token shards a request was submitted with (1 if it is gone).
 async fn placement_shards(store: &Store, key_id: &str) -> Result<u32> {

@@ -535,7 +535,8 @@ async fn settle<H: Handler>(
         Next::Park(_, Some(shards)) if policy.is_none() => *shards,
         _ => policy.map_or(1, |p| p.shards),
     };
-    let place = Placement { priority: token.priority, shards };
+    let group = crate::keys::group_of_queue(&token.list).map(str::to_owned);
+    let place = Placement { priority: token.priority, shards, group };
     match last {
         Next::Requeue(element, priority) => {
             give_back(shared, holder, token, priority, vec![element.into()]).await?

@@ -528,12 +528,17 @@ local SG_HELD_TTL_MS = 3600000
 -- a slot for nothing; the expiry keeps strays from lasting.
 local SG_BELL_TTL_MS = 600000
 
+-- Pushes onto a group's queue instead (defined in "Tenant groups" below: it pushes the group's
+-- tokens, not the request's, onto the shard's lists).
+local sg_group_push
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
 -- holding a lower priority give their token back at the end of their batch (one per worker), so a
 -- newly waiting higher priority does not wait for their quantum to run out.
 local function sg_push(list, bell, elements, from)
+  if string.find(list, ':grp:', 1, true) then return sg_group_push(list, elements, from or 1) end
   local i, n = from or 1, 0
   while i <= #elements do
     local last = math.min(i + 999, #elements)
@@ -569,9 +574,210 @@ local function sg_sweep(list, bell, elements, from)
   for i = from, math.min(#elements, from + SG_SWEEP_MAX - 1) do
     if redis.call('LPOS', list, elements[i], 'MAXLEN', 1000) then
       redis.call('LREM', list, 1, elements[i])
-      redis.call('RPOP', bell)
+      -- (A group's queue has no bells: its tokens' elements brought them.)
+      if not string.find(list, ':grp:', 1, true) then redis.call('RPOP', bell) end
     end
   end
+end
+
+-- Tenant groups (docs/protocol.md §5, "Groups"). A request submitted in group G (meta `grp`) has
+-- all its tokens on G's shard, and its token elements wait in G's queues, one list per priority,
+-- `<shard>grp:<G>:p:<P>` (and the sorted set `<shard>grp:<G>:w` names the priorities that may
+-- have some), never on the shard's lists. What waits on the shard's lists instead is G's own
+-- tokens: G has `limit` of them, in its meta hash `<shard>grp:<G>`, fields `t<k>` as a request's:
+--   q|<epoch>|<since>|<P>      queued: the element "^<G>|<k>|<epoch>" is on the shard's list of P
+--   h|<epoch>|<holder>|<since> held by the slot whose take record names it
+--   p|<epoch>                  parked: G had no work
+-- A slot that takes a group token pops G's highest-priority request element in the same call, and
+-- its take record names both; the group token goes back in the step that ends the record (give
+-- back, release, untake, the slot's next take, recovery's reclaim of a dead slot's record), so at
+-- most `limit` of G's request tokens are held at once, and the count cannot drift: nothing counts,
+-- every token is a field with one holder. Within a priority the shard's list is first in, first
+-- out, so groups take turns, each through its own tokens, however many requests each has queued.
+-- Other fields: `limit`, `ntok` (token fields are t0 .. t<ntok-1>; retired ones are gone),
+-- `nlive` (how many exist), `npark`, `floor` (no queued token sits below this priority). The
+-- shard's hash `gconf` holds the limits operators set (group_set), and its set `groups` the
+-- groups with a meta hash. A group whose tokens are all parked expires after a day idle.
+
+-- A group's limit when no operator set one (Admin::set_group).
+local SG_GROUP_DEFAULT_LIMIT = 10
+local SG_GROUP_IDLE_MS = 86400000
+
+-- Checks a group name: '' or nil for none, else 1 to 64 of [A-Za-z0-9._-]. The error reply, or nil.
+local function sg_check_group(name)
+  if name == nil or name == '' then return nil end
+  if #name > 64 or not string.match(name, '^[%w._%-]+$') then
+    return redis.error_reply('SGINVALID a group name is 1 to 64 letters, digits, dots, underscores or hyphens')
+  end
+  return nil
+end
+
+-- A group's meta key, from its shard's key prefix ("<ns>:{<ns>.q<s>}:") and name.
+local function sg_group_key(shard, name) return shard .. 'grp:' .. name end
+
+-- A group queue's group meta key and priority (nil if `list` is not a group queue).
+local function sg_group_of_queue(list)
+  return string.match(list, '^(.*:grp:[^:]+):p:(%d+)$')
+end
+
+-- The shard's key prefix and the group's name, from its meta key.
+local function sg_group_parts(gkey)
+  return string.match(gkey, '^(.*:)grp:([^:]+)$')
+end
+
+-- The group's highest priority with work waiting (nil: none), forgetting priorities whose queue
+-- has emptied.
+local function sg_group_top(gkey)
+  for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
+    if redis.call('LLEN', gkey .. ':p:' .. p) > 0 then return tonumber(p) end
+    redis.call('ZREM', gkey .. ':w', p)
+  end
+  return nil
+end
+
+-- Makes a group's meta the first time work is queued in it: `limit` tokens, all parked.
+local function sg_group_open(gkey, now)
+  if redis.call('HEXISTS', gkey, 'limit') == 1 then return end
+  local shard, name = sg_group_parts(gkey)
+  local limit = tonumber(redis.call('HGET', shard .. 'gconf', name) or SG_GROUP_DEFAULT_LIMIT)
+  local fields = {'limit', limit, 'ntok', limit, 'nlive', limit, 'npark', limit, 'floor', 0}
+  for k = 0, limit - 1 do
+    fields[#fields + 1] = 't' .. k
+    fields[#fields + 1] = 'p|' .. now
+  end
+  sg_hset_many(gkey, fields)
+  redis.call('SADD', shard .. 'groups', name)
+end
+
+-- Queues group token k (whose epoch was `epoch`) on the shard's list of priority p, under a new epoch.
+local function sg_group_queue(gkey, k, epoch, p, now)
+  local next_epoch = sg_next_epoch(epoch, now)
+  redis.call('HSET', gkey, 't' .. k, 'q|' .. next_epoch .. '|' .. now .. '|' .. p)
+  local shard, name = sg_group_parts(gkey)
+  sg_push(shard .. 'p:' .. p, shard .. 'bell', {'^' .. name .. '|' .. k .. '|' .. next_epoch})
+end
+
+-- Parks group token k: the group has no work for it. A group whose tokens are all parked holds
+-- nothing and has nothing queued: it expires if it stays so for SG_GROUP_IDLE_MS.
+local function sg_group_park(gkey, k, epoch, now)
+  redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
+  local npark = redis.call('HINCRBY', gkey, 'npark', 1)
+  if npark >= tonumber(redis.call('HGET', gkey, 'nlive') or '0') then
+    redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS)
+  end
+end
+
+-- Retires group token k (its number is at or above a lowered limit). `maxep` keeps the largest
+-- epoch a retired token had: one made again later (group_set) starts above it, so that a stale
+-- element of the old one is never taken for it.
+local function sg_group_retire(gkey, k)
+  local m = redis.call('HMGET', gkey, 't' .. k, 'maxep')
+  if not m[1] then return end
+  local epoch = tonumber(sg_split(m[1])[2])
+  if epoch > tonumber(m[2] or '0') then redis.call('HSET', gkey, 'maxep', sg_int(epoch)) end
+  redis.call('HDEL', gkey, 't' .. k)
+  redis.call('HINCRBY', gkey, 'nlive', -1)
+end
+
+-- Pushes request elements onto group queue `list` (sg_push's stand-in for group queues), then
+-- wakes as many of the group's parked tokens, and moves its queued tokens that sit below the
+-- queue's priority up to it (their old elements become stale: take drops them), so that the
+-- group's work competes at its own priority. Returns the number of elements pushed.
+sg_group_push = function(list, elements, from)
+  local gkey, p = sg_group_of_queue(list)
+  p = tonumber(p)
+  local i, n = from, 0
+  while i <= #elements do
+    local last = math.min(i + 999, #elements)
+    redis.call('LPUSH', list, unpack(elements, i, last))
+    n = n + last - i + 1
+    i = last + 1
+  end
+  if n == 0 then return 0 end
+  redis.call('ZADD', gkey .. ':w', p, p)
+  local now = sg_now()
+  sg_group_open(gkey, now)
+  local m = redis.call('HMGET', gkey, 'ntok', 'npark', 'floor', 'limit')
+  local ntok, npark, floor, limit = tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
+  local wake, raise = math.min(npark, n), p > floor
+  if wake == 0 and not raise then return n end
+  local woken = 0
+  sg_each_token({gkey}, 0, ntok, function(k, tok)
+    local f = sg_split(tok)
+    if f[1] == 'p' and woken < wake and k < limit then
+      woken = woken + 1
+      sg_group_queue(gkey, k, f[2], p, now)
+    elseif f[1] == 'q' and raise and tonumber(f[4]) < p then
+      sg_group_queue(gkey, k, f[2], p, now)
+    end
+  end)
+  if woken > 0 then
+    redis.call('HINCRBY', gkey, 'npark', -woken)
+    redis.call('PERSIST', gkey)
+  end
+  if raise then redis.call('HSET', gkey, 'floor', p) end
+  return n
+end
+
+-- Group token k of epoch `epoch` goes back (the take record that held it ended): queued at the
+-- group's top priority if it has work, parked if not, retired if above the limit. Does nothing
+-- unless the token is still held under that epoch (a record ended twice, a group that expired).
+local function sg_group_end(gkey, k, epoch, now)
+  local m = redis.call('HMGET', gkey, 't' .. k, 'limit', 'floor')
+  if not m[1] then return end
+  local f = sg_split(m[1])
+  if f[1] ~= 'h' or f[2] ~= epoch then return end
+  if k >= tonumber(m[2]) then return sg_group_retire(gkey, k) end
+  local top = sg_group_top(gkey)
+  if not top then return sg_group_park(gkey, k, epoch, now) end
+  sg_group_queue(gkey, k, epoch, top, now)
+  if top < tonumber(m[3]) then redis.call('HSET', gkey, 'floor', top) end
+end
+
+-- Ends the group part of a take record (split: fields 6 to 8 are the group, its token and the
+-- token's epoch; a record without them held no group token). `shard`: the shard's key prefix.
+local function sg_held_end(shard, f)
+  if f[6] and f[6] ~= '' then sg_group_end(sg_group_key(shard, f[6]), tonumber(f[7]), f[8], sg_now()) end
+end
+
+-- A slot took group element f (split: "^<G>", k, epoch) from the shard's list: if the token is
+-- current, it is now held by `holder`, with the group's highest-priority request element not
+-- paused (`paused`: priority text -> true, or nil), popped from its queue. Returns {queue,
+-- request element}, or nil when there is nothing to take: the element was stale, the token retired,
+-- or the group had no work (the token parks) or only work of paused priorities (the token waits
+-- on the shard's list of the highest of them, where no slot takes it until it is resumed).
+local function sg_group_take(shard, f, holder, now, paused)
+  local gkey = sg_group_key(shard, string.sub(f[1], 2))
+  local k = tonumber(f[2])
+  local m = redis.call('HMGET', gkey, 't' .. k, 'limit')
+  if not m[1] then return nil end
+  local t = sg_split(m[1])
+  if t[1] ~= 'q' or t[2] ~= f[3] then return nil end
+  if k >= tonumber(m[2]) then
+    sg_group_retire(gkey, k)
+    return nil
+  end
+  local waiting = nil
+  for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
+    local queue = gkey .. ':p:' .. p
+    if paused and paused[p] then
+      if not waiting and redis.call('LLEN', queue) > 0 then waiting = tonumber(p) end
+    else
+      local element = redis.call('RPOP', queue)
+      if element then
+        if redis.call('LLEN', queue) == 0 then redis.call('ZREM', gkey .. ':w', p) end
+        redis.call('HSET', gkey, 't' .. k, 'h|' .. f[3] .. '|' .. holder .. '|' .. now)
+        return {queue, element}
+      end
+      redis.call('ZREM', gkey .. ':w', p)
+    end
+  end
+  if waiting then
+    sg_group_queue(gkey, k, f[3], waiting, now)
+  else
+    sg_group_park(gkey, k, f[3], now)
+  end
+  return nil
 end
 
 -- Recovery's re-arm of a request's next look to `due` (ms): set as computed when the score is still
@@ -1127,6 +1333,8 @@ end
 -- ARGV[18] the upstreams (optional; '' = none): key ids, comma-separated, at most 1,000: the
 -- request is a downstream, committed `waiting` until they end (prelude.lua, "Dependencies between
 -- requests"); its producer links it to each (dag_link) before submit_commit. Not with a delay.
+-- ARGV[19] the tenant group (optional; '' = none): stored as `grp`; the request's tokens then all
+-- live on the group's shard and wait in its queues (prelude.lua, "Tenant groups")
 -- Returns 1, or the errors "SGDUPLICATE ..." when the id is already in use (live or retained),
 -- "SGINVALID ..." when an argument is out of range, "SGLATE ..." after the deadline.
 local SG_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
@@ -1152,6 +1360,9 @@ local function submit_open(keys, args)
   if invalid then return invalid end
   local rate
   rate, invalid = sg_check_rate(args[16])
+  if invalid then return invalid end
+  local grp = args[19] or ''
+  invalid = sg_check_group(grp)
   if invalid then return invalid end
   local ups, onup = args[18] or '', args[17] or ''
   if onup == '' then onup = 'fail' end
@@ -1186,6 +1397,7 @@ local function submit_open(keys, args)
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
   if rate ~= '' then redis.call('HSET', keys[1], 'rate', rate) end
+  if grp ~= '' then redis.call('HSET', keys[1], 'grp', grp) end
   if ups ~= '' then redis.call('HSET', keys[1], 'ups', ups, 'onup', onup, 'upw', 0, 'upf', 0) end
   -- The group starts at 0 so that every entry added afterwards is delivered once.
   redis.call('XGROUP', 'CREATE', keys[2], 'g', '0', 'MKSTREAM')
@@ -1375,7 +1587,7 @@ end
 -- discard results: `ok` results are never stored (stored as `discard`)   ARGV[17] trace context
 -- (optional; '' or absent = none; submit_open's ARGV[14])   ARGV[18] deadline in ms from now
 -- (optional; '' or 0 = none; submit_open's ARGV[15])   ARGV[19] rate limit (optional; '' = none;
--- submit_open's ARGV[16])
+-- submit_open's ARGV[16])   ARGV[20] group (optional; '' = none; submit_open's ARGV[19])
 -- Returns the token elements to push (its tokens start parked, so none until parts arrive), or
 -- submit_open's errors.
 local function stream_open(keys, args)
@@ -1388,7 +1600,7 @@ local function stream_open(keys, args)
     return redis.error_reply('SGINVALID window must be a whole number of parts of at least 0')
   end
   local opened = submit_open(keys, {args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or '', args[19] or ''})
+    args[9], args[10], '0', args[12] or '0', args[13] or '1', args[14] or '', args[17] or '', args[18] or '', args[19] or '', '', '', args[20] or ''})
   if type(opened) == 'table' and opened.err then return opened end
   if redis.call('HGET', keys[1], 'state') ~= 'loading' then return {} end
   local now = sg_now()
@@ -1719,14 +1931,25 @@ end
 -- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
 -- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
 -- named here rather than passed, since a hundred key arguments cost more than the pop
+-- A group's token (element "^<G>|<k>|<epoch>", prelude "Tenant groups") brings the group's
+-- highest-priority request element, popped from its queue in the same call: the record then names
+-- both ("<element>|<take id>|<queue>|<G>|<k>|<epoch>"), and the reply the queue and the request's
+-- element. Stale group elements, and group tokens that find no work (they park), are passed over:
+-- up to SG_TAKE_POPS elements per call.
+-- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
+-- held, if any, goes back (prelude, sg_held_end).
 -- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
 -- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
 -- slot then acquires it, and `lane_acquire` hands out the same entries again.
+local SG_TAKE_POPS = 16
+
 local function take(keys, args)
   local holder, id = args[1], args[2]
+  local shard = sg_shard_key(keys[1], '')
   local held = redis.call('HGET', keys[1], holder)
+  local previous = nil
   if held then
     local f = sg_split(held)
     if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
@@ -1734,13 +1957,18 @@ local function take(keys, args)
       -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
       -- name no live slot uses.
       redis.call('HSET', keys[1], holder .. '/lost/' .. f[4], held)
+    else
+      previous = f
     end
   end
+  -- The previous record ends whatever this take finds (the field is overwritten or deleted below).
+  if previous then sg_held_end(shard, previous) end
   local lmpop = sg_lmpop_lists(args[9])
   -- (A caller of before pauses passes four keys: it takes as if nothing were paused.)
   local pauses = keys[5] and redis.call('HGETALL', keys[5]) or {}
+  local paused = nil
   if #pauses > 0 then
-    local paused = {}
+    paused = {}
     for i = 1, #pauses, 2 do paused[pauses[i]] = true end
     lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
     if not lmpop then
@@ -1750,22 +1978,41 @@ local function take(keys, args)
       return {'paused'}
     end
   end
-  local popped = redis.call(unpack(lmpop))
-  if not popped then
+  local list, element, record = nil, nil, nil
+  local now = nil
+  for _ = 1, SG_TAKE_POPS do
+    local popped = redis.call(unpack(lmpop))
+    if not popped then break end
+    local f = sg_split(popped[2][1])
+    if string.sub(f[1], 1, 1) ~= '^' then
+      list, element = popped[1], popped[2][1]
+      record = element .. '|' .. id .. '|' .. list
+      break
+    end
+    now = now or sg_now()
+    local got = sg_group_take(shard, f, holder, now, paused)
+    if got then
+      list, element = got[1], got[2]
+      record = element .. '|' .. id .. '|' .. list .. '|' .. string.sub(f[1], 2) .. '|' .. f[2] .. '|' .. f[3]
+      break
+    end
+    -- The element passed over takes its bell along.
+    redis.call('RPOP', keys[2])
+  end
+  if not element then
     if held then redis.call('HDEL', keys[1], holder) end
     return {}
   end
-  local element = popped[2][1]
-  redis.call('HSET', keys[1], holder, element .. '|' .. id .. '|' .. popped[1])
+  redis.call('HSET', keys[1], holder, record)
   redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
   if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
   local f = sg_split(element)
   local priority = string.match(f[1], '^~%d+%.(%d+)$')
-  if not priority then return {popped[1], element} end
+  if not priority then return {list, element} end
   local base = args[7] .. priority
   local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
   local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
-  return {popped[1], element, acquired}
+  return {list, element, acquired}
 end
 
 -- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
@@ -1787,6 +2034,13 @@ local function untake(keys, args)
     return 1
   end
   redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
+  local gkey, p = sg_group_of_queue(f[5])
+  if gkey then
+    -- Back in its group's queue; the group token goes back with it (to this work).
+    redis.call('ZADD', gkey .. ':w', p, p)
+    sg_held_end(sg_shard_key(keys[1], ''), f)
+    return 1
+  end
   redis.call('LPUSH', keys[2], '1')
   redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
   return 1
@@ -2053,10 +2307,18 @@ end
 -- itself, after a newer epoch was issued).
 -- KEYS[1] the shard's held records   KEYS[2] the shard's bell   KEYS[3] the priority list
 -- ARGV[1] holder   ARGV[2] the take id its record must carry to be ended   ARGV[3..] elements
+-- A group token the record names goes back (prelude, sg_held_end): parked if its group has no
+-- other work, and then woken by the push of the elements to its group's queue.
 -- Returns the number of elements pushed.
 local function give_back(keys, args)
   local held = redis.call('HGET', keys[1], args[1])
-  if held and sg_split(held)[4] == args[2] then redis.call('HDEL', keys[1], args[1]) end
+  if held then
+    local f = sg_split(held)
+    if f[4] == args[2] then
+      redis.call('HDEL', keys[1], args[1])
+      sg_held_end(sg_shard_key(keys[1], ''), f)
+    end
+  end
   return sg_push(keys[3], keys[2], args, 3)
 end
 
@@ -2065,11 +2327,16 @@ end
 -- ends the record anyway.)
 -- KEYS[1] the shard's held records
 -- ARGV[1] holder   ARGV[2] the take id the record must carry
+-- A group token the record names goes back (prelude, sg_held_end).
 -- Returns 1 if a record was removed.
 local function release(keys, args)
   local held = redis.call('HGET', keys[1], args[1])
-  if not held or sg_split(held)[4] ~= args[2] then return 0 end
-  return redis.call('HDEL', keys[1], args[1])
+  if not held then return 0 end
+  local f = sg_split(held)
+  if f[4] ~= args[2] then return 0 end
+  redis.call('HDEL', keys[1], args[1])
+  sg_held_end(sg_shard_key(keys[1], ''), f)
+  return 1
 end
 
 -- holds: which of the tokens one worker's slots hold on one request they no longer hold (the
@@ -2247,7 +2514,7 @@ end
 -- chunk is due sooner: the census interval for the first chunk, the previous chunk's look for
 -- the others
 -- Returns {'gone'}: no such request (expired, or not created yet: drop_gone); {'loading'};
---         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal but
+--         {'finished', state, priority, shards, lifecycle, sealed, group}: the request is terminal but
 --         still indexed, so the steps after its finish (finish_index, seal, unindex) are to be
 --         completed; sealed is 1 when only unindex is left;
 --         {'waiting', shards, look, ukid...}: a downstream waiting for its upstreams (its tokens parked,
@@ -2261,7 +2528,8 @@ end
 --         in their list must be verified (verify; the look comes again after as long as the
 --         oldest has waited, since verify may not be able to tell yet); held: {k, epoch, holder}
 --         of every held token, for recovery to check that the holder's worker lives. Token k's
---         elements belong on shard (home + k) % shards.
+--         elements belong on shard (home + k) % shards; with a tenant group (the last item, ''
+--         for none), on the group's shard, in the group's queue.
 -- In the first chunk: a request past its deadline (meta `dl`) ends `failed`, `why` = `deadline`,
 -- and one before it asks to be looked at then; a scheduled request whose time has come turns
 -- queued; a streamed request past its expiry is cancelled; parked tokens are woken while work
@@ -2273,11 +2541,12 @@ local function census(keys, args)
   local rid, grace = args[1], tonumber(args[2])
   local shards = redis.call('HGET', keys[1], 'shards') or '1'
   local prio = redis.call('HGET', keys[1], 'prio')
+  local grp = redis.call('HGET', keys[1], 'grp') or ''
   if state == 'completed' or state == 'failed' or state == 'cancelled' then
     local lifecycle = sg_lifecycle(keys)
     local sealed = 0
     if redis.call('HGET', keys[1], 'sealed') == lifecycle then sealed = 1 end
-    return {'finished', state, prio, shards, lifecycle, sealed}
+    return {'finished', state, prio, shards, lifecycle, sealed, grp}
   end
   local now = sg_now()
   local from, count = tonumber(args[5]), tonumber(args[6])
@@ -2301,9 +2570,9 @@ local function census(keys, args)
         end
         if #held == 0 then
           local f = sg_finish_deadline(keys, rid, args[3], args[4], now)
-          return {'finished', 'failed', prio, shards, f[3], 0}
+          return {'finished', 'failed', prio, shards, f[3], 0, grp}
         end
-        return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held}
+        return {'ok', prio, shards, -1, math.max(tonumber(m[6]) + grace - now, 1), {}, {}, held, grp}
       end
       look = math.min(look, tonumber(m[6]) - now)
     end
@@ -2322,7 +2591,7 @@ local function census(keys, args)
       -- A delayed request waits with parked tokens; the first census after its time promotes it.
       local eligible = tonumber(m[1] or '0')
       if eligible > now then
-        return {'ok', prio, shards, -1, eligible - now, {}, {}, {}}
+        return {'ok', prio, shards, -1, eligible - now, {}, {}, {}, grp}
       end
       redis.call('HSET', keys[1], 'state', 'queued')
     end
@@ -2332,7 +2601,7 @@ local function census(keys, args)
         -- incomplete, so it ends cancelled.
         redis.call('DEL', keys[6])
         local f = sg_finish(keys, rid, 'cancelled', args[3], args[4], now)
-        return {'finished', 'cancelled', prio, shards, f[3], 0}
+        return {'finished', 'cancelled', prio, shards, f[3], 0, grp}
       end
       look = math.min(look, tonumber(m[3]) - now)
     end
@@ -2392,7 +2661,7 @@ local function census(keys, args)
   end)
   local next = to
   if to >= ntok then next = -1 end
-  return {'ok', prio, shards, next, math.max(look, 1), push, check, held}
+  return {'ok', prio, shards, next, math.max(look, 1), push, check, held, grp}
 end
 
 -- verify: recovery's token-side step after a census: push woken or restored elements, and report
@@ -2474,7 +2743,7 @@ end
 --         run again first), or re-queued by the slot's last ack whose push (give_back) never ran
 --         (a higher epoch, still queued: a newer element is issued, so that a push of the older
 --         one that did happen is merely refused when taken);
---         {'finished', state, priority, shards, lifecycle, sealed}: the request is terminal (the
+--         {'finished', state, priority, shards, lifecycle, sealed, group}: the request is terminal (the
 --         slot may have died between its finish and the steps after it: census's reply);
 --         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
 --         wake-up of a retry that falls due in that many ms): recovery is to look then (arm); a
@@ -2487,12 +2756,12 @@ local function reclaim(keys, args)
   local rid, k, epoch, holder = args[1], args[2], args[3], args[4]
   local tok = redis.call('HGET', keys[1], 't' .. k)
   if not tok then
-    local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed')
+    local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed', 'grp')
     if m[1] == 'completed' or m[1] == 'failed' or m[1] == 'cancelled' then
       local lifecycle = sg_lifecycle(keys)
       local sealed = 0
       if m[4] == lifecycle then sealed = 1 end
-      return {'finished', m[1], m[2], m[3] or '1', lifecycle, sealed}
+      return {'finished', m[1], m[2], m[3] or '1', lifecycle, sealed, m[5] or ''}
     end
     return {'none'}
   end
@@ -2676,15 +2945,20 @@ end
 --         {'unknown'}: no such request (a small request in a lane has no meta hash: its record
 --         is on its home shard, see lanes);
 --         {'refused', state}: it is finished (completed, failed, cancelled) or still loading.
+-- A request in a tenant group is refused with "SGINVALID ...": its elements wait in its group's
+-- queues, and its group's tokens on the shard's lists (prelude.lua, "Tenant groups").
 -- Errors "SGINVALID priority must be an integer from 0 to 99".
 local function reprioritize(keys, args)
   local prio = tonumber(args[2])
   if not prio or prio < 0 or prio > 99 or prio % 1 ~= 0 then
     return redis.error_reply('SGINVALID priority must be an integer from 0 to 99')
   end
-  local m = redis.call('HMGET', keys[1], 'state', 'prio', 'pprio', 'ntok', 'shards', 'lane')
+  local m = redis.call('HMGET', keys[1], 'state', 'prio', 'pprio', 'ntok', 'shards', 'lane', 'grp')
   local state = m[1]
   if not state or m[6] then return {'unknown'} end
+  if m[7] then
+    return redis.error_reply('SGINVALID a request in a tenant group keeps the priority it was submitted with')
+  end
   if state ~= 'scheduled' and state ~= 'queued' and state ~= 'running' then return {'refused', state} end
   local old = tonumber(m[2])
   if old == prio then
@@ -3651,7 +3925,7 @@ end
 -- ARGV[7] the deadline of the caller's arm (sg_step_late)
 -- Returns, whether or not this call changed the field (so that a caller that died after it is
 -- replaced by a release that does the same):
---   {'open', priority, shards, element...}: D's gate opened in this call: it is `queued`, and its
+--   {'open', priority, shards, group ('' for none), element...}: D's gate opened in this call: it is `queued`, and its
 --     woken tokens' elements are to be pushed; or it opened before and no part of it was handed
 --     out yet: the elements of its queued tokens, to be pushed (again: a copy is harmless);
 --   {'finished', 'failed', lifecycle}: D failed because of an upstream in this call, or has since
@@ -3687,7 +3961,7 @@ local function dag_settle(keys, args)
     -- Its commit applies the gate.
     return {'recorded'}
   end
-  local c = redis.call('HMGET', keys[1], 'upw', 'upf', 'prio', 'shards')
+  local c = redis.call('HMGET', keys[1], 'upw', 'upf', 'prio', 'shards', 'grp')
   local gate = sg_dag_gate(c[1], c[2], m[4])
   local now = sg_now()
   if state == 'waiting' then
@@ -3696,7 +3970,7 @@ local function dag_settle(keys, args)
       return {'finished', 'failed', f[3]}
     end
     if gate == 'open' then
-      local out = {'open', c[3], c[4] or '1'}
+      local out = {'open', c[3], c[4] or '1', c[5] or ''}
       for _, e in ipairs(sg_dag_open(keys, args[1], now)) do out[#out + 1] = e end
       return out
     end
@@ -3706,7 +3980,7 @@ local function dag_settle(keys, args)
     -- Opened before, and no part handed out yet: its queued tokens' elements, again. A release
     -- whose caller died between the call that opened it and the push is run again from the outbox,
     -- and pushes them then; an element pushed twice is taken once (acquire moves the token to held).
-    local out = {'open', c[3], c[4] or '1'}
+    local out = {'open', c[3], c[4] or '1', c[5] or ''}
     sg_each_token(keys, 0, tonumber(redis.call('HGET', keys[1], 'ntok') or '0'), function(k, tok)
       local f = sg_split(tok)
       if f[1] == 'q' then out[#out + 1] = sg_element(args[1], k, f[2]) end
@@ -3758,6 +4032,99 @@ local function rel_done(keys, args)
   redis.call('ZREM', keys[1], args[1])
   if not live then redis.call('PEXPIRE', keys[4], args[3]) end
   return 1
+end
+
+-- group_set: set a tenant group's limit (Admin::set_group; prelude.lua, "Tenant groups"): at most
+-- `limit` sub-requests of the group's requests run at once. Kept in the shard's `gconf` for when
+-- the group's meta is made; an existing group gets tokens added at once (queued if it has work),
+-- and loses the ones above the new limit: parked ones now, queued and held ones when next taken
+-- or given back, so that a lowered limit never stops a running part.
+-- KEYS[1] the group's shard's limits (hash `gconf`: name -> limit)   KEYS[2] the group's meta hash
+-- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000
+-- Returns {tokens added, tokens retired}.
+local function group_set(keys, args)
+  local name, limit = args[1], tonumber(args[2])
+  if name == nil or name == '' then return redis.error_reply('SGINVALID a group needs a name') end
+  local invalid = sg_check_group(name)
+  if invalid then return invalid end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID a group limit must be an integer from 1 to 10000')
+  end
+  redis.call('HSET', keys[1], name, limit)
+  local gkey = keys[2]
+  if redis.call('HEXISTS', gkey, 'limit') == 0 then return {0, 0} end
+  local now = sg_now()
+  local m = redis.call('HMGET', gkey, 'ntok', 'floor', 'maxep')
+  local ntok, floor = tonumber(m[1]), tonumber(m[2])
+  local epoch = m[3]
+  redis.call('HSET', gkey, 'limit', limit)
+  local top = sg_group_top(gkey)
+  local added, retired = 0, 0
+  for k = 0, limit - 1 do
+    if redis.call('HEXISTS', gkey, 't' .. k) == 0 then
+      added = added + 1
+      redis.call('HINCRBY', gkey, 'nlive', 1)
+      if top then
+        sg_group_queue(gkey, k, epoch, top, now)
+      else
+        redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
+        redis.call('HINCRBY', gkey, 'npark', 1)
+      end
+    end
+  end
+  for k = limit, ntok - 1 do
+    local tok = redis.call('HGET', gkey, 't' .. k)
+    if tok and string.sub(tok, 1, 2) == 'p|' then
+      sg_group_retire(gkey, k)
+      redis.call('HINCRBY', gkey, 'npark', -1)
+      retired = retired + 1
+    end
+  end
+  redis.call('HSET', gkey, 'ntok', math.max(ntok, limit))
+  if top then
+    redis.call('PERSIST', gkey)
+    if top < floor then redis.call('HSET', gkey, 'floor', top) end
+  end
+  return {added, retired}
+end
+
+-- group_audit: recovery's check of the group tokens of one shard (prelude.lua, "Tenant groups"):
+-- a token held by a take record that no longer exists goes back (sg_group_end), so that a record
+-- lost without its end (the shard's records expired: SG_HELD_TTL_MS) cannot keep a group's
+-- tokens forever. A record and the token it holds change in the same call everywhere else, so
+-- this finds nothing unless Redis lost a write. Groups whose meta expired leave the set.
+-- KEYS[1] the shard's take records (`held`)   KEYS[2] the shard's groups (set `groups`)
+-- ARGV[1] SSCAN cursor over the groups   ARGV[2] how many to look at
+-- Returns {next cursor ('0' after the last), tokens returned}.
+local function group_audit(keys, args)
+  local shard = sg_shard_key(keys[1], '')
+  local scan = redis.call('SSCAN', keys[2], args[1], 'COUNT', args[2])
+  local records, returned, now = nil, 0, sg_now()
+  for _, name in ipairs(scan[2]) do
+    local gkey = sg_group_key(shard, name)
+    local ntok = redis.call('HGET', gkey, 'ntok')
+    if not ntok then
+      redis.call('SREM', keys[2], name)
+    else
+      sg_each_token({gkey}, 0, tonumber(ntok), function(k, tok)
+        local t = sg_split(tok)
+        if t[1] ~= 'h' then return end
+        if not records then
+          records = {}
+          local all = redis.call('HGETALL', keys[1])
+          for i = 2, #all, 2 do
+            local f = sg_split(all[i])
+            if f[6] and f[6] ~= '' then records[f[6] .. '|' .. f[7] .. '|' .. f[8]] = true end
+          end
+        end
+        if not records[name .. '|' .. k .. '|' .. t[2]] then
+          sg_group_end(gkey, k, t[2], now)
+          returned = returned + 1
+        end
+      end)
+    end
+  end
+  return {scan[1], returned}
 end
 
 redis.register_function('sg2_submit_open', submit_open)
@@ -3817,3 +4184,5 @@ redis.register_function('sg2_sched_del', sched_del)
 redis.register_function('sg2_dag_link', dag_link)
 redis.register_function('sg2_dag_settle', dag_settle)
 redis.register_function('sg2_rel_done', rel_done)
+redis.register_function('sg2_group_set', group_set)
+redis.register_function('sg2_group_audit', group_audit)

@@ -1,0 +1,53 @@
+-- group_set: set a tenant group's limit (Admin::set_group; prelude.lua, "Tenant groups"): at most
+-- `limit` sub-requests of the group's requests run at once. Kept in the shard's `gconf` for when
+-- the group's meta is made; an existing group gets tokens added at once (queued if it has work),
+-- and loses the ones above the new limit: parked ones now, queued and held ones when next taken
+-- or given back, so that a lowered limit never stops a running part.
+-- KEYS[1] the group's shard's limits (hash `gconf`: name -> limit)   KEYS[2] the group's meta hash
+-- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000
+-- Returns {tokens added, tokens retired}.
+local function group_set(keys, args)
+  local name, limit = args[1], tonumber(args[2])
+  if name == nil or name == '' then return redis.error_reply('SGINVALID a group needs a name') end
+  local invalid = sg_check_group(name)
+  if invalid then return invalid end
+  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+    return redis.error_reply('SGINVALID a group limit must be an integer from 1 to 10000')
+  end
+  redis.call('HSET', keys[1], name, limit)
+  local gkey = keys[2]
+  if redis.call('HEXISTS', gkey, 'limit') == 0 then return {0, 0} end
+  local now = sg_now()
+  local m = redis.call('HMGET', gkey, 'ntok', 'floor', 'maxep')
+  local ntok, floor = tonumber(m[1]), tonumber(m[2])
+  local epoch = m[3]
+  redis.call('HSET', gkey, 'limit', limit)
+  local top = sg_group_top(gkey)
+  local added, retired = 0, 0
+  for k = 0, limit - 1 do
+    if redis.call('HEXISTS', gkey, 't' .. k) == 0 then
+      added = added + 1
+      redis.call('HINCRBY', gkey, 'nlive', 1)
+      if top then
+        sg_group_queue(gkey, k, epoch, top, now)
+      else
+        redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
+        redis.call('HINCRBY', gkey, 'npark', 1)
+      end
+    end
+  end
+  for k = limit, ntok - 1 do
+    local tok = redis.call('HGET', gkey, 't' .. k)
+    if tok and string.sub(tok, 1, 2) == 'p|' then
+      sg_group_retire(gkey, k)
+      redis.call('HINCRBY', gkey, 'npark', -1)
+      retired = retired + 1
+    end
+  end
+  redis.call('HSET', gkey, 'ntok', math.max(ntok, limit))
+  if top then
+    redis.call('PERSIST', gkey)
+    if top < floor then redis.call('HSET', gkey, 'floor', top) end
+  end
+  return {added, retired}
+end

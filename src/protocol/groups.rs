@@ -1,0 +1,31 @@
+//! Tenant groups (docs/protocol.md §5, "Groups"): `group_set` and recovery's `group_audit`, on
+//! the group's shard. Taking a group's token and giving it back are part of `take`, `give_back`,
+//! `release` and `untake` (tokens.rs).
+
+use fred::types::Value;
+
+use super::Func;
+use crate::error::Result;
+use crate::reply;
+use crate::store::Store;
+
+/// `group_set` on `shard`: sets group `name`'s limit. Returns (tokens added, tokens retired now).
+pub(crate) async fn set(store: &Store, shard: u32, name: &str, limit: u32) -> Result<(i64, i64)> {
+    let (limits, meta) = (store.keys.group_limits(shard), store.keys.group(shard, name));
+    let args: Vec<Value> = vec![name.into(), i64::from(limit).into()];
+    let items = reply::array(store.fcall(Func::GroupSet, &[&limits, &meta], args).await?)?;
+    let int = |i: usize| items.get(i).map(reply::int).transpose().map(Option::unwrap_or_default);
+    Ok((int(0)?, int(1)?))
+}
+
+/// `group_audit` on `shard`: looks at up to `count` groups from SSCAN cursor `cursor`, giving
+/// back the tokens held by take records that no longer exist. Returns (next cursor, tokens given
+/// back).
+pub(crate) async fn audit(store: &Store, shard: u32, cursor: &str, count: u32) -> Result<(String, i64)> {
+    let (held, groups) = (store.keys.held(shard), store.keys.groups(shard));
+    let args: Vec<Value> = vec![cursor.into(), i64::from(count).into()];
+    let items = reply::array(store.fcall(Func::GroupAudit, &[&held, &groups], args).await?)?;
+    let next = items.first().map(reply::text).transpose()?.unwrap_or_else(|| "0".to_owned());
+    let returned = items.get(1).map(reply::int).transpose()?.unwrap_or_default();
+    Ok((next, returned))
+}
