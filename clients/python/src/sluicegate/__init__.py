@@ -14,8 +14,11 @@ Redis Functions library, shipped with this package.
 
 from ._conn import library_source
 from .admin import (
+    DEFAULT_GROUP_LIMIT,
+    MAX_GROUP_LIMIT,
     Admin,
     DeadLetter,
+    GroupStatus,
     IndexedError,
     ListedRequest,
     ListPage,
@@ -51,12 +54,15 @@ from .worker import Context, Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_GROUP_LIMIT",
+    "MAX_GROUP_LIMIT",
     "Admin",
     "Completion",
     "Context",
     "DeadLetter",
     "DuplicateRequestId",
     "Event",
+    "GroupStatus",
     "IndexedError",
     "InvalidCursor",
     "InvalidRequest",

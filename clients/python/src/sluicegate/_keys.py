@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
+
+from . import errors
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_GROUP = re.compile(r"^[A-Za-z0-9._\-]{1,64}\Z")
 
 
 def key_id(raw: str) -> str:
@@ -83,16 +86,54 @@ def lane_key_id(shard: int, priority: int) -> str:
     return f"~{shard}.{priority}"
 
 
+def _fnv1a(text: str) -> int:
+    """FNV-1a, 32 bit, of the UTF-8 bytes of ``text``."""
+    h = 0x811C9DC5
+    for b in text.encode("utf-8"):
+        h ^= b
+        h = (h * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
 def home_shard(kid: str, shards: int) -> int:
     """FNV-1a-32 of the key id, modulo the request's token shards (§3.1)."""
     lane = lane_of(kid)
     if lane is not None:
         return lane[0]
-    h = 0x811C9DC5
-    for b in kid.encode("utf-8"):
-        h ^= b
-        h = (h * 0x01000193) & 0xFFFFFFFF
-    return h % max(shards, 1)
+    return _fnv1a(kid) % max(shards, 1)
+
+
+def check_group(name: Any) -> str:
+    """Checks a tenant group's name: 1 to 64 ASCII letters, digits, ``.``, ``_`` or ``-`` (Rust
+    ``check_group``); raises :class:`InvalidRequest` in its words."""
+    if not isinstance(name, str) or not _GROUP.match(name):
+        raise errors.InvalidRequest(
+            f"a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not {_quoted(name)}"
+        )
+    return name
+
+
+def _quoted(v: Any) -> str:
+    if not isinstance(v, str):
+        return repr(v)
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def group_shard(name: str, shards: int) -> int:
+    """The shard of tenant group ``name`` among ``shards`` token shards: FNV-1a (32 bit) of the
+    name, modulo ``shards`` (Rust ``group_shard``). Every token of a request in the group lives
+    there."""
+    return _fnv1a(name) % max(shards, 1)
+
+
+def group_of_queue(list_key: str) -> Optional[str]:
+    """The group name of a group queue key (``...:grp:<name>:p:<priority>``); None for any other
+    key (Rust ``group_of_queue``)."""
+    _, sep, rest = list_key.rpartition(":grp:")
+    if not sep:
+        return None
+    name, sep, _ = rest.partition(":p:")
+    return name if sep else None
 
 
 def token_shard(kid: str, shards: int, k: int) -> int:
@@ -149,6 +190,27 @@ class Keys:
         if not sep or not prio.isdigit() or int(prio) > 99:
             return None
         return int(prio)
+
+    def group(self, shard: int, name: str) -> str:
+        """The meta hash of tenant group ``name`` on ``shard``, its group's shard (prelude.lua,
+        "Tenant groups"): its limit and its tokens."""
+        return self._shard(shard) + "grp:" + name
+
+    def group_queue(self, shard: int, name: str, priority: int) -> str:
+        """The queue of group ``name``'s request token elements of ``priority``."""
+        return f"{self.group(shard, name)}:p:{priority}"
+
+    def group_work(self, shard: int, name: str) -> str:
+        """Sorted set of the priorities whose queue of group ``name`` may hold elements."""
+        return self.group(shard, name) + ":w"
+
+    def group_limits(self, shard: int) -> str:
+        """Hash of the group limits operators set for the groups of ``shard``: name -> limit."""
+        return self._shard(shard) + "gconf"
+
+    def groups(self, shard: int) -> str:
+        """Set of the groups of ``shard`` that have a meta hash (recovery's audit scans it)."""
+        return self._shard(shard) + "groups"
 
     def active(self, shard: int) -> str:
         return self._shard(shard) + "active"

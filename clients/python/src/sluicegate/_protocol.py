@@ -12,7 +12,7 @@ import redis
 
 from . import errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import Keys, home_shard, key_id, raw_id, token_shard
+from ._keys import Keys, group_shard, home_shard, key_id, raw_id, token_shard
 
 log = logging.getLogger("sluicegate.protocol")
 
@@ -87,15 +87,57 @@ class Finished:
         return Finished(text(items[0]) if items else "", lifecycle, sweep, shards)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's tokens and index entry live (Rust ``shards::Placement``): its priority,
+    its token shards, and its tenant group, if any. A grouped request's tokens all live on the
+    group's shard and their elements wait in the group's queue of the priority, instead of the
+    shard's priority list; its home shard (index, events) is the key id's, as for any request."""
+
+    priority: int
+    shards: int
+    group: Optional[str] = None
+
+    def token_shard(self, kid: str, k: int) -> int:
+        """The shard token ``k`` of request ``kid`` lives on."""
+        if self.group is not None:
+            return group_shard(self.group, self.shards)
+        return token_shard(kid, self.shards, k)
+
+    def list_at(self, keys: Keys, shard: int, priority: int) -> str:
+        """The list the request's token elements wait in on ``shard`` at ``priority``: the shard's
+        list of that priority, or its group's queue."""
+        if self.group is not None:
+            return keys.group_queue(shard, self.group, priority)
+        return keys.token_list(shard, priority)
+
+    def list(self, keys: Keys, shard: int) -> str:
+        """:meth:`list_at` the request's priority."""
+        return self.list_at(keys, shard, self.priority)
+
+
+def group_item(item: Any) -> Optional[str]:
+    """The tenant group a reply names ('' or absent: none; Rust ``group_of``)."""
+    if item is None:
+        return None
+    g = text(item)
+    return g or None
+
+
 @dataclass
 class Unfinished:
-    """``['finished', state, prio, shards, lifecycle, sealed]`` of census and reclaim."""
+    """``['finished', state, prio, shards, lifecycle, sealed, group]`` of census and reclaim."""
 
     state: str
     priority: int
     shards: int
     lifecycle: bytes
     sealed: bool
+    group: Optional[str] = None
+
+    @property
+    def place(self) -> Placement:
+        return Placement(self.priority, self.shards, self.group)
 
     @staticmethod
     def parse(items: Sequence[Any]) -> "Unfinished":
@@ -109,6 +151,7 @@ class Unfinished:
             max(1, min(1024, integer(get(2), 1))),
             lifecycle if lifecycle is not None else b"0",
             integer(get(4)) == 1,
+            group_item(get(5)),
         )
 
 
@@ -255,10 +298,11 @@ def element_token(element: Any) -> int:
     return 0
 
 
-def by_shard(kid: str, shards: int, elements: Sequence[Any]) -> Dict[int, List[Any]]:
+def by_shard(kid: str, place: Placement, elements: Sequence[Any]) -> Dict[int, List[Any]]:
+    """Elements grouped by the shard their token lives on."""
     out: Dict[int, List[Any]] = {}
     for e in elements:
-        out.setdefault(token_shard(kid, shards, element_token(e)), []).append(e)
+        out.setdefault(place.token_shard(kid, element_token(e)), []).append(e)
     return out
 
 
@@ -302,21 +346,22 @@ class Protocol:
         at = integer(reply[1]) if len(reply) > 1 else 0
         return at, at + grace
 
-    def push(self, kid: str, priority: int, shards: int, elements: Sequence[Any], next_s: float, first: Optional[int] = None) -> None:
+    def push(self, kid: str, place: Placement, elements: Sequence[Any], next_s: float, first: Optional[int] = None) -> None:
         """Queues elements: the home shard's through ``push`` with the index keys (made even with
-        no element: it sets the next look), the other shards' through ``push`` without."""
-        home = home_shard(kid, shards)
-        groups = by_shard(kid, shards, elements)
+        no element: it sets the next look), the other shards' through ``push`` without. Each
+        shard's elements go to ``place``'s list there (a grouped request's, to its group's queue)."""
+        home = home_shard(kid, place.shards)
+        by = by_shard(kid, place, elements)
         k = self.keys
         mode = f"first:{first}" if first is not None else "more"
         self.conn.fcall(
             "push",
-            [k.token_list(home, priority), k.bell(home), k.active(home), k.registrations(home)],
-            [kid, ms(next_s), mode, *groups.pop(home, [])],
+            [place.list(k, home), k.bell(home), k.active(home), k.registrations(home)],
+            [kid, ms(next_s), mode, *by.pop(home, [])],
         )
-        for shard, group in groups.items():
-            if group:
-                self.push_plain(kid, shard, k.token_list(shard, priority), group)
+        for shard, some in by.items():
+            if some:
+                self.push_plain(kid, shard, place.list(k, shard), some)
 
     def push_plain(self, kid: str, shard: int, list_key: str, elements: Sequence[Any]) -> None:
         self.conn.fcall("push", [list_key, self.keys.bell(shard)], [kid, 0, "more", *elements])
@@ -346,16 +391,16 @@ class Protocol:
             "or the clock of the request's master is ahead of its home shard's by more than half a grace"
         )
 
-    def placement(self, kid: str) -> Optional[Tuple[int, int]]:
-        """(priority, shards) from the meta hash, None when unknown."""
-        prio, shards = self.conn.client.hmget(self.keys.request(kid).meta, ["prio", "shards"])
+    def placement(self, kid: str) -> Optional[Placement]:
+        """The request's priority, token shards and group, from its meta hash; None when unknown."""
+        prio, shards, grp = self.conn.client.hmget(self.keys.request(kid).meta, ["prio", "shards", "grp"])
         if prio is None:
             return None
-        return integer(prio), max(1, integer(shards, 1))
+        return Placement(integer(prio), max(1, integer(shards, 1)), group_item(grp))
 
     # ----- the steps after a finish (§6.3) -----
 
-    def finish(self, kid: str, priority: int, shards: int, finished: Finished, depth: int = 0) -> Optional[int]:
+    def finish(self, kid: str, place: Placement, finished: Finished, depth: int = 0) -> Optional[int]:
         """The steps after request ``kid`` turned terminal, each repeatable (Rust
         ``shards::finish``): stale elements swept and the lifecycle's one event (``finish_index``);
         when that answered that the request has downstreams (2: its release is owed, in the
@@ -365,16 +410,16 @@ class Protocol:
         Returns the lifecycle a requeue marked (``reopen``) when the request stays indexed for
         it."""
         k = self.keys
-        home = home_shard(kid, shards)
-        groups = by_shard(kid, shards, finished.sweep)
-        home_sweep = groups.pop(home, [])
-        for shard, group in groups.items():
-            if group:
-                self.conn.fcall("sweep", [k.token_list(shard, priority), k.bell(shard)], group)
+        home = home_shard(kid, place.shards)
+        by = by_shard(kid, place, finished.sweep)
+        home_sweep = by.pop(home, [])
+        for shard, some in by.items():
+            if some:
+                self.conn.fcall("sweep", [place.list(k, shard), k.bell(shard)], some)
         indexed = integer(
             self.conn.fcall(
                 "finish_index",
-                [k.active(home), k.events(home), k.token_list(home, priority), k.finish_marks(home, kid), k.bell(home)],
+                [k.active(home), k.events(home), place.list(k, home), k.finish_marks(home, kid), k.bell(home)],
                 [kid, finished.state, ms(self.settings.retention), finished.lifecycle, *home_sweep],
             )
         )
@@ -402,14 +447,14 @@ class Protocol:
         if u.sealed:
             reopened = self.seal_and_unindex(kid, home_shard(kid, u.shards), u.lifecycle)
         else:
-            reopened = self.finish(kid, u.priority, u.shards, Finished(u.state, u.lifecycle, []))
+            reopened = self.finish(kid, u.place, Finished(u.state, u.lifecycle, []))
         if reopened is not None:
-            self.resume_requeue(kid, u.priority, u.shards, reopened)
+            self.resume_requeue(kid, u.place, reopened)
 
-    def resume_requeue(self, kid: str, priority: int, shards: int, lifecycle: int) -> None:
-        requeued = self.requeue_dead(kid, shards, str(lifecycle), resume=True)
+    def resume_requeue(self, kid: str, place: Placement, lifecycle: int) -> None:
+        requeued = self.requeue_dead(kid, place.shards, str(lifecycle), resume=True)
         if requeued.n >= 0 and requeued.elements:
-            self.push(kid, priority, shards, requeued.elements, self.settings.grace)
+            self.push(kid, place, requeued.elements, self.settings.grace)
 
     # ----- operators (§5 "Operators", §6.12) -----
 
@@ -442,7 +487,7 @@ class Protocol:
         lifecycle = integer(items[1]) if len(items) > 1 else 0
         return Requeued(n, lifecycle, items[2:] if n >= 0 else [])
 
-    def requeue(self, kid: str, priority: int, shards: int) -> int:
+    def requeue(self, kid: str, place: Placement) -> int:
         """Hands the dead letters of request ``kid`` (of its own stream) out again; a failed one
         reopens (also a downstream its upstream had failed, once its gate is open again). A failed
         request is reopened only after its own lifecycle is announced and sealed, and after
@@ -451,17 +496,17 @@ class Protocol:
         requeued."""
         reopen_as = ""
         for _ in range(4):
-            requeued = self.requeue_dead(kid, shards, reopen_as)
+            requeued = self.requeue_dead(kid, place.shards, reopen_as)
             if requeued.n == -1:
                 # A failure whose steps after the finish are not done: announce it first, so that
                 # its lifecycle keeps its one event.
-                self.finish(kid, priority, shards, Finished("failed", str(requeued.lifecycle).encode(), []))
+                self.finish(kid, place, Finished("failed", str(requeued.lifecycle).encode(), []))
             elif requeued.n == -2:
-                self.reopen(kid, shards, requeued.lifecycle)
+                self.reopen(kid, place.shards, requeued.lifecycle)
                 reopen_as = str(requeued.lifecycle)
             else:
                 if requeued.elements:
-                    self.push(kid, priority, shards, requeued.elements, self.settings.grace)
+                    self.push(kid, place, requeued.elements, self.settings.grace)
                 return max(0, requeued.n)
         raise errors.ProtocolError(f'request "{raw_id(kid)}" kept changing while it was being requeued; try again')
 
@@ -697,17 +742,20 @@ class Protocol:
         items = self.armed(dkid, shards, lambda deadline: self.dag_settle(dkid, ukid, ended, deadline))
         tag = text(items[0]) if items else ""
         if tag == "open":
+            # {'open', priority, shards, group ('' for none), element...}
             priority = _priority_item(items[1]) if len(items) > 1 and items[1] is not None else DEFAULT_PRIORITY
             place_shards = max(1, min(MAX_TOKEN_SHARDS, integer(items[2], 1))) if len(items) > 2 else 1
-            self.push(dkid, priority, place_shards, items[3:], self.settings.census_interval)
+            group = group_item(items[3]) if len(items) > 3 else None
+            place = Placement(priority, place_shards, group)
+            self.push(dkid, place, items[4:], self.settings.census_interval)
         elif tag == "finished":
-            place = self.placement(dkid) or (DEFAULT_PRIORITY, shards)
-            self.finish(dkid, place[0], place[1], Finished.parse(items[1:]), depth + 1)
+            place = self.placement(dkid) or Placement(DEFAULT_PRIORITY, shards)
+            self.finish(dkid, place, Finished.parse(items[1:]), depth + 1)
         elif tag == "reopen":
             place = self.placement(dkid)
             if place is not None:
                 log.info("reopening request %s, which its upstream %s had failed", dkid, ukid)
-                self.requeue(dkid, place[0], place[1])
+                self.requeue(dkid, place)
 
     def check_waiting(self, dkid: str, shards: int, upstreams: Sequence[str]) -> None:
         """Recovery's look at waiting downstream ``dkid`` (homed by ``shards``): each upstream
@@ -744,6 +792,24 @@ class Protocol:
 
     def release(self, shard: int, holder: str, take: str) -> None:
         self.conn.fcall("release", [self.keys.held(shard)], [holder, take])
+
+    # ----- tenant groups (prelude.lua, "Tenant groups") -----
+
+    def group_set(self, shard: int, name: str, limit: int) -> Tuple[int, int]:
+        """``group_set`` on group ``name``'s shard ``shard``: sets its limit. Returns (tokens
+        added, tokens retired now)."""
+        k = self.keys
+        items = fcall_items(self.conn.fcall("group_set", [k.group_limits(shard), k.group(shard, name)], [name, limit]))
+        return (integer(items[0]) if items else 0, integer(items[1]) if len(items) > 1 else 0)
+
+    def group_audit(self, shard: int, cursor: str, count: int) -> Tuple[str, int]:
+        """``group_audit`` on ``shard``: looks at up to ``count`` groups from SSCAN cursor
+        ``cursor``, giving back the group tokens held by take records that no longer exist.
+        Returns (next cursor, '0' after the last; tokens given back)."""
+        k = self.keys
+        items = fcall_items(self.conn.fcall("group_audit", [k.held(shard), k.groups(shard)], [cursor, count]))
+        nxt = text(items[0]) if items and items[0] is not None else "0"
+        return nxt, integer(items[1]) if len(items) > 1 else 0
 
     def reclaim(self, kid: str, k: int, epoch: str, holder: str, deadline: Optional[int]) -> Tuple[str, List[Any]]:
         """``reclaim``: (tag, rest of the reply)."""

@@ -10,14 +10,16 @@ import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._conn import fcall_items, integer, text
-from ._keys import home_shard, token_shard
-from ._protocol import Protocol, Unfinished, by_shard, ms
+from ._keys import group_of_queue, home_shard
+from ._protocol import Placement, Protocol, Unfinished, by_shard, group_item, ms
 
 log = logging.getLogger("sluicegate.recovery")
 
 #: Requests claimed per pass per shard; tokens per census call (src/worker/recovery.rs).
 CLAIM_BATCH = 200
 CENSUS_CHUNK = 1000
+#: Groups one ``group_audit`` call looks at (src/worker/recovery.rs ``GROUP_AUDIT_CHUNK``).
+GROUP_AUDIT_CHUNK = 100
 
 
 def claim_due(p: Protocol, shard: int) -> Tuple[List[Tuple[str, int]], List[str]]:
@@ -104,24 +106,26 @@ def census(p: Protocol, shard: int, kid: str, claim: Optional[int]) -> None:
         if tag != "ok" or len(reply) < 8:
             log.warning("unexpected census reply for %s: %r", kid, tag)
             return
-        prio = integer(reply[1])
-        shards = max(1, min(1024, integer(reply[2], 1)))
+        # {'ok', prio, shards, next, look, push, check, held, group ('' for none)}
+        place = Placement(
+            integer(reply[1]), max(1, min(1024, integer(reply[2], 1))), group_item(reply[8] if len(reply) > 8 else None)
+        )
         nxt = integer(reply[3], -1)
         look = integer(reply[4], 1)
         look_so_far = look
         push, check, held = list(reply[5] or []), list(reply[6] or []), list(reply[7] or [])
-        _verify(p, kid, prio, shards, push, check, (look, claim) if nxt < 0 else None)
-        _reclaim_dead_holders(p, kid, prio, shards, held)
+        _verify(p, kid, place, push, check, (look, claim) if nxt < 0 else None)
+        _reclaim_dead_holders(p, kid, place, held)
         if nxt < 0:
             return
         start = nxt
 
 
-def _verify(p: Protocol, kid: str, prio: int, shards: int, push: List[Any], check: List[Any],
+def _verify(p: Protocol, kid: str, place: Placement, push: List[Any], check: List[Any],
             rearm: Optional[Tuple[int, Optional[int]]]) -> None:
-    home = home_shard(kid, shards)
-    pushes = by_shard(kid, shards, push)
-    checks = by_shard(kid, shards, check)
+    home = home_shard(kid, place.shards)
+    pushes = by_shard(kid, place, push)
+    checks = by_shard(kid, place, check)
     on = set(pushes) | set(checks)
     if rearm is not None:
         on.add(home)
@@ -130,21 +134,22 @@ def _verify(p: Protocol, kid: str, prio: int, shards: int, push: List[Any], chec
     grace = ms(p.settings.grace)
     for s in sorted(on):
         ps, cs = pushes.get(s, []), checks.get(s, [])
+        list_key = place.list(k, s)
         if rearm is not None and s == home:
             look, claim = rearm
             reply = p.conn.fcall(
-                "verify", [k.token_list(s, prio), k.bell(s), k.active(s), k.armed(s)],
+                "verify", [list_key, k.bell(s), k.active(s), k.armed(s)],
                 [kid, look, grace, len(ps), *ps, *cs, "" if claim is None else claim],
             )
         else:
-            reply = p.conn.fcall("verify", [k.token_list(s, prio), k.bell(s)], [kid, 0, grace, len(ps), *ps, *cs])
+            reply = p.conn.fcall("verify", [list_key, k.bell(s)], [kid, 0, grace, len(ps), *ps, *cs])
         missing.extend(fcall_items(reply))
     if not missing:
         return
     restored = fcall_items(p.conn.fcall("restore", k.request(kid).all(), [kid, *missing]))
     if restored:
         log.warning("restoring %d token(s) of %s whose elements were lost", len(restored), kid)
-        p.push(kid, prio, shards, restored, p.settings.grace)
+        p.push(kid, place, restored, p.settings.grace)
 
 
 def gone(p: Protocol, ids: Sequence[str]) -> Dict[str, bool]:
@@ -157,7 +162,7 @@ def gone(p: Protocol, ids: Sequence[str]) -> Dict[str, bool]:
     return {i: r is None and q is None for i, r, q in zip(ids, registered, reaping)}
 
 
-def _reclaim_dead_holders(p: Protocol, kid: str, prio: int, shards: int, held: List[Any]) -> None:
+def _reclaim_dead_holders(p: Protocol, kid: str, place: Placement, held: List[Any]) -> None:
     holds = []
     for h in held:
         if isinstance(h, (list, tuple)) and len(h) == 3:
@@ -168,8 +173,8 @@ def _reclaim_dead_holders(p: Protocol, kid: str, prio: int, shards: int, held: L
     for k, epoch, holder in holds:
         if dead.get(holder.split("/", 1)[0]):
             log.warning("a token of %s is held by a worker that is gone; reclaiming it", kid)
-            shard = token_shard(kid, shards, k)
-            reclaim(p, kid, k, epoch, holder, shard, p.keys.token_list(shard, prio), None)
+            shard = place.token_shard(kid, k)
+            reclaim(p, kid, k, epoch, holder, shard, place.list(p.keys, shard), None)
 
 
 def reclaim(p: Protocol, kid: str, k: int, epoch: str, holder: str, shard: int, list_key: str,
@@ -179,7 +184,9 @@ def reclaim(p: Protocol, kid: str, k: int, epoch: str, holder: str, shard: int, 
     tag, rest = p.reclaim(kid, k, epoch, holder, None)
     if tag == "push":
         elements = rest[:1]
-        if len(rest) > 1 and rest[1] is not None:
+        # The request's priority now: an operator may have changed it since the take (never of a
+        # request in a group: its element goes back to the group's queue it came from).
+        if len(rest) > 1 and rest[1] is not None and group_of_queue(list_key) is None:
             list_key = p.keys.token_list(shard, integer(rest[1]))
         if take is not None:
             p.give_back(shard, list_key, take[0], take[1], elements)
@@ -190,7 +197,7 @@ def reclaim(p: Protocol, kid: str, k: int, epoch: str, holder: str, shard: int, 
         p.finish_reported(kid, Unfinished.parse(rest))
     elif tag == "wake":
         placement = p.placement(kid)
-        p.arm(kid, placement[1] if placement else 1, integer(rest[0] if rest else 1, 1) / 1000.0)
+        p.arm(kid, placement.shards if placement else 1, integer(rest[0] if rest else 1, 1) / 1000.0)
     if take is not None:
         p.release(shard, take[0], take[1])
 
@@ -216,6 +223,10 @@ def reap(p: Protocol, worker_id: str, description: Optional[str]) -> None:
 
 
 def reclaim_record(p: Protocol, shard: int, field: str, record: str) -> None:
+    """Reclaims the token of take record ``field`` = ``record`` on ``shard``:
+    ``<kid>|<k>|<epoch>|<take>|<list>``, where a grouped request's list (its group's queue) is
+    followed by the group token the take holds, ``|<group>|<k>|<epoch>``, which the give back or
+    release that ends the record returns (Rust ``TakeRecord``)."""
     parts = record.split("|", 4)
     ok = len(parts) == 5 and parts[1].isdigit() and parts[2].isdigit()
     if not ok:
@@ -223,13 +234,31 @@ def reclaim_record(p: Protocol, shard: int, field: str, record: str) -> None:
         p.conn.client.hdel(p.keys.held(shard), field)
         return
     kid, k, epoch, take, list_key = parts
+    queue, bar, _ = list_key.partition("|")
+    if bar and group_of_queue(queue) is not None:
+        list_key = queue
     holder = field.split("/lost/", 1)[0]
     reclaim(p, kid, int(k), epoch, holder, shard, list_key, (field, take))
 
 
+def audit_groups(p: Protocol, shard: int) -> None:
+    """Recovery's audit of the tenant groups on ``shard`` (``group_audit``): a group token held by
+    a take record that no longer exists goes back. Runs before the shard's records are reclaimed,
+    which give back the tokens of the records that do exist."""
+    cursor = "0"
+    while True:
+        cursor, returned = p.group_audit(shard, cursor, GROUP_AUDIT_CHUNK)
+        if returned > 0:
+            log.warning("giving back %d group token(s) of shard %d whose take records are gone", returned, shard)
+        if cursor == "0":
+            return
+
+
 def scan_held(p: Protocol) -> None:
-    """The backstop: take records whose worker is gone from the registry, or marked lost."""
+    """The backstop: take records whose worker is gone from the registry, or marked lost; first,
+    the group tokens held by records that are gone (:func:`audit_groups`)."""
     for shard in range(p.settings.token_shards):
+        audit_groups(p, shard)
         records = {text(f): text(v) for f, v in p.conn.client.hgetall(p.keys.held(shard)).items()}
         if not records:
             continue

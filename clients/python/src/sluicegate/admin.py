@@ -1,7 +1,8 @@
 """Operating sluicegate: a request's status, listing requests, tracking, purging, their dead
-letters, requeue, priority changes, pause and resume, and schedules (the Rust ``Admin`` of
-src/admin.rs, src/admin/listing.rs and src/admin/schedules.rs, call for call; docs/protocol.md §5
-"Listing", "Operators" and "Schedules", §6.12). Schedules are added by the Rust ``Admin`` or the CLI
+letters, requeue, priority changes, pause and resume, tenant groups' limits, and schedules (the
+Rust ``Admin`` of src/admin.rs, src/admin/listing.rs, src/admin/groups.rs and
+src/admin/schedules.rs, call for call; docs/protocol.md §5 "Listing", "Operators" and "Schedules",
+§6.12). Schedules are added by the Rust ``Admin`` or the CLI
 (``sluicegate schedule add``), which parse cron patterns and time zones, and fired by Rust
 workers."""
 
@@ -13,10 +14,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import home_shard, key_id, lane_key_id, raw_id, reason_shown
+from ._keys import check_group, group_shard, home_shard, key_id, lane_key_id, raw_id, reason_shown
 from ._protocol import (
     MAX_TOKEN_SHARDS,
     LaneSettings,
+    Placement,
     Protocol,
     Settings,
     by_shard,
@@ -58,6 +60,34 @@ _SCHEDULE_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrst
 #: A schedule's name is 1 to this many bytes (its requests' tag, ``schedule:<name>``, is a tag).
 MAX_SCHEDULE_NAME_BYTES = 55
 _TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=@+-")
+#: A tenant group's limit until an operator sets one (:meth:`Admin.set_group`).
+DEFAULT_GROUP_LIMIT = 10
+#: The largest group limit.
+MAX_GROUP_LIMIT = 10_000
+#: The most groups :meth:`Admin.groups` reads.
+MAX_GROUPS_LISTED = 1000
+
+
+@dataclass
+class GroupStatus:
+    """One tenant group as Redis has it now (the Rust ``GroupStatus``)."""
+
+    #: Its name.
+    name: str
+    #: The token shard its tokens live on.
+    shard: int
+    #: At most this many of its sub-requests run at once.
+    limit: int
+    #: Whether an operator set the limit (else it is :data:`DEFAULT_GROUP_LIMIT`).
+    configured: bool
+    #: Its tokens held by worker slots: its requests' tokens running now.
+    held: int
+    #: Its tokens waiting on the shard's priority lists for a slot.
+    queued: int
+    #: Its tokens parked: it had no work for them.
+    parked: int
+    #: Its requests' token elements waiting in its queues, ``(priority, count)``, highest first.
+    waiting: List[Tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -350,6 +380,11 @@ def _digits(s: str) -> bool:
     return s.isascii() and s.isdigit()
 
 
+def _opt_digits(s: Optional[str]) -> Optional[int]:
+    """``s`` as a whole number that fits 32 bits (a Rust ``u32``), else None."""
+    return int(s) if s is not None and _digits(s) and int(s) < 1 << 32 else None
+
+
 def _check_id(rid: str) -> None:
     """Refuses what the Rust ``RequestId::new`` refuses, in its words."""
     if not rid:
@@ -607,7 +642,7 @@ class Admin:
         """The home shard of a request: its own meta says how many shards it was submitted with;
         a lane request (or an unknown one) is homed by this admin's."""
         place = self.protocol.placement(kid)
-        return home_shard(kid, place[1]) if place is not None else self._lane_home(kid)
+        return home_shard(kid, place.shards) if place is not None else self._lane_home(kid)
 
     # ----- status -----
 
@@ -904,7 +939,7 @@ class Admin:
         )
         place = p.placement(kid)
         if place is not None:
-            home = home_shard(kid, place[1])
+            home = home_shard(kid, place.shards)
             # Out of the index, its finish is recorded: a release it owes is in the outbox already,
             # and nothing adds one now that it has finished (until a requeue, which `purge` refuses
             # to race: the request is not finished then).
@@ -1008,7 +1043,7 @@ class Admin:
         # A failed request is reopened only after its own lifecycle is announced and sealed, and
         # after `reopen` indexed it again and marked the new lifecycle (Protocol.requeue). Its
         # downstreams that it failed reopen once it completes (its release).
-        return p.requeue(kid, place[0], place[1])
+        return p.requeue(kid, place)
 
     def _lane_requeue(self, rid: str, kid: str, home: int, priority: int) -> int:
         """``lane_requeue`` of lane request ``kid``: the function pushes the lane tokens it wakes."""
@@ -1040,7 +1075,8 @@ class Admin:
 
         :class:`Refused` for a request that has finished or is still being submitted, and for a
         small request that took its priority's lane (submit with ``own_stream=True`` to be able to
-        change a small request's priority). An unknown id is :class:`UnknownRequest`."""
+        change a small request's priority). A request in a tenant group keeps the priority it was
+        submitted with: :class:`InvalidRequest`. An unknown id is :class:`UnknownRequest`."""
         _check_id(rid)
         _priority(priority)
         p = self.protocol
@@ -1057,7 +1093,7 @@ class Admin:
         if r.old != priority:
             # Each shard's elements in its own calls (their lists share that shard's hash tag), a
             # bounded number per call: each call scans near the ends of the lists.
-            for shard, group in sorted(by_shard(kid, r.shards, r.elements).items()):
+            for shard, group in sorted(by_shard(kid, Placement(r.old, r.shards), r.elements).items()):
                 for start in range(0, len(group), RELIST_CHUNK):
                     moved += p.relist(shard, r.old, priority, group[start : start + RELIST_CHUNK])
         return Reprioritized(r.old, priority, moved, max(0, queued - moved))
@@ -1080,6 +1116,68 @@ class Admin:
             f"{prio}; submit small requests with their own stream (RequestBuilder::own_stream) to be able to "
             f"change their priority, or cancel this one and submit it again"
         )
+
+    # ----- tenant groups -----
+
+    def set_group(self, name: str, limit: int) -> None:
+        """Sets tenant group ``name``'s limit: at most ``limit`` (1 to :data:`MAX_GROUP_LIMIT`)
+        sub-requests of all its requests run at once (``Producer.submit(group=...)``). Takes effect
+        at once: a raised limit adds tokens, a lowered one retires tokens as they come back
+        (running parts are never stopped). A bad name or limit is :class:`InvalidRequest` (the
+        Rust ``Admin::set_group``)."""
+        check_group(name)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_GROUP_LIMIT:
+            raise errors.InvalidRequest(f"a group limit is from 1 to {MAX_GROUP_LIMIT}, not {limit!r}")
+        p = self.protocol
+        p.group_set(group_shard(name, p.settings.token_shards), name, limit)
+
+    def group(self, name: str) -> GroupStatus:
+        """Tenant group ``name`` now (a group nobody used nor configured reads as idle, with the
+        default limit). The group's shard follows from this admin's ``token_shards``, which must be
+        the namespace's."""
+        check_group(name)
+        p = self.protocol
+        k = p.keys
+        client = p.conn.client
+        shard = group_shard(name, p.settings.token_shards)
+        fields = {text(f): text(v) for f, v in client.hgetall(k.group(shard, name)).items()}
+        configured = client.hget(k.group_limits(shard), name)
+        configured_limit = _opt_digits(None if configured is None else text(configured))
+        limit = _opt_digits(fields.get("limit"))
+        if limit is None:
+            limit = configured_limit if configured_limit is not None else DEFAULT_GROUP_LIMIT
+        held = queued = parked = 0
+        for f, v in fields.items():
+            if not (f.startswith("t") and _digits(f[1:])):
+                continue
+            kind = v.split("|", 1)[0]
+            if kind == "h":
+                held += 1
+            elif kind == "q":
+                queued += 1
+            elif kind == "p":
+                parked += 1
+        waiting: List[Tuple[int, int]] = []
+        for prio in (text(v) for v in client.zrevrange(k.group_work(shard, name), 0, -1)):
+            if not _digits(prio) or int(prio) > 99:
+                continue
+            n = integer(client.llen(k.group_queue(shard, name, int(prio))))
+            if n > 0:
+                waiting.append((int(prio), n))
+        return GroupStatus(name, shard, limit, configured_limit is not None, held, queued, parked, waiting)
+
+    def groups(self) -> List[GroupStatus]:
+        """Every tenant group in use or configured, by name (at most :data:`MAX_GROUPS_LISTED`)."""
+        p = self.protocol
+        k = p.keys
+        names = set()
+        pipe = p.conn.client.pipeline(transaction=False)
+        for shard in range(p.settings.token_shards):
+            pipe.smembers(k.groups(shard))
+            pipe.hkeys(k.group_limits(shard))
+        for reply in pipe.execute():
+            names.update(text(n) for n in reply)
+        return [self.group(n) for n in sorted(names)[:MAX_GROUPS_LISTED]]
 
     # ----- pause -----
 

@@ -13,8 +13,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import generate_id, home_shard, key_id, lane_key_id, raw_id, reason_shown
-from ._protocol import MAX_TOKEN_SHARDS, Finished, Protocol, Settings, ms
+from ._keys import check_group, generate_id, home_shard, key_id, lane_key_id, raw_id, reason_shown
+from ._protocol import DEFAULT_PRIORITY, MAX_TOKEN_SHARDS, Finished, Placement, Protocol, Settings, ms
 
 #: A lane request has at most this many parts and payload bytes (src/protocol/lane.rs).
 LANE_MAX_PARTS = 64
@@ -149,14 +149,13 @@ class RequestHandle:
 class OpenRequest:
     """A streamed request open for parts: :meth:`add` them, then :meth:`finalize`."""
 
-    def __init__(self, producer: "Producer", rid: str, kid: str, nonce: str, priority: int, shards: int) -> None:
+    def __init__(self, producer: "Producer", rid: str, kid: str, nonce: str, place: Placement) -> None:
         self.producer = producer
         self.handle = RequestHandle(producer, rid)
         self.id = rid
         self._kid = kid
         self._nonce = nonce
-        self._priority = priority
-        self._shards = shards
+        self._place = place
         self.added = 0
 
     def add(self, parts: Iterable[Any]) -> None:
@@ -179,13 +178,14 @@ class OpenRequest:
                         raise errors.NotOpen(f'request "{self.id}" is not open for parts') from e
                     raise
 
-            reply = fcall_items(p.armed(self._kid, self._shards, append))
+            reply = fcall_items(p.armed(self._kid, self._place.shards, append))
             if reply:
-                self._priority = integer(reply[0], self._priority)
+                place = self._place
+                self._place = Placement(integer(reply[0], place.priority), place.shards, place.group)
             self.added += len(chunk)
             elements = reply[1:]
             if elements:
-                p.push(self._kid, self._priority, self._shards, elements, p.settings.census_interval)
+                p.push(self._kid, self._place, elements, p.settings.census_interval)
 
     def finalize(self) -> RequestHandle:
         """No more parts: the request completes once every part is done."""
@@ -258,6 +258,7 @@ class Producer:
         rate: Optional[Rate] = None,
         after: Iterable[UpstreamRef] = (),
         on_upstream_failure: str = "fail",
+        group: Optional[str] = None,
     ) -> RequestHandle:
         """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
         once it is durable in Redis. Delays, backoffs and the timeout are in seconds. ``unlisted``
@@ -293,7 +294,17 @@ class Producer:
         :class:`UnknownUpstream` naming it, and nothing of this request is kept. An id given twice
         counts once; at most 1,000 upstreams. Such a request takes a stream of its own, never a
         lane (so it cannot be ``unlisted``), and cannot be delayed or submitted after itself
-        (Rust ``RequestBuilder::after`` and ``on_upstream_failure``)."""
+        (Rust ``RequestBuilder::after`` and ``on_upstream_failure``).
+
+        ``group`` puts the request in a tenant group: at most the group's limit of sub-requests of
+        all its requests run at once, across all workers, on top of the request's own
+        ``concurrency``; and within a priority the groups with work take turns, so that a tenant
+        with a thousand requests queued cannot crowd out one with a single request. The limit is
+        set with :meth:`Admin.set_group` (default :data:`DEFAULT_GROUP_LIMIT`, 10). A name is 1 to
+        64 ASCII letters, digits, ``.``, ``_`` or ``-``, else :class:`InvalidRequest`. A grouped
+        request takes a stream of its own, never a lane (so it cannot be ``unlisted``), and keeps
+        the priority it was submitted with (:meth:`Admin.reprioritize` refuses it) (Rust
+        ``RequestBuilder::group``)."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
@@ -302,6 +313,8 @@ class Producer:
         rid = id if id is not None else generate_id()
         _check_id(rid)
         _check_upstreams(rid, upstreams, delay)
+        if group is not None:
+            check_group(group)
         due = _deadline_at(deadline)
         limit = _rate_arg(rate)
         payloads = [codec.encode(v) for v in parts]
@@ -315,7 +328,7 @@ class Producer:
         size = sum(len(b) for b in payloads)
         takes_lane = (
             s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None and not limit and not upstreams
-            and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
+            and group is None and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
         )
         if unlisted and not takes_lane:
             raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
@@ -336,19 +349,22 @@ class Producer:
             p.conn.fcall("lane_submit", keys, args)
             return RequestHandle(self, rid)
         shards = s.token_shards
+        place = Placement(priority, shards, group)
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         step_deadline = at + ms(s.loading_ttl) // 2
         keys = p.keys.request(kid).all()
         head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, step_deadline]
         # After the head: the trace context ('': none), the deadline (ms from now; 0: none), the
-        # rate limit ('<n>/<interval ms>'; '': none); for a downstream, its policy for a failed
-        # upstream and its upstreams' key ids.
-        if not upstreams and len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
+        # rate limit ('<n>/<interval ms>'; '': none); for a downstream or a grouped request, its
+        # policy for a failed upstream and its upstreams' key ids (may be ''); then its group.
+        if not upstreams and group is None and len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
             elements = fcall_items(
                 p.conn.fcall("submit_small", keys, [*head, kid, "", _within_ms(due), limit, *payloads])
             )
         else:
-            dag = [onup, ",".join(key_id(u) for u in upstreams)] if upstreams else []
+            dag = [onup, ",".join(key_id(u) for u in upstreams)] if upstreams or group is not None else []
+            if group is not None:
+                dag.append(group)
             p.conn.fcall("submit_open", keys, [*head, "", _within_ms(due), limit, *dag])
             links: List[Tuple[str, int, Optional[str]]] = []
             try:
@@ -385,14 +401,14 @@ class Producer:
             elements = fcall_items(p.conn.fcall("submit_commit", keys, commit))
             if elements and text(elements[0]) == "finished":
                 # An upstream had failed already: it ended at once, failed, and is announced now.
-                p.finish(kid, priority, shards, Finished.parse(elements[1:]))
+                p.finish(kid, place, Finished.parse(elements[1:]))
                 return RequestHandle(self, rid)
         # A delayed request is first looked at (and promoted) when its time comes; one with a
         # deadline no later than that.
         nxt = (delay if delay_ms > 0 else s.census_interval) or s.census_interval
         if due is not None:
             nxt = min(nxt, max(0.001, due - time.monotonic()))
-        p.push(kid, priority, shards, elements, nxt, first=score)
+        p.push(kid, place, elements, nxt, first=score)
         return RequestHandle(self, rid)
 
     def open(
@@ -412,18 +428,21 @@ class Producer:
         deadline: Optional[Deadline] = None,
         rate: Optional[Rate] = None,
         after: Iterable[UpstreamRef] = (),
+        group: Optional[str] = None,
     ) -> OpenRequest:
         """Opens a streamed request (§6.9): runnable at once, complete once finalized and done.
         ``deadline`` as :meth:`submit`'s: past it, the request ends ``failed`` (reason
         ``"deadline"``) whether finalized or not; :meth:`OpenRequest.add` and
         :meth:`OpenRequest.finalize` are then :class:`NotOpen`, and ``handle.wait()`` returns the
-        completion. ``rate`` as :meth:`submit`'s. A streamed request cannot be submitted ``after``
-        others (:class:`InvalidRequest`): :meth:`submit` it whole."""
+        completion. ``rate`` and ``group`` as :meth:`submit`'s. A streamed request cannot be
+        submitted ``after`` others (:class:`InvalidRequest`): :meth:`submit` it whole."""
         p = self.protocol
         s = p.settings
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, expire_after)
         if _upstream_ids(after):
             raise errors.InvalidRequest("a streamed request cannot be submitted after others: submit() it whole")
+        if group is not None:
+            check_group(group)
         due = _deadline_at(deadline)
         limit = _rate_arg(rate)
         rid = id if id is not None else generate_id()
@@ -431,22 +450,24 @@ class Producer:
         kid = key_id(rid)
         nonce = uuid.uuid4().hex
         shards = s.token_shards
+        place = Placement(priority, shards, group)
         if unlisted:
             raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         step_deadline = at + ms(s.loading_ttl) // 2
-        # ... window 0, results kept, no trace context, the deadline (ms from now), the rate limit.
+        # ... window 0, results kept, no trace context, the deadline (ms from now), the rate limit,
+        # the group ('': none).
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
                 ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, step_deadline, 0, 0, "",
-                _within_ms(due), limit]
+                _within_ms(due), limit, group or ""]
         p.conn.fcall("stream_open", p.keys.request(kid).all(), args)
         # Its first look: when it expires unfinalized or reaches its deadline, or the census
         # interval.
         nxt = min(expire_after, s.census_interval) if expire_after else s.census_interval
         if due is not None:
             nxt = min(nxt, max(0.001, due - time.monotonic()))
-        p.push(kid, priority, shards, [], nxt, first=score)
-        return OpenRequest(self, rid, kid, nonce, priority, shards)
+        p.push(kid, place, [], nxt, first=score)
+        return OpenRequest(self, rid, kid, nonce, place)
 
     def _finalize(self, kid: str, nonce: str) -> None:
         p = self.protocol
@@ -460,8 +481,7 @@ class Producer:
                 raise errors.NotOpen(f'request "{raw_id(kid)}" is not open') from e
             raise
         if reply and text(reply[0]) == "finished":
-            prio, shards = p.placement(kid) or (50, 1)
-            p.finish(kid, prio, shards, Finished.parse(reply[1:]))
+            p.finish(kid, p.placement(kid) or Placement(DEFAULT_PRIORITY, 1), Finished.parse(reply[1:]))
 
     # ----- reading -----
 
@@ -550,8 +570,7 @@ class Producer:
         )
         tag = text(reply[0]) if reply else "unknown"
         if tag == "finished":
-            prio, shards = placement or (50, 1)
-            p.finish(kid, prio, shards, Finished.parse(reply[1:]))
+            p.finish(kid, placement or Placement(DEFAULT_PRIORITY, 1), Finished.parse(reply[1:]))
             return "cancelled"
         if tag == "already":
             return text(reply[1]) if len(reply) > 1 else ""

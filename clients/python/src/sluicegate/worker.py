@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import _recovery as recovery
 from . import codec
 from ._conn import TRANSIENT, Conn, fcall_items, integer, text
-from ._keys import home_shard, key_id, lane_of, raw_id
-from ._protocol import MAX_TOKEN_SHARDS, Ended, Finished, LaneSettings, Protocol, Settings, Unfinished, ms
+from ._keys import group_of_queue, home_shard, key_id, lane_of, raw_id
+from ._protocol import MAX_TOKEN_SHARDS, Ended, Finished, LaneSettings, Placement, Protocol, Settings, Unfinished, ms
 from .errors import NoResult, PermanentError, UnknownRequest
 from .producer import PartError
 
@@ -320,9 +320,16 @@ class _Token:
     rid: str
     priority: int
     shard: int
+    #: The list it was taken from: a shard's priority list, or a tenant group's queue (the take
+    #: then holds a token of the group too, which the call that ends the take record returns).
     list: str
     take: int
     acquired: Optional[_Next] = None
+
+    @property
+    def group(self) -> Optional[str]:
+        """The request's tenant group, if it has one (its token came from the group's queue)."""
+        return group_of_queue(self.list)
 
 
 @dataclass
@@ -1027,7 +1034,7 @@ class _Slot:
         if last.tag == "requeue":
             self.give_back(t, last.priority, [last.element])
         elif last.tag == "finished" and last.finished is not None:
-            self.p.finish(t.kid, t.priority, shards, last.finished)
+            self.p.finish(t.kid, Placement(t.priority, shards, t.group), last.finished)
         elif last.tag == "park" and last.wake_ms > 0:
             self.wake_later(t.kid, shards, last.wake_ms)
         elif last.tag == "fenced":
@@ -1036,7 +1043,10 @@ class _Slot:
             self.reclaim(t)
 
     def give_back(self, t: _Token, priority: Optional[int], elements: List[Any]) -> None:
-        list_key = t.list if priority is None or priority == t.priority else self.p.keys.token_list(t.shard, priority)
+        # The request's priority now, if an operator changed it; a grouped request keeps its own
+        # (reprioritize refuses it), and its element goes back to its group's queue.
+        same = priority is None or priority == t.priority or t.group is not None
+        list_key = t.list if same else self.p.keys.token_list(t.shard, priority)
         _retry_transient("give back", lambda: self.p.give_back(t.shard, list_key, self._holder, str(t.take), elements))
 
     def wake_later(self, kid: str, shards: int, wake_ms: int) -> None:
@@ -1056,7 +1066,7 @@ class _Slot:
     def reclaim(self, t: _Token) -> None:
         """Recovery's step on this slot's own token, armed first (§6.2 step 8)."""
         placement = _retry_transient("placement", lambda: self.p.placement(t.kid))
-        shards = placement[1] if placement else 1
+        shards = placement.shards if placement else 1
         tag, rest = _retry_transient(
             "reclaim",
             lambda: self.p.armed(t.kid, shards, lambda d: self.p.reclaim(t.kid, int(t.k), t.epoch, self._holder, d)),

@@ -1,0 +1,243 @@
+"""Tenant groups (``Producer.submit(group=...)``, Rust ``RequestBuilder::group``; prelude.lua,
+"Tenant groups"): a grouped request's tokens all live on its group's shard and wait in the
+group's queues; at most the group's limit of its sub-requests run at once, across requests and
+workers; ``Admin.set_group``/``group``/``groups``; the refusals; recovery of a grouped take whose
+worker died, or whose record was lost; interop with the Rust CLI's worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, Iterator
+
+import pytest
+
+from sluicegate import DEFAULT_GROUP_LIMIT, Admin, GroupStatus, InvalidRequest, Producer
+from sluicegate import _recovery as recovery
+from sluicegate._conn import fcall_items, text
+from sluicegate._keys import group_of_queue, group_shard, home_shard, key_id
+
+from conftest import CLI, FAST, Running
+
+REFUSED = "a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not "
+
+
+class Concurrent:
+    """Counts the handlers running at once per group (each part names its group)."""
+
+    def __init__(self, seconds: float = 0.04) -> None:
+        self.lock = threading.Lock()
+        self.now: Dict[str, int] = defaultdict(int)
+        self.most: Dict[str, int] = defaultdict(int)
+        self.seconds = seconds
+
+    def __call__(self, ctx: Any, part: Dict[str, Any]) -> int:
+        g = part["g"]
+        with self.lock:
+            self.now[g] += 1
+            self.most[g] = max(self.most[g], self.now[g])
+        time.sleep(self.seconds)
+        with self.lock:
+            self.now[g] -= 1
+        return part["n"] * 2
+
+
+def test_group_shards_and_queues_follow_the_rust_key_schema() -> None:
+    # FNV-1a of the name, as home_shard hashes a key id.
+    assert group_shard("a", 1 << 32) == 0xE40C292C == home_shard("a", 1 << 32)
+    assert group_of_queue("ns:{ns.q3}:grp:tenant-1:p:50") == "tenant-1"
+    assert group_of_queue("ns:{ns.q3}:p:50") is None
+    assert group_of_queue("ns:{ns.q3}:grp:tenant-1") is None
+
+
+def test_a_grouped_request_completes_its_streamed_one_too_across_token_shards(
+    server: Any, ns: str, running: Running
+) -> None:
+    shards = 4
+    p = Producer(server.url, ns, token_shards=shards)
+    h = p.submit([{"n": i, "g": "acme"} for i in range(6)], concurrency=3, group="acme")
+    assert p.status(h.id)["grp"] == "acme"
+    # Every token waits on the group's shard, in the group's queue; none on a shard's list.
+    keys, client = p.protocol.keys, p.protocol.conn.client
+    gs = group_shard("acme", shards)
+    assert client.llen(keys.group_queue(gs, "acme", 50)) == 3
+    # What waits on the shard's list is the group's own tokens, one per element (up to its limit).
+    lists = {s: [text(e) for e in client.lrange(keys.token_list(s, 50), 0, -1)] for s in range(shards)}
+    on_group_shard = lists.pop(gs)
+    assert len(on_group_shard) == 3 and all(e.startswith("^acme|") for e in on_group_shard)
+    assert all(not v for v in lists.values())
+    assert client.hget(keys.group(gs, "acme"), "limit") == str(DEFAULT_GROUP_LIMIT).encode()
+    o = p.open(concurrency=2, group="acme", priority=60)
+    o.add([{"n": 10, "g": "acme"}, {"n": 11, "g": "acme"}])
+    o.finalize()
+    running.start(server.url, Concurrent(0.001), ns, slots=4, token_shards=shards)
+    assert h.wait(timeout=20).results == [0, 2, 4, 6, 8, 10]
+    assert o.handle.wait(timeout=20).results == [20, 22]
+    # Every group token came back: parked, since the group has no more work.
+    deadline = time.monotonic() + 5
+    admin = Admin(server.url, ns, token_shards=shards)
+    while (g := admin.group("acme")).parked != DEFAULT_GROUP_LIMIT and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert g == GroupStatus("acme", gs, DEFAULT_GROUP_LIMIT, False, 0, 0, DEFAULT_GROUP_LIMIT, [])
+
+
+def test_a_group_never_runs_more_than_its_limit_across_requests(server: Any, ns: str, running: Running) -> None:
+    admin = Admin(server.url, ns)
+    admin.set_group("two", 2)
+    admin.set_group("three", 3)
+    p = Producer(server.url, ns)
+    handles = [
+        p.submit([{"n": i, "g": g} for i in range(6)], concurrency=4, group=g, priority=prio)
+        for g in ("two", "three")
+        for prio in (40, 50, 60)
+    ]
+    ungrouped = p.submit([{"n": i, "g": "none"} for i in range(8)], concurrency=4)
+    c = Concurrent()
+    running.start(server.url, c, ns, slots=12)
+    for h in handles + [ungrouped]:
+        assert h.wait(timeout=30).state == "completed"
+    assert c.most["two"] == 2
+    assert c.most["three"] == 3
+    assert c.most["none"] == 4  # a request in no group is held by its own limit only
+
+
+def test_set_group_group_and_groups(server: Any, ns: str, running: Running) -> None:
+    admin = Admin(server.url, ns)
+    idle = admin.group("nobody")
+    assert (idle.limit, idle.configured, idle.held, idle.queued, idle.parked, idle.waiting) == (
+        DEFAULT_GROUP_LIMIT, False, 0, 0, 0, []
+    )
+    admin.set_group("alpha", 3)
+    assert admin.group("alpha") == GroupStatus("alpha", 0, 3, True, 0, 0, 0, [])
+    # Work waits (no worker yet): the group's tokens are queued, its elements wait by priority.
+    p = Producer(server.url, ns)
+    hs = [p.submit([1, 2, 3, 4], concurrency=2, group="alpha", priority=prio) for prio in (30, 70)]
+    p.submit([5], group="beta")
+    g = admin.group("alpha")
+    assert (g.limit, g.configured, g.queued, g.parked, g.held) == (3, True, 3, 0, 0)
+    assert g.waiting == [(70, 2), (30, 2)]
+    # A raised limit adds a token at once, queued (the group has work); a lowered one retires the
+    # parked ones now and the others as they come back.
+    admin.set_group("alpha", 4)
+    assert (admin.group("alpha").queued, admin.group("alpha").limit) == (4, 4)
+    assert [(s.name, s.limit, s.configured) for s in admin.groups()] == [
+        ("alpha", 4, True), ("beta", DEFAULT_GROUP_LIMIT, False)
+    ]
+    admin.set_group("alpha", 1)
+    running.start(server.url, lambda ctx, part: part, ns, slots=4)
+    for h in hs:
+        assert h.wait(timeout=20).state == "completed"
+    deadline = time.monotonic() + 5
+    while (g := admin.group("alpha")).parked != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (g.limit, g.held, g.queued, g.parked, g.waiting) == (1, 0, 0, 1, [])
+    for bad in (0, 10_001, 2.5, True):
+        with pytest.raises(InvalidRequest, match="a group limit is from 1 to 10000"):
+            admin.set_group("alpha", bad)
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "x" * 65, "ünï", "a:b", "a|b", "{x}"])
+def test_a_bad_group_name_is_refused_with_a_clear_error_and_leaves_nothing(server: Any, ns: str, bad: str) -> None:
+    p = Producer(server.url, ns)
+    admin = Admin(server.url, ns)
+    with pytest.raises(InvalidRequest) as e:
+        p.submit([1], id="r", group=bad)
+    assert str(e.value).startswith(REFUSED)
+    with pytest.raises(InvalidRequest, match="a group name is"):
+        p.open(group=bad)
+    with pytest.raises(InvalidRequest, match="a group name is"):
+        admin.set_group(bad, 2)
+    with pytest.raises(InvalidRequest, match="a group name is"):
+        admin.group(bad)
+    assert p.protocol.conn.client.keys("*") == []
+    # 64 of the allowed characters are fine.
+    p.submit([1], group="A-z_0.9" + "x" * 57)
+
+
+def test_a_grouped_request_cannot_be_reprioritized_nor_unlisted(server: Any, ns: str) -> None:
+    p = Producer(server.url, ns)
+    h = p.submit([1, 2], group="g1", priority=20)
+    with pytest.raises(InvalidRequest, match="tenant group keeps the priority it was submitted with"):
+        Admin(server.url, ns).reprioritize(h.id, 90)
+    assert p.status(h.id)["prio"] == "20"
+    with pytest.raises(InvalidRequest, match="can be unlisted"):
+        p.submit([1], group="g1", unlisted=True)
+
+
+def _take_as(p: Producer, holder: str, shard: int = 0) -> str:
+    """A take on ``shard`` by slot ``holder`` of a worker that never registered (dead from the
+    start): returns its take record."""
+    k = p.protocol.keys
+    reply = fcall_items(
+        p.protocol.conn.fcall(
+            "take", [k.held(shard), k.bell(shard), k.active(shard), k.armed(shard), k.paused(shard)],
+            [holder, 0, "", "0", holder.split("/")[0], 1, k.lane_prefix(shard), k.record_prefix(shard),
+             k.list_prefix(shard)],
+        )
+    )
+    assert group_of_queue(text(reply[0])) == "g"
+    return text(p.protocol.conn.client.hget(k.held(shard), holder))
+
+
+@pytest.mark.parametrize("lose_record", [False, True])
+def test_a_grouped_take_of_a_dead_worker_is_reclaimed_and_its_group_token_comes_back(
+    server: Any, ns: str, running: Running, lose_record: bool
+) -> None:
+    admin = Admin(server.url, ns)
+    admin.set_group("g", 1)
+    # (A short grace: the census below finds a token whose element is lost a grace after.)
+    p = Producer(server.url, ns, lease=0.1)
+    h = p.submit([1, 2, 3], group="g")
+    record = _take_as(p, "deadworker/0")
+    # <kid>|<k>|<epoch>|<take>|<group queue>|<group>|<gk>|<gepoch>
+    fields = record.split("|")
+    assert fields[0] == key_id(h.id) and fields[4] == p.protocol.keys.group_queue(0, "g", 50)
+    assert fields[5:7] == ["g", "0"]
+    assert admin.group("g").held == 1
+    if lose_record:
+        # The record is lost (Redis lost a write): the audit gives the group token back (it
+        # parks: the group has no other work) ...
+        p.protocol.conn.client.hdel(p.protocol.keys.held(0), "deadworker/0")
+        recovery.scan_held(p.protocol)
+        assert (admin.group("g").held, admin.group("g").parked) == (0, 1)
+        # ... and a census a grace later finds the request's token without its element (the
+        # take was never acquired), and restores it to the group's queue, which wakes the group
+        # token.
+        time.sleep(0.25)
+        recovery.census(p.protocol, 0, key_id(h.id), None)
+    else:
+        # The record names the group token: the give back that ends it returns it.
+        recovery.scan_held(p.protocol)
+    g = admin.group("g")
+    assert (g.held, g.queued, g.parked, g.waiting) == (0, 1, 0, [(50, 1)])
+    running.start(server.url, lambda ctx, part: part * 10, ns, slots=2)
+    assert h.wait(timeout=20).results == [10, 20, 30]
+
+
+@pytest.mark.skipif(not CLI.exists(), reason=f"{CLI} is missing: cargo build -p sluicegate-cli")
+def test_python_grouped_requests_are_run_by_the_rust_cli_worker(server: Any, ns: str, tmp_path: Path) -> None:
+    script = tmp_path / "double.py"
+    script.write_text("import json, sys\nprint(json.dumps(2 * json.loads(sys.stdin.read())))\n")
+    admin = Admin(server.url, ns)
+    admin.set_group("cli", 2)
+    p = Producer(server.url, ns)
+    handles = [p.submit(list(range(i, i + 4)), concurrency=3, group="cli") for i in (0, 10)]
+    proc = subprocess.Popen(
+        [str(CLI), "--redis", server.url, "--namespace", ns, "--lease", "1500ms", "--heartbeat", "300ms",
+         "worker", "--exec", f"{sys.executable} {script}", "--slots", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        assert handles[0].wait(timeout=30).results == [0, 2, 4, 6]
+        assert handles[1].wait(timeout=30).results == [20, 22, 24, 26]
+        deadline = time.monotonic() + 5
+        while (g := admin.group("cli")).parked != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (g.held, g.queued, g.parked) == (0, 0, 2)
+    finally:
+        proc.terminate()
+        proc.wait(15)
