@@ -2,17 +2,20 @@
 letters, requeue, priority changes, pause and resume, tenant groups' limits, and schedules (the
 Rust ``Admin`` of src/admin.rs, src/admin/listing.rs, src/admin/groups.rs and
 src/admin/schedules.rs, call for call; docs/protocol.md §5 "Listing", "Operators" and "Schedules",
-§6.12). Schedules are added by the Rust ``Admin`` or the CLI
-(``sluicegate schedule add``), which parse cron patterns and time zones, and fired by Rust
-workers."""
+§6.12). Schedules are added here as the Rust ``Admin`` adds them (the same stored spec, checked
+the same way: cron patterns by ``_cron``, a port of the croner crate's parser), and fired by Rust
+workers only."""
 
 from __future__ import annotations
 
+import base64
+import json
+import numbers
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import codec, errors
+from . import _cron, codec, errors
 from ._conn import Conn, fcall_items, integer, text
 from ._keys import check_group, group_shard, home_shard, key_id, lane_key_id, raw_id, reason_shown
 from ._protocol import (
@@ -59,6 +62,17 @@ _TERMINAL = ("completed", "failed", "cancelled")
 _SCHEDULE_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=+-")
 #: A schedule's name is 1 to this many bytes (its requests' tag, ``schedule:<name>``, is a tag).
 MAX_SCHEDULE_NAME_BYTES = 55
+#: The most ticks a schedule catches up on (Rust ``MAX_CATCH_UP``).
+MAX_CATCH_UP = 100
+#: The most bytes a schedule's spec takes in Redis, its parts included (Rust ``MAX_SPEC_BYTES``).
+MAX_SPEC_BYTES = 1 << 20
+#: The most tags a request carries (Rust ``MAX_TAGS``); a schedule's carry ``schedule:<name>`` too.
+MAX_TAGS = 16
+#: A lane request's bounds, which an unlisted schedule's request must fit (src/protocol/lane.rs).
+_LANE_MAX_PARTS = 64
+_LANE_MAX_BYTES = 64 << 10
+#: The longest delay a submit accepts: ten years.
+_MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000
 _TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=@+-")
 #: A tenant group's limit until an operator sets one (:meth:`Admin.set_group`).
 DEFAULT_GROUP_LIMIT = 10
@@ -144,6 +158,126 @@ class Schedule:
     tags: List[str] = field(default_factory=list)
 
 
+def _whole(v: Any) -> bool:
+    """Whether ``v`` is a whole number (an int, not a bool)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _schedule_ms(what: str, seconds: Any) -> int:
+    """``seconds`` (a number, at least 0) in whole ms, as a schedule stores a duration."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds >= 0:
+        raise errors.InvalidSchedule(f"{what} is a number of seconds of at least 0, not {seconds!r}")
+    return ms(float(seconds))
+
+
+def _schedule_spec(
+    name: str,
+    cron: str,
+    parts: Iterable[Any],
+    time_zone: Optional[str],
+    catch_up: Optional[int],
+    priority: int,
+    concurrency: int,
+    max_attempts: int,
+    backoff: float,
+    backoff_max: float,
+    timeout: Optional[float],
+    delay: Optional[float],
+    tags: Sequence[str],
+    fail_fast: bool,
+    own_stream: bool,
+    unlisted: bool,
+) -> str:
+    """A schedule's spec as the Rust ``ScheduleSpec`` stores it (JSON, src/schedule/spec.rs,
+    ``Stored``: its fields in that order, compact, so that the very same spec added from Rust or
+    the CLI is the same text), checked as the Rust ``ScheduleSpec`` setters, ``validate`` and
+    ``Admin::schedule_add``'s check of each tick's request check it, in their words."""
+    _check_schedule_name(name)
+    if not isinstance(cron, str):
+        raise errors.InvalidSchedule(f"a cron pattern is a string, not {cron!r}")
+    try:
+        _cron.check(cron)
+    except ValueError as e:
+        raise errors.InvalidSchedule(str(e)) from None
+    if catch_up is not None and (not _whole(catch_up) or not 1 <= catch_up <= MAX_CATCH_UP):
+        raise errors.InvalidSchedule(f"catch-up {catch_up} is out of range: use 1 to {MAX_CATCH_UP}")
+    if time_zone is not None:
+        if not isinstance(time_zone, str):
+            raise errors.InvalidSchedule(f"a time zone is an IANA name, not {time_zone!r}")
+        try:
+            _cron.check_zone(time_zone)
+        except ValueError as e:
+            raise errors.InvalidSchedule(str(e)) from None
+    if not _whole(priority) or not 0 <= priority <= 99:
+        raise errors.InvalidRequest(f"priority {priority} is out of range: use 0 (lowest) to 99 (highest)")
+    if not _whole(concurrency) or not 1 <= concurrency <= 10_000:
+        raise errors.InvalidRequest(f"concurrency {concurrency} is out of range: use 1 to 10000")
+    if not _whole(max_attempts) or not 1 <= max_attempts <= 1000:
+        raise errors.InvalidSchedule(f"max_attempts {max_attempts} is out of range: use 1 to 1000")
+    backoff_ms, backoff_max_ms = _schedule_ms("a backoff", backoff), _schedule_ms("a backoff cap", backoff_max)
+    if backoff_ms > backoff_max_ms:
+        raise errors.InvalidSchedule(f"backoff base {backoff_ms} ms exceeds its cap {backoff_max_ms} ms")
+    timeout_ms = None if timeout is None else _schedule_ms("a timeout", timeout)
+    if timeout_ms == 0:
+        raise errors.InvalidSchedule("a timeout must be longer than zero")
+    delay_ms = 0 if delay is None else _schedule_ms("a delay", delay)
+    if delay_ms > _MAX_DELAY_MS:
+        # (The Rust ``ScheduleSpec`` takes it, and every tick's submit refuses it.)
+        raise errors.InvalidSchedule(f"a delay of {delay_ms} ms is too long: at most ten years")
+    if isinstance(tags, str):
+        raise errors.InvalidRequest("tags takes a list of tags, not one tag: tags=[tag]")
+    kept: List[str] = []
+    for tag in tags:
+        _check_tag(tag)
+        if tag not in kept:
+            if len(kept) + 1 >= MAX_TAGS:
+                raise errors.InvalidSchedule(
+                    f"a schedule's request carries at most {MAX_TAGS - 1} tags besides its schedule:<name>"
+                )
+            kept.append(tag)
+    if isinstance(parts, (str, bytes)):
+        raise errors.InvalidSchedule("parts takes a list of parts, not one part: parts=[part]")
+    encoded = [base64.b64encode(codec.encode(v)).decode("ascii") for v in parts]
+    if not encoded:
+        raise errors.InvalidSchedule(f"schedule {quoted(name)} has no parts: a request needs at least one")
+    if unlisted:
+        if kept:
+            raise errors.InvalidSchedule("an unlisted schedule's requests cannot carry tags")
+        size = sum(len(p) * 3 // 4 for p in encoded)
+        if own_stream or delay_ms > 0 or len(encoded) > _LANE_MAX_PARTS or size > _LANE_MAX_BYTES:
+            raise errors.InvalidSchedule(
+                f"only a small request can be unlisted: at most {_LANE_MAX_PARTS} parts and "
+                f"{_LANE_MAX_BYTES >> 10} KB, not delayed, not own_stream"
+            )
+    stored: Dict[str, Any] = {"cron": cron}
+    if time_zone is not None:
+        stored["tz"] = time_zone
+    stored["missed"] = "skip" if catch_up is None else "catch-up"
+    if catch_up is not None:
+        stored["catch_up"] = int(catch_up)
+    request: Dict[str, Any] = {
+        "parts": encoded,
+        "priority": int(priority),
+        "limit": int(concurrency),
+        "max_attempts": int(max_attempts),
+        "backoff_ms": backoff_ms,
+        "backoff_max_ms": backoff_max_ms,
+    }
+    if timeout_ms is not None:
+        request["timeout_ms"] = timeout_ms
+    request.update(
+        delay_ms=delay_ms, tags=kept, fail_fast=bool(fail_fast), own_stream=bool(own_stream), unlisted=bool(unlisted)
+    )
+    stored["request"] = request
+    text_ = json.dumps(stored, separators=(",", ":"), ensure_ascii=False)
+    size = len(text_.encode("utf-8"))
+    if size > MAX_SPEC_BYTES:
+        raise errors.InvalidSchedule(
+            f"schedule {quoted(name)} takes {size} bytes: at most {MAX_SPEC_BYTES} (its parts are stored with it)"
+        )
+    return text_
+
+
 def _check_schedule_name(name: str) -> None:
     if not name or len(name.encode()) > MAX_SCHEDULE_NAME_BYTES or not set(name) <= _SCHEDULE_NAME_CHARS:
         raise errors.InvalidSchedule(
@@ -153,13 +287,12 @@ def _check_schedule_name(name: str) -> None:
 
 
 def _schedule_from(name: str, spec_json: str, state: Dict[str, str]) -> Schedule:
-    import json
-
     spec = json.loads(spec_json)
     request = spec.get("request") or {}
     missed = "skip"
-    if spec.get("missed") == "catch-up" and spec.get("catch_up"):
-        missed = f"catch-up {int(spec['catch_up'])}"
+    if spec.get("missed") == "catch-up" and isinstance(spec.get("catch_up"), int):
+        # (Rust ``Stored::missed``: the count clamped to 1 to MAX_CATCH_UP.)
+        missed = f"catch-up {min(max(int(spec['catch_up']), 1), MAX_CATCH_UP)}"
     tags: List[str] = [] if request.get("unlisted") else [f"schedule:{name}", *request.get("tags", [])]
     num = lambda f: int(state[f]) if state.get(f, "").lstrip("-").isdigit() else None  # noqa: E731
     paused = num("paused")
@@ -1237,6 +1370,90 @@ class Admin:
         if spec is None:
             raise errors.UnknownSchedule(name)
         return _schedule_from(name, text(spec), self._schedule_state(name))
+
+    def schedule_add(
+        self,
+        name: str,
+        cron: str,
+        parts: Iterable[Any],
+        *,
+        time_zone: Optional[str] = None,
+        catch_up: Optional[int] = None,
+        priority: int = 50,
+        concurrency: int = 1,
+        max_attempts: int = 1,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        timeout: Optional[float] = None,
+        delay: Optional[float] = None,
+        tags: Sequence[str] = (),
+        fail_fast: bool = False,
+        own_stream: bool = False,
+        unlisted: bool = False,
+    ) -> None:
+        """Adds a schedule: from now on each tick of the cron pattern ``cron`` submits one request,
+        ``<name>@<tick ms>``, tagged ``schedule:<name>`` (unless ``unlisted``), whose parts are
+        ``parts`` (stored with the schedule) and whose settings are the rest, as
+        :meth:`Producer.submit` takes them (seconds for durations). Rust workers fire it (the Rust
+        ``Admin::schedule_add``; docs/operations.md, "Schedules"); its first tick is the first
+        after now (Redis time).
+
+        ``cron``: five fields (minute hour day-of-month month day-of-week), six with seconds first,
+        seven with a year last, or ``@hourly``, ``@daily``, ``@weekly``, ``@monthly``, ``@yearly``,
+        as the Rust ``croner`` crate reads them; ``time_zone``: an IANA name (None: UTC);
+        ``catch_up``: None skips the ticks missed while no worker ran but the latest, ``n`` (1 to
+        100) submits the last ``n``, oldest first.
+
+        Adding the very same spec again changes nothing; another spec under a name in use raises
+        :class:`ScheduleExists` (see :meth:`schedule_replace`). The spec is checked first as the
+        Rust ``Admin`` checks it, with its messages: a bad name, pattern (one that never fires
+        included), time zone, catch-up, attempts, backoff, timeout, no parts, an unlisted request
+        that is not small, a spec over 1 MB raise :class:`InvalidSchedule`; a bad priority,
+        concurrency or tag :class:`InvalidRequest`."""
+        spec = _schedule_spec(name, cron, parts, time_zone, catch_up, priority, concurrency, max_attempts, backoff,
+                              backoff_max, timeout, delay, tags, fail_fast, own_stream, unlisted)
+        if self._sched_add(name, spec, False) == "exists":
+            raise errors.ScheduleExists(name)
+
+    def schedule_replace(
+        self,
+        name: str,
+        cron: str,
+        parts: Iterable[Any],
+        *,
+        time_zone: Optional[str] = None,
+        catch_up: Optional[int] = None,
+        priority: int = 50,
+        concurrency: int = 1,
+        max_attempts: int = 1,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        timeout: Optional[float] = None,
+        delay: Optional[float] = None,
+        tags: Sequence[str] = (),
+        fail_fast: bool = False,
+        own_stream: bool = False,
+        unlisted: bool = False,
+    ) -> None:
+        """Adds a schedule, or replaces the one of that name (the Rust
+        ``Admin::schedule_replace``): the new spec is active (not paused) from now, its first tick
+        the first after now; ticks the old one fell due for and no worker fired yet are not owed;
+        ticks it owed are submitted with the new template. Arguments and checks as
+        :meth:`schedule_add`'s."""
+        spec = _schedule_spec(name, cron, parts, time_zone, catch_up, priority, concurrency, max_attempts, backoff,
+                              backoff_max, timeout, delay, tags, fail_fast, own_stream, unlisted)
+        self._sched_add(name, spec, True)
+
+    def _sched_add(self, name: str, spec: str, replace: bool) -> str:
+        """``sched_add``: ``added``, ``replaced``, ``same`` or ``exists``."""
+        k = self.protocol.keys
+        reply = fcall_items(
+            self.protocol.conn.fcall(
+                "sched_add", [k.schedules(), k.schedules_due(), k.schedule_state(name), k.schedules_gen()],
+                [name, spec, "1" if replace else "0"],
+            )
+        )
+        return text(reply[0]) if reply else ""
 
     def _switch(self, name: str, pause: bool) -> bool:
         _check_schedule_name(name)

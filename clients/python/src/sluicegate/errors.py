@@ -73,7 +73,18 @@ class Refused(SluicegateError):
 
 
 class InvalidSchedule(SluicegateError):
-    """A schedule's name is not one (1 to 55 characters of ``A-Z a-z 0-9 _ . : / = + -``)."""
+    """A schedule that is not one: its name (1 to 55 characters of ``A-Z a-z 0-9 _ . : / = + -``),
+    cron pattern, time zone, catch-up or request template; the message names which, and what is
+    allowed (the Rust ``Error::InvalidSchedule``)."""
+
+
+class ScheduleExists(SluicegateError):
+    """A schedule of this name exists with another spec (``Admin.schedule_add``; the Rust
+    ``Error::ScheduleExists``)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f'schedule "{name}" exists with another spec: remove it first, or replace it')
+        self.name = name
 
 
 class UnknownSchedule(SluicegateError):
