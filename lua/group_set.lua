@@ -4,19 +4,37 @@
 -- and loses the ones above the new limit: parked ones now, queued and held ones when next taken
 -- or given back, so that a lowered limit never stops a running part.
 -- KEYS[1] the group's shard's limits (hash `gconf`: name -> limit)   KEYS[2] the group's meta hash
--- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000
+-- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000 ('' = keep it)   ARGV[3] its rate
+-- limit ('' or absent = keep it; 'none' = none; else "<R>/<interval ms>": at most R of its parts
+-- start per interval, across all workers; stored as `<name>:rate` in `gconf` and `rate` in the meta)
 -- Returns {tokens added, tokens retired}.
 local function group_set(keys, args)
-  local name, limit = args[1], tonumber(args[2])
+  local name = args[1]
   if name == nil or name == '' then return redis.error_reply('SGINVALID a group needs a name') end
   local invalid = sg_check_group(name)
   if invalid then return invalid end
-  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+  local gkey = keys[2]
+  local limit = tonumber(args[2])
+  if args[2] == '' then
+    limit = tonumber(redis.call('HGET', gkey, 'limit') or redis.call('HGET', keys[1], name) or SG_GROUP_DEFAULT_LIMIT)
+  elseif not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
     return redis.error_reply('SGINVALID a group limit must be an integer from 1 to 10000')
   end
-  redis.call('HSET', keys[1], name, limit)
-  local gkey = keys[2]
-  if redis.call('HEXISTS', gkey, 'limit') == 0 then return {0, 0} end
+  local rate = args[3] or ''
+  if rate ~= '' and rate ~= 'none' then
+    rate, invalid = sg_check_rate(rate)
+    if invalid then return invalid end
+  end
+  if args[2] ~= '' then redis.call('HSET', keys[1], name, limit) end
+  local exists = redis.call('HEXISTS', gkey, 'limit') == 1
+  if rate == 'none' then
+    redis.call('HDEL', keys[1], name .. ':rate')
+    if exists then redis.call('HDEL', gkey, 'rate', 'tat') end
+  elseif rate ~= '' then
+    redis.call('HSET', keys[1], name .. ':rate', rate)
+    if exists then redis.call('HSET', gkey, 'rate', rate) end
+  end
+  if not exists then return {0, 0} end
   local now = sg_now()
   local m = redis.call('HMGET', gkey, 'ntok', 'floor', 'maxep')
   local ntok, floor = tonumber(m[1]), tonumber(m[2])

@@ -586,6 +586,9 @@ end
 --   q|<epoch>|<since>|<P>      queued: the element "^<G>|<k>|<epoch>" is on the shard's list of P
 --   h|<epoch>|<holder>|<since> held by the slot whose take record names it
 --   p|<epoch>                  parked: G had no work
+--   r|<epoch>                  waiting for G's rate limit to refill: in the shard's sorted set
+--                              `gwake` as "<G>|<k>|<epoch>", scored when (ms); the first take on
+--                              the shard after that queues it again (sg_group_wake)
 -- A slot that takes a group token pops G's highest-priority request element in the same call, and
 -- its take record names both; the group token goes back in the step that ends the record (give
 -- back, release, untake, the slot's next take, recovery's reclaim of a dead slot's record), so at
@@ -593,9 +596,13 @@ end
 -- every token is a field with one holder. Within a priority the shard's list is first in, first
 -- out, so groups take turns, each through its own tokens, however many requests each has queued.
 -- Other fields: `limit`, `ntok` (token fields are t0 .. t<ntok-1>; retired ones are gone),
--- `nlive` (how many exist), `npark`, `floor` (no queued token sits below this priority). The
--- shard's hash `gconf` holds the limits operators set (group_set), and its set `groups` the
--- groups with a meta hash. A group whose tokens are all parked expires after a day idle.
+-- `nlive` (how many exist), `npark`, `floor` (no queued token sits below this priority), and
+-- with a rate limit `rate` ("<R>/<interval ms>") and `tat`, a GCRA bucket as a request's
+-- (sg_rate_room): a take of a rate-limited group's token starts one part only (its reply says
+-- 'one'), charged to the bucket, so that at most R of the group's parts start per interval across
+-- all workers. The shard's hash `gconf` holds what operators set (group_set): `<G>` its limit,
+-- `<G>:rate` its rate; its set `groups` names the groups with a meta hash. A group whose tokens
+-- are all parked expires after a day idle.
 
 -- A group's limit when no operator set one (Admin::set_group).
 local SG_GROUP_DEFAULT_LIMIT = 10
@@ -633,18 +640,31 @@ local function sg_group_top(gkey)
   return nil
 end
 
+-- Names group `name` in the shard's set `groups` (recovery's audit reads it), which outlives its
+-- last such call by twice a group's idle expiry: a group's meta lives while it is in use, and
+-- every wake of its parked tokens names it again.
+local function sg_group_listed(shard, name)
+  redis.call('SADD', shard .. 'groups', name)
+  redis.call('PEXPIRE', shard .. 'groups', 2 * SG_GROUP_IDLE_MS)
+end
+
 -- Makes a group's meta the first time work is queued in it: `limit` tokens, all parked.
 local function sg_group_open(gkey, now)
   if redis.call('HEXISTS', gkey, 'limit') == 1 then return end
   local shard, name = sg_group_parts(gkey)
-  local limit = tonumber(redis.call('HGET', shard .. 'gconf', name) or SG_GROUP_DEFAULT_LIMIT)
+  local conf = redis.call('HMGET', shard .. 'gconf', name, name .. ':rate')
+  local limit = tonumber(conf[1] or SG_GROUP_DEFAULT_LIMIT)
   local fields = {'limit', limit, 'ntok', limit, 'nlive', limit, 'npark', limit, 'floor', 0}
+  if conf[2] then
+    fields[#fields + 1] = 'rate'
+    fields[#fields + 1] = conf[2]
+  end
   for k = 0, limit - 1 do
     fields[#fields + 1] = 't' .. k
     fields[#fields + 1] = 'p|' .. now
   end
   sg_hset_many(gkey, fields)
-  redis.call('SADD', shard .. 'groups', name)
+  sg_group_listed(shard, name)
 end
 
 -- Queues group token k (whose epoch was `epoch`) on the shard's list of priority p, under a new epoch.
@@ -712,6 +732,7 @@ sg_group_push = function(list, elements, from)
   if woken > 0 then
     redis.call('HINCRBY', gkey, 'npark', -woken)
     redis.call('PERSIST', gkey)
+    sg_group_listed(sg_group_parts(gkey))
   end
   if raise then redis.call('HSET', gkey, 'floor', p) end
   return n
@@ -741,7 +762,9 @@ end
 -- A slot took group element f (split: "^<G>", k, epoch) from the shard's list: if the token is
 -- current, it is now held by `holder`, with the group's highest-priority request element not
 -- paused (`paused`: priority text -> true, or nil), popped from its queue. Returns {queue,
--- request element}, or nil when there is nothing to take: the element was stale, the token retired,
+-- request element}, and 'one' third when the group has a rate limit (the take starts one part,
+-- charged to its bucket), or nil when there is nothing to take: the element was stale, the
+-- token retired, the group's rate limit has no room (the token waits for the refill: `gwake`),
 -- or the group had no work (the token parks) or only work of paused priorities (the token waits
 -- on the shard's list of the highest of them, where no slot takes it until it is resumed).
 local function sg_group_take(shard, f, holder, now, paused)
@@ -755,6 +778,19 @@ local function sg_group_take(shard, f, holder, now, paused)
     sg_group_retire(gkey, k)
     return nil
   end
+  local r = redis.call('HMGET', gkey, 'rate', 'tat')
+  local t, base
+  if r[1] then
+    local room, tau
+    room, t, base, tau = sg_rate_room(r[1], r[2], now)
+    if room < 1 then
+      -- No room: the token waits for the bucket to refill (a take on the shard then queues it).
+      local due = math.max(math.ceil(base - tau - now), 1) + now
+      redis.call('HSET', gkey, 't' .. k, 'r|' .. f[3])
+      redis.call('ZADD', shard .. 'gwake', due, string.sub(f[1], 2) .. '|' .. k .. '|' .. f[3])
+      return nil
+    end
+  end
   local waiting = nil
   for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
     local queue = gkey .. ':p:' .. p
@@ -765,6 +801,10 @@ local function sg_group_take(shard, f, holder, now, paused)
       if element then
         if redis.call('LLEN', queue) == 0 then redis.call('ZREM', gkey .. ':w', p) end
         redis.call('HSET', gkey, 't' .. k, 'h|' .. f[3] .. '|' .. holder .. '|' .. now)
+        if r[1] then
+          redis.call('HSET', gkey, 'tat', string.format('%.3f', base + t))
+          return {queue, element, 'one'}
+        end
         return {queue, element}
       end
       redis.call('ZREM', gkey .. ':w', p)
@@ -775,6 +815,39 @@ local function sg_group_take(shard, f, holder, now, paused)
   else
     sg_group_park(gkey, k, f[3], now)
   end
+  return nil
+end
+
+-- Queues again the group tokens of the shard whose rate-limit wait is over (`gwake` due by
+-- `now`), at most 32 per call: each at its group's top priority, or parked if the group has no
+-- work now.
+local function sg_group_wake(shard, now)
+  local wake = shard .. 'gwake'
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', 0, 32)) do
+    redis.call('ZREM', wake, member)
+    local f = sg_split(member)
+    local gkey, k = sg_group_key(shard, f[1]), tonumber(f[2])
+    local m = redis.call('HMGET', gkey, 't' .. k, 'limit', 'floor')
+    if m[1] == 'r|' .. f[3] then
+      if k >= tonumber(m[2]) then
+        sg_group_retire(gkey, k)
+      else
+        local top = sg_group_top(gkey)
+        if top then
+          sg_group_queue(gkey, k, f[3], top, now)
+          if top < tonumber(m[3]) then redis.call('HSET', gkey, 'floor', top) end
+        else
+          sg_group_park(gkey, k, f[3], now)
+        end
+      end
+    end
+  end
+end
+
+-- In how many ms the shard's next rate-limit wait ends (nil: none waits).
+local function sg_group_next_wake(shard, now)
+  local next = redis.call('ZRANGE', shard .. 'gwake', 0, 0, 'WITHSCORES')
+  if next[2] then return math.max(tonumber(next[2]) - now, 1) end
   return nil
 end
 

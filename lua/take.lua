@@ -19,10 +19,14 @@
 -- highest-priority request element, popped from its queue in the same call: the record then names
 -- both ("<element>|<take id>|<queue>|<G>|<k>|<epoch>"), and the reply the queue and the request's
 -- element. Stale group elements, and group tokens that find no work (they park), are passed over:
--- up to SG_TAKE_POPS elements per call.
+-- up to SG_TAKE_POPS elements per call. Group tokens whose rate-limit wait is over are queued again
+-- first (sg_group_wake); when nothing was taken and one still waits: {'wait', ms}, in how many ms
+-- its wait ends (the slot asks again then, rather than after an idle poll).
 -- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
 -- held, if any, goes back (prelude, sg_held_end).
--- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
+-- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
+-- runs one part under it and gives it back: each part's start is charged to the group's bucket),
+-- {list, element, acquired} for a lane token (`acquired` is what
 -- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
@@ -36,7 +40,11 @@ local function take(keys, args)
   local previous = nil
   if held then
     local f = sg_split(held)
-    if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
+    if f[4] == id then
+      local one = nil
+      if f[6] and redis.call('HEXISTS', sg_group_key(shard, f[6]), 'rate') == 1 then one = 'one' end
+      return {f[5], sg_element(f[1], f[2], f[3]), one}
+    end
     if f[4] ~= args[3] then
       -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
       -- name no live slot uses.
@@ -62,8 +70,9 @@ local function take(keys, args)
       return {'paused'}
     end
   end
-  local list, element, record = nil, nil, nil
-  local now = nil
+  local list, element, record, one = nil, nil, nil, nil
+  local now = sg_now()
+  sg_group_wake(shard, now)
   for _ = 1, SG_TAKE_POPS do
     local popped = redis.call(unpack(lmpop))
     if not popped then break end
@@ -73,10 +82,9 @@ local function take(keys, args)
       record = element .. '|' .. id .. '|' .. list
       break
     end
-    now = now or sg_now()
     local got = sg_group_take(shard, f, holder, now, paused)
     if got then
-      list, element = got[1], got[2]
+      list, element, one = got[1], got[2], got[3]
       record = element .. '|' .. id .. '|' .. list .. '|' .. string.sub(f[1], 2) .. '|' .. f[2] .. '|' .. f[3]
       break
     end
@@ -85,6 +93,9 @@ local function take(keys, args)
   end
   if not element then
     if held then redis.call('HDEL', keys[1], holder) end
+    -- A group token waiting for its rate limit: the slot asks again when the wait ends.
+    local wait = sg_group_next_wake(shard, now)
+    if wait then return {'wait', wait} end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)
@@ -92,7 +103,7 @@ local function take(keys, args)
   if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
   local f = sg_split(element)
   local priority = string.match(f[1], '^~%d+%.(%d+)$')
-  if not priority then return {list, element} end
+  if not priority then return {list, element, one} end
   local base = args[7] .. priority
   local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
   local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})

@@ -588,6 +588,9 @@ end
 --   q|<epoch>|<since>|<P>      queued: the element "^<G>|<k>|<epoch>" is on the shard's list of P
 --   h|<epoch>|<holder>|<since> held by the slot whose take record names it
 --   p|<epoch>                  parked: G had no work
+--   r|<epoch>                  waiting for G's rate limit to refill: in the shard's sorted set
+--                              `gwake` as "<G>|<k>|<epoch>", scored when (ms); the first take on
+--                              the shard after that queues it again (sg_group_wake)
 -- A slot that takes a group token pops G's highest-priority request element in the same call, and
 -- its take record names both; the group token goes back in the step that ends the record (give
 -- back, release, untake, the slot's next take, recovery's reclaim of a dead slot's record), so at
@@ -595,9 +598,13 @@ end
 -- every token is a field with one holder. Within a priority the shard's list is first in, first
 -- out, so groups take turns, each through its own tokens, however many requests each has queued.
 -- Other fields: `limit`, `ntok` (token fields are t0 .. t<ntok-1>; retired ones are gone),
--- `nlive` (how many exist), `npark`, `floor` (no queued token sits below this priority). The
--- shard's hash `gconf` holds the limits operators set (group_set), and its set `groups` the
--- groups with a meta hash. A group whose tokens are all parked expires after a day idle.
+-- `nlive` (how many exist), `npark`, `floor` (no queued token sits below this priority), and
+-- with a rate limit `rate` ("<R>/<interval ms>") and `tat`, a GCRA bucket as a request's
+-- (sg_rate_room): a take of a rate-limited group's token starts one part only (its reply says
+-- 'one'), charged to the bucket, so that at most R of the group's parts start per interval across
+-- all workers. The shard's hash `gconf` holds what operators set (group_set): `<G>` its limit,
+-- `<G>:rate` its rate; its set `groups` names the groups with a meta hash. A group whose tokens
+-- are all parked expires after a day idle.
 
 -- A group's limit when no operator set one (Admin::set_group).
 local SG_GROUP_DEFAULT_LIMIT = 10
@@ -635,18 +642,31 @@ local function sg_group_top(gkey)
   return nil
 end
 
+-- Names group `name` in the shard's set `groups` (recovery's audit reads it), which outlives its
+-- last such call by twice a group's idle expiry: a group's meta lives while it is in use, and
+-- every wake of its parked tokens names it again.
+local function sg_group_listed(shard, name)
+  redis.call('SADD', shard .. 'groups', name)
+  redis.call('PEXPIRE', shard .. 'groups', 2 * SG_GROUP_IDLE_MS)
+end
+
 -- Makes a group's meta the first time work is queued in it: `limit` tokens, all parked.
 local function sg_group_open(gkey, now)
   if redis.call('HEXISTS', gkey, 'limit') == 1 then return end
   local shard, name = sg_group_parts(gkey)
-  local limit = tonumber(redis.call('HGET', shard .. 'gconf', name) or SG_GROUP_DEFAULT_LIMIT)
+  local conf = redis.call('HMGET', shard .. 'gconf', name, name .. ':rate')
+  local limit = tonumber(conf[1] or SG_GROUP_DEFAULT_LIMIT)
   local fields = {'limit', limit, 'ntok', limit, 'nlive', limit, 'npark', limit, 'floor', 0}
+  if conf[2] then
+    fields[#fields + 1] = 'rate'
+    fields[#fields + 1] = conf[2]
+  end
   for k = 0, limit - 1 do
     fields[#fields + 1] = 't' .. k
     fields[#fields + 1] = 'p|' .. now
   end
   sg_hset_many(gkey, fields)
-  redis.call('SADD', shard .. 'groups', name)
+  sg_group_listed(shard, name)
 end
 
 -- Queues group token k (whose epoch was `epoch`) on the shard's list of priority p, under a new epoch.
@@ -714,6 +734,7 @@ sg_group_push = function(list, elements, from)
   if woken > 0 then
     redis.call('HINCRBY', gkey, 'npark', -woken)
     redis.call('PERSIST', gkey)
+    sg_group_listed(sg_group_parts(gkey))
   end
   if raise then redis.call('HSET', gkey, 'floor', p) end
   return n
@@ -743,7 +764,9 @@ end
 -- A slot took group element f (split: "^<G>", k, epoch) from the shard's list: if the token is
 -- current, it is now held by `holder`, with the group's highest-priority request element not
 -- paused (`paused`: priority text -> true, or nil), popped from its queue. Returns {queue,
--- request element}, or nil when there is nothing to take: the element was stale, the token retired,
+-- request element}, and 'one' third when the group has a rate limit (the take starts one part,
+-- charged to its bucket), or nil when there is nothing to take: the element was stale, the
+-- token retired, the group's rate limit has no room (the token waits for the refill: `gwake`),
 -- or the group had no work (the token parks) or only work of paused priorities (the token waits
 -- on the shard's list of the highest of them, where no slot takes it until it is resumed).
 local function sg_group_take(shard, f, holder, now, paused)
@@ -757,6 +780,19 @@ local function sg_group_take(shard, f, holder, now, paused)
     sg_group_retire(gkey, k)
     return nil
   end
+  local r = redis.call('HMGET', gkey, 'rate', 'tat')
+  local t, base
+  if r[1] then
+    local room, tau
+    room, t, base, tau = sg_rate_room(r[1], r[2], now)
+    if room < 1 then
+      -- No room: the token waits for the bucket to refill (a take on the shard then queues it).
+      local due = math.max(math.ceil(base - tau - now), 1) + now
+      redis.call('HSET', gkey, 't' .. k, 'r|' .. f[3])
+      redis.call('ZADD', shard .. 'gwake', due, string.sub(f[1], 2) .. '|' .. k .. '|' .. f[3])
+      return nil
+    end
+  end
   local waiting = nil
   for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
     local queue = gkey .. ':p:' .. p
@@ -767,6 +803,10 @@ local function sg_group_take(shard, f, holder, now, paused)
       if element then
         if redis.call('LLEN', queue) == 0 then redis.call('ZREM', gkey .. ':w', p) end
         redis.call('HSET', gkey, 't' .. k, 'h|' .. f[3] .. '|' .. holder .. '|' .. now)
+        if r[1] then
+          redis.call('HSET', gkey, 'tat', string.format('%.3f', base + t))
+          return {queue, element, 'one'}
+        end
         return {queue, element}
       end
       redis.call('ZREM', gkey .. ':w', p)
@@ -777,6 +817,39 @@ local function sg_group_take(shard, f, holder, now, paused)
   else
     sg_group_park(gkey, k, f[3], now)
   end
+  return nil
+end
+
+-- Queues again the group tokens of the shard whose rate-limit wait is over (`gwake` due by
+-- `now`), at most 32 per call: each at its group's top priority, or parked if the group has no
+-- work now.
+local function sg_group_wake(shard, now)
+  local wake = shard .. 'gwake'
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', 0, 32)) do
+    redis.call('ZREM', wake, member)
+    local f = sg_split(member)
+    local gkey, k = sg_group_key(shard, f[1]), tonumber(f[2])
+    local m = redis.call('HMGET', gkey, 't' .. k, 'limit', 'floor')
+    if m[1] == 'r|' .. f[3] then
+      if k >= tonumber(m[2]) then
+        sg_group_retire(gkey, k)
+      else
+        local top = sg_group_top(gkey)
+        if top then
+          sg_group_queue(gkey, k, f[3], top, now)
+          if top < tonumber(m[3]) then redis.call('HSET', gkey, 'floor', top) end
+        else
+          sg_group_park(gkey, k, f[3], now)
+        end
+      end
+    end
+  end
+end
+
+-- In how many ms the shard's next rate-limit wait ends (nil: none waits).
+local function sg_group_next_wake(shard, now)
+  local next = redis.call('ZRANGE', shard .. 'gwake', 0, 0, 'WITHSCORES')
+  if next[2] then return math.max(tonumber(next[2]) - now, 1) end
   return nil
 end
 
@@ -1935,10 +2008,14 @@ end
 -- highest-priority request element, popped from its queue in the same call: the record then names
 -- both ("<element>|<take id>|<queue>|<G>|<k>|<epoch>"), and the reply the queue and the request's
 -- element. Stale group elements, and group tokens that find no work (they park), are passed over:
--- up to SG_TAKE_POPS elements per call.
+-- up to SG_TAKE_POPS elements per call. Group tokens whose rate-limit wait is over are queued again
+-- first (sg_group_wake); when nothing was taken and one still waits: {'wait', ms}, in how many ms
+-- its wait ends (the slot asks again then, rather than after an idle poll).
 -- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
 -- held, if any, goes back (prelude, sg_held_end).
--- Returns {list, element}, {list, element, acquired} for a lane token (`acquired` is what
+-- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
+-- runs one part under it and gives it back: each part's start is charged to the group's bucket),
+-- {list, element, acquired} for a lane token (`acquired` is what
 -- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
@@ -1952,7 +2029,11 @@ local function take(keys, args)
   local previous = nil
   if held then
     local f = sg_split(held)
-    if f[4] == id then return {f[5], sg_element(f[1], f[2], f[3])} end
+    if f[4] == id then
+      local one = nil
+      if f[6] and redis.call('HEXISTS', sg_group_key(shard, f[6]), 'rate') == 1 then one = 'one' end
+      return {f[5], sg_element(f[1], f[2], f[3]), one}
+    end
     if f[4] ~= args[3] then
       -- A record this slot did not know it still had: keep it for recovery (reclaim), under a
       -- name no live slot uses.
@@ -1978,8 +2059,9 @@ local function take(keys, args)
       return {'paused'}
     end
   end
-  local list, element, record = nil, nil, nil
-  local now = nil
+  local list, element, record, one = nil, nil, nil, nil
+  local now = sg_now()
+  sg_group_wake(shard, now)
   for _ = 1, SG_TAKE_POPS do
     local popped = redis.call(unpack(lmpop))
     if not popped then break end
@@ -1989,10 +2071,9 @@ local function take(keys, args)
       record = element .. '|' .. id .. '|' .. list
       break
     end
-    now = now or sg_now()
     local got = sg_group_take(shard, f, holder, now, paused)
     if got then
-      list, element = got[1], got[2]
+      list, element, one = got[1], got[2], got[3]
       record = element .. '|' .. id .. '|' .. list .. '|' .. string.sub(f[1], 2) .. '|' .. f[2] .. '|' .. f[3]
       break
     end
@@ -2001,6 +2082,9 @@ local function take(keys, args)
   end
   if not element then
     if held then redis.call('HDEL', keys[1], holder) end
+    -- A group token waiting for its rate limit: the slot asks again when the wait ends.
+    local wait = sg_group_next_wake(shard, now)
+    if wait then return {'wait', wait} end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)
@@ -2008,7 +2092,7 @@ local function take(keys, args)
   if args[4] ~= '1' then redis.call('RPOP', keys[2]) end
   local f = sg_split(element)
   local priority = string.match(f[1], '^~%d+%.(%d+)$')
-  if not priority then return {list, element} end
+  if not priority then return {list, element, one} end
   local base = args[7] .. priority
   local lane = {base, base .. ':s', base .. ':res', base .. ':err', base .. ':orph', base .. ':retry', keys[3], keys[4]}
   local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
@@ -4040,19 +4124,37 @@ end
 -- and loses the ones above the new limit: parked ones now, queued and held ones when next taken
 -- or given back, so that a lowered limit never stops a running part.
 -- KEYS[1] the group's shard's limits (hash `gconf`: name -> limit)   KEYS[2] the group's meta hash
--- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000
+-- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000 ('' = keep it)   ARGV[3] its rate
+-- limit ('' or absent = keep it; 'none' = none; else "<R>/<interval ms>": at most R of its parts
+-- start per interval, across all workers; stored as `<name>:rate` in `gconf` and `rate` in the meta)
 -- Returns {tokens added, tokens retired}.
 local function group_set(keys, args)
-  local name, limit = args[1], tonumber(args[2])
+  local name = args[1]
   if name == nil or name == '' then return redis.error_reply('SGINVALID a group needs a name') end
   local invalid = sg_check_group(name)
   if invalid then return invalid end
-  if not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
+  local gkey = keys[2]
+  local limit = tonumber(args[2])
+  if args[2] == '' then
+    limit = tonumber(redis.call('HGET', gkey, 'limit') or redis.call('HGET', keys[1], name) or SG_GROUP_DEFAULT_LIMIT)
+  elseif not limit or limit < 1 or limit > 10000 or limit % 1 ~= 0 then
     return redis.error_reply('SGINVALID a group limit must be an integer from 1 to 10000')
   end
-  redis.call('HSET', keys[1], name, limit)
-  local gkey = keys[2]
-  if redis.call('HEXISTS', gkey, 'limit') == 0 then return {0, 0} end
+  local rate = args[3] or ''
+  if rate ~= '' and rate ~= 'none' then
+    rate, invalid = sg_check_rate(rate)
+    if invalid then return invalid end
+  end
+  if args[2] ~= '' then redis.call('HSET', keys[1], name, limit) end
+  local exists = redis.call('HEXISTS', gkey, 'limit') == 1
+  if rate == 'none' then
+    redis.call('HDEL', keys[1], name .. ':rate')
+    if exists then redis.call('HDEL', gkey, 'rate', 'tat') end
+  elseif rate ~= '' then
+    redis.call('HSET', keys[1], name .. ':rate', rate)
+    if exists then redis.call('HSET', gkey, 'rate', rate) end
+  end
+  if not exists then return {0, 0} end
   local now = sg_now()
   local m = redis.call('HMGET', gkey, 'ntok', 'floor', 'maxep')
   local ntok, floor = tonumber(m[1]), tonumber(m[2])
@@ -4091,7 +4193,8 @@ end
 -- group_audit: recovery's check of the group tokens of one shard (prelude.lua, "Tenant groups"):
 -- a token held by a take record that no longer exists goes back (sg_group_end), so that a record
 -- lost without its end (the shard's records expired: SG_HELD_TTL_MS) cannot keep a group's
--- tokens forever. A record and the token it holds change in the same call everywhere else, so
+-- tokens forever; a token waiting for its group's rate limit that is missing from the shard's
+-- `gwake` goes back in it, due now. A record and the token it holds change in the same call everywhere else, so
 -- this finds nothing unless Redis lost a write. Groups whose meta expired leave the set.
 -- KEYS[1] the shard's take records (`held`)   KEYS[2] the shard's groups (set `groups`)
 -- ARGV[1] SSCAN cursor over the groups   ARGV[2] how many to look at
@@ -4108,6 +4211,14 @@ local function group_audit(keys, args)
     else
       sg_each_token({gkey}, 0, tonumber(ntok), function(k, tok)
         local t = sg_split(tok)
+        if t[1] == 'r' then
+          -- Waiting for its rate limit, but not in the wait set: queued again now.
+          if not redis.call('ZSCORE', shard .. 'gwake', name .. '|' .. k .. '|' .. t[2]) then
+            redis.call('ZADD', shard .. 'gwake', now, name .. '|' .. k .. '|' .. t[2])
+            returned = returned + 1
+          end
+          return
+        end
         if t[1] ~= 'h' then return end
         if not records then
           records = {}

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::Admin;
 use crate::error::Result;
 use crate::keys::group_shard;
-use crate::protocol::groups;
+use crate::protocol::groups::{self, RateChange};
 use crate::request::{check_group, Priority};
 
 /// A group's limit until an operator sets one ([`Admin::set_group`]).
@@ -37,6 +37,10 @@ pub struct GroupStatus {
     pub queued: u32,
     /// Its tokens parked: it had no work for them.
     pub parked: u32,
+    /// Its tokens waiting for its rate limit to refill.
+    pub rate_waiting: u32,
+    /// Its rate limit, if any.
+    pub rate: Option<super::RateLimit>,
     /// Its requests' token elements waiting in its queues, by priority, highest first.
     pub waiting: Vec<(u8, u64)>,
 }
@@ -53,7 +57,30 @@ impl Admin {
             )));
         }
         let shard = group_shard(name, self.store.keys.shards());
-        groups::set(&self.store, shard, name, limit).await?;
+        groups::set(&self.store, shard, name, Some(limit), RateChange::Keep).await?;
+        Ok(())
+    }
+
+    /// Sets tenant group `name`'s rate limit: at most `n` of its parts start per `per`, across all
+    /// workers (a token bucket in Redis, refilled by time; a slot that finds it empty waits for
+    /// the refill, no polling). `None` removes it. `n` from 1 to 1,000,000 and `per` from 1 ms to a
+    /// day. Each part of a rate-limited group is started by a take of its own (one part per turn).
+    pub async fn set_group_rate(&self, name: &str, rate: Option<(u32, std::time::Duration)>) -> Result<()> {
+        check_group(name).map_err(crate::Error::InvalidRequest)?;
+        let change = match rate {
+            None => RateChange::Remove,
+            Some((n, per)) => {
+                let ms = per.as_millis();
+                if !(1..=1_000_000).contains(&n) || !(1..=86_400_000).contains(&ms) {
+                    return Err(crate::Error::InvalidRequest(format!(
+                        "a rate is 1 to 1000000 parts per 1 ms to a day, not {n} per {per:?}"
+                    )));
+                }
+                RateChange::Set(n, ms as u64)
+            }
+        };
+        let shard = group_shard(name, self.store.keys.shards());
+        groups::set(&self.store, shard, name, None, change).await?;
         Ok(())
     }
 
@@ -69,12 +96,19 @@ impl Admin {
             .call("hgetall", &meta, || async { Ok(self.store.client.hgetall(meta.as_str()).await?) })
             .await?;
         let limits = keys.group_limits(shard);
-        let set: Option<u32> = self
+        let rate_field = format!("{name}:rate");
+        let (set, rate_set): (Option<u32>, Option<String>) = self
             .store
-            .call("hget", &limits, || async { Ok(self.store.client.hget(limits.as_str(), name).await?) })
+            .call("hmget", &limits, || async {
+                Ok(self.store.client.hmget(limits.as_str(), vec![name, rate_field.as_str()]).await?)
+            })
             .await?;
+        let rate = fields.get("rate").cloned().or(rate_set).and_then(|r| {
+            let (n, per) = r.split_once('/')?;
+            Some(super::RateLimit { n: n.parse().ok()?, per_ms: per.parse().ok()? })
+        });
         let limit = fields.get("limit").and_then(|l| l.parse().ok()).or(set).unwrap_or(DEFAULT_GROUP_LIMIT);
-        let (mut held, mut queued, mut parked) = (0, 0, 0);
+        let (mut held, mut queued, mut parked, mut rate_waiting) = (0, 0, 0, 0);
         for (field, value) in &fields {
             if !field.starts_with('t') || field[1..].parse::<u64>().is_err() {
                 continue;
@@ -83,6 +117,7 @@ impl Admin {
                 Some("h") => held += 1,
                 Some("q") => queued += 1,
                 Some("p") => parked += 1,
+                Some("r") => rate_waiting += 1,
                 _ => {}
             }
         }
@@ -112,6 +147,8 @@ impl Admin {
             held,
             queued,
             parked,
+            rate_waiting,
+            rate,
             waiting,
         })
     }
@@ -131,7 +168,8 @@ impl Admin {
                 .call("hkeys", &limits, || async { Ok(self.store.client.hkeys(limits.as_str()).await?) })
                 .await?;
             names.extend(a);
-            names.extend(b);
+            // (`<name>:rate` fields hold rates; a group's name has no ':'.)
+            names.extend(b.into_iter().filter(|n| !n.contains(':')));
         }
         let mut out = Vec::new();
         for name in names.into_iter().take(MAX_GROUPS_LISTED) {

@@ -436,6 +436,109 @@ fn check_ran_after_upstreams(r: &RequestId, d: &Seen, seen: &BTreeMap<u8, Seen>)
     Ok(())
 }
 
+/// Tenant groups (prelude.lua, "Tenant groups"): each group's tokens t0 .. t<limit - 1> exist
+/// (none lost), and the counters say what the fields do; every take record that names a group
+/// token holds it (`h`, same epoch and holder) and every held group token is named by exactly one
+/// record (none held twice, none leaked); and every handler of a grouped request that runs under
+/// a live lease does so under a group token its slot holds, so that at most the group's held
+/// tokens' worth of its parts run at once.
+async fn check_groups(
+    world: &World,
+    seen: &BTreeMap<u8, Seen>,
+    workers: &HashMap<String, u64>,
+    now: u64,
+) -> Result<(), String> {
+    let ns = world.config.namespace_str();
+    let e = |e: fred::error::Error| e.to_string();
+    let records: HashMap<String, String> =
+        world.reader.hgetall(format!("{ns}:{{{ns}.q0}}:held")).await.map_err(e)?;
+    // group -> token -> (epoch, holder), from the records.
+    let mut named: HashMap<String, HashMap<String, (String, String)>> = HashMap::new();
+    for (field, record) in &records {
+        let f: Vec<&str> = record.split('|').collect();
+        if f.len() == 8 {
+            let holder = field.split("/lost/").next().unwrap_or(field).to_owned();
+            let previous =
+                named.entry(f[5].to_owned()).or_default().insert(f[6].to_owned(), (f[7].to_owned(), holder));
+            if previous.is_some() {
+                return Err(format!("group {} token {} named by two take records: {records:?}", f[5], f[6]));
+            }
+        }
+    }
+    let mut held_by: HashMap<String, Vec<String>> = HashMap::new();
+    for g in 0..super::ops::GROUPS {
+        let name = super::ops::group_name(g);
+        let meta: HashMap<String, String> =
+            world.reader.hgetall(format!("{ns}:{{{ns}.q0}}:grp:{name}")).await.map_err(e)?;
+        let names = named.remove(&name).unwrap_or_default();
+        if meta.is_empty() {
+            if !names.is_empty() {
+                return Err(format!("group {name} has no meta but take records hold its tokens {names:?}"));
+            }
+            continue;
+        }
+        let num = |f: &str| meta.get(f).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let tokens: Vec<(u64, Vec<&str>)> = meta
+            .iter()
+            .filter_map(|(f, v)| Some((f.strip_prefix('t')?.parse::<u64>().ok()?, v.split('|').collect())))
+            .collect();
+        for k in 0..num("limit") {
+            if !tokens.iter().any(|(t, _)| *t == k) {
+                return Err(format!(
+                    "group {name}: token {k} of its limit {} is gone: {meta:?}",
+                    num("limit")
+                ));
+            }
+        }
+        let parked = tokens.iter().filter(|(_, v)| v[0] == "p").count() as u64;
+        if tokens.len() as u64 != num("nlive")
+            || parked != num("npark")
+            || tokens.iter().any(|(k, _)| *k >= num("ntok"))
+        {
+            return Err(format!("group {name}: counters disagree with its tokens: {meta:?}"));
+        }
+        for (k, v) in &tokens {
+            let record = names.get(&k.to_string());
+            match (v[0], record) {
+                ("h", Some((epoch, holder)))
+                    if v.get(1) == Some(&epoch.as_str()) && v.get(2) == Some(&holder.as_str()) =>
+                {
+                    held_by.entry(name.clone()).or_default().push(holder.clone());
+                }
+                ("h", _) | (_, Some(_)) => {
+                    return Err(format!(
+                        "group {name}: token {k} is {v:?} but its take record says {record:?}"
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if names.keys().any(|k| !tokens.iter().any(|(t, _)| t.to_string() == *k)) {
+            return Err(format!("group {name}: take records name tokens it has not: {names:?} {meta:?}"));
+        }
+    }
+    for (actor, (request, _, _)) in &world.model.running {
+        let Some(holder) = world.holder_of(*actor) else { continue };
+        let Some(s) = index_of(request).and_then(|i| seen.get(&i)) else { continue };
+        let Some(group) = s.meta.get("grp") else { continue };
+        let worker_live =
+            workers.get(holder.split('/').next().unwrap_or_default()).is_some_and(|&expiry| expiry > now);
+        let holds_token = s.tokens().any(|(_, v)| {
+            let f: Vec<&str> = v.split('|').collect();
+            f.len() >= 5 && f[0] == "h" && f[2] == holder
+        });
+        if worker_live && holds_token {
+            if !held_by.get(group).is_some_and(|h| h.contains(&holder)) {
+                return Err(format!(
+                    "{request} of group {group} runs in {holder} under a live lease without a group token"
+                ));
+            }
+            GROUPED_RUNS_CHECKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
 /// The registered workers and when their registrations expire (the functions' clock).
 pub(crate) async fn registry(world: &World) -> Result<HashMap<String, u64>, String> {
     let ns = world.config.namespace_str();
@@ -858,6 +961,7 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
             return Err(format!("{request}: {n} handlers run under live leases, limit {limit}"));
         }
     }
+    check_groups(world, &seen, &workers, now).await?;
     for (i, r) in &world.model.requests {
         // (Each purge frees the id for one more.)
         if r.accepted > r.purges + 1 {
@@ -879,6 +983,9 @@ pub(crate) static ENDED_AT_DEADLINE: std::sync::atomic::AtomicU64 = std::sync::a
 /// upstreams (completed, or failed by their own parts): how often the dependencies' paths ran.
 pub(crate) static FAILED_BY_UPSTREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 pub(crate) static RAN_AFTER_UPSTREAMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Handler runs of grouped requests under live leases that the steps' checks found under a group
+/// token: how often the tenant groups' paths ran.
+pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The invariants that hold once everything has drained: every accepted part ended with a result
 /// or a dead letter, one terminal record and one event per lifecycle, nothing left to expire.
@@ -1083,9 +1190,21 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     let keys = scan(c, &format!("{ns}:*")).await?;
     for key in keys {
         let ttl: i64 = c.pttl(&key).await.map_err(e)?;
-        // Schedules hold until they are removed.
-        if ttl < 0 && (key.ends_with(":sch") || key.contains(":sch:")) {
+        // Schedules hold until they are removed, and tenant groups' limits until they are set again.
+        if ttl < 0 && (key.ends_with(":sch") || key.contains(":sch:") || key.ends_with(":gconf")) {
             continue;
+        }
+        // A tenant group's meta and its set of priorities with work stay while stale elements
+        // (of finished requests) wait in its queues, or its tokens on the shard's lists: the next
+        // take of each drops it, and the group's meta expires once its tokens are all parked.
+        if ttl < 0 && key.contains(":grp:") && !key.contains(":p:") {
+            let meta = key.trim_end_matches(":w");
+            let fields: HashMap<String, String> = c.hgetall(meta).await.map_err(e)?;
+            let queued = fields.iter().any(|(f, v)| f.starts_with('t') && v.starts_with("q|"));
+            let queues = scan(c, &format!("{meta}:p:*")).await?;
+            if queued || !queues.is_empty() {
+                continue;
+            }
         }
         if ttl < 0 && key.contains(":p:") {
             // A token list may keep stale elements put back by a slot's clean stop (a take it never

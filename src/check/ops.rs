@@ -100,6 +100,10 @@ pub(crate) struct Submit {
     /// duplicate (absent in sequences recorded before dependencies).
     #[serde(default)]
     pub(crate) fresh_id: bool,
+    /// In tenant group `g<n>` (`RequestBuilder::group`; absent in sequences recorded before
+    /// groups).
+    #[serde(default)]
+    pub(crate) group: Option<u8>,
 }
 
 impl Submit {
@@ -111,6 +115,7 @@ impl Submit {
             && self.deadline_ms == 0
             && self.rate.is_none()
             && self.after.is_empty()
+            && self.group.is_none()
             && matches!(self.shape, Shape::Whole { delay_ms: 0, .. })
     }
 }
@@ -187,6 +192,12 @@ pub(crate) enum Op {
     /// An operator pauses the namespace (`None`) or one priority, or resumes it (`None`: all).
     Pause {
         priority: Option<u8>,
+    },
+    /// An operator sets tenant group `g<group>`'s limit (`Admin::set_group`; the groups start at
+    /// the default limit).
+    SetGroup {
+        group: u8,
+        limit: u8,
     },
     Resume {
         priority: Option<u8>,
@@ -301,7 +312,8 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
         },
         837..=848 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
-        849..=851 => Op::Pause { priority: draw_pause(rng) },
+        849..=850 => Op::Pause { priority: draw_pause(rng) },
+        851 => Op::SetGroup { group: rng.gen_range(0..GROUPS), limit: rng.gen_range(1..=3) },
         852..=856 => Op::Resume { priority: draw_pause(rng) },
         857..=866 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
         867..=886 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },
@@ -359,6 +371,14 @@ fn draw_verdict(rng: &mut StdRng) -> Verdict {
     }
 }
 
+/// Tenant groups the submits draw from: `g0`, `g1`.
+pub(crate) const GROUPS: u8 = 2;
+
+/// The name of tenant group `n`.
+pub(crate) fn group_name(n: u8) -> String {
+    format!("g{n}")
+}
+
 fn draw_submit(rng: &mut StdRng) -> Submit {
     let request = rng.gen_range(0..REQUEST_IDS);
     // A third of the submits come after one or two other requests of the pool, mostly whole and
@@ -393,5 +413,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         after,
         run_anyway: rng.gen_bool(0.3),
         fresh_id: false,
+        group: rng.gen_bool(0.3).then(|| rng.gen_range(0..GROUPS)),
     }
 }

@@ -550,6 +550,17 @@ impl World {
                 })
                 .await
             }
+            Op::SetGroup { group, limit } => {
+                let admin = Admin::from_store(self.store.clone());
+                let (name, limit) = (super::ops::group_name(*group), u32::from(*limit));
+                self.spawn(Process::Operator, Task::Pause, async move {
+                    match admin.set_group(&name, limit).await {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => Outcome::Error(e.to_string()),
+                    }
+                })
+                .await
+            }
             Op::Pause { priority } | Op::Resume { priority } => {
                 let admin = Admin::from_store(self.store.clone());
                 let priority = priority.map(|p| crate::Priority::new(p).expect("drawn in range"));
@@ -928,6 +939,10 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
         let policy =
             if s.run_anyway { crate::OnUpstreamFailure::Run } else { crate::OnUpstreamFailure::Fail };
         let b = b.after(s.after.iter().map(|u| request_id(*u))).on_upstream_failure(policy);
+        let b = match s.group {
+            Some(g) => b.group(&super::ops::group_name(g))?,
+            None => b,
+        };
         Ok(if s.unlisted_here() { b.unlisted() } else { b })
     };
     let result = match &s.shape {

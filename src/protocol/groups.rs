@@ -9,10 +9,34 @@ use crate::error::Result;
 use crate::reply;
 use crate::store::Store;
 
-/// `group_set` on `shard`: sets group `name`'s limit. Returns (tokens added, tokens retired now).
-pub(crate) async fn set(store: &Store, shard: u32, name: &str, limit: u32) -> Result<(i64, i64)> {
+/// A change of a group's rate limit (`group_set`'s `ARGV[3]`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RateChange {
+    /// Keep it as it is.
+    Keep,
+    /// No rate limit.
+    Remove,
+    /// At most `n` parts start per interval of this many ms.
+    Set(u32, u64),
+}
+
+/// `group_set` on `shard`: sets group `name`'s limit (`None`: keep it) and rate. Returns (tokens
+/// added, tokens retired now).
+pub(crate) async fn set(
+    store: &Store,
+    shard: u32,
+    name: &str,
+    limit: Option<u32>,
+    rate: RateChange,
+) -> Result<(i64, i64)> {
     let (limits, meta) = (store.keys.group_limits(shard), store.keys.group(shard, name));
-    let args: Vec<Value> = vec![name.into(), i64::from(limit).into()];
+    let limit = limit.map_or(String::new(), |l| l.to_string());
+    let rate = match rate {
+        RateChange::Keep => String::new(),
+        RateChange::Remove => "none".to_owned(),
+        RateChange::Set(n, per) => format!("{n}/{per}"),
+    };
+    let args: Vec<Value> = vec![name.into(), limit.into(), rate.into()];
     let items = reply::array(store.fcall(Func::GroupSet, &[&limits, &meta], args).await?)?;
     let int = |i: usize| items.get(i).map(reply::int).transpose().map(Option::unwrap_or_default);
     Ok((int(0)?, int(1)?))

@@ -24,6 +24,9 @@ pub(crate) struct Taken {
     pub(crate) element: String,
     /// For a lane's token: what acquiring it in the same call answered.
     pub(crate) acquired: Option<Next>,
+    /// For a request in a rate-limited tenant group: the take started one part only (its start
+    /// was charged to the group's bucket), so the slot runs one and gives the token back.
+    pub(crate) one_part: bool,
 }
 
 /// What a `take` came back with.
@@ -34,6 +37,9 @@ pub(crate) enum Take {
     Empty,
     /// An operator paused the namespace, or every priority (`Admin::pause`): nothing was taken.
     Paused,
+    /// Nothing was taken, and a group token of the shard waits for its rate limit to refill, in
+    /// this long: the slot asks again then.
+    Wait(Duration),
 }
 
 /// `take` on `shard`: pops the highest-priority element and records it for `holder` as take
@@ -71,13 +77,22 @@ pub(crate) async fn take(
     let sent = Instant::now();
     let mut items = reply::array(store.fcall(Func::Take, &names, args).await?)?.into_iter();
     let (list, element) = match (items.next(), items.next()) {
+        (Some(word), Some(ms)) if reply::text(&word)? == "wait" => {
+            return Ok(Take::Wait(Duration::from_millis(reply::int(&ms)?.max(1) as u64)))
+        }
         (Some(list), Some(element)) => (list, element),
         (Some(word), None) if reply::text(&word)? == "paused" => return Ok(Take::Paused),
         _ => return Ok(Take::Empty),
     };
-    let acquired =
-        items.next().map(|reply| next(reply, Reading::LaneAcquire, sent)).transpose()?.map(|(next, _)| next);
-    Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired }))
+    let (mut acquired, mut one_part) = (None, false);
+    match items.next() {
+        Some(word) if matches!(&word, Value::String(_) | Value::Bytes(_)) && reply::text(&word)? == "one" => {
+            one_part = true;
+        }
+        Some(reply) => acquired = Some(next(reply, Reading::LaneAcquire, sent)?.0),
+        None => {}
+    }
+    Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired, one_part }))
 }
 
 /// `untake` on `shard`: undoes take `take` of `holder`, whose reply was never seen. Returns

@@ -127,6 +127,8 @@ struct Token {
     take: u64,
     /// A lane's token comes acquired: the first answer of its hold.
     acquired: Option<Next>,
+    /// Taken for one part only (a rate-limited tenant group's: `take`'s 'one').
+    one_part: bool,
 }
 
 impl Policy {
@@ -230,9 +232,11 @@ pub(crate) async fn take_and_serve<H: Handler>(
     let token = match take(shared, slot, &holder, shard, false).await? {
         Took::Token(token) => *token,
         Took::Paused => return paused(shared).await,
-        Took::Nothing => {
+        Took::Nothing(refill) => {
             let store = &shared.store;
             let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
+            // A group's rate limit refills sooner: the take after it queues the group's token.
+            let wait = refill.map_or(wait, |r| r.min(wait)).max(Duration::from_millis(1));
             // The bell is never abandoned mid-flight: it runs to its server-side timeout, which
             // bounds how long an idle slot takes to stop. A lost bell only delays a take.
             let bell = store.keys.bell(shard);
@@ -256,7 +260,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
             match take(shared, slot, &holder, shard, woken).await? {
                 Took::Token(token) => *token,
                 Took::Paused => return paused(shared).await,
-                Took::Nothing => return Ok(()),
+                Took::Nothing(_) => return Ok(()),
             }
         }
     };
@@ -280,7 +284,8 @@ async fn paused<H: Handler>(shared: &Shared<H>) -> Result<()> {
 /// What a slot's `take` came back with.
 enum Took {
     Token(Box<Token>),
-    Nothing,
+    /// Nothing to take; a group token waits for its rate limit, refilled in this long.
+    Nothing(Option<Duration>),
     Paused,
 }
 
@@ -297,21 +302,22 @@ async fn take<H: Handler>(
     let prev = slot.last_take[shard as usize];
     // On error the id is kept: the take is repeated as it was, and returns what it took.
     slot.pending = Some(shard);
-    let want = Turn::new(shared).want(shared);
+    let want = Turn::new(shared, false).want();
     let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want).await?;
     slot.pending = None;
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
-    let tokens::Taken { list, element, acquired } = match taken {
+    let tokens::Taken { list, element, acquired, one_part } = match taken {
         tokens::Take::Took(taken) => taken,
-        tokens::Take::Empty => return Ok(Took::Nothing),
+        tokens::Take::Empty => return Ok(Took::Nothing(None)),
+        tokens::Take::Wait(refill) => return Ok(Took::Nothing(Some(refill))),
         tokens::Take::Paused => return Ok(Took::Paused),
     };
     match parse_token(store, &list, &element, shard, id) {
-        Some(token) => Ok(Took::Token(Box::new(Token { acquired, ..token }))),
+        Some(token) => Ok(Took::Token(Box::new(Token { acquired, one_part, ..token }))),
         None => {
             tracing::warn!(list, element, "dropping a malformed token element");
-            Ok(Took::Nothing)
+            Ok(Took::Nothing(None))
         }
     }
 }
@@ -328,6 +334,7 @@ fn parse_token(store: &Store, list: &str, element: &str, shard: u32, take: u64) 
         list: list.to_owned(),
         take,
         acquired: None,
+        one_part: false,
     })
 }
 
@@ -365,32 +372,35 @@ struct Turn {
     batching: Batching,
     started: Instant,
     ran: u32,
+    /// Parts it may run: the quantum's, or one for a token taken for one part (`Token::one_part`).
+    parts: u32,
 }
 
 impl Turn {
     /// Each hold starts from a batch of one: handler times seen under another hold (another
     /// request, or failures that returned at once) would size a batch that runs a slow request's
     /// parts one after another in one slot, below its limit.
-    fn new<H: Handler>(shared: &Shared<H>) -> Self {
+    fn new<H: Handler>(shared: &Shared<H>, one_part: bool) -> Self {
         let batching = Batching { max: shared.max_batch, mean_us: None, fixed: shared.store.deterministic() };
-        Self { batching, started: Instant::now(), ran: 0 }
+        let parts = if one_part { 1 } else { shared.quantum.parts };
+        Self { batching, started: Instant::now(), ran: 0, parts }
     }
 
     /// The next batch's size: what runs in about `BATCH_TARGET`, within what is left of the quantum.
-    fn want<H: Handler>(&self, shared: &Shared<H>) -> u32 {
-        self.batching.want(shared.quantum.parts.saturating_sub(self.ran))
+    fn want(&self) -> u32 {
+        self.batching.want(self.parts.saturating_sub(self.ran))
     }
 
     /// After a batch: keep the token for another, or give it back (quantum used up, stopping).
     /// Also gives the token back when a higher priority than its own became waiting on its shard
     /// (the first slot of this worker to end a batch gives way; `higher`).
     fn then<H: Handler>(&self, shared: &Shared<H>, token: &Token) -> Then {
-        let keep_going = self.ran < shared.quantum.parts
+        let keep_going = self.ran < self.parts
             && self.started.elapsed() < shared.quantum.time
             && !shared.stopping.is_cancelled()
             && !shared.higher.claim_above(token.shard, token.priority);
         if keep_going {
-            Then::More(self.want(shared))
+            Then::More(self.want())
         } else {
             Then::GiveBack
         }
@@ -415,12 +425,12 @@ async fn serve<H: Handler>(
     mut token: Token,
 ) -> Result<()> {
     let consumer = shared.id();
-    let mut turn = Turn::new(shared);
+    let mut turn = Turn::new(shared, token.one_part);
     let acquired = token.acquired.take();
     let holding = Holding { element: &token.element, holder, consumer: &consumer };
     let first = match acquired {
         Some(first) => first,
-        None => match tokens::acquire(&shared.store, &holding, turn.want(shared)).await {
+        None => match tokens::acquire(&shared.store, &holding, turn.want()).await {
             Ok(next) => next,
             // Whether the acquire ran is unknown: recovery's own step settles it either way.
             Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,
