@@ -362,14 +362,40 @@ impl Bench {
         parts: u64,
         limit: u32,
     ) -> Result<Vec<Row>, BoxError> {
+        self.throughput_in(scenario, requests, parts, limit, 0).await
+    }
+
+    /// [`throughput`](Self::throughput) with the requests spread over `groups` tenant groups
+    /// (none: 0), each group's limit the slots' number, so that groups add their cost and not a
+    /// cap: the cost of a part of a request in a group against one in none.
+    async fn throughput_in(
+        &self,
+        scenario: &str,
+        requests: u64,
+        parts: u64,
+        limit: u32,
+        groups: u32,
+    ) -> Result<Vec<Row>, BoxError> {
         let config = self.config(scenario);
         let producer = Producer::connect(&config).await?;
+        if groups > 0 {
+            let admin = sluicegate::Admin::connect(&config).await?;
+            for g in 0..groups {
+                admin.set_group(&format!("tenant-{g}"), SLOTS as u32).await?;
+            }
+        }
         let items = requests * parts;
         let before = stats(&self.nodes).await?;
         let started = Instant::now();
         let mut handles = Vec::new();
-        for _ in 0..requests {
-            handles.push(producer.request().concurrency(limit)?.submit((0..parts).map(|_| PAYLOAD)).await?);
+        for i in 0..requests {
+            let request = producer.request().concurrency(limit)?;
+            let request = if groups > 0 {
+                request.group(&format!("tenant-{}", i % u64::from(groups)))?
+            } else {
+                request
+            };
+            handles.push(request.submit((0..parts).map(|_| PAYLOAD)).await?);
         }
         let submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
@@ -383,8 +409,10 @@ impl Bench {
         let after = stats(&self.nodes).await?;
         stop.cancel();
         task.await??;
+        let grouped =
+            if groups > 0 { format!(", in {groups} groups of limit {SLOTS}") } else { String::new() };
         let run = Row::new(scenario, items).rate(elapsed).cost(&before, &after).note(format!(
-            "{requests} x {parts}, limit {limit} per request, {SLOTS} slots, lease 30 s, recovery on"
+            "{requests} x {parts}, limit {limit} per request{grouped}, {SLOTS} slots, lease 30 s, recovery on"
         ));
         Ok(vec![submit, run])
     }
@@ -1283,6 +1311,15 @@ impl Bench {
         let mut rows = Vec::new();
         if wants("many_small") {
             rows.extend(self.throughput("many_small", self.scaled(1_000), 100, 4).await?);
+        }
+        if wants("many_small_grouped") {
+            rows.extend(self.throughput_in("many_small_grouped", self.scaled(1_000), 100, 4, 8).await?);
+        }
+        if wants("small_10_grouped") {
+            rows.extend(self.throughput_in("small_10_grouped", self.scaled(10_000), 10, 4, 8).await?);
+        }
+        if wants("small_10") {
+            rows.extend(self.throughput("small_10", self.scaled(10_000), 10, 4).await?);
         }
         if wants("one_huge") {
             rows.extend(self.throughput("one_huge", 1, self.scaled(200_000), 16).await?);
