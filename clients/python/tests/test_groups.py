@@ -2,7 +2,9 @@
 "Tenant groups"): a grouped request's tokens all live on its group's shard and wait in the
 group's queues; at most the group's limit of its sub-requests run at once, across requests and
 workers; ``Admin.set_group``/``group``/``groups``; the refusals; recovery of a grouped take whose
-worker died, or whose record was lost; interop with the Rust CLI's worker."""
+worker died, or whose record was lost; interop with the Rust CLI's worker; a group's rate limit
+(``Admin.set_group_rate``): parts start at its rate, one per take, and slots wait for the refill
+(``take``'s ``{'wait', ms}``) rather than an idle poll."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from sluicegate import DEFAULT_GROUP_LIMIT, Admin, GroupStatus, InvalidRequest, Producer
+from sluicegate import DEFAULT_GROUP_LIMIT, Admin, GroupStatus, InvalidRequest, Producer, RateLimit, Worker
 from sluicegate import _recovery as recovery
+from sluicegate import worker as worker_module
 from sluicegate._conn import fcall_items, text
 from sluicegate._keys import group_of_queue, group_shard, home_shard, key_id
 
@@ -241,3 +244,146 @@ def test_python_grouped_requests_are_run_by_the_rust_cli_worker(server: Any, ns:
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+RATE_REFUSED = "a rate is 1 to 1000000 parts per 1 ms to a day, not "
+
+
+def test_set_group_rate_round_trips_and_bad_rates_are_refused(server: Any, ns: str) -> None:
+    admin = Admin(server.url, ns)
+    assert admin.group("meter").rate is None
+    # Set before the group is in use: kept in gconf as `<name>:rate`, the limit left unset.
+    admin.set_group_rate("meter", (5, 0.5))
+    g = admin.group("meter")
+    assert (g.rate, g.limit, g.configured, g.rate_waiting) == (RateLimit(5, 500), DEFAULT_GROUP_LIMIT, False, 0)
+    client, keys = admin.protocol.conn.client, admin.protocol.keys
+    assert client.hgetall(keys.group_limits(0)) == {b"meter:rate": b"5/500"}
+    # (groups() lists the groups in use or with a limit set, as the Rust Admin::groups: never
+    # a `<name>:rate` field of gconf as a group.)
+    assert admin.groups() == []
+    # A limit set later keeps the rate, a rate set later keeps the limit.
+    admin.set_group("meter", 3)
+    assert [(s.name, s.limit, s.rate) for s in admin.groups()] == [("meter", 3, RateLimit(5, 500))]
+    admin.set_group_rate("meter", (7, 2))
+    assert (admin.group("meter").limit, admin.group("meter").rate) == (3, RateLimit(7, 2000))
+    # In use, the meta has it (a group opened after the rate was set starts with it) ...
+    Producer(server.url, ns).submit([1, 2], group="meter")
+    assert client.hget(keys.group(0, "meter"), "rate") == b"7/2000"
+    admin.set_group_rate("meter", (9, 0.25))
+    assert client.hget(keys.group(0, "meter"), "rate") == b"9/250"
+    assert admin.group("meter") == GroupStatus(
+        "meter", 0, 3, True, 0, 1, 2, [(50, 1)], rate_waiting=0, rate=RateLimit(9, 250)
+    )
+    # ... and None removes it from both, the limit kept.
+    admin.set_group_rate("meter", None)
+    assert client.hget(keys.group(0, "meter"), "rate") is None
+    assert client.hgetall(keys.group_limits(0)) == {b"meter": b"3"}
+    assert (admin.group("meter").rate, admin.group("meter").limit) == (None, 3)
+    for bad in [(0, 1), (5, 0), (5, 0.0005), (5, 90_000), (1_000_001, 1), (2.5, 1), (True, 1), (5, "1"), (5,), 5]:
+        with pytest.raises(InvalidRequest) as e:
+            admin.set_group_rate("meter", bad)  # type: ignore[arg-type]
+        assert str(e.value).startswith(RATE_REFUSED), e.value
+    with pytest.raises(InvalidRequest, match="a group name is"):
+        admin.set_group_rate("a:rate", (1, 1))
+    assert admin.group("meter").rate is None and client.hgetall(keys.group_limits(0)) == {b"meter": b"3"}
+
+
+def test_a_take_of_a_rate_limited_group_is_for_one_part_and_an_empty_bucket_says_when_it_refills(
+    server: Any, ns: str
+) -> None:
+    admin = Admin(server.url, ns)
+    admin.set_group_rate("once", (1, 60))
+    p = Producer(server.url, ns)
+    h = p.submit([1, 2, 3], concurrency=3, group="once")
+    w = Worker(server.url, lambda ctx, part: part, slots=2, namespace=ns)
+    try:
+        a, b = worker_module._Slot(w, 0), worker_module._Slot(w, 1)
+        token = a.take(a.holder(), 0, False)
+        assert isinstance(token, worker_module._Token) and token.one_part and token.acquired is None
+        assert token.group == "once" and token.rid == h.id
+        # The same take sent again (its reply lost) says 'one' again.
+        a.next_take, a.last_take[0] = token.take, None
+        again = a.take(a.holder(), 0, False)
+        assert isinstance(again, worker_module._Token) and again.one_part and again.kid == token.kid
+        # The bucket (1 a minute) is empty: the other slot takes nothing, and hears when the
+        # group's tokens it found wait until (about a minute), rather than nothing at all.
+        wait = b.take(b.holder(), 0, False)
+        assert isinstance(wait, float) and 55 < wait <= 60, wait
+        g = admin.group("once")
+        assert g.held == 1 and g.rate_waiting >= 1 and g.held + g.queued + g.rate_waiting == 3
+        # Without a rate limit a take is for a quantum.
+        admin.set_group_rate("once", None)
+        p.submit([4], group="free")
+        free = b.take(b.holder(), 0, False)
+        assert isinstance(free, worker_module._Token) and free.group == "free" and not free.one_part
+    finally:
+        w.protocol.conn.close()
+
+
+def test_a_rate_limited_group_starts_its_parts_at_its_rate_one_per_take(
+    server: Any, ns: str, running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rate, seconds = 20, 3.0
+    admin = Admin(server.url, ns)
+    admin.set_group_rate("metered", (rate, 1.0))
+    lock = threading.Lock()
+    # Parts run per hold of a token (a slot's take), by (slot, take id, group).
+    per_take: Dict[Any, int] = defaultdict(int)
+    run_batch = worker_module._Slot.run_batch
+
+    def counted(self: Any, t: Any, entries: Any, policy: Any) -> Any:
+        with lock:
+            per_take[(self.n, t.take, t.group)] += len(entries)
+        return run_batch(self, t, entries, policy)
+
+    monkeypatch.setattr(worker_module._Slot, "run_batch", counted)
+    p = Producer(server.url, ns)
+    grouped = {p.submit(list(range(300)), concurrency=16, group="metered").id for _ in range(2)}
+    ungrouped = p.submit(list(range(200)), concurrency=4)
+    starts: List[float] = []
+
+    def handle(ctx: Any, part: int) -> int:
+        if ctx.request_id in grouped:
+            with lock:
+                starts.append(time.monotonic())
+        return part
+
+    # A long idle poll: slots that waited one after an empty take, not the bucket's refill
+    # (take's {'wait', ms}), would start a few parts a second, far below the rate.
+    running.start(server.url, handle, ns, slots=8, idle_poll=1.0)
+    assert ungrouped.wait(timeout=20).state == "completed"  # not held up by the group's waits
+    deadline = time.monotonic() + 15
+    while not starts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with lock:
+        first = starts[0]
+    waiting_seen = 0
+    while time.monotonic() < first + seconds + 0.1:
+        waiting_seen = max(waiting_seen, admin.group("metered").rate_waiting)
+        time.sleep(0.05)
+    with lock:
+        at = sorted(starts)
+        takes = dict(per_take)
+    in_window = sum(1 for t in at if t < first + seconds)
+    # A burst of `rate`, then `rate` a second: 80 in 3 s. Generous below (a busy machine slows
+    # the slots), strict above (the bucket never lets more start).
+    assert 45 <= in_window <= rate + rate * seconds + 2, in_window
+    assert most_in_a_window(at, 1.0) <= 2 * rate
+    # After the first burst, parts start one by one as the bucket refills (about 5 per 0.25 s),
+    # not in bursts of `rate` each time an idle poll ends.
+    assert most_in_a_window([t for t in at if t >= first + 0.5], 0.25) <= rate // 2
+    # Every take of the group's token ran one part; the ungrouped request's ran batches.
+    assert {n for (_, _, g), n in takes.items() if g == "metered"} == {1}
+    assert max(n for (_, _, g), n in takes.items() if g is None) > 1
+    assert waiting_seen >= 1, "no group token was seen waiting for the rate limit"
+    assert admin.group("metered").rate == RateLimit(rate, 1000)
+
+
+def most_in_a_window(starts: List[float], window: float) -> int:
+    """The most starts in any window [t, t + window) that begins at a start."""
+    most, j = 0, 0
+    for i, t in enumerate(starts):
+        while j < len(starts) and starts[j] < t + window:
+            j += 1
+        most = max(most, j - i)
+    return most

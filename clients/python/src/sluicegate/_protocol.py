@@ -795,17 +795,20 @@ class Protocol:
 
     # ----- tenant groups (prelude.lua, "Tenant groups") -----
 
-    def group_set(self, shard: int, name: str, limit: int) -> Tuple[int, int]:
-        """``group_set`` on group ``name``'s shard ``shard``: sets its limit. Returns (tokens
-        added, tokens retired now)."""
+    def group_set(self, shard: int, name: str, limit: Optional[int], rate: str = "") -> Tuple[int, int]:
+        """``group_set`` on group ``name``'s shard ``shard``: sets its limit (None: keeps it) and
+        its rate limit (``rate``: ``"<n>/<interval ms>"``; ``"none"`` removes it; ``""`` keeps
+        it). Returns (tokens added, tokens retired now)."""
         k = self.keys
-        items = fcall_items(self.conn.fcall("group_set", [k.group_limits(shard), k.group(shard, name)], [name, limit]))
+        args: List[Any] = [name, "" if limit is None else limit, rate]
+        items = fcall_items(self.conn.fcall("group_set", [k.group_limits(shard), k.group(shard, name)], args))
         return (integer(items[0]) if items else 0, integer(items[1]) if len(items) > 1 else 0)
 
     def group_audit(self, shard: int, cursor: str, count: int) -> Tuple[str, int]:
         """``group_audit`` on ``shard``: looks at up to ``count`` groups from SSCAN cursor
-        ``cursor``, giving back the group tokens held by take records that no longer exist.
-        Returns (next cursor, '0' after the last; tokens given back)."""
+        ``cursor``, giving back the group tokens held by take records that no longer exist (and
+        putting back in the shard's ``gwake`` a token waiting for its group's rate limit that is
+        missing there). Returns (next cursor, '0' after the last; tokens given back)."""
         k = self.keys
         items = fcall_items(self.conn.fcall("group_audit", [k.held(shard), k.groups(shard)], [cursor, count]))
         nxt = text(items[0]) if items and items[0] is not None else "0"

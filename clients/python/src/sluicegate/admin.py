@@ -30,7 +30,7 @@ from ._protocol import (
     record_meta,
     refused_state,
 )
-from .producer import PartError
+from .producer import PartError, Rate, _rate_arg
 
 #: Rows a page holds at most.
 MAX_LIST_LIMIT = 1000
@@ -102,6 +102,12 @@ class GroupStatus:
     parked: int
     #: Its requests' token elements waiting in its queues, ``(priority, count)``, highest first.
     waiting: List[Tuple[int, int]] = field(default_factory=list)
+    #: Its tokens waiting for its rate limit to refill (state ``r|...``, in the shard's ``gwake``).
+    #: (The Rust struct has this and ``rate`` before ``waiting``; here they come last, with
+    #: defaults, so that a ``GroupStatus`` built without them stays valid.)
+    rate_waiting: int = 0
+    #: Its rate limit (:meth:`Admin.set_group_rate`), if any.
+    rate: Optional[RateLimit] = None
 
 
 @dataclass
@@ -359,8 +365,9 @@ class IndexedError:
 
 @dataclass(frozen=True)
 class RateLimit:
-    """A request's rate limit (Rust ``RateLimit``): at most ``n`` parts start per ``per_ms`` ms
-    (``Producer.submit(rate=(n, per_ms / 1000))``)."""
+    """A request's or a tenant group's rate limit (Rust ``RateLimit``): at most ``n`` parts start
+    per ``per_ms`` ms (``Producer.submit(rate=(n, per_ms / 1000))``,
+    ``Admin.set_group_rate(name, (n, per_ms / 1000))``)."""
 
     #: Parts per interval.
     n: int
@@ -1264,6 +1271,21 @@ class Admin:
         p = self.protocol
         p.group_set(group_shard(name, p.settings.token_shards), name, limit)
 
+    def set_group_rate(self, name: str, rate: Optional[Rate]) -> None:
+        """Sets tenant group ``name``'s rate limit: at most ``n`` of its parts start per ``per``
+        seconds, ``rate=(n, per)``, across all workers (a token bucket in Redis, refilled by time,
+        with bursts of up to ``n``; a slot that finds it empty waits for the refill, no polling).
+        ``None`` removes it. ``n`` an int from 1 to 1,000,000 and ``per`` from 0.001 (1 ms) to
+        86,400 (a day), kept in whole ms as ``Producer.submit(rate=...)``'s; anything else raises
+        :class:`InvalidRequest` ("a rate is 1 to 1000000 parts per 1 ms to a day, not ..."), as a
+        bad name does. Each part of a rate-limited group is started by a take of its own (one
+        part per turn). Kept in the shard's ``gconf`` (``<name>:rate``) and applied at once to a
+        group in use; its limit is left as it is (the Rust ``Admin::set_group_rate``)."""
+        check_group(name)
+        change = "none" if rate is None else _rate_arg(rate)
+        p = self.protocol
+        p.group_set(group_shard(name, p.settings.token_shards), name, None, change)
+
     def group(self, name: str) -> GroupStatus:
         """Tenant group ``name`` now (a group nobody used nor configured reads as idle, with the
         default limit). The group's shard follows from this admin's ``token_shards``, which must be
@@ -1274,12 +1296,14 @@ class Admin:
         client = p.conn.client
         shard = group_shard(name, p.settings.token_shards)
         fields = {text(f): text(v) for f, v in client.hgetall(k.group(shard, name)).items()}
-        configured = client.hget(k.group_limits(shard), name)
+        configured, rate_set = client.hmget(k.group_limits(shard), [name, f"{name}:rate"])
         configured_limit = _opt_digits(None if configured is None else text(configured))
         limit = _opt_digits(fields.get("limit"))
         if limit is None:
             limit = configured_limit if configured_limit is not None else DEFAULT_GROUP_LIMIT
-        held = queued = parked = 0
+        # The meta's rate when the group is in use, else the one set for it.
+        rate = _rate_limit(fields["rate"] if "rate" in fields else (None if rate_set is None else text(rate_set)))
+        held = queued = parked = rate_waiting = 0
         for f, v in fields.items():
             if not (f.startswith("t") and _digits(f[1:])):
                 continue
@@ -1290,6 +1314,8 @@ class Admin:
                 queued += 1
             elif kind == "p":
                 parked += 1
+            elif kind == "r":
+                rate_waiting += 1
         waiting: List[Tuple[int, int]] = []
         for prio in (text(v) for v in client.zrevrange(k.group_work(shard, name), 0, -1)):
             if not _digits(prio) or int(prio) > 99:
@@ -1297,7 +1323,9 @@ class Admin:
             n = integer(client.llen(k.group_queue(shard, name, int(prio))))
             if n > 0:
                 waiting.append((int(prio), n))
-        return GroupStatus(name, shard, limit, configured_limit is not None, held, queued, parked, waiting)
+        return GroupStatus(
+            name, shard, limit, configured_limit is not None, held, queued, parked, waiting, rate_waiting, rate
+        )
 
     def groups(self) -> List[GroupStatus]:
         """Every tenant group in use or configured, by name (at most :data:`MAX_GROUPS_LISTED`)."""
@@ -1309,7 +1337,8 @@ class Admin:
             pipe.smembers(k.groups(shard))
             pipe.hkeys(k.group_limits(shard))
         for reply in pipe.execute():
-            names.update(text(n) for n in reply)
+            # (`<name>:rate` fields of gconf hold rates; a group's name has no ':'.)
+            names.update(n for n in (text(n) for n in reply) if ":" not in n)
         return [self.group(n) for n in sorted(names)[:MAX_GROUPS_LISTED]]
 
     # ----- pause -----

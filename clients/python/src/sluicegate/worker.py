@@ -325,6 +325,10 @@ class _Token:
     list: str
     take: int
     acquired: Optional[_Next] = None
+    #: Taken for one part only: a request in a rate-limited tenant group (``take``'s third item
+    #: ``'one'``; Rust ``Token::one_part``). Each part's start is charged to the group's bucket by
+    #: a take of its own, so the slot runs one and gives the token back.
+    one_part: bool = False
 
     @property
     def group(self) -> Optional[str]:
@@ -768,12 +772,16 @@ class _Slot:
                 self.p.release(s, holder, str(last))
                 self.last_take[s] = None
         took = self.take(holder, shard, False)
-        if took == "nothing":
+        if took == "nothing" or isinstance(took, float):
             bell = self.p.keys.bell(shard)
             wait = self.w.idle_poll if self.w.settings.token_shards == 1 else self.w.shard_poll
-            rang = self.p.conn.client.brpop([bell], timeout=wait)
+            if isinstance(took, float):
+                # A group's rate limit refills sooner: the take after it queues the group's token.
+                wait = min(took, wait)
+            # (At least 1 ms: a BRPOP timeout of 0 would block for ever.)
+            rang = self.p.conn.client.brpop([bell], timeout=max(wait, 0.001))
             took = self.take(holder, shard, rang is not None)
-            if took == "nothing":
+            if took == "nothing" or isinstance(took, float):
                 return
         if took == "paused":
             self.w.stopping.wait(self.w.idle_poll)
@@ -782,12 +790,17 @@ class _Slot:
         self.w.higher.answered(shard, took.priority)
         self.serve(holder, took)
 
-    def want(self, ran: int) -> int:
+    def want(self, ran: int, parts: Optional[int] = None) -> int:
+        """The next batch's size: what runs in about ``BATCH_TARGET_US``, within what is left of
+        the ``parts`` a hold may run (the quantum's by default)."""
         fits = 1.0 if self.mean_us is None else BATCH_TARGET_US / max(self.mean_us, 1.0)
-        left = max(self.w.quantum_parts - ran, 1)
+        left = max((self.w.quantum_parts if parts is None else parts) - ran, 1)
         return min(max(int(fits), 1), self.w.max_batch, left)
 
     def take(self, holder: str, shard: int, woken: bool) -> Any:
+        """``take`` on ``shard``: a :class:`_Token`, ``"nothing"``, ``"paused"``, or, when nothing
+        was taken and a tenant group's token waits for its rate limit to refill, in how many
+        seconds that is (a float: the slot asks again then, not after an idle poll)."""
         k = self.p.keys
         take_id = self.next_take
         prev = self.last_take[shard]
@@ -807,9 +820,18 @@ class _Slot:
             return "paused"
         if len(reply) < 2:
             return "nothing"
+        if len(reply) == 2 and text(reply[0]) == "wait":
+            # {'wait', ms}: nothing taken; a group token's rate-limit wait ends in ms.
+            return max(integer(reply[1], 1), 1) / 1000
         list_key, element = text(reply[0]), text(reply[1])
-        # Only a lane's token comes acquired.
-        acquired = _parse_next(reply[2], LANE_ACQUIRE) if len(reply) > 2 else None
+        # A third item: 'one' for a request in a rate-limited tenant group (one part under this
+        # take), else what acquiring a lane's token in the same call answered.
+        acquired, one_part = None, False
+        if len(reply) > 2:
+            if isinstance(reply[2], (bytes, str)) and text(reply[2]) == "one":
+                one_part = True
+            else:
+                acquired = _parse_next(reply[2], LANE_ACQUIRE)
         prio = k.priority_of_list(list_key)
         parts = element.split("|")
         try:
@@ -819,7 +841,7 @@ class _Slot:
         except (ValueError, UnicodeDecodeError):
             log.warning("dropping a malformed token element %r from %s", element, list_key)
             return "nothing"
-        return _Token(parts[0], parts[1], parts[2], rid, prio, shard, list_key, take_id, acquired)
+        return _Token(parts[0], parts[1], parts[2], rid, prio, shard, list_key, take_id, acquired, one_part)
 
     # ----- holding a token -----
 
@@ -841,6 +863,8 @@ class _Slot:
                 return
         started = time.monotonic()
         ran = 0
+        # Parts this hold may run: the quantum's, or one for a token taken for one part.
+        quantum = 1 if token.one_part else self.w.quantum_parts
         policy: Optional[_Policy] = None
         nxt = first
         while nxt.tag == "run":
@@ -848,13 +872,13 @@ class _Slot:
             outcomes = self.run_batch(token, nxt.entries, policy)
             ran += len(nxt.entries)
             keep = (
-                ran < self.w.quantum_parts
+                ran < quantum
                 and time.monotonic() - started < self.w.quantum_time
                 and not self.w.stopping.is_set()
                 and not self.w.higher.claim_above(token.shard, token.priority)
             )
             try:
-                nxt = self.ack(token, nxt.entries, policy, outcomes, self.want(ran) if keep else None)
+                nxt = self.ack(token, nxt.entries, policy, outcomes, self.want(ran, quantum) if keep else None)
             except Exception as e:  # noqa: BLE001 - whether the ack ran is unknown
                 self.w._unhold(self.n)
                 self.reclaim_own(token, e)
