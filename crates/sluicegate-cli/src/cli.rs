@@ -134,7 +134,8 @@ pub(crate) enum Command {
         sluicegate submit --priority 80 --concurrency 3 --max-attempts 3 --wait lines.txt\n  \
         printf '{\"n\": 1}\\n{\"n\": 2}\\n' | sluicegate submit --id job-42 -\n  \
         tail -f urls.txt | sluicegate submit --stream --concurrency 8\n  \
-        sluicegate submit --after job-42 --after job-43 merge.txt   # runs once both have completed\n\n\
+        sluicegate submit --after job-42 --after job-43 merge.txt   # runs once both have completed\n  \
+        sluicegate submit --group customer-42 --concurrency 8 big.txt  # within the group's limit\n\n\
         A line that parses as JSON is sent as that JSON value; any other line is sent as a JSON string.\n\
         With --wait, results are printed one per line in input order; a failed sub-request prints\n\
         {\"error\": \"...\", \"attempts\": N, \"permanent\": BOOL}.")]
@@ -253,9 +254,10 @@ pub(crate) enum Command {
         sluicegate dashboard --listen 127.0.0.1:8080                  # read-only, then open http://127.0.0.1:8080\n  \
         sluicegate dashboard --listen 127.0.0.1:8080 --allow-actions  # with cancel, requeue, reprioritize, purge, pause\n  \
         sluicegate dashboard --listen 0.0.0.0:8080 --token \"$TOKEN\" # beyond loopback a token is required\n\n\
-        Pages: overview, requests, request detail, workers, completion events, token audit; they\n\
-        update live (server-sent events) from one reading of the namespace per --interval, shared\n\
-        by every browser. Also serves the JSON API (/api/..., docs/dashboard.md) and /metrics.\n\
+        Pages: overview, requests, request detail, workers, completion events, token audit (with\n\
+        the tenant groups); they update live (server-sent events) from one reading of the\n\
+        namespace per --interval, shared by every browser. Also serves the JSON API (/api/...,\n\
+        docs/dashboard.md) and /metrics.\n\
         Every action is logged to stderr with the peer and how it authenticated. Runs until\n\
         ctrl-c or SIGTERM.")]
     Dashboard(DashboardArgs),
@@ -280,6 +282,70 @@ pub(crate) enum Command {
         Each tick submits request NAME@<tick ms>, tagged schedule:NAME, exactly once however many\n\
         workers run; the workers' recovery fires them (`list --tag schedule:NAME` finds them).")]
     Schedule(ScheduleArgs),
+
+    /// Tenant groups: set a group's limit and rate, list the groups, show one.
+    #[command(after_help = "Example:\n  \
+        sluicegate group set customer-42 --limit 4 --rate 100/s\n  \
+        sluicegate submit --group customer-42 --concurrency 8 lines.txt\n  \
+        sluicegate group list\n  \
+        sluicegate group show customer-42\n\n\
+        At most LIMIT sub-requests of all the group's requests run at once, across all workers;\n\
+        within a priority the groups with work take turns. A group nobody set has limit 10.")]
+    Group(GroupArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct GroupArgs {
+    #[command(subcommand)]
+    pub(crate) action: GroupAction,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum GroupAction {
+    /// Set a group's limit, its rate limit, or both; takes effect at once.
+    #[command(after_help = "Example:\n  \
+        sluicegate group set customer-42 --limit 4\n  \
+        sluicegate group set customer-42 --rate 100/s\n  \
+        sluicegate group set customer-42 --limit 8 --no-rate\n\n\
+        A raised limit adds tokens now; a lowered one retires tokens as they come back (running\n\
+        sub-requests are never stopped). Prints the group as `group show` does.")]
+    Set(GroupSetArgs),
+    /// List every group in use or configured (at most 1000), by name.
+    #[command(
+        after_help = "Example:\n  sluicegate group list\n  sluicegate --json group list | jq -r .name"
+    )]
+    List,
+    /// Show one group: its limit, its tokens, its rate and the work waiting in it.
+    #[command(
+        after_help = "Example:\n  sluicegate group show customer-42\n  sluicegate --json group show customer-42 | jq .held"
+    )]
+    Show(GroupNameArg),
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("change").required(true).multiple(true).args(["limit", "rate", "no_rate"])))]
+pub(crate) struct GroupSetArgs {
+    /// The group's name: 1 to 64 of A-Z a-z 0-9 . _ -.
+    pub(crate) name: String,
+
+    /// At most N sub-requests of all the group's requests run at once (1 to 10000).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=i64::from(sluicegate::MAX_GROUP_LIMIT)))]
+    pub(crate) limit: Option<u32>,
+
+    /// At most N of the group's sub-requests start per DURATION, across all workers: 100/s, 5/1m,
+    /// 20/250ms (N 1 to 1000000, DURATION 1ms to 1 day).
+    #[arg(long, value_parser = rate, value_name = "N/DURATION", conflicts_with = "no_rate")]
+    pub(crate) rate: Option<(u32, Duration)>,
+
+    /// Remove the group's rate limit.
+    #[arg(long = "no-rate")]
+    pub(crate) no_rate: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct GroupNameArg {
+    /// The group's name.
+    pub(crate) name: String,
 }
 
 #[derive(Args, Debug)]
@@ -465,6 +531,13 @@ pub(crate) struct SubmitArgs {
     /// cancelled, or gone) [default: fail].
     #[arg(long = "on-upstream-failure", value_enum, value_name = "fail|run", requires = "after")]
     pub(crate) on_upstream_failure: Option<UpstreamFailureArg>,
+
+    /// Put the request in tenant group NAME: at most the group's limit of sub-requests of all its
+    /// requests run at once (on top of --concurrency), and within a priority the groups with work
+    /// take turns (`group set` sets the limit; default 10). NAME: 1 to 64 of A-Z a-z 0-9 . _ -.
+    /// The request keeps its priority (no `reprioritize`). Not with --unlisted.
+    #[arg(long = "group", value_name = "NAME", conflicts_with = "unlisted")]
+    pub(crate) group: Option<String>,
 }
 
 /// What a request submitted `--after` others does when one of them does not complete.
@@ -691,6 +764,16 @@ mod tests {
         assert_eq!(deadline(&humantime::format_rfc3339(at).to_string()), Ok(Deadline::At(at)));
         assert!(deadline("tomorrow").is_err_and(|e| e.contains("+10m")));
         assert!(deadline("+soon").is_err_and(|e| e.contains("examples")));
+    }
+
+    #[test]
+    fn group_help_gives_the_librarys_limits() {
+        let mut cli = Cli::command();
+        let help = cli.find_subcommand_mut("group").unwrap().render_long_help().to_string();
+        assert!(help.contains(&format!("has limit {}.", sluicegate::DEFAULT_GROUP_LIMIT)), "{help}");
+        let set = cli.find_subcommand_mut("group").unwrap().find_subcommand_mut("set").unwrap();
+        let help = set.render_long_help().to_string();
+        assert!(help.contains(&format!("(1 to {})", sluicegate::MAX_GROUP_LIMIT)), "{help}");
     }
 
     #[test]

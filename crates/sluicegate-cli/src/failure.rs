@@ -70,6 +70,13 @@ impl From<Error> for Failure {
                     id.as_str()
                 ))
             }
+            // The functions library refusing an argument, passed on as Redis's error reply (the
+            // library's `reprioritize` of a request in a tenant group does): bad input, in its
+            // words.
+            Error::Redis(r) if r.code() == Some("SGINVALID") => {
+                let why = r.message().trim_start_matches("SGINVALID").trim_start();
+                return Self::bad_input(format!("refused: {why}"));
+            }
             _ => {}
         }
         let code = match &e {

@@ -1,13 +1,14 @@
 //! `sluicegate`: submit requests, run workers and operate a sluicegate system from a shell.
 //!
 //! Each command lives in a module of its own (`submit`, `worker` with its `exec` handler,
-//! `reprioritize`, `schedules`, `ops` for the operator's other commands); `cli` has the command line,
-//! `failure` the exit codes, `input` and `output` what goes in and out. docs/cli.md is the
-//! manual.
+//! `reprioritize`, `schedules`, `groups`, `ops` for the operator's other commands); `cli` has the
+//! command line, `failure` the exit codes, `input` and `output` what goes in and out. docs/cli.md
+//! is the manual.
 
 mod cli;
 mod exec;
 mod failure;
+mod groups;
 mod input;
 mod listing;
 mod ops;
@@ -156,5 +157,6 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Results(args) => ops::results(&ctx, args).await,
         Command::Events(args) => ops::events(&ctx, args).await,
         Command::Schedule(args) => schedules::run(&ctx, args.action).await,
+        Command::Group(args) => groups::run(&ctx, args.action).await,
     }
 }

@@ -50,6 +50,7 @@ async fn add(ctx: &Ctx, args: ScheduleAddArgs) -> Result<(), Failure> {
         (template.wait, "--wait"),
         (template.expire_open_after.is_some(), "--expire-open-after"),
         (!template.after.is_empty(), "--after (a schedule has no upstreams)"),
+        (template.group.is_some(), "--group (a schedule's requests have no group yet)"),
     ];
     if let Some((_, option)) = refused.iter().find(|(given, _)| *given) {
         return Err(Failure::bad_input(format!("a schedule's request cannot take {option}")));

@@ -82,6 +82,9 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
         };
         request = request.after(upstreams).on_upstream_failure(policy);
     }
+    if let Some(name) = &args.group {
+        request = request.group(name).map_err(|e| flag_refused("--group", e))?;
+    }
     let (handle, parts) = if args.stream {
         stream(ctx, request, reader, args.max_payload_bytes, !args.wait).await?
     } else {
@@ -118,6 +121,15 @@ fn upstreams(after: &[String]) -> Result<Vec<RequestId>, Failure> {
         .iter()
         .map(|id| RequestId::new(id.as_str()).map_err(|e| Failure::bad_input(format!("--after {id:?}: {e}"))))
         .collect()
+}
+
+/// A refusal of the library's about one flag's value, naming the flag: `--group: a group name
+/// is ...`. Other errors as usual.
+fn flag_refused(flag: &str, e: sluicegate::Error) -> Failure {
+    match e {
+        sluicegate::Error::InvalidRequest(why) => Failure::bad_input(format!("{flag}: {why}")),
+        other => Failure::from(other),
+    }
 }
 
 fn print_id(ctx: &Ctx, id: &RequestId, parts: Option<u64>) -> Result<(), Failure> {

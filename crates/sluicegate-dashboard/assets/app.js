@@ -468,10 +468,14 @@ const pages = {
   },
 
   tokens: {
-    render(main) { this.main = main; return this.tick(); },
+    render(main) { this.main = main; this.groups = null; this.groupsAt = 0; return this.tick(); },
     async tick() {
       let audit;
+      const groups = (!this.groups || Date.now() - this.groupsAt >= GROUPS_EVERY_MS)
+        ? api('/api/groups').then(g => { this.groups = g; this.groupsAt = Date.now(); this.groupsError = null; }).catch(e => { this.groupsError = e.message; })
+        : null;
       try { audit = await api('/api/tokens'); } catch (e) { fill(this.main, h('p', { class: 'error' }, e.message)); return; }
+      await groups;
       const t = audit.totals;
       fill(this.main, h('h1', {}, 'Token audit'),
         h('div', { class: 'grid' },
@@ -487,10 +491,33 @@ const pages = {
               h('td', { class: 'num' }, r.priority), h('td', { class: 'num' }, r.shards), h('td', { class: 'num' }, r.expected), h('td', { class: 'num' }, r.queued),
               h('td', { class: 'num' }, r.held), h('td', { class: 'num' }, r.parked), h('td', { class: 'num ' + (r.drift ? 'warn' : 'ok') }, r.drift))),
             'No unfinished request.')),
+        groupsCard(this.groups, this.groupsError),
         h('p', { class: 'muted' }, 'A request\'s tokens are counted from its own record; the namespace totals compare what the records own with what the priority lists, take records and parked counts hold. Both read zero drift on a healthy system, but for a moment while a token moves.'));
     },
   },
 };
+
+/** How often the token audit reads the tenant groups again (Admin::groups: a few calls per group). */
+const GROUPS_EVERY_MS = 5000;
+
+/** The token audit's tenant groups: each group's limit, its tokens by state, its rate and the work waiting in it. */
+function groupsCard(g, error) {
+  const card = (...c) => h('div', { class: 'card', id: 'groups' }, ...c);
+  if (!g) return card(h('h2', {}, 'Tenant groups'), h('p', { class: error ? 'error' : 'muted' }, error || 'Reading the groups…'));
+  const sum = k => g.groups.reduce((a, x) => a + x[k], 0);
+  const waiting = x => x.waiting.length ? x.waiting.map(([p, n]) => `${num(n)} at priority ${p}`).join(', ') : '–';
+  return card(h('h2', {}, `Tenant groups (${num(g.groups.length)})`),
+    table([['Group'], ['Limit', 'num'], ['Held', 'num'], ['Queued', 'num'], ['Parked', 'num'], ['Rate-waiting', 'num'], ['Rate'], ['Waiting work'], ['Shard', 'num']],
+      g.groups.map(x => h('tr', { 'data-name': x.name },
+        h('td', { class: 'mono' }, x.name),
+        h('td', { class: 'num' }, num(x.limit), x.configured ? null : h('span', { class: 'muted' }, ' (default)')),
+        h('td', { class: 'num' }, num(x.held)), h('td', { class: 'num' }, num(x.queued)), h('td', { class: 'num' }, num(x.parked)),
+        h('td', { class: 'num' }, num(x.rate_waiting)),
+        h('td', {}, x.rate ? `${num(x.rate.n)} per ${age(x.rate.per_ms)}` : '–'),
+        h('td', {}, waiting(x)), h('td', { class: 'num' }, x.shard))),
+      `No tenant group is in use or configured (a group nobody set has limit ${g.default_limit}).`),
+    g.groups.length ? h('p', { class: 'muted' }, `A group holds "limit" tokens of its own: held by the slots running its requests' sub-requests, queued in the priority lists, parked while it has nothing to run, or waiting for its rate to refill. Its requests' tokens wait in the group's queues ("Waiting work", by priority: ${num(g.groups.reduce((a, x) => a + x.waiting.reduce((b, [, n]) => b + n, 0), 0))} now); the priority lists hold the groups' tokens instead (${num(sum('queued'))} now).`) : null);
+}
 
 function pauseControls() {
   const p = h('input', { type: 'number', min: 0, max: 99, placeholder: 'all' });

@@ -54,6 +54,8 @@ pub(crate) fn routes(shared: &Arc<Shared>) -> Router<Arc<Shared>> {
         .route("/api/workers", get(workers))
         .route("/api/events", get(events))
         .route("/api/tokens", get(token_audit))
+        .route("/api/groups", get(groups))
+        .route("/api/groups/{name}", get(group))
         .route("/api/live", get(live))
         .route("/metrics", get(metrics))
         .merge(actions)
@@ -330,6 +332,21 @@ async fn token_audit(
         "totals": stats["tokens"],
         "token_shards": shared.token_shards,
     })))
+}
+
+/// Every tenant group in use or configured, by name (`Admin::groups`, at most
+/// `sluicegate::MAX_GROUPS_LISTED`).
+async fn groups(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Value>> {
+    let groups = shared.admin.groups().await?;
+    Ok(Json(json!({ "groups": groups, "default_limit": sluicegate::DEFAULT_GROUP_LIMIT })))
+}
+
+/// One tenant group (an unknown one reads as idle, with the default limit).
+async fn group(
+    State(shared): State<Arc<Shared>>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<sluicegate::GroupStatus>> {
+    Ok(Json(shared.admin.group(&name).await?))
 }
 
 async fn live(State(shared): State<Arc<Shared>>) -> Response {

@@ -26,6 +26,14 @@ impl ApiError {
 impl From<sluicegate::Error> for ApiError {
     fn from(e: sluicegate::Error) -> Self {
         use sluicegate::Error as E;
+        // The functions library refusing an argument, passed on as Redis's reply (its
+        // `reprioritize` of a request in a tenant group does): the request refuses the action.
+        if let E::Redis(r) = &e {
+            if r.code() == Some("SGINVALID") {
+                let why = r.message().trim_start_matches("SGINVALID").trim_start();
+                return Self::new(StatusCode::CONFLICT, format!("refused: {why}"));
+            }
+        }
         let status = match &e {
             E::InvalidRequestId(_) | E::InvalidRequest(_) | E::InvalidCursor(_) => StatusCode::BAD_REQUEST,
             E::UnknownRequest(_) => StatusCode::NOT_FOUND,

@@ -189,7 +189,11 @@ async fn a_browser_sees_a_request_progress_live_and_cancels_it() {
         // The Workers page names the request a busy slot runs (import-2026-11 runs one part at a
         // time for 24 s).
         let slot_runs = "return [...document.querySelectorAll('#slots a')].some(a => a.textContent === 'import-2026-11')";
-        for (page, ready) in [("#/tokens", "return document.querySelector('#main table') !== null"), ("#/workers", slot_runs)] {
+        // The token audit lists the tenant groups: one configured, not in use yet.
+        sluicegate::Admin::connect(&env.config).await.unwrap().set_group("tenant-a", 4).await.unwrap();
+        let audit = "const g = document.querySelector('#groups tr[data-name=\"tenant-a\"]'); \
+            return document.querySelector('#main table') !== null && g !== null && g.children[1].textContent === '4'";
+        for (page, ready) in [("#/tokens", audit), ("#/workers", slot_runs)] {
             browser.execute(&format!("location.hash = '{page}'"), vec![]).await.unwrap();
             until(&browser, page, ready).await;
             shot(&browser, page.trim_start_matches("#/")).await;

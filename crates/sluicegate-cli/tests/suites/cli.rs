@@ -567,6 +567,95 @@ fn a_request_submitted_after_others_waits_for_them_and_fails_with_one_that_fails
 }
 
 #[test]
+fn a_tenant_group_is_set_listed_and_shown_and_runs_its_requests_at_most_limit_at_once() {
+    let sg = Sg::new("cli-groups");
+    // Refused, each in one line naming the problem, and nothing is set.
+    assert_fails(
+        &sg.run(&["group", "set", "a b", "--limit", "2"]),
+        2,
+        "a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not \"a b\"",
+    );
+    fails_with(&sg.run(&["group", "set", "t-1", "--limit", "0"]), 2, "invalid value '0' for '--limit <N>': 0 is not in 1..=10000");
+    fails_with(&sg.run(&["group", "set", "t-1", "--limit", "10001"]), 2, "10001 is not in 1..=10000");
+    fails_with(&sg.run(&["group", "set", "t-1"]), 2, "<--limit <N>|--rate <N/DURATION>|--no-rate>");
+    fails_with(&sg.run(&["group", "set", "t-1", "--rate", "fast"]), 2, "\"fast\" is not a rate (examples: 100/s");
+    fails_with(&sg.run(&["group", "set", "t-1", "--rate", "1/s", "--no-rate"]), 2, "cannot be used with");
+    assert_fails(
+        &sg.run(&["group", "set", "t-1", "--rate", "0/s", "--limit", "2"]),
+        2,
+        "a rate is 1 to 1000000 parts per 1 ms to a day, not 0 per 1s",
+    );
+    assert_fails(&sg.run(&["group", "show", "x/y"]), 2, "a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not \"x/y\"");
+    assert_fails(
+        &sg.run_with_input(&["submit", "--group", "a/b"], b"x\n"),
+        2,
+        "--group: a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not \"a/b\"",
+    );
+    fails_with(&sg.run(&["submit", "--group", "t-1", "--unlisted"]), 2, "'--group <NAME>' cannot be used with '--unlisted'");
+    assert_eq!(stdout(&sg.run(&["group", "list"])).lines().count(), 1, "only the header: nothing was set");
+
+    // Set, then shown and listed.
+    let set = sg.json(&["group", "set", "t-1", "--limit", "1", "--rate", "50/1s"]);
+    let want = serde_json::json!({
+        "name": "t-1", "shard": 0, "limit": 1, "configured": true, "held": 0, "queued": 0, "parked": 0,
+        "rate_waiting": 0, "rate": {"n": 50, "per_ms": 1000}, "waiting": [],
+    });
+    assert_eq!(set, want);
+    assert_eq!(sg.json(&["group", "show", "t-1"]), want);
+    let unset = sg.json(&["group", "show", "nobody"]);
+    assert_eq!((&unset["limit"], &unset["configured"]), (&Value::from(10), &Value::Bool(false)), "{unset}");
+
+    // Two requests in the group, no worker yet: their tokens wait in its queues, by priority.
+    let out = sg.run_with_input(&["submit", "--group", "t-1", "--id", "grp-a", "--concurrency", "3"], b"a\nb\nc\nd\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = sg.run_with_input(&["submit", "--group", "t-1", "--id", "grp-b", "--priority", "60"], b"e\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let shown = stdout(&sg.run(&["group", "show", "t-1"]));
+    assert_eq!(
+        shown,
+        "group        t-1\nlimit        1 (set by an operator)\nshard        0\n\
+         tokens       0 held, 1 queued, 0 parked, 0 waiting for the rate\n\
+         rate         at most 50 started per 1s\nwaiting      1 at priority 60, 3 at priority 50\n"
+    );
+    let table = stdout(&sg.run(&["group", "list"]));
+    assert_eq!(
+        table,
+        "NAME                     LIMIT CONFIGURED  HELD QUEUED PARKED RATE-WAITING RATE         WAITING\n\
+         t-1                          1 yes            0      1      0            0 50/1s        p60:1 p50:3\n"
+    );
+    let listed = stdout(&sg.run(&["--json", "group", "list"]));
+    assert_eq!(listed.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["name"].clone()).collect::<Vec<_>>(), ["t-1"]);
+    // A grouped request keeps its priority.
+    assert_fails(&sg.run(&["reprioritize", "grp-a", "90"]), 2, "refused: a request in a tenant group keeps the priority it was submitted with");
+
+    // A worker of 2 slots runs them, one sub-request at a time: the group's limit.
+    let log = sg.dir.join("runs.log");
+    let script = sg.file(
+        "logged.sh",
+        format!(
+            "#!/bin/sh\necho start >> '{log}'\nsleep 0.05\necho end >> '{log}'\nexec tr '[:lower:]' '[:upper:]'\n",
+            log = log.display()
+        )
+        .as_bytes(),
+    );
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let worker = sg.worker(&script, &[]);
+    let out = sg.run(&["results", "--wait", "--raw", "grp-a"]);
+    assert_eq!(stdout(&out), "A\nB\nC\nD\n", "{}", stderr(&out));
+    let out = sg.run(&["results", "--wait", "--raw", "grp-b"]);
+    assert_eq!(stdout(&out), "E\n", "{}", stderr(&out));
+    worker.stop();
+    let (mut running, mut most) = (0, 0);
+    for line in fs::read_to_string(&log).unwrap().lines() {
+        running += if line == "start" { 1 } else { -1 };
+        most = most.max(running);
+    }
+    assert_eq!(most, 1, "the group's limit is 1");
+    let after = sg.json(&["group", "set", "t-1", "--no-rate"]);
+    assert_eq!((&after["held"], &after["rate"], &after["waiting"]), (&Value::from(0), &Value::Null, &serde_json::json!([])), "{after}");
+}
+
+#[test]
 fn a_deadline_kills_the_running_command_and_ends_the_request_failed() {
     let sg = Sg::new("cli-deadline");
     let worker = sg.worker(&fixture("sleepy.sh"), &[]);
@@ -1279,6 +1368,7 @@ fn a_bad_schedule_is_one_line_naming_the_problem() {
     fails_with(&add("x", &[], &["--id", "fixed", &input]), 2, "cannot take --id");
     fails_with(&add("x", &[], &["--stream", &input]), 2, "cannot take --stream");
     fails_with(&add("x", &[], &["--after", "a-request", &input]), 2, "cannot take --after");
+    fails_with(&add("x", &[], &["--group", "tenant", &input]), 2, "cannot take --group");
     fails_with(&add("x", &[], &["--priority", "120", &input]), 2, "priority 120 is out of range");
     fails_with(&add("x", &[], &["--no-such-option", &input]), 2, "the request after `--`");
     let empty = sg.file("empty.txt", b"");
@@ -1292,7 +1382,7 @@ fn every_command_has_help_with_an_example() {
     let commands =
         [
         "submit", "worker", "status", "finalize", "cancel", "requeue", "dead", "purge", "stats", "pause", "resume", "metrics", "results",
-        "events", "schedule", "schedule add",
+        "events", "schedule", "schedule add", "group", "group set", "group list", "group show",
     ];
     for cmd in commands {
         let out = Command::new(BIN).args(cmd.split(' ')).arg("--help").output().unwrap();

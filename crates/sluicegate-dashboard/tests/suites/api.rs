@@ -43,6 +43,27 @@ async fn reads_answer_json_and_bad_input_gets_a_status_and_a_message_naming_it()
     assert_eq!(s, 200);
     assert!(metrics.contains(&format!("sluicegate_token_capacity{{namespace=\"{ns}\"}} 2")), "{metrics}");
 
+    // Tenant groups: each one in use or configured, its limit, tokens, rate and waiting work.
+    let (s, g) = get_json(addr, "/api/groups", &[]).await;
+    assert_eq!((s, &g["groups"], &g["default_limit"]), (200, &serde_json::json!([]), &Value::from(10)), "{g}");
+    let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    admin.set_group("tenant-a", 3).await.unwrap();
+    admin.set_group_rate("tenant-a", Some((5, Duration::from_secs(1)))).await.unwrap();
+    p.request().id("g-1").unwrap().priority(40).unwrap().concurrency(2).unwrap().group("tenant-a").unwrap().submit(0..4u64).await.unwrap();
+    let (s, g) = get_json(addr, "/api/groups", &[]).await;
+    assert_eq!((s, g["groups"].as_array().map(Vec::len)), (200, Some(1)), "{g}");
+    let t = &g["groups"][0];
+    assert_eq!((&t["name"], &t["limit"], &t["configured"], &t["held"]), (&Value::from("tenant-a"), &Value::from(3), &Value::Bool(true), &Value::from(0)), "{g}");
+    assert_eq!((&t["rate"], &t["waiting"]), (&serde_json::json!({"n": 5, "per_ms": 1000}), &serde_json::json!([[40, 2]])), "{g}");
+    assert_eq!(t["queued"].as_u64().unwrap() + t["parked"].as_u64().unwrap(), 3, "its limit of group tokens, none held: {g}");
+    let (s, one) = get_json(addr, "/api/groups/tenant-a", &[]).await;
+    assert_eq!((s, &one), (200, t), "{one}");
+    let (s, idle) = get_json(addr, "/api/groups/nobody", &[]).await;
+    assert_eq!((s, &idle["limit"], &idle["configured"]), (200, &Value::from(10), &Value::Bool(false)), "{idle}");
+    let (s, e) = get_json(addr, "/api/groups/a%20b", &[]).await;
+    assert_eq!(s, 400, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("a group name is 1 to 64"), "{e}");
+
     // Bad input: a status and a message that names the problem.
     let (s, e) = get_json(addr, "/api/requests/nobody", &[]).await;
     assert_eq!(s, 404, "{e}");
@@ -122,6 +143,10 @@ async fn actions_change_requests_and_only_the_right_token_gets_in() {
     assert!(e["error"].as_str().unwrap().contains("priority 120"), "{e}");
     let (s, r) = post_json(addr, "/api/requests/b-1/reprioritize", &auth, "{\"priority\": 70}").await;
     assert_eq!((s, &r["from"], &r["to"]), (200, &Value::from(40), &Value::from(70)), "{r}");
+    p.request().id("b-2").unwrap().group("tenant-b").unwrap().submit(0..2u64).await.unwrap();
+    let (s, e) = post_json(addr, "/api/requests/b-2/reprioritize", &auth, "{\"priority\": 70}").await;
+    assert_eq!(s, 409, "{e}");
+    assert_eq!(e["error"], "refused: a request in a tenant group keeps the priority it was submitted with", "{e}");
     let (s, e) = post_json(addr, "/api/requests/b-1/purge", &auth, "{}").await;
     assert_eq!(s, 409, "an unfinished request is not purged: {e}");
     let (s, r) = post_json(addr, "/api/requests/b-1/cancel", &auth, "{}").await;
