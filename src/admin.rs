@@ -118,6 +118,8 @@ pub struct RequestStatus {
     pub on_upstream_failure: Option<OnUpstreamFailure>,
     /// Requests submitted after it: at most [`STATUS_DOWNSTREAMS`] of them, in no order.
     pub downstreams: Vec<String>,
+    /// Its tenant group (`RequestBuilder::group`), if any.
+    pub group: Option<String>,
 }
 
 /// The most downstreams [`RequestStatus::downstreams`] lists.
@@ -216,7 +218,8 @@ impl Paused {
 pub struct PriorityTokens {
     /// The priority.
     pub priority: u8,
-    /// Elements in its list.
+    /// Requests' tokens waiting at it: elements in its lists, and in tenant groups' queues (the
+    /// groups' own tokens, which wait in the lists in their place, not counted).
     pub tokens: u64,
     /// How long the element next in line has waited, in ms: since its token was last queued
     /// (an element's epoch is the Redis time it was queued at).
@@ -472,6 +475,53 @@ impl Admin {
         self.read_stats(false).await
     }
 
+    /// Turns the elements counted on `shard`'s lists into requests' tokens waiting: a tenant
+    /// group's queued tokens wait there in place of its requests' tokens, which wait in its queues
+    /// (docs/protocol.md §5, "Tenant groups"). Three pipelines, whatever the number of groups.
+    async fn count_group_tokens(&self, shard: u32, waiting: &mut BTreeMap<u8, (u64, u64)>) -> Result<()> {
+        let keys = &self.store.keys;
+        let client = &self.store.client;
+        let groups: Vec<String> = client.smembers(keys.groups(shard)).await?;
+        if groups.is_empty() {
+            return Ok(());
+        }
+        let pipe = client.pipeline();
+        for g in &groups {
+            pipe.hgetall::<(), _>(keys.group(shard, g)).await?;
+            pipe.zrange::<(), _, _, _>(keys.group_work(shard, g), 0, -1, None, false, None, false).await?;
+        }
+        let replies: Vec<Value> = pipe.all().await?;
+        let pipe = client.pipeline();
+        let mut queues = Vec::new();
+        for (g, pair) in groups.iter().zip(replies.chunks(2)) {
+            let meta: HashMap<String, String> = pair[0].clone().convert().unwrap_or_default();
+            for (field, value) in &meta {
+                let mut f = value.split('|');
+                if field.starts_with('t') && f.next() == Some("q") {
+                    if let Some(p) = f.nth(2).and_then(|p| p.parse::<u8>().ok()) {
+                        let entry = waiting.entry(p).or_default();
+                        entry.0 = entry.0.saturating_sub(1);
+                    }
+                }
+            }
+            let prios: Vec<String> = pair[1].clone().convert().unwrap_or_default();
+            for p in prios.iter().filter_map(|p| Priority::new(p.parse().ok()?).ok()) {
+                pipe.llen::<(), _>(keys.group_queue(shard, g, p)).await?;
+                queues.push(p.get());
+            }
+        }
+        if queues.is_empty() {
+            return Ok(());
+        }
+        let lens: Vec<u64> = pipe.all().await?;
+        for (p, n) in queues.into_iter().zip(lens) {
+            if n > 0 {
+                waiting.entry(p).or_default().0 += n;
+            }
+        }
+        Ok(())
+    }
+
     async fn read_stats(&self, tally: bool) -> Result<Stats> {
         let keys = &self.store.keys;
         // Summed over the configured shards (each shard's lists share a slot: one pipeline each).
@@ -509,6 +559,7 @@ impl Admin {
                     entry.1 = entry.1.max(age);
                 }
             }
+            self.count_group_tokens(shard, &mut waiting).await?;
             let pipe = self.store.client.pipeline();
             pipe.zcard::<(), _>(keys.active(shard)).await?;
             pipe.hlen::<(), _>(keys.held(shard)).await?;
@@ -879,6 +930,7 @@ fn status_from(
             _ => OnUpstreamFailure::Fail,
         }),
         downstreams: Vec::new(),
+        group: meta.get("grp").cloned(),
     })
 }
 

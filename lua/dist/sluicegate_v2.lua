@@ -519,9 +519,11 @@ local function sg_lmpop_unpaused(prefix, paused)
 end
 
 -- How long a shard's take records outlive the last take: a record is the fast way to a dead slot's
--- token; one that expired (a hold of over an hour whose worker then died, or a namespace whose
--- workers all died) leaves it to recovery's census, which finds tokens held by gone workers.
-local SG_HELD_TTL_MS = 3600000
+-- token; one that expired (a hold of over a week whose worker then died, or a namespace whose
+-- workers all died) leaves it to recovery's census, which finds tokens held by gone workers, and
+-- to its audit of group tokens (group_audit). A week: a tenant group's token is given back when
+-- its record ends, so a record must outlive any hold of a live slot.
+local SG_HELD_TTL_MS = 7 * 24 * 3600000
 
 -- How long a shard's bell outlives its last push: bells are only wake-ups (an idle slot also
 -- takes after each idle poll), so one that is lost only delays a take, and one too many only wakes
@@ -609,6 +611,8 @@ end
 -- A group's limit when no operator set one (Admin::set_group).
 local SG_GROUP_DEFAULT_LIMIT = 10
 local SG_GROUP_IDLE_MS = 86400000
+-- `floor` when no token of the group is queued.
+local SG_GROUP_NO_FLOOR = 100
 
 -- Checks a group name: '' or nil for none, else 1 to 64 of [A-Za-z0-9._-]. The error reply, or nil.
 local function sg_check_group(name)
@@ -632,19 +636,39 @@ local function sg_group_parts(gkey)
   return string.match(gkey, '^(.*:)grp:([^:]+)$')
 end
 
--- The group's highest priority with work waiting (nil: none), forgetting priorities whose queue
--- has emptied.
-local function sg_group_top(gkey)
+-- The shard's pauses (`Admin::pause`) as priority text -> true ('all' for the namespace), or nil.
+local function sg_group_paused(shard)
+  local pauses = redis.call('HGETALL', shard .. 'paused')
+  if #pauses == 0 then return nil end
+  local paused = {}
+  for i = 1, #pauses, 2 do paused[pauses[i]] = true end
+  return paused
+end
+
+-- Whether priority p (a number) is paused in `paused` (sg_group_paused's).
+local function sg_group_is_paused(paused, p)
+  return paused ~= nil and (paused['all'] or paused[tostring(p)]) and true or false
+end
+
+-- The priority a group's token should wait at: its highest priority with work waiting that is not
+-- paused, else its highest with work (the token then waits on that paused list until it is
+-- resumed); nil when it has no work. Priorities whose queue has emptied leave `w`.
+local function sg_group_top(gkey, paused)
+  local first_paused = nil
   for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
-    if redis.call('LLEN', gkey .. ':p:' .. p) > 0 then return tonumber(p) end
-    redis.call('ZREM', gkey .. ':w', p)
+    if redis.call('LLEN', gkey .. ':p:' .. p) > 0 then
+      if not sg_group_is_paused(paused, p) then return tonumber(p) end
+      first_paused = first_paused or tonumber(p)
+    else
+      redis.call('ZREM', gkey .. ':w', p)
+    end
   end
-  return nil
+  return first_paused
 end
 
 -- Names group `name` in the shard's set `groups` (recovery's audit reads it), which outlives its
--- last such call by twice a group's idle expiry: a group's meta lives while it is in use, and
--- every wake of its parked tokens names it again.
+-- last such call by twice a group's idle expiry: every wake of a parked token and every return of
+-- a token to work names the group again.
 local function sg_group_listed(shard, name)
   redis.call('SADD', shard .. 'groups', name)
   redis.call('PEXPIRE', shard .. 'groups', 2 * SG_GROUP_IDLE_MS)
@@ -656,7 +680,7 @@ local function sg_group_open(gkey, now)
   local shard, name = sg_group_parts(gkey)
   local conf = redis.call('HMGET', shard .. 'gconf', name, name .. ':rate')
   local limit = tonumber(conf[1] or SG_GROUP_DEFAULT_LIMIT)
-  local fields = {'limit', limit, 'ntok', limit, 'nlive', limit, 'npark', limit, 'floor', 0}
+  local fields = {'limit', limit, 'ntok', limit, 'nlive', limit, 'npark', limit, 'floor', SG_GROUP_NO_FLOOR}
   if conf[2] then
     fields[#fields + 1] = 'rate'
     fields[#fields + 1] = conf[2]
@@ -669,40 +693,59 @@ local function sg_group_open(gkey, now)
   sg_group_listed(shard, name)
 end
 
--- Queues group token k (whose epoch was `epoch`) on the shard's list of priority p, under a new epoch.
+-- Queues group token k (whose epoch was `epoch`) on the shard's list of priority p, under a new
+-- epoch; `floor` follows.
 local function sg_group_queue(gkey, k, epoch, p, now)
   local next_epoch = sg_next_epoch(epoch, now)
   redis.call('HSET', gkey, 't' .. k, 'q|' .. next_epoch .. '|' .. now .. '|' .. p)
+  local floor = tonumber(redis.call('HGET', gkey, 'floor') or SG_GROUP_NO_FLOOR)
+  if p < floor then redis.call('HSET', gkey, 'floor', p) end
   local shard, name = sg_group_parts(gkey)
   sg_push(shard .. 'p:' .. p, shard .. 'bell', {'^' .. name .. '|' .. k .. '|' .. next_epoch})
 end
 
--- Parks group token k: the group has no work for it. A group whose tokens are all parked holds
--- nothing and has nothing queued: it expires if it stays so for SG_GROUP_IDLE_MS.
-local function sg_group_park(gkey, k, epoch, now)
-  redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
-  local npark = redis.call('HINCRBY', gkey, 'npark', 1)
-  if npark >= tonumber(redis.call('HGET', gkey, 'nlive') or '0') then
-    redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS)
-  end
+-- A group whose tokens are all parked holds nothing and has nothing queued: it expires if it
+-- stays so for SG_GROUP_IDLE_MS.
+local function sg_group_idle_check(gkey)
+  local m = redis.call('HMGET', gkey, 'npark', 'nlive')
+  if tonumber(m[1] or '0') >= tonumber(m[2] or '0') then redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS) end
 end
 
--- Retires group token k (its number is at or above a lowered limit). `maxep` keeps the largest
--- epoch a retired token had: one made again later (group_set) starts above it, so that a stale
--- element of the old one is never taken for it.
+-- Parks group token k: the group has no work for it.
+local function sg_group_park(gkey, k, epoch, now)
+  redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
+  redis.call('HINCRBY', gkey, 'npark', 1)
+  sg_group_idle_check(gkey)
+end
+
+-- Retires group token k: the group has more tokens than its limit (it was lowered). `maxep` keeps
+-- the largest epoch a retired token had: one made again later (group_set) starts above it, so
+-- that a stale element of the old one is never taken for it.
 local function sg_group_retire(gkey, k)
   local m = redis.call('HMGET', gkey, 't' .. k, 'maxep')
   if not m[1] then return end
-  local epoch = tonumber(sg_split(m[1])[2])
+  local f = sg_split(m[1])
+  local epoch = tonumber(f[2])
   if epoch > tonumber(m[2] or '0') then redis.call('HSET', gkey, 'maxep', sg_int(epoch)) end
   redis.call('HDEL', gkey, 't' .. k)
   redis.call('HINCRBY', gkey, 'nlive', -1)
+  if f[1] == 'p' then redis.call('HINCRBY', gkey, 'npark', -1) end
+  sg_group_idle_check(gkey)
 end
 
--- Pushes request elements onto group queue `list` (sg_push's stand-in for group queues), then
--- wakes as many of the group's parked tokens, and moves its queued tokens that sit below the
--- queue's priority up to it (their old elements become stale: take drops them), so that the
--- group's work competes at its own priority. Returns the number of elements pushed.
+-- Whether the group has more tokens than its limit: the one at hand then retires.
+local function sg_group_excess(gkey)
+  local m = redis.call('HMGET', gkey, 'nlive', 'limit')
+  return tonumber(m[1] or '0') > tonumber(m[2] or '0')
+end
+
+-- Pushes request elements onto group queue `list` (sg_push's stand-in for group queues). Then,
+-- in the same step: as many of the group's parked tokens wake, queued at the queue's priority p
+-- (parked ones retire instead while the group has more tokens than its limit); and, while tokens
+-- pushed outnumber tokens woken, queued tokens that wait below p, or on a paused list when p is
+-- not paused, are queued again at p (their old elements become stale: take drops them), so that
+-- the new work competes at its own priority without lifting the rest of the group's. `floor`
+-- (no queued token below it) is recomputed when the tokens are read. Returns the number pushed.
 sg_group_push = function(list, elements, from)
   local gkey, p = sg_group_of_queue(list)
   p = tonumber(p)
@@ -717,42 +760,64 @@ sg_group_push = function(list, elements, from)
   redis.call('ZADD', gkey .. ':w', p, p)
   local now = sg_now()
   sg_group_open(gkey, now)
-  local m = redis.call('HMGET', gkey, 'ntok', 'npark', 'floor', 'limit')
-  local ntok, npark, floor, limit = tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
-  local wake, raise = math.min(npark, n), p > floor
-  if wake == 0 and not raise then return n end
-  local woken = 0
+  local shard, name = sg_group_parts(gkey)
+  local paused = sg_group_paused(shard)
+  local m = redis.call('HMGET', gkey, 'ntok', 'npark', 'floor', 'limit', 'nlive')
+  local ntok, npark, floor = tonumber(m[1]), tonumber(m[2]), tonumber(m[3] or SG_GROUP_NO_FLOOR)
+  local excess = math.max(tonumber(m[5]) - tonumber(m[4]), 0)
+  local p_paused = sg_group_is_paused(paused, p)
+  local raise = p > floor or (paused ~= nil and not p_paused)
+  if math.min(npark, n) == 0 and excess == 0 and not raise then return n end
+  local woken, moved, low = 0, 0, SG_GROUP_NO_FLOOR
+  local parked_tokens, queued_tokens = {}, {}
   sg_each_token({gkey}, 0, ntok, function(k, tok)
     local f = sg_split(tok)
-    if f[1] == 'p' and woken < wake and k < limit then
-      woken = woken + 1
-      sg_group_queue(gkey, k, f[2], p, now)
-    elseif f[1] == 'q' and raise and tonumber(f[4]) < p then
-      sg_group_queue(gkey, k, f[2], p, now)
-    end
+    if f[1] == 'p' then parked_tokens[#parked_tokens + 1] = {k, f[2]} end
+    if f[1] == 'q' then queued_tokens[#queued_tokens + 1] = {k, f[2], tonumber(f[4])} end
   end)
-  if woken > 0 then
-    redis.call('HINCRBY', gkey, 'npark', -woken)
-    redis.call('PERSIST', gkey)
-    sg_group_listed(sg_group_parts(gkey))
+  for _, t in ipairs(parked_tokens) do
+    if excess > 0 then
+      sg_group_retire(gkey, t[1])
+      excess = excess - 1
+    elseif woken < n then
+      woken = woken + 1
+      redis.call('HINCRBY', gkey, 'npark', -1)
+      sg_group_queue(gkey, t[1], t[2], p, now)
+    end
   end
-  if raise then redis.call('HSET', gkey, 'floor', p) end
+  for _, t in ipairs(queued_tokens) do
+    local below = t[3] < p or (not p_paused and sg_group_is_paused(paused, t[3]))
+    if below and woken + moved < n then
+      moved = moved + 1
+      sg_group_queue(gkey, t[1], t[2], p, now)
+      t[3] = p
+    end
+    low = math.min(low, t[3])
+  end
+  if woken > 0 then low = math.min(low, p) end
+  redis.call('HSET', gkey, 'floor', low)
+  if woken > 0 then
+    redis.call('PERSIST', gkey)
+    sg_group_listed(shard, name)
+  end
   return n
 end
 
--- Group token k of epoch `epoch` goes back (the take record that held it ended): queued at the
--- group's top priority if it has work, parked if not, retired if above the limit. Does nothing
--- unless the token is still held under that epoch (a record ended twice, a group that expired).
+-- Group token k of epoch `epoch` goes back (the take record that held it ended): retired if the
+-- group has more tokens than its limit, else queued at the group's top priority if it has work
+-- (sg_group_top), else parked. Does nothing unless the token is still held under that epoch (a
+-- record ended twice, a group that expired).
 local function sg_group_end(gkey, k, epoch, now)
-  local m = redis.call('HMGET', gkey, 't' .. k, 'limit', 'floor')
-  if not m[1] then return end
-  local f = sg_split(m[1])
+  local tok = redis.call('HGET', gkey, 't' .. k)
+  if not tok then return end
+  local f = sg_split(tok)
   if f[1] ~= 'h' or f[2] ~= epoch then return end
-  if k >= tonumber(m[2]) then return sg_group_retire(gkey, k) end
-  local top = sg_group_top(gkey)
+  if sg_group_excess(gkey) then return sg_group_retire(gkey, k) end
+  local shard, name = sg_group_parts(gkey)
+  local top = sg_group_top(gkey, sg_group_paused(shard))
   if not top then return sg_group_park(gkey, k, epoch, now) end
   sg_group_queue(gkey, k, epoch, top, now)
-  if top < tonumber(m[3]) then redis.call('HSET', gkey, 'floor', top) end
+  sg_group_listed(shard, name)
 end
 
 -- Ends the group part of a take record (split: fields 6 to 8 are the group, its token and the
@@ -766,17 +831,18 @@ end
 -- paused (`paused`: priority text -> true, or nil), popped from its queue. Returns {queue,
 -- request element}, and 'one' third when the group has a rate limit (the take starts one part,
 -- charged to its bucket), or nil when there is nothing to take: the element was stale, the
--- token retired, the group's rate limit has no room (the token waits for the refill: `gwake`),
--- or the group had no work (the token parks) or only work of paused priorities (the token waits
--- on the shard's list of the highest of them, where no slot takes it until it is resumed).
+-- token retired (the group has more than its limit), the group's rate limit has no room (the
+-- token waits for the refill: `gwake`), or the group had no work (the token parks) or only work
+-- of paused priorities (the token waits on the shard's list of the highest of them, where no
+-- slot takes it until it is resumed).
 local function sg_group_take(shard, f, holder, now, paused)
   local gkey = sg_group_key(shard, string.sub(f[1], 2))
   local k = tonumber(f[2])
-  local m = redis.call('HMGET', gkey, 't' .. k, 'limit')
-  if not m[1] then return nil end
-  local t = sg_split(m[1])
-  if t[1] ~= 'q' or t[2] ~= f[3] then return nil end
-  if k >= tonumber(m[2]) then
+  local tok = redis.call('HGET', gkey, 't' .. k)
+  if not tok then return nil end
+  local cur = sg_split(tok)
+  if cur[1] ~= 'q' or cur[2] ~= f[3] then return nil end
+  if sg_group_excess(gkey) then
     sg_group_retire(gkey, k)
     return nil
   end
@@ -796,7 +862,7 @@ local function sg_group_take(shard, f, holder, now, paused)
   local waiting = nil
   for _, p in ipairs(redis.call('ZREVRANGE', gkey .. ':w', 0, -1)) do
     local queue = gkey .. ':p:' .. p
-    if paused and paused[p] then
+    if sg_group_is_paused(paused, p) then
       if not waiting and redis.call('LLEN', queue) > 0 then waiting = tonumber(p) end
     else
       local element = redis.call('RPOP', queue)
@@ -821,23 +887,24 @@ local function sg_group_take(shard, f, holder, now, paused)
 end
 
 -- Queues again the group tokens of the shard whose rate-limit wait is over (`gwake` due by
--- `now`), at most 32 per call: each at its group's top priority, or parked if the group has no
--- work now.
+-- `now`), at most 32 per call: each retired if its group has more than its limit, else queued at
+-- its group's top priority, or parked if the group has no work now.
 local function sg_group_wake(shard, now)
   local wake = shard .. 'gwake'
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', 0, 32)) do
+  local due = redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', 0, 32)
+  if #due == 0 then return end
+  local paused = sg_group_paused(shard)
+  for _, member in ipairs(due) do
     redis.call('ZREM', wake, member)
     local f = sg_split(member)
     local gkey, k = sg_group_key(shard, f[1]), tonumber(f[2])
-    local m = redis.call('HMGET', gkey, 't' .. k, 'limit', 'floor')
-    if m[1] == 'r|' .. f[3] then
-      if k >= tonumber(m[2]) then
+    if redis.call('HGET', gkey, 't' .. k) == 'r|' .. f[3] then
+      if sg_group_excess(gkey) then
         sg_group_retire(gkey, k)
       else
-        local top = sg_group_top(gkey)
+        local top = sg_group_top(gkey, paused)
         if top then
           sg_group_queue(gkey, k, f[3], top, now)
-          if top < tonumber(m[3]) then redis.call('HSET', gkey, 'floor', top) end
         else
           sg_group_park(gkey, k, f[3], now)
         end
@@ -4118,16 +4185,18 @@ local function rel_done(keys, args)
   return 1
 end
 
--- group_set: set a tenant group's limit (Admin::set_group; prelude.lua, "Tenant groups"): at most
--- `limit` sub-requests of the group's requests run at once. Kept in the shard's `gconf` for when
--- the group's meta is made; an existing group gets tokens added at once (queued if it has work),
--- and loses the ones above the new limit: parked ones now, queued and held ones when next taken
--- or given back, so that a lowered limit never stops a running part.
--- KEYS[1] the group's shard's limits (hash `gconf`: name -> limit)   KEYS[2] the group's meta hash
+-- group_set: set a tenant group's limit and rate (Admin::set_group, Admin::set_group_rate;
+-- prelude.lua, "Tenant groups"): at most `limit` sub-requests of the group's requests run at
+-- once. Kept in the shard's `gconf` for when the group's meta is made. An existing group gets
+-- tokens added at once, under the lowest free numbers (queued, as many as elements wait in its
+-- queues, the rest parked), or loses tokens down to the new limit: parked ones now, queued and
+-- held ones when next taken or given back, so that a lowered limit never stops a running part.
+-- KEYS[1] the group's shard's settings (hash `gconf`: name -> limit, `<name>:rate` -> rate)
+-- KEYS[2] the group's meta hash
 -- ARGV[1] the group's name   ARGV[2] its limit, 1 to 10000 ('' = keep it)   ARGV[3] its rate
 -- limit ('' or absent = keep it; 'none' = none; else "<R>/<interval ms>": at most R of its parts
 -- start per interval, across all workers; stored as `<name>:rate` in `gconf` and `rate` in the meta)
--- Returns {tokens added, tokens retired}.
+-- Returns {tokens added, tokens retired now}.
 local function group_set(keys, args)
   local name = args[1]
   if name == nil or name == '' then return redis.error_reply('SGINVALID a group needs a name') end
@@ -4156,53 +4225,97 @@ local function group_set(keys, args)
   end
   if not exists then return {0, 0} end
   local now = sg_now()
-  local m = redis.call('HMGET', gkey, 'ntok', 'floor', 'maxep')
-  local ntok, floor = tonumber(m[1]), tonumber(m[2])
-  local epoch = m[3]
+  local shard = sg_group_parts(gkey)
+  local m = redis.call('HMGET', gkey, 'ntok', 'maxep', 'nlive')
+  local ntok, epoch, nlive = tonumber(m[1]), m[2], tonumber(m[3])
   redis.call('HSET', gkey, 'limit', limit)
-  local top = sg_group_top(gkey)
   local added, retired = 0, 0
-  for k = 0, limit - 1 do
-    if redis.call('HEXISTS', gkey, 't' .. k) == 0 then
-      added = added + 1
-      redis.call('HINCRBY', gkey, 'nlive', 1)
-      if top then
-        sg_group_queue(gkey, k, epoch, top, now)
-      else
-        redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
-        redis.call('HINCRBY', gkey, 'npark', 1)
+  if nlive > limit then
+    sg_each_token({gkey}, 0, ntok, function(k, tok)
+      if nlive > limit and string.sub(tok, 1, 2) == 'p|' then
+        sg_group_retire(gkey, k)
+        nlive = nlive - 1
+        retired = retired + 1
       end
-    end
+    end)
   end
-  for k = limit, ntok - 1 do
-    local tok = redis.call('HGET', gkey, 't' .. k)
-    if tok and string.sub(tok, 1, 2) == 'p|' then
-      sg_group_retire(gkey, k)
-      redis.call('HINCRBY', gkey, 'npark', -1)
-      retired = retired + 1
+  if nlive < limit then
+    local waiting = 0
+    for _, p in ipairs(redis.call('ZRANGE', gkey .. ':w', 0, -1)) do
+      waiting = waiting + redis.call('LLEN', gkey .. ':p:' .. p)
     end
+    local top = sg_group_top(gkey, sg_group_paused(shard))
+    local k = 0
+    while nlive < limit do
+      if redis.call('HEXISTS', gkey, 't' .. k) == 0 then
+        added, nlive = added + 1, nlive + 1
+        redis.call('HINCRBY', gkey, 'nlive', 1)
+        if top and waiting > 0 then
+          waiting = waiting - 1
+          sg_group_queue(gkey, k, epoch, top, now)
+        else
+          redis.call('HSET', gkey, 't' .. k, 'p|' .. sg_next_epoch(epoch, now))
+          redis.call('HINCRBY', gkey, 'npark', 1)
+        end
+        ntok = math.max(ntok, k + 1)
+      end
+      k = k + 1
+    end
+    redis.call('HSET', gkey, 'ntok', ntok)
   end
-  redis.call('HSET', gkey, 'ntok', math.max(ntok, limit))
-  if top then
+  local m2 = redis.call('HMGET', gkey, 'npark', 'nlive')
+  if tonumber(m2[1]) >= tonumber(m2[2]) then
+    redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS)
+  else
     redis.call('PERSIST', gkey)
-    if top < floor then redis.call('HSET', gkey, 'floor', top) end
   end
   return {added, retired}
 end
 
--- group_audit: recovery's check of the group tokens of one shard (prelude.lua, "Tenant groups"):
--- a token held by a take record that no longer exists goes back (sg_group_end), so that a record
--- lost without its end (the shard's records expired: SG_HELD_TTL_MS) cannot keep a group's
--- tokens forever; a token waiting for its group's rate limit that is missing from the shard's
--- `gwake` goes back in it, due now. A record and the token it holds change in the same call everywhere else, so
--- this finds nothing unless Redis lost a write. Groups whose meta expired leave the set.
+-- group_audit: recovery's check of the group tokens of one shard (prelude.lua, "Tenant groups").
+-- A record and the group token it holds change in the same call everywhere else, so this finds
+-- nothing unless the shard's records expired (a week after its last take: SG_HELD_TTL_MS) or
+-- Redis lost a write. Two modes:
+-- Scan: ARGV[1] an SSCAN cursor over the shard's groups, ARGV[2] how many to look at, ARGV[3] the
+--   grace (ms). For each group (its meta gone: it leaves the set): a token waiting for its rate
+--   limit that is missing from `gwake` goes back in it, due now; a queued token older than the
+--   grace whose element is not in its list (the test of `verify`: the list is empty, or its tail
+--   is more than a grace newer) is queued again under a new epoch; a held token that no take
+--   record names is reported, for recovery to check that its holder's worker is gone (a live slot
+--   may hold a token whose record expired) and then give it back (mode end).
+--   Returns {next cursor ('0' after the last), tokens repaired, "<G>|<k>|<epoch>|<holder>"...}.
+-- End: ARGV[1] 'end', ARGV[2..] "<G>|<k>|<epoch>": each token still held under that epoch that
+--   no take record names goes back (sg_group_end). Returns the number given back.
 -- KEYS[1] the shard's take records (`held`)   KEYS[2] the shard's groups (set `groups`)
--- ARGV[1] SSCAN cursor over the groups   ARGV[2] how many to look at
--- Returns {next cursor ('0' after the last), tokens returned}.
+local function sg_audit_named(held)
+  local named = {}
+  local all = redis.call('HGETALL', held)
+  for i = 2, #all, 2 do
+    local f = sg_split(all[i])
+    if f[6] and f[6] ~= '' then named[f[6] .. '|' .. f[7] .. '|' .. f[8]] = true end
+  end
+  return named
+end
+
 local function group_audit(keys, args)
   local shard = sg_shard_key(keys[1], '')
+  local now = sg_now()
+  if args[1] == 'end' then
+    local named, returned = sg_audit_named(keys[1]), 0
+    for i = 2, #args do
+      local f = sg_split(args[i])
+      local gkey = sg_group_key(shard, f[1])
+      local tok = redis.call('HGET', gkey, 't' .. f[2])
+      if not named[args[i]] and tok and string.sub(tok, 1, 2 + #f[3]) == 'h|' .. f[3] then
+        sg_group_end(gkey, tonumber(f[2]), f[3], now)
+        returned = returned + 1
+      end
+    end
+    return returned
+  end
+  local grace = tonumber(args[3] or '0')
   local scan = redis.call('SSCAN', keys[2], args[1], 'COUNT', args[2])
-  local records, returned, now = nil, 0, sg_now()
+  local named, repaired, out = nil, 0, {}
   for _, name in ipairs(scan[2]) do
     local gkey = sg_group_key(shard, name)
     local ntok = redis.call('HGET', gkey, 'ntok')
@@ -4211,31 +4324,29 @@ local function group_audit(keys, args)
     else
       sg_each_token({gkey}, 0, tonumber(ntok), function(k, tok)
         local t = sg_split(tok)
-        if t[1] == 'r' then
-          -- Waiting for its rate limit, but not in the wait set: queued again now.
-          if not redis.call('ZSCORE', shard .. 'gwake', name .. '|' .. k .. '|' .. t[2]) then
-            redis.call('ZADD', shard .. 'gwake', now, name .. '|' .. k .. '|' .. t[2])
-            returned = returned + 1
+        local member = name .. '|' .. k .. '|' .. t[2]
+        if t[1] == 'r' and not redis.call('ZSCORE', shard .. 'gwake', member) then
+          redis.call('ZADD', shard .. 'gwake', now, member)
+          repaired = repaired + 1
+        elseif t[1] == 'q' and now - tonumber(t[3]) > grace then
+          local list = shard .. 'p:' .. t[4]
+          local element = '^' .. member
+          local tail = redis.call('LINDEX', list, -1)
+          local tail_epoch = sg_element_epoch(tail)
+          if not tail or (tail ~= element and tail_epoch and tail_epoch > tonumber(t[2]) + grace) then
+            sg_group_queue(gkey, k, t[2], tonumber(t[4]), now)
+            repaired = repaired + 1
           end
-          return
-        end
-        if t[1] ~= 'h' then return end
-        if not records then
-          records = {}
-          local all = redis.call('HGETALL', keys[1])
-          for i = 2, #all, 2 do
-            local f = sg_split(all[i])
-            if f[6] and f[6] ~= '' then records[f[6] .. '|' .. f[7] .. '|' .. f[8]] = true end
-          end
-        end
-        if not records[name .. '|' .. k .. '|' .. t[2]] then
-          sg_group_end(gkey, k, t[2], now)
-          returned = returned + 1
+        elseif t[1] == 'h' then
+          named = named or sg_audit_named(keys[1])
+          if not named[member] then out[#out + 1] = member .. '|' .. t[3] end
         end
       end)
     end
   end
-  return {scan[1], returned}
+  local reply = {scan[1], repaired}
+  for _, c in ipairs(out) do reply[#reply + 1] = c end
+  return reply
 end
 
 redis.register_function('sg2_submit_open', submit_open)

@@ -42,14 +42,40 @@ pub(crate) async fn set(
     Ok((int(0)?, int(1)?))
 }
 
-/// `group_audit` on `shard`: looks at up to `count` groups from SSCAN cursor `cursor`, giving
-/// back the tokens held by take records that no longer exist. Returns (next cursor, tokens given
-/// back).
-pub(crate) async fn audit(store: &Store, shard: u32, cursor: &str, count: u32) -> Result<(String, i64)> {
+/// What a `group_audit` scan found.
+pub(crate) struct Audit {
+    /// The SSCAN cursor to go on from ("0" after the last group).
+    pub(crate) next: String,
+    /// Tokens it repaired itself: rate waits put back in `gwake`, queued tokens whose element
+    /// was lost queued again.
+    pub(crate) repaired: i64,
+    /// Held tokens that no take record names, as `(<group>|<k>|<epoch>, holder)`: given back
+    /// ([`end`]) once their holder's worker is known to be gone.
+    pub(crate) unnamed: Vec<(String, String)>,
+}
+
+/// `group_audit` on `shard`, scan mode: looks at up to `count` groups from SSCAN cursor `cursor`.
+pub(crate) async fn audit(store: &Store, shard: u32, cursor: &str, count: u32) -> Result<Audit> {
     let (held, groups) = (store.keys.held(shard), store.keys.groups(shard));
-    let args: Vec<Value> = vec![cursor.into(), i64::from(count).into()];
-    let items = reply::array(store.fcall(Func::GroupAudit, &[&held, &groups], args).await?)?;
-    let next = items.first().map(reply::text).transpose()?.unwrap_or_else(|| "0".to_owned());
-    let returned = items.get(1).map(reply::int).transpose()?.unwrap_or_default();
-    Ok((next, returned))
+    let args: Vec<Value> = vec![cursor.into(), i64::from(count).into(), super::ms(store.config.grace())];
+    let mut items = reply::array(store.fcall(Func::GroupAudit, &[&held, &groups], args).await?)?.into_iter();
+    let next = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_else(|| "0".to_owned());
+    let repaired = items.next().map(|v| reply::int(&v)).transpose()?.unwrap_or_default();
+    let mut unnamed = Vec::new();
+    for item in items {
+        let text = reply::text(&item)?;
+        if let Some((token, holder)) = text.rsplit_once('|') {
+            unnamed.push((token.to_owned(), holder.to_owned()));
+        }
+    }
+    Ok(Audit { next, repaired, unnamed })
+}
+
+/// `group_audit` on `shard`, end mode: gives back each of `tokens` (`<group>|<k>|<epoch>`) still
+/// held under that epoch by no take record. Returns how many went back.
+pub(crate) async fn end(store: &Store, shard: u32, tokens: &[String]) -> Result<i64> {
+    let (held, groups) = (store.keys.held(shard), store.keys.groups(shard));
+    let mut args: Vec<Value> = vec!["end".into()];
+    args.extend(tokens.iter().map(|t| Value::from(t.as_str())));
+    reply::int(&store.fcall(Func::GroupAudit, &[&held, &groups], args).await?)
 }

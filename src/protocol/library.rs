@@ -441,6 +441,12 @@ const APP_COMMANDS: &[&str] = &[
     "zrem",
     "zrevrangebyscore",
     "zscore",
+    // tenant groups: group_set and take read a group's priorities, group_audit drops a gone
+    // group from its shard's set, `Admin::groups` reads the sets and settings
+    "hkeys",
+    "smembers",
+    "srem",
+    "zrevrange",
 ];
 
 /// A least-privilege ACL rule set for the applications of one namespace (producers, workers,

@@ -118,7 +118,15 @@ pub(crate) enum Reprioritize {
 pub(crate) async fn reprioritize(store: &Store, key_id: &str, priority: Priority) -> Result<Reprioritize> {
     let keys = store.keys.request(key_id);
     let args: Vec<Value> = vec![key_id.into(), i64::from(priority.get()).into()];
-    let mut items = reply::array(store.fcall(Func::Reprioritize, &keys.all(), args).await?)?.into_iter();
+    let reply = match store.fcall(Func::Reprioritize, &keys.all(), args).await {
+        // A request in a tenant group keeps its priority: refused, in the library's words.
+        Err(e) => match super::refusal::Refusal::is(&e, super::refusal::Code::Invalid) {
+            Some(r) => return Err(crate::error::Error::Refused(r.why)),
+            None => return Err(e),
+        },
+        Ok(reply) => reply,
+    };
+    let mut items = reply::array(reply)?.into_iter();
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     match tag.as_str() {
         "moved" => {

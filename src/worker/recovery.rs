@@ -409,22 +409,54 @@ pub(crate) async fn scan_held(store: &Store, metrics: &WorkerMetrics) -> Result<
     Ok(())
 }
 
-/// Recovery's audit of the tenant groups on `shard` (`group_audit`): a group token held by a take
-/// record that no longer exists goes back. Runs before the shard's records are reclaimed, which
-/// give back the tokens of the records that do exist.
+/// Recovery's audit of the tenant groups on `shard` (`group_audit`): repairs what the function
+/// can tell alone (a rate wait missing from `gwake`, a queued group token whose element was lost),
+/// and gives back a held group token that no take record names once its holder's worker is gone
+/// from the registry (a live slot keeps its token even if the shard's records expired).
 async fn audit_groups(store: &Store, metrics: &WorkerMetrics, shard: u32) -> Result<()> {
     let mut cursor = "0".to_owned();
     loop {
-        let (next, returned) =
-            crate::protocol::groups::audit(store, shard, &cursor, GROUP_AUDIT_CHUNK).await?;
-        if returned > 0 {
-            tracing::warn!(shard, tokens = returned, "giving back group tokens whose take records are gone");
-            metrics.tokens_restored.fetch_add(returned as u64, Relaxed);
+        let audit = crate::protocol::groups::audit(store, shard, &cursor, GROUP_AUDIT_CHUNK).await?;
+        if audit.repaired > 0 {
+            tracing::warn!(
+                shard,
+                tokens = audit.repaired,
+                "repairing group tokens (a rate wait or an element lost)"
+            );
+            metrics.tokens_restored.fetch_add(audit.repaired as u64, Relaxed);
         }
-        if next == "0" {
+        if !audit.unnamed.is_empty() {
+            let workers: Vec<String> = audit
+                .unnamed
+                .iter()
+                .map(|(_, h)| h.split('/').next().unwrap_or_default().to_owned())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            let gone: BTreeMap<String, bool> =
+                workers.iter().cloned().zip(registry::gone(store, &workers).await?).collect();
+            let ended: Vec<String> = audit
+                .unnamed
+                .into_iter()
+                .filter(|(_, h)| gone.get(h.split('/').next().unwrap_or_default()) == Some(&true))
+                .map(|(token, _)| token)
+                .collect();
+            if !ended.is_empty() {
+                let n = crate::protocol::groups::end(store, shard, &ended).await?;
+                if n > 0 {
+                    tracing::warn!(
+                        shard,
+                        tokens = n,
+                        "giving back group tokens whose holders are gone without a take record"
+                    );
+                    metrics.tokens_restored.fetch_add(n as u64, Relaxed);
+                }
+            }
+        }
+        if audit.next == "0" {
             return Ok(());
         }
-        cursor = next;
+        cursor = audit.next;
     }
 }
 

@@ -163,6 +163,11 @@ async fn tenants_take_turns_whatever_their_backlogs() {
     let a: Vec<_> = submits.buffer_unordered(32).collect().await;
     let b = producer.request().id("b-0").unwrap().group("b").unwrap().concurrency(8).unwrap();
     let b = b.submit(std::iter::repeat(5u64).take(600)).await.unwrap();
+    // Every request token waits (in its group's queue) and the stats say so: the groups' own
+    // tokens on the shard's lists are not counted for them.
+    let stats = admin.stats().await.unwrap();
+    let waiting: u64 = stats.tokens_waiting.iter().map(|p| p.tokens).sum();
+    assert_eq!((waiting, stats.tally.token_capacity, stats.tally.tokens_parked), (1008, 1008, 0));
     let probe = ByGroup::default();
     let w = start_worker(&config, probe.clone(), 4, Quantum { parts: 1, time: Duration::from_secs(1) }).await;
     // Measure while both have a backlog: until one of them has done 300 parts.
@@ -183,4 +188,47 @@ async fn tenants_take_turns_whatever_their_backlogs() {
         assert_eq!(h.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap().state, RequestState::Completed);
     }
     w.stop().await;
+}
+
+/// A group token whose take record is lost (the shard's records expired, or a failover lost them)
+/// stays with its live slot: recovery's audit does not hand it out again while that worker lives,
+/// so the limit holds; once the worker is gone, the audit gives it back and the group's work goes
+/// on in another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_token_whose_record_is_lost_stays_with_its_live_slot_and_comes_back_when_it_dies() {
+    use fred::prelude::{Builder, ClientLike, Config as FredConfig, KeysInterface};
+
+    let env = env_streams(TOPOLOGY, "group-lost").await;
+    let config = fast(&env.config).census_interval(Duration::from_millis(300));
+    let admin = Admin::connect(&config).await.unwrap();
+    admin.set_group("lost", 1).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let r = producer.request().id("lost-0").unwrap().group("lost").unwrap().concurrency(2).unwrap();
+    let h = r.submit(std::iter::repeat(700u64).take(4)).await.unwrap();
+    let probe = ByGroup::default();
+    let first = start_worker(&config, probe.clone(), 2, Quantum { parts: 1, time: Duration::from_secs(1) }).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while probe.done("lost") == 0 && probe.most("lost") == 0 {
+        assert!(Instant::now() < deadline, "the group's first part never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The shard's take records go, as if they had expired.
+    let redis = Builder::from_config(FredConfig::from_url(env.redis.url()).unwrap()).build().unwrap();
+    redis.init().await.unwrap();
+    let ns = config.namespace_str();
+    let () = redis.del(format!("{ns}:{{{ns}.q0}}:held")).await.unwrap();
+    // A second worker, and several audits, while the first lives: the group's one token stays
+    // where it is.
+    let second = start_worker(&config, probe.clone(), 2, Quantum::default()).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(probe.most("lost"), 1, "the lost record's group token was handed out again");
+    let g = admin.group("lost").await.unwrap();
+    assert_eq!((g.held, g.queued + g.parked), (1, 0), "{g:?}");
+    // The first worker dies: once it is gone, the token comes back and the second finishes.
+    first.crash();
+    let done = h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.state, RequestState::Completed, "{:?}", done.reason);
+    assert_eq!(probe.most("lost"), 1);
+    assert_group_settles(&admin, "lost", 1).await;
+    second.stop().await;
 }

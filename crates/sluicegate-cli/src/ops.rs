@@ -103,6 +103,9 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
             None => lines.push(format!("reason       {reason}")),
         }
     }
+    if let Some(group) = &s.group {
+        lines.push(format!("group        {group}"));
+    }
     if !s.upstreams.is_empty() {
         let policy = match s.on_upstream_failure {
             Some(sluicegate::OnUpstreamFailure::Run) => "it runs once they all ended, however",
