@@ -804,15 +804,31 @@ class Protocol:
         items = fcall_items(self.conn.fcall("group_set", [k.group_limits(shard), k.group(shard, name)], args))
         return (integer(items[0]) if items else 0, integer(items[1]) if len(items) > 1 else 0)
 
-    def group_audit(self, shard: int, cursor: str, count: int) -> Tuple[str, int]:
-        """``group_audit`` on ``shard``: looks at up to ``count`` groups from SSCAN cursor
-        ``cursor``, giving back the group tokens held by take records that no longer exist (and
-        putting back in the shard's ``gwake`` a token waiting for its group's rate limit that is
-        missing there). Returns (next cursor, '0' after the last; tokens given back)."""
+    def group_audit(self, shard: int, cursor: str, count: int) -> Tuple[str, int, List[Tuple[str, str]]]:
+        """``group_audit`` on ``shard``, scan mode: looks at up to ``count`` groups from SSCAN
+        cursor ``cursor`` (with the grace), repairing what it can tell alone (a token waiting for
+        its group's rate limit that is missing from ``gwake``, a queued group token whose element
+        was lost). Returns (next cursor, '0' after the last; tokens repaired; the held group tokens
+        that no take record names, as ``("<group>|<k>|<epoch>", holder)``) (Rust
+        ``groups::audit``)."""
         k = self.keys
-        items = fcall_items(self.conn.fcall("group_audit", [k.held(shard), k.groups(shard)], [cursor, count]))
+        args = [cursor, count, ms(self.settings.grace)]
+        items = fcall_items(self.conn.fcall("group_audit", [k.held(shard), k.groups(shard)], args))
         nxt = text(items[0]) if items and items[0] is not None else "0"
-        return nxt, integer(items[1]) if len(items) > 1 else 0
+        repaired = integer(items[1]) if len(items) > 1 else 0
+        unnamed = []
+        for item in items[2:]:
+            token, bar, holder = text(item).rpartition("|")
+            if bar:
+                unnamed.append((token, holder))
+        return nxt, repaired, unnamed
+
+    def group_audit_end(self, shard: int, tokens: Sequence[str]) -> int:
+        """``group_audit`` on ``shard``, end mode: gives back each of ``tokens``
+        (``<group>|<k>|<epoch>``) still held under that epoch by no take record. Returns how many
+        went back (Rust ``groups::end``)."""
+        k = self.keys
+        return integer(self.conn.fcall("group_audit", [k.held(shard), k.groups(shard)], ["end", *tokens]))
 
     def reclaim(self, kid: str, k: int, epoch: str, holder: str, deadline: Optional[int]) -> Tuple[str, List[Any]]:
         """``reclaim``: (tag, rest of the reply)."""

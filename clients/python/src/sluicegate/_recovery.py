@@ -242,14 +242,27 @@ def reclaim_record(p: Protocol, shard: int, field: str, record: str) -> None:
 
 
 def audit_groups(p: Protocol, shard: int) -> None:
-    """Recovery's audit of the tenant groups on ``shard`` (``group_audit``): a group token held by
-    a take record that no longer exists goes back. Runs before the shard's records are reclaimed,
-    which give back the tokens of the records that do exist."""
+    """Recovery's audit of the tenant groups on ``shard`` (``group_audit``): repairs what the
+    function can tell alone (a rate wait missing from ``gwake``, a queued group token whose element
+    was lost), and gives back a held group token that no take record names once its holder's
+    worker is gone from the registry (a live slot keeps its token even if the shard's records
+    expired; Rust ``audit_groups``). Runs before the shard's records are reclaimed, which give
+    back the tokens of the records that do exist."""
     cursor = "0"
     while True:
-        cursor, returned = p.group_audit(shard, cursor, GROUP_AUDIT_CHUNK)
-        if returned > 0:
-            log.warning("giving back %d group token(s) of shard %d whose take records are gone", returned, shard)
+        cursor, repaired, unnamed = p.group_audit(shard, cursor, GROUP_AUDIT_CHUNK)
+        if repaired > 0:
+            log.warning("repairing %d group token(s) of shard %d (a rate wait or an element lost)", repaired, shard)
+        if unnamed:
+            dead = gone(p, sorted({holder.split("/", 1)[0] for _, holder in unnamed}))
+            ended = [token for token, holder in unnamed if dead.get(holder.split("/", 1)[0])]
+            if ended:
+                n = p.group_audit_end(shard, ended)
+                if n > 0:
+                    log.warning(
+                        "giving back %d group token(s) of shard %d whose holders are gone without a take record",
+                        n, shard,
+                    )
         if cursor == "0":
             return
 

@@ -449,6 +449,8 @@ class RequestStatus:
     upstreams: List[Upstream] = field(default_factory=list)
     #: Requests submitted after it: at most :data:`STATUS_DOWNSTREAMS` of them, in no order.
     downstreams: List[str] = field(default_factory=list)
+    #: Its tenant group (``Producer.submit(group=...)``), if any.
+    group: Optional[str] = None
 
 
 @dataclass
@@ -668,6 +670,7 @@ def _status_from(
         rate=_rate_limit(meta.get("rate")),
         errors=errs[:STATUS_ERRORS],
         upstreams=_upstreams_of(meta),
+        group=meta.get("grp") or None,
     )
 
 
@@ -1216,12 +1219,18 @@ class Admin:
         :class:`Refused` for a request that has finished or is still being submitted, and for a
         small request that took its priority's lane (submit with ``own_stream=True`` to be able to
         change a small request's priority). A request in a tenant group keeps the priority it was
-        submitted with: :class:`InvalidRequest`. An unknown id is :class:`UnknownRequest`."""
+        submitted with: :class:`Refused`, in the library's words. An unknown id is
+        :class:`UnknownRequest`."""
         _check_id(rid)
         _priority(priority)
         p = self.protocol
         kid = key_id(rid)
-        r = p.reprioritize(kid, priority)
+        try:
+            r = p.reprioritize(kid, priority)
+        except errors.InvalidRequest as e:
+            # (The library's SGINVALID: a request in a tenant group keeps its priority. Refused,
+            # as the Rust Admin::reprioritize says it.)
+            raise errors.Refused(str(e)) from None
         if r.tag == "refused":
             raise _not_reprioritized(rid, r.state)
         if r.tag == "unknown":
