@@ -1,8 +1,8 @@
 //! The Python client's suite (clients/python/tests), run by `cargo test` so that CI runs it: the
 //! Python producer and worker against their own redis-servers, the SIGKILL recovery test, a
 //! cluster, and interop with the `sluicegate` command. It needs the virtual environment that
-//! `./test.sh` makes at `target/py-venv` (with the package installed editable and pytest); without
-//! it this test fails and says so, it never passes silently.
+//! `./test.sh` makes at `target/py-venv` (with the package installed editable, pytest and
+//! pytest-xdist); without it this test fails and says so, it never passes silently.
 
 #![allow(unreachable_pub, clippy::unwrap_used)]
 
@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use sluicegate::{Producer, RequestState};
 
-/// The suite takes about 20 s; past this it hangs, and is killed (with the redis-servers it
+/// The suite takes about 20 s (in 4 test processes: pytest-xdist, clients/python/pyproject.toml's
+/// addopts); past this it hangs, and is killed (with the test processes and the redis-servers they
 /// started: they share its process group).
 const LIMIT: Duration = Duration::from_secs(300);
 
@@ -57,8 +58,9 @@ fn the_python_client_suite_passes() {
     };
     assert!(
         status.success(),
-        "the Python client's tests failed ({status}); output above. If pytest or the package is \
-         missing, run ./test.sh (it installs clients/python[test] into target/py-venv)"
+        "the Python client's tests failed ({status}); output above. If pytest, pytest-xdist (\"unrecognized \
+         arguments: -n\") or the package is missing, run ./test.sh (it installs clients/python[test] into \
+         target/py-venv)"
     );
 }
 

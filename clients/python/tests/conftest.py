@@ -1,4 +1,10 @@
-"""Shared set-up: each test gets its own redis-server on a free port (never the shared one)."""
+"""Shared set-up: each test gets its own redis-server on a free port (never the shared one); the
+tests on a 3-master cluster share one per test process (each test in its own namespace).
+
+The suite runs in parallel (pytest-xdist, ``-n auto`` in pyproject.toml's addopts; ``-n 0`` runs
+it in one process): its tests mostly wait (for workers, timers, rate limits), each on redis-servers
+of its own, so more test processes than cores pay off (:func:`pytest_xdist_auto_num_workers`).
+"""
 
 from __future__ import annotations
 
@@ -45,27 +51,39 @@ class RedisServer:
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not on PATH (Debian: apt-get install -y redis-server)")
         self.dir = tempfile.mkdtemp(prefix="sg-py-redis-")
-        self.port = free_port(bus)
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}"
+        # A free port may be taken by another test process's server before this one binds it:
+        # then this one exits, or (while it has not yet) the ping answers from the other one,
+        # which INFO's process_id tells. Another port then.
+        for _ in range(5):
+            self.port = free_port(bus)
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self.dir, *extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            self.url = f"redis://127.0.0.1:{self.port}"
+            if self._up():
+                return
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        raise RuntimeError("no redis-server came up on a free port in 5 tries")
+
+    def _up(self) -> bool:
+        """Waits for this server to answer: False when the port was another's."""
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5, retry=None)
         deadline = time.monotonic() + 10
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {self.port} exited ({self.proc.returncode})")
+                    return False
                 try:
-                    client.ping()
-                    break
+                    return client.info("server")["process_id"] == self.proc.pid
                 except redis.ConnectionError:
                     if time.monotonic() > deadline:
                         self.stop()
                         raise RuntimeError(f"redis-server on port {self.port} did not come up")
-                    time.sleep(0.02)
+                    time.sleep(0.01)
         finally:
             client.close()
 
@@ -117,8 +135,10 @@ class RedisClusterServers:
             n.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cluster() -> Iterator[RedisClusterServers]:
+    """One cluster for the cluster tests of a test process (2 s to start): each works in a
+    namespace of its own (``ns``), and stops its workers at its end."""
     if shutil.which("redis-cli") is None:
         pytest.skip("redis-cli is not on PATH")
     c = RedisClusterServers()
@@ -126,7 +146,15 @@ def cluster() -> Iterator[RedisClusterServers]:
     c.stop()
 
 
-FAST = dict(lease=1.5, heartbeat=0.3, recovery_interval=0.3, census_interval=0.3, idle_poll=0.25)
+def pytest_xdist_auto_num_workers(config: Any) -> int:
+    """``-n auto``'s number of test processes: 4 whatever the cores (the tests mostly wait: the
+    suite's CPU time is an eighth of its time in one process), or SLUICEGATE_PY_TEST_PROCESSES."""
+    return int(os.environ.get("SLUICEGATE_PY_TEST_PROCESSES", "4"))
+
+
+# (A short idle poll: an idle slot's BRPOP on the bell runs to its timeout, which a worker's stop,
+# at each test's end, waits for.)
+FAST = dict(lease=1.5, heartbeat=0.3, recovery_interval=0.3, census_interval=0.3, idle_poll=0.1)
 
 
 class Running:

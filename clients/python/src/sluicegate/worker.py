@@ -36,6 +36,9 @@ from .producer import PartError
 
 log = logging.getLogger("sluicegate.worker")
 
+#: How often the thread that follows the shards' ``up`` channels looks whether the worker stops
+#: (seconds): a stop waits for it.
+LISTEN_TICK = 0.1
 #: How long a batch of fast handlers should take (src/worker/slot.rs BATCH_TARGET).
 BATCH_TARGET_US = 2000.0
 #: Dead workers one beat claims at most.
@@ -613,15 +616,17 @@ class Worker:
 
     def _listen_up(self) -> None:
         """Follows each shard's ``up`` channel: a priority became waiting there, and the first
-        slot holding a lower one to end a batch gives its token back (§6.2 step 5)."""
+        slot holding a lower one to end a batch gives its token back (§6.2 step 5). Ends with the
+        stop: a stopping slot gives its token back after its batch anyway."""
         channels = [self.protocol.keys.up_channel(s) for s in range(self.settings.token_shards)]
-        while not self._halt.is_set():
+        done = lambda: self._halt.is_set() or self.stopping.is_set()  # noqa: E731
+        while not done():
             try:
                 pubsub = self.protocol.conn.pubsub()
                 try:
                     pubsub.subscribe(*channels)
-                    while not self._halt.is_set():
-                        msg = pubsub.get_message(timeout=0.5)
+                    while not done():
+                        msg = pubsub.get_message(timeout=LISTEN_TICK)
                         if msg and msg.get("type") == "message":
                             channel, prio = text(msg.get("channel")), text(msg.get("data"))
                             if channel in channels and prio.isdigit():
@@ -630,7 +635,7 @@ class Worker:
                     pubsub.close()
             except Exception as e:  # noqa: BLE001 - busy slots give way at the end of their quantum meanwhile
                 log.debug("cannot listen for higher priorities: %s", e)
-                self._halt.wait(1.0)
+                self.stopping.wait(1.0)
 
     # ----- recovery chores (§6.6) -----
 
