@@ -18,8 +18,8 @@
 mod census;
 #[path = "support/chaos.rs"]
 mod chaos;
-#[path = "support/testkit_bin.rs"]
-mod testkit_bin;
+#[path = "support/logs.rs"]
+mod logs;
 
 use std::time::Duration;
 

@@ -18,8 +18,8 @@
 
 #[path = "support/conformance.rs"]
 mod conformance;
-#[path = "support/testkit_bin.rs"]
-mod testkit_bin;
+#[path = "support/logs.rs"]
+mod logs;
 
 sluicegate_testkit::per_topology!(
     use crate::conformance::run_pair;

@@ -1,4 +1,4 @@
-//! The chaos suite's harness: worker processes (`crates/sluicegate-testkit/src/bin/chaos_worker.rs`) that it SIGKILLs and
+//! The chaos suite's harness: worker processes (`tests/bin/chaos_worker.rs`) that it SIGKILLs and
 //! restarts, one scenario runner shared by every fault, and the checker that turns what happened
 //! into the figures of the contract (lost, duplicates, max concurrency vs limit, terminal records,
 //! tokens, keys left).
@@ -17,7 +17,7 @@ use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -36,7 +36,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::census::{spawn_listener, Heard};
-use crate::testkit_bin::log_tail;
+use crate::logs::log_tail;
 use sluicegate_testkit::proxy::{Proxy, ProxyChaos, ProxyStats};
 
 /// Short timings, so that recovery (lease expiry plus one recovery interval, about 1.8 s) happens
@@ -53,7 +53,7 @@ pub const WAIT_POLL: Duration = Duration::from_millis(500);
 /// within a lease plus a recovery interval (1.8 s), so this is many times the worst legitimate gap.
 pub const STALL_LIMIT: Duration = Duration::from_secs(30);
 
-/// A sub-request of the chaos suite: the same struct as in `crates/sluicegate-testkit/src/bin/chaos_worker.rs`, which
+/// A sub-request of the chaos suite: the same struct as in `tests/bin/chaos_worker.rs`, which
 /// answers `n * 3`.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy)]
 pub struct Part {
@@ -64,11 +64,10 @@ pub struct Part {
 // ---------------------------------------------------------------------------------------------
 // The worker binary
 
-/// The path of the `chaos_worker` binary (sluicegate-testkit), built for this test's profile
-/// (see [`testkit_bin::build`](crate::testkit_bin::build)).
+/// The path of the chaos worker (`tests/bin/chaos_worker.rs`), which `cargo test` builds with
+/// the tests.
 pub fn worker_binary() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| crate::testkit_bin::build("chaos_worker", "chaos-worker"))
+    Path::new(env!("CARGO_BIN_EXE_sluicegate-chaos-worker"))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Deserialize;
@@ -22,7 +21,7 @@ use sluicegate_testkit::{keys_in_namespace, unique_namespace, TestBackend, Topol
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::testkit_bin::log_tail;
+use crate::logs::log_tail;
 
 /// Which languages run (comma-separated); the default runs Rust and Python both ways.
 const LANGS_ENV: &str = "SLUICEGATE_CONFORMANCE_LANGS";
@@ -209,12 +208,8 @@ pub async fn driver(lang: &str) -> Driver {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     match lang {
         "rust" => {
-            static BIN: OnceLock<PathBuf> = OnceLock::new();
-            let program = tokio::task::spawn_blocking(|| {
-                BIN.get_or_init(|| crate::testkit_bin::build("conformance", "conformance")).clone()
-            })
-            .await
-            .unwrap();
+            // tests/bin/conformance.rs, which `cargo test` builds with the tests.
+            let program = PathBuf::from(env!("CARGO_BIN_EXE_sluicegate-conformance"));
             Driver { lang: lang.into(), program, args: Vec::new() }
         }
         "python" => {

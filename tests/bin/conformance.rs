@@ -20,7 +20,8 @@
 //! - The worker prints `READY` once connected, appends one JSON line per handler start and end to
 //!   LOG, and runs until SIGTERM (graceful, exit 0) or SIGKILL.
 //!
-//! Built only with the `conformance` feature (the suite builds it on demand).
+//! Built by `cargo test` with the tests (a binary of the root package that needs the feature
+//! `test-clock`, on in test builds only).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
