@@ -397,9 +397,11 @@ def test_a_rate_limited_group_starts_its_parts_at_its_rate_one_per_take(
     # the slots), strict above (the bucket never lets more start).
     assert 45 <= in_window <= rate + rate * seconds + 2, in_window
     assert most_in_a_window(at, 1.0) <= 2 * rate
-    # After the first burst, parts start one by one as the bucket refills (about 5 per 0.25 s),
-    # not in bursts of `rate` each time an idle poll ends.
-    assert most_in_a_window([t for t in at if t >= first + 0.5], 0.25) <= rate // 2
+    # After the first burst, parts start one by one as the bucket refills (2 per 100 ms), not in
+    # bursts of `rate` each time an idle poll ends (20 within 20 ms when slots wait an idle poll
+    # rather than the refill). (The bucket fills while the slots are held up, so a busy machine
+    # sees small bursts: three quarters of one would take all 8 slots held up for 0.75 s.)
+    assert most_in_a_window([t for t in at if t >= first + 0.5], 0.1) <= 3 * rate // 4
     # Every take of the group's token ran one part; the ungrouped request's ran batches.
     assert {n for (_, _, g), n in takes.items() if g == "metered"} == {1}
     assert max(n for (_, _, g), n in takes.items() if g is None) > 1
