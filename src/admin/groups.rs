@@ -168,8 +168,8 @@ impl Admin {
                 .call("hkeys", &limits, || async { Ok(self.store.client.hkeys(limits.as_str()).await?) })
                 .await?;
             names.extend(a);
-            // (`<name>:rate` fields hold rates; a group's name has no ':'.)
-            names.extend(b.into_iter().filter(|n| !n.contains(':')));
+            // (`<name>:rate` fields hold rates: a group with only a rate set is listed too.)
+            names.extend(b.into_iter().map(|n| n.split(':').next().unwrap_or_default().to_owned()));
         }
         let mut out = Vec::new();
         for name in names.into_iter().take(MAX_GROUPS_LISTED) {

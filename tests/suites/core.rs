@@ -1,4 +1,4 @@
-// The body of tests/core.rs: written once, run against a single Redis and a 3-master Redis
+// The body of tests/integration/core.rs: written once, run against a single Redis and a 3-master Redis
 // Cluster (`per_topology!` runs it once for each).
 
 use std::time::{Duration, Instant};

@@ -1,4 +1,4 @@
-// The body of the DAG tests in tests/workflows.rs: written once, run against a single Redis and a 3-master Redis Cluster
+// The body of the DAG tests in tests/integration/workflows.rs: written once, run against a single Redis and a 3-master Redis Cluster
 // (`per_topology!` runs it once for each). Requests submitted after others (a DAG): their gates,
 // their results flowing, failures cascading, and releases whose finisher died.
 

@@ -1,4 +1,4 @@
-// The body of the tenant group tests in tests/workflows.rs: written once, run against a single
+// The body of the tenant group tests in tests/integration/workflows.rs: written once, run against a single
 // Redis and a 3-master Redis Cluster. A group's limit holds across all its requests, also through
 // a worker's crash, and groups with work take turns.
 
@@ -131,6 +131,11 @@ async fn bad_groups_are_refused_and_a_grouped_request_keeps_its_priority() {
         let e = admin.set_group("ok", bad).await.unwrap_err();
         assert!(e.to_string().contains("group limit"), "{e}");
     }
+    // A group with only a rate set is listed, with it.
+    admin.set_group_rate("only-rate", Some((5, Duration::from_secs(1)))).await.unwrap();
+    let listed = admin.groups().await.unwrap();
+    let g = listed.iter().find(|g| g.name == "only-rate").expect("listed");
+    assert_eq!((g.rate.map(|r| (r.n, r.per_ms)), g.configured), (Some((5, 1_000)), false));
     let h = producer.request().group("t").unwrap().submit([1u64]).await.unwrap();
     let e = admin.reprioritize(h.id(), sluicegate::Priority::new(50).unwrap()).await.unwrap_err();
     assert!(e.to_string().contains("tenant group"), "{e}");

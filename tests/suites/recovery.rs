@@ -1,4 +1,4 @@
-// The body of tests/recovery.rs: written once, run against a single Redis and a 3-master Redis
+// The body of tests/integration/recovery.rs: written once, run against a single Redis and a 3-master Redis
 // Cluster (`per_topology!` runs it once for each).
 
 use std::collections::HashMap;

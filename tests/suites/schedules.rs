@@ -1,4 +1,4 @@
-// The body of tests/schedules.rs: written once, run against a single Redis and a 3-master Redis
+// The body of tests/integration/schedules.rs: written once, run against a single Redis and a 3-master Redis
 // Cluster (`per_topology!` runs it once for each).
 //
 // Time moves through Redis's clock only: the tests that need more of it than they can wait for

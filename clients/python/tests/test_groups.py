@@ -286,9 +286,9 @@ def test_set_group_rate_round_trips_and_bad_rates_are_refused(server: Any, ns: s
     assert (g.rate, g.limit, g.configured, g.rate_waiting) == (RateLimit(5, 500), DEFAULT_GROUP_LIMIT, False, 0)
     client, keys = admin.protocol.conn.client, admin.protocol.keys
     assert client.hgetall(keys.group_limits(0)) == {b"meter:rate": b"5/500"}
-    # (groups() lists the groups in use or with a limit set, as the Rust Admin::groups: never
-    # a `<name>:rate` field of gconf as a group.)
-    assert admin.groups() == []
+    # groups() lists the groups in use or configured, a rate alone included (as the Rust
+    # Admin::groups), by name: never a `<name>:rate` field of gconf as a group of its own.
+    assert [(s.name, s.configured, s.rate) for s in admin.groups()] == [("meter", False, RateLimit(5, 500))]
     # A limit set later keeps the rate, a rate set later keeps the limit.
     admin.set_group("meter", 3)
     assert [(s.name, s.limit, s.rate) for s in admin.groups()] == [("meter", 3, RateLimit(5, 500))]

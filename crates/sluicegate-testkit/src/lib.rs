@@ -54,7 +54,7 @@ pub mod tls;
 ///
 /// `per_topology!(include!("suites/core.rs"););` in a test crate's root puts the suite's tests
 /// in a module `single` (one redis-server) and a module `cluster` (a 3-master Redis Cluster) of
-/// the same test binary, so `cargo test --test core cluster::` runs one of them. Inside, the
+/// the same test binary, so `cargo test --test integration core::cluster::` runs one of them. Inside, the
 /// constant `TOPOLOGY` names the module's [`Topology`]; pass it to [`TestBackend::start`]. The
 /// suite sees its parent's items (`use super::*`), so helper modules declared beside the macro
 /// are reachable as `crate::support::...`.

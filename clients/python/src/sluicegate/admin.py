@@ -1346,8 +1346,8 @@ class Admin:
             pipe.smembers(k.groups(shard))
             pipe.hkeys(k.group_limits(shard))
         for reply in pipe.execute():
-            # (`<name>:rate` fields of gconf hold rates; a group's name has no ':'.)
-            names.update(n for n in (text(n) for n in reply) if ":" not in n)
+            # (`<name>:rate` fields of gconf hold rates: a group with only a rate set is listed too.)
+            names.update(text(n).split(":", 1)[0] for n in reply)
         return [self.group(n) for n in sorted(names)[:MAX_GROUPS_LISTED]]
 
     # ----- pause -----

@@ -2,13 +2,9 @@
 //! queue wait, leases lost, Redis errors.
 //!
 //! One binary, two topologies: `single::` runs the suite on one redis-server, `cluster::` on a
-//! 3-master Redis Cluster (`cargo test --test stats cluster::` runs only those).
+//! 3-master Redis Cluster (`cargo test --test integration stats::cluster::` runs only those).
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
-sluicegate_testkit::per_topology!(include!("suites/stats.rs"););
+sluicegate_testkit::per_topology!(include!("../suites/stats.rs"););
 
 /// On a redis-server of its own: the test makes it refuse writes.
 mod refused {

@@ -2,20 +2,16 @@
 //! commands divide over the masters, limits hold, priority holds within a shard and across shards
 //! within the documented bound (docs/architecture.md, "Shards"; docs/scaling.md).
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
 const TOPOLOGY: sluicegate_testkit::Topology = sluicegate_testkit::Topology::Cluster;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::{env_streams, start_worker, Job, Probe};
 use fred::prelude::{ClientLike, ClusterInterface, ListInterface};
 use sluicegate::{Config, Producer, Quantum, RequestState};
 use sluicegate_testkit::{command_calls, connect, unique_namespace};
-use support::{env_streams, start_worker, Job, Probe};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 const SHARDS: u32 = 3;

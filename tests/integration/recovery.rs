@@ -2,10 +2,6 @@
 //! fault placed exactly there, against a real redis-server.
 //!
 //! One binary, two topologies: `single::` runs the suite on one redis-server, `cluster::` on a
-//! 3-master Redis Cluster (`cargo test --test recovery cluster::` runs only those).
+//! 3-master Redis Cluster (`cargo test --test integration recovery::cluster::` runs only those).
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
-sluicegate_testkit::per_topology!(include!("suites/recovery.rs"););
+sluicegate_testkit::per_topology!(include!("../suites/recovery.rs"););

@@ -4,11 +4,7 @@
 //! (`single::`, `cluster::`); the two heavier tests below (a 20,000-part request sampled for its
 //! memory, a worker killed mid-window) run on a single Redis only.
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
-sluicegate_testkit::per_topology!(include!("suites/window.rs"););
+sluicegate_testkit::per_topology!(include!("../suites/window.rs"););
 
 mod heavy {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -5,17 +5,13 @@
 //! Cluster, where upstreams and downstreams, and groups and their requests, live on different
 //! slots and masters.
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
 sluicegate_testkit::per_topology!(
     mod dag {
         use super::*;
-        include!("suites/dag.rs");
+        include!("../suites/dag.rs");
     }
     mod groups {
         use super::*;
-        include!("suites/groups.rs");
+        include!("../suites/groups.rs");
     }
 );

@@ -4,16 +4,13 @@
 //! TLS is tested in crates/sluicegate-cli/tests/tls.rs.
 
 #![cfg(feature = "tls")]
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
 
 use std::time::Duration;
 
+use crate::support::{start_worker, Job, Probe};
 use sluicegate::{Admin, Config, Listener, Producer, Quantum, RequestState};
 use sluicegate_testkit::tls::{have_openssl, tls_redis, Pki};
 use sluicegate_testkit::unique_namespace;
-use support::{start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_happy_path_runs_over_tls_as_an_acl_user_trusting_a_private_ca() {

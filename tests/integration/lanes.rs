@@ -2,16 +2,12 @@
 //! behind once its requests are done. Their results, limits, cancellation and recovery are covered
 //! by the core, admin and chaos suites and the randomized checker, which run with lanes on.
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::{env_on, start_worker, Job, Probe};
 use fred::prelude::{KeysInterface, StreamsInterface};
 use sluicegate::{Producer, Quantum, RequestState};
 use sluicegate_testkit::{connect, Topology};
-use support::{env_on, start_worker, Job, Probe};
 
 /// The lane stream of priority 50 on shard 0.
 fn lane_stream(ns: &str) -> String {

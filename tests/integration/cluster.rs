@@ -2,8 +2,6 @@
 //! `REDIS_CLUSTER_URLS`), fred talking to it, and one end-to-end run of producer, worker and listener,
 //! with the per-master command counts printed (the token hot spot of issue 6).
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 

@@ -1,20 +1,16 @@
 //! The happy path as a least-privilege ACL user (docs/operations.md): only the namespace's keys
 //! and channels, only the commands sluicegate sends, no EVAL, no FUNCTION LOAD, no FLUSHALL.
 
-#![allow(unreachable_pub, clippy::unwrap_used)]
-
-mod support;
-
 const TOPOLOGY: sluicegate_testkit::Topology = sluicegate_testkit::Topology::Single;
 
 use std::time::Duration;
 
+use crate::support::{env_on, start_worker, Job, Probe};
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use sluicegate::protocol::acl_rules;
 use sluicegate::{Admin, Config, Listener, Producer, Quantum, RequestState};
 use sluicegate_testkit::connect;
-use support::{env_on, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_happy_path_runs_as_a_least_privilege_user() {
