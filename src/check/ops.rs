@@ -194,10 +194,14 @@ pub(crate) enum Op {
         priority: Option<u8>,
     },
     /// An operator sets tenant group `g<group>`'s limit (`Admin::set_group`; the groups start at
-    /// the default limit).
+    /// the default limit), and with `rate` its rate limit: at most this many parts started per
+    /// this many ms of the functions' clock (`Admin::set_group_rate`; absent in sequences recorded
+    /// before group rates).
     SetGroup {
         group: u8,
         limit: u8,
+        #[serde(default)]
+        rate: Option<(u8, u16)>,
     },
     Resume {
         priority: Option<u8>,
@@ -312,8 +316,12 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
         },
         837..=848 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
-        849..=850 => Op::Pause { priority: draw_pause(rng) },
-        851 => Op::SetGroup { group: rng.gen_range(0..GROUPS), limit: rng.gen_range(1..=3) },
+        849 => Op::Pause { priority: draw_pause(rng) },
+        850..=851 => Op::SetGroup {
+            group: rng.gen_range(0..GROUPS),
+            limit: rng.gen_range(1..=3),
+            rate: rng.gen_bool(0.5).then(|| (rng.gen_range(1..=3), rng.gen_range(200..2000))),
+        },
         852..=856 => Op::Resume { priority: draw_pause(rng) },
         857..=866 => Op::ReadResults { request: rng.gen_range(0..REQUEST_IDS), count: rng.gen_range(1..=3) },
         867..=886 => Op::Cancel { request: rng.gen_range(0..REQUEST_IDS) },

@@ -550,11 +550,16 @@ impl World {
                 })
                 .await
             }
-            Op::SetGroup { group, limit } => {
+            Op::SetGroup { group, limit, rate } => {
                 let admin = Admin::from_store(self.store.clone());
                 let (name, limit) = (super::ops::group_name(*group), u32::from(*limit));
+                let rate = rate.map(|(n, per_ms)| (u32::from(n), Duration::from_millis(u64::from(per_ms))));
                 self.spawn(Process::Operator, Task::Pause, async move {
-                    match admin.set_group(&name, limit).await {
+                    let set = match admin.set_group(&name, limit).await {
+                        Ok(()) if rate.is_some() => admin.set_group_rate(&name, rate).await,
+                        other => other,
+                    };
+                    match set {
                         Ok(()) => Outcome::Done,
                         Err(e) => Outcome::Error(e.to_string()),
                     }
