@@ -803,21 +803,33 @@ sg_group_push = function(list, elements, from)
   return n
 end
 
--- Group token k of epoch `epoch` goes back (the take record that held it ended): retired if the
--- group has more tokens than its limit, else queued at the group's top priority if it has work
--- (sg_group_top), else parked. Does nothing unless the token is still held under that epoch (a
--- record ended twice, a group that expired).
+-- Group token k (epoch `epoch`), out of use, goes back to its group's work: retired while the
+-- group has more tokens than its limit, else queued at the group's top priority (sg_group_top,
+-- with the shard's pauses `paused`), else parked. Returns true when it was queued.
+local function sg_group_return(gkey, k, epoch, now, paused)
+  if sg_group_excess(gkey) then
+    sg_group_retire(gkey, k)
+    return false
+  end
+  local top = sg_group_top(gkey, paused)
+  if not top then
+    sg_group_park(gkey, k, epoch, now)
+    return false
+  end
+  sg_group_queue(gkey, k, epoch, top, now)
+  return true
+end
+
+-- Group token k of epoch `epoch` goes back (the take record that held it ended: sg_group_return),
+-- and a group whose token goes back to work stays in its shard's set. Does nothing unless the
+-- token is still held under that epoch (a record ended twice, a group that expired).
 local function sg_group_end(gkey, k, epoch, now)
   local tok = redis.call('HGET', gkey, 't' .. k)
   if not tok then return end
   local f = sg_split(tok)
   if f[1] ~= 'h' or f[2] ~= epoch then return end
-  if sg_group_excess(gkey) then return sg_group_retire(gkey, k) end
   local shard, name = sg_group_parts(gkey)
-  local top = sg_group_top(gkey, sg_group_paused(shard))
-  if not top then return sg_group_park(gkey, k, epoch, now) end
-  sg_group_queue(gkey, k, epoch, top, now)
-  sg_group_listed(shard, name)
+  if sg_group_return(gkey, k, epoch, now, sg_group_paused(shard)) then sg_group_listed(shard, name) end
 end
 
 -- Ends the group part of a take record (split: fields 6 to 8 are the group, its token and the
@@ -887,8 +899,7 @@ local function sg_group_take(shard, f, holder, now, paused)
 end
 
 -- Queues again the group tokens of the shard whose rate-limit wait is over (`gwake` due by
--- `now`), at most 32 per call: each retired if its group has more than its limit, else queued at
--- its group's top priority, or parked if the group has no work now.
+-- `now`), at most 32 per call (sg_group_return).
 local function sg_group_wake(shard, now)
   local wake = shard .. 'gwake'
   local due = redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', 0, 32)
@@ -898,18 +909,7 @@ local function sg_group_wake(shard, now)
     redis.call('ZREM', wake, member)
     local f = sg_split(member)
     local gkey, k = sg_group_key(shard, f[1]), tonumber(f[2])
-    if redis.call('HGET', gkey, 't' .. k) == 'r|' .. f[3] then
-      if sg_group_excess(gkey) then
-        sg_group_retire(gkey, k)
-      else
-        local top = sg_group_top(gkey, paused)
-        if top then
-          sg_group_queue(gkey, k, f[3], top, now)
-        else
-          sg_group_park(gkey, k, f[3], now)
-        end
-      end
-    end
+    if redis.call('HGET', gkey, 't' .. k) == 'r|' .. f[3] then sg_group_return(gkey, k, f[3], now, paused) end
   end
 end
 
