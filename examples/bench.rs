@@ -264,6 +264,8 @@ struct Noop {
     /// `dag_release`: a part whose payload is "hold" says it started (`.0`) and waits for `.1`
     /// before it ends.
     gate: Option<Arc<(tokio::sync::Notify, tokio::sync::Notify)>>,
+    /// `priority_busy`: how long each part's handler takes (a sleep, as an I/O-bound handler).
+    work: Option<Duration>,
 }
 
 #[async_trait]
@@ -290,6 +292,9 @@ impl Handler for Noop {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(ctx.request_id().to_string(), (started, ended));
+        }
+        if let Some(work) = self.work {
+            tokio::time::sleep(work).await;
         }
         Ok(())
     }
@@ -344,7 +349,13 @@ impl Bench {
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(16);
         let worker = Worker::builder(config, handler)
             .slots(slots)
-            .quantum(Quantum::default())
+            .quantum(Quantum {
+                parts: std::env::var("BENCH_QUANTUM")
+                    .ok()
+                    .and_then(|q| q.parse().ok())
+                    .unwrap_or(Quantum::default().parts),
+                ..Quantum::default()
+            })
             .max_batch(max_batch)
             .stage_stats(stage_stats)
             .build()
@@ -797,12 +808,20 @@ impl Bench {
         Ok(rows)
     }
 
-    async fn priority_under_load(&self) -> Result<Vec<Row>, BoxError> {
+    /// A priority-99 request every 50 ms during a low-priority flood, submit call to handler
+    /// start: `priority_under_load` with no-op handlers (the flood as fast as Redis goes), and
+    /// `priority_busy` with handlers that take `work` each (1 ms, as an I/O-bound handler: the
+    /// flood then runs at what 16 slots do, about as fast as BullMQ's, and Redis has room).
+    async fn priority_under_load(
+        &self,
+        scenario: &str,
+        work: Option<Duration>,
+    ) -> Result<Vec<Row>, BoxError> {
         let config = self.config("prio");
-        let handler = Noop { track: true, ..Noop::default() };
+        let handler = Noop { track: true, work, ..Noop::default() };
         let marks = handler.marks.clone();
         let producer = Producer::connect(&config).await?;
-        let flood = self.scaled(1_000_000);
+        let flood = self.scaled(if work.is_some() { 200_000 } else { 1_000_000 });
         let low =
             producer.request().priority(1)?.concurrency(64)?.submit((0..flood).map(|_| PAYLOAD)).await?;
         let ran = handler.ran.clone();
@@ -821,7 +840,7 @@ impl Bench {
         }
         submits.sort();
         eprintln!(
-            "priority_under_load: the submit call alone took p50 {:.3} ms, p99 {:.3} ms",
+            "{scenario}: the submit call alone took p50 {:.3} ms, p99 {:.3} ms",
             submits[submits.len() / 2].as_secs_f64() * 1e3,
             submits[submits.len() * 99 / 100].as_secs_f64() * 1e3
         );
@@ -831,8 +850,12 @@ impl Bench {
         task.await??;
         drop(low);
         self.drop_namespace(&config).await?;
-        Ok(vec![Row::new("priority_under_load", 100).latencies(samples).note(format!(
-            "priority-99 request submitted every 50 ms during a {flood}-part flood: submit -> start; \
+        let handlers = match work {
+            Some(work) => format!("handlers of {} ms", work.as_secs_f64() * 1e3),
+            None => "no-op handlers".to_owned(),
+        };
+        Ok(vec![Row::new(scenario, 100).latencies(samples).note(format!(
+            "priority-99 request submitted every 50 ms during a {flood}-part flood, {handlers}: submit -> start; \
              the flood ran {flood_rate:.0} parts/s meanwhile"
         ))])
     }
@@ -1122,6 +1145,166 @@ impl Bench {
     }
 }
 
+/// The library `floor` loads: the three stream commands of a batch's ack, in one function call
+/// and nothing else (no token check, no counters, no record).
+const FLOOR_LIBRARY: &str = r#"#!lua name=sgfloor
+redis.register_function('sgfloor_ack', function(keys, args)
+  local n = tonumber(args[2])
+  if n > 0 then
+    local ids, results = {}, {}
+    for i = 1, n do
+      ids[i] = args[2 + i]
+      results[#results + 1] = string.format('%d', i)
+      results[#results + 1] = args[2 + n + i]
+    end
+    redis.call('HSET', keys[2], unpack(results))
+    redis.call('XACK', keys[1], 'g', unpack(ids))
+  end
+  local got = redis.call('XREADGROUP', 'GROUP', 'g', args[1], 'COUNT', 16, 'STREAMS', keys[1], '>')
+  if not got then return {} end
+  local reply = {}
+  for _, e in ipairs(got[1][2]) do
+    reply[#reply + 1] = e[1]
+    reply[#reply + 1] = e[2][2]
+  end
+  return reply
+end)
+redis.register_function('sgfloor_shaped', function(keys, args)
+  local m = redis.call('HMGET', keys[3], 't1', 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl', 'rate', 'tat')
+  local ids, results, cleared = {}, {}, {}
+  for i = 3, #args, 5 do
+    ids[#ids + 1] = args[i]
+    local name = string.format('%d', tonumber(string.match(args[i], '%-(%d+)$')))
+    results[#results + 1] = name
+    results[#results + 1] = args[i + 2]
+    cleared[#cleared + 1] = name
+  end
+  if #ids > 0 then
+    redis.call('HSET', keys[2], unpack(results))
+    redis.call('HDEL', keys[4], unpack(cleared))
+    redis.call('XACK', keys[1], 'g', unpack(ids))
+    redis.call('HINCRBY', keys[3], 'left', -#ids)
+  end
+  local got = redis.call('XREADGROUP', 'GROUP', 'g', args[1], 'COUNT', 16, 'STREAMS', keys[1], '>')
+  if not got then return {} end
+  local reply, next = {'run'}, {}
+  for i, e in ipairs(got[1][2]) do
+    next[i] = e[1]
+    reply[#reply + 1] = {e[1], tonumber(string.match(e[1], '%-(%d+)$')), e[2][2], 1}
+  end
+  redis.call('HSET', keys[3], 't1', 'h|1|w/1|' .. args[2] .. '|' .. table.concat(next, ','))
+  return reply
+end)
+"#;
+
+impl Bench {
+    /// What the stream primitives alone cost Redis per part, without sluicegate's protocol: one
+    /// stream of `parts` 16-byte entries and a consumer group, drained by 16 consumers in batches
+    /// of 16 (each batch: its results written to a hash with one HSET, its ids acked with one
+    /// XACK, the next batch read with one XREADGROUP), twice: as three plain commands per batch
+    /// (`floor_commands`), and as one function call per batch doing the same three
+    /// (`floor_function`). A part in sluicegate costs this plus its token check, counters and
+    /// reply: the floor under `one_huge` and `many_small`.
+    async fn floor(&self) -> Result<Vec<Row>, BoxError> {
+        let parts = self.scaled(200_000);
+        let (stream, results) = ("sgfloor:{f}:s".to_owned(), "sgfloor:{f}:res".to_owned());
+        let load = vec!["LOAD".to_owned(), "REPLACE".into(), FLOOR_LIBRARY.into()];
+        let _: Value = self.redis.custom(fred::cmd!("FUNCTION"), load).await?;
+        let mut rows = Vec::new();
+        for scenario in ["floor_commands", "floor_function", "floor_shaped"] {
+            let _: i64 = self.redis.del(vec![stream.clone(), results.clone()]).await?;
+            let create = vec!["CREATE".to_owned(), stream.clone(), "g".into(), "0".into(), "MKSTREAM".into()];
+            let _: Value = self.redis.custom(fred::cmd!("XGROUP"), create).await?;
+            for chunk in 0..parts.div_ceil(2_000) {
+                let pipe = self.redis.pipeline();
+                for _ in 0..2_000.min(parts - chunk * 2_000) {
+                    let add = vec![stream.clone(), "*".into(), "p".into(), PAYLOAD.into()];
+                    let _: () = pipe.custom(fred::cmd!("XADD"), add).await?;
+                }
+                let _: Vec<Value> = pipe.all().await?;
+            }
+            let before = stats(&self.nodes).await?;
+            let started = Instant::now();
+            let consumers = (0..SLOTS).map(|c| {
+                let (redis, stream, results) = (self.redis.clone(), stream.clone(), results.clone());
+                async move {
+                    let consumer = format!("c{c}");
+                    let mut batch: Vec<String> = Vec::new();
+                    loop {
+                        batch = if scenario == "floor_commands" {
+                            if !batch.is_empty() {
+                                let mut hset = vec![results.clone()];
+                                for i in 0..batch.len() {
+                                    hset.extend([i.to_string(), String::new()]);
+                                }
+                                let _: i64 = redis.custom(fred::cmd!("HSET"), hset).await?;
+                                let xack = [vec![stream.clone(), "g".into()], batch.clone()].concat();
+                                let _: i64 = redis.custom(fred::cmd!("XACK"), xack).await?;
+                            }
+                            let read = ["GROUP", "g", &consumer, "COUNT", "16", "STREAMS", &stream, ">"];
+                            let read: Vec<String> = read.iter().map(|a| a.to_string()).collect();
+                            floor_ids(redis.custom(fred::cmd!("XREADGROUP"), read).await?)
+                        } else if scenario == "floor_shaped" {
+                            let keys = [
+                                stream.clone(),
+                                results.clone(),
+                                "sgfloor:{f}:m".into(),
+                                "sgfloor:{f}:err".into(),
+                            ];
+                            let mut call = vec!["sgfloor_shaped".to_owned(), "4".into()];
+                            call.extend(keys);
+                            call.extend([consumer.clone(), "1700000000000".into()]);
+                            for id in &batch {
+                                call.extend([id.clone(), "ok".into(), String::new(), "0".into(), "1".into()]);
+                            }
+                            let got: Value = redis.custom(fred::cmd!("FCALL"), call).await?;
+                            got.into_array()
+                                .into_iter()
+                                .skip(1)
+                                .filter_map(|e| e.into_array().into_iter().next()?.as_string())
+                                .collect()
+                        } else {
+                            let mut call =
+                                vec!["sgfloor_ack".to_owned(), "2".into(), stream.clone(), results.clone()];
+                            call.extend([consumer.clone(), batch.len().to_string()]);
+                            call.extend(batch.iter().cloned());
+                            call.extend(batch.iter().map(|_| String::new()));
+                            let got: Value = redis.custom(fred::cmd!("FCALL"), call).await?;
+                            got.into_array().chunks(2).filter_map(|e| e[0].as_string()).collect()
+                        };
+                        if batch.is_empty() {
+                            return Ok::<_, BoxError>(());
+                        }
+                    }
+                }
+            });
+            try_join_all(consumers).await?;
+            let row =
+                Row::new(scenario, parts).rate(started.elapsed()).cost(&before, &stats(&self.nodes).await?);
+            let how = match scenario {
+                "floor_commands" => "as three commands",
+                "floor_function" => "in one function call",
+                _ => "in one function call shaped as ack's (its arguments, reply, meta read, token write, HDEL and HINCRBY)",
+            };
+            rows.push(row.note(format!(
+                "no sluicegate: {parts} stream entries, 16 consumers, batches of 16, per batch HSET + XACK + \
+                 XREADGROUP {how}"
+            )));
+        }
+        let _: i64 = self.redis.del(vec![stream, results, "sgfloor:{f}:m".into()]).await?;
+        let _: Value =
+            self.redis.custom(fred::cmd!("FUNCTION"), vec!["DELETE".to_owned(), "sgfloor".into()]).await?;
+        Ok(rows)
+    }
+}
+
+/// The entry ids in an XREADGROUP reply (none: nil, or no entries).
+fn floor_ids(got: Value) -> Vec<String> {
+    let Some(stream) = got.into_array().into_iter().next() else { return Vec::new() };
+    let Some(entries) = stream.into_array().into_iter().nth(1) else { return Vec::new() };
+    entries.into_array().into_iter().filter_map(|e| e.into_array().into_iter().next()?.as_string()).collect()
+}
+
 /// A `sluicegate dashboard` process and a headless chromium showing its overview; both are
 /// killed on drop.
 struct Watching {
@@ -1366,7 +1549,13 @@ impl Bench {
             rows.extend(self.idle_latency().await?);
         }
         if wants("priority_under_load") {
-            rows.extend(self.priority_under_load().await?);
+            rows.extend(self.priority_under_load("priority_under_load", None).await?);
+        }
+        if wants("floor") {
+            rows.extend(self.floor().await?);
+        }
+        if wants("priority_busy") {
+            rows.extend(self.priority_under_load("priority_busy", Some(Duration::from_millis(1))).await?);
         }
         if wants("dag_release") || wants("dag_fanout_100") {
             rows.extend(self.dag_release().await?);
@@ -1472,6 +1661,7 @@ fn print_ratios(rows: &[Row]) {
         ("idle_latency", "idle_latency"),
         ("idle_completion_latency", "idle_completion_latency"),
         ("priority_under_load", "priority_under_load"),
+        ("priority_busy", "priority_busy"),
         ("dag_release", "flow_release"),
     ];
     println!("\nsluicegate vs BullMQ (each ratio > 1 means sluicegate is better)");

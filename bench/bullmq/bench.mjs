@@ -380,69 +380,81 @@ const scenarios = {
   },
 
   async priority_under_load(ctx) {
-    const N = scaled(1_000_000);
-    const HIGH = 100;
-    const ADD_BUDGET_MS = 60_000; // issue 4: reduce the flood to what fits in ~60 s of adding
-    const q = ctx.queue('prio');
-    await q.waitUntilReady();
-    // BullMQ: lower number = higher priority (1 is highest; 0 means "no priority" and goes first).
-    const s0 = await snapshot();
-    const t0 = now();
-    let added = 0;
-    while (added < N && now() - t0 < ADD_BUDGET_MS) {
-      const n = Math.min(BATCH, N - added);
-      await addBulk(q, n, { priority: 1000, removeOnComplete: true }, 'low');
-      added += n;
-    }
-    const t1 = now();
-    const s1 = await snapshot();
-    const cut = added < N ? `; cut to ${added} by the ${ADD_BUDGET_MS / 1000}s add budget` : '';
-    emit('priority_add', {
-      items: added,
-      tput: added / ((t1 - t0) / 1000),
-      c: cost(s0, s1, added),
-      note: `addBulk batches of ${BATCH}, priority 1000${cut}`,
-    });
+    await priorityUnderLoad(ctx, 'priority_under_load', scaled(1_000_000), 0);
+  },
 
-    const lat = [];
-    let processed = 0;
-    const highDone = deferred();
-    const w = ctx.worker('prio', async (job) => {
-      if (job.name === 'high') {
-        lat.push(now() - job.data.t0);
-        if (lat.length === HIGH) highDone.resolve(now());
-      }
-    });
-    w.on('completed', () => processed++);
-    await w.waitUntilReady();
-    await sleep(1000); // let the worker reach steady state on the flood first
-    const p0 = processed;
-    const s2 = await snapshot();
-    const t2 = now();
-    for (let i = 0; i < HIGH; i++) {
-      await q.add('high', { ...PAYLOAD, t0: now() }, { priority: 1, removeOnComplete: true });
-      const next = t2 + (i + 1) * 50; // fixed 50 ms schedule, not 50 ms after each add returns
-      if (next > now()) await sleep(next - now());
-    }
-    await highDone.promise;
-    const t3 = now();
-    const s3 = await snapshot();
-    const jobs = processed - p0;
-    const left = await q.getPrioritizedCount();
-    const a = percentiles(lat);
-    emit('priority_under_load', {
-      items: HIGH,
-      tput: jobs / ((t3 - t2) / 1000),
-      p50: a.p50,
-      p99: a.p99,
-      c: cost(s2, s3, jobs),
-      note:
-        `high (priority 1) add start -> processor start, every 50 ms during a ${added}-job priority-1000 flood; ` +
-        `throughput and cost per job processed in that window; ${left} low jobs still queued at end` +
-        (left === 0 ? ' (FLOOD RAN OUT: figures not under load)' : ''),
-    });
+  // The same with handlers that take 1 ms each (as sluicegate's priority_busy).
+  async priority_busy(ctx) {
+    await priorityUnderLoad(ctx, 'priority_busy', scaled(200_000), 1);
   },
 };
+
+// A priority-1 job every 50 ms during a priority-1000 flood of N jobs whose processor takes
+// workMs each (0: no-op): add start -> processor start.
+async function priorityUnderLoad(ctx, scenario, N, workMs) {
+  const HIGH = 100;
+  const ADD_BUDGET_MS = 60_000; // issue 4: reduce the flood to what fits in ~60 s of adding
+  const q = ctx.queue('prio');
+  await q.waitUntilReady();
+  // BullMQ: lower number = higher priority (1 is highest; 0 means "no priority" and goes first).
+  const s0 = await snapshot();
+  const t0 = now();
+  let added = 0;
+  while (added < N && now() - t0 < ADD_BUDGET_MS) {
+    const n = Math.min(BATCH, N - added);
+    await addBulk(q, n, { priority: 1000, removeOnComplete: true }, 'low');
+    added += n;
+  }
+  const t1 = now();
+  const s1 = await snapshot();
+  const cut = added < N ? `; cut to ${added} by the ${ADD_BUDGET_MS / 1000}s add budget` : '';
+  emit(scenario === 'priority_under_load' ? 'priority_add' : `${scenario}_add`, {
+    items: added,
+    tput: added / ((t1 - t0) / 1000),
+    c: cost(s0, s1, added),
+    note: `addBulk batches of ${BATCH}, priority 1000${cut}`,
+  });
+
+  const lat = [];
+  let processed = 0;
+  const highDone = deferred();
+  const w = ctx.worker('prio', async (job) => {
+    if (job.name === 'high') {
+      lat.push(now() - job.data.t0);
+      if (lat.length === HIGH) highDone.resolve(now());
+    }
+    if (workMs > 0) await sleep(workMs);
+  });
+  w.on('completed', () => processed++);
+  await w.waitUntilReady();
+  await sleep(1000); // let the worker reach steady state on the flood first
+  const p0 = processed;
+  const s2 = await snapshot();
+  const t2 = now();
+  for (let i = 0; i < HIGH; i++) {
+    await q.add('high', { ...PAYLOAD, t0: now() }, { priority: 1, removeOnComplete: true });
+    const next = t2 + (i + 1) * 50; // fixed 50 ms schedule, not 50 ms after each add returns
+    if (next > now()) await sleep(next - now());
+  }
+  await highDone.promise;
+  const t3 = now();
+  const s3 = await snapshot();
+  const jobs = processed - p0;
+  const left = await q.getPrioritizedCount();
+  const a = percentiles(lat);
+  emit(scenario, {
+    items: HIGH,
+    tput: jobs / ((t3 - t2) / 1000),
+    p50: a.p50,
+    p99: a.p99,
+    c: cost(s2, s3, jobs),
+    note:
+      `high (priority 1) add start -> processor start, every 50 ms during a ${added}-job priority-1000 flood, ` +
+      `${workMs > 0 ? `processors of ${workMs} ms` : 'no-op processors'}; ` +
+      `throughput and cost per job processed in that window; ${left} low jobs still queued at end` +
+      (left === 0 ? ' (FLOOD RAN OUT: figures not under load)' : ''),
+  });
+}
 
 // Adds P flows of C children (parents and children in one queue, one Worker), then processes them.
 async function runFlows(ctx, name, P, C, flowsPerCall) {
