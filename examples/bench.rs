@@ -822,8 +822,10 @@ impl Bench {
         let marks = handler.marks.clone();
         let producer = Producer::connect(&config).await?;
         let flood = self.scaled(if work.is_some() { 200_000 } else { 1_000_000 });
+        // BENCH_FLOOD_LIMIT: the flood request's concurrency limit (default 64, four times the slots).
+        let limit = std::env::var("BENCH_FLOOD_LIMIT").ok().and_then(|l| l.parse().ok()).unwrap_or(64);
         let low =
-            producer.request().priority(1)?.concurrency(64)?.submit((0..flood).map(|_| PAYLOAD)).await?;
+            producer.request().priority(1)?.concurrency(limit)?.submit((0..flood).map(|_| PAYLOAD)).await?;
         let ran = handler.ran.clone();
         let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         tokio::time::sleep(Duration::from_millis(200)).await;

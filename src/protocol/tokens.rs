@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fred::interfaces::ListInterface;
+use fred::interfaces::{KeysInterface, ListInterface};
 use fred::types::Value;
 
 use super::{ms, Finished, Func, TokenElement};
@@ -104,24 +104,21 @@ pub(crate) async fn untake(store: &Store, shard: u32, holder: &str, take: u64) -
     Ok(reply::int(&store.fcall(Func::Untake, &[&held, &bell], args).await?)? == 1)
 }
 
-/// Whether a token of another request waits on `shard` (a slot holding a token of `key_id` taken
-/// from `list` asks at the end of its quantum: with only its own request's tokens waiting, handing
-/// its token back would only have one of them taken instead). The shard's bell counts the
-/// elements waiting on all its lists (one bell per element pushed, popped with it); unless it is
-/// empty, every one of them must be found on `list` and be the request's own. More than 64
-/// waiting count as others, unread.
-pub(crate) async fn others_waiting(store: &Store, shard: u32, list: &str, key_id: &str) -> Result<bool> {
-    const LOOK: i64 = 64;
-    let bell = store.keys.bell(shard);
-    let bells: i64 =
-        store.call("llen", &bell, || async { Ok(store.client.llen(bell.as_str()).await?) }).await?;
-    if bells == 0 || bells > LOOK {
-        return Ok(bells > 0);
-    }
-    let waiting: Vec<String> =
-        store.call("lrange", list, || async { Ok(store.client.lrange(list, 0, LOOK).await?) }).await?;
-    let own = |e: &String| e.strip_prefix(key_id).is_some_and(|rest| rest.starts_with('|'));
-    Ok(waiting.len() as i64 != bells || !waiting.iter().all(own))
+/// Whether a slot holding a token taken on `shard` may run on for another quantum when its
+/// quantum's parts are used up: nothing is paused on the shard (a pause lets the running quanta
+/// end), and no token waits there at any priority (the shard's bell is empty: one bell per element
+/// pushed, popped with it), so that handing the token back would only have it taken again.
+pub(crate) async fn may_run_on(store: &Store, shard: u32) -> Result<bool> {
+    let (bell, paused) = (store.keys.bell(shard), store.keys.paused(shard));
+    let (bells, pauses): (i64, i64) = store
+        .call("llen", &bell, || async {
+            let pipe = store.client.pipeline();
+            let _: () = pipe.llen(bell.as_str()).await?;
+            let _: () = pipe.exists(paused.as_str()).await?;
+            Ok(pipe.all().await?)
+        })
+        .await?;
+    Ok(bells == 0 && pauses == 0)
 }
 
 /// `release` on `shard`: ends `holder`'s take record if it carries take id `take`. Returns

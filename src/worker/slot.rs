@@ -372,7 +372,8 @@ struct Turn {
     batching: Batching,
     started: Instant,
     ran: u32,
-    /// Parts it may run: the quantum's, or one for a token taken for one part (`Token::one_part`).
+    /// Parts it may run: the quantum's, or one for a token taken for one part (`Token::one_part`),
+    /// plus a quantum's for each time it ran on (`then`).
     parts: u32,
 }
 
@@ -395,22 +396,20 @@ impl Turn {
     /// Also gives the token back when a higher priority than its own became waiting on its shard
     /// (the first slot of this worker to end a batch gives way; `higher`).
     ///
-    /// A quantum's parts used up before its time, with no other request's token waiting on the
-    /// shard (at any priority: an operator may have lowered this one's since it was taken), run on
-    /// for another quantum of parts: giving the token back would only have it (or another of its
-    /// request's) taken again, at the cost of a `give_back` and a `take`. Not for a token taken
-    /// for one part, nor for a tenant group's (its group's other requests wait in the group's
-    /// queue, not on the shard's lists).
+    /// A quantum's parts used up before its time, with nothing paused on the shard and no token
+    /// waiting there at any priority (its bell is empty), run on for another quantum of parts:
+    /// giving the token back would only have it taken again, at the cost of a `give_back` and a
+    /// `take`. A token that starts waiting later ends the run at the next quantum's end, a higher
+    /// priority at the next batch's (`higher`). Not for a token taken for one part, nor for a
+    /// tenant group's (its group's other requests wait in the group's queue, not on the shard's
+    /// lists).
     async fn then<H: Handler>(&mut self, shared: &Shared<H>, token: &Token) -> Then {
         if self.ran >= self.parts
             && self.parts > 1
             && crate::keys::group_of_queue(&token.list).is_none()
             && self.started.elapsed() < shared.quantum.time
             && !shared.stopping.is_cancelled()
-            && matches!(
-                tokens::others_waiting(&shared.store, token.shard, &token.list, &token.element.key_id).await,
-                Ok(false)
-            )
+            && matches!(tokens::may_run_on(&shared.store, token.shard).await, Ok(true))
         {
             self.parts = self.parts.saturating_add(shared.quantum.parts);
         }

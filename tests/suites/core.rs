@@ -406,6 +406,36 @@ async fn a_pause_stops_new_takes_holds_across_a_worker_restart_and_a_resume_rest
     w.stop().await;
 }
 
+/// A request alone on its shard runs on past its quantum's parts (handing its token back would
+/// only have it taken again), but a pause still ends the running quantum: the slot does not run on
+/// while its shard is paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_runs_on_past_its_quantum_but_a_pause_ends_the_quantum() {
+    use sluicegate::Admin;
+    let env = env_on(TOPOLOGY, "run-on").await;
+    let admin = Admin::connect(&env.config).await.unwrap();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 1, Quantum { parts: 4, time: Duration::from_secs(30) }).await;
+    let long = producer.request().own_stream(true).submit((0..400).map(|n| Job::sleeping(n, 5))).await.unwrap();
+    let began = Instant::now();
+    while probe.starts().len() < 10 {
+        assert!(began.elapsed() < Duration::from_secs(20), "the request never got going");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    admin.pause(None).await.unwrap();
+    let at_pause = probe.starts().len();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let after = probe.starts().len() - at_pause;
+    // At most the rest of the running quantum (4 parts), and a batch being handed out as the
+    // pause landed; running on would have started about a hundred.
+    assert!(after <= 8, "{after} parts started after the pause: the slot ran on while its shard was paused");
+    admin.resume(None).await.unwrap();
+    let done = long.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), (0..400).map(|n| n * 2).collect::<Vec<_>>());
+    w.stop().await;
+}
+
 /// A handler that runs 300 ms (or `run_ms`) unless its context is cancelled first, and logs when each run
 /// started and ended (ms since the Unix epoch: the test's Redis runs on this machine's clock).
 /// The end is logged when the run's future is dropped, which also catches a run stopped at an
