@@ -52,7 +52,7 @@ local function group_audit(keys, args)
         local t = sg_split(tok)
         local member = name .. '|' .. k .. '|' .. t[2]
         if t[1] == 'r' and not redis.call('ZSCORE', shard .. 'gwake', member) then
-          redis.call('ZADD', shard .. 'gwake', now, member)
+          sg_group_wait(shard, now, member)
           repaired = repaired + 1
         elseif t[1] == 'q' and now - tonumber(t[3]) > grace then
           local list = shard .. 'p:' .. t[4]

@@ -76,11 +76,7 @@ local function group_set(keys, args)
     end
     redis.call('HSET', gkey, 'ntok', ntok)
   end
-  local m2 = redis.call('HMGET', gkey, 'npark', 'nlive')
-  if tonumber(m2[1]) >= tonumber(m2[2]) then
-    redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS)
-  else
-    redis.call('PERSIST', gkey)
-  end
+  redis.call('PERSIST', gkey)
+  sg_group_idle_check(gkey)
   return {added, retired}
 end

@@ -590,7 +590,8 @@ end
 --   p|<epoch>                  parked: G had no work
 --   r|<epoch>                  waiting for G's rate limit to refill: in the shard's sorted set
 --                              `gwake` as "<G>|<k>|<epoch>", scored when (ms); the first take on
---                              the shard after that queues it again (sg_group_wake)
+--                              the shard after that queues it again (sg_group_wake); `nwait`
+--                              counts them
 -- A slot that takes a group token pops G's highest-priority request element in the same call, and
 -- its take record names both; the group token goes back in the step that ends the record (give
 -- back, release, untake, the slot's next take, recovery's reclaim of a dead slot's record), so at
@@ -672,6 +673,14 @@ local function sg_group_listed(shard, name)
   redis.call('PEXPIRE', shard .. 'groups', 2 * SG_GROUP_IDLE_MS)
 end
 
+-- Puts a group token in the shard's `gwake` (member "<G>|<k>|<epoch>") until `due` (ms). The set
+-- outlives its last entry by twice a group's idle expiry, as `groups` does: with no take on the
+-- shard to wake them (no worker running), its entries would otherwise stay for good.
+local function sg_group_wait(shard, due, member)
+  redis.call('ZADD', shard .. 'gwake', due, member)
+  redis.call('PEXPIRE', shard .. 'gwake', 2 * SG_GROUP_IDLE_MS)
+end
+
 -- Makes a group's meta the first time work is queued in it: `limit` tokens, all parked.
 local function sg_group_open(gkey, now)
   if redis.call('HEXISTS', gkey, 'limit') == 1 then return end
@@ -702,11 +711,16 @@ local function sg_group_queue(gkey, k, epoch, p, now)
   sg_push(shard .. 'p:' .. p, shard .. 'bell', {'^' .. name .. '|' .. k .. '|' .. next_epoch})
 end
 
--- A group whose tokens are all parked holds nothing and has nothing queued: it expires if it
--- stays so for SG_GROUP_IDLE_MS.
+-- A group whose tokens are all parked, or waiting for its rate limit's refill with no work queued
+-- (`nwait` counts those waiting), holds nothing and has nothing queued: it expires if it stays so
+-- for SG_GROUP_IDLE_MS (a take on the shard after the refill parks the waiting ones; with no
+-- worker running, none comes).
 local function sg_group_idle_check(gkey)
-  local m = redis.call('HMGET', gkey, 'npark', 'nlive')
-  if tonumber(m[1] or '0') >= tonumber(m[2] or '0') then redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS) end
+  local m = redis.call('HMGET', gkey, 'npark', 'nlive', 'nwait')
+  local npark, nlive, nwait = tonumber(m[1] or '0'), tonumber(m[2] or '0'), tonumber(m[3] or '0')
+  if npark >= nlive or (npark + nwait >= nlive and redis.call('EXISTS', gkey .. ':w') == 0) then
+    redis.call('PEXPIRE', gkey, SG_GROUP_IDLE_MS)
+  end
 end
 
 -- Parks group token k: the group has no work for it.
@@ -758,6 +772,9 @@ sg_group_push = function(list, elements, from)
   redis.call('ZADD', gkey .. ':w', p, p)
   local now = sg_now()
   sg_group_open(gkey, now)
+  -- Work is queued: the group is not idle, even if none of its tokens is parked (they may all wait
+  -- for the rate limit's refill, which an idle check gave an expiry).
+  redis.call('PERSIST', gkey)
   local shard, name = sg_group_parts(gkey)
   local paused = sg_group_paused(shard)
   local m = redis.call('HMGET', gkey, 'ntok', 'npark', 'floor', 'limit', 'nlive')
@@ -794,10 +811,7 @@ sg_group_push = function(list, elements, from)
   end
   if woken > 0 then low = math.min(low, p) end
   redis.call('HSET', gkey, 'floor', low)
-  if woken > 0 then
-    redis.call('PERSIST', gkey)
-    sg_group_listed(shard, name)
-  end
+  if woken > 0 then sg_group_listed(shard, name) end
   return n
 end
 
@@ -865,7 +879,9 @@ local function sg_group_take(shard, f, holder, now, paused)
       -- No room: the token waits for the bucket to refill (a take on the shard then queues it).
       local due = math.max(math.ceil(base - tau - now), 1) + now
       redis.call('HSET', gkey, 't' .. k, 'r|' .. f[3])
-      redis.call('ZADD', shard .. 'gwake', due, string.sub(f[1], 2) .. '|' .. k .. '|' .. f[3])
+      redis.call('HINCRBY', gkey, 'nwait', 1)
+      sg_group_wait(shard, due, string.sub(f[1], 2) .. '|' .. k .. '|' .. f[3])
+      sg_group_idle_check(gkey)
       return nil
     end
   end
@@ -907,7 +923,10 @@ local function sg_group_wake(shard, now)
     redis.call('ZREM', wake, member)
     local f = sg_split(member)
     local gkey, k = sg_group_key(shard, f[1]), tonumber(f[2])
-    if redis.call('HGET', gkey, 't' .. k) == 'r|' .. f[3] then sg_group_return(gkey, k, f[3], now, paused) end
+    if redis.call('HGET', gkey, 't' .. k) == 'r|' .. f[3] then
+      redis.call('HINCRBY', gkey, 'nwait', -1)
+      sg_group_return(gkey, k, f[3], now, paused)
+    end
   end
 end
 

@@ -491,8 +491,10 @@ async fn check_groups(
             ));
         }
         let parked = tokens.iter().filter(|(_, v)| v[0] == "p").count() as u64;
+        let waiting = tokens.iter().filter(|(_, v)| v[0] == "r").count() as u64;
         if tokens.len() as u64 != num("nlive")
             || parked != num("npark")
+            || waiting != num("nwait")
             || tokens.iter().any(|(k, _)| *k >= num("ntok"))
         {
             return Err(format!("group {name}: counters disagree with its tokens: {meta:?}"));
