@@ -24,6 +24,11 @@
 -- its wait ends (the slot asks again then, rather than after an idle poll).
 -- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
 -- held, if any, goes back (prelude, sg_held_end).
+-- KEYS[6] and ARGV[10..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
+-- ARGV[10] the take id the slot's record must carry to be ended, ARGV[11..] the elements. A re-sent
+-- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
+-- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
 -- runs one part under it and gives it back: each part's start is charged to the group's bucket),
 -- {list, element, acquired} for a lane token (`acquired` is what
@@ -37,6 +42,10 @@ local function take(keys, args)
   local holder, id = args[1], args[2]
   local shard = sg_shard_key(keys[1], '')
   local held = redis.call('HGET', keys[1], holder)
+  if keys[6] and (args[10] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[10], unpack(args, 11)})
+    held = redis.call('HGET', keys[1], holder)
+  end
   local previous = nil
   if held then
     local f = sg_split(held)

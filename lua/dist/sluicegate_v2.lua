@@ -2073,6 +2073,31 @@ local function lane_acquire(keys, args)
   return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
 end
 
+-- give_back: push a token's new element back (a slot at the end of its quantum, after ack answered
+-- 'requeue'; recovery after reclaim), and end the take's record, in one step: while the record is
+-- there, the push has not happened, so whoever finds it after its slot died (recovery) knows that
+-- the token still needs pushing.
+-- The elements are pushed whether or not the record is still there: an element is only ever issued
+-- to be pushed, and pushing one that is no longer current is harmless (acquire refuses it), while
+-- not pushing the current one would lose the token (recovery may have ended the record, or the slot
+-- itself, after a newer epoch was issued).
+-- KEYS[1] the shard's held records   KEYS[2] the shard's bell   KEYS[3] the priority list
+-- ARGV[1] holder   ARGV[2] the take id its record must carry to be ended   ARGV[3..] elements
+-- A group token the record names goes back (prelude, sg_held_end): parked if its group has no
+-- other work, and then woken by the push of the elements to its group's queue.
+-- Returns the number of elements pushed.
+local function give_back(keys, args)
+  local held = redis.call('HGET', keys[1], args[1])
+  if held then
+    local f = sg_split(held)
+    if f[4] == args[2] then
+      redis.call('HDEL', keys[1], args[1])
+      sg_held_end(sg_shard_key(keys[1], ''), f)
+    end
+  end
+  return sg_push(keys[3], keys[2], args, 3)
+end
+
 -- take: a worker slot takes the token element of the highest priority waiting on a shard, and
 -- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
 -- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
@@ -2099,6 +2124,11 @@ end
 -- its wait ends (the slot asks again then, rather than after an idle poll).
 -- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
 -- held, if any, goes back (prelude, sg_held_end).
+-- KEYS[6] and ARGV[10..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
+-- ARGV[10] the take id the slot's record must carry to be ended, ARGV[11..] the elements. A re-sent
+-- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
+-- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
 -- runs one part under it and gives it back: each part's start is charged to the group's bucket),
 -- {list, element, acquired} for a lane token (`acquired` is what
@@ -2112,6 +2142,10 @@ local function take(keys, args)
   local holder, id = args[1], args[2]
   local shard = sg_shard_key(keys[1], '')
   local held = redis.call('HGET', keys[1], holder)
+  if keys[6] and (args[10] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[10], unpack(args, 11)})
+    held = redis.call('HGET', keys[1], holder)
+  end
   local previous = nil
   if held then
     local f = sg_split(held)
@@ -2465,31 +2499,6 @@ local function ack(keys, args)
     return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
-end
-
--- give_back: push a token's new element back (a slot at the end of its quantum, after ack answered
--- 'requeue'; recovery after reclaim), and end the take's record, in one step: while the record is
--- there, the push has not happened, so whoever finds it after its slot died (recovery) knows that
--- the token still needs pushing.
--- The elements are pushed whether or not the record is still there: an element is only ever issued
--- to be pushed, and pushing one that is no longer current is harmless (acquire refuses it), while
--- not pushing the current one would lose the token (recovery may have ended the record, or the slot
--- itself, after a newer epoch was issued).
--- KEYS[1] the shard's held records   KEYS[2] the shard's bell   KEYS[3] the priority list
--- ARGV[1] holder   ARGV[2] the take id its record must carry to be ended   ARGV[3..] elements
--- A group token the record names goes back (prelude, sg_held_end): parked if its group has no
--- other work, and then woken by the push of the elements to its group's queue.
--- Returns the number of elements pushed.
-local function give_back(keys, args)
-  local held = redis.call('HGET', keys[1], args[1])
-  if held then
-    local f = sg_split(held)
-    if f[4] == args[2] then
-      redis.call('HDEL', keys[1], args[1])
-      sg_held_end(sg_shard_key(keys[1], ''), f)
-    end
-  end
-  return sg_push(keys[3], keys[2], args, 3)
 end
 
 -- release: end a slot's record of holding a token it no longer holds (parked, finished, dropped,
@@ -4379,11 +4388,11 @@ redis.register_function('sg2_push', push)
 redis.register_function('sg2_reopen', reopen)
 redis.register_function('sg2_arm', arm)
 redis.register_function('sg2_lane_acquire', lane_acquire)
+redis.register_function('sg2_give_back', give_back)
 redis.register_function('sg2_take', take)
 redis.register_function('sg2_untake', untake)
 redis.register_function('sg2_acquire', acquire)
 redis.register_function('sg2_ack', ack)
-redis.register_function('sg2_give_back', give_back)
 redis.register_function('sg2_release', release)
 redis.register_function{function_name='sg2_holds', callback=holds, flags={'no-writes'}}
 redis.register_function('sg2_finish_index', finish_index)

@@ -80,7 +80,7 @@ pub(crate) enum Func {
 impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
-    /// `submit_open`; `take` calls `lane_acquire`).
+    /// `submit_open`; `take` calls `give_back` and `lane_acquire`).
     pub(crate) const ALL: [Func; 59] = [
         Func::SubmitOpen,
         Func::LoadParts,
@@ -97,11 +97,11 @@ impl Func {
         Func::Reopen,
         Func::Arm,
         Func::LaneAcquire,
+        Func::GiveBack,
         Func::Take,
         Func::Untake,
         Func::Acquire,
         Func::Ack,
-        Func::GiveBack,
         Func::Release,
         Func::Holds,
         Func::FinishIndex,

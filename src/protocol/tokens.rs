@@ -43,11 +43,26 @@ pub(crate) enum Take {
     Wait(Duration),
 }
 
+/// A token a slot gives back in the same call as its next take on the same shard: `give_back`'s
+/// list, take id and elements (after ack's `requeue`).
+#[derive(Debug, Clone)]
+pub(crate) struct GiveBack {
+    /// The shard the token was taken on.
+    pub(crate) shard: u32,
+    /// The priority list (or group queue) its elements go to.
+    pub(crate) list: String,
+    /// The take id the slot's record must carry to be ended.
+    pub(crate) take: String,
+    pub(crate) elements: Vec<Value>,
+}
+
 /// `take` on `shard`: pops the highest-priority element and records it for `holder` as take
 /// `take` (`previous`: the id of the slot's previous take on this shard, whose record ends).
-/// `woken`: the slot popped a bell itself. `Empty` when every list is empty, `Paused` when an operator paused the shard's priorities. The same call re-sent
-/// returns what it took the first time (without a batch). A lane's token is acquired in the same
-/// call, for a first batch of at most `want` entries handed to `consumer`.
+/// `woken`: the slot popped a bell itself. `Empty` when every list is empty, `Paused` when an
+/// operator paused the shard's priorities. The same call re-sent returns what it took the first
+/// time (without a batch). A lane's token is acquired in the same call, for a first batch of at
+/// most `want` entries handed to `consumer`. `give_back` (on this shard) is done first, in the
+/// same step, as [`give_back`] does it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn take(
     store: &Store,
@@ -58,13 +73,14 @@ pub(crate) async fn take(
     previous: Option<u64>,
     woken: bool,
     want: u32,
+    give_back: Option<&GiveBack>,
 ) -> Result<Take> {
     let keys = &store.keys;
     let (held, bell, active, armed, paused) =
         (keys.held(shard), keys.bell(shard), keys.active(shard), keys.armed(shard), keys.paused(shard));
-    let names: [&str; 5] = [&held, &bell, &active, &armed, &paused];
+    let mut names: Vec<&str> = vec![&held, &bell, &active, &armed, &paused];
     let previous = previous.map(|p| p.to_string()).unwrap_or_default();
-    let args: Vec<Value> = vec![
+    let mut args: Vec<Value> = vec![
         holder.into(),
         (take as i64).into(),
         previous.into(),
@@ -75,6 +91,11 @@ pub(crate) async fn take(
         keys.record_prefix(shard).into(),
         keys.list_prefix(shard).into(),
     ];
+    if let Some(gb) = give_back.filter(|gb| gb.shard == shard) {
+        names.push(&gb.list);
+        args.push(gb.take.as_str().into());
+        args.extend(gb.elements.iter().cloned());
+    }
     let sent = Instant::now();
     let mut items = reply::array(store.fcall(Func::Take, &names, args).await?)?.into_iter();
     let (list, element) = match (items.next(), items.next()) {

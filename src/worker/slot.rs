@@ -1,8 +1,9 @@
 //! One slot: take a token, run sub-requests of its request for one quantum, give the token back.
 //!
 //! Round trips per sub-request in steady state: one (the ack, which also hands out the next
-//! sub-request). Per token take: a `take`, an `acquire`, and a `give_back` when the quantum ends;
-//! an idle slot blocks on its shard's bell (BRPOP of one key) and then takes.
+//! sub-request). Per token take: a `take` and an `acquire`; the token goes back when the quantum
+//! ends, inside the slot's next `take` on the same shard (else with a `give_back` of its own). An
+//! idle slot blocks on its shard's bell (BRPOP of one key) and then takes.
 //!
 //! What a slot took is recorded on the token side (`held`) in the same step as the take, and the
 //! record ends only when the token is given back (or the slot's next take on that shard): if the
@@ -105,11 +106,15 @@ pub(crate) struct Slot {
     /// A take sent whose reply has not come (the call failed): repeated with its id, or undone
     /// at a clean stop.
     pending: Option<u32>,
+    /// The token the slot's last hold ended with ack's `requeue`, not given back yet: it goes back
+    /// in the same call as the slot's next take on its shard (`take`'s give-back), or on its own
+    /// before the slot takes on another shard or stops. Kept until a call that does it lands.
+    owed: Option<tokens::GiveBack>,
 }
 
 impl Slot {
     pub(crate) fn new(n: usize, shards: u32) -> Slot {
-        Slot { n, next_take: 0, last_take: vec![None; shards as usize], pending: None }
+        Slot { n, next_take: 0, last_take: vec![None; shards as usize], pending: None, owed: None }
     }
 }
 
@@ -197,9 +202,20 @@ pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot)
     let holder = format!("{}/{}", shared.id(), slot.n);
     if let Some(shard) = slot.pending.take() {
         match tokens::untake(&shared.store, shard, &holder, slot.next_take).await {
-            Ok(_) => slot.next_take += 1,
+            Ok(took) => {
+                slot.next_take += 1;
+                // A take that happened gave back what it carried, in the same step.
+                if took && slot.owed.as_ref().is_some_and(|gb| gb.shard == shard) {
+                    slot.owed = None;
+                }
+            }
             Err(e) => tracing::debug!(error = %e, "could not undo a take; recovery will reclaim it"),
         }
+    }
+    // (Pushed again if a take that carried it ran and found nothing: an extra copy is refused
+    // when taken.)
+    if let Err(e) = settle_owed(shared, slot, &holder).await {
+        tracing::debug!(error = %e, "could not give a token back; recovery will reclaim it");
     }
     for (shard, last) in slot.last_take.iter_mut().enumerate() {
         if let Some(id) = last.take() {
@@ -219,6 +235,11 @@ pub(crate) async fn take_and_serve<H: Handler>(
     shard: u32,
 ) -> Result<()> {
     let holder = format!("{}/{}", shared.id(), slot.n);
+    // A token owed to another shard goes back first, on its own: the record ended below would
+    // otherwise end without its push.
+    if slot.owed.as_ref().is_some_and(|gb| gb.shard != shard) {
+        settle_owed(shared, slot, &holder).await?;
+    }
     // A record left on another shard (this slot's previous take there) ends before the slot moves
     // on: on its own shard the next take would end it.
     for s in 0..slot.last_take.len() as u32 {
@@ -303,7 +324,11 @@ async fn take<H: Handler>(
     // On error the id is kept: the take is repeated as it was, and returns what it took.
     slot.pending = Some(shard);
     let want = Turn::new(shared, false).want();
-    let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want).await?;
+    let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
+    let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, owed).await?;
+    if owed.is_some() {
+        slot.owed = None;
+    }
     slot.pending = None;
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
@@ -398,8 +423,8 @@ impl Turn {
     ///
     /// A quantum's parts used up before its time, with nothing paused on the shard and no token
     /// waiting there at any priority (its bell is empty), run on for another quantum of parts:
-    /// giving the token back would only have it taken again, at the cost of a `give_back` and a
-    /// `take`. A token that starts waiting later ends the run at the next quantum's end, a higher
+    /// giving the token back would only have it taken again, at the cost of a `take` and an
+    /// `acquire`. A token that starts waiting later ends the run at the next quantum's end, a higher
     /// priority at the next batch's (`higher`). Not for a token taken for one part, nor for a
     /// tenant group's (its group's other requests wait in the group's queue, not on the shard's
     /// lists).
@@ -457,7 +482,7 @@ async fn serve<H: Handler>(
     // The quantum's time counts from the first batch, not from the acquire's round trip.
     turn.started = Instant::now();
     match run_batches(shared, slot, &holding, &token, first, &mut turn).await? {
-        Served::Answer(last, policy) => settle(shared, holder, &token, last, policy).await,
+        Served::Answer(last, policy) => settle(shared, slot, holder, &token, last, policy).await,
         Served::AckLost(e) => reclaim_own(shared, slot, holder, &token, e).await,
     }
 }
@@ -548,10 +573,12 @@ async fn run_batches<H: Handler>(
     }
 }
 
-/// Does what the library's last answer to a hold says: give the token back, run the steps after
-/// a finish, wake a parked token when its retry falls due, or settle a fenced ack.
+/// Does what the library's last answer to a hold says: owe the token's give-back to the slot's
+/// next take (`Slot::owed`), run the steps after a finish, wake a parked token when its retry
+/// falls due, or settle a fenced ack.
 async fn settle<H: Handler>(
     shared: &Shared<H>,
+    slot: &mut Slot,
     holder: &str,
     token: &Token,
     last: Next,
@@ -568,7 +595,7 @@ async fn settle<H: Handler>(
     let place = Placement { priority: token.priority, shards, group };
     match last {
         Next::Requeue(element, priority) => {
-            give_back(shared, holder, token, priority, vec![element.into()]).await?
+            slot.owed = Some(owed(shared, token, priority, vec![element.into()]));
         }
         Next::Finished(finished) => {
             tracing::info!(state = finished.state, "request finished");
@@ -592,28 +619,40 @@ async fn settle<H: Handler>(
     Ok(())
 }
 
-/// Pushes the token's new element back and ends the take's record, in one step; repeated while
-/// Redis is unreachable (the record makes recovery do it if this process dies first). The element
-/// goes to the list of `priority`, the request's priority when the element was issued (an operator
-/// may have changed it since the take: `Admin::reprioritize`), on the token's shard; to the list
-/// it was taken from when the library did not say.
-async fn give_back<H: Handler>(
+/// The give-back of the token's new `elements`, ending the take's record: onto the list of
+/// `priority`, the request's priority when the elements were issued (an operator may have changed
+/// it since the take: `Admin::reprioritize`), on the token's shard; onto the list it was taken
+/// from when the library did not say.
+fn owed<H: Handler>(
     shared: &Shared<H>,
-    holder: &str,
     token: &Token,
     priority: Option<Priority>,
     elements: Vec<Value>,
-) -> Result<()> {
-    let store = &shared.store;
-    let take = token.take.to_string();
+) -> tokens::GiveBack {
     let list = match priority {
-        Some(p) if p != token.priority => store.keys.token_list(token.shard, p),
+        Some(p) if p != token.priority => shared.store.keys.token_list(token.shard, p),
         _ => token.list.clone(),
     };
+    tokens::GiveBack { shard: token.shard, list, take: token.take.to_string(), elements }
+}
+
+/// Pushes the elements back and ends the take's record, in one step; repeated while Redis is
+/// unreachable (the record makes recovery do it if this process dies first).
+async fn give_back<H: Handler>(shared: &Shared<H>, holder: &str, gb: &tokens::GiveBack) -> Result<()> {
+    let store = &shared.store;
     retry_transient("give back", || {
-        tokens::give_back(store, token.shard, &list, holder, &take, elements.clone())
+        tokens::give_back(store, gb.shard, &gb.list, holder, &gb.take, gb.elements.clone())
     })
     .await?;
+    Ok(())
+}
+
+/// Gives back the token the slot owes on its own (`Slot::owed`), if any.
+async fn settle_owed<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str) -> Result<()> {
+    if let Some(gb) = &slot.owed {
+        give_back(shared, holder, gb).await?;
+        slot.owed = None;
+    }
     Ok(())
 }
 
@@ -658,7 +697,9 @@ async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) ->
     })
     .await?;
     match reclaimed {
-        Reclaimed::Push(elements, priority) => give_back(shared, holder, token, priority, elements).await?,
+        Reclaimed::Push(elements, priority) => {
+            give_back(shared, holder, &owed(shared, token, priority, elements)).await?
+        }
         Reclaimed::Finished(unfinished) => {
             super::recovery::finish_reported(store, key_id, unfinished).await?
         }
