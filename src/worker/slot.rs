@@ -110,11 +110,21 @@ pub(crate) struct Slot {
     /// in the same call as the slot's next take on its shard (`take`'s give-back), or on its own
     /// before the slot takes on another shard or stops. Kept until a call that does it lands.
     owed: Option<tokens::GiveBack>,
+    /// The last hold ended by giving way to a higher priority on its shard: the slot takes next
+    /// there, not on the next shard in turn.
+    stay: bool,
 }
 
 impl Slot {
     pub(crate) fn new(n: usize, shards: u32) -> Slot {
-        Slot { n, next_take: 0, last_take: vec![None; shards as usize], pending: None, owed: None }
+        Slot {
+            n,
+            next_take: 0,
+            last_take: vec![None; shards as usize],
+            pending: None,
+            owed: None,
+            stay: false,
+        }
     }
 }
 
@@ -175,7 +185,9 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, mut slot: Slot, bloc
         match take_and_serve(&shared, &mut slot, &blocking, shard).await {
             Ok(()) => {
                 backoff = Duration::from_millis(50);
-                shard = (shard + 1) % shards;
+                if !std::mem::take(&mut slot.stay) {
+                    shard = (shard + 1) % shards;
+                }
             }
             // A call refused because the shard's slot is moving (a redirection, which our clients
             // hand back with the slot map refreshed): the new owner is known, go now.
@@ -400,6 +412,8 @@ struct Turn {
     /// Parts it may run: the quantum's, or one for a token taken for one part (`Token::one_part`),
     /// plus a quantum's for each time it ran on (`then`).
     parts: u32,
+    /// It ended by giving way to a higher priority waiting on its shard.
+    gave_way: bool,
 }
 
 impl Turn {
@@ -409,7 +423,7 @@ impl Turn {
     fn new<H: Handler>(shared: &Shared<H>, one_part: bool) -> Self {
         let batching = Batching { max: shared.max_batch, mean_us: None, fixed: shared.store.deterministic() };
         let parts = if one_part { 1 } else { shared.quantum.parts };
-        Self { batching, started: Instant::now(), ran: 0, parts }
+        Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false }
     }
 
     /// The next batch's size: what runs in about `BATCH_TARGET`, within what is left of the quantum.
@@ -419,7 +433,8 @@ impl Turn {
 
     /// After a batch: keep the token for another, or give it back (quantum used up, stopping).
     /// Also gives the token back when a higher priority than its own became waiting on its shard
-    /// (the first slot of this worker to end a batch gives way; `higher`).
+    /// (the first slot of this worker to end a batch gives way, and takes next on that shard;
+    /// `higher`).
     ///
     /// A quantum's parts used up before its time, with nothing paused on the shard and no token
     /// waiting there at any priority (its bell is empty), run on for another quantum of parts:
@@ -440,8 +455,11 @@ impl Turn {
         }
         let keep_going = self.ran < self.parts
             && self.started.elapsed() < shared.quantum.time
-            && !shared.stopping.is_cancelled()
-            && !shared.higher.claim_above(token.shard, token.priority);
+            && !shared.stopping.is_cancelled();
+        if keep_going && shared.higher.claim_above(token.shard, token.priority) {
+            self.gave_way = true;
+            return Then::GiveBack;
+        }
         if keep_going {
             Then::More(self.want())
         } else {
@@ -481,7 +499,9 @@ async fn serve<H: Handler>(
     };
     // The quantum's time counts from the first batch, not from the acquire's round trip.
     turn.started = Instant::now();
-    match run_batches(shared, slot, &holding, &token, first, &mut turn).await? {
+    let served = run_batches(shared, slot, &holding, &token, first, &mut turn).await?;
+    slot.stay = turn.gave_way;
+    match served {
         Served::Answer(last, policy) => settle(shared, slot, holder, &token, last, policy).await,
         Served::AckLost(e) => reclaim_own(shared, slot, holder, &token, e).await,
     }

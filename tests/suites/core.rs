@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use sluicegate::{Error, Listener, Producer, Quantum, RequestState};
-use crate::support::{env_on, env_streams, assert_namespace_drains, start_worker, Job, Probe};
+use crate::support::{env_on, env_streams, assert_namespace_drains, start_built, start_worker, Job, Probe};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_requests_finish_in_order_and_reach_but_never_exceed_their_limits() {
@@ -106,6 +106,48 @@ async fn a_busy_slot_gives_way_to_a_higher_priority_before_its_quantum_ends() {
     let at = starts.iter().position(|(id, _)| id == urgent.id().as_str()).expect("the urgent part ran");
     assert!(at < 200, "the urgent part started after {at} low parts: the busy slot kept its token for its quantum");
     low.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    w.stop().await;
+}
+
+/// With two token shards, the slot that gives way takes next on the shard where the higher
+/// priority waits, not on the next shard in turn (where, here, nothing waits: it would sit out a
+/// shard poll there while the other slot runs the flood).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_shards_the_slot_that_gives_way_takes_where_the_higher_priority_waits() {
+    let env = env_on(TOPOLOGY, "giveway2").await;
+    let config = env.config.clone().token_shards(2);
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 100_000, time: Duration::from_secs(600) };
+    let builder = sluicegate::Worker::builder(&config, probe.clone())
+        .slots(2)
+        .quantum(quantum)
+        .shard_poll(Duration::from_secs(5));
+    let w = start_built(builder).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    // Two tokens, one on each shard: both slots busy, each holding one.
+    let low = producer
+        .request()
+        .priority(1)
+        .unwrap()
+        .concurrency(2)
+        .unwrap()
+        .submit((0..4_000).map(|i| Job::sleeping(i, 2)))
+        .await
+        .unwrap();
+    while probe.starts().len() < 20 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = probe.starts().len();
+    let urgent = producer.request().priority(99).unwrap().submit([Job::new(7)]).await.unwrap();
+    urgent.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let starts = probe.starts();
+    let at = starts.iter().position(|(id, _)| id == urgent.id().as_str()).expect("the urgent part ran");
+    let between = at - before;
+    assert!(
+        between < 200,
+        "{between} low parts started before the urgent one: the slot that gave way took on the other shard"
+    );
+    drop(low);
     w.stop().await;
 }
 

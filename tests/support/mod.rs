@@ -108,13 +108,12 @@ pub async fn start_worker<H: Handler>(
     slots: usize,
     quantum: Quantum,
 ) -> Running {
-    let worker = Worker::builder(config, handler)
-        .slots(slots)
-        .quantum(quantum)
-        .idle_poll(Duration::from_millis(100))
-        .build()
-        .await
-        .expect("worker builds");
+    start_built(Worker::builder(config, handler).slots(slots).quantum(quantum)).await
+}
+
+/// Starts the worker `builder` describes, with an idle poll of 100 ms.
+pub async fn start_built<H: Handler>(builder: sluicegate::WorkerBuilder<H>) -> Running {
+    let worker = builder.idle_poll(Duration::from_millis(100)).build().await.expect("worker builds");
     let stop = CancellationToken::new();
     let signal = stop.clone();
     let metrics = worker.metrics();
