@@ -36,9 +36,11 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf), the fields to write and delete, the parts to feed the lane and,
-  -- once its last part is settled, its terminal state; `order` lists the key ids as first seen.
-  -- Fields written and deleted never overlap: each part is in the batch once.
+  -- pol, left, failed, rq, nf, dn), which of its counters changed (`settled`: left, `dead`:
+  -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
+  -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
+  -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
+  -- part's field repeat: each part is in the batch once.
   local recs, order, settled = {}, {}, {}
   -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
   local done = {'done'}
@@ -48,17 +50,18 @@ local function lane_ack(keys, args)
     local rec = recs[kid]
     if not rec then
       rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn'),
-        set = {}, del = {}, feed = {}}
+        out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
     end
-    local r = rec.r
+    local r, out = rec.r, rec.out
     if rec.state or not sg_lane_live(r, lc) then
       settled[#settled + 1] = id
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
-      rec.set['e' .. index] = body
+      out[#out + 1] = 'e' .. index
+      out[#out + 1] = body
     elseif outcome == 'skip' then
       redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
       redis.call('RPUSH', keys[5], id)
@@ -67,10 +70,12 @@ local function lane_ack(keys, args)
       settled[#settled + 1] = id
       local failfast = sg_lane_failfast(r[3])
       r[4] = tonumber(r[4]) - 1
-      rec.set.left = r[4]
+      rec.settled = true
       if outcome == 'ok' then
-        rec.set['o' .. index] = body
+        out[#out + 1] = 'o' .. index
+        out[#out + 1] = body
         if attempt ~= '1' then
+          rec.del = rec.del or {}
           rec.del[#rec.del + 1] = 'e' .. index
           redis.call('HINCRBY', prefix .. kid, 'retried', 1)
           if tonumber(attempt) > tonumber(redis.call('HGET', prefix .. kid, 'maxseen') or '1') then
@@ -79,24 +84,32 @@ local function lane_ack(keys, args)
         end
       else
         r[5] = tonumber(r[5] or '0') + 1
+        rec.dead = true
         local entry = redis.call('XRANGE', keys[2], id, id)[1]
-        rec.set['e' .. index] = body
-        rec.set['x' .. index] = entry and sg_lane_fields(entry[2]).p or ''
-        rec.set.failed = r[5]
+        out[#out + 1] = 'e' .. index
+        out[#out + 1] = body
+        out[#out + 1] = 'x' .. index
+        -- The payload, as sg_lane_add placed it.
+        out[#out + 1] = entry and entry[2][2] or ''
       end
-      if failfast then rec.del[#rec.del + 1] = 'w' .. index end
+      if failfast then
+        rec.del = rec.del or {}
+        rec.del[#rec.del + 1] = 'w' .. index
+      end
       if r[4] <= 0 or (outcome == 'dead' and failfast) then
         rec.state = 'completed'
         if tonumber(r[5] or '0') > 0 then rec.state = 'failed' end
-        rec.set.state = rec.state
-        rec.set.finished = now
       else
         -- A settled part makes room for the request's next waiting part, if any.
         local feed, fed = sg_lane_pick(r[6], r[7], r[3])
         if feed then
+          rec.feed = rec.feed or {}
           rec.feed[#rec.feed + 1] = feed
-          rec.set[fed[1]] = fed[2]
-          if fed[1] == 'rq' then r[6] = fed[2] else r[7] = fed[2] end
+          if fed[1] == 'rq' then
+            r[6], rec.fed_rq = fed[2], true
+          else
+            r[7], rec.fed_nf = fed[2], true
+          end
         end
       end
     end
@@ -105,34 +118,52 @@ local function lane_ack(keys, args)
   local announced, finished, states, released = {}, {}, {}, {'rel'}
   for _, kid in ipairs(order) do
     local rec, record = recs[kid], prefix .. kid
-    local fields = {}
-    for field, value in pairs(rec.set) do
-      fields[#fields + 1] = field
-      fields[#fields + 1] = value
+    local fields, r = rec.out, rec.r
+    if rec.settled then
+      fields[#fields + 1] = 'left'
+      fields[#fields + 1] = r[4]
+    end
+    if rec.dead then
+      fields[#fields + 1] = 'failed'
+      fields[#fields + 1] = r[5]
+    end
+    if rec.fed_rq then
+      fields[#fields + 1] = 'rq'
+      fields[#fields + 1] = r[6]
+    end
+    if rec.fed_nf then
+      fields[#fields + 1] = 'nf'
+      fields[#fields + 1] = r[7]
+    end
+    if rec.state then
+      fields[#fields + 1] = 'state'
+      fields[#fields + 1] = rec.state
+      fields[#fields + 1] = 'finished'
+      fields[#fields + 1] = now
     end
     if #fields > 0 then redis.call('HSET', record, unpack(fields)) end
-    if #rec.del > 0 then redis.call('HDEL', record, unpack(rec.del)) end
-    if #rec.feed > 0 then sg_lane_feed_parts(keys, record, kid, rec.r[2], rec.r[3], rec.feed) end
+    if rec.del then redis.call('HDEL', record, unpack(rec.del)) end
+    if rec.feed then sg_lane_feed_parts(keys, record, kid, r[2], r[3], rec.feed) end
     if rec.state then
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
-      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, rec.r[8])
-      if rec.r[8] then
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, r[8])
+      if r[8] then
         released[#released + 1] = kid
         released[#released + 1] = rec.state
-        released[#released + 1] = rec.r[2]
+        released[#released + 1] = r[2]
       end
       finished[#finished + 1] = kid
       states[#states + 1] = rec.state
       done[#done + 1] = rec.state
-      done[#done + 1] = rec.r[2]
+      done[#done + 1] = r[2]
     end
   end
   if #announced > 0 then
     local ix, listed = sg_ix(keys[7]), {}
     sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
     sg_ix_finished(ix, now, listed)
-    redis.call('PEXPIRE', keys[7], retention)
+    sg_lane_events_kept(keys[7], retention, now)
     redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
   end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end

@@ -18,7 +18,7 @@ local function lane_cancel(keys, args)
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now, m[4])
   sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
   redis.call('PUBLISH', args[3], line)
-  redis.call('PEXPIRE', keys[2], args[2])
+  sg_lane_events_kept(keys[2], args[2], now)
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end

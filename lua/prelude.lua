@@ -1226,13 +1226,6 @@ end
 -- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
 -- fed N at submit, and one more each time one of its parts is settled (done or dead).
 
--- The fields of a lane entry as a table {p, r, i, l}.
-local function sg_lane_fields(fields)
-  local e = {}
-  for j = 1, #fields, 2 do e[fields[j]] = fields[j + 1] end
-  return e
-end
-
 -- Whether a record's settings (its `pol` field) say fail fast (an "f" first; this is on the hot
 -- path, where splitting the string would cost more than the rest of the step).
 local function sg_lane_failfast(pol)
@@ -1269,6 +1262,8 @@ end
 
 -- Appends part i of lane request `kid` (lifecycle `lc`) to the lane. Lane entry ids are
 -- "0-<n>", n counting up, as a request's are: recovery's census counts undelivered entries from ids.
+-- This is the only writer of lane entries, and readers take their fields by position: p (the
+-- payload) at 2, r at 4, i at 6, l at 8.
 local function sg_lane_add(keys, kid, i, lc, payload)
   redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', i, 'l', lc)
 end
@@ -1322,15 +1317,24 @@ end
 -- Announces that a lane request turned terminal (its record's state is written): the record is
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, keeps the events stream for the retention (PEXPIRE), and moves them in
--- the listing index (sg_ix_finish_many, sg_ix_finished), once per call. A request with downstreams
--- (its record's `dn`, read by the caller) is put in the shard's release outbox in the same step
--- (prelude.lua, "Dependencies between requests"); the caller's reply names it.
+-- finished as one message, ends the events stream's older entries and keeps it for the retention
+-- (sg_lane_events_kept), and moves them in the listing index (sg_ix_finish_many, sg_ix_finished),
+-- once per call. A request with downstreams (its record's `dn`, read by the caller) is put in the
+-- shard's release outbox in the same step (prelude.lua, "Dependencies between requests"); the
+-- caller's reply names it.
 local function sg_lane_announce(record, kid, state, retention, events, now, dn)
   redis.call('PEXPIRE', record, retention)
-  redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  redis.call('XADD', events, '*', 'rid', kid, 'state', state)
   if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
+end
+
+-- After a call's announcements (sg_lane_announce): the events stream drops entries older than the
+-- retention (whole nodes, as XADD's MINID ~ would, but once per call rather than per event) and is
+-- kept for the retention.
+local function sg_lane_events_kept(events, retention, now)
+  redis.call('XTRIM', events, 'MINID', '~', math.max(now - tonumber(retention), 0))
+  redis.call('PEXPIRE', events, retention)
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
@@ -1340,21 +1344,21 @@ end
 -- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
 -- id), so that a batch with several parts of one request reads its record once.
 local function sg_lane_entry(prefix, id, fields, attempt, now, seen)
-  local e = sg_lane_fields(fields)
-  local record = prefix .. e.r
-  local m = seen[e.r]
+  -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l.
+  local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
+  local m = seen[kid]
   if not m then
-    m = redis.call('HMGET', record, 'state', 'lc', 'pol')
-    seen[e.r] = m
+    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol')
+    seen[kid] = m
   end
-  if not sg_lane_live(m, e.l) then return nil end
+  if not sg_lane_live(m, lc) then return nil end
   if m[1] == 'queued' then
-    redis.call('HSET', record, 'state', 'running', 'started', now)
+    redis.call('HSET', prefix .. kid, 'state', 'running', 'started', now)
     m[1] = 'running'
-    local created = math.floor(tonumber(e.l) / 1000)
-    return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
+    local created = math.floor(tonumber(lc) / 1000)
+    return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
   end
-  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
+  return {id, tonumber(index), payload, attempt, kid, lc, m[3]}
 end
 
 -- How long the lane's oldest pending entry may have been out before settled entries are deleted

@@ -1228,13 +1228,6 @@ end
 -- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
 -- fed N at submit, and one more each time one of its parts is settled (done or dead).
 
--- The fields of a lane entry as a table {p, r, i, l}.
-local function sg_lane_fields(fields)
-  local e = {}
-  for j = 1, #fields, 2 do e[fields[j]] = fields[j + 1] end
-  return e
-end
-
 -- Whether a record's settings (its `pol` field) say fail fast (an "f" first; this is on the hot
 -- path, where splitting the string would cost more than the rest of the step).
 local function sg_lane_failfast(pol)
@@ -1271,6 +1264,8 @@ end
 
 -- Appends part i of lane request `kid` (lifecycle `lc`) to the lane. Lane entry ids are
 -- "0-<n>", n counting up, as a request's are: recovery's census counts undelivered entries from ids.
+-- This is the only writer of lane entries, and readers take their fields by position: p (the
+-- payload) at 2, r at 4, i at 6, l at 8.
 local function sg_lane_add(keys, kid, i, lc, payload)
   redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', i, 'l', lc)
 end
@@ -1324,15 +1319,24 @@ end
 -- Announces that a lane request turned terminal (its record's state is written): the record is
 -- kept for the retention and its one event goes on the shard's events stream. Returns its line of
 -- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, keeps the events stream for the retention (PEXPIRE), and moves them in
--- the listing index (sg_ix_finish_many, sg_ix_finished), once per call. A request with downstreams
--- (its record's `dn`, read by the caller) is put in the shard's release outbox in the same step
--- (prelude.lua, "Dependencies between requests"); the caller's reply names it.
+-- finished as one message, ends the events stream's older entries and keeps it for the retention
+-- (sg_lane_events_kept), and moves them in the listing index (sg_ix_finish_many, sg_ix_finished),
+-- once per call. A request with downstreams (its record's `dn`, read by the caller) is put in the
+-- shard's release outbox in the same step (prelude.lua, "Dependencies between requests"); the
+-- caller's reply names it.
 local function sg_lane_announce(record, kid, state, retention, events, now, dn)
   redis.call('PEXPIRE', record, retention)
-  redis.call('XADD', events, 'MINID', '~', math.max(now - tonumber(retention), 0), '*', 'rid', kid, 'state', state)
+  redis.call('XADD', events, '*', 'rid', kid, 'state', state)
   if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
+end
+
+-- After a call's announcements (sg_lane_announce): the events stream drops entries older than the
+-- retention (whole nodes, as XADD's MINID ~ would, but once per call rather than per event) and is
+-- kept for the retention.
+local function sg_lane_events_kept(events, retention, now)
+  redis.call('XTRIM', events, 'MINID', '~', math.max(now - tonumber(retention), 0))
+  redis.call('PEXPIRE', events, retention)
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
@@ -1342,21 +1346,21 @@ end
 -- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
 -- id), so that a batch with several parts of one request reads its record once.
 local function sg_lane_entry(prefix, id, fields, attempt, now, seen)
-  local e = sg_lane_fields(fields)
-  local record = prefix .. e.r
-  local m = seen[e.r]
+  -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l.
+  local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
+  local m = seen[kid]
   if not m then
-    m = redis.call('HMGET', record, 'state', 'lc', 'pol')
-    seen[e.r] = m
+    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol')
+    seen[kid] = m
   end
-  if not sg_lane_live(m, e.l) then return nil end
+  if not sg_lane_live(m, lc) then return nil end
   if m[1] == 'queued' then
-    redis.call('HSET', record, 'state', 'running', 'started', now)
+    redis.call('HSET', prefix .. kid, 'state', 'running', 'started', now)
     m[1] = 'running'
-    local created = math.floor(tonumber(e.l) / 1000)
-    return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3], math.max(now - created, 0)}
+    local created = math.floor(tonumber(lc) / 1000)
+    return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
   end
-  return {id, tonumber(e.i), e.p, attempt, e.r, e.l, m[3]}
+  return {id, tonumber(index), payload, attempt, kid, lc, m[3]}
 end
 
 -- How long the lane's oldest pending entry may have been out before settled entries are deleted
@@ -3417,9 +3421,11 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf), the fields to write and delete, the parts to feed the lane and,
-  -- once its last part is settled, its terminal state; `order` lists the key ids as first seen.
-  -- Fields written and deleted never overlap: each part is in the batch once.
+  -- pol, left, failed, rq, nf, dn), which of its counters changed (`settled`: left, `dead`:
+  -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
+  -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
+  -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
+  -- part's field repeat: each part is in the batch once.
   local recs, order, settled = {}, {}, {}
   -- The requests this call finished, for the caller's stats by stage: {'done', state, lc, ...}.
   local done = {'done'}
@@ -3429,17 +3435,18 @@ local function lane_ack(keys, args)
     local rec = recs[kid]
     if not rec then
       rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn'),
-        set = {}, del = {}, feed = {}}
+        out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
     end
-    local r = rec.r
+    local r, out = rec.r, rec.out
     if rec.state or not sg_lane_live(r, lc) then
       settled[#settled + 1] = id
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
-      rec.set['e' .. index] = body
+      out[#out + 1] = 'e' .. index
+      out[#out + 1] = body
     elseif outcome == 'skip' then
       redis.call('XCLAIM', keys[2], 'g', args[5], 0, id, 'RETRYCOUNT', math.max(tonumber(attempt) - 1, 0), 'JUSTID')
       redis.call('RPUSH', keys[5], id)
@@ -3448,10 +3455,12 @@ local function lane_ack(keys, args)
       settled[#settled + 1] = id
       local failfast = sg_lane_failfast(r[3])
       r[4] = tonumber(r[4]) - 1
-      rec.set.left = r[4]
+      rec.settled = true
       if outcome == 'ok' then
-        rec.set['o' .. index] = body
+        out[#out + 1] = 'o' .. index
+        out[#out + 1] = body
         if attempt ~= '1' then
+          rec.del = rec.del or {}
           rec.del[#rec.del + 1] = 'e' .. index
           redis.call('HINCRBY', prefix .. kid, 'retried', 1)
           if tonumber(attempt) > tonumber(redis.call('HGET', prefix .. kid, 'maxseen') or '1') then
@@ -3460,24 +3469,32 @@ local function lane_ack(keys, args)
         end
       else
         r[5] = tonumber(r[5] or '0') + 1
+        rec.dead = true
         local entry = redis.call('XRANGE', keys[2], id, id)[1]
-        rec.set['e' .. index] = body
-        rec.set['x' .. index] = entry and sg_lane_fields(entry[2]).p or ''
-        rec.set.failed = r[5]
+        out[#out + 1] = 'e' .. index
+        out[#out + 1] = body
+        out[#out + 1] = 'x' .. index
+        -- The payload, as sg_lane_add placed it.
+        out[#out + 1] = entry and entry[2][2] or ''
       end
-      if failfast then rec.del[#rec.del + 1] = 'w' .. index end
+      if failfast then
+        rec.del = rec.del or {}
+        rec.del[#rec.del + 1] = 'w' .. index
+      end
       if r[4] <= 0 or (outcome == 'dead' and failfast) then
         rec.state = 'completed'
         if tonumber(r[5] or '0') > 0 then rec.state = 'failed' end
-        rec.set.state = rec.state
-        rec.set.finished = now
       else
         -- A settled part makes room for the request's next waiting part, if any.
         local feed, fed = sg_lane_pick(r[6], r[7], r[3])
         if feed then
+          rec.feed = rec.feed or {}
           rec.feed[#rec.feed + 1] = feed
-          rec.set[fed[1]] = fed[2]
-          if fed[1] == 'rq' then r[6] = fed[2] else r[7] = fed[2] end
+          if fed[1] == 'rq' then
+            r[6], rec.fed_rq = fed[2], true
+          else
+            r[7], rec.fed_nf = fed[2], true
+          end
         end
       end
     end
@@ -3486,34 +3503,52 @@ local function lane_ack(keys, args)
   local announced, finished, states, released = {}, {}, {}, {'rel'}
   for _, kid in ipairs(order) do
     local rec, record = recs[kid], prefix .. kid
-    local fields = {}
-    for field, value in pairs(rec.set) do
-      fields[#fields + 1] = field
-      fields[#fields + 1] = value
+    local fields, r = rec.out, rec.r
+    if rec.settled then
+      fields[#fields + 1] = 'left'
+      fields[#fields + 1] = r[4]
+    end
+    if rec.dead then
+      fields[#fields + 1] = 'failed'
+      fields[#fields + 1] = r[5]
+    end
+    if rec.fed_rq then
+      fields[#fields + 1] = 'rq'
+      fields[#fields + 1] = r[6]
+    end
+    if rec.fed_nf then
+      fields[#fields + 1] = 'nf'
+      fields[#fields + 1] = r[7]
+    end
+    if rec.state then
+      fields[#fields + 1] = 'state'
+      fields[#fields + 1] = rec.state
+      fields[#fields + 1] = 'finished'
+      fields[#fields + 1] = now
     end
     if #fields > 0 then redis.call('HSET', record, unpack(fields)) end
-    if #rec.del > 0 then redis.call('HDEL', record, unpack(rec.del)) end
-    if #rec.feed > 0 then sg_lane_feed_parts(keys, record, kid, rec.r[2], rec.r[3], rec.feed) end
+    if rec.del then redis.call('HDEL', record, unpack(rec.del)) end
+    if rec.feed then sg_lane_feed_parts(keys, record, kid, r[2], r[3], rec.feed) end
     if rec.state then
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
-      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, rec.r[8])
-      if rec.r[8] then
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, r[8])
+      if r[8] then
         released[#released + 1] = kid
         released[#released + 1] = rec.state
-        released[#released + 1] = rec.r[2]
+        released[#released + 1] = r[2]
       end
       finished[#finished + 1] = kid
       states[#states + 1] = rec.state
       done[#done + 1] = rec.state
-      done[#done + 1] = rec.r[2]
+      done[#done + 1] = r[2]
     end
   end
   if #announced > 0 then
     local ix, listed = sg_ix(keys[7]), {}
     sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
     sg_ix_finished(ix, now, listed)
-    redis.call('PEXPIRE', keys[7], retention)
+    sg_lane_events_kept(keys[7], retention, now)
     redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
   end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
@@ -3549,7 +3584,7 @@ local function lane_cancel(keys, args)
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now, m[4])
   sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
   redis.call('PUBLISH', args[3], line)
-  redis.call('PEXPIRE', keys[2], args[2])
+  sg_lane_events_kept(keys[2], args[2], now)
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end
