@@ -445,16 +445,25 @@ impl Bench {
         let items = requests * parts;
         let empty = stats(&self.nodes).await?;
         let started = Instant::now();
-        queue_as(&producer, requests, parts, limit, !scenario.ends_with("_unlisted")).await?;
+        if scenario.ends_with("_bulk") {
+            queue_bulk(&producer, requests, parts, limit).await?;
+        } else {
+            queue_as(&producer, requests, parts, limit, !scenario.ends_with("_unlisted")).await?;
+        }
         let queued = stats(&self.nodes).await?;
         let ns = config.namespace_str().to_owned();
         let index_queued = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
         slowlog_on(&self.redis).await?;
+        let how = if scenario.ends_with("_bulk") {
+            format!("submit_many of {BULK} requests at a time")
+        } else {
+            "64 submits in flight".to_owned()
+        };
         let mut submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
             .cost(&empty, &queued)
             .note(format!(
-                "{requests} x {parts} parts, 64 submits in flight; bytes: Redis memory per queued part \
+                "{requests} x {parts} parts, {how}; bytes: Redis memory per queued part \
                  (of which the listing index: {index_queued:.0} B per queued request)"
             ));
         submit.bytes_per_item = Some(queued.memory.saturating_sub(empty.memory) as f64 / items as f64);
@@ -1415,6 +1424,26 @@ async fn queue(producer: &Producer, requests: u64, parts: u64, limit: u32) -> Re
 }
 
 /// `queue`, the requests listed or not (`RequestBuilder::unlisted`).
+/// Requests per `submit_many` in the `_bulk` scenarios: as many as BullMQ's `addBulk` batches.
+const BULK: u64 = 1_000;
+
+/// `requests` requests of `parts` parts each, `BULK` per `Producer::submit_many`, one after another.
+async fn queue_bulk(producer: &Producer, requests: u64, parts: u64, limit: u32) -> Result<(), BoxError> {
+    let mut left = requests;
+    while left > 0 {
+        let n = left.min(BULK);
+        let mut batch = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            batch.push((producer.request().concurrency(limit)?, vec![PAYLOAD; parts as usize]));
+        }
+        for answer in producer.submit_many(batch).await {
+            answer?;
+        }
+        left -= n;
+    }
+    Ok(())
+}
+
 async fn queue_as(
     producer: &Producer,
     requests: u64,
@@ -1516,6 +1545,9 @@ impl Bench {
         }
         if wants("small_1") {
             rows.extend(self.backlog("small_1", self.scaled(100_000), 1, 1).await?);
+        }
+        if wants("small_1_bulk") {
+            rows.extend(self.backlog("small_1_bulk", self.scaled(100_000), 1, 1).await?);
         }
         if wants("small_1_unlisted") {
             rows.extend(self.backlog("small_1_unlisted", self.scaled(100_000), 1, 1).await?);
@@ -1662,6 +1694,7 @@ fn print_ratios(rows: &[Row]) {
         ("medium_1000", "plain_queue"),
         ("small_1_submit", "plain_add"),
         ("small_1_unlisted_submit", "plain_add"),
+        ("small_1_bulk_submit", "plain_add"),
         ("many_small_submit", "flow_small_add"),
         ("submit_large", "plain_add"),
         ("memory", "memory"),

@@ -1428,6 +1428,91 @@ local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
   return lanes
 end
 
+-- Submitting to a lane (lane_submit, lane_submit_many). The most parts a lane request has.
+local SG_LANE_MAX_PARTS = 64
+
+-- Checks a lane's token count L: nil, or the error reply.
+local function sg_lane_check_tokens(lanes)
+  if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
+    return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
+  end
+  return nil
+end
+
+-- Checks one lane request's settings: its priority and limit (numbers or nil), args[from ..
+-- from + 3] (max attempts, timeout ms, backoff base ms, backoff cap ms), its number of parts `n`
+-- and its trace context. nil, or the error reply naming the first that is wrong.
+local function sg_lane_check(prio, limit, args, from, n, trace)
+  local invalid = sg_check_new(prio, limit, args, from, from + 3)
+  if invalid then return invalid end
+  if tonumber(args[from]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  if not n or n < 1 or n > SG_LANE_MAX_PARTS or n % 1 ~= 0 then
+    return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
+  end
+  return sg_check_trace(trace)
+end
+
+local SG_LANE_DUPLICATE = 'SGDUPLICATE request id is already in use'
+
+-- Whether lane request `r` (sg_lane_write's table) may be created: nil when it may, else its
+-- lifecycle when its record is this same submit's, re-sent (a generated id, sent with no nonce,
+-- is unique, so a record under it can only be that), or the refusal's text when the id is in use
+-- (a lane request's record, or, for an id the producer named, a request of the stream path
+-- registered or retained on this shard: `reg` its registration times, `active` the shard's
+-- active index, r.marks the id's finish marks).
+local function sg_lane_taken(r, reg, active)
+  local seen = redis.call('HMGET', r.record, 'lc', 'nonce')
+  if seen[1] then
+    if (seen[2] or '') ~= r.nonce then return SG_LANE_DUPLICATE end
+    return seen[1]
+  end
+  if r.nonce ~= '' and (redis.call('HGET', reg, r.kid) or redis.call('ZSCORE', active, r.kid)
+    or redis.call('EXISTS', r.marks) == 1) then
+    return SG_LANE_DUPLICATE
+  end
+  return nil
+end
+
+-- Creates lane request `r` at `now` in the lane whose keys are `keys` (1..6): its record, its row
+-- in the listing index `ix`, and its first parts in the lane (as many as its limit; the others
+-- wait in the record). `r` holds kid, id (as the producer gave it), nonce, record, prio, limit,
+-- maxatt, timeout, bbase, bmax, failfast (boolean), row, trace, and its payloads as args[first ..
+-- first + n - 1]. Returns its lifecycle and how many parts were fed.
+local function sg_lane_write(keys, r, args, first, n, now, ix)
+  local fed = math.min(r.limit, n)
+  local lc = sg_int(now * 1000)
+  local fields = {'state', 'queued', 'lc', lc, 'left', n,
+    'pol', sg_lane_pol(r.prio, r.limit, n, r.maxatt, r.timeout, r.bbase, r.bmax, r.failfast)}
+  if r.nonce ~= '' then
+    fields[#fields + 1] = 'nonce'
+    fields[#fields + 1] = r.nonce
+  end
+  if r.id ~= r.kid then
+    fields[#fields + 1] = 'id'
+    fields[#fields + 1] = r.id
+  end
+  if r.trace ~= '' then
+    fields[#fields + 1] = 'trace'
+    fields[#fields + 1] = r.trace
+  end
+  if fed < n then
+    fields[#fields + 1] = 'nf'
+    fields[#fields + 1] = fed
+  end
+  -- A fail-fast request keeps every part's payload until the part is settled.
+  local from = fed
+  if r.failfast then from = 0 end
+  for i = from, n - 1 do
+    fields[#fields + 1] = 'w' .. i
+    fields[#fields + 1] = args[first + i]
+  end
+  redis.call('HSET', r.record, unpack(fields))
+  -- An id the producer generated (no nonce) whose record is absent was never listed.
+  sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '')
+  for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
+  return lc, fed
+end
+
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
   want = math.max(want or 1, 1)
   local reply, ids, seen = {'run'}, {}, {}

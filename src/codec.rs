@@ -30,6 +30,22 @@ impl<T: Serialize> Part for T {
     }
 }
 
+/// A part encoded already, or still to encode: `Producer::submit_many` encodes a request's first
+/// parts to tell whether a lane takes it, and hands the others to `submit` this way.
+pub(crate) enum Pending<T> {
+    Done(Vec<u8>),
+    Todo(T),
+}
+
+impl<T: Serialize> Part for Pending<T> {
+    fn into_part(self) -> Result<Vec<u8>> {
+        match self {
+            Pending::Done(bytes) => Ok(bytes),
+            Pending::Todo(part) => encode(&part),
+        }
+    }
+}
+
 /// MessagePack encoded already: sent as it is.
 #[cfg(feature = "schedules")]
 #[derive(Clone, Debug)]

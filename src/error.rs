@@ -113,6 +113,20 @@ impl From<fred::error::Error> for Error {
     }
 }
 
+impl Error {
+    /// The same failure again, for each of several requests that one failed call carried
+    /// (`Producer::submit_many`): the variants such a call ends with, as they are; any other as
+    /// its words.
+    pub(crate) fn again(&self) -> Error {
+        match self {
+            Error::Redis(RedisError(e)) => Error::Redis(RedisError(e.clone())),
+            Error::InvalidRequest(why) => Error::InvalidRequest(why.clone()),
+            Error::Protocol(why) => Error::Protocol(why.clone()),
+            other => Error::Protocol(other.to_string()),
+        }
+    }
+}
+
 /// An error reply from Redis, or a fault of the connection to it. It wraps the error of the Redis
 /// client sluicegate is built on (fred), so that the client's types stay out of sluicegate's API.
 #[derive(Debug)]

@@ -104,6 +104,11 @@ pub(crate) struct Submit {
     /// groups).
     #[serde(default)]
     pub(crate) group: Option<u8>,
+    /// A whole request submitted through `Producer::submit_many` (a batch of this one request;
+    /// absent in sequences recorded before it): a lane takes it with `lane_submit_many`, and
+    /// any other goes the way `submit` takes it.
+    #[serde(default)]
+    pub(crate) bulk: bool,
 }
 
 impl Submit {
@@ -422,5 +427,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         run_anyway: rng.gen_bool(0.3),
         fresh_id: false,
         group: rng.gen_bool(0.3).then(|| rng.gen_range(0..GROUPS)),
+        bulk: rng.gen_bool(0.3),
     }
 }

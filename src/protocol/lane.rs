@@ -54,15 +54,10 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         ms(req.timeout.unwrap_or_default()),
         ms(req.backoff_base),
         ms(req.backoff_max),
-        (if req.fail_fast { "1" } else { "0" }).into(),
+        fail_fast(req),
         i64::from(store.config.lane_tokens).into(),
         ms(store.config.census_interval),
-        if req.listed {
-            Row::encode(Kind::Lane, req.priority, req.concurrency, req.tags)
-        } else {
-            String::new()
-        }
-        .into(),
+        row(req).into(),
         req.trace.into(),
     ];
     args.extend(parts);
@@ -71,6 +66,93 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         store.fcall(Func::LaneSubmit, &keys, args).await.map_err(|e| super::submit::created(req.id, e))?;
     let reply = reply::array(reply)?;
     Ok(reply.first().map(reply::text).transpose()?.unwrap_or_default())
+}
+
+/// `lane_submit_many`: whole small requests of one `priority` and one home `shard` (each
+/// request's `shards` give it), each with its encoded parts, in one call. Returns, per request in
+/// order, its lifecycle or why it was refused (its id in use); `Err` when the call failed, or
+/// refused them all (an argument out of range).
+pub(crate) async fn submit_many(
+    store: &Store,
+    shard: u32,
+    priority: Priority,
+    requests: Vec<(&NewRequest<'_>, Vec<Value>)>,
+) -> Result<Vec<Result<String>>> {
+    let lane = lane_key_id(shard, priority);
+    let mut keys: Vec<String> = store.keys.request(&lane).all().iter().map(|k| (*k).to_owned()).collect();
+    keys.extend([
+        store.keys.token_list(shard, priority),
+        store.keys.bell(shard),
+        store.keys.active(shard),
+        store.keys.registrations(shard),
+    ]);
+    let mut args: Vec<Value> = vec![
+        lane.into(),
+        i64::from(priority.get()).into(),
+        i64::from(store.config.lane_tokens).into(),
+        ms(store.config.census_interval),
+    ];
+    let ids: Vec<RequestId> = requests.iter().map(|(req, _)| req.id.clone()).collect();
+    for (req, parts) in requests {
+        debug_assert_eq!((home_shard(req.key_id, req.shards), req.priority), (shard, priority));
+        keys.push(store.keys.record(shard, req.key_id));
+        keys.push(store.keys.finish_marks(shard, req.key_id));
+        args.extend([
+            req.key_id.into(),
+            req.id.as_str().into(),
+            req.nonce.into(),
+            i64::from(req.concurrency.get()).into(),
+            i64::from(req.max_attempts).into(),
+            ms(req.timeout.unwrap_or_default()),
+            ms(req.backoff_base),
+            ms(req.backoff_max),
+            fail_fast(req),
+            row(req).into(),
+            req.trace.into(),
+            (parts.len() as i64).into(),
+        ]);
+        args.extend(parts);
+    }
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let reply = store.fcall(Func::LaneSubmitMany, &keys, args).await.map_err(|e| match ids.first() {
+        // Refused as a whole: an argument out of range (the same words for every request).
+        Some(id) => super::submit::created(id, e),
+        None => e,
+    })?;
+    let items = reply::array(reply)?;
+    if items.len() != ids.len() {
+        return Err(Error::Protocol(format!(
+            "lane_submit_many answered {} items for {} requests",
+            items.len(),
+            ids.len()
+        )));
+    }
+    items
+        .iter()
+        .zip(ids)
+        .map(|(item, id)| {
+            let text = reply::text(item)?;
+            Ok(match Refusal::parse(&text) {
+                Some(r) if r.code == Code::Duplicate => Err(Error::DuplicateRequestId(id)),
+                Some(_) => Err(Error::Protocol(format!("lane_submit_many refused request \"{id}\": {text}"))),
+                None => Ok(text),
+            })
+        })
+        .collect()
+}
+
+/// A request's fail-fast flag as the lane functions take it.
+fn fail_fast(req: &NewRequest<'_>) -> Value {
+    (if req.fail_fast { "1" } else { "0" }).into()
+}
+
+/// A request's row in the listing index as the lane functions take it ('' when unlisted).
+fn row(req: &NewRequest<'_>) -> String {
+    if req.listed {
+        Row::encode(Kind::Lane, req.priority, req.concurrency, req.tags)
+    } else {
+        String::new()
+    }
 }
 
 /// What `lane_cancel` answered.

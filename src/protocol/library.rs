@@ -54,6 +54,7 @@ pub(crate) enum Func {
     Beat,
     Reaped,
     LaneSubmit,
+    LaneSubmitMany,
     LaneAcquire,
     LaneAck,
     LaneCancel,
@@ -81,7 +82,7 @@ impl Func {
     /// Every transition, in library order: a file may call a function defined before it
     /// (`submit_small` calls `submit_open`, `load_parts`, `submit_commit`; `stream_open` calls
     /// `submit_open`; `take` calls `give_back` and `lane_acquire`).
-    pub(crate) const ALL: [Func; 59] = [
+    pub(crate) const ALL: [Func; 60] = [
         Func::SubmitOpen,
         Func::LoadParts,
         Func::SubmitCommit,
@@ -121,6 +122,7 @@ impl Func {
         Func::Beat,
         Func::Reaped,
         Func::LaneSubmit,
+        Func::LaneSubmitMany,
         Func::LaneAck,
         Func::LaneCancel,
         Func::LaneRequeue,
@@ -184,6 +186,7 @@ impl Func {
             Func::Beat => "beat",
             Func::Reaped => "reaped",
             Func::LaneSubmit => "lane_submit",
+            Func::LaneSubmitMany => "lane_submit_many",
             Func::LaneAcquire => "lane_acquire",
             Func::LaneAck => "lane_ack",
             Func::LaneCancel => "lane_cancel",
@@ -259,6 +262,7 @@ impl Func {
             Func::Beat => include_str!("../../lua/beat.lua"),
             Func::Reaped => include_str!("../../lua/reaped.lua"),
             Func::LaneSubmit => include_str!("../../lua/lane_submit.lua"),
+            Func::LaneSubmitMany => include_str!("../../lua/lane_submit_many.lua"),
             Func::LaneAcquire => include_str!("../../lua/lane_acquire.lua"),
             Func::LaneAck => include_str!("../../lua/lane_ack.lua"),
             Func::LaneCancel => include_str!("../../lua/lane_cancel.lua"),

@@ -48,7 +48,8 @@ impl Refusal {
         Self::parse(e.message())
     }
 
-    fn parse(details: &str) -> Option<Refusal> {
+    /// The refusal a reply's text `details` is, if it is one (`SG<CODE> <why>`).
+    pub(super) fn parse(details: &str) -> Option<Refusal> {
         let (word, why) = details.split_once(' ').unwrap_or((details, ""));
         let code = Code::ALL.iter().find(|(_, name)| *name == word)?.0;
         Some(Refusal { code, why: why.to_owned() })

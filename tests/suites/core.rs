@@ -330,6 +330,50 @@ async fn awkward_ids_work_and_bad_ids_and_duplicates_are_refused_clearly() {
     w.stop().await;
 }
 
+/// `submit_many` submits each request as `submit` would, with one answer per request in the order
+/// given: small requests of several priorities go in lane calls of many, a large one takes its own
+/// stream, and a refused one (its id in use, in Redis or earlier in the same batch; no parts; tags
+/// on an unlisted request) is refused alone, naming why, while the others run to completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_many_answers_each_request_and_refuses_only_the_bad_ones() {
+    let env = env_on(TOPOLOGY, "bulk").await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    producer.request().id("taken").unwrap().submit([Job::new(0)]).await.unwrap();
+    let mut batch = Vec::new();
+    for r in 0..600u64 {
+        let parts: Vec<Job> = (0..1 + r % 3).map(|i| Job::new(r * 10 + i)).collect();
+        let request = producer.request().priority((r % 3) as u8 * 40).unwrap();
+        batch.push((request, parts));
+    }
+    batch.push((producer.request().id("taken").unwrap(), vec![Job::new(1)]));
+    batch.push((producer.request().id("twice").unwrap(), vec![Job::new(2)]));
+    batch.push((producer.request().id("twice").unwrap(), vec![Job::new(3)]));
+    batch.push((producer.request(), Vec::new()));
+    batch.push((producer.request().unlisted().tag("t").unwrap(), vec![Job::new(4)]));
+    batch.push((producer.request().concurrency(8).unwrap(), (0..500).map(Job::new).collect()));
+    let answers = producer.submit_many(batch).await;
+    assert_eq!(answers.len(), 606);
+    let err = |i: usize| answers[i].as_ref().err().unwrap_or_else(|| panic!("request {i} was not refused"));
+    assert!(matches!(err(600), Error::DuplicateRequestId(_)), "{}", err(600));
+    assert!(answers[601].is_ok(), "{:?}", answers[601].as_ref().err());
+    assert!(matches!(err(602), Error::DuplicateRequestId(_)), "{}", err(602));
+    assert!(err(603).to_string().contains("at least one part"), "{}", err(603));
+    assert!(err(604).to_string().contains("unlisted request cannot carry tags"), "{}", err(604));
+
+    let w = start_worker(&env.config, Probe::default(), 8, Quantum::default()).await;
+    for (r, answer) in answers.iter().take(600).enumerate() {
+        let done = answer.as_ref().unwrap().wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+        let r = r as u64;
+        let expected: Vec<u64> = (0..1 + r % 3).map(|i| 2 * (r * 10 + i)).collect();
+        assert_eq!(done.into_outputs().unwrap(), expected, "request {r}");
+    }
+    let twice = answers[601].as_ref().unwrap().wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(twice.into_outputs().unwrap(), [4], "the first of the id in the batch is the one created");
+    let large = answers[605].as_ref().unwrap().wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(large.into_outputs().unwrap(), (0..500).map(|i| 2 * i).collect::<Vec<u64>>());
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_after_completion_returns_the_same_results_and_listeners_see_each_completion_once() {
     let env = env_on(TOPOLOGY, "listen").await;

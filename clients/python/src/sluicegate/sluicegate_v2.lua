@@ -1430,6 +1430,91 @@ local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
   return lanes
 end
 
+-- Submitting to a lane (lane_submit, lane_submit_many). The most parts a lane request has.
+local SG_LANE_MAX_PARTS = 64
+
+-- Checks a lane's token count L: nil, or the error reply.
+local function sg_lane_check_tokens(lanes)
+  if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
+    return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
+  end
+  return nil
+end
+
+-- Checks one lane request's settings: its priority and limit (numbers or nil), args[from ..
+-- from + 3] (max attempts, timeout ms, backoff base ms, backoff cap ms), its number of parts `n`
+-- and its trace context. nil, or the error reply naming the first that is wrong.
+local function sg_lane_check(prio, limit, args, from, n, trace)
+  local invalid = sg_check_new(prio, limit, args, from, from + 3)
+  if invalid then return invalid end
+  if tonumber(args[from]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  if not n or n < 1 or n > SG_LANE_MAX_PARTS or n % 1 ~= 0 then
+    return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
+  end
+  return sg_check_trace(trace)
+end
+
+local SG_LANE_DUPLICATE = 'SGDUPLICATE request id is already in use'
+
+-- Whether lane request `r` (sg_lane_write's table) may be created: nil when it may, else its
+-- lifecycle when its record is this same submit's, re-sent (a generated id, sent with no nonce,
+-- is unique, so a record under it can only be that), or the refusal's text when the id is in use
+-- (a lane request's record, or, for an id the producer named, a request of the stream path
+-- registered or retained on this shard: `reg` its registration times, `active` the shard's
+-- active index, r.marks the id's finish marks).
+local function sg_lane_taken(r, reg, active)
+  local seen = redis.call('HMGET', r.record, 'lc', 'nonce')
+  if seen[1] then
+    if (seen[2] or '') ~= r.nonce then return SG_LANE_DUPLICATE end
+    return seen[1]
+  end
+  if r.nonce ~= '' and (redis.call('HGET', reg, r.kid) or redis.call('ZSCORE', active, r.kid)
+    or redis.call('EXISTS', r.marks) == 1) then
+    return SG_LANE_DUPLICATE
+  end
+  return nil
+end
+
+-- Creates lane request `r` at `now` in the lane whose keys are `keys` (1..6): its record, its row
+-- in the listing index `ix`, and its first parts in the lane (as many as its limit; the others
+-- wait in the record). `r` holds kid, id (as the producer gave it), nonce, record, prio, limit,
+-- maxatt, timeout, bbase, bmax, failfast (boolean), row, trace, and its payloads as args[first ..
+-- first + n - 1]. Returns its lifecycle and how many parts were fed.
+local function sg_lane_write(keys, r, args, first, n, now, ix)
+  local fed = math.min(r.limit, n)
+  local lc = sg_int(now * 1000)
+  local fields = {'state', 'queued', 'lc', lc, 'left', n,
+    'pol', sg_lane_pol(r.prio, r.limit, n, r.maxatt, r.timeout, r.bbase, r.bmax, r.failfast)}
+  if r.nonce ~= '' then
+    fields[#fields + 1] = 'nonce'
+    fields[#fields + 1] = r.nonce
+  end
+  if r.id ~= r.kid then
+    fields[#fields + 1] = 'id'
+    fields[#fields + 1] = r.id
+  end
+  if r.trace ~= '' then
+    fields[#fields + 1] = 'trace'
+    fields[#fields + 1] = r.trace
+  end
+  if fed < n then
+    fields[#fields + 1] = 'nf'
+    fields[#fields + 1] = fed
+  end
+  -- A fail-fast request keeps every part's payload until the part is settled.
+  local from = fed
+  if r.failfast then from = 0 end
+  for i = from, n - 1 do
+    fields[#fields + 1] = 'w' .. i
+    fields[#fields + 1] = args[first + i]
+  end
+  redis.call('HSET', r.record, unpack(fields))
+  -- An id the producer generated (no nonce) whose record is absent was never listed.
+  sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '')
+  for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
+  return lc, fed
+end
+
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
   want = math.max(want or 1, 1)
   local reply, ids, seen = {'run'}, {}, {}
@@ -3318,69 +3403,83 @@ end
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
 -- named, a request of the stream path registered or retained on this shard), "SGINVALID ..."
 -- when an argument is out of range.
-local SG_LANE_MAX_PARTS = 64
-
 local function lane_submit(keys, args)
   local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
-  local invalid = sg_check_new(prio, limit, args, 7, 10)
-  if invalid then return invalid end
-  if tonumber(args[7]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
-  if not lanes or lanes < 1 or lanes > 10000 or lanes % 1 ~= 0 then
-    return redis.error_reply('SGINVALID lane tokens must be an integer from 1 to 10000')
-  end
   local n = #args - 15
-  if n < 1 or n > SG_LANE_MAX_PARTS then
-    return redis.error_reply('SGINVALID a lane request has 1 to ' .. SG_LANE_MAX_PARTS .. ' parts')
-  end
-  invalid = sg_check_trace(args[15])
+  local invalid = sg_lane_check(prio, limit, args, 7, n, args[15]) or sg_lane_check_tokens(lanes)
   if invalid then return invalid end
-  local record = keys[7]
-  local seen = redis.call('HMGET', record, 'lc', 'nonce')
-  if seen[1] then
-    -- A record under a generated id (no nonce) can only be this submit's, re-sent.
-    if (seen[2] or '') ~= args[4] then return redis.error_reply('SGDUPLICATE request id is already in use') end
-    return {seen[1], 0}
-  end
-  -- A named id may be in use on the stream path; a generated one (no nonce) is unique.
-  if args[4] ~= '' and (redis.call('HGET', keys[11], args[2]) or redis.call('ZSCORE', keys[10], args[2])
-    or redis.call('EXISTS', keys[12]) == 1) then
-    return redis.error_reply('SGDUPLICATE request id is already in use')
-  end
+  local r = {kid = args[2], id = args[3], nonce = args[4], record = keys[7], marks = keys[12], prio = prio,
+    limit = limit, maxatt = args[7], timeout = args[8], bbase = args[9], bmax = args[10],
+    failfast = args[11] == '1', row = args[14], trace = args[15]}
+  local taken = sg_lane_taken(r, keys[11], keys[10])
+  if taken == SG_LANE_DUPLICATE then return redis.error_reply(taken) end
+  if taken then return {taken, 0} end
   local now = sg_now()
   local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
-  local fed = math.min(limit, n)
-  local lc = sg_int(now * 1000)
-  local fields = {'state', 'queued', 'lc', lc, 'left', n,
-    'pol', sg_lane_pol(prio, limit, n, args[7], args[8], args[9], args[10], args[11] == '1')}
-  if args[4] ~= '' then
-    fields[#fields + 1] = 'nonce'
-    fields[#fields + 1] = args[4]
-  end
-  if args[3] ~= args[2] then
-    fields[#fields + 1] = 'id'
-    fields[#fields + 1] = args[3]
-  end
-  if args[15] ~= '' then
-    fields[#fields + 1] = 'trace'
-    fields[#fields + 1] = args[15]
-  end
-  if fed < n then
-    fields[#fields + 1] = 'nf'
-    fields[#fields + 1] = fed
-  end
-  local from = fed
-  if args[11] == '1' then from = 0 end
-  for i = from, n - 1 do
-    fields[#fields + 1] = 'w' .. i
-    fields[#fields + 1] = args[16 + i]
-  end
-  redis.call('HSET', record, unpack(fields))
-  -- An id the producer generated (no nonce) whose record is absent was never listed.
-  sg_ix_add(sg_ix(keys[10]), args[2], args[14], now, true, args[4] == '')
-  for i = 0, fed - 1 do sg_lane_add(keys, args[2], i, lc, args[16 + i]) end
+  local lc, fed = sg_lane_write(keys, r, args, 16, n, now, sg_ix(keys[10]))
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}
+end
+
+-- lane_submit_many: several whole small requests of one priority and home shard in one call
+-- (`Producer::submit_many`), each as lane_submit creates it: the lane is opened once, each
+-- request is checked and written in turn, and the parked lane tokens their first parts need are
+-- woken once, at the end. A request whose id is in use is refused alone: the others are created.
+-- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the lane's priority list
+-- KEYS[8] the shard's bell   KEYS[9] the shard's active index   KEYS[10] the shard's registration
+-- times   KEYS[11..] per request, two: its record, and its id's finish marks on the shard
+-- ARGV[1] the lane's key id   ARGV[2] priority   ARGV[3] the lane's tokens L (used when it is
+-- created)   ARGV[4] the lane's first look by recovery (ms from now)   ARGV[5..] per request, in
+-- the order of its keys, a group of 12 + n: request key id, request id as the producer gave it,
+-- submission nonce ('' when the producer generated the id), concurrency limit, max attempts,
+-- per-attempt timeout (ms, 0 = none), retry backoff base (ms), backoff cap (ms), '1' = fail fast,
+-- its row in the listing index ('' : not listed), trace context ('' = none), n (its number of
+-- parts, 1 to 64), then its n payloads (as lane_submit's ARGV[2..4], [6..11], [14..16..])
+-- Returns one item per request, in order: its lifecycle, or the text of its refusal
+-- ("SGDUPLICATE ..."). The same call re-sent after a reconnect answers as the first did and
+-- writes nothing (each request as lane_submit's). Errors "SGINVALID ..." when an argument is out of
+-- range; then nothing is written.
+local function lane_submit_many(keys, args)
+  local prio, lanes = tonumber(args[2]), tonumber(args[3])
+  local invalid = sg_lane_check_tokens(lanes)
+  if invalid then return invalid end
+  -- Every request is checked before any is written.
+  local requests, i = {}, 5
+  while i <= #args do
+    local n = tonumber(args[i + 11])
+    local j = #requests + 1
+    invalid = sg_lane_check(prio, tonumber(args[i + 3]), args, i + 4, n, args[i + 10])
+    if invalid then return invalid end
+    if i + 11 + n > #args or not keys[10 + 2 * j] then
+      return redis.error_reply('SGINVALID request ' .. j .. ' has fewer payloads or keys than it says')
+    end
+    requests[j] = {kid = args[i], id = args[i + 1], nonce = args[i + 2], record = keys[9 + 2 * j],
+      marks = keys[10 + 2 * j], prio = prio, limit = tonumber(args[i + 3]), maxatt = args[i + 4],
+      timeout = args[i + 5], bbase = args[i + 6], bmax = args[i + 7], failfast = args[i + 8] == '1',
+      row = args[i + 9], trace = args[i + 10], first = i + 12, n = n}
+    i = i + 12 + n
+  end
+  if #requests == 0 or #keys ~= 10 + 2 * #requests then
+    return redis.error_reply('SGINVALID lane_submit_many takes 10 keys and two per request, and one request at least')
+  end
+  local reply, now, parked, ix, fed = {}, nil, nil, sg_ix(keys[9]), 0
+  for j, r in ipairs(requests) do
+    local taken = sg_lane_taken(r, keys[10], keys[9])
+    if taken then
+      reply[j] = taken
+    else
+      if not now then
+        now = sg_now()
+        parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
+      end
+      local lc, n = sg_lane_write(keys, r, args, r.first, r.n, now, ix)
+      reply[j] = lc
+      fed = fed + n
+    end
+  end
+  if now then sg_push(keys[7], keys[8], sg_unpark(keys, args[1], fed, now, parked)) end
+  return reply
 end
 
 -- lane_ack: ack for a lane token (prelude.lua, "Lanes"): a slot reports the outcomes of the lane
@@ -4447,6 +4546,7 @@ redis.register_function('sg2_relist', relist)
 redis.register_function('sg2_beat', beat)
 redis.register_function('sg2_reaped', reaped)
 redis.register_function('sg2_lane_submit', lane_submit)
+redis.register_function('sg2_lane_submit_many', lane_submit_many)
 redis.register_function('sg2_lane_ack', lane_ack)
 redis.register_function('sg2_lane_cancel', lane_cancel)
 redis.register_function('sg2_lane_requeue', lane_requeue)
