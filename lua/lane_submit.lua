@@ -32,7 +32,8 @@ local function lane_submit(keys, args)
   if taken then return {taken, 0} end
   local now = sg_now()
   local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
-  local lc, fed = sg_lane_write(keys, r, args, 16, n, now, sg_ix(keys[10]))
+  local lc = sg_int(now * 1000)
+  local fed = sg_lane_write(keys, r, args, 16, n, now, lc, sg_ix(keys[10]))
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}

@@ -39,7 +39,9 @@ local function lane_submit_many(keys, args)
   if #requests == 0 or #keys ~= 10 + 2 * #requests then
     return redis.error_reply('SGINVALID lane_submit_many takes 10 keys and two per request, and one request at least')
   end
-  local reply, now, parked, ix, fed = {}, nil, nil, sg_ix(keys[9]), 0
+  -- One clock reading, so one lifecycle, for the call's requests; once one is listed live, the
+  -- index's shared keys are known to be kept (sg_ix_add's `live`).
+  local reply, now, lc, parked, ix, fed, live = {}, nil, nil, nil, sg_ix(keys[9]), 0, false
   for j, r in ipairs(requests) do
     local taken = sg_lane_taken(r, keys[10], keys[9])
     if taken then
@@ -47,11 +49,12 @@ local function lane_submit_many(keys, args)
     else
       if not now then
         now = sg_now()
+        lc = sg_int(now * 1000)
         parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
       end
-      local lc, n = sg_lane_write(keys, r, args, r.first, r.n, now, ix)
+      fed = fed + sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
+      live = live or r.row ~= ''
       reply[j] = lc
-      fed = fed + n
     end
   end
   if now then sg_push(keys[7], keys[8], sg_unpark(keys, args[1], fed, now, parked)) end

@@ -998,6 +998,8 @@ end
 -- The tags in an index row.
 local function sg_ix_tags(row)
   local tags = {}
+  -- No tags (the row ends with its third '|'): the common case, without the patterns.
+  if row == nil or row == false or string.byte(row, -1) == 124 then return tags end
   local t = string.match(row or '', '^[^|]*|[^|]*|[^|]*|(.*)$')
   if t then for tag in string.gmatch(t, '[^,]+') do tags[#tags + 1] = tag end end
   return tags
@@ -1108,8 +1110,10 @@ end
 -- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
 -- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
 -- `fresh`: the caller knows the id was never listed (lane_submit under an id the producer
--- generated, whose record it found absent), which saves the checks.
-local function sg_ix_add(ix, kid, row, now, created, fresh)
+-- generated, whose record it found absent), which saves the checks. `live`: the caller knows a
+-- request is listed live on the shard already (lane_submit_many, after its first), which saves
+-- sg_ix_first_live.
+local function sg_ix_add(ix, kid, row, now, created, fresh, live)
   if row == nil or row == '' then return end
   if fresh then
     redis.call('HSET', ix .. 'row', kid, row)
@@ -1125,7 +1129,7 @@ local function sg_ix_add(ix, kid, row, now, created, fresh)
       return
     end
   end
-  sg_ix_first_live(ix)
+  if not live then sg_ix_first_live(ix) end
   redis.call('ZADD', ix .. 'live', now, kid)
   for _, tag in ipairs(sg_ix_tags(row)) do
     redis.call('ZADD', ix .. 't:' .. tag, now, kid)
@@ -1479,10 +1483,10 @@ end
 -- in the listing index `ix`, and its first parts in the lane (as many as its limit; the others
 -- wait in the record). `r` holds kid, id (as the producer gave it), nonce, record, prio, limit,
 -- maxatt, timeout, bbase, bmax, failfast (boolean), row, trace, and its payloads as args[first ..
--- first + n - 1]. Returns its lifecycle and how many parts were fed.
-local function sg_lane_write(keys, r, args, first, n, now, ix)
+-- first + n - 1]; `lc` is its lifecycle (sg_int(now * 1000)); `live` as sg_ix_add's. Returns how
+-- many parts were fed.
+local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   local fed = math.min(r.limit, n)
-  local lc = sg_int(now * 1000)
   local fields = {'state', 'queued', 'lc', lc, 'left', n,
     'pol', sg_lane_pol(r.prio, r.limit, n, r.maxatt, r.timeout, r.bbase, r.bmax, r.failfast)}
   if r.nonce ~= '' then
@@ -1510,9 +1514,9 @@ local function sg_lane_write(keys, r, args, first, n, now, ix)
   end
   redis.call('HSET', r.record, unpack(fields))
   -- An id the producer generated (no nonce) whose record is absent was never listed.
-  sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '')
+  sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '', live)
   for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
-  return lc, fed
+  return fed
 end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
@@ -3416,7 +3420,8 @@ local function lane_submit(keys, args)
   if taken then return {taken, 0} end
   local now = sg_now()
   local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
-  local lc, fed = sg_lane_write(keys, r, args, 16, n, now, sg_ix(keys[10]))
+  local lc = sg_int(now * 1000)
+  local fed = sg_lane_write(keys, r, args, 16, n, now, lc, sg_ix(keys[10]))
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}
@@ -3463,7 +3468,9 @@ local function lane_submit_many(keys, args)
   if #requests == 0 or #keys ~= 10 + 2 * #requests then
     return redis.error_reply('SGINVALID lane_submit_many takes 10 keys and two per request, and one request at least')
   end
-  local reply, now, parked, ix, fed = {}, nil, nil, sg_ix(keys[9]), 0
+  -- One clock reading, so one lifecycle, for the call's requests; once one is listed live, the
+  -- index's shared keys are known to be kept (sg_ix_add's `live`).
+  local reply, now, lc, parked, ix, fed, live = {}, nil, nil, nil, sg_ix(keys[9]), 0, false
   for j, r in ipairs(requests) do
     local taken = sg_lane_taken(r, keys[10], keys[9])
     if taken then
@@ -3471,11 +3478,12 @@ local function lane_submit_many(keys, args)
     else
       if not now then
         now = sg_now()
+        lc = sg_int(now * 1000)
         parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
       end
-      local lc, n = sg_lane_write(keys, r, args, r.first, r.n, now, ix)
+      fed = fed + sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
+      live = live or r.row ~= ''
       reply[j] = lc
-      fed = fed + n
     end
   end
   if now then sg_push(keys[7], keys[8], sg_unpark(keys, args[1], fed, now, parked)) end
