@@ -49,17 +49,14 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         req.id.as_str().into(),
         req.nonce.into(),
         i64::from(req.priority.get()).into(),
-        i64::from(req.concurrency.get()).into(),
-        i64::from(req.max_attempts).into(),
-        ms(req.timeout.unwrap_or_default()),
-        ms(req.backoff_base),
-        ms(req.backoff_max),
-        fail_fast(req),
+    ];
+    args.extend(settings(req));
+    args.extend([
         i64::from(store.config.lane_tokens).into(),
         ms(store.config.census_interval),
         row(req).into(),
         req.trace.into(),
-    ];
+    ]);
     args.extend(parts);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     let reply =
@@ -97,20 +94,9 @@ pub(crate) async fn submit_many(
         debug_assert_eq!((home_shard(req.key_id, req.shards), req.priority), (shard, priority));
         keys.push(store.keys.record(shard, req.key_id));
         keys.push(store.keys.finish_marks(shard, req.key_id));
-        args.extend([
-            req.key_id.into(),
-            req.id.as_str().into(),
-            req.nonce.into(),
-            i64::from(req.concurrency.get()).into(),
-            i64::from(req.max_attempts).into(),
-            ms(req.timeout.unwrap_or_default()),
-            ms(req.backoff_base),
-            ms(req.backoff_max),
-            fail_fast(req),
-            row(req).into(),
-            req.trace.into(),
-            (parts.len() as i64).into(),
-        ]);
+        args.extend([req.key_id.into(), req.id.as_str().into(), req.nonce.into()]);
+        args.extend(settings(req));
+        args.extend([row(req).into(), req.trace.into(), (parts.len() as i64).into()]);
         args.extend(parts);
     }
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -141,9 +127,17 @@ pub(crate) async fn submit_many(
         .collect()
 }
 
-/// A request's fail-fast flag as the lane functions take it.
-fn fail_fast(req: &NewRequest<'_>) -> Value {
-    (if req.fail_fast { "1" } else { "0" }).into()
+/// A request's settings as both lane submit functions take them, in this order: limit, max
+/// attempts, timeout ms, backoff base ms, backoff cap ms, fail fast `1`/`0`.
+fn settings(req: &NewRequest<'_>) -> [Value; 6] {
+    [
+        i64::from(req.concurrency.get()).into(),
+        i64::from(req.max_attempts).into(),
+        ms(req.timeout.unwrap_or_default()),
+        ms(req.backoff_base),
+        ms(req.backoff_max),
+        (if req.fail_fast { "1" } else { "0" }).into(),
+    ]
 }
 
 /// A request's row in the listing index as the lane functions take it ('' when unlisted).
