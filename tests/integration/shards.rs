@@ -226,13 +226,14 @@ async fn with_three_shards_limits_hold_and_results_come_back_in_order() {
     // First 40 requests competing for the 24 slots (120 tokens): no request ever exceeds its
     // limit. Then 8 requests whose 21 tokens all fit in the 24 slots at once: every request
     // reaches its limit, so every token of every shard circulates (and the test could see a
-    // violation).
-    for (round, requests, reach) in [(0u64, 40u64, false), (1, 8, true)] {
+    // violation). Their parts take longer, so that a request's holds overlap on a loaded machine:
+    // with 3 ms parts a limit-5 request once never had all five running at once (CI, stop 34).
+    for (round, requests, reach, ms) in [(0u64, 40u64, false, 3), (1, 8, true, 20)] {
         let mut handles = Vec::new();
         for r in 0..requests {
             let limit = 1 + (r % 5) as u32;
             let r = round * 1000 + r;
-            let parts = (0..100).map(|i| Job::sleeping(r * 1000 + i, 3));
+            let parts = (0..100).map(|i| Job::sleeping(r * 1000 + i, ms));
             let h = producer.request().concurrency(limit).unwrap().submit(parts).await.unwrap();
             handles.push((h, limit, r));
         }
