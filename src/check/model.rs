@@ -34,6 +34,8 @@ pub(crate) enum Outcome {
     Purged(bool),
     /// An operator's command was refused (`Error::Refused`): the request has not finished.
     Refused(String),
+    /// A `submit_many`'s answers, one per request in order (each as a submit's).
+    Many(Vec<Outcome>),
     /// A page of results read from part `first` (`Err` carries a failure's attempts), of a
     /// request that was terminal or not when it was read.
     Read {
@@ -213,17 +215,37 @@ impl Model {
         match what {
             // A cancel that died after its call may have taken effect.
             Task::Cancel(i) => self.requests.entry(*i).or_default().cancelled = true,
-            Task::Submit(s) => {
-                self.submits_died += 1;
-                let r = self.requests.entry(s.request).or_default();
-                r.submitting = r.submitting.saturating_sub(1);
-                r.submit_died = true;
-            }
+            Task::Submit(s) => self.submit_died(s),
+            Task::SubmitMany(batch) => batch.iter().for_each(|s| self.submit_died(s)),
             _ => {}
         }
     }
 
+    fn submit_died(&mut self, s: &Submit) {
+        self.submits_died += 1;
+        let r = self.requests.entry(s.request).or_default();
+        r.submitting = r.submitting.saturating_sub(1);
+        r.submit_died = true;
+    }
+
     pub(crate) fn ended(&mut self, what: &Task, outcome: Outcome) {
+        if let Task::SubmitMany(batch) = what {
+            // Each request ends as its own submit would; an actor that ended otherwise (it
+            // panicked) ended every request of its batch so.
+            let outcomes = match outcome {
+                Outcome::Many(each) if each.len() == batch.len() => each,
+                Outcome::Many(each) => {
+                    self.broken =
+                        Some(format!("submit_many answered {} of {} requests", each.len(), batch.len()));
+                    vec![Outcome::Error("no answer".into()); batch.len()]
+                }
+                other => vec![other; batch.len()],
+            };
+            for (s, o) in batch.iter().zip(outcomes) {
+                self.ended(&Task::Submit(s.clone()), o);
+            }
+            return;
+        }
         if let Task::Submit(s) = what {
             let r = self.requests.entry(s.request).or_default();
             r.submitting = r.submitting.saturating_sub(1);

@@ -130,6 +130,13 @@ impl Submit {
 pub(crate) enum Op {
     /// A producer starts submitting.
     Submit(Submit),
+    /// A producer submits several whole requests in one `Producer::submit_many` (each with `bulk`
+    /// set; ids may repeat, and an id in use earlier in the batch is refused; absent in sequences
+    /// recorded before it).
+    SubmitMany {
+        producer: u8,
+        requests: Vec<Submit>,
+    },
     /// Slot `slot` of worker `worker` takes one token and serves it (if it is idle).
     Take {
         worker: u8,
@@ -314,7 +321,14 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
         }
         410..=429 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
         430..=569 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
-        570..=659 => Op::Submit(draw_submit(rng)),
+        570..=659 => {
+            let submit = draw_submit(rng);
+            if submit.bulk && rng.gen_bool(0.5) {
+                draw_batch(rng, submit)
+            } else {
+                Op::Submit(submit)
+            }
+        }
         660..=709 => Op::Recover { worker: rng.gen_range(0..WORKERS) },
         710..=759 => Op::Beat { worker: rng.gen_range(0..WORKERS) },
         760..=836 => Op::Advance {
@@ -390,6 +404,25 @@ pub(crate) const GROUPS: u8 = 2;
 /// The name of tenant group `n`.
 pub(crate) fn group_name(n: u8) -> String {
     format!("g{n}")
+}
+
+/// A batch of `first` and one to three more whole requests of its producer, for `submit_many`.
+fn draw_batch(rng: &mut StdRng, first: Submit) -> Op {
+    let producer = first.producer;
+    let mut requests = vec![first];
+    for _ in 0..rng.gen_range(1..=3) {
+        let mut s = draw_submit(rng);
+        s.producer = producer;
+        s.bulk = true;
+        requests.push(s);
+    }
+    // (`submit_many` takes whole requests only.)
+    for s in &mut requests {
+        if let Shape::Streamed { .. } = s.shape {
+            s.shape = Shape::Whole { parts: rng.gen_range(1..=5), delay_ms: 0 };
+        }
+    }
+    Op::SubmitMany { producer, requests }
 }
 
 fn draw_submit(rng: &mut StdRng) -> Submit {

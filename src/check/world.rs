@@ -63,6 +63,8 @@ pub(crate) enum Process {
 #[allow(dead_code)]
 pub(crate) enum Task {
     Submit(Submit),
+    /// One `submit_many` of these requests.
+    SubmitMany(Vec<Submit>),
     Take {
         slot: u8,
     },
@@ -331,34 +333,28 @@ impl World {
                 if self.producers_busy[s.producer as usize] {
                     return Ok(());
                 }
-                let s = &self.fresh(s).await?;
                 self.producers_busy[s.producer as usize] = true;
-                self.model.submitting(s);
+                let (s, sent) = self.prepare(s).await?;
                 let producer = Producer::from_store(self.store.clone(), self.producer_stats(s.producer));
-                let mut s2 = s.clone();
-                // Its upstreams, picked as `Reprioritize` picks (mostly among the pool's requests
-                // that exist now, whatever their state; now and then an id that may not exist).
-                const ANY: [&str; 8] = [
-                    "loading",
-                    "scheduled",
-                    "waiting",
-                    "queued",
-                    "running",
-                    "completed",
-                    "failed",
-                    "cancelled",
-                ];
-                s2.after.clear();
-                for pick in &s.after {
-                    let mut up = self.pick_target(*pick, &ANY, true).await?;
-                    if up == s.request && pick % 4 != 0 {
-                        // Itself is refused at once: pick another, if any.
-                        up = self.pick_target(pick.wrapping_add(1) | 1, &ANY, true).await?;
-                    }
-                    s2.after.push(up);
+                self.spawn(Process::Producer(s.producer), Task::Submit(s), async move {
+                    submit(&producer, &sent).await
+                })
+                .await
+            }
+            Op::SubmitMany { producer: p, requests } => {
+                if self.producers_busy[*p as usize] {
+                    return Ok(());
                 }
-                self.spawn(Process::Producer(s.producer), Task::Submit(s.clone()), async move {
-                    submit(&producer, &s2).await
+                self.producers_busy[*p as usize] = true;
+                let (mut batch, mut sent) = (Vec::new(), Vec::new());
+                for s in requests {
+                    let (s, s2) = self.prepare(&Submit { producer: *p, ..s.clone() }).await?;
+                    batch.push(s);
+                    sent.push(s2);
+                }
+                let producer = Producer::from_store(self.store.clone(), self.producer_stats(*p));
+                self.spawn(Process::Producer(*p), Task::SubmitMany(batch), async move {
+                    submit_many(&producer, &sent).await
                 })
                 .await
             }
@@ -660,6 +656,28 @@ impl World {
         Ok(if found.is_empty() { pick % super::ops::REQUEST_IDS } else { found[pick as usize % found.len()] })
     }
 
+    /// A submit about to be sent: under a free id if it asks for one, counted by the model as under
+    /// way, and (the copy that is sent) with its upstreams picked.
+    async fn prepare(&mut self, s: &Submit) -> Result<(Submit, Submit), String> {
+        let s = self.fresh(s).await?;
+        self.model.submitting(&s);
+        let mut s2 = s.clone();
+        // Its upstreams, picked as `Reprioritize` picks (mostly among the pool's requests
+        // that exist now, whatever their state; now and then an id that may not exist).
+        const ANY: [&str; 8] =
+            ["loading", "scheduled", "waiting", "queued", "running", "completed", "failed", "cancelled"];
+        s2.after.clear();
+        for pick in &s.after {
+            let mut up = self.pick_target(*pick, &ANY, true).await?;
+            if up == s.request && pick % 4 != 0 {
+                // Itself is refused at once: pick another, if any.
+                up = self.pick_target(pick.wrapping_add(1) | 1, &ANY, true).await?;
+            }
+            s2.after.push(up);
+        }
+        Ok((s, s2))
+    }
+
     /// `s`, under a free id of the pool if it asks for one (`Submit::fresh_id`).
     async fn fresh(&self, s: &Submit) -> Result<Submit, String> {
         let mut s = s.clone();
@@ -800,7 +818,9 @@ impl World {
                     }
                 }
             }
-            (Process::Producer(p), Task::Submit(_)) => self.producers_busy[p as usize] = false,
+            (Process::Producer(p), Task::Submit(_) | Task::SubmitMany(_)) => {
+                self.producers_busy[p as usize] = false
+            }
             _ => {}
         }
     }
@@ -917,43 +937,72 @@ pub(crate) fn payload(request: u8, index: u64) -> u64 {
     u64::from(request) * 1000 + index + 1
 }
 
-async fn submit(producer: &Producer, s: &Submit) -> Outcome {
+/// The request `s` describes, as its producer builds it (its parts aside).
+fn builder<'a>(producer: &'a Producer, s: &Submit) -> crate::Result<crate::producer::RequestBuilder<'a>> {
     let id = request_id(s.request).to_string();
-    let builder = || -> crate::Result<crate::producer::RequestBuilder<'_>> {
-        let b = producer
-            .request()
-            .id(id.clone())?
-            .priority(s.priority)?
-            .concurrency(u32::from(s.limit))?
-            .max_attempts(u32::from(s.max_attempts))?
-            .backoff(
-                Duration::from_millis(u64::from(s.backoff_ms)),
-                Duration::from_millis(u64::from(s.backoff_ms) * 4),
-            )?
-            .fail_fast(s.fail_fast)
-            .own_stream(s.own_stream);
-        let b = if s.deadline_ms > 0 {
-            b.deadline_in(Duration::from_millis(u64::from(s.deadline_ms)))
-        } else {
-            b
-        };
-        let b = match s.rate {
-            Some((n, per_ms)) => b.rate(u32::from(n), Duration::from_millis(u64::from(per_ms)))?,
-            None => b,
-        };
-        let policy =
-            if s.run_anyway { crate::OnUpstreamFailure::Run } else { crate::OnUpstreamFailure::Fail };
-        let b = b.after(s.after.iter().map(|u| request_id(*u))).on_upstream_failure(policy);
-        let b = match s.group {
-            Some(g) => b.group(&super::ops::group_name(g))?,
-            None => b,
-        };
-        Ok(if s.unlisted_here() { b.unlisted() } else { b })
+    let b = producer
+        .request()
+        .id(id.clone())?
+        .priority(s.priority)?
+        .concurrency(u32::from(s.limit))?
+        .max_attempts(u32::from(s.max_attempts))?
+        .backoff(
+            Duration::from_millis(u64::from(s.backoff_ms)),
+            Duration::from_millis(u64::from(s.backoff_ms) * 4),
+        )?
+        .fail_fast(s.fail_fast)
+        .own_stream(s.own_stream);
+    let b =
+        if s.deadline_ms > 0 { b.deadline_in(Duration::from_millis(u64::from(s.deadline_ms))) } else { b };
+    let b = match s.rate {
+        Some((n, per_ms)) => b.rate(u32::from(n), Duration::from_millis(u64::from(per_ms)))?,
+        None => b,
     };
+    let policy = if s.run_anyway { crate::OnUpstreamFailure::Run } else { crate::OnUpstreamFailure::Fail };
+    let b = b.after(s.after.iter().map(|u| request_id(*u))).on_upstream_failure(policy);
+    let b = match s.group {
+        Some(g) => b.group(&super::ops::group_name(g))?,
+        None => b,
+    };
+    Ok(if s.unlisted_here() { b.unlisted() } else { b })
+}
+
+/// One `submit_many` of whole requests: each answer as `submit`'s.
+async fn submit_many(producer: &Producer, batch: &[Submit]) -> Outcome {
+    let mut answers: Vec<Option<Outcome>> = Vec::new();
+    let mut sent = Vec::new();
+    let mut asked = Vec::new();
+    for s in batch {
+        let Shape::Whole { parts, delay_ms } = s.shape else {
+            answers.push(Some(Outcome::Error("submit_many takes whole requests".into())));
+            continue;
+        };
+        match builder(producer, s) {
+            Ok(b) => {
+                let b = b.delay(Duration::from_millis(u64::from(delay_ms)));
+                sent.push((b, (0..u64::from(parts)).map(|i| payload(s.request, i)).collect::<Vec<u64>>()));
+                asked.push((answers.len(), u64::from(parts)));
+                answers.push(None);
+            }
+            Err(e) => answers.push(Some(Outcome::from_submit(Err(e)))),
+        }
+    }
+    let got = producer.submit_many(sent).await;
+    if got.len() != asked.len() {
+        return Outcome::Error(format!("submit_many gave {} answers to {} requests", got.len(), asked.len()));
+    }
+    for ((at, parts), answer) in asked.into_iter().zip(got) {
+        answers[at] = Some(Outcome::from_submit(answer.map(|_| parts)));
+    }
+    Outcome::Many(answers.into_iter().map(|a| a.expect("every request answered")).collect())
+}
+
+async fn submit(producer: &Producer, s: &Submit) -> Outcome {
+    let build = || builder(producer, s);
     let result = match &s.shape {
         Shape::Whole { parts, delay_ms } => {
             let parts: Vec<u64> = (0..u64::from(*parts)).map(|i| payload(s.request, i)).collect();
-            match builder() {
+            match build() {
                 Ok(b) if s.bulk => {
                     let b = b.delay(Duration::from_millis(u64::from(*delay_ms)));
                     let answer = producer.submit_many([(b, parts)]).await.into_iter().next();
@@ -970,7 +1019,7 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
             }
         }
         Shape::Streamed { adds, finalize, window, discard } => {
-            let windowed = builder().map(|b| b.discard_results(*discard)).and_then(|b| {
+            let windowed = build().map(|b| b.discard_results(*discard)).and_then(|b| {
                 if *window > 0 {
                     b.window(u64::from(*window))
                 } else {
