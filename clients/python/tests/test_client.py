@@ -85,6 +85,43 @@ def test_results_come_back_in_order_for_lane_large_and_own_stream_requests(serve
     assert p.protocol.conn.client.exists(p.protocol.keys.request(sluicegate._keys.key_id(large.id)).stream) == 0
 
 
+def test_submit_many_answers_each_request_in_order_and_refuses_only_the_bad_ones(server: Any, ns: str, running: Running) -> None:
+    p = Producer(server.url, ns)
+    p.submit(parts(1), id="taken")
+    requests: List[Dict[str, Any]] = [{"parts": parts(1 + n % 3), "priority": (10, 50, 90)[n % 3], "id": f"bulk-{n}"}
+                                      for n in range(900)]  # two lane_submit_many calls per priority
+    requests += [
+        {"parts": parts(2), "id": "taken"},             # its id in use in Redis
+        {"parts": parts(2), "id": "bulk-7"},            # ... earlier in the batch
+        {"parts": []},                                  # no parts
+        {"parts": parts(1), "priority": 101},           # out of range
+        {"parts": parts(1), "colour": "red"},           # not an argument of submit
+        {"priority": 50},                               # no parts at all
+        {"parts": parts(70), "concurrency": 4},         # too big for a lane: submit takes it
+        {"parts": parts(3), "own_stream": True, "concurrency": 2},
+        {"parts": parts(2), "unlisted": True, "tags": ["t"]},
+    ]
+    answers = p.submit_many(requests)
+    assert len(answers) == len(requests)
+    for n, a in enumerate(answers[:900]):
+        assert isinstance(a, sluicegate.producer.RequestHandle) and a.id == f"bulk-{n}", (n, a)
+    dup_redis, dup_batch, empty, prio, unknown, no_parts, big, own, tagged = answers[900:]
+    assert isinstance(dup_redis, sluicegate.DuplicateRequestId), dup_redis
+    assert isinstance(dup_batch, sluicegate.DuplicateRequestId), dup_batch
+    assert isinstance(empty, sluicegate.InvalidRequest) and "at least one part" in str(empty)
+    assert isinstance(prio, sluicegate.InvalidRequest) and "priority" in str(prio)
+    assert isinstance(unknown, sluicegate.InvalidRequest) and "'colour'" in str(unknown)
+    assert isinstance(no_parts, sluicegate.InvalidRequest) and "needs its parts" in str(no_parts)
+    assert isinstance(tagged, sluicegate.InvalidRequest) and "tags" in str(tagged)
+    running.start(server.url, double, ns, slots=4)
+    for n, h in enumerate(answers[:900]):
+        assert h.wait(timeout=60).results == [{"i": i, "double": 2 * i} for i in range(1 + n % 3)], n
+    assert big.wait(timeout=30).results == [{"i": i, "double": 2 * i} for i in range(70)]
+    assert own.wait(timeout=30).results == [{"i": i, "double": 2 * i} for i in range(3)]
+    # The refused duplicate left the first request of its id as it was.
+    assert p.wait("bulk-7", timeout=30).results == [{"i": i, "double": 2 * i} for i in range(2)]
+
+
 @pytest.mark.parametrize("own_stream", [False, True])
 def test_the_concurrency_limit_is_reached_and_never_exceeded(server: Any, ns: str, running: Running, own_stream: bool) -> None:
     seen = Concurrency()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import numbers
@@ -22,6 +23,8 @@ LANE_MAX_BYTES = 64 << 10
 #: Parts and bytes per load call (src/producer.rs).
 LOAD_CHUNK = 2000
 LOAD_CHUNK_BYTES = 4 << 20
+#: Requests per lane_submit_many call (Rust ``BULK_REQUESTS``).
+BULK_REQUESTS = 256
 #: Parts per stream_append call.
 APPEND_CHUNK = 1000
 MAX_DELAY_S = 10 * 365 * 24 * 3600
@@ -305,34 +308,80 @@ class Producer:
         request takes a stream of its own, never a lane (so it cannot be ``unlisted``), and keeps
         the priority it was submitted with (:meth:`Admin.reprioritize` refuses it) (Rust
         ``RequestBuilder::group``)."""
+        return self._write(_Spec.of(self.protocol.settings, parts, priority, concurrency, id, max_attempts, delay,
+                                    tags, own_stream, backoff, backoff_max, timeout, fail_fast, unlisted,
+                                    deadline, rate, after, on_upstream_failure, group))
+
+    def submit_many(self, requests: Iterable[Dict[str, Any]]) -> List[Union[RequestHandle, errors.SluicegateError]]:
+        """Submits several requests at once, as BullMQ's ``addBulk``: each is a dict of
+        :meth:`submit`'s arguments (``parts`` and any others by name). Returns one answer per
+        request, in order: its handle, or the error that refused it (:class:`DuplicateRequestId`,
+        :class:`InvalidRequest`, ...), which is returned rather than raised, so that one refused
+        request leaves the others. An error of the connection is raised (which of the requests
+        were created is then unknown; a duplicate refusal on submitting them again tells).
+
+        Requests a lane takes (:meth:`submit`'s small ones) go in one ``lane_submit_many`` call per
+        up to 256 requests of one priority and home shard (docs/protocol.md §5); an id in use in
+        Redis, or earlier in the batch, is refused alone. Any other request goes through
+        :meth:`submit`, after them (Rust ``Producer::submit_many``)."""
         p = self.protocol
         s = p.settings
-        _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
-        upstreams = _upstream_ids(after)
-        onup = _upstream_policy(on_upstream_failure)
-        rid = id if id is not None else generate_id()
-        _check_id(rid)
-        _check_upstreams(rid, upstreams, delay)
-        if group is not None:
-            check_group(group)
-        due = _deadline_at(deadline)
-        limit = _rate_arg(rate)
-        payloads = [codec.encode(v) for v in parts]
-        if not payloads:
-            raise errors.InvalidRequest("a request needs at least one part")
-        kid = key_id(rid)
-        nonce = uuid.uuid4().hex
-        delay_ms = ms(delay or 0)
-        policy = [max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)]
-        ff = "1" if fail_fast else "0"
-        size = sum(len(b) for b in payloads)
-        takes_lane = (
-            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None and not limit and not upstreams
-            and group is None and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
-        )
-        if unlisted and not takes_lane:
-            raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
-        if takes_lane:
+        answers: List[Any] = []
+        calls: Dict[Tuple[int, int], List[List[Tuple[int, _Spec]]]] = {}
+        others: List[Tuple[int, _Spec]] = []
+        for n, request in enumerate(requests):
+            answers.append(None)
+            try:
+                spec = _Spec.named(s, request)
+            except errors.SluicegateError as e:
+                answers[n] = e
+                continue
+            if not spec.takes_lane:
+                others.append((n, spec))
+                continue
+            place = (home_shard(spec.kid, s.token_shards), spec.priority)
+            batches = calls.setdefault(place, [[]])
+            last = batches[-1]
+            if len(last) >= BULK_REQUESTS or (last and sum(x.size for _, x in last) + spec.size > LOAD_CHUNK_BYTES):
+                last = []
+                batches.append(last)
+            last.append((n, spec))
+        k = p.keys
+        for (shard, priority), batches in calls.items():
+            lane = lane_key_id(shard, priority)
+            for batch in batches:
+                keys = k.request(lane).all() + [
+                    k.token_list(shard, priority), k.bell(shard), k.active(shard), k.registrations(shard)]
+                args: List[Any] = [lane, priority, s.lane_tokens, ms(s.census_interval)]
+                for _, spec in batch:
+                    keys += [k.record(shard, spec.kid), k.finish_marks(shard, spec.kid)]
+                    args += [*spec.lane_args(), len(spec.payloads), *spec.payloads]
+                reply = fcall_items(p.conn.fcall("lane_submit_many", keys, args))
+                if len(reply) != len(batch):
+                    raise errors.ProtocolError(f"lane_submit_many answered {len(reply)} of {len(batch)} requests")
+                for (n, spec), one in zip(batch, reply):
+                    refusal = text(one)
+                    if refusal.startswith("SGDUPLICATE"):
+                        answers[n] = errors.DuplicateRequestId(refusal)
+                    elif refusal.startswith("SG"):
+                        answers[n] = errors.InvalidRequest(refusal.split(" ", 1)[-1])
+                    else:
+                        answers[n] = RequestHandle(self, spec.rid)
+        for n, spec in others:
+            try:
+                answers[n] = self._write(spec)
+            except errors.SluicegateError as e:
+                answers[n] = e
+        return answers
+
+    def _write(self, spec: "_Spec") -> RequestHandle:
+        """Creates the request ``spec`` describes, and queues its tokens."""
+        p = self.protocol
+        s = p.settings
+        priority, concurrency, rid, kid, nonce = spec.priority, spec.concurrency, spec.rid, spec.kid, spec.nonce
+        payloads, upstreams, group, due, limit = spec.payloads, spec.upstreams, spec.group, spec.due, spec.limit
+        policy, ff, delay, delay_ms, onup = spec.policy, spec.ff, spec.delay, spec.delay_ms, spec.onup
+        if spec.takes_lane:
             shard = home_shard(kid, s.token_shards)
             lane = lane_key_id(shard, priority)
             k = p.keys
@@ -344,20 +393,20 @@ class Producer:
                 k.registrations(shard),
                 k.finish_marks(shard, kid),
             ]
-            args = [lane, kid, rid, nonce if id is not None else "", priority, concurrency, *policy, ff,
-                    s.lane_tokens, ms(s.census_interval), _row("l", priority, concurrency, tags, unlisted), "", *payloads]
+            args = [lane, kid, rid, spec.nonce_arg(), priority, concurrency, *policy, ff, s.lane_tokens,
+                    ms(s.census_interval), spec.row, "", *payloads]
             p.conn.fcall("lane_submit", keys, args)
             return RequestHandle(self, rid)
         shards = s.token_shards
         place = Placement(priority, shards, group)
-        at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
+        at, score = p.register(kid, shards, spec.row)
         step_deadline = at + ms(s.loading_ttl) // 2
         keys = p.keys.request(kid).all()
         head = [rid, priority, concurrency, ms(s.loading_ttl), *policy, nonce, delay_ms, ff, shards, step_deadline]
         # After the head: the trace context ('': none), the deadline (ms from now; 0: none), the
         # rate limit ('<n>/<interval ms>'; '': none); for a downstream or a grouped request, its
         # policy for a failed upstream and its upstreams' key ids (may be ''); then its group.
-        if not upstreams and group is None and len(payloads) <= LOAD_CHUNK and size <= LOAD_CHUNK_BYTES:
+        if not upstreams and group is None and len(payloads) <= LOAD_CHUNK and spec.size <= LOAD_CHUNK_BYTES:
             elements = fcall_items(
                 p.conn.fcall("submit_small", keys, [*head, kid, "", _within_ms(due), limit, *payloads])
             )
@@ -595,6 +644,94 @@ UNLISTED_LANE_ONLY = (
     "only a request that takes its priority's lane can be unlisted: at most 64 parts and 64 KB given whole, "
     "not delayed, not own_stream, not opened for streaming, with no deadline or rate limit"
 )
+
+
+#: :meth:`Producer.submit`'s arguments and their defaults, which :meth:`Producer.submit_many` takes by name.
+_SUBMIT_ARGS: Dict[str, Any] = {
+    name: param.default for name, param in inspect.signature(Producer.submit).parameters.items() if name != "self"
+}
+
+
+@dataclass
+class _Spec:
+    """A request as :meth:`Producer.submit` was asked for it: checked, its parts encoded."""
+
+    priority: int
+    concurrency: int
+    given_id: bool
+    rid: str
+    kid: str
+    nonce: str
+    payloads: List[bytes]
+    size: int
+    upstreams: List[str]
+    onup: str
+    group: Optional[str]
+    due: Optional[float]
+    limit: str
+    policy: List[int]
+    ff: str
+    delay: Optional[float]
+    delay_ms: int
+    takes_lane: bool
+    #: Its row in the listing index ("": unlisted).
+    row: str
+
+    @staticmethod
+    def of(s: Settings, parts: Sequence[Any], priority: int, concurrency: int, id: Optional[str],  # noqa: A002
+           max_attempts: int, delay: Optional[float], tags: Sequence[str], own_stream: bool, backoff: float,
+           backoff_max: float, timeout: Optional[float], fail_fast: bool, unlisted: bool,
+           deadline: Optional[Deadline], rate: Optional[Rate], after: Iterable[UpstreamRef],
+           on_upstream_failure: str, group: Optional[str]) -> "_Spec":
+        _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
+        upstreams = _upstream_ids(after)
+        onup = _upstream_policy(on_upstream_failure)
+        rid = id if id is not None else generate_id()
+        _check_id(rid)
+        _check_upstreams(rid, upstreams, delay)
+        if group is not None:
+            check_group(group)
+        due = _deadline_at(deadline)
+        limit = _rate_arg(rate)
+        payloads = [codec.encode(v) for v in parts]
+        if not payloads:
+            raise errors.InvalidRequest("a request needs at least one part")
+        delay_ms = ms(delay or 0)
+        size = sum(len(b) for b in payloads)
+        takes_lane = (
+            s.lane_tokens > 0 and not own_stream and delay_ms == 0 and due is None and not limit and not upstreams
+            and group is None and len(payloads) <= LANE_MAX_PARTS and size <= LANE_MAX_BYTES
+        )
+        if unlisted and not takes_lane:
+            raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
+        return _Spec(priority=priority, concurrency=concurrency, given_id=id is not None, rid=rid, kid=key_id(rid),
+                     nonce=uuid.uuid4().hex, payloads=payloads, size=size, upstreams=upstreams, onup=onup, group=group, due=due, limit=limit,
+                     policy=[max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)],
+                     ff="1" if fail_fast else "0", delay=delay, delay_ms=delay_ms, takes_lane=takes_lane,
+                     row=_row("l" if takes_lane else "r", priority, concurrency, tags, unlisted))
+
+    @staticmethod
+    def named(s: Settings, request: Dict[str, Any]) -> "_Spec":
+        """A request of :meth:`Producer.submit_many`: :meth:`Producer.submit`'s arguments by name."""
+        if not isinstance(request, dict):
+            raise errors.InvalidRequest(f"a request of submit_many is a dict of submit's arguments, not {type(request).__name__}")
+        known = _SUBMIT_ARGS
+        unknown = sorted(set(request) - set(known))
+        if unknown:
+            raise errors.InvalidRequest(f"submit has no argument {', '.join(map(repr, unknown))}")
+        if "parts" not in request:
+            raise errors.InvalidRequest("a request of submit_many needs its parts")
+        given = {**known, **request}
+        return _Spec.of(s, **given)
+
+    def nonce_arg(self) -> str:
+        """The submission nonce as the lane calls take it: '' for a generated id (it is unique, so
+        a re-sent submit needs no nonce to be known)."""
+        return self.nonce if self.given_id else ""
+
+    def lane_args(self) -> List[Any]:
+        """Its group of ``lane_submit_many``'s arguments, up to its number of parts."""
+        return [self.kid, self.rid, self.nonce_arg(), self.concurrency, *self.policy, self.ff, self.row, ""]
 
 
 def _row(kind: str, priority: int, concurrency: int, tags: Sequence[str], unlisted: bool) -> str:
