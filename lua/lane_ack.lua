@@ -3,7 +3,8 @@
 -- outcome is recorded in its request's record if that request is still live with the entry's
 -- lifecycle (else it is dropped: the request was cancelled, failed fast or reopened); a settled
 -- part feeds the lane its request's next waiting part; a request whose last part is settled
--- finishes here (sg_lane_finish).
+-- finishes here, and the requests the call finished share one entry of the events stream
+-- (sg_lane_events).
 -- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's events stream
 -- KEYS[8] the shard's active index   KEYS[9] the shard's looks armed before a step
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
@@ -147,7 +148,7 @@ local function lane_ack(keys, args)
     if rec.state then
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
-      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, r[8])
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, now, keys[7], r[8])
       if r[8] then
         released[#released + 1] = kid
         released[#released + 1] = rec.state
@@ -163,8 +164,7 @@ local function lane_ack(keys, args)
     local ix, listed = sg_ix(keys[7]), {}
     sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
     sg_ix_finished(ix, now, listed)
-    sg_lane_events_kept(keys[7], retention, now)
-    redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
+    sg_lane_events(keys[7], announced, retention, now, args[8])
   end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
   sg_lane_drop(keys, settled)

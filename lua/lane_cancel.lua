@@ -15,10 +15,9 @@ local function lane_cancel(keys, args)
   for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
-  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now, m[4])
+  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
   sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
-  redis.call('PUBLISH', args[3], line)
-  sg_lane_events_kept(keys[2], args[2], now)
+  sg_lane_events(keys[2], {line}, args[2], now, args[3])
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end

@@ -1319,26 +1319,28 @@ local function sg_lane_live(m, lc)
 end
 
 -- Announces that a lane request turned terminal (its record's state is written): the record is
--- kept for the retention and its one event goes on the shard's events stream. Returns its line of
--- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, ends the events stream's older entries and keeps it for the retention
--- (sg_lane_events_kept), and moves them in the listing index (sg_ix_finish_many, sg_ix_finished),
--- once per call. A request with downstreams (its record's `dn`, read by the caller) is put in the
--- shard's release outbox in the same step (prelude.lua, "Dependencies between requests"); the
--- caller's reply names it.
-local function sg_lane_announce(record, kid, state, retention, events, now, dn)
+-- kept for the retention. Returns its line of the completion message and of its event
+-- ("<kid>|<state>"): the caller writes the lines of all the requests it finished as one entry of
+-- the shard's events stream and publishes them as one message (sg_lane_events), and moves them in
+-- the listing index (sg_ix_finish_many, sg_ix_finished), once per call. A request with downstreams
+-- (its record's `dn`, read by the caller) is put in the shard's release outbox in the same step
+-- (prelude.lua, "Dependencies between requests"); the caller's reply names it.
+local function sg_lane_announce(record, kid, state, retention, now, events, dn)
   redis.call('PEXPIRE', record, retention)
-  redis.call('XADD', events, '*', 'rid', kid, 'state', state)
   if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
 end
 
--- After a call's announcements (sg_lane_announce): the events stream drops entries older than the
--- retention (whole nodes, as XADD's MINID ~ would, but once per call rather than per event) and is
--- kept for the retention.
-local function sg_lane_events_kept(events, retention, now)
+-- After a call's announcements (sg_lane_announce): their lines as one entry of the shard's events
+-- stream (field 'done': the lines joined by newlines; docs/protocol.md §6.5), published as one
+-- message on `channel`; the stream drops entries older than the retention (whole nodes, as XADD's
+-- MINID ~ would, but once per call rather than per event) and is kept for the retention.
+local function sg_lane_events(events, lines, retention, now, channel)
+  local text = table.concat(lines, '\n')
+  redis.call('XADD', events, '*', 'done', text)
   redis.call('XTRIM', events, 'MINID', '~', math.max(now - tonumber(retention), 0))
   redis.call('PEXPIRE', events, retention)
+  redis.call('PUBLISH', channel, text)
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,

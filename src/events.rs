@@ -36,22 +36,35 @@ pub struct CompletionEvent {
     pub cursor: Cursor,
 }
 
-/// A point in a namespace's events to resume listening after: the id of the last event read from
-/// every token shard's events stream.
+/// A point in a namespace's events to resume listening after: per token shard, the id of the
+/// last entry of its events stream read, and of the one being read how many of its events (an
+/// entry holds the events of all the lane requests one call finished).
 ///
-/// Its text form (for storing it, or for `sluicegate events`) is the stream ids joined by `,`,
-/// one per token shard; a single id applies to every shard, so `0-0` is the beginning.
+/// Its text form (for storing it, or for `sluicegate events`) is one position per token shard
+/// joined by `,`: a stream id (`<ms>-<seq>`, the entry read to its end), or a stream id and `/n`
+/// (the first `n` events of that entry read). A single position applies to every shard, so `0-0`
+/// is the beginning.
 /// ```
 /// use sluicegate::Cursor;
-/// let cursor: Cursor = "1732000000000-0,1732000000123-4".parse().unwrap();
-/// assert_eq!(cursor.to_string(), "1732000000000-0,1732000000123-4");
+/// let cursor: Cursor = "1732000000000-0,1732000000123-4/2".parse().unwrap();
+/// assert_eq!(cursor.to_string(), "1732000000000-0,1732000000123-4/2");
 /// assert_eq!(Cursor::beginning().to_string(), "0-0");
 /// assert!("yesterday".parse::<Cursor>().is_err());
+/// assert!("1732000000123-4/x".parse::<Cursor>().is_err());
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Cursor {
-    /// Stream ids, one per shard (or one for all).
+    /// Positions (a stream id, maybe with `/n`), one per shard (or one for all).
     ids: Vec<String>,
+}
+
+/// A position in one shard's events stream: after entry `.0`, or, with `.1` = Some(n), after the
+/// first n events of entry `.0`.
+fn position(id: &str) -> (&str, Option<usize>) {
+    match id.split_once('/') {
+        Some((entry, n)) => (entry, n.parse().ok()),
+        None => (id, None),
+    }
 }
 
 impl Cursor {
@@ -77,18 +90,22 @@ impl fmt::Display for Cursor {
 impl FromStr for Cursor {
     type Err = Error;
 
-    /// Reads the text form: stream ids (`<milliseconds>-<sequence>`) joined by `,`.
+    /// Reads the text form: positions (`<milliseconds>-<sequence>`, maybe followed by `/<n>`)
+    /// joined by `,`.
     fn from_str(text: &str) -> Result<Self> {
-        let is_stream_id = |id: &str| {
-            let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-            [ms, seq].iter().all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        let digits = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+        let is_position = |id: &str| {
+            let (entry, read) = id.split_once('/').unwrap_or((id, "0"));
+            let (ms, seq) = entry.split_once('-').unwrap_or((entry, "0"));
+            [ms, seq, read].into_iter().all(digits)
         };
         let ids: Vec<String> = text.split(',').map(|id| id.trim().to_owned()).collect();
-        if ids.iter().all(|id| is_stream_id(id)) {
+        if ids.iter().all(|id| is_position(id)) {
             Ok(Self { ids })
         } else {
             Err(Error::InvalidCursor(format!(
-                "{text:?} is not an events cursor: stream ids like 1732000000000-0, one per token shard, joined by ','"
+                "{text:?} is not an events cursor: stream ids like 1732000000000-0 (or 1732000000000-0/2, two \
+                 events of that entry read), one per token shard, joined by ','"
             )))
         }
     }
@@ -108,7 +125,8 @@ impl FromStr for Cursor {
 pub struct Listener {
     store: Store,
     reader: Client,
-    /// Per token shard, the id of the last event read from its events stream.
+    /// Per token shard, its position: the id of the last entry read from its events stream (with
+    /// `/n` while the events of that entry are buffered, for the cursors of the first n).
     cursors: Vec<String>,
     /// The shard the next blocking read waits on (with several shards, they take turns).
     turn: usize,
@@ -155,7 +173,26 @@ impl Listener {
         let reader = store.blocking_client().await?;
         let shards = store.keys.shards() as usize;
         let cursors = cursor.per_shard(shards);
-        Ok(Self { store, reader, cursors, turn: 0, buffered: VecDeque::new() })
+        let mut listener = Self { store, reader, cursors, turn: 0, buffered: VecDeque::new() };
+        // A position inside an entry: the rest of that entry's events first.
+        for shard in 0..shards {
+            let (entry, read) = position(&listener.cursors[shard]);
+            let (entry, Some(read)) = (entry.to_owned(), read) else { continue };
+            listener.cursors[shard] = entry.clone();
+            let events = listener.store.keys.events(shard as u32);
+            let found: Value = retry_transient("listen", || async {
+                listener
+                    .reader
+                    .xrange(events.as_str(), entry.as_str(), entry.as_str(), None)
+                    .await
+                    .map_err(Error::from)
+            })
+            .await?;
+            for found in reply::array(found)? {
+                listener.entry(shard, found, read)?;
+            }
+        }
+        Ok(listener)
     }
 
     /// The resume point after everything read so far.
@@ -222,29 +259,50 @@ impl Listener {
                 .transpose()?,
         };
         for entry in reply::array(entries.unwrap_or(Value::Null))? {
-            let mut entry = reply::array(entry)?.into_iter();
-            let (Some(id), Some(fields)) = (entry.next(), entry.next()) else {
-                continue;
-            };
-            let id = reply::text(&id)?;
-            let fields = reply::array(fields)?;
-            let mut rid = None;
-            let mut state = None;
-            for pair in fields.chunks(2) {
-                if let [k, v] = pair {
-                    match reply::text(k)?.as_str() {
-                        "rid" => rid = Some(RequestId::from_key_id(&reply::text(v)?)?),
-                        "state" => state = Some(reply::text(v)?.parse::<RequestState>()?),
-                        _ => {}
+            self.entry(shard, entry, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Buffers the events of one entry of `shard`'s events stream (`[id, [field, value, ...]]`),
+    /// past the first `skip`: one request's (`rid`, `state`), or those of every lane request one
+    /// call finished (`done`: lines `<key id>|<state>`). Each event's cursor is the position after
+    /// it.
+    fn entry(&mut self, shard: usize, entry: Value, skip: usize) -> Result<()> {
+        let mut entry = reply::array(entry)?.into_iter();
+        let (Some(id), Some(fields)) = (entry.next(), entry.next()) else {
+            return Ok(());
+        };
+        let id = reply::text(&id)?;
+        let fields = reply::array(fields)?;
+        let mut rid = None;
+        let mut state = None;
+        let mut events = Vec::new();
+        for pair in fields.chunks(2) {
+            if let [k, v] = pair {
+                match reply::text(k)?.as_str() {
+                    "rid" => rid = Some(RequestId::from_key_id(&reply::text(v)?)?),
+                    "state" => state = Some(reply::text(v)?.parse::<RequestState>()?),
+                    "done" => {
+                        for line in reply::text(v)?.lines() {
+                            let Some((kid, state)) = line.rsplit_once('|') else { continue };
+                            events.push((RequestId::from_key_id(kid)?, state.parse::<RequestState>()?));
+                        }
                     }
+                    _ => {}
                 }
             }
-            let at_ms = id.split('-').next().and_then(|ms| ms.parse().ok()).unwrap_or(0);
-            self.cursors[shard] = id;
-            if let (Some(id), Some(state)) = (rid, state) {
-                self.buffered.push_back(CompletionEvent { id, state, at_ms, cursor: self.cursor() });
-            }
         }
+        if let (Some(id), Some(state)) = (rid, state) {
+            events.push((id, state));
+        }
+        let at_ms = id.split('-').next().and_then(|ms| ms.parse().ok()).unwrap_or(0);
+        let count = events.len();
+        for (n, (request, state)) in events.into_iter().enumerate().skip(skip) {
+            self.cursors[shard] = if n + 1 < count { format!("{id}/{}", n + 1) } else { id.clone() };
+            self.buffered.push_back(CompletionEvent { id: request, state, at_ms, cursor: self.cursor() });
+        }
+        self.cursors[shard] = id;
         Ok(())
     }
 }

@@ -1321,26 +1321,28 @@ local function sg_lane_live(m, lc)
 end
 
 -- Announces that a lane request turned terminal (its record's state is written): the record is
--- kept for the retention and its one event goes on the shard's events stream. Returns its line of
--- the completion message ("<kid>|<state>"): the caller publishes the lines of all the requests it
--- finished as one message, ends the events stream's older entries and keeps it for the retention
--- (sg_lane_events_kept), and moves them in the listing index (sg_ix_finish_many, sg_ix_finished),
--- once per call. A request with downstreams (its record's `dn`, read by the caller) is put in the
--- shard's release outbox in the same step (prelude.lua, "Dependencies between requests"); the
--- caller's reply names it.
-local function sg_lane_announce(record, kid, state, retention, events, now, dn)
+-- kept for the retention. Returns its line of the completion message and of its event
+-- ("<kid>|<state>"): the caller writes the lines of all the requests it finished as one entry of
+-- the shard's events stream and publishes them as one message (sg_lane_events), and moves them in
+-- the listing index (sg_ix_finish_many, sg_ix_finished), once per call. A request with downstreams
+-- (its record's `dn`, read by the caller) is put in the shard's release outbox in the same step
+-- (prelude.lua, "Dependencies between requests"); the caller's reply names it.
+local function sg_lane_announce(record, kid, state, retention, now, events, dn)
   redis.call('PEXPIRE', record, retention)
-  redis.call('XADD', events, '*', 'rid', kid, 'state', state)
   if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
 end
 
--- After a call's announcements (sg_lane_announce): the events stream drops entries older than the
--- retention (whole nodes, as XADD's MINID ~ would, but once per call rather than per event) and is
--- kept for the retention.
-local function sg_lane_events_kept(events, retention, now)
+-- After a call's announcements (sg_lane_announce): their lines as one entry of the shard's events
+-- stream (field 'done': the lines joined by newlines; docs/protocol.md §6.5), published as one
+-- message on `channel`; the stream drops entries older than the retention (whole nodes, as XADD's
+-- MINID ~ would, but once per call rather than per event) and is kept for the retention.
+local function sg_lane_events(events, lines, retention, now, channel)
+  local text = table.concat(lines, '\n')
+  redis.call('XADD', events, '*', 'done', text)
   redis.call('XTRIM', events, 'MINID', '~', math.max(now - tonumber(retention), 0))
   redis.call('PEXPIRE', events, retention)
+  redis.call('PUBLISH', channel, text)
 end
 
 -- One entry of a lane batch as handed out: {entry id, index, payload, attempt, request key id,
@@ -3495,7 +3497,8 @@ end
 -- outcome is recorded in its request's record if that request is still live with the entry's
 -- lifecycle (else it is dropped: the request was cancelled, failed fast or reopened); a settled
 -- part feeds the lane its request's next waiting part; a request whose last part is settled
--- finishes here (sg_lane_finish).
+-- finishes here, and the requests the call finished share one entry of the events stream
+-- (sg_lane_events).
 -- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's events stream
 -- KEYS[8] the shard's active index   KEYS[9] the shard's looks armed before a step
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
@@ -3639,7 +3642,7 @@ local function lane_ack(keys, args)
     if rec.state then
       -- A failed request keeps its waiting parts: its dead letters may be requeued, and its
       -- parts not yet run then run too.
-      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, keys[7], now, r[8])
+      announced[#announced + 1] = sg_lane_announce(record, kid, rec.state, retention, now, keys[7], r[8])
       if r[8] then
         released[#released + 1] = kid
         released[#released + 1] = rec.state
@@ -3655,8 +3658,7 @@ local function lane_ack(keys, args)
     local ix, listed = sg_ix(keys[7]), {}
     sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
     sg_ix_finished(ix, now, listed)
-    sg_lane_events_kept(keys[7], retention, now)
-    redis.call('PUBLISH', args[8], table.concat(announced, '\n'))
+    sg_lane_events(keys[7], announced, retention, now, args[8])
   end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
   sg_lane_drop(keys, settled)
@@ -3688,10 +3690,9 @@ local function lane_cancel(keys, args)
   for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
-  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], keys[2], now, m[4])
+  local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
   sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
-  redis.call('PUBLISH', args[3], line)
-  sg_lane_events_kept(keys[2], args[2], now)
+  sg_lane_events(keys[2], {line}, args[2], now, args[3])
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end

@@ -312,6 +312,18 @@ impl Model {
     }
 }
 
+/// The completions an events stream's entries hold, as (request key id, state): one per entry
+/// of a single request (`rid`, `state`), one per line of an entry of a lane call's (`done`).
+pub(crate) fn completions(
+    entries: &[(String, HashMap<String, String>)],
+) -> impl Iterator<Item = (&str, &str)> + '_ {
+    entries.iter().flat_map(|(_, f)| {
+        let single = f.get("rid").map(String::as_str).zip(f.get("state").map(String::as_str));
+        let lines = f.get("done").into_iter().flat_map(|d| d.lines().filter_map(|l| l.rsplit_once('|')));
+        single.into_iter().chain(lines)
+    })
+}
+
 fn index_of(request: &str) -> Option<u8> {
     request.strip_prefix('r')?.parse().ok()
 }
@@ -631,7 +643,7 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
         let orphans: Vec<String> = next().convert().map_err(e)?;
         let retry: Vec<String> = next().convert().map_err(e)?;
         let listed_twice = orphans.into_iter().filter(|id| retry.contains(id)).collect();
-        let events = events.iter().filter(|(_, f)| f.get("rid") == Some(&kid)).count() as u64;
+        let events = completions(&events).filter(|(rid, _)| *rid == kid).count() as u64;
         if meta.is_empty() && !record.is_empty() {
             out.insert(i, lane_seen(world, &mut lanes, &active, record, events).await?);
             continue;
@@ -1278,9 +1290,7 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     if !m.stats_over {
         let events: Vec<(String, HashMap<String, String>)> =
             c.xrange(format!("{ns}:{{{ns}.q0}}:events"), "-", "+", None).await.map_err(e)?;
-        let ended = |state: &str| {
-            events.iter().filter(|(_, f)| f.get("state").map(String::as_str) == Some(state)).count() as u64
-        };
+        let ended = |state: &str| completions(&events).filter(|(_, s)| *s == state).count() as u64;
         let (completed, failed) = (sum(|p| p.completed), sum(|p| p.failed));
         let (succeeded, not_ok) = (sum(|p| p.succeeded), sum(|p| p.retried + p.dead_lettered));
         if completed > ended("completed")

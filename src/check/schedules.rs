@@ -217,7 +217,7 @@ impl Schedules {
 async fn events(reader: &Client, ns: &str, kid: &str) -> Result<u64, String> {
     let events: Vec<(String, std::collections::HashMap<String, String>)> =
         reader.xrange(format!("{ns}:{{{ns}.q0}}:events"), "-", "+", None).await.map_err(|e| e.to_string())?;
-    Ok(events.iter().filter(|(_, f)| f.get("rid").map(String::as_str) == Some(kid)).count() as u64)
+    Ok(super::model::completions(&events).filter(|(rid, _)| *rid == kid).count() as u64)
 }
 
 impl Schedules {

@@ -425,6 +425,47 @@ async fn wait_after_completion_returns_the_same_results_and_listeners_see_each_c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lane_requests_finished_by_one_call_share_an_entry_and_a_cursor_inside_it_resumes_at_the_next() {
+    let env = env_on(TOPOLOGY, "evbatch").await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    // Queued before the worker starts, so that its batches (growing to 16 with fast handlers)
+    // finish several single-part requests per lane_ack.
+    let specs = (0..200u64).map(|r| (producer.request(), vec![Job::new(r)]));
+    let handles: Vec<_> = producer.submit_many(specs).await.into_iter().map(Result::unwrap).collect();
+    let w = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
+    for h in &handles {
+        h.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    }
+    w.stop().await;
+    let mut listener = Listener::from_beginning(&env.config).await.unwrap();
+    let mut events = Vec::new();
+    while events.len() < handles.len() {
+        events.push(tokio::time::timeout(Duration::from_secs(10), listener.next()).await.unwrap().unwrap());
+    }
+    let mut ids: Vec<_> = events.iter().map(|e| e.id.clone()).collect();
+    ids.sort();
+    let mut expected: Vec<_> = handles.iter().map(|h| h.id().clone()).collect();
+    expected.sort();
+    assert_eq!(ids, expected, "each completion once");
+    let inside: Vec<usize> =
+        (0..events.len()).filter(|&n| events[n].cursor.to_string().contains('/')).collect();
+    assert!(inside.len() >= 10, "few events shared an entry: {} of {}", inside.len(), events.len());
+    // From a cursor inside an entry, and from one at an entry's end, a new listener goes on with the
+    // very next event, and with all of them.
+    let ends = (0..events.len() - 1).filter(|n| !inside.contains(n)).take(3);
+    for n in inside.iter().copied().step_by(inside.len() / 8).chain(ends) {
+        let cursor: sluicegate::Cursor = events[n].cursor.to_string().parse().unwrap();
+        let mut resumed = Listener::resume_after(&env.config, &cursor).await.unwrap();
+        for (m, want) in events.iter().enumerate().skip(n + 1) {
+            let got = tokio::time::timeout(Duration::from_secs(10), resumed.next()).await.unwrap().unwrap();
+            assert_eq!((&got.id, &got.cursor), (&want.id, &want.cursor), "event {m} after cursor {cursor}");
+        }
+        let extra = tokio::time::timeout(Duration::from_millis(200), resumed.next()).await;
+        assert!(extra.is_err(), "nothing after the last event: {extra:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_left_in_the_namespace_once_retention_has_passed() {
     let env = env_on(TOPOLOGY, "leak").await;
     let config = env.config.clone().retention(Duration::from_secs(1));

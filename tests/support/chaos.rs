@@ -1184,6 +1184,11 @@ async fn diagnose(
           local f = e[2]
           for i = 1, #f, 2 do
             if f[i] == 'rid' and f[i + 1] == ARGV[1] then table.insert(out, e[1]) end
+            if f[i] == 'done' then
+              for line in string.gmatch(f[i + 1], '[^\n]+') do
+                if string.match(line, '^(.*)|') == ARGV[1] then table.insert(out, e[1]) end
+              end
+            end
           end
         end
         return out";

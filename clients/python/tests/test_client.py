@@ -254,6 +254,33 @@ def test_a_listener_resumes_after_its_cursor(server: Any, ns: str, running: Runn
     assert not resumed.poll(block=False)
 
 
+def test_lane_requests_finished_together_share_an_entry_and_a_cursor_inside_it_resumes_at_the_next(
+        server: Any, ns: str, running: Running) -> None:
+    p = Producer(server.url, ns)
+    # Queued before the worker starts, so that one lane_ack finishes several of them.
+    handles = p.submit_many([{"parts": parts(1)} for _ in range(200)])
+    running.start(server.url, double, ns, slots=2)
+    for h in handles:
+        h.wait(timeout=30)
+    listener = Listener(server.url, ns, after="0-0")
+    events: List[Any] = []
+    deadline = time.time() + 10
+    while len(events) < 200 and time.time() < deadline:
+        events += listener.poll()
+    assert sorted(e.request_id for e in events) == sorted(h.id for h in handles)
+    inside = [n for n, e in enumerate(events) if "/" in e.cursor]
+    assert len(inside) >= 10, f"few events shared an entry: {len(inside)}"
+    for n in inside[:: max(1, len(inside) // 6)] + [n for n in range(199) if n not in inside][:2]:
+        resumed = Listener(server.url, ns, after=events[n].cursor)
+        got: List[Any] = []
+        while len(got) < 199 - n:
+            more = resumed.poll()
+            assert more, f"after cursor {events[n].cursor}: {len(got)} of {199 - n} events"
+            got += more
+        assert [(e.request_id, e.cursor) for e in got] == [(e.request_id, e.cursor) for e in events[n + 1:]]
+        assert not resumed.poll(block=False)
+
+
 def test_a_killed_worker_loses_nothing(server: Any, ns: str, tmp_path: Path, running: Running) -> None:
     """SIGKILL a worker (the conformance driver) mid-run; another finishes every part."""
     scenario = tmp_path / "kill.json"
