@@ -171,6 +171,11 @@ impl Listener {
     pub async fn resume_after(config: &Config, cursor: &Cursor) -> Result<Self> {
         let store = crate::protocol::connect(config).await?;
         let reader = store.blocking_client().await?;
+        Self::start(store, reader, cursor).await
+    }
+
+    /// A listener of `store`'s namespace reading with `reader` (which it may block), after `cursor`.
+    pub(crate) async fn start(store: Store, reader: Client, cursor: &Cursor) -> Result<Self> {
         let shards = store.keys.shards() as usize;
         let cursors = cursor.per_shard(shards);
         let mut listener = Self { store, reader, cursors, turn: 0, buffered: VecDeque::new() };

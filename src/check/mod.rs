@@ -11,7 +11,8 @@
 //! `protocol::checker_library_source`), a Redis crash and restart from its AOF. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
 //! sequence it drains everything to completion and checks that every accepted part ended with a
-//! result or a dead letter, one event per lifecycle, the listing index, the stats by stage against
+//! result or a dead letter, one event per lifecycle (and that a listener hears each once and in
+//! order, stopping and resuming from its cursors), the listing index, the stats by stage against
 //! what happened, and that nothing is left without an expiry. Some sequences also drain half-way
 //! (`Op::Drain`) and go on, so that operators' commands meet finished requests.
 //!

@@ -1025,7 +1025,44 @@ pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync
 
 /// The invariants that hold once everything has drained: every accepted part ended with a result
 /// or a dead letter, one terminal record and one event per lifecycle, nothing left to expire.
+/// Listeners hear every completion the events stream holds, once and in order, however often they
+/// stop and resume from an event's cursor: from a pseudo-random fifth of the positions, those
+/// inside an entry of several events included.
+async fn check_listeners(world: &World) -> Result<(), String> {
+    let ns = world.config.namespace_str();
+    let entries: Vec<(String, HashMap<String, String>)> = world
+        .reader
+        .xrange(format!("{ns}:{{{ns}.q0}}:events"), "-", "+", None)
+        .await
+        .map_err(|e| e.to_string())?;
+    let expected: Vec<(String, String)> =
+        completions(&entries).map(|(kid, state)| (kid.to_owned(), state.to_owned())).collect();
+    let listen = |cursor: crate::Cursor| async move {
+        crate::events::Listener::start(world.store.clone(), world.reader.clone(), &cursor)
+            .await
+            .map_err(|e| format!("a listener after {cursor}: {e}"))
+    };
+    let mut listener = listen(crate::Cursor::beginning()).await?;
+    for (n, (kid, state)) in expected.iter().enumerate() {
+        let heard = tokio::time::timeout(std::time::Duration::from_secs(5), listener.next())
+            .await
+            .map_err(|_| format!("listeners: event {n} of {} never came", expected.len()))?
+            .map_err(|e| format!("listeners: event {n}: {e}"))?;
+        if heard.id.key_id() != *kid || heard.state.to_string() != *state {
+            return Err(format!(
+                "listeners: event {n} is {} {}, the events stream's is {kid} {state}",
+                heard.id, heard.state
+            ));
+        }
+        if (n * 7 + expected.len()) % 5 == 0 {
+            listener = listen(heard.cursor.to_string().parse().map_err(|e| format!("{e}"))?).await?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) async fn check_end(world: &World) -> Result<(), String> {
+    check_listeners(world).await?;
     let (seen, _) = snapshot(world).await?;
     let c = &world.reader;
     let e = |e: fred::error::Error| e.to_string();

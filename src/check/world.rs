@@ -132,7 +132,7 @@ pub(crate) struct Connections {
 /// A sequence's world, on a redis-server of its own (the runner flushes it between sequences).
 pub(crate) struct World {
     pub(crate) config: Config,
-    store: Store,
+    pub(crate) store: Store,
     gate: Arc<Gate>,
     events: mpsc::UnboundedReceiver<Event>,
     /// Ungated: what the invariants read.
