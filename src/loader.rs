@@ -40,6 +40,8 @@ use crate::request::RequestId;
 /// # Ok(()) }
 /// ```
 pub struct Loader {
+    /// What `submit_many` submits through.
+    producer: Producer,
     window: u32,
     room: Arc<Semaphore>,
     unfinished: Unfinished,
@@ -98,7 +100,7 @@ impl Loader {
             })
         };
         let checking = tokio::spawn(check(admin, unfinished.clone()));
-        Ok(Self { window, room, unfinished, failed, listening, checking })
+        Ok(Self { producer: producer.clone(), window, room, unfinished, failed, listening, checking })
     }
 
     /// Submits a request described by `spec` (from [`Producer::request`]) once its parts fit in
@@ -138,6 +140,103 @@ impl Loader {
         submitted
     }
 
+    /// Submits many requests as [`Producer::submit_many`] does (hundreds of small ones per call,
+    /// through the producer the loader was connected with), each once its parts fit in the window:
+    /// the requests that fit go in one `submit_many`, then the loader waits for room for the next. One answer per request, in order; a request refused
+    /// (its id in use, by Redis or by another of this loader's requests; a bad argument) is refused
+    /// alone and holds no room.
+    ///
+    /// ```no_run
+    /// # async fn demo(producer: &sluicegate::Producer, loader: &sluicegate::Loader) -> sluicegate::Result<()> {
+    /// for chunk in (0..1_000_000u64).collect::<Vec<_>>().chunks(1_000) {
+    ///     let batch = chunk.iter().map(|n| (producer.request(), vec![*n]));
+    ///     for answer in loader.submit_many(batch).await {
+    ///         answer?;
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn submit_many<'a, R, P, T>(&self, requests: R) -> Vec<Result<RequestHandle>>
+    where
+        R: IntoIterator<Item = (RequestBuilder<'a>, P)>,
+        P: IntoIterator<Item = T>,
+        T: Serialize,
+    {
+        let mut answers: Vec<Option<Result<RequestHandle>>> = Vec::new();
+        let mut batch: Vec<Pending<'a, T>> = Vec::new();
+        for (n, (spec, parts)) in requests.into_iter().enumerate() {
+            answers.push(None);
+            let parts: Vec<T> = parts.into_iter().collect();
+            let size = u32::try_from(parts.len()).unwrap_or(u32::MAX).clamp(1, self.window);
+            let (spec, id) = spec.with_id();
+            if lock(&self.unfinished).contains_key(&id) {
+                answers[n] = Some(Err(Error::DuplicateRequestId(id)));
+                continue;
+            }
+            let permit = match self.room.clone().try_acquire_many_owned(size) {
+                Ok(permit) => permit,
+                // No room: what fits is sent first (its room comes back as it finishes).
+                Err(tokio::sync::TryAcquireError::NoPermits) => {
+                    self.send(&mut batch, &mut answers).await;
+                    match self.room.clone().acquire_many_owned(size).await {
+                        Ok(permit) => permit,
+                        Err(_) => {
+                            answers[n] = Some(Err(self.stopped()));
+                            continue;
+                        }
+                    }
+                }
+                Err(tokio::sync::TryAcquireError::Closed) => {
+                    answers[n] = Some(Err(self.stopped()));
+                    continue;
+                }
+            };
+            {
+                let mut unfinished = lock(&self.unfinished);
+                if unfinished.contains_key(&id) {
+                    answers[n] = Some(Err(Error::DuplicateRequestId(id)));
+                    continue;
+                }
+                unfinished
+                    .insert(id.clone(), Loaded { _room: permit, since: Instant::now(), submitting: true });
+            }
+            batch.push(Pending { at: n, id, spec, parts });
+        }
+        self.send(&mut batch, &mut answers).await;
+        answers
+            .into_iter()
+            .map(|a| {
+                a.unwrap_or_else(|| Err(Error::Protocol("a request of submit_many got no answer".into())))
+            })
+            .collect()
+    }
+
+    /// Submits the requests of `batch` (their room held) in one `submit_many`, and records their
+    /// answers.
+    async fn send<'a, T: Serialize>(
+        &self,
+        batch: &mut Vec<Pending<'a, T>>,
+        answers: &mut [Option<Result<RequestHandle>>],
+    ) {
+        if batch.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(batch);
+        let ids: Vec<(usize, RequestId)> = pending.iter().map(|p| (p.at, p.id.clone())).collect();
+        let _submitting: Vec<Submitting<'_>> =
+            ids.iter().map(|(_, id)| Submitting { unfinished: &self.unfinished, id }).collect();
+        let submitted = self.producer.submit_many(pending.into_iter().map(|p| (p.spec, p.parts))).await;
+        for ((at, id), answer) in ids.iter().zip(submitted) {
+            // As in `submit`: a refusal that says nothing was created gives the room back now.
+            if let Err(e) = &answer {
+                if refused_whole(e) {
+                    lock(&self.unfinished).remove(id);
+                }
+            }
+            answers[*at] = Some(answer);
+        }
+    }
+
     /// Parts of the requests loaded that have not ended yet (at most the window, or one request's
     /// size when it is larger).
     pub fn unfinished(&self) -> u64 {
@@ -162,6 +261,14 @@ impl Drop for Loader {
         self.listening.abort();
         self.checking.abort();
     }
+}
+
+/// A request of `submit_many` whose room is held, waiting for its batch's call.
+struct Pending<'a, T> {
+    at: usize,
+    id: RequestId,
+    spec: RequestBuilder<'a>,
+    parts: Vec<T>,
 }
 
 /// Marks a submit as over when it returns or its caller drops it.

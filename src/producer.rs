@@ -1260,6 +1260,12 @@ pub struct RequestHandle {
     producer: Producer,
 }
 
+impl std::fmt::Debug for RequestHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestHandle").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
 impl RequestHandle {
     /// The request's id.
     pub fn id(&self) -> &RequestId {

@@ -43,7 +43,7 @@ mod full {
         Listener::from_beginning(&config).await.unwrap();
         // A write is refused whole, and says why.
         let producer = Producer::connect(&config).await.unwrap();
-        let err = producer.request().submit([Job::new(3)]).await.err().expect("refused at maxmemory");
+        let err = producer.request().submit([Job::new(3)]).await.expect_err("refused at maxmemory");
         match &err {
             Error::Redis(e) => assert!(e.is_full(), "{err}"),
             other => panic!("not a Redis refusal: {other}"),

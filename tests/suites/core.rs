@@ -309,7 +309,7 @@ async fn awkward_ids_work_and_bad_ids_and_duplicates_are_refused_clearly() {
     assert!(err.to_string().contains("at most 512 bytes"), "{err}");
 
     let err =
-        producer.request().id("a{b}c").unwrap().submit([Job::new(1)]).await.err().expect("duplicate refused");
+        producer.request().id("a{b}c").unwrap().submit([Job::new(1)]).await.expect_err("duplicate refused");
     assert!(matches!(err, Error::DuplicateRequestId(_)), "{err}");
     assert!(err.to_string().contains("already in use"), "{err}");
 
@@ -317,7 +317,7 @@ async fn awkward_ids_work_and_bad_ids_and_duplicates_are_refused_clearly() {
     assert!(err.to_string().contains("0 (lowest) to 99"), "{err}");
     let err = producer.request().concurrency(0).err().expect("concurrency 0 refused");
     assert!(err.to_string().contains("concurrency 0"), "{err}");
-    let err = producer.request().submit(Vec::<Job>::new()).await.err().expect("empty request refused");
+    let err = producer.request().submit(Vec::<Job>::new()).await.expect_err("empty request refused");
     assert!(err.to_string().contains("at least one part"), "{err}");
 
     let err = producer

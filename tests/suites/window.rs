@@ -13,9 +13,9 @@ async fn a_window_of_zero_and_a_window_on_submit_are_refused_with_what_to_do() {
     let producer = Producer::connect(&env.config).await.unwrap();
     let err = producer.request().window(0).err().expect("window(0) is refused");
     assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains("window"), "{err}");
-    let err = producer.request().window(10).unwrap().submit([Job::new(1)]).await.err().expect("refused");
+    let err = producer.request().window(10).unwrap().submit([Job::new(1)]).await.expect_err("refused");
     assert!(err.to_string().contains("open()"), "{err}");
-    let err = producer.request().discard_results(true).submit([Job::new(1)]).await.err().expect("refused");
+    let err = producer.request().discard_results(true).submit([Job::new(1)]).await.expect_err("refused");
     assert!(err.to_string().contains("streamed"), "{err}");
     // A whole submit (here a lane request) has no pages to read.
     let h = producer.request().submit([Job::new(1)]).await.unwrap();
@@ -190,7 +190,7 @@ async fn a_loader_keeps_at_most_its_window_of_parts_unfinished_across_requests()
     handles.push(loader.submit(producer.request().id("load-6").unwrap().concurrency(4).unwrap(), big).await.unwrap());
     // A refused submit gives its room back.
     let before = loader.unfinished();
-    let dup = loader.submit(producer.request().id("load-6").unwrap(), [Job::new(1)]).await.err().expect("refused");
+    let dup = loader.submit(producer.request().id("load-6").unwrap(), [Job::new(1)]).await.expect_err("refused");
     assert!(matches!(dup, Error::DuplicateRequestId(_)), "{dup}");
     assert!(loader.unfinished() <= before, "{} > {before}", loader.unfinished());
     tokio::time::timeout(Duration::from_secs(60), loader.drain()).await.expect("drained").unwrap();
@@ -210,6 +210,53 @@ async fn a_loader_keeps_at_most_its_window_of_parts_unfinished_across_requests()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loaders_submit_many_sends_what_fits_and_waits_for_room_for_the_rest() {
+    use sluicegate::Loader;
+    let env = env_on(TOPOLOGY, "window-loader-many").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = Admin::connect(&config).await.unwrap();
+    let loader = Loader::connect(&producer, 20).await.unwrap();
+    // No worker yet: of 15 requests of two parts, the first ten fill the window and are sent; the
+    // rest wait. Among them an id used twice (the second refused alone) and a request with no
+    // parts (refused, holding no room).
+    let batch = |range: std::ops::Range<u64>| {
+        let producer = &producer;
+        range.map(move |r| {
+            let id = if r == 3 { "many-1".to_owned() } else { format!("many-{r}") };
+            let parts = if r == 5 { vec![] } else { vec![Job::new(r * 10), Job::new(r * 10 + 1)] };
+            (producer.request().id(id).unwrap().concurrency(2).unwrap(), parts)
+        })
+    };
+    let loading = loader.submit_many(batch(0..15));
+    tokio::pin!(loading);
+    assert!(tokio::time::timeout(Duration::from_millis(500), &mut loading).await.is_err(), "all fitted");
+    assert_eq!(loader.unfinished(), 20);
+    let queued = admin.status(&RequestId::new("many-9").unwrap()).await.unwrap();
+    assert_eq!(queued.state, RequestState::Queued);
+    let waiting = admin.status(&RequestId::new("many-14").unwrap()).await.unwrap_err();
+    assert!(matches!(waiting, Error::UnknownRequest(_)), "{waiting}");
+    // A worker frees room; every request gets its answer in order.
+    let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
+    let answers = tokio::time::timeout(Duration::from_secs(60), loading).await.expect("loaded");
+    assert_eq!(answers.len(), 15);
+    for (r, answer) in answers.iter().enumerate() {
+        match r {
+            3 => assert!(matches!(answer, Err(Error::DuplicateRequestId(_))), "{answer:?}"),
+            5 => assert!(matches!(answer, Err(Error::InvalidRequest(_))), "{answer:?}"),
+            _ => {
+                let done = answer.as_ref().unwrap().wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+                let r = r as u64;
+                assert_eq!(done.into_outputs().unwrap(), [r * 20, r * 20 + 2], "request {r}");
+            }
+        }
+    }
+    tokio::time::timeout(Duration::from_secs(60), loader.drain()).await.expect("drained").unwrap();
+    assert_eq!(loader.unfinished(), 0);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loader_frees_the_room_of_a_request_whose_completion_it_never_hears() {
     use sluicegate::Loader;
     let env = env_on(TOPOLOGY, "window-loader-lost").await;
@@ -219,7 +266,7 @@ async fn a_loader_frees_the_room_of_a_request_whose_completion_it_never_hears() 
     loader.submit(producer.request().id("lost").unwrap(), (0..4).map(Job::new)).await.unwrap();
     assert_eq!(loader.unfinished(), 4);
     // A retried submit of the same id is refused without touching the first one's room.
-    let dup = loader.submit(producer.request().id("lost").unwrap(), [Job::new(1)]).await.err().expect("refused");
+    let dup = loader.submit(producer.request().id("lost").unwrap(), [Job::new(1)]).await.expect_err("refused");
     assert!(matches!(dup, Error::DuplicateRequestId(_)), "{dup}");
     assert_eq!(loader.unfinished(), 4);
     // The request vanishes without an event (its namespace purged): its status says so, and the
