@@ -327,7 +327,9 @@ class Producer:
         p = self.protocol
         s = p.settings
         answers: List[Any] = []
+        # Per priority and home shard, the calls' requests, and the payload bytes of the last call.
         calls: Dict[Tuple[int, int], List[List[Tuple[int, _Spec]]]] = {}
+        last_bytes: Dict[Tuple[int, int], int] = {}
         others: List[Tuple[int, _Spec]] = []
         for n, request in enumerate(requests):
             answers.append(None)
@@ -342,9 +344,10 @@ class Producer:
             place = (home_shard(spec.kid, s.token_shards), spec.priority)
             batches = calls.setdefault(place, [[]])
             last = batches[-1]
-            if len(last) >= BULK_REQUESTS or (last and sum(x.size for _, x in last) + spec.size > LOAD_CHUNK_BYTES):
+            if len(last) >= BULK_REQUESTS or (last and last_bytes[place] + spec.size > LOAD_CHUNK_BYTES):
                 last = []
                 batches.append(last)
+            last_bytes[place] = (last_bytes[place] if len(last) > 0 else 0) + spec.size
             last.append((n, spec))
         k = p.keys
         for (shard, priority), batches in calls.items():
@@ -356,7 +359,13 @@ class Producer:
                 for _, spec in batch:
                     keys += [k.record(shard, spec.kid), k.finish_marks(shard, spec.kid)]
                     args += [*spec.lane_args(), len(spec.payloads), *spec.payloads]
-                reply = fcall_items(p.conn.fcall("lane_submit_many", keys, args))
+                try:
+                    reply = fcall_items(p.conn.fcall("lane_submit_many", keys, args))
+                except errors.SluicegateError as e:
+                    # The call refused as a whole (nothing written): each of its requests says so.
+                    for n, _ in batch:
+                        answers[n] = e
+                    continue
                 if len(reply) != len(batch):
                     raise errors.ProtocolError(f"lane_submit_many answered {len(reply)} of {len(batch)} requests")
                 for (n, spec), one in zip(batch, reply):
