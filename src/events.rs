@@ -139,9 +139,11 @@ impl Listener {
         Self::from_last(config, 0).await
     }
 
-    /// Listens to the last `n` completions retained in each token shard's events stream (fewer
-    /// when fewer are retained), then to new ones: what a display that shows recent events wants
-    /// at its start. One `XREVRANGE` of at most `n + 1` entries per shard.
+    /// Listens to the completions of the last `n` entries retained in each token shard's events
+    /// stream (fewer when fewer are retained; an entry holds one request's completion, or those of
+    /// all the lane requests one call finished, so there may be more than `n`), then to new ones:
+    /// what a display that shows recent events wants at its start. One `XREVRANGE` of at most
+    /// `n + 1` entries per shard.
     pub async fn from_last(config: &Config, n: usize) -> Result<Self> {
         let mut listener = Self::resume_after(config, &Cursor::beginning()).await?;
         for shard in 0..listener.cursors.len() {
