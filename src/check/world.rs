@@ -1002,14 +1002,14 @@ async fn submit(producer: &Producer, s: &Submit) -> Outcome {
     let result = match &s.shape {
         Shape::Whole { parts, delay_ms } => {
             let parts: Vec<u64> = (0..u64::from(*parts)).map(|i| payload(s.request, i)).collect();
+            // A batch of this one request.
+            if s.bulk {
+                return match submit_many(producer, std::slice::from_ref(s)).await {
+                    Outcome::Many(mut each) if each.len() == 1 => each.remove(0),
+                    other => other,
+                };
+            }
             match build() {
-                Ok(b) if s.bulk => {
-                    let b = b.delay(Duration::from_millis(u64::from(*delay_ms)));
-                    let answer = producer.submit_many([(b, parts)]).await.into_iter().next();
-                    answer
-                        .unwrap_or_else(|| Err(crate::Error::Protocol("submit_many gave no answer".into())))
-                        .map(|_| u64::from(*parts_len(&s.shape)))
-                }
                 Ok(b) => b
                     .delay(Duration::from_millis(u64::from(*delay_ms)))
                     .submit(parts)
