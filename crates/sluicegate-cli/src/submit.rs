@@ -85,17 +85,19 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     if let Some(name) = &args.group {
         request = request.group(name).map_err(|e| flag_refused("--group", e))?;
     }
-    let (handle, parts) = if args.stream {
-        stream(ctx, request, reader, args.max_payload_bytes, !args.wait).await?
+    let submitted = if args.stream {
+        stream(ctx, request, reader, args.max_payload_bytes, !args.wait).await
     } else {
-        all_at_once(request, reader, args.max_payload_bytes).await?
+        all_at_once(request, reader, args.max_payload_bytes).await
     };
-    let id = handle.id().clone();
-    // This process may exit soon: its count of the submit goes to the stats by stage now (a
-    // failure there fails nothing).
+    // This process may exit soon, and the flush a dropped producer starts could race the
+    // runtime's shutdown: its count of the submit (or of a stream it cancelled) goes to the stats
+    // by stage now, whatever the outcome (a failure there fails nothing).
     if let Err(e) = producer.flush_stats().await {
         eprintln!("warning: the submit was not counted in the stats by stage: {e}");
     }
+    let (handle, parts) = submitted?;
+    let id = handle.id().clone();
 
     if !args.wait {
         // A streamed request printed its id when it opened.
