@@ -33,6 +33,8 @@ local function lane_ack(keys, args)
   -- The token holds exactly these entries under this epoch, so each is pending and is settled
   -- here once: they are acked and freed together at the end (sg_lane_drop).
   local now = sg_now()
+  -- `now` as text, converted once for every record this call finishes.
+  local finished_at = sg_int(now)
   local extra = tonumber(m[2] or '0')
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
@@ -122,11 +124,11 @@ local function lane_ack(keys, args)
     local fields, r = rec.out, rec.r
     if rec.settled then
       fields[#fields + 1] = 'left'
-      fields[#fields + 1] = r[4]
+      fields[#fields + 1] = sg_str(r[4])
     end
     if rec.dead then
       fields[#fields + 1] = 'failed'
-      fields[#fields + 1] = r[5]
+      fields[#fields + 1] = sg_str(r[5])
     end
     if rec.fed_rq then
       fields[#fields + 1] = 'rq'
@@ -134,13 +136,13 @@ local function lane_ack(keys, args)
     end
     if rec.fed_nf then
       fields[#fields + 1] = 'nf'
-      fields[#fields + 1] = r[7]
+      fields[#fields + 1] = sg_str(r[7])
     end
     if rec.state then
       fields[#fields + 1] = 'state'
       fields[#fields + 1] = rec.state
       fields[#fields + 1] = 'finished'
-      fields[#fields + 1] = now
+      fields[#fields + 1] = finished_at
     end
     if #fields > 0 then redis.call('HSET', record, unpack(fields)) end
     if rec.del then redis.call('HDEL', record, unpack(rec.del)) end

@@ -21,7 +21,7 @@ local function lane_acquire(keys, args)
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if entry and pending then
-        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now, seen)
+        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now, seen, sg_int(now))
         if e then reply[#reply + 1] = e end
       end
     end

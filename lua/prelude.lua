@@ -31,6 +31,21 @@ local function sg_int(x)
   return string.format('%.0f', x)
 end
 
+-- Small whole numbers as text, remembered: Lua turns a number into text with sprintf, which
+-- costs about what a Redis command does here, and the hot paths write counters, indices and
+-- priorities, all small, on every call. Filled as they are first met (the library's load may not
+-- call tostring), at most 1024 of them.
+local SG_SMALL = {}
+
+-- A whole number as text, as sg_int, remembered in SG_SMALL when it is from 0 to 1023.
+local function sg_str(x)
+  local s = SG_SMALL[x]
+  if s then return s end
+  s = sg_int(x)
+  if type(x) == 'number' and x >= 0 and x < 1024 and x % 1 == 0 then SG_SMALL[x] = s end
+  return s
+end
+
 local function sg_split(s)
   local out = {}
   for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
@@ -1157,7 +1172,7 @@ end
 local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
   if #kids == 0 then return end
   local scores = redis.call('ZMSCORE', ix .. 'live', unpack(kids))
-  local listed, by_state, exp = {}, {}, {}
+  local listed, by_state, exp, at = {}, {}, {}, sg_int(expires)
   for j, kid in ipairs(kids) do
     if scores[j] then
       listed[#listed + 1] = kid
@@ -1165,7 +1180,7 @@ local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
       by_state[states[j]] = members
       members[#members + 1] = scores[j]
       members[#members + 1] = kid
-      exp[#exp + 1] = expires
+      exp[#exp + 1] = at
       exp[#exp + 1] = kid
     end
   end
@@ -1244,9 +1259,9 @@ local SG_LANE_DEFAULTS = {'1', '0', '1000', '60000'}
 -- <backoff base ms>,<backoff cap ms>", "f" first for fail fast, trailing fields at their
 -- defaults (SG_LANE_DEFAULTS) left out.
 local function sg_lane_pol(prio, limit, total, maxatt, timeout, bbase, bmax, failfast)
-  local v = {prio, limit, total, maxatt, timeout, bbase, bmax}
+  local v = {sg_str(prio), sg_str(limit), sg_str(total), maxatt, timeout, bbase, bmax}
   local n = 7
-  while n > 3 and tostring(v[n]) == SG_LANE_DEFAULTS[n - 3] do n = n - 1 end
+  while n > 3 and v[n] == SG_LANE_DEFAULTS[n - 3] do n = n - 1 end
   local pol = table.concat(v, ',', 1, n)
   if failfast then pol = 'f' .. pol end
   return pol
@@ -1269,7 +1284,7 @@ end
 -- This is the only writer of lane entries, and readers take their fields by position: p (the
 -- payload) at 2, r at 4, i at 6, l at 8.
 local function sg_lane_add(keys, kid, i, lc, payload)
-  redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', i, 'l', lc)
+  redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', sg_str(i), 'l', lc)
 end
 
 -- Which waiting part of a lane request the lane is fed next (requeued parts first, then parts in
@@ -1348,8 +1363,9 @@ end
 -- is no longer live (then the entry is to be dropped). Marks the request running; the eighth
 -- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
 -- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
--- id), so that a batch with several parts of one request reads its record once.
-local function sg_lane_entry(prefix, id, fields, attempt, now, seen)
+-- id), so that a batch with several parts of one request reads its record once; `started` is
+-- `now` as text, converted once per call.
+local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
   -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l.
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
@@ -1359,7 +1375,7 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen)
   end
   if not sg_lane_live(m, lc) then return nil end
   if m[1] == 'queued' then
-    redis.call('HSET', prefix .. kid, 'state', 'running', 'started', now)
+    redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
     local created = math.floor(tonumber(lc) / 1000)
     return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
@@ -1487,7 +1503,7 @@ end
 -- many parts were fed.
 local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   local fed = math.min(r.limit, n)
-  local fields = {'state', 'queued', 'lc', lc, 'left', n,
+  local fields = {'state', 'queued', 'lc', lc, 'left', sg_str(n),
     'pol', sg_lane_pol(r.prio, r.limit, n, r.maxatt, r.timeout, r.bbase, r.bmax, r.failfast)}
   if r.nonce ~= '' then
     fields[#fields + 1] = 'nonce'
@@ -1503,7 +1519,7 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   end
   if fed < n then
     fields[#fields + 1] = 'nf'
-    fields[#fields + 1] = fed
+    fields[#fields + 1] = sg_str(fed)
   end
   -- A fail-fast request keeps every part's payload until the part is settled.
   local from = fed
@@ -1521,13 +1537,13 @@ end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
   want = math.max(want or 1, 1)
-  local reply, ids, seen = {'run'}, {}, {}
+  local reply, ids, seen, started = {'run'}, {}, {}, sg_int(now)
   for _ = 1, 8 do
     local work = sg_take_work(keys, consumer, now, extra, want - #ids)
     if #work == 0 then break end
     local dropped = {}
     for _, w in ipairs(work) do
-      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now, seen)
+      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now, seen, started)
       if entry then
         ids[#ids + 1] = w[1]
         reply[#reply + 1] = entry
