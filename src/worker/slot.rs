@@ -113,6 +113,9 @@ pub(crate) struct Slot {
     /// The last hold ended by giving way to a higher priority on its shard: the slot takes next
     /// there, not on the next shard in turn.
     stay: bool,
+    /// The handler time the slot last saw under a lane's token (`Batching::mean_us`), which sizes
+    /// the first batch of its next lane hold (`Turn::new`).
+    lane_mean_us: Option<f64>,
 }
 
 impl Slot {
@@ -124,6 +127,7 @@ impl Slot {
             pending: None,
             owed: None,
             stay: false,
+            lane_mean_us: None,
         }
     }
 }
@@ -335,7 +339,8 @@ async fn take<H: Handler>(
     let prev = slot.last_take[shard as usize];
     // On error the id is kept: the take is repeated as it was, and returns what it took.
     slot.pending = Some(shard);
-    let want = Turn::new(shared, false).want();
+    // Only a lane's token comes acquired, with a first batch of this size.
+    let want = Turn::new(shared, false, slot.lane_mean_us).want();
     let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
     let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, owed).await?;
     if owed.is_some() {
@@ -417,11 +422,16 @@ struct Turn {
 }
 
 impl Turn {
-    /// Each hold starts from a batch of one: handler times seen under another hold (another
-    /// request, or failures that returned at once) would size a batch that runs a slow request's
-    /// parts one after another in one slot, below its limit.
-    fn new<H: Handler>(shared: &Shared<H>, one_part: bool) -> Self {
-        let batching = Batching { max: shared.max_batch, mean_us: None, fixed: shared.store.deterministic() };
+    /// A request's hold starts from a batch of one: handler times seen under another hold
+    /// (another request, or failures that returned at once) would size a batch that runs a slow
+    /// request's parts one after another in one slot, below its limit. A lane's hold starts from
+    /// `lane_mean_us`, the handler time of the slot's last lane hold: the lane's entries are many
+    /// small requests' parts, whose times a hold's batches already mix (a batch sized by one
+    /// request's parts may hold the next one's), and starting each hold from one entry made a
+    /// third of a lane's calls carry a single part.
+    fn new<H: Handler>(shared: &Shared<H>, one_part: bool, lane_mean_us: Option<f64>) -> Self {
+        let batching =
+            Batching { max: shared.max_batch, mean_us: lane_mean_us, fixed: shared.store.deterministic() };
         let parts = if one_part { 1 } else { shared.quantum.parts };
         Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false }
     }
@@ -486,7 +496,8 @@ async fn serve<H: Handler>(
     mut token: Token,
 ) -> Result<()> {
     let consumer = shared.id();
-    let mut turn = Turn::new(shared, token.one_part);
+    let lane = crate::keys::lane_of(&token.element.key_id).is_some();
+    let mut turn = Turn::new(shared, token.one_part, if lane { slot.lane_mean_us } else { None });
     let acquired = token.acquired.take();
     let holding = Holding { element: &token.element, holder, consumer: &consumer };
     let first = match acquired {
@@ -501,6 +512,9 @@ async fn serve<H: Handler>(
     turn.started = Instant::now();
     let served = run_batches(shared, slot, &holding, &token, first, &mut turn).await?;
     slot.stay = turn.gave_way;
+    if lane {
+        slot.lane_mean_us = turn.batching.mean_us;
+    }
     match served {
         Served::Answer(last, policy) => settle(shared, slot, holder, &token, last, policy).await,
         Served::AckLost(e) => reclaim_own(shared, slot, holder, &token, e).await,
