@@ -346,7 +346,7 @@ impl Bench {
         stage_stats: bool,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
         // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 16).
-        let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(16);
+        let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
         let worker = Worker::builder(config, handler)
             .slots(slots)
             .quantum(Quantum {

@@ -996,10 +996,10 @@ end
 local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
 local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
 -- Expired entries a call that finishes requests drops, and recovery's periodic claim (claim_due):
--- more than such a call finishes (a lane's batch is at most 16 by default), so the index never
+-- more than such a call finishes (a lane's batch is at most 32 by default), so the index never
 -- grows behind, and the claims empty it once the work stops. Trimming costs a few commands per
 -- call however many it drops (sg_ix_trim).
-local SG_IX_TRIM_FINISH = 32
+local SG_IX_TRIM_FINISH = 64
 local SG_IX_TRIM_CLAIM = 100
 local SG_IX_TRACKED = ' tracked'
 

@@ -192,7 +192,7 @@ impl<H: Handler> WorkerBuilder<H> {
         self
     }
 
-    /// The most sub-requests a slot is handed at once (default 16). A slot asks for as many as
+    /// The most sub-requests a slot is handed at once (default 32). A slot asks for as many as
     /// fit in about 2 ms at its handlers' recent speed, so batches only form when handlers are
     /// fast; they run one after another under the slot's one token.
     pub fn max_batch(mut self, n: u32) -> Self {
@@ -341,7 +341,7 @@ impl<H: Handler> Worker<H> {
             handler,
             slots: 4,
             quantum: Quantum::default(),
-            max_batch: 16,
+            max_batch: 32,
             idle_poll: Duration::from_secs(1),
             shard_poll: Duration::from_millis(100),
             shutdown_grace: Duration::from_secs(30),

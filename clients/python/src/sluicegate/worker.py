@@ -401,7 +401,7 @@ class Worker:
         shutdown_grace: float = 30.0,
         quantum_parts: int = 32,
         quantum_time: float = 0.25,
-        max_batch: int = 16,
+        max_batch: int = 32,
         retention: float = 24 * 3600.0,
         loading_ttl: float = 3600.0,
         token_shards: int = 1,
