@@ -345,7 +345,7 @@ impl Bench {
         slots: usize,
         stage_stats: bool,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 16).
+        // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
         let worker = Worker::builder(config, handler)
             .slots(slots)
