@@ -5,6 +5,8 @@
 //! future protocol can be loaded beside this one while old workers drain. Why Functions rather
 //! than EVALSHA: docs/architecture.md, "Server-side logic".
 
+use std::collections::HashSet;
+
 /// Protocol version: part of the library and function names, and stored in each request.
 pub const PROTOCOL_VERSION: u32 = 2;
 
@@ -290,24 +292,80 @@ impl Func {
 
 /// The complete library source, ready for `FUNCTION LOAD REPLACE`. Clients in other languages
 /// load the same text (docs/protocol.md describes how it is assembled).
+///
+/// Lua lets a chunk hold at most 200 local variables, and the prelude's helpers are most of them:
+/// a transition whose function and file-level names no other one uses is defined and registered
+/// inside a `do ... end` block of its own, so that none of them is one of the chunk's locals; the
+/// few that others use (`take` calls `give_back`) stay at the top and are registered at the end.
 pub fn library_source() -> String {
+    static SOURCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SOURCE.get_or_init(assemble).clone()
+}
+
+fn assemble() -> String {
     let mut code = format!("#!lua name={LIBRARY_NAME}\n\n{PRELUDE}\n");
-    for f in Func::ALL {
-        code.push_str(f.source());
-        code.push('\n');
-    }
-    for f in Func::ALL {
+    let register = |f: Func| {
         if f.read_only() {
-            code.push_str(&format!(
+            format!(
                 "redis.register_function{{function_name='{}', callback={}, flags={{'no-writes'}}}}\n",
                 f.fcall_name(),
                 f.local_name()
-            ));
+            )
         } else {
-            code.push_str(&format!("redis.register_function('{}', {})\n", f.fcall_name(), f.local_name()));
+            format!("redis.register_function('{}', {})\n", f.fcall_name(), f.local_name())
+        }
+    };
+    let words: Vec<HashSet<&str>> = Func::ALL.iter().map(|f| code_words(f.source())).collect();
+    let named: Vec<bool> = Func::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let locals = file_locals(f.source());
+            words.iter().enumerate().any(|(j, w)| j != i && locals.iter().any(|l| w.contains(l)))
+        })
+        .collect();
+    for (f, named) in Func::ALL.into_iter().zip(&named) {
+        if *named {
+            code.push_str(f.source());
+            code.push('\n');
+        } else {
+            code.push_str(&format!("do\n{}{}end\n", f.source(), register(f)));
         }
     }
+    for (f, _) in Func::ALL.into_iter().zip(&named).filter(|(_, named)| **named) {
+        code.push_str(&register(f));
+    }
     code
+}
+
+/// The names a transition's file declares at its top level (`local function f`, `local A, b = ...`
+/// at the start of a line): its function, and any constant or helper of its own.
+fn file_locals(source: &str) -> Vec<&str> {
+    source
+        .lines()
+        .filter_map(|line| line.strip_prefix("local "))
+        .flat_map(|rest| {
+            let rest = rest.strip_prefix("function ").unwrap_or(rest);
+            let names = rest.split(['=', '(']).next().unwrap_or_default();
+            names.split(',').map(str::trim).filter(|n| !n.is_empty())
+        })
+        .collect()
+}
+
+/// The words (runs of letters, digits and `_`) of Lua `source`'s code, outside comments and
+/// quoted text: the names it uses, called or passed as values.
+fn code_words(source: &str) -> HashSet<&str> {
+    let mut words = HashSet::new();
+    for line in source.lines() {
+        let code = line.split("--").next().unwrap_or_default();
+        // Quoted text sits between odd and even quote marks: keep what is outside.
+        for outside in code.split(['\'', '"']).step_by(2) {
+            words.extend(
+                outside.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| !w.is_empty()),
+            );
+        }
+    }
+    words
 }
 
 /// The library as the randomized checker loads it: identical but for the clock, which reads an

@@ -1804,6 +1804,7 @@ local function submit_commit(keys, args)
   return out
 end
 
+do
 -- submit_small: a whole request in one call, for one that fits in one chunk of parts:
 -- submit_open, load_parts and submit_commit in one atomic step. The producer registers the
 -- request with recovery (register) before, and pushes the elements (push) after, as for any
@@ -1832,7 +1833,9 @@ local function submit_small(keys, args)
   if type(loaded) == 'table' and loaded.err then return loaded end
   return submit_commit(keys, {args[14], tostring(#args - 17), args[9]})
 end
-
+redis.register_function('sg2_submit_small', submit_small)
+end
+do
 -- submit_abort: a producer gives up a submit that failed while loading: its keys go at once,
 -- rather than when the loading ttl ends. Only the producer that opened it (same nonce) can.
 -- KEYS[1..6] the request's keys (prelude.lua)
@@ -1844,7 +1847,9 @@ local function submit_abort(keys, args)
   redis.call('DEL', keys[1], keys[2])
   return 1
 end
-
+redis.register_function('sg2_submit_abort', submit_abort)
+end
+do
 -- stream_open: start a streamed request: runnable at once, its parts added over time with
 -- stream_append, complete only after stream_finalize and every part done.
 -- KEYS[1..6] the request's keys (prelude.lua)
@@ -1892,7 +1897,9 @@ local function stream_open(keys, args)
   sg_hset_many(keys[1], fields)
   return {}
 end
-
+redis.register_function('sg2_stream_open', stream_open)
+end
+do
 -- stream_append: add parts to an open streamed request; parked tokens wake up for them. The
 -- producer arms recovery (arm) before this call and pushes the elements (push) after it.
 -- KEYS[1..6] the request's keys (prelude.lua)
@@ -1935,7 +1942,9 @@ local function stream_append(keys, args)
   table.insert(elements, 1, tonumber(m[6]))
   return elements
 end
-
+redis.register_function('sg2_stream_append', stream_append)
+end
+do
 -- stream_finalize: no more parts will come; the request completes when every part is done
 -- (at once, if they all are).
 -- KEYS[1..6] the request's keys (prelude.lua)
@@ -1955,7 +1964,9 @@ local function stream_finalize(keys, args)
   if tonumber(m[4]) > 0 then state = 'failed' end
   return sg_finish(keys, args[1], state, args[2], args[3], sg_now())
 end
-
+redis.register_function('sg2_stream_finalize', stream_finalize)
+end
+do
 -- outstanding: how many parts of an open streamed request are not settled yet (added, neither
 -- done nor dead-lettered): what a windowed producer waits on before it adds more. Read-only
 -- (registered no-writes: callable with FCALL_RO, on a replica, at Redis's memory limit).
@@ -1970,7 +1981,9 @@ local function outstanding(keys, args)
   end
   return tonumber(m[3] or '0')
 end
-
+redis.register_function{function_name='sg2_outstanding', callback=outstanding, flags={'no-writes'}}
+end
+do
 -- results_from: a page of a streamed request's outcomes, in part order, read while it runs; the
 -- outcomes of the parts before the page are deleted, so that a reader that keeps up keeps the
 -- results in Redis bounded (a windowed request's bounded memory, docs/protocol.md §6.14).
@@ -2058,7 +2071,9 @@ local function results_from(keys, args)
   if i > taken then redis.call('HSET', keys[1], 'taken', i) end
   return out
 end
-
+redis.register_function('sg2_results_from', results_from)
+end
+do
 -- register: enter a request in recovery's index before it is created, so that whatever happens to
 -- its producer afterwards, recovery finds it. Run on the request's home shard.
 -- KEYS[1] the active-request index (sorted set, score = when recovery should next look)
@@ -2085,7 +2100,8 @@ local function register(keys, args)
   sg_ix_add(sg_ix(keys[1]), args[1], args[3], now)
   return {added, now}
 end
-
+redis.register_function('sg2_register', register)
+end
 -- push: put token elements on a priority list of their shard, each with a wake-up on the shard's
 -- bell; on the request's home shard, also make sure the request is in recovery's index.
 -- KEYS[1] the priority list   KEYS[2] the shard's bell   KEYS[3] (home shard only) the active-request
@@ -2114,6 +2130,7 @@ local function push(keys, args)
   return sg_push(keys[1], keys[2], args, 4)
 end
 
+do
 -- reopen: before requeue_dead reopens a failed request, enter it in recovery's index again and
 -- mark the new lifecycle, so that a late `unindex` of the failed lifecycle leaves it there. Run on
 -- the home shard, after the failed lifecycle's own steps (finish_index, seal, unindex) are done.
@@ -2132,7 +2149,9 @@ local function reopen(keys, args)
   sg_ix_reopen(sg_ix(keys[1]), args[1])
   return redis.call('ZADD', keys[1], 'NX', now + tonumber(args[2]), args[1])
 end
-
+redis.register_function('sg2_reopen', reopen)
+end
+do
 -- arm: ask recovery to look at a request by a given time (only ever earlier than planned): before a
 -- step whose follow-up (a push) its caller might not live to make, and when a parked token should
 -- be woken for a retry.
@@ -2150,7 +2169,8 @@ local function arm(keys, args)
   if args[4] == 'step' then redis.call('ZADD', keys[2], 'GT', due, args[1]) end
   return due
 end
-
+redis.register_function('sg2_arm', arm)
+end
 -- lane_acquire: acquire for a lane token (prelude.lua, "Lanes"): the slot presents the lane token
 -- element it took and gets a batch of lane entries, which may belong to different requests.
 -- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
@@ -2209,6 +2229,7 @@ local function give_back(keys, args)
   return sg_push(keys[3], keys[2], args, 3)
 end
 
+do
 -- take: a worker slot takes the token element of the highest priority waiting on a shard, and
 -- records that it holds it (`held`), in one step: a token is never only in a reply on the wire or
 -- in a process's memory, so a slot that dies right after taking it loses nothing (its worker's
@@ -2329,7 +2350,9 @@ local function take(keys, args)
   local acquired = lane_acquire(lane, {f[1], f[2], f[3], holder, args[5], args[6], args[8]})
   return {list, element, acquired}
 end
-
+redis.register_function('sg2_take', take)
+end
+do
 -- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
 -- the element goes back to the tail of its list, where it was taken from, and the record ends.
 -- KEYS[1] the shard's held records   KEYS[2] the shard's bell
@@ -2360,7 +2383,9 @@ local function untake(keys, args)
   redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
   return 1
 end
-
+redis.register_function('sg2_untake', untake)
+end
+do
 -- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
@@ -2434,7 +2459,9 @@ local function acquire(keys, args)
   table.insert(next, 2, policy)
   return next
 end
-
+redis.register_function('sg2_acquire', acquire)
+end
+do
 -- ack: a slot reports the outcomes of the batch it was handed and, in the same step, either gets
 -- the next batch (it keeps its token), or gives the token back, or learns that the request is
 -- finished.
@@ -2611,7 +2638,9 @@ local function ack(keys, args)
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end
-
+redis.register_function('sg2_ack', ack)
+end
+do
 -- release: end a slot's record of holding a token it no longer holds (parked, finished, dropped,
 -- fenced), when the slot moves to another shard or stops. (On its own shard the slot's next take
 -- ends the record anyway.)
@@ -2628,7 +2657,9 @@ local function release(keys, args)
   sg_held_end(sg_shard_key(keys[1], ''), f)
   return 1
 end
-
+redis.register_function('sg2_release', release)
+end
+do
 -- holds: which of the tokens one worker's slots hold on one request they no longer hold (the
 -- request finished or was cancelled, or their worker was declared dead and recovery moved the
 -- tokens on): the worker cancels the handlers running under them. Reads only.
@@ -2645,7 +2676,9 @@ local function holds(keys, args)
   end
   return lost
 end
-
+redis.register_function{function_name='sg2_holds', callback=holds, flags={'no-writes'}}
+end
+do
 -- finish_index: record a finished request's one event on the token side. It is the first of three
 -- steps after a request turns terminal (then `seal` on the request's keys, then `unindex`), each
 -- repeatable: whoever runs them (the finishing slot, or recovery when that slot died) the event is
@@ -2682,7 +2715,9 @@ local function finish_index(keys, args)
   end
   return 1
 end
-
+redis.register_function('sg2_finish_index', finish_index)
+end
+do
 -- sweep: remove a finished request's stale elements from a list of a shard other than its home
 -- (finish_index sweeps the home shard's), within the 1,000 elements nearest the head.
 -- KEYS[1] the priority list   KEYS[2] the shard's bell
@@ -2692,7 +2727,9 @@ local function sweep(keys, args)
   sg_sweep(keys[1], keys[2], args, 1)
   return 1
 end
-
+redis.register_function('sg2_sweep', sweep)
+end
+do
 -- seal: start a finished request's retention, once its event is recorded (finish_index). Until
 -- then its keys are held (prelude.lua, SG_FINISH_HOLD_MS), so that a finish whose token side is
 -- delayed (the finishing worker died or stalled) is neither lost nor left unannounced.
@@ -2709,7 +2746,9 @@ local function seal(keys, args)
   for _, i in ipairs(sg_kept(state)) do redis.call('PEXPIRE', keys[i], args[2], 'LT') end
   return 1
 end
-
+redis.register_function('sg2_seal', seal)
+end
+do
 -- unindex: the last step of a finish (after finish_index and seal): the request leaves recovery's
 -- index, unless requeue_dead has reopened it since (the index entry then belongs to the new
 -- lifecycle).
@@ -2739,7 +2778,9 @@ local function unindex(keys, args)
   end
   return redis.call('ZREM', keys[1], args[1])
 end
-
+redis.register_function('sg2_unindex', unindex)
+end
+do
 -- claim_due: take the requests whose census is due, so that concurrent workers spread the work
 -- and do not census the same request at once (a double census would still be safe: every
 -- restore is a compare-and-set on the token's epoch).
@@ -2792,7 +2833,9 @@ local function claim_due(keys, args)
   end
   return out
 end
-
+redis.register_function('sg2_claim_due', claim_due)
+end
+do
 -- census: recovery's look at one request, in chunks of tokens: run by any worker for a request it
 -- claimed (claim_due), when the request asked to be looked at (registration, arm, a retry or a
 -- delay falling due) and at least once per census interval.
@@ -2953,7 +2996,9 @@ local function census(keys, args)
   if to >= ntok then next = -1 end
   return {'ok', prio, shards, next, math.max(look, 1), push, check, held, grp}
 end
-
+redis.register_function('sg2_census', census)
+end
+do
 -- verify: recovery's token-side step after a census: push woken or restored elements, and report
 -- which of the elements that should be waiting in the list are not there (taken by a worker that
 -- died before recording it, in an older protocol; or never pushed, because whoever was to push
@@ -2999,7 +3044,9 @@ local function verify(keys, args)
   end
   return missing
 end
-
+redis.register_function('sg2_verify', verify)
+end
+do
 -- restore: re-queue tokens whose element verify found missing, under a new epoch, but only if each
 -- is still queued with the epoch that was checked: if a worker acquired it in the meantime (the
 -- element was in flight), nothing happens, and a late push of the old element is refused by
@@ -3021,7 +3068,9 @@ local function restore(keys, args)
   end
   return out
 end
-
+redis.register_function('sg2_restore', restore)
+end
+do
 -- reclaim: recovery's step for a token a dead worker's slot had taken (its `held` record named
 -- element "<rid>|<k>|<epoch>"): put the token back in circulation if the slot's death left it out.
 -- KEYS[1..6] the request's keys (prelude.lua)
@@ -3077,7 +3126,9 @@ local function reclaim(keys, args)
   end
   return {'none'}
 end
-
+redis.register_function('sg2_reclaim', reclaim)
+end
+do
 -- drop_gone: what recovery does with an index entry whose request does not exist (census said
 -- 'gone'): its producer died before creating it, or it was never created (the id was in use), or
 -- its keys expired (a loading ttl, or the retention of a finish nobody sealed). The entry is
@@ -3110,7 +3161,9 @@ local function drop_gone(keys, args)
   sg_ix_remove(sg_ix(keys[1]), args[1], now)
   return 1
 end
-
+redis.register_function('sg2_drop_gone', drop_gone)
+end
+do
 -- cancel: end a request now. Its tokens are withdrawn (queued elements swept, held tokens fenced:
 -- their holders' acks record nothing and their heartbeats report the hold lost, which cancels
 -- the handlers' contexts), its queued parts never run, and it gets one terminal record, state
@@ -3130,7 +3183,9 @@ local function cancel(keys, args)
   redis.call('DEL', keys[6])
   return sg_finish(keys, args[1], 'cancelled', args[2], args[3], sg_now())
 end
-
+redis.register_function('sg2_cancel', cancel)
+end
+do
 -- requeue_dead: hand a request's dead letters out again, each with a fresh set of attempts. A
 -- running request simply gets the work back; a failed one is reopened (state `running`, keys
 -- persisted again, its full set of tokens re-created under epochs above any earlier one) and will
@@ -3216,7 +3271,9 @@ local function requeue_dead(keys, args)
   for _, e in ipairs(sg_unpark(keys, args[1], n, now)) do out[#out + 1] = e end
   return out
 end
-
+redis.register_function('sg2_requeue_dead', requeue_dead)
+end
+do
 -- reprioritize: an operator changes the priority of a request that is not finished (`prio` in its
 -- meta hash). Every step that puts one of its token elements on a list reads `prio` when it issues
 -- the element (ack's re-queue, reclaim, census), so held and parked tokens reach the new
@@ -3263,7 +3320,9 @@ local function reprioritize(keys, args)
   end)
   return out
 end
-
+redis.register_function('sg2_reprioritize', reprioritize)
+end
+do
 -- relist: reprioritize's token-side step: move a request's waiting elements from the list of its
 -- old priority to the list of its new one, on one shard, each element in one atomic step, so that
 -- it is always in exactly one list (the shard's bell keeps its one wake-up per element).
@@ -3326,7 +3385,9 @@ local function relist(keys, args)
   end
   return moved
 end
-
+redis.register_function('sg2_relist', relist)
+end
+do
 -- beat: a worker's heartbeat in the worker registry (shard 0), and its share of noticing dead
 -- workers. A worker is alive while its registration has not expired (Redis time: no client clock
 -- is involved); one not heard from for a lease is dead, and the beat of any other worker claims it
@@ -3391,7 +3452,9 @@ local function beat(keys, args)
   end
   return out
 end
-
+redis.register_function('sg2_beat', beat)
+end
+do
 -- reaped: a worker leaves the registry: it stopped cleanly, or recovery reclaimed every token its
 -- slots had taken after it died.
 -- KEYS[1] the registry   KEYS[2] worker descriptions   KEYS[3] workers being reaped
@@ -3403,7 +3466,9 @@ local function reaped(keys, args)
   redis.call('HDEL', keys[2], args[1], args[1] .. '|lapsed')
   return 1
 end
-
+redis.register_function('sg2_reaped', reaped)
+end
+do
 -- lane_submit: a whole small request in one call, on its home shard's lane of its priority
 -- (prelude.lua, "Lanes"): its record, its first parts in the lane (as many as its limit), its
 -- other parts waiting in the record, and a wake-up of a parked lane token per part fed. Creates
@@ -3444,7 +3509,9 @@ local function lane_submit(keys, args)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}
 end
-
+redis.register_function('sg2_lane_submit', lane_submit)
+end
+do
 -- lane_submit_many: several whole small requests of one priority and home shard in one call
 -- (`Producer::submit_many`), each as lane_submit creates it: the lane is opened once, each
 -- request is checked and written in turn, and the parked lane tokens their first parts need are
@@ -3507,7 +3574,9 @@ local function lane_submit_many(keys, args)
   if now then sg_push(keys[7], keys[8], sg_unpark(keys, args[1], fed, now, parked)) end
   return reply
 end
-
+redis.register_function('sg2_lane_submit_many', lane_submit_many)
+end
+do
 -- lane_ack: ack for a lane token (prelude.lua, "Lanes"): a slot reports the outcomes of the lane
 -- batch it was handed and, in the same step, gets the next batch or gives the token back. Each
 -- outcome is recorded in its request's record if that request is still live with the entry's
@@ -3690,7 +3759,9 @@ local function lane_ack(keys, args)
   if #released > 1 then reply[#reply + 1] = released end
   return reply
 end
-
+redis.register_function('sg2_lane_ack', lane_ack)
+end
+do
 -- lane_cancel: cancel for a lane request (prelude.lua, "Lanes"): its one terminal record and
 -- event now. Its parts still in the lane are acked away unrun when handed out, and the acks of
 -- those running record nothing (their lifecycle is no longer live).
@@ -3714,7 +3785,9 @@ local function lane_cancel(keys, args)
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
 end
-
+redis.register_function('sg2_lane_cancel', lane_cancel)
+end
+do
 -- lane_requeue: requeue_dead for a lane request (prelude.lua, "Lanes"): a failed one reopens
 -- under a new lifecycle (its old entries still in the lane are then dropped unrun), and its dead
 -- parts are fed again, with its parts not yet run, within its limit; a live one gets its dead
@@ -3784,7 +3857,8 @@ local function lane_requeue(keys, args)
   sg_push(keys[8], keys[9], woken)
   return {#dead, #woken}
 end
-
+redis.register_function('sg2_lane_requeue', lane_requeue)
+end
 -- list: a page of the listing index of one shard (prelude.lua, "The listing index"), newest first.
 -- Reads only (registered no-writes: FCALL_RO, replicas, a Redis at its maxmemory).
 -- KEYS[1] the shard's index rows (hash; the other index keys are named from its prefix)
@@ -3868,6 +3942,7 @@ local function list(keys, args)
   return out
 end
 
+do
 -- track: marks a listed request as tracked (qless's tracking: `list --tracked` shows it), or
 -- unmarks it. Run on its home shard.
 -- KEYS[1] the shard's index rows (prelude.lua, "The listing index")
@@ -3908,7 +3983,9 @@ local function track(keys, args)
   end
   return 1
 end
-
+redis.register_function('sg2_track', track)
+end
+do
 -- unlist: the token-side half of purging one finished request (`Admin::purge`): it leaves the
 -- listing index, and its finish marks go. Run on its home shard, after `purge` deleted its keys.
 -- KEYS[1] the shard's index rows (prelude.lua, "The listing index")   KEYS[2] the shard's active
@@ -3932,7 +4009,9 @@ local function unlist(keys, args)
   redis.call('DEL', keys[3], sg_shard_key(keys[2], 'dn:' .. args[1]))
   return sg_ix_remove(ix, args[1], sg_now())
 end
-
+redis.register_function('sg2_unlist', unlist)
+end
+do
 -- purge: deletes a finished request's keys now, rather than at the end of its retention
 -- (`Admin::purge`; then `unlist` on its home shard). Run on the request's slot.
 -- KEYS[1] the hash holding its `state` (a request's meta, or a lane request's record)
@@ -3959,7 +4038,9 @@ local function purge(keys, args)
   redis.call('DEL', unpack(delete))
   return 1
 end
-
+redis.register_function('sg2_purge', purge)
+end
+do
 -- relabel: after reprioritize, the request's row in the listing index (prelude.lua, "The listing
 -- index") takes its new priority, so that `list --priority` finds it there. Run on its home shard.
 -- KEYS[1] the shard's index rows
@@ -3972,7 +4053,9 @@ local function relabel(keys, args)
   redis.call('HSET', keys[1], args[1], kind .. '|' .. args[2] .. '|' .. rest)
   return 1
 end
-
+redis.register_function('sg2_relabel', relabel)
+end
+do
 -- stats_add: adds a producer's or a worker's counts to the stats by stage, one hash per minute
 -- (docs/protocol.md §3, "Stats by stage"). Components count in memory and call this once per
 -- flush interval with what they counted since, never per part or per take.
@@ -4021,7 +4104,9 @@ local function stats_add(keys, args)
   end
   return n
 end
-
+redis.register_function('sg2_stats_add', stats_add)
+end
+do
 -- sched_get: a schedule's spec and state (read-only). The
 -- schedules live on shard 0 (docs/protocol.md §3, "Schedules"); the state fields are explained in
 -- sched_add.lua.
@@ -4034,7 +4119,9 @@ local function sched_get(keys, args)
   local s = redis.call('HMGET', keys[2], 'gen', 'from', 'next', 'paused', 'gaps', 'owe', 'last')
   return {spec, s[1], s[2], s[3], s[4], s[5], s[6], s[7]}
 end
-
+redis.register_function{function_name='sg2_sched_get', callback=sched_get, flags={'no-writes'}}
+end
+do
 -- sched_add: create a schedule, or replace one. A schedule is a spec (its cron, time zone, missed
 -- policy and request template, as JSON) and a state hash, both on shard 0, and its entry in the
 -- due set. Cron is never read here: the ticks are computed by the worker that fires it (Rust,
@@ -4076,7 +4163,9 @@ local function sched_add(keys, args)
   if old then return {'replaced', gen} end
   return {'added', gen}
 end
-
+redis.register_function('sg2_sched_add', sched_add)
+end
+do
 -- sched_pause: pause or resume a schedule. Ticks after the pause and up to the resume are not
 -- owed; ticks due before the pause still are (the next firing owes them, computing them from the
 -- pause time it reads here), so a pause leaves the due set alone, unless nothing is left to do
@@ -4109,7 +4198,9 @@ local function sched_pause(keys, args)
   redis.call('ZADD', keys[1], 'LT', look, args[1])
   return {'resumed', gen}
 end
-
+redis.register_function('sg2_sched_pause', sched_pause)
+end
+do
 -- sched_fire: move a schedule's due ticks into its debt (`owe`), once. The caller (a worker's
 -- recovery, on shard 0) read the state with sched_get, computed from that state and a Redis time
 -- the ticks owed up to that time and the first tick after it; this is a compare-and-set on the
@@ -4166,7 +4257,9 @@ local function sched_fire(keys, args)
   for _, t in ipairs(owe) do out[#out + 1] = t end
   return out
 end
-
+redis.register_function('sg2_sched_fire', sched_fire)
+end
+do
 -- sched_paid: an owed tick's request was submitted (the submit answered Ok, or SGDUPLICATE: it
 -- exists already), so the tick leaves the debt. With nothing left owed, the schedule is next
 -- looked at for its next tick (while it is paused, only if that tick fell before the pause).
@@ -4196,7 +4289,9 @@ local function sched_paid(keys, args)
   end
   return 1
 end
-
+redis.register_function('sg2_sched_paid', sched_paid)
+end
+do
 -- sched_del: remove a schedule: its spec, its state and its due entry. Ticks it owes and has not
 -- submitted yet are dropped (a firing under way may still submit one); its requests stay.
 -- KEYS[1] the schedules   KEYS[2] the due set   KEYS[3] the schedule's state
@@ -4208,7 +4303,9 @@ local function sched_del(keys, args)
   redis.call('DEL', keys[3])
   return existed
 end
-
+redis.register_function('sg2_sched_del', sched_del)
+end
+do
 -- dag_link: a downstream D being submitted links itself to upstream U, on U's home shard, between
 -- D's submit_open and its submit_commit (prelude.lua, "Dependencies between requests"): D joins
 -- U's downstreams, so that U's finish owes D a release, and the reply says where U stands now.
@@ -4250,7 +4347,9 @@ local function dag_link(keys, args)
   if not redis.call('ZSCORE', keys[5], args[1]) then redis.call('PEXPIRE', keys[1], args[3]) end
   return {'done', lc, state}
 end
-
+redis.register_function('sg2_dag_link', dag_link)
+end
+do
 -- dag_settle: tells downstream D that a lifecycle of its upstream U has ended (prelude.lua,
 -- "Dependencies between requests"): U's release calls it for every downstream it names, and
 -- recovery's look at a waiting D for an upstream that vanished. It records the news in D's field
@@ -4339,7 +4438,9 @@ local function dag_settle(keys, args)
   end
   return {'recorded'}
 end
-
+redis.register_function('sg2_dag_settle', dag_settle)
+end
+do
 -- rel_done: the release of upstream U's finished lifecycle has reached every downstream U names
 -- (dag_settle, and what each reply asked for): U leaves the release outbox, unless a later
 -- lifecycle of U has finished since (a requeue), whose release is then still owed. From now on U's
@@ -4373,7 +4474,9 @@ local function rel_done(keys, args)
   if not live then redis.call('PEXPIRE', keys[4], args[3]) end
   return 1
 end
-
+redis.register_function('sg2_rel_done', rel_done)
+end
+do
 -- group_set: set a tenant group's limit and rate (Admin::set_group, Admin::set_group_rate;
 -- prelude.lua, "Tenant groups"): at most `limit` sub-requests of the group's requests run at
 -- once. Kept in the shard's `gconf` for when the group's meta is made. An existing group gets
@@ -4456,7 +4559,9 @@ local function group_set(keys, args)
   sg_group_idle_check(gkey)
   return {added, retired}
 end
-
+redis.register_function('sg2_group_set', group_set)
+end
+do
 -- group_audit: recovery's check of the group tokens of one shard (prelude.lua, "Tenant groups").
 -- A record and the group token it holds change in the same call everywhere else, so this finds
 -- nothing unless the shard's records expired (a week after its last take: SG_HELD_TTL_MS) or
@@ -4533,64 +4638,12 @@ local function group_audit(keys, args)
   for _, c in ipairs(out) do reply[#reply + 1] = c end
   return reply
 end
-
+redis.register_function('sg2_group_audit', group_audit)
+end
 redis.register_function('sg2_submit_open', submit_open)
 redis.register_function('sg2_load_parts', load_parts)
 redis.register_function('sg2_submit_commit', submit_commit)
-redis.register_function('sg2_submit_small', submit_small)
-redis.register_function('sg2_submit_abort', submit_abort)
-redis.register_function('sg2_stream_open', stream_open)
-redis.register_function('sg2_stream_append', stream_append)
-redis.register_function('sg2_stream_finalize', stream_finalize)
-redis.register_function{function_name='sg2_outstanding', callback=outstanding, flags={'no-writes'}}
-redis.register_function('sg2_results_from', results_from)
-redis.register_function('sg2_register', register)
 redis.register_function('sg2_push', push)
-redis.register_function('sg2_reopen', reopen)
-redis.register_function('sg2_arm', arm)
 redis.register_function('sg2_lane_acquire', lane_acquire)
 redis.register_function('sg2_give_back', give_back)
-redis.register_function('sg2_take', take)
-redis.register_function('sg2_untake', untake)
-redis.register_function('sg2_acquire', acquire)
-redis.register_function('sg2_ack', ack)
-redis.register_function('sg2_release', release)
-redis.register_function{function_name='sg2_holds', callback=holds, flags={'no-writes'}}
-redis.register_function('sg2_finish_index', finish_index)
-redis.register_function('sg2_sweep', sweep)
-redis.register_function('sg2_seal', seal)
-redis.register_function('sg2_unindex', unindex)
-redis.register_function('sg2_claim_due', claim_due)
-redis.register_function('sg2_census', census)
-redis.register_function('sg2_verify', verify)
-redis.register_function('sg2_restore', restore)
-redis.register_function('sg2_reclaim', reclaim)
-redis.register_function('sg2_drop_gone', drop_gone)
-redis.register_function('sg2_cancel', cancel)
-redis.register_function('sg2_requeue_dead', requeue_dead)
-redis.register_function('sg2_reprioritize', reprioritize)
-redis.register_function('sg2_relist', relist)
-redis.register_function('sg2_beat', beat)
-redis.register_function('sg2_reaped', reaped)
-redis.register_function('sg2_lane_submit', lane_submit)
-redis.register_function('sg2_lane_submit_many', lane_submit_many)
-redis.register_function('sg2_lane_ack', lane_ack)
-redis.register_function('sg2_lane_cancel', lane_cancel)
-redis.register_function('sg2_lane_requeue', lane_requeue)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
-redis.register_function('sg2_track', track)
-redis.register_function('sg2_unlist', unlist)
-redis.register_function('sg2_purge', purge)
-redis.register_function('sg2_relabel', relabel)
-redis.register_function('sg2_stats_add', stats_add)
-redis.register_function{function_name='sg2_sched_get', callback=sched_get, flags={'no-writes'}}
-redis.register_function('sg2_sched_add', sched_add)
-redis.register_function('sg2_sched_pause', sched_pause)
-redis.register_function('sg2_sched_fire', sched_fire)
-redis.register_function('sg2_sched_paid', sched_paid)
-redis.register_function('sg2_sched_del', sched_del)
-redis.register_function('sg2_dag_link', dag_link)
-redis.register_function('sg2_dag_settle', dag_settle)
-redis.register_function('sg2_rel_done', rel_done)
-redis.register_function('sg2_group_set', group_set)
-redis.register_function('sg2_group_audit', group_audit)
