@@ -39,7 +39,7 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf, dn), which of its counters changed (`settled`: left, `dead`:
+  -- pol, left, failed, rq, nf, dn, ix), which of its counters changed (`settled`: left, `dead`:
   -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
   -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
   -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
@@ -52,7 +52,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix'),
         out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -118,7 +118,10 @@ local function lane_ack(keys, args)
     end
   end
   -- The records' writes, then the finished requests' announcements and the fed parts.
+  -- Finished requests whose records keep their index rows (sg_ix_add_kept) apart: `kept`, with
+  -- their states and submission times.
   local announced, finished, states, released = {}, {}, {}, {'rel'}
+  local kept, kept_states, kept_ats = {}, {}, {}
   for _, kid in ipairs(order) do
     local rec, record = recs[kid], prefix .. kid
     local fields, r = rec.out, rec.r
@@ -156,15 +159,22 @@ local function lane_ack(keys, args)
         released[#released + 1] = rec.state
         released[#released + 1] = r[2]
       end
-      finished[#finished + 1] = kid
-      states[#states + 1] = rec.state
+      if r[9] then
+        kept[#kept + 1] = kid
+        kept_states[#kept_states + 1] = rec.state
+        kept_ats[#kept_ats + 1] = string.match(r[9], '^[^|]*')
+      else
+        finished[#finished + 1] = kid
+        states[#states + 1] = rec.state
+      end
       done[#done + 1] = rec.state
       done[#done + 1] = r[2]
     end
   end
   if #announced > 0 then
-    local ix, listed = sg_ix(keys[7]), {}
-    sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
+    local ix, listed, expires = sg_ix(keys[7]), {}, now + tonumber(retention)
+    sg_ix_finish_many(ix, finished, states, expires, now, listed)
+    sg_ix_finish_kept(ix, kept, kept_states, kept_ats, expires, now, listed)
     sg_ix_finished(ix, now, listed)
     sg_lane_events(keys[7], announced, retention, now, args[8])
   end

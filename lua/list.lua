@@ -47,7 +47,7 @@ local function list(keys, args)
     if not (first and e[2] == first and ties <= passed) then
       looked = looked + 1
       local kid = e[1]
-      local row = redis.call('HGET', ix .. 'row', kid)
+      local row = sg_ix_row(ix, kid)
       local state = string.match(e[3], '^t:') == nil and e[3] ~= 'tracked' and e[3] or nil
       if not state then
         for _, s in ipairs(SG_IX_STATES) do

@@ -7,7 +7,7 @@
 local function track(keys, args)
   local ix = string.sub(keys[1], 1, -4)
   local kid = args[1]
-  if redis.call('HEXISTS', keys[1], kid) == 0 then return 0 end
+  if not sg_ix_row(ix, kid) then return 0 end
   local mark = {SG_IX_TRACKED, ix .. 'tracked'}
   local live = redis.call('ZSCORE', ix .. 'live', kid)
   local was = redis.call('ZSCORE', mark[2], kid)

@@ -979,7 +979,10 @@ end
 --                                        terminal), score = when submitted (ms)
 --   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
 --                                        `r` a request of its own keys, `l` a lane request; tags
---                                        comma-separated)
+--                                        comma-separated), except a lane request without tags,
+--                                        whose record keeps its row (field `ix`, "<submitted
+--                                        ms>|<row>"; sg_ix_add_kept): its finish then reads it
+--                                        with the record, and the row goes with the record
 --   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
 --   exp                                  sorted set of the finished ones, score = when their keys
 --                                        expire (ms): each finish drops a few expired ones
@@ -1010,12 +1013,16 @@ local function sg_ix(shard_key)
   return string.match(shard_key, '^(.*:)[^:]*$') .. 'ix:'
 end
 
+-- What sg_ix_tags and sg_ix_marks_of return when there is nothing: one shared table, which their
+-- callers only read, so that the common request (no tags, not tracked) makes none.
+local SG_IX_NONE = {}
+
 -- The tags in an index row.
 local function sg_ix_tags(row)
-  local tags = {}
   -- No tags (the row ends with its third '|'): the common case, without the patterns.
-  if row == nil or row == false or string.byte(row, -1) == 124 then return tags end
-  local t = string.match(row or '', '^[^|]*|[^|]*|[^|]*|(.*)$')
+  if row == nil or row == false or string.byte(row, -1) == 124 then return SG_IX_NONE end
+  local tags = {}
+  local t = string.match(row, '^[^|]*|[^|]*|[^|]*|(.*)$')
   if t then for tag in string.gmatch(t, '[^,]+') do tags[#tags + 1] = tag end end
   return tags
 end
@@ -1023,8 +1030,10 @@ end
 -- The sets a request is a member of beside its state's: {field in tl/tx, key}, its tags (from its
 -- `row`) and, if it is `tracked`, the tracked set.
 local function sg_ix_marks_of(ix, row, tracked)
+  local tags = sg_ix_tags(row)
+  if #tags == 0 and not tracked then return SG_IX_NONE end
   local marks = {}
-  for _, tag in ipairs(sg_ix_tags(row)) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
+  for _, tag in ipairs(tags) do marks[#marks + 1] = {tag, ix .. 't:' .. tag} end
   if tracked then marks[#marks + 1] = {SG_IX_TRACKED, ix .. 'tracked'} end
   return marks
 end
@@ -1081,7 +1090,11 @@ end
 local function sg_ix_remove(ix, kid, now)
   redis.call('HDEL', ix .. 'next', kid)
   local row = redis.call('HGET', ix .. 'row', kid)
-  if not row then return 0 end
+  -- A row kept in its record (sg_ix_add_kept) is not in `row`: such a request is listed while it
+  -- is live or its entry has not expired.
+  if not row and not redis.call('ZSCORE', ix .. 'live', kid) and not redis.call('ZSCORE', ix .. 'exp', kid) then
+    return 0
+  end
   local marks = sg_ix_marks(ix, kid, row)
   local live = redis.call('ZREM', ix .. 'live', kid) == 1
   for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], kid) end
@@ -1127,16 +1140,22 @@ end
 -- `fresh`: the caller knows the id was never listed (lane_submit under an id the producer
 -- generated, whose record it found absent), which saves the checks. `live`: the caller knows a
 -- request is listed live on the shard already (lane_submit_many, after its first), which saves
--- sg_ix_first_live.
-local function sg_ix_add(ix, kid, row, now, created, fresh, live)
+-- sg_ix_first_live. `at`: `now` as text when the caller has it (the score is then not formatted
+-- again, which costs about what a command does).
+local function sg_ix_add(ix, kid, row, now, created, fresh, live, at)
   if row == nil or row == '' then return end
+  at = at or now
   if fresh then
     redis.call('HSET', ix .. 'row', kid, row)
   else
     local exp = redis.call('ZSCORE', ix .. 'exp', kid)
     local live = redis.call('ZSCORE', ix .. 'live', kid)
-    if (exp and tonumber(exp) <= now) or (created and not live) then sg_ix_remove(ix, kid, now) end
-    if redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
+    if (exp and tonumber(exp) <= now) or (created and not live) then
+      sg_ix_remove(ix, kid, now)
+      exp, live = nil, nil
+    end
+    -- Listed already: live, or finished (its row in `row`, or kept in its lane record).
+    if live or exp or redis.call('HSETNX', ix .. 'row', kid, row) == 0 then
       if not live then
         redis.call('HSET', ix .. 'next', kid, row)
         sg_ix_settle(ix, now)
@@ -1145,11 +1164,35 @@ local function sg_ix_add(ix, kid, row, now, created, fresh, live)
     end
   end
   if not live then sg_ix_first_live(ix) end
-  redis.call('ZADD', ix .. 'live', now, kid)
+  redis.call('ZADD', ix .. 'live', at, kid)
   for _, tag in ipairs(sg_ix_tags(row)) do
-    redis.call('ZADD', ix .. 't:' .. tag, now, kid)
+    redis.call('ZADD', ix .. 't:' .. tag, at, kid)
     sg_ix_mark_live(ix, {tag, ix .. 't:' .. tag})
   end
+end
+
+-- Lists lane request `kid` as live, submitted at `at` (text), its row kept in its record (the
+-- caller writes the record's `ix`): sg_ix_add for a created request, without a row in `row`.
+local function sg_ix_add_kept(ix, kid, now, at, fresh, live)
+  if not fresh then
+    if redis.call('ZSCORE', ix .. 'live', kid) then return end
+    sg_ix_remove(ix, kid, now)
+  end
+  if not live then sg_ix_first_live(ix) end
+  redis.call('ZADD', ix .. 'live', at, kid)
+end
+
+-- The record of lane request `kid` on the shard of index prefix `ix` ("...:ix:" -> "...:s:<kid>").
+local function sg_ix_record(ix, kid)
+  return string.sub(ix, 1, -4) .. 's:' .. kid
+end
+
+-- The index row of `kid`: from `row`, or kept in its lane record (nil when neither has it).
+local function sg_ix_row(ix, kid)
+  local row = redis.call('HGET', ix .. 'row', kid)
+  if row then return row end
+  local kept = redis.call('HGET', sg_ix_record(ix, kid), 'ix')
+  return kept and string.match(kept, '^[^|]*|(.*)$') or nil
 end
 
 -- The first push of request `kid` (it exists): if its registration found the id listed by a
@@ -1197,6 +1240,33 @@ local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
   local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(listed))
   for j = 1, #listed do
     for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do sg_ix_mark_done(ix, mark, expires, now) end
+  end
+end
+
+-- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), listed live
+-- by construction: `ats` their submission times (text, from the records), so neither the live
+-- set's scores nor `row` is read.
+local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
+  if #kids == 0 then return end
+  local by_state, exp, at = {}, {}, sg_int(expires)
+  for j, kid in ipairs(kids) do
+    local members = by_state[states[j]] or {}
+    by_state[states[j]] = members
+    members[#members + 1] = ats[j]
+    members[#members + 1] = kid
+    exp[#exp + 1] = at
+    exp[#exp + 1] = kid
+  end
+  redis.call('ZREM', ix .. 'live', unpack(kids))
+  for state, members in pairs(by_state) do
+    redis.call('ZADD', ix .. state, unpack(members))
+    batch[state] = math.max(batch[state] or 0, expires)
+  end
+  redis.call('ZADD', ix .. 'exp', unpack(exp))
+  if redis.call('EXISTS', ix .. 'tracked') == 0 then return end
+  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(kids))
+  for j = 1, #kids do
+    if tracked[j] then sg_ix_mark_done(ix, {SG_IX_TRACKED, ix .. 'tracked'}, expires, now) end
   end
 end
 
@@ -1523,6 +1593,14 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
     fields[#fields + 1] = 'nf'
     fields[#fields + 1] = sg_str(fed)
   end
+  -- A listed request without tags keeps its row here, not in the index's `row` (sg_ix_add_kept).
+  -- `lc` is `now` * 1000 as text: all its digits but the last three are `now`'s.
+  local at = string.sub(lc, 1, -4)
+  local kept = r.row ~= '' and string.byte(r.row, -1) == 124
+  if kept then
+    fields[#fields + 1] = 'ix'
+    fields[#fields + 1] = at .. '|' .. r.row
+  end
   -- A fail-fast request keeps every part's payload until the part is settled.
   local from = fed
   if r.failfast then from = 0 end
@@ -1532,7 +1610,11 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   end
   redis.call('HSET', r.record, unpack(fields))
   -- An id the producer generated (no nonce) whose record is absent was never listed.
-  sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '', live)
+  if kept then
+    sg_ix_add_kept(ix, r.kid, now, at, r.nonce == '', live)
+  else
+    sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '', live, at)
+  end
   for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
   return fed
 end
@@ -3618,7 +3700,7 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf, dn), which of its counters changed (`settled`: left, `dead`:
+  -- pol, left, failed, rq, nf, dn, ix), which of its counters changed (`settled`: left, `dead`:
   -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
   -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
   -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
@@ -3631,7 +3713,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix'),
         out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -3697,7 +3779,10 @@ local function lane_ack(keys, args)
     end
   end
   -- The records' writes, then the finished requests' announcements and the fed parts.
+  -- Finished requests whose records keep their index rows (sg_ix_add_kept) apart: `kept`, with
+  -- their states and submission times.
   local announced, finished, states, released = {}, {}, {}, {'rel'}
+  local kept, kept_states, kept_ats = {}, {}, {}
   for _, kid in ipairs(order) do
     local rec, record = recs[kid], prefix .. kid
     local fields, r = rec.out, rec.r
@@ -3735,15 +3820,22 @@ local function lane_ack(keys, args)
         released[#released + 1] = rec.state
         released[#released + 1] = r[2]
       end
-      finished[#finished + 1] = kid
-      states[#states + 1] = rec.state
+      if r[9] then
+        kept[#kept + 1] = kid
+        kept_states[#kept_states + 1] = rec.state
+        kept_ats[#kept_ats + 1] = string.match(r[9], '^[^|]*')
+      else
+        finished[#finished + 1] = kid
+        states[#states + 1] = rec.state
+      end
       done[#done + 1] = rec.state
       done[#done + 1] = r[2]
     end
   end
   if #announced > 0 then
-    local ix, listed = sg_ix(keys[7]), {}
-    sg_ix_finish_many(ix, finished, states, now + tonumber(retention), now, listed)
+    local ix, listed, expires = sg_ix(keys[7]), {}, now + tonumber(retention)
+    sg_ix_finish_many(ix, finished, states, expires, now, listed)
+    sg_ix_finish_kept(ix, kept, kept_states, kept_ats, expires, now, listed)
     sg_ix_finished(ix, now, listed)
     sg_lane_events(keys[7], announced, retention, now, args[8])
   end
@@ -3908,7 +4000,7 @@ local function list(keys, args)
     if not (first and e[2] == first and ties <= passed) then
       looked = looked + 1
       local kid = e[1]
-      local row = redis.call('HGET', ix .. 'row', kid)
+      local row = sg_ix_row(ix, kid)
       local state = string.match(e[3], '^t:') == nil and e[3] ~= 'tracked' and e[3] or nil
       if not state then
         for _, s in ipairs(SG_IX_STATES) do
@@ -3952,7 +4044,7 @@ do
 local function track(keys, args)
   local ix = string.sub(keys[1], 1, -4)
   local kid = args[1]
-  if redis.call('HEXISTS', keys[1], kid) == 0 then return 0 end
+  if not sg_ix_row(ix, kid) then return 0 end
   local mark = {SG_IX_TRACKED, ix .. 'tracked'}
   local live = redis.call('ZSCORE', ix .. 'live', kid)
   local was = redis.call('ZSCORE', mark[2], kid)

@@ -469,9 +469,7 @@ impl Admin {
     /// The tags and tracking of a listed request (`None` when it is not listed).
     pub(crate) async fn listing_of(&self, key_id: &str) -> Result<Option<(Vec<String>, bool)>> {
         let home = self.home(key_id).await?;
-        let rows = self.store.keys.index_rows(home);
-        let row: Option<String> = self.store.client.hget(rows.as_str(), key_id).await?;
-        let Some(row) = row else { return Ok(None) };
+        let Some(row) = listing::row_of(&self.store, home, key_id).await? else { return Ok(None) };
         let tags = listing::Row::parse(&row)?.tags;
         let tracked: Option<f64> =
             self.store.client.zscore(self.store.keys.index_set(home, "tracked").as_str(), key_id).await?;

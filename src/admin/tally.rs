@@ -89,11 +89,12 @@ impl Admin {
                 let pipe = client.pipeline();
                 for (id, row) in chunk.iter().zip(&rows) {
                     // A lane request's record is on the shard that lists it; one with keys of its
-                    // own keeps the count in its meta.
+                    // own keeps the count in its meta. A row not in the index's rows is kept in a
+                    // lane record (docs/protocol.md §5).
                     let lane = row
                         .as_deref()
-                        .and_then(|row| Row::parse(row).ok())
-                        .is_some_and(|r| r.kind == Kind::Lane);
+                        .map_or(Ok(Kind::Lane), |row| Row::parse(row).map(|r| r.kind))
+                        .is_ok_and(|kind| kind == Kind::Lane);
                     let record = if lane { keys.record(shard, id) } else { keys.request(id).meta };
                     pipe.hget::<(), _, _>(record, "failed").await?;
                 }

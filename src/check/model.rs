@@ -626,6 +626,10 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let _: () = pipe.zrange(ix("tracked"), 0, -1, None, false, None, false).await.map_err(e)?;
     let _: () = pipe.hget(ix("tl"), " tracked").await.map_err(e)?;
     let _: () = pipe.pttl(ix("tracked")).await.map_err(e)?;
+    let _: () = pipe.zrange(ix("exp"), 0, -1, None, false, None, false).await.map_err(e)?;
+    for state in ["completed", "failed", "cancelled"] {
+        let _: () = pipe.zrange(ix(state), 0, -1, None, false, None, false).await.map_err(e)?;
+    }
     let mut replies: std::vec::IntoIter<Value> = pipe.all::<Vec<Value>>().await.map_err(e)?.into_iter();
     let mut next = || replies.next().unwrap_or(Value::Null);
     let active: Vec<String> = next().convert().map_err(e)?;
@@ -634,9 +638,14 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let now = secs * 1000 + micros / 1000 + world.clock_ms;
     let mut out = BTreeMap::new();
     let mut lanes: HashMap<String, Vec<String>> = HashMap::new();
+    // Lane requests whose records keep their listing rows (no tags: docs/protocol.md §5).
+    let mut kept_rows = HashSet::new();
     for i in 0..REQUEST_IDS {
         let kid = request_id(i).key_id();
         let record: HashMap<String, Vec<u8>> = next().convert().map_err(e)?;
+        if record.contains_key("ix") {
+            kept_rows.insert(kid.clone());
+        }
         let meta: HashMap<String, String> = next().convert().map_err(e)?;
         let results: u64 = next().convert().map_err(e)?;
         let dead: u64 = next().convert().map_err(e)?;
@@ -659,8 +668,17 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let tracked: Vec<String> = next().convert().map_err(e)?;
     let tracked_live: Option<i64> = next().convert().map_err(e)?;
     let tracked_ttl: i64 = next().convert().map_err(e)?;
+    let expiring: Vec<String> = next().convert().map_err(e)?;
+    let mut states = vec![live.clone()];
+    for _ in 0..3 {
+        states.push(next().convert().map_err(e)?);
+    }
+    // Listed: a row in ix:row or kept in a lane record, or an entry of the index (a purged lane
+    // request's kept row went with its record; its entries stay until `unlist` or its expiry).
+    let rows = rows.into_iter().chain(kept_rows).chain(live.iter().cloned()).chain(expiring).collect();
     let index = IndexSeen {
-        rows: rows.into_iter().collect(),
+        rows,
+        states,
         live: live.into_iter().collect(),
         tracked,
         tracked_live: tracked_live.unwrap_or(0),
@@ -765,9 +783,23 @@ async fn scan(c: &Client, pattern: &str) -> Result<Vec<String>, String> {
     }
 }
 
+/// The listing row of `kid` on shard 0: in the index's rows, or kept in its lane record (a lane
+/// request without tags, docs/protocol.md §5).
+async fn listed_row(c: &Client, ns: &str, kid: &str) -> Result<Option<String>, String> {
+    let e = |e: fred::error::Error| e.to_string();
+    let row: Option<String> = c.hget(format!("{ns}:{{{ns}.q0}}:ix:row"), kid).await.map_err(e)?;
+    if row.is_some() {
+        return Ok(row);
+    }
+    c.hget(format!("{ns}:{{{ns}.q0}}:s:{kid}"), "ix").await.map_err(e)
+}
+
 /// The listing index of shard 0, as the step checks read it.
 struct IndexSeen {
+    /// The requests listed, by a row or by an entry in `ix:live` or `ix:exp`.
     rows: HashSet<String>,
+    /// The members of `ix:live`, `ix:completed`, `ix:failed` and `ix:cancelled`.
+    states: Vec<Vec<String>>,
     live: HashSet<String>,
     tracked: Vec<String>,
     /// `ix:tl`'s count of the tracked set's live members, and the set's expiry (PTTL).
@@ -776,9 +808,19 @@ struct IndexSeen {
 }
 
 /// The listing index's invariants: a live request is listed as live, unless it was submitted
-/// unlisted, and one only ever submitted unlisted is not listed; the tracked set holds listed
-/// requests only, counts its live ones exactly (`ix:tl`), and keeps no expiry while it has one.
+/// unlisted, and one only ever submitted unlisted is not listed; no request is in two state sets;
+/// the tracked set holds listed requests only, counts its live ones exactly (`ix:tl`), and keeps
+/// no expiry while it has one.
 fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Result<(), String> {
+    let mut state_of: HashMap<&str, usize> = HashMap::new();
+    for (n, members) in ix.states.iter().enumerate() {
+        for kid in members {
+            if let Some(other) = state_of.insert(kid.as_str(), n) {
+                let names = ["live", "completed", "failed", "cancelled"];
+                return Err(format!("{kid} is in the index's {} and {} sets", names[other], names[n]));
+            }
+        }
+    }
     for (i, s) in seen {
         let kid = request_id(*i).key_id();
         let model = world.model.requests.get(i);
@@ -1080,7 +1122,10 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             // A purge that answered Ok took the request out of the index, and its finish marks.
             if model.is_some_and(|m| m.unlisted) {
                 let kid = r.key_id();
-                let row: Option<String> = c.hget(ix("row"), kid.as_str()).await.map_err(e)?;
+                let row = listed_row(c, ns, &kid).await?;
+                // A row its record kept went with the record: its entries must have gone too.
+                let expiring: Option<f64> = c.zscore(ix("exp"), kid.as_str()).await.map_err(e)?;
+                let row = row.or(expiring.map(|_| "(an entry in ix:exp)".to_owned()));
                 let marks: i64 = c.exists(format!("{ns}:{{{ns}.q0}}:f:{kid}")).await.map_err(e)?;
                 if row.is_some() || marks > 0 {
                     return Err(format!(
@@ -1226,7 +1271,7 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
         .collect();
     for (i, s) in &seen {
         let kid = request_id(*i).key_id();
-        let row: Option<String> = c.hget(ix("row"), kid.as_str()).await.map_err(e)?;
+        let row = listed_row(c, ns, &kid).await?;
         let model = world.model.requests.get(i);
         if model.is_some_and(|m| m.submitted_unlisted) {
             if row.is_some() && !model.is_some_and(|m| m.submitted_listed) {

@@ -3,6 +3,7 @@
 //! submit and finish functions (prelude.lua, "The listing index"); here is what reads and trims it
 //! on an operator's behalf, and the row each request is entered with.
 
+use fred::interfaces::HashesInterface;
 use fred::types::Value;
 
 use super::refusal::{Code, Refusal};
@@ -167,6 +168,18 @@ fn score_text(score: f64) -> String {
 
 fn parse_score(s: &str) -> Result<f64> {
     s.parse::<f64>().map_err(|_| Error::Protocol(format!("list answered the score {s:?}")))
+}
+
+/// The listing row of `key_id` on `shard`: from the index's rows, or kept in its lane record (a
+/// lane request without tags: field `ix`, "<submitted ms>|<row>"; docs/protocol.md §5). `None`
+/// when it is not listed.
+pub(crate) async fn row_of(store: &Store, shard: u32, key_id: &str) -> Result<Option<String>> {
+    let row: Option<String> = store.client.hget(store.keys.index_rows(shard).as_str(), key_id).await?;
+    if row.is_some() {
+        return Ok(row);
+    }
+    let kept: Option<String> = store.client.hget(store.keys.record(shard, key_id).as_str(), "ix").await?;
+    Ok(kept.and_then(|k| k.split_once('|').map(|(_, row)| row.to_owned())))
 }
 
 /// `track` on `shard`: marks (or unmarks) `key_id` as tracked. False when it is not listed.

@@ -773,7 +773,7 @@ async fn unlisted_requests_run_and_answer_by_id_but_are_not_listed_or_counted() 
 /// listed, not where the admin's own count would put it), and finds each by id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_with_another_shard_count_lists_and_finds_every_lane_request() {
-    use fred::prelude::HashesInterface;
+    use fred::prelude::SortedSetsInterface;
     use sluicegate::ListQuery;
     let env = env_on(TOPOLOGY, "listshards").await;
     let producer = Producer::connect(&env.config.clone().token_shards(3)).await.unwrap();
@@ -786,7 +786,7 @@ async fn an_admin_with_another_shard_count_lists_and_finds_every_lane_request() 
     let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
     let mut indexed = 0u64;
     for shard in 0..2 {
-        let rows: u64 = redis.hlen(format!("{ns}:{{{ns}.q{shard}}}:ix:row")).await.unwrap();
+        let rows: u64 = redis.zcard(format!("{ns}:{{{ns}.q{shard}}}:ix:live")).await.unwrap();
         indexed += rows;
     }
     assert!(indexed > 0 && indexed < 40, "the 40 requests spread over 3 shards: {indexed} on shards 0 and 1");

@@ -868,7 +868,11 @@ class Admin:
         home = self._home(kid)
         row = p.conn.client.hget(p.keys.index_rows(home), kid)
         if row is None:
-            return None
+            # A lane request without tags: its record keeps its row, "<submitted ms>|<row>".
+            kept = p.conn.client.hget(p.keys.record(home, kid), "ix")
+            if kept is None:
+                return None
+            row = text(kept).split("|", 1)[1]
         tags = _Row.parse(text(row)).tags
         tracked = p.conn.client.zscore(p.keys.index_set(home, "tracked"), kid)
         return tags, tracked is not None
