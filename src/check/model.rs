@@ -414,9 +414,11 @@ fn check_gate(r: &RequestId, d: &Seen, seen: &BTreeMap<u8, Seen>) -> Result<(), 
     Ok(())
 }
 
-/// A downstream that failed because of an upstream (`why` = `upstream:<ukid>`): its field says that
-/// upstream failed, its policy is 'fail', and (`end`: once everything has drained) that upstream
-/// has not completed since, or the downstream would have reopened.
+/// A downstream that failed because of an upstream (`why` = `upstream:<ukid>`): its policy is
+/// 'fail', its field says that upstream failed (or, between the release that recorded the
+/// upstream's completion and the requeue that reopens the downstream, completed), and (`end`: once
+/// everything has drained) that upstream has not completed since, or the downstream would have
+/// reopened.
 fn check_failed_by_upstream(
     r: &RequestId,
     d: &Seen,
@@ -434,6 +436,12 @@ fn check_failed_by_upstream(
     let Some((status, lc)) = upstream_field(d, ukid) else {
         return Err(format!("{r} failed because of {ukid}, which is not its upstream"));
     };
+    if status == "c" && !end {
+        // The release of that upstream's completion recorded it and answered "reopen": its caller
+        // requeues the downstream next (and a re-run of the release, from the outbox, if it dies
+        // first). Once everything has drained, it must have.
+        return Ok(());
+    }
     if status != "f" {
         return Err(format!("{r} failed because of its upstream {ukid}, whose field says {status} {lc}"));
     }
