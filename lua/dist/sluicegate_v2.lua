@@ -1212,42 +1212,10 @@ local function sg_ix_finished(ix, now, batch)
   sg_ix_settle(ix, now)
 end
 
--- sg_ix_finish for several requests at once, with one command per set: `kids` turned terminal
--- in `states` (by position), their keys expiring at `expires`.
-local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
-  if #kids == 0 then return end
-  local scores = redis.call('ZMSCORE', ix .. 'live', unpack(kids))
-  local listed, by_state, exp, at = {}, {}, {}, sg_int(expires)
-  for j, kid in ipairs(kids) do
-    if scores[j] then
-      listed[#listed + 1] = kid
-      local members = by_state[states[j]] or {}
-      by_state[states[j]] = members
-      members[#members + 1] = scores[j]
-      members[#members + 1] = kid
-      exp[#exp + 1] = at
-      exp[#exp + 1] = kid
-    end
-  end
-  if #listed == 0 then return end
-  redis.call('ZREM', ix .. 'live', unpack(listed))
-  for state, members in pairs(by_state) do
-    redis.call('ZADD', ix .. state, unpack(members))
-    batch[state] = math.max(batch[state] or 0, expires)
-  end
-  redis.call('ZADD', ix .. 'exp', unpack(exp))
-  local rows = redis.call('HMGET', ix .. 'row', unpack(listed))
-  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(listed))
-  for j = 1, #listed do
-    for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do sg_ix_mark_done(ix, mark, expires, now) end
-  end
-end
-
--- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), listed live
--- by construction: `ats` their submission times (text, from the records), so neither the live
--- set's scores nor `row` is read.
-local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
-  if #kids == 0 then return end
+-- Moves live requests `kids` to the terminal sets `states` names (by position), each scored by
+-- its submission time `ats[j]` (text), and enters their expiry `expires` in `exp`: one command per
+-- set. Notes in `batch` the latest expiry of each terminal set entered (sg_ix_finished).
+local function sg_ix_move(ix, kids, states, ats, expires, batch)
   local by_state, exp, at = {}, {}, sg_int(expires)
   for j, kid in ipairs(kids) do
     local members = by_state[states[j]] or {}
@@ -1263,6 +1231,36 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
     batch[state] = math.max(batch[state] or 0, expires)
   end
   redis.call('ZADD', ix .. 'exp', unpack(exp))
+end
+
+-- sg_ix_finish for several requests at once, with one command per set: `kids` turned terminal
+-- in `states` (by position), their keys expiring at `expires`. Those not live are not listed.
+local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
+  if #kids == 0 then return end
+  local scores = redis.call('ZMSCORE', ix .. 'live', unpack(kids))
+  local listed, listed_states, ats = {}, {}, {}
+  for j, kid in ipairs(kids) do
+    if scores[j] then
+      listed[#listed + 1] = kid
+      listed_states[#listed] = states[j]
+      ats[#listed] = scores[j]
+    end
+  end
+  if #listed == 0 then return end
+  sg_ix_move(ix, listed, listed_states, ats, expires, batch)
+  local rows = redis.call('HMGET', ix .. 'row', unpack(listed))
+  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(listed))
+  for j = 1, #listed do
+    for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do sg_ix_mark_done(ix, mark, expires, now) end
+  end
+end
+
+-- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), listed live
+-- by construction: `ats` their submission times (text, from the records), so neither the live
+-- set's scores nor `row` is read.
+local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
+  if #kids == 0 then return end
+  sg_ix_move(ix, kids, states, ats, expires, batch)
   if redis.call('EXISTS', ix .. 'tracked') == 0 then return end
   local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(kids))
   for j = 1, #kids do
