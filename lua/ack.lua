@@ -77,8 +77,9 @@ local function ack(keys, args)
   for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
     -- The part's field in the results and errors hashes, as text: Redis would format a Lua
-    -- number as a double (%.17g), the costliest step of an argument.
-    local name = string.format('%d', index)
+    -- number as a double (%.17g), the costliest step of an argument. Small indices are
+    -- remembered (sg_str).
+    local name = sg_str(index)
     -- The outcome of a part below `taken` was handed to the reader already (a requeued dead
     -- letter that ran again): nothing more is recorded for it.
     local past = index < taken

@@ -22,13 +22,13 @@ local function stream_append(keys, args)
   if first > total then
     return redis.error_reply('SGGAP parts from index ' .. total .. ' are missing before index ' .. first)
   end
+  -- Part i is entry 0-<i+1>. Parts are appended in order and `total` is the number of the last
+  -- one (trims and deletes leave the stream's last id as it was), so `0-*` (the next sequence
+  -- number) names each part's entry without formatting its number.
   local added = 0
-  for i = 5, #args do
-    local index = first + i - 5
-    if index >= total then
-      redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i])
-      added = added + 1
-    end
+  for i = math.max(total - first, 0) + 5, #args do
+    redis.call('XADD', keys[2], '0-*', 'p', args[i])
+    added = added + 1
   end
   redis.call('HINCRBY', keys[1], 'total', added)
   local left = redis.call('HINCRBY', keys[1], 'left', added)

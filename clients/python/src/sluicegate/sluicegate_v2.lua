@@ -1774,9 +1774,11 @@ local function load_parts(keys, args)
   if first > have then
     return redis.error_reply('SGGAP parts from index ' .. have .. ' are missing before index ' .. first)
   end
-  for i = 3, #args do
-    local index = first + i - 3
-    if index >= have then redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i]) end
+  -- Part i is entry 0-<i+1>. The stream was created empty (submit_open) and only this appends to
+  -- it while it loads, in order, so `0-*` (the next sequence number after the last entry) names
+  -- each part's entry without formatting its number.
+  for i = math.max(have - first, 0) + 3, #args do
+    redis.call('XADD', keys[2], '0-*', 'p', args[i])
   end
   return redis.call('XLEN', keys[2])
 end
@@ -2004,13 +2006,13 @@ local function stream_append(keys, args)
   if first > total then
     return redis.error_reply('SGGAP parts from index ' .. total .. ' are missing before index ' .. first)
   end
+  -- Part i is entry 0-<i+1>. Parts are appended in order and `total` is the number of the last
+  -- one (trims and deletes leave the stream's last id as it was), so `0-*` (the next sequence
+  -- number) names each part's entry without formatting its number.
   local added = 0
-  for i = 5, #args do
-    local index = first + i - 5
-    if index >= total then
-      redis.call('XADD', keys[2], '0-' .. (index + 1), 'p', args[i])
-      added = added + 1
-    end
+  for i = math.max(total - first, 0) + 5, #args do
+    redis.call('XADD', keys[2], '0-*', 'p', args[i])
+    added = added + 1
   end
   redis.call('HINCRBY', keys[1], 'total', added)
   local left = redis.call('HINCRBY', keys[1], 'left', added)
@@ -2621,8 +2623,9 @@ local function ack(keys, args)
   for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
     -- The part's field in the results and errors hashes, as text: Redis would format a Lua
-    -- number as a double (%.17g), the costliest step of an argument.
-    local name = string.format('%d', index)
+    -- number as a double (%.17g), the costliest step of an argument. Small indices are
+    -- remembered (sg_str).
+    local name = sg_str(index)
     -- The outcome of a part below `taken` was handed to the reader already (a requeued dead
     -- letter that ran again): nothing more is recorded for it.
     local past = index < taken
