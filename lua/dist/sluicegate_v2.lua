@@ -54,9 +54,12 @@ local function sg_split(s)
   return out
 end
 
--- Entry ids are "0-<index + 1>": the sub-request index is the sequence number minus one.
+-- Entry ids are "0-<index + 1>": the sub-request index is the sequence number minus one. Every
+-- id given here was made by the library's own XADDs (read back from Redis, or fenced against a
+-- token's list of them), so its digits start at the third character (a cut is cheaper than a
+-- pattern, on the path of every part).
 local function sg_index(entry_id)
-  return tonumber(string.match(entry_id, '^0%-(%d+)$')) - 1
+  return tonumber(string.sub(entry_id, 3)) - 1
 end
 
 local function sg_element(rid, k, epoch)
