@@ -54,12 +54,21 @@ local function sg_split(s)
   return out
 end
 
+-- The indices of entry ids "0-1" to "0-1024", remembered as they are first met (sg_index).
+local SG_INDEX = {}
+
 -- Entry ids are "0-<index + 1>": the sub-request index is the sequence number minus one. Every
 -- id given here was made by the library's own XADDs (read back from Redis, or fenced against a
 -- token's list of them), so its digits start at the third character (a cut is cheaper than a
--- pattern, on the path of every part).
+-- pattern, on the path of every part). Turning text into a number costs about what a Redis
+-- command does here, so small indices are remembered (the ids are interned strings: a lookup
+-- is cheap).
 local function sg_index(entry_id)
-  return tonumber(string.sub(entry_id, 3)) - 1
+  local i = SG_INDEX[entry_id]
+  if i then return i end
+  i = tonumber(string.sub(entry_id, 3)) - 1
+  if i < 1024 then SG_INDEX[entry_id] = i end
+  return i
 end
 
 local function sg_element(rid, k, epoch)
