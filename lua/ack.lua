@@ -60,11 +60,10 @@ local function ack(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl', 'rate', 'tat')
   local tok = m[1]
   if not tok then return {'fenced'} end
-  local f = sg_split(tok)
   local ids = {}
   for i = 10, #args, 5 do ids[#ids + 1] = args[i] end
   -- The token check is the fence: XACK alone would accept entries that were claimed by another.
-  if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
+  if not sg_holds(tok, epoch, holder, table.concat(ids, ',')) then
     return {'fenced'}
   end
   local now = sg_now()

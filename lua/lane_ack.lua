@@ -24,10 +24,9 @@ local function lane_ack(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
   local tok = m[1]
   if not tok then return {'fenced'} end
-  local f = sg_split(tok)
   local ids = {}
   for i = 11, #args, 8 do ids[#ids + 1] = args[i] end
-  if f[1] ~= 'h' or f[2] ~= epoch or f[3] ~= holder or f[5] ~= table.concat(ids, ',') then
+  if not sg_holds(tok, epoch, holder, table.concat(ids, ',')) then
     return {'fenced'}
   end
   -- The token holds exactly these entries under this epoch, so each is pending and is settled

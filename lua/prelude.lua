@@ -52,6 +52,17 @@ local function sg_split(s)
   return out
 end
 
+-- Whether token value `tok` says it is held under `epoch` by `holder` with exactly the entries
+-- `list` (their ids joined by commas): the fence of every ack. A held token's value is
+-- "h|<epoch>|<holder>|<since>|<list>", four bars exactly (its only writers: sg_next,
+-- sg_lane_next), so it matches when it starts with the first three fields and ends with the
+-- last, with `since` between: what sg_split and a comparison of its fields would say, without
+-- splitting a value that grows with the batch.
+local function sg_holds(tok, epoch, holder, list)
+  local head, tail = 'h|' .. epoch .. '|' .. holder .. '|', '|' .. list
+  return #tok > #head + #tail and string.sub(tok, 1, #head) == head and string.sub(tok, -#tail) == tail
+end
+
 -- The indices of entry ids "0-1" to "0-1024", remembered as they are first met (sg_index).
 local SG_INDEX = {}
 
