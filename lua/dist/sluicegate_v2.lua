@@ -1797,9 +1797,10 @@ local function load_parts(keys, args)
   if first > have then
     return redis.error_reply('SGGAP parts from index ' .. have .. ' are missing before index ' .. first)
   end
-  -- Part i is entry 0-<i+1>. The stream was created empty (submit_open) and only this appends to
-  -- it while it loads, in order, so `0-*` (the next sequence number after the last entry) names
-  -- each part's entry without formatting its number.
+  -- Part i is entry 0-<i+1>. The stream was created empty (submit_open) and its parts go in in
+  -- order, here or by a client's plain XADD of the same ids (docs/protocol.md), so its last entry
+  -- is 0-<XLEN> and `0-*` (the next sequence number) names each part's entry without formatting
+  -- its number.
   for i = math.max(have - first, 0) + 3, #args do
     redis.call('XADD', keys[2], '0-*', 'p', args[i])
   end
