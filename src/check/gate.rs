@@ -48,7 +48,7 @@ pub(crate) enum Event {
     /// The call of a [`Fault::DieAfter`] has run; the actor is to be dropped.
     Dying,
     /// A handler is about to run sub-request `index` (attempt `attempt`) of request `request`.
-    Handler { request: String, index: u64, attempt: u32, resume: oneshot::Sender<Verdict> },
+    Handler { request: String, index: u64, attempt: u32, input: u64, resume: oneshot::Sender<Verdict> },
 }
 
 /// The scheduler's end: shared by every store and handler of one checker world.
@@ -100,9 +100,9 @@ impl Gate {
     }
 
     /// Parks a handler run until the scheduler says how it ends.
-    pub(crate) async fn handler(&self, request: String, index: u64, attempt: u32) -> Verdict {
+    pub(crate) async fn handler(&self, request: String, index: u64, attempt: u32, input: u64) -> Verdict {
         let (resume, decided) = oneshot::channel();
-        let _ = self.events.send(Event::Handler { request, index, attempt, resume });
+        let _ = self.events.send(Event::Handler { request, index, attempt, input, resume });
         match decided.await {
             Ok(v) => v,
             // The scheduler dropped its actor: this run never ends.

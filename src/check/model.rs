@@ -174,8 +174,17 @@ impl Model {
         request: &str,
         index: u64,
         attempt: u32,
+        input: u64,
         at_ms: u64,
     ) {
+        // Every part's payload names its index (world::payload): a handler is told the index of
+        // the part it runs (`Context::index`, which users key their work by).
+        if input % 1000 != index + 1 && self.broken.is_none() {
+            self.broken = Some(format!(
+                "{request}[{index}] attempt {attempt} ran with the payload of part {}",
+                (input % 1000).wrapping_sub(1)
+            ));
+        }
         self.running.insert(actor, (request.to_owned(), index, attempt));
         if let Some(i) = index_of(request) {
             self.requests.entry(i).or_default().starts.push(at_ms);

@@ -39,7 +39,7 @@ impl Handler for CheckHandler {
     type Input = u64;
     type Output = u64;
     async fn handle(&self, ctx: Context, n: u64) -> Result<u64, HandlerError> {
-        match self.gate.handler(ctx.request_id().to_string(), ctx.index(), ctx.attempt()).await {
+        match self.gate.handler(ctx.request_id().to_string(), ctx.index(), ctx.attempt(), n).await {
             Verdict::Ok => Ok(n * 3),
             Verdict::Fail => Err(HandlerError::new("a failure chosen by the checker")),
             Verdict::Permanent => Err(HandlerError::permanent("a permanent failure chosen by the checker")),
@@ -774,12 +774,12 @@ impl World {
                 self.parked.push(Parked::Call { actor: id, what, key, resume });
                 Ok(())
             }
-            Some(Some(Event::Handler { request, index, attempt, resume })) => {
+            Some(Some(Event::Handler { request, index, attempt, input, resume })) => {
                 actor.task = Some(task);
                 let now =
                     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
                 let at_ms = now.as_millis() as u64 + self.clock_ms;
-                self.model.handler_started(id, &request, index, attempt, at_ms);
+                self.model.handler_started(id, &request, index, attempt, input, at_ms);
                 self.parked.push(Parked::Handler { actor: id, request, index, attempt, resume });
                 Ok(())
             }

@@ -574,6 +574,55 @@ async fn a_permanent_error_is_not_retried() {
     w.stop().await;
 }
 
+/// Fails the first attempt of every fifth part (retried at once), and records every run whose
+/// context names another index than its payload's.
+#[derive(Clone, Default)]
+struct IndexCheck {
+    wrong: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+#[async_trait]
+impl Handler for IndexCheck {
+    type Input = Job;
+    type Output = u64;
+    async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        if ctx.index() != job.n {
+            self.wrong.lock().unwrap().push((ctx.index(), job.n));
+        }
+        if job.n % 5 == 0 && ctx.attempt() == 1 {
+            return Err(HandlerError::new("first attempt of a fifth part"));
+        }
+        Ok(job.n)
+    }
+}
+
+// A slot's batch holds the retries that fell due first, then new entries: each is handed out
+// with its own index (the library numbers a run of new entries from its first id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retried_parts_handed_out_before_new_ones_keep_their_indices() {
+    let env = env_streams(TOPOLOGY, "indices").await;
+    let config = fast(&env.config);
+    let handler = IndexCheck::default();
+    let w = start_worker(&config, handler.clone(), 1, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let h = producer
+        .request()
+        .max_attempts(2)
+        .unwrap()
+        .backoff(Duration::from_millis(1), Duration::from_millis(1))
+        .unwrap()
+        .submit((0..300).map(Job::new))
+        .await
+        .unwrap();
+    let done = h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), (0..300).collect::<Vec<u64>>());
+    assert_eq!(*handler.wrong.lock().unwrap(), Vec::<(u64, u64)>::new(), "(context index, payload's index) of runs told another index");
+    // Each part that failed once and then succeeded had its error record cleared.
+    let status = sluicegate::Admin::connect(&config).await.unwrap().status(h.id()).await.unwrap();
+    assert_eq!(status.errors.iter().map(|e| e.index).collect::<Vec<u64>>(), Vec::<u64>::new(), "error records left");
+    w.stop().await;
+}
+
 /// Sleeps 2 s on the first attempt of every part, then answers at once.
 struct SlowFirst;
 
