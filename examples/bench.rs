@@ -412,6 +412,7 @@ impl Bench {
             .rate(started.elapsed())
             .cost(&before, &stats(&self.nodes).await?)
             .note(format!("{requests} x {parts} parts, submitted one request after another"));
+        slowlog_on(&self.redis).await?;
         let before = stats(&self.nodes).await?;
         let started = Instant::now();
         let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
@@ -420,6 +421,8 @@ impl Bench {
         let after = stats(&self.nodes).await?;
         stop.cancel();
         task.await??;
+        profile(scenario, &before, &after, items);
+        slowlog_report(&self.redis, scenario, items).await?;
         let grouped =
             if groups > 0 { format!(", in {groups} groups of limit {SLOTS}") } else { String::new() };
         let run = Row::new(scenario, items).rate(elapsed).cost(&before, &after).note(format!(

@@ -73,6 +73,9 @@ local function ack(keys, args)
   local window, discard, taken = tonumber(m[3] or '0'), m[4] == '1', tonumber(m[5] or '0')
   local one_by_one = window > 0 or discard or taken > 0
   local settled_ok, discarded, deleted = 0, 0, {}
+  -- A part that succeeds clears the error record an earlier attempt left, if there is any: with
+  -- no errors hash, there is none to clear.
+  local errored = redis.call('EXISTS', keys[4]) == 1
   for i = 10, #args, 5 do
     local id, outcome, body, index = args[i], args[i + 1], args[i + 2], sg_index(args[i])
     -- The part's field in the results and errors hashes, as text: Redis would format a Lua
@@ -97,7 +100,7 @@ local function ack(keys, args)
         end
         if m[6] == '1' then deleted[#deleted + 1] = id end
       end
-      if not past then cleared[#cleared + 1] = name end
+      if errored and not past then cleared[#cleared + 1] = name end
       if args[i + 4] ~= '1' then
         -- Succeeded after retries: kept in the record, which the error record no longer is.
         redis.call('HINCRBY', keys[1], 'retried', 1)
