@@ -1284,8 +1284,7 @@ impl RequestHandle {
     /// message was lost in a reconnect.
     pub async fn wait<O: DeserializeOwned>(&self) -> Result<Completion<O>> {
         let bell = self.producer.doorbell().await?;
-        let mut rx = bell.tx.subscribe();
-        let key_id = self.id.key_id();
+        let ring = bell.listen(self.id.key_id());
         loop {
             // A dropped connection is waited out (the clients reconnect by themselves); the
             // doorbell re-subscribes, and the durable record is read again below anyway.
@@ -1293,19 +1292,10 @@ impl RequestHandle {
             if let Some(done) = read {
                 return Ok(done);
             }
-            let poll = tokio::time::sleep(self.producer.store.config.wait_poll);
-            tokio::pin!(poll);
-            loop {
-                tokio::select! {
-                    msg = rx.recv() => match msg {
-                        Ok(rid) if rid == key_id => break,
-                        Ok(_) => continue,
-                        // Lagged: some message may have been ours; closed: the poll carries on.
-                        Err(broadcast::error::RecvError::Lagged(_)) => break,
-                        Err(broadcast::error::RecvError::Closed) => { (&mut poll).await; break }
-                    },
-                    _ = &mut poll => break,
-                }
+            // A message that came since the listening began left a permit: this returns at once.
+            tokio::select! {
+                _ = ring.notify.notified() => {}
+                _ = tokio::time::sleep(self.producer.store.config.wait_poll) => {}
             }
         }
     }
@@ -1504,10 +1494,34 @@ impl Drop for Counting {
     }
 }
 
-/// One subscription to the completion channel per producer, fanned out to every waiting handle.
+/// The handles waiting, by request key id: one `Notify` per waiting call.
+type Listening = Arc<std::sync::Mutex<HashMap<String, Vec<Arc<tokio::sync::Notify>>>>>;
+
+/// One subscription to the completion channel per producer, rung through to the handles waiting
+/// for the requests each message names (and only those: a producer waiting for many requests
+/// pays per message for its own waiters, not for all of them).
 struct Doorbell {
-    tx: broadcast::Sender<String>,
+    listening: Listening,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// One waiting call's place at the doorbell, left when dropped.
+struct Ring {
+    listening: Listening,
+    key_id: String,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        let mut listening = self.listening.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(waiting) = listening.get_mut(&self.key_id) {
+            waiting.retain(|n| !Arc::ptr_eq(n, &self.notify));
+            if waiting.is_empty() {
+                listening.remove(&self.key_id);
+            }
+        }
+    }
 }
 
 impl Doorbell {
@@ -1515,17 +1529,20 @@ impl Doorbell {
         let sub = store.subscriber().await?;
         let mut messages = sub.message_rx();
         sub.subscribe(store.keys.done_channel()).await?;
-        let (tx, _) = broadcast::channel(4096);
-        let fan_out = tx.clone();
+        let listening = Listening::default();
+        let rings = listening.clone();
         let task = tokio::spawn(async move {
             // Owns the subscriber: it lives exactly as long as this task.
             let _sub = sub;
             loop {
                 match messages.recv().await {
                     Ok(msg) => {
-                        if let Some(text) = msg.value.as_string() {
-                            for rid in crate::protocol::doorbell_key_ids(&text) {
-                                let _ = fan_out.send(rid.to_owned());
+                        let Some(text) = msg.value.as_string() else { continue };
+                        let rings = rings.lock().unwrap_or_else(|e| e.into_inner());
+                        for rid in crate::protocol::doorbell_key_ids(&text) {
+                            // A permit each: a call between its read and its wait returns at once.
+                            for notify in rings.get(rid).into_iter().flatten() {
+                                notify.notify_one();
                             }
                         }
                     }
@@ -1534,7 +1551,15 @@ impl Doorbell {
                 }
             }
         });
-        Ok(Self { tx, task })
+        Ok(Self { listening, task })
+    }
+
+    /// Listens for request `key_id`'s completion from now on.
+    fn listen(&self, key_id: String) -> Ring {
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let mut listening = self.listening.lock().unwrap_or_else(|e| e.into_inner());
+        listening.entry(key_id.clone()).or_default().push(notify.clone());
+        Ring { listening: self.listening.clone(), key_id, notify }
     }
 }
 

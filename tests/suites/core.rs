@@ -424,6 +424,37 @@ async fn wait_after_completion_returns_the_same_results_and_listeners_see_each_c
     w.stop().await;
 }
 
+// Each waiting call is rung by its own request's completion message: with a poll far longer than
+// the test, every wait (two at once on one handle among them), all begun before any worker runs,
+// returns its own request's results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_waits_are_each_rung_by_their_own_request() {
+    let env = env_on(TOPOLOGY, "rung").await;
+    let config = env.config.clone().wait_poll(Duration::from_secs(600));
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut handles = Vec::new();
+    for r in 0..20u64 {
+        let parts = if r % 2 == 0 { 1 } else { 5 };
+        handles.push(producer.request().submit((0..parts).map(|i| Job::new(r * 10 + i))).await.unwrap());
+    }
+    let waits =
+        futures::future::join_all(handles.iter().map(|h| h.wait_timeout::<u64>(Duration::from_secs(30))));
+    let again = handles[1].wait_timeout::<u64>(Duration::from_secs(30));
+    let worker = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        start_worker(&config, Probe::default(), 8, Quantum::default()).await
+    };
+    let (done, again, w) = tokio::join!(waits, again, worker);
+    for (r, d) in done.into_iter().enumerate() {
+        let r = r as u64;
+        let parts = if r % 2 == 0 { 1 } else { 5 };
+        let want: Vec<u64> = (0..parts).map(|i| (r * 10 + i) * 2).collect();
+        assert_eq!(d.expect("rung, not polled").into_outputs().unwrap(), want, "request {r}");
+    }
+    assert_eq!(again.expect("rung, not polled").into_outputs().unwrap(), [20, 22, 24, 26, 28]);
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lane_requests_finished_by_one_call_share_an_entry_and_a_cursor_inside_it_resumes_at_the_next() {
     let env = env_on(TOPOLOGY, "evbatch").await;
