@@ -37,6 +37,10 @@ local function lane_requeue(keys, args)
   local xs = {}
   for _, i in ipairs(dead) do xs[#xs + 1] = 'x' .. i end
   redis.call('HDEL', record, unpack(xs))
+  -- `rqd`: parts of this request run again with a fresh set of attempts, so lane_ack clears the
+  -- error record of a part that succeeds at its first attempt too.
+  moves[#moves + 1] = 'rqd'
+  moves[#moves + 1] = '1'
   redis.call('HSET', record, unpack(moves))
   if m[1] == 'failed' then
     -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;

@@ -3743,7 +3743,7 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf, dn, ix), which of its counters changed (`settled`: left, `dead`:
+  -- pol, left, failed, rq, nf, dn, ix, rqd), which of its counters changed (`settled`: left, `dead`:
   -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
   -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
   -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
@@ -3756,7 +3756,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix', 'rqd'),
         out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -3781,9 +3781,12 @@ local function lane_ack(keys, args)
       if outcome == 'ok' then
         out[#out + 1] = 'o' .. index
         out[#out + 1] = body
-        if attempt ~= '1' then
+        -- An error record is left by an earlier attempt, or by a run before a requeue (`rqd`).
+        if attempt ~= '1' or r[10] then
           rec.del = rec.del or {}
           rec.del[#rec.del + 1] = 'e' .. index
+        end
+        if attempt ~= '1' then
           redis.call('HINCRBY', prefix .. kid, 'retried', 1)
           if tonumber(attempt) > tonumber(redis.call('HGET', prefix .. kid, 'maxseen') or '1') then
             redis.call('HSET', prefix .. kid, 'maxseen', attempt)
@@ -3962,6 +3965,10 @@ local function lane_requeue(keys, args)
   local xs = {}
   for _, i in ipairs(dead) do xs[#xs + 1] = 'x' .. i end
   redis.call('HDEL', record, unpack(xs))
+  -- `rqd`: parts of this request run again with a fresh set of attempts, so lane_ack clears the
+  -- error record of a part that succeeds at its first attempt too.
+  moves[#moves + 1] = 'rqd'
+  moves[#moves + 1] = '1'
   redis.call('HSET', record, unpack(moves))
   if m[1] == 'failed' then
     -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;

@@ -1240,6 +1240,13 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
                 (Some(&got), _) if got != want => {
                     return Err(format!("{r}: part {index} has result {got}, not {want}"));
                 }
+                // A success clears the error record an earlier attempt left.
+                (Some(_), _) if errors.contains_key(&index) => {
+                    return Err(format!(
+                        "{r}: part {index} succeeded, but keeps an error record: {:?}",
+                        errors.get(&index)
+                    ));
+                }
                 (Some(_), _) => {}
                 (None, "completed") => {
                     return Err(format!(
