@@ -1546,7 +1546,12 @@ impl Doorbell {
                             }
                         }
                     }
-                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    // Messages were dropped, ours among them maybe: every waiting call reads its
+                    // record again now rather than at its next poll.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        let rings = rings.lock().unwrap_or_else(|e| e.into_inner());
+                        rings.values().flatten().for_each(|notify| notify.notify_one());
+                    }
                     Err(broadcast::error::RecvError::Closed) => break,
                 }
             }
