@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README, "Set up"; CI runs it through .ci/run): installs what the
-# tests need where it is missing, then runs every crate's tests. Arguments go to `cargo test`.
+# tests need where it is missing, then runs every crate's tests: with cargo-nextest when it is
+# installed (.config/nextest.toml: four tests at a time, each in its own process) and the doctests
+# with `cargo test --doc`, else with `cargo test`. Arguments, when given, go to `cargo test`
+# instead (`./test.sh --test integration core::`).
 #
 # The tests need a redis-server (each test starts its own on a free port), for the dashboard's
 # browser test Debian's chromium and chromium-driver, and for the Python client's suite
@@ -48,4 +51,8 @@ if [ -x "$venv/bin/python" ]; then
   fi
 fi
 
+if [ "$#" -eq 0 ] && cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace
+  exec cargo test --workspace --doc
+fi
 exec cargo test "$@"

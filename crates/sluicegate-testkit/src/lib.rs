@@ -1630,41 +1630,60 @@ fn make_temp_dir() -> io::Result<PathBuf> {
 
 /// Ports (client and cluster bus) held by the live [`RedisServer`]s of this
 /// process, including servers that are killed and will be restarted on the
-/// same port. Parallel tests run in one process, so this stops one test from
-/// picking a port (or a bus port) of another test's server, e.g. while that
-/// server is down between a kill and a restart.
-static RESERVED_PORTS: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+/// same port, each with its lock file (see [`lock_port`]). This stops one test
+/// from picking a port (or a bus port) of another test's server, e.g. while
+/// that server is down between a kill and a restart: tests in this process
+/// through the map, tests in other processes (a test runner that runs test
+/// binaries or single tests side by side) through the lock.
+static RESERVED_PORTS: Mutex<BTreeMap<u16, fs::File>> = Mutex::new(BTreeMap::new());
 
-fn reserved_ports() -> std::sync::MutexGuard<'static, BTreeSet<u16>> {
+fn reserved_ports() -> std::sync::MutexGuard<'static, BTreeMap<u16, fs::File>> {
     RESERVED_PORTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Takes `port`'s lock file in the temp dir, shared by every test process of
+/// this user: `None` while another process holds it. The lock is an advisory
+/// file lock, so it goes when its holder exits, however it exits; the files
+/// stay behind, empty.
+fn lock_port(port: u16) -> io::Result<Option<fs::File>> {
+    let dir = std::env::temp_dir().join("sluicegate-test-ports");
+    fs::create_dir_all(&dir)?;
+    let file =
+        OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()))?;
+    // fs4's, not std's `File::try_lock` (Rust 1.89): the workspace builds on Rust 1.80.
+    Ok(fs4::fs_std::FileExt::try_lock_exclusive(&file)?.then_some(file))
 }
 
 /// A random port in [`PORT_RANGE`] that can be bound right now, along with its
 /// cluster bus port; both are reserved (see [`RESERVED_PORTS`]) until
 /// [`release_port`]. We pick it ourselves rather than binding port 0 because
 /// the OS hands out ports from the ephemeral range, which may exceed 55535
-/// and is shared with outgoing connections. Another process may still take
-/// the port before redis binds it; callers retry with another port then.
+/// and is shared with outgoing connections. A process that does not take
+/// the locks (a redis-server of someone else's) may still take the port before
+/// redis binds it; callers retry with another port then.
 fn free_port() -> io::Result<u16> {
     let mut rng = rand::thread_rng();
     let mut reserved = reserved_ports();
     for _ in 0..100 {
         let port = rng.gen_range(PORT_RANGE);
         let bus = port + CLUSTER_BUS_OFFSET;
-        if reserved.contains(&port) || reserved.contains(&bus) {
+        if reserved.contains_key(&port) || reserved.contains_key(&bus) {
             continue;
         }
+        let (Some(port_lock), Some(bus_lock)) = (lock_port(port)?, lock_port(bus)?) else {
+            continue;
+        };
         let bindable = |p: u16| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok();
         if bindable(port) && bindable(bus) {
-            reserved.insert(port);
-            reserved.insert(bus);
+            reserved.insert(port, port_lock);
+            reserved.insert(bus, bus_lock);
             return Ok(port);
         }
     }
     Err(io::Error::new(io::ErrorKind::AddrInUse, format!("no free port found in {PORT_RANGE:?}")))
 }
 
-/// Undoes the reservation of [`free_port`].
+/// Undoes the reservation of [`free_port`], dropping the locks.
 fn release_port(port: u16) {
     let mut reserved = reserved_ports();
     reserved.remove(&port);
@@ -1783,6 +1802,22 @@ mod tests {
         let pong: String = client.ping(None).await?;
         client.quit().await?;
         Ok(pong)
+    }
+
+    /// A port's lock is held by one open file at a time (another process's, or this one's), so
+    /// a test process never picks a port another one holds, and it is free once dropped.
+    #[test]
+    fn a_held_port_lock_is_refused_until_dropped() {
+        let (port, lock) = loop {
+            let port = free_port().unwrap();
+            release_port(port);
+            if let Some(lock) = lock_port(port).unwrap() {
+                break (port, lock);
+            }
+        };
+        assert!(lock_port(port).unwrap().is_none(), "a second lock of {port} while the first is held");
+        drop(lock);
+        assert!(lock_port(port).unwrap().is_some(), "{port} is free once its lock is dropped");
     }
 
     #[tokio::test]
