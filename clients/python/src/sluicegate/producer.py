@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import codec, errors
 from ._conn import Conn, fcall_items, integer, text
+from ._doorbell import Doorbell
 from ._keys import check_group, generate_id, home_shard, key_id, lane_key_id, raw_id, reason_shown
 from ._protocol import DEFAULT_PRIORITY, MAX_TOKEN_SHARDS, Finished, Placement, Protocol, Settings, ms
 
@@ -229,8 +230,10 @@ class Producer:
             token_shards=token_shards,
         )
         self.protocol = Protocol(Conn(url), settings)
+        self._doorbell = Doorbell(self.protocol.conn, self.protocol.keys.done_channel())
 
     def close(self) -> None:
+        self._doorbell.close()
         self.protocol.conn.close()
 
     def __enter__(self) -> "Producer":
@@ -574,38 +577,34 @@ class Producer:
         return done
 
     def wait(self, rid: str, timeout: Optional[float] = None) -> Completion:
-        """Waits for the request to finish (§6.7: subscribe first, then read the durable record)."""
+        """Waits for the request to finish (§6.7: subscribed first, then read the durable record,
+        again whenever a completion names it or ``wait_poll`` passes). The producer's waits share
+        one subscription (``_doorbell.Doorbell``)."""
         p = self.protocol
         kid = key_id(rid)
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = p.conn.pubsub()
+
+        def poll() -> float:
+            if deadline is None:
+                return p.settings.wait_poll
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.WaitTimeout(f'timed out waiting for request "{rid}"')
+            return min(p.settings.wait_poll, left)
+
+        ring = self._doorbell.listen(kid)
         try:
-            pubsub.subscribe(p.keys.done_channel())
+            # Subscribed before the first read; if the subscription is slow to stand, the read
+            # goes ahead and the poll covers a message missed meanwhile.
+            self._doorbell.subscribed(poll())
             while True:
+                ring.clear()
                 done = self.try_completion(rid)
                 if done is not None:
                     return done
-                poll = p.settings.wait_poll
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise errors.WaitTimeout(f'timed out waiting for request "{rid}"')
-                    poll = min(poll, left)
-                end = time.monotonic() + poll
-                while True:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        break
-                    msg = pubsub.get_message(timeout=left)
-                    if msg and msg.get("type") == "message":
-                        lines = text(msg.get("data")).split("\n")
-                        if any(line.split("|", 1)[0] == kid for line in lines):
-                            break
+                ring.wait(poll())
         finally:
-            try:
-                pubsub.close()
-            except Exception:  # noqa: BLE001
-                pass
+            self._doorbell.forget(kid, ring)
 
     def status(self, rid: str) -> Dict[str, str]:
         """The request's meta hash (or lane record) fields as text; raises UnknownRequest."""
