@@ -88,36 +88,38 @@ def test_results_come_back_in_order_for_lane_large_and_own_stream_requests(serve
 def test_concurrent_waits_share_one_subscription_and_each_is_rung_by_its_own_request(
     server: Any, ns: str, running: Running
 ) -> None:
-    # A poll of 600 s: only a completion message can end these waits within 15 s (the waits' own
-    # timeout, 60 s, ends in a last read of the record, which would find them done).
+    # A poll of 600 s: only a completion message can end these waits within 30 s (the waits' own
+    # timeout, 120 s, ends in a last read of the record, which would find them done).
     p = Producer(server.url, ns, wait_poll=600)
-    handles = [p.submit(parts(1 + n % 3), concurrency=2, own_stream=n % 4 == 0) for n in range(20)]
-    done: Dict[Any, Any] = {}
+    try:
+        handles = [p.submit(parts(1 + n % 3), concurrency=2, own_stream=n % 4 == 0) for n in range(20)]
+        done: Dict[Any, Any] = {}
 
-    def wait(key: Any, handle: Any) -> None:
-        done[key] = handle.wait(timeout=60)
+        def wait(key: Any, handle: Any) -> None:
+            done[key] = handle.wait(timeout=120)
 
-    waits = [(i, h) for i, h in enumerate(handles)] + [("again", handles[0])]
-    threads = [threading.Thread(target=wait, args=w) for w in waits]
-    for t in threads:
-        t.start()
-    channel = p.protocol.keys.done_channel()
-    client = p.protocol.conn.client
-    deadline = time.monotonic() + 10
-    while client.pubsub_numsub(channel)[0][1] != 1:
-        assert time.monotonic() < deadline, "the producer's waits did not subscribe"
-        time.sleep(0.02)
-    time.sleep(0.3)  # every wait has read its record and sleeps on its ring
-    assert client.pubsub_numsub(channel)[0][1] == 1, "21 waits, one subscription"
-    running.start(server.url, double, ns, slots=4)
-    deadline = time.monotonic() + 15
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), "a wait was not rung by its request's completion"
-    for key, handle in waits:
-        n = 1 + handles.index(handle) % 3
-        assert done[key].results == [{"i": i, "double": 2 * i} for i in range(n)], key
-    p.close()
+        waits = [(i, h) for i, h in enumerate(handles)] + [("again", handles[0])]
+        threads = [threading.Thread(target=wait, args=w, daemon=True) for w in waits]
+        for t in threads:
+            t.start()
+        channel = p.protocol.keys.done_channel()
+        client = p.protocol.conn.client
+        deadline = time.monotonic() + 10
+        while client.pubsub_numsub(channel)[0][1] != 1:
+            assert time.monotonic() < deadline, "the producer's waits did not subscribe"
+            time.sleep(0.02)
+        time.sleep(0.3)  # every wait has read its record and sleeps on its ring
+        assert client.pubsub_numsub(channel)[0][1] == 1, "21 waits, one subscription"
+        running.start(server.url, double, ns, slots=4)
+        deadline = time.monotonic() + 30
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "a wait was not rung by its request's completion"
+        for key, handle in waits:
+            n = 1 + handles.index(handle) % 3
+            assert done[key].results == [{"i": i, "double": 2 * i} for i in range(n)], key
+    finally:
+        p.close()
     deadline = time.monotonic() + 5
     while client.pubsub_numsub(channel)[0][1] != 0:
         assert time.monotonic() < deadline, "close ends the subscription"
@@ -126,26 +128,39 @@ def test_concurrent_waits_share_one_subscription_and_each_is_rung_by_its_own_req
 
 def test_a_wait_survives_the_loss_of_the_shared_subscription(server: Any, ns: str, running: Running) -> None:
     p = Producer(server.url, ns, wait_poll=600)
-    handle = p.submit(parts(3), concurrency=2)
-    done: List[Any] = []
-    waiter = threading.Thread(target=lambda: done.append(handle.wait(timeout=60)))
-    waiter.start()
-    channel = p.protocol.keys.done_channel()
-    client = p.protocol.conn.client
-    deadline = time.monotonic() + 10
-    while client.pubsub_numsub(channel)[0][1] != 1:
-        assert time.monotonic() < deadline, "the wait did not subscribe"
-        time.sleep(0.02)
-    assert client.client_kill_filter(_type="pubsub") == 1
-    deadline = time.monotonic() + 10
-    while client.pubsub_numsub(channel)[0][1] != 1:
-        assert time.monotonic() < deadline, "the doorbell did not subscribe again"
-        time.sleep(0.02)
+    try:
+        handle = p.submit(parts(3), concurrency=2)
+        done: List[Any] = []
+        waiter = threading.Thread(target=lambda: done.append(handle.wait(timeout=120)), daemon=True)
+        waiter.start()
+        channel = p.protocol.keys.done_channel()
+        client = p.protocol.conn.client
+        deadline = time.monotonic() + 10
+        while client.pubsub_numsub(channel)[0][1] != 1:
+            assert time.monotonic() < deadline, "the wait did not subscribe"
+            time.sleep(0.02)
+        assert client.client_kill_filter(_type="pubsub") == 1
+        deadline = time.monotonic() + 10
+        while client.pubsub_numsub(channel)[0][1] != 1:
+            assert time.monotonic() < deadline, "the doorbell did not subscribe again"
+            time.sleep(0.02)
+        running.start(server.url, double, ns, slots=2)
+        waiter.join(30)
+        assert not waiter.is_alive(), "the wait was not rung after the subscription came back"
+        assert done[0].results == [{"i": i, "double": 2 * i} for i in range(3)]
+    finally:
+        p.close()
+
+
+def test_a_wait_with_no_time_left_still_reads_the_record_once(server: Any, ns: str, running: Running) -> None:
     running.start(server.url, double, ns, slots=2)
-    waiter.join(15)
-    assert not waiter.is_alive(), "the wait was not rung after the subscription came back"
-    assert done[0].results == [{"i": i, "double": 2 * i} for i in range(3)]
-    p.close()
+    with Producer(server.url, ns) as p:
+        handle = p.submit(parts(2))
+        assert handle.wait(timeout=30).results == [{"i": i, "double": 2 * i} for i in range(2)]
+        assert handle.wait(timeout=0).state == "completed", "done already: no time needed"
+        pending = p.submit(parts(1), delay=3600)
+        with pytest.raises(sluicegate.errors.WaitTimeout):
+            pending.wait(timeout=0)
 
 
 def test_submit_many_answers_each_request_in_order_and_refuses_only_the_bad_ones(server: Any, ns: str, running: Running) -> None:

@@ -8,6 +8,7 @@ import math
 import numbers
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -231,6 +232,9 @@ class Producer:
         )
         self.protocol = Protocol(Conn(url), settings)
         self._doorbell = Doorbell(self.protocol.conn, self.protocol.keys.done_channel())
+        # A producer dropped without close() ends its subscription (its thread holds the
+        # doorbell, not the producer).
+        weakref.finalize(self, self._doorbell.close, False)
 
     def close(self) -> None:
         self._doorbell.close()
@@ -584,25 +588,24 @@ class Producer:
         kid = key_id(rid)
         deadline = None if timeout is None else time.monotonic() + timeout
 
-        def poll() -> float:
+        def left() -> float:
             if deadline is None:
                 return p.settings.wait_poll
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise errors.WaitTimeout(f'timed out waiting for request "{rid}"')
-            return min(p.settings.wait_poll, left)
+            return min(p.settings.wait_poll, max(0.0, deadline - time.monotonic()))
 
         ring = self._doorbell.listen(kid)
         try:
             # Subscribed before the first read; if the subscription is slow to stand, the read
             # goes ahead and the poll covers a message missed meanwhile.
-            self._doorbell.subscribed(poll())
+            self._doorbell.subscribed(left())
             while True:
                 ring.clear()
                 done = self.try_completion(rid)
                 if done is not None:
                     return done
-                ring.wait(poll())
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise errors.WaitTimeout(f'timed out waiting for request "{rid}"')
+                ring.wait(left())
         finally:
             self._doorbell.forget(kid, ring)
 
