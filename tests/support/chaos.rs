@@ -1221,5 +1221,60 @@ async fn diagnose(
             out.push_str(&format!("list p:{p} holds {len} elements\n"));
         }
     }
+    // Requests that took a lane: their records, and the lanes they are in (meta, the entries
+    // naming them, the group's pending summary, the retry set).
+    let mut lanes = std::collections::BTreeSet::new();
+    for sub in unfinished.iter().take(8) {
+        let kid = sub.id.key_id();
+        let mut record: Vec<(String, String)> = client
+            .hgetall::<HashMap<String, String>, _>(format!("{ns}:{{{ns}.q0}}:s:{kid}"))
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with('o') && !k.starts_with('w'))
+            .collect();
+        record.sort();
+        out.push_str(&format!(
+            "lane record of request {} (results and payloads left out): {record:?}\n",
+            sub.r
+        ));
+        lanes.insert(Scenario::priority(sub.r));
+    }
+    const LANE_OF: &str = r"
+        local out = {}
+        for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+          local f = e[2]
+          for i = 1, #f, 2 do
+            if f[i] == 'r' then
+              for _, kid in ipairs(ARGV) do
+                if f[i + 1] == kid then table.insert(out, e[1] .. ' ' .. table.concat(f, ' ', 3)) end
+              end
+            end
+          end
+        end
+        local pending = redis.call('XPENDING', KEYS[1], 'g')
+        table.insert(out, 'pending ' .. tostring(pending[1]))
+        for _, c in ipairs(pending[4] or {}) do table.insert(out, 'consumer ' .. c[1] .. ' ' .. c[2]) end
+        local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+        for _, g in ipairs(groups) do
+          for i = 1, #g, 2 do table.insert(out, 'group ' .. tostring(g[i]) .. '=' .. tostring(g[i + 1])) end
+        end
+        return out";
+    let kids: Vec<String> = unfinished.iter().take(8).map(|s| s.id.key_id().to_string()).collect();
+    for p in lanes {
+        let lane = format!("{ns}:{{{ns}.q0}}:lane:{p}");
+        let mut meta: Vec<(String, String)> = client
+            .hgetall::<HashMap<String, String>, _>(&lane)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        meta.sort();
+        let entries: Vec<String> =
+            client.eval(LANE_OF, vec![format!("{lane}:s")], kids.clone()).await.unwrap_or_default();
+        let retry: Vec<(String, f64)> =
+            client.zrange(format!("{lane}:retry"), 0, -1, None, false, None, true).await.unwrap_or_default();
+        out.push_str(&format!("lane {p}: meta {meta:?}\n  entries of those requests and the group: {entries:?}\n  retry set {retry:?}\n"));
+    }
     out
 }

@@ -104,10 +104,12 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 const RESTART_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause between readiness probes.
 const POLL_INTERVAL: Duration = Duration::from_millis(25);
-/// Ports we pick from. Below the Linux ephemeral range (32768+) so outgoing
-/// connections are unlikely to hold them, and +10000 (the cluster bus port)
-/// stays a valid port.
-const PORT_RANGE: std::ops::Range<u16> = 15_000..32_000;
+/// Ports we pick from. With their cluster bus ports (+10000) below the Linux
+/// ephemeral range (32768+), so that neither an outgoing connection nor a
+/// listener on port 0 (another suite's server, which takes no lock of
+/// [`lock_port`]) holds a bus port while its node is down between a kill and a
+/// restart.
+const PORT_RANGE: std::ops::Range<u16> = 10_000..22_768;
 /// Offset of the cluster bus port from the client port.
 const CLUSTER_BUS_OFFSET: u16 = 10_000;
 /// Fresh ports tried when the chosen one turns out to be taken.
@@ -1635,23 +1637,35 @@ fn make_temp_dir() -> io::Result<PathBuf> {
 /// that server is down between a kill and a restart: tests in this process
 /// through the map, tests in other processes (a test runner that runs test
 /// binaries or single tests side by side) through the lock.
-static RESERVED_PORTS: Mutex<BTreeMap<u16, fs::File>> = Mutex::new(BTreeMap::new());
+static RESERVED_PORTS: Mutex<BTreeMap<u16, PortLock>> = Mutex::new(BTreeMap::new());
 
-fn reserved_ports() -> std::sync::MutexGuard<'static, BTreeMap<u16, fs::File>> {
+fn reserved_ports() -> std::sync::MutexGuard<'static, BTreeMap<u16, PortLock>> {
     RESERVED_PORTS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Takes `port`'s lock file in the temp dir, shared by every test process of
-/// this user: `None` while another process holds it. The lock is an advisory
-/// file lock, so it goes when its holder exits, however it exits; the files
-/// stay behind, empty.
-fn lock_port(port: u16) -> io::Result<Option<fs::File>> {
-    let dir = std::env::temp_dir().join("sluicegate-test-ports");
-    fs::create_dir_all(&dir)?;
-    let file =
-        OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()))?;
+/// A port's lock across test processes (see [`lock_port`]): its lock file, or
+/// nothing where lock files cannot be made (the reservation is then this
+/// process's alone, as it was before tests ran in processes of their own).
+type PortLock = Option<fs::File>;
+
+/// Takes `port`'s lock file in a directory of the temp dir shared by every test
+/// process of this user: `None` while another process holds it. The lock is an
+/// advisory file lock, so it goes when its holder exits, however it exits; the
+/// files stay behind, empty.
+fn lock_port(port: u16) -> Option<PortLock> {
+    // Per user: another user's directory (root's, from a CI run) is not writable.
+    let user = std::env::var("USER").or_else(|_| std::env::var("LOGNAME")).unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("sluicegate-test-ports-{user}"));
+    let file = fs::create_dir_all(&dir).and_then(|()| {
+        OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()))
+    });
+    let Ok(file) = file else { return Some(None) };
     // fs4's, not std's `File::try_lock` (Rust 1.89): the workspace builds on Rust 1.80.
-    Ok(fs4::fs_std::FileExt::try_lock_exclusive(&file)?.then_some(file))
+    match fs4::fs_std::FileExt::try_lock_exclusive(&file) {
+        Ok(true) => Some(Some(file)),
+        Ok(false) => None,
+        Err(_) => Some(None),
+    }
 }
 
 /// A random port in [`PORT_RANGE`] that can be bound right now, along with its
@@ -1661,7 +1675,7 @@ fn lock_port(port: u16) -> io::Result<Option<fs::File>> {
 /// and is shared with outgoing connections. A process that does not take
 /// the locks (a redis-server of someone else's) may still take the port before
 /// redis binds it; callers retry with another port then.
-fn free_port() -> io::Result<u16> {
+pub(crate) fn free_port() -> io::Result<u16> {
     let mut rng = rand::thread_rng();
     let mut reserved = reserved_ports();
     for _ in 0..100 {
@@ -1670,7 +1684,7 @@ fn free_port() -> io::Result<u16> {
         if reserved.contains_key(&port) || reserved.contains_key(&bus) {
             continue;
         }
-        let (Some(port_lock), Some(bus_lock)) = (lock_port(port)?, lock_port(bus)?) else {
+        let (Some(port_lock), Some(bus_lock)) = (lock_port(port), lock_port(bus)) else {
             continue;
         };
         let bindable = |p: u16| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok();
@@ -1684,7 +1698,7 @@ fn free_port() -> io::Result<u16> {
 }
 
 /// Undoes the reservation of [`free_port`], dropping the locks.
-fn release_port(port: u16) {
+pub(crate) fn release_port(port: u16) {
     let mut reserved = reserved_ports();
     reserved.remove(&port);
     reserved.remove(&(port + CLUSTER_BUS_OFFSET));
@@ -1811,13 +1825,13 @@ mod tests {
         let (port, lock) = loop {
             let port = free_port().unwrap();
             release_port(port);
-            if let Some(lock) = lock_port(port).unwrap() {
+            if let Some(Some(lock)) = lock_port(port) {
                 break (port, lock);
             }
         };
-        assert!(lock_port(port).unwrap().is_none(), "a second lock of {port} while the first is held");
+        assert!(lock_port(port).is_none(), "a second lock of {port} while the first is held");
         drop(lock);
-        assert!(lock_port(port).unwrap().is_some(), "{port} is free once its lock is dropped");
+        assert!(lock_port(port).is_some(), "{port} is free once its lock is dropped");
     }
 
     #[tokio::test]

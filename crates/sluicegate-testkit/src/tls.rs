@@ -16,7 +16,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -146,14 +145,12 @@ impl Drop for Pki {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("its address").port()
-}
-
 /// A redis-server with a TLS port beside its plain one (the harness waits for readiness on the
 /// plain port, and the test sets up its ACL user there), and the rediss:// URL of the ACL user.
+/// The TLS port is reserved as the harness reserves its own ports (`free_port`), and stays
+/// reserved until the test process ends.
 pub async fn tls_redis(pki: &Pki, auth_clients: &str) -> (RedisServer, String) {
-    let tls_port = free_port();
+    let tls_port = crate::free_port().expect("a free port");
     let server = RedisServer::builder()
         .extra_arg("tls-port", tls_port.to_string())
         .extra_arg("tls-cert-file", pki.arg("server.pem"))
