@@ -245,6 +245,10 @@ impl Error {
 pub(crate) fn not_executed(e: &fred::error::Error) -> bool {
     e.details().starts_with("TRYAGAIN")
         || (*e.kind() == fred::error::ErrorKind::Routing && e.details().starts_with("Too many redirections"))
+        // fred 10.1 had no connection to write the command to (it was reconnecting after a cut)
+        // and gave up on it unwritten; the kind is `Unknown` on a non-replica route
+        // (router/commands.rs), so only the text tells.
+        || e.details().starts_with("Failed to route command")
 }
 
 /// Retries `op` while it fails with a transient error, backing off from 50 ms to 2 s.
@@ -320,5 +324,20 @@ mod tests {
         assert_eq!(e("NOPERM no permissions").code(), Some("NOPERM"));
         assert_eq!(e("OOM command not allowed").code(), Some("OOM"));
         assert_eq!(e("connection refused").code(), None);
+    }
+
+    /// fred gives up on a command it had no connection to write to (while it reconnects after a
+    /// cut) with kind `Unknown`: it never ran, so it is re-sent, whatever it was. A chaos run
+    /// once stalled on it: a fenced slot's `reclaim` failed with it and left a token held, with
+    /// its batch, under a live worker.
+    #[test]
+    fn a_command_fred_could_not_route_did_not_run_and_is_retried() {
+        use fred::error::{Error as Fred, ErrorKind as K};
+        let unrouted = Error::Redis(RedisError(Fred::new(K::Unknown, "Failed to route command.")));
+        assert!(unrouted.is_not_executed() && unrouted.is_transient());
+        let to_replica = Error::Redis(RedisError(Fred::new(K::Routing, "Failed to route command.")));
+        assert!(to_replica.is_not_executed() && to_replica.is_transient());
+        let other = Error::Redis(RedisError(Fred::new(K::Unknown, "ERR something else")));
+        assert!(!other.is_not_executed() && !other.is_transient());
     }
 }

@@ -17,7 +17,7 @@
 //! (`Op::Drain`) and go on, so that operators' commands meet finished requests.
 //!
 //! ```text
-//! cargo test --lib check::                         # the CI budget (about 2 minutes)
+//! cargo test --lib check::                         # the CI budget (about 2.5 minutes)
 //! SLUICEGATE_CHECK_SECS=3600 cargo test --release --lib check:: -- --ignored --nocapture   # long
 //! SLUICEGATE_CHECK_SEED=1234 cargo test --lib check::   # replays one seed (and shrinks it)
 //! SLUICEGATE_CHECK_REPLAY=target/checker/failure-1234.json cargo test --lib check::
@@ -512,11 +512,12 @@ fn search_both(budget: Duration, mix: Mix) {
     }
 }
 
-/// The CI budget: 80 s of sequences (the whole suite must stay under 20 minutes on 2 cores), seeds
+/// The CI budget: 150 s of sequences (the whole suite must stay under 20 minutes on 2 cores; it
+/// takes about 10, four tests at a time, this one beside the others), seeds
 /// varying per run and printed.
 #[test]
 fn randomized_interleavings_keep_every_invariant() {
-    search_both(budget(80), CI_MIX);
+    search_both(budget(150), CI_MIX);
 }
 
 /// The long mode: `SLUICEGATE_CHECK_SECS` (default an hour), longer sequences.

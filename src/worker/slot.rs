@@ -646,7 +646,14 @@ async fn settle<H: Handler>(
             tracing::warn!("fenced: this slot no longer holds the token as it was (the request was cancelled, this worker was declared dead, or the ack was re-sent after it ran); its results were dropped");
             // A re-sent ack whose first copy ran is fenced too, and that copy may have handed this
             // slot a batch it never saw: settle it as recovery would (a no-op if the token moved on).
-            reclaim(shared, holder, token).await?;
+            // If that fails, the take's record is left to recovery, as `reclaim_own` leaves it: the
+            // token may be held under this live worker with a batch nobody runs, and only
+            // recovery's backstop reclaims a record the slot's next take keeps as lost.
+            if let Err(e) = reclaim(shared, holder, token).await {
+                slot.last_take[token.shard as usize] = None;
+                tracing::error!(error = %e, "could not reclaim a fenced token; leaving its take record to recovery");
+                return Err(e);
+            }
         }
         Next::Park(..) | Next::Drop | Next::Stale | Next::Run(..) => {}
     }
