@@ -28,6 +28,9 @@ pub(crate) enum Fault {
     DieAfter,
     /// It does not run, and its caller gets an error that is not the connection's.
     Refuse,
+    /// It does not run: fred had no connection to write it to (it was reconnecting after a cut)
+    /// and gave up with `Failed to route command.`, which its caller may re-send.
+    Unrouted,
 }
 
 /// How one handler run ends.
@@ -90,6 +93,10 @@ impl Gate {
             Fault::Refuse => Err(Error::from(fred::error::Error::new(
                 fred::error::ErrorKind::Unknown,
                 "OOM command not allowed when used memory > 'maxmemory' (a fault injected by the checker)",
+            ))),
+            Fault::Unrouted => Err(Error::from(fred::error::Error::new(
+                fred::error::ErrorKind::Unknown,
+                "Failed to route command. (a fault injected by the checker)",
             ))),
             Fault::DieAfter => {
                 let _ = op().await;

@@ -52,7 +52,8 @@ use world::World;
 const DRAIN_ROUNDS: usize = 40;
 /// A drain that is still making progress in its last rounds (a request ended, or one turned
 /// runnable: a chain of downstreams, each waiting for its upstream, needs a round or more per
-/// hop) gets this many more, up to `DRAIN_EXTENSIONS` times; one that made none is stuck.
+/// hop; or a part was settled: a request held to a rate of one part per 1.7 s needs several rounds
+/// per part) gets this many more, up to `DRAIN_EXTENSIONS` times; one that made none is stuck.
 const DRAIN_EXTRA: usize = 10;
 const DRAIN_EXTENSIONS: usize = 4;
 const DRAIN_TICK: u32 = 300;
@@ -232,9 +233,15 @@ async fn drain(world: &mut World) -> Result<(), String> {
         if idle && indexed == 0 && reaped && schedules_quiet(world).await? {
             return Ok(());
         }
-        // What is unfinished, and in which state: a change is progress.
-        let now: Vec<(u8, String)> =
-            unfinished.iter().map(|i| (*i, seen[i].meta.get("state").cloned().unwrap_or_default())).collect();
+        // What is unfinished, in which state, and how many of its parts are left: a change is
+        // progress (a rate-limited request settles a part every few rounds, staying `running`).
+        let now: Vec<(u8, String)> = unfinished
+            .iter()
+            .map(|i| {
+                let field = |f: &str| seen[i].meta.get(f).cloned().unwrap_or_default();
+                (*i, format!("{} {}", field("state"), field("left")))
+            })
+            .collect();
         if now != progress.1 {
             progress = (round, now);
         }

@@ -382,10 +382,11 @@ fn draw_fault(rng: &mut StdRng, share: f64) -> Fault {
     if !rng.gen_bool(share) {
         return Fault::None;
     }
-    match rng.gen_range(0..4) {
+    match rng.gen_range(0..5) {
         0 => Fault::LoseReply,
         1 => Fault::Resend,
         2 => Fault::Refuse,
+        3 => Fault::Unrouted,
         _ => Fault::DieAfter,
     }
 }
