@@ -85,6 +85,14 @@ def test_results_come_back_in_order_for_lane_large_and_own_stream_requests(serve
     assert p.protocol.conn.client.exists(p.protocol.keys.request(sluicegate._keys.key_id(large.id)).stream) == 0
 
 
+def wait_for_subscribers(client: Any, channel: str, n: int, what: str) -> None:
+    """Waits up to 10 s for ``channel`` to have ``n`` subscribers (PUBSUB NUMSUB)."""
+    deadline = time.monotonic() + 10
+    while client.pubsub_numsub(channel)[0][1] != n:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def test_concurrent_waits_share_one_subscription_and_each_is_rung_by_its_own_request(
     server: Any, ns: str, running: Running
 ) -> None:
@@ -104,10 +112,7 @@ def test_concurrent_waits_share_one_subscription_and_each_is_rung_by_its_own_req
             t.start()
         channel = p.protocol.keys.done_channel()
         client = p.protocol.conn.client
-        deadline = time.monotonic() + 10
-        while client.pubsub_numsub(channel)[0][1] != 1:
-            assert time.monotonic() < deadline, "the producer's waits did not subscribe"
-            time.sleep(0.02)
+        wait_for_subscribers(client, channel, 1, "the producer's waits did not subscribe")
         time.sleep(0.3)  # every wait has read its record and sleeps on its ring
         assert client.pubsub_numsub(channel)[0][1] == 1, "21 waits, one subscription"
         running.start(server.url, double, ns, slots=4)
@@ -120,10 +125,7 @@ def test_concurrent_waits_share_one_subscription_and_each_is_rung_by_its_own_req
             assert done[key].results == [{"i": i, "double": 2 * i} for i in range(n)], key
     finally:
         p.close()
-    deadline = time.monotonic() + 5
-    while client.pubsub_numsub(channel)[0][1] != 0:
-        assert time.monotonic() < deadline, "close ends the subscription"
-        time.sleep(0.02)
+    wait_for_subscribers(client, channel, 0, "close ends the subscription")
 
 
 def test_a_wait_survives_the_loss_of_the_shared_subscription(server: Any, ns: str, running: Running) -> None:
@@ -135,15 +137,9 @@ def test_a_wait_survives_the_loss_of_the_shared_subscription(server: Any, ns: st
         waiter.start()
         channel = p.protocol.keys.done_channel()
         client = p.protocol.conn.client
-        deadline = time.monotonic() + 10
-        while client.pubsub_numsub(channel)[0][1] != 1:
-            assert time.monotonic() < deadline, "the wait did not subscribe"
-            time.sleep(0.02)
+        wait_for_subscribers(client, channel, 1, "the wait did not subscribe")
         assert client.client_kill_filter(_type="pubsub") == 1
-        deadline = time.monotonic() + 10
-        while client.pubsub_numsub(channel)[0][1] != 1:
-            assert time.monotonic() < deadline, "the doorbell did not subscribe again"
-            time.sleep(0.02)
+        wait_for_subscribers(client, channel, 1, "the doorbell did not subscribe again")
         running.start(server.url, double, ns, slots=2)
         waiter.join(30)
         assert not waiter.is_alive(), "the wait was not rung after the subscription came back"
