@@ -646,14 +646,8 @@ async fn settle<H: Handler>(
             tracing::warn!("fenced: this slot no longer holds the token as it was (the request was cancelled, this worker was declared dead, or the ack was re-sent after it ran); its results were dropped");
             // A re-sent ack whose first copy ran is fenced too, and that copy may have handed this
             // slot a batch it never saw: settle it as recovery would (a no-op if the token moved on).
-            // If that fails, the take's record is left to recovery, as `reclaim_own` leaves it: the
-            // token may be held under this live worker with a batch nobody runs, and only
-            // recovery's backstop reclaims a record the slot's next take keeps as lost.
-            if let Err(e) = reclaim(shared, holder, token).await {
-                slot.last_take[token.shard as usize] = None;
-                tracing::error!(error = %e, "could not reclaim a fenced token; leaving its take record to recovery");
-                return Err(e);
-            }
+            // Else the token may stay held under this live worker with a batch nobody runs.
+            reclaim_or_forget(shared, slot, holder, token).await?;
         }
         Next::Park(..) | Next::Drop | Next::Stale | Next::Run(..) => {}
     }
@@ -698,11 +692,9 @@ async fn settle_owed<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &s
 }
 
 /// After a call of this slot failed halfway (its reply lost, the connection dropped), the slot
-/// cannot know where its token is: it runs recovery's own step on it (`reclaim`), which puts the
-/// token back in circulation whatever the failed call did, and then returns the error. If that
-/// step fails too (not for want of Redis, which it waits out), the take's record is left to
-/// recovery: the slot forgets it, so that its next take on the shard keeps it as a lost record
-/// (`take`), which recovery's backstop reclaims, instead of ending it.
+/// cannot know where its token is: it runs recovery's own step on it ([`reclaim_or_forget`]),
+/// which puts the token back in circulation whatever the failed call did, and then returns the
+/// error.
 async fn reclaim_own<H: Handler>(
     shared: &Shared<H>,
     slot: &mut Slot,
@@ -711,12 +703,26 @@ async fn reclaim_own<H: Handler>(
     error: Error,
 ) -> Result<()> {
     tracing::warn!(error = %error, "a call failed halfway; reclaiming the token");
+    reclaim_or_forget(shared, slot, holder, token).await?;
+    Err(error)
+}
+
+/// [`reclaim`] on the slot's own token. If that fails (not for want of Redis, which it waits
+/// out), the take's record is left to recovery: the slot forgets it, so that its next take on the
+/// shard keeps it as a lost record (`take`), which recovery's backstop reclaims, instead of ending
+/// it.
+async fn reclaim_or_forget<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    holder: &str,
+    token: &Token,
+) -> Result<()> {
     if let Err(e) = reclaim(shared, holder, token).await {
         slot.last_take[token.shard as usize] = None;
         tracing::error!(error = %e, "could not reclaim the token; leaving its take record to recovery");
         return Err(e);
     }
-    Err(error)
+    Ok(())
 }
 
 /// Recovery's step (`reclaim`) on this slot's own token: whatever a call of unknown fate did, the

@@ -1164,14 +1164,7 @@ async fn diagnose(
         return out;
     };
     for sub in unfinished.iter().take(8) {
-        let meta = format!("{ns}:r:{{{}}}", sub.id.key_id());
-        let mut fields: Vec<(String, String)> = client
-            .hgetall::<HashMap<String, String>, _>(&meta)
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        fields.sort();
+        let fields = sorted_hash(&client, &format!("{ns}:r:{{{}}}", sub.id.key_id())).await;
         out.push_str(&format!(
             "unfinished request {} ({}), limit {}: {fields:?}\n",
             sub.r, sub.id, sub.limit
@@ -1203,13 +1196,7 @@ async fn diagnose(
             .unwrap_or_default();
         let active: Option<f64> =
             client.zscore(format!("{ns}:{{{ns}.q0}}:active"), kid.to_string()).await.unwrap_or_default();
-        let mut meta: Vec<(String, String)> = client
-            .hgetall::<HashMap<String, String>, _>(format!("{ns}:r:{{{kid}}}"))
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        meta.sort();
+        let meta = sorted_hash(&client, &format!("{ns}:r:{{{kid}}}")).await;
         out.push_str(&format!(
             "unheard request {} ({}): events stream entries {events:?}, active score {active:?}, meta {meta:?}\n",
             sub.r, sub.id
@@ -1226,14 +1213,8 @@ async fn diagnose(
     let mut lanes = std::collections::BTreeSet::new();
     for sub in unfinished.iter().take(8) {
         let kid = sub.id.key_id();
-        let mut record: Vec<(String, String)> = client
-            .hgetall::<HashMap<String, String>, _>(format!("{ns}:{{{ns}.q0}}:s:{kid}"))
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|(k, _)| !k.starts_with('o') && !k.starts_with('w'))
-            .collect();
-        record.sort();
+        let mut record = sorted_hash(&client, &format!("{ns}:{{{ns}.q0}}:s:{kid}")).await;
+        record.retain(|(k, _)| !k.starts_with('o') && !k.starts_with('w'));
         out.push_str(&format!(
             "lane record of request {} (results and payloads left out): {record:?}\n",
             sub.r
@@ -1263,13 +1244,7 @@ async fn diagnose(
     let kids: Vec<String> = unfinished.iter().take(8).map(|s| s.id.key_id().to_string()).collect();
     for p in lanes {
         let lane = format!("{ns}:{{{ns}.q0}}:lane:{p}");
-        let mut meta: Vec<(String, String)> = client
-            .hgetall::<HashMap<String, String>, _>(&lane)
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        meta.sort();
+        let meta = sorted_hash(&client, &lane).await;
         let entries: Vec<String> =
             client.eval(LANE_OF, vec![format!("{lane}:s")], kids.clone()).await.unwrap_or_default();
         let retry: Vec<(String, f64)> =
@@ -1277,4 +1252,12 @@ async fn diagnose(
         out.push_str(&format!("lane {p}: meta {meta:?}\n  entries of those requests and the group: {entries:?}\n  retry set {retry:?}\n"));
     }
     out
+}
+
+/// A hash's fields and values, sorted by field (none if it cannot be read), for a diagnosis.
+async fn sorted_hash(client: &Client, key: &str) -> Vec<(String, String)> {
+    let mut fields: Vec<(String, String)> =
+        client.hgetall::<HashMap<String, String>, _>(key).await.unwrap_or_default().into_iter().collect();
+    fields.sort();
+    fields
 }
