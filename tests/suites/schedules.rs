@@ -153,14 +153,24 @@ async fn cron_fires_once_per_tick_with_three_workers_racing() {
     admin.schedule_add(&spec).await.unwrap();
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert!(admin.schedule_pause(name).await.unwrap());
-    let fired = settled(&admin, &config, name, Duration::from_secs(30)).await;
-    stop.cancel();
-    let broken = breaker.await.unwrap();
+    let mut fired = settled(&admin, &config, name, Duration::from_secs(30)).await;
     let listed = admin.schedule(name).await.unwrap();
     let paused = listed.paused_ms.expect("paused");
+    let expected = seconds(listed.added_ms, paused);
+    // The breaker moves a claimed schedule's due score past the pause while its claimer is still
+    // submitting the last ticks before it, which `settled` takes for done: give the firing under
+    // way the same 30 s to land (a tick never fired still fails below).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(expected.iter().all(|t| fired.contains_key(t)) && fired.values().all(|s| s.is_terminal()))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        fired = fired_now(&admin, name).await;
+    }
+    stop.cancel();
+    let broken = breaker.await.unwrap();
 
     // Every second after the add, up to the pause, fired: no tick missed, none at another time.
-    let expected = seconds(listed.added_ms, paused);
     assert!(expected.len() >= 100, "only {} ticks in the window", expected.len());
     let got: BTreeSet<i64> = fired.keys().copied().collect();
     assert_eq!(got, expected, "{}", missing(&expected, &got));
@@ -245,6 +255,10 @@ async fn a_tick_fired_by_a_worker_that_died_before_submitting_is_paid_after_the_
 }
 
 /// The ticks schedule `name` fired so far.
+async fn fired_now(admin: &Admin, name: &str) -> BTreeMap<i64, RequestState> {
+    fired(admin, name).await
+}
+
 async fn fired_in(admin: &Admin, name: &str) -> Vec<i64> {
     fired(admin, name).await.into_keys().collect()
 }
