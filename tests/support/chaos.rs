@@ -45,7 +45,8 @@ pub const LEASE: Duration = Duration::from_millis(1500);
 pub const HEARTBEAT: Duration = Duration::from_millis(300);
 pub const RECOVERY: Duration = Duration::from_millis(300);
 /// Short, so the leak check (everything gone once retention has passed) fits in the run. Results
-/// are read as soon as each request completes, long before they expire.
+/// are read as soon as each request completes, long before they expire, unless a fault keeps the
+/// producer from Redis for that long ([`Scenario::retention`]).
 pub const RETENTION: Duration = Duration::from_secs(5);
 /// How often `wait()` re-reads a terminal record in case a doorbell message was lost.
 pub const WAIT_POLL: Duration = Duration::from_millis(500);
@@ -82,6 +83,8 @@ pub struct WorkerSettings {
     pub counter_url: String,
     pub namespace: String,
     pub slots: usize,
+    /// How long a request's results are kept once it finished (the worker that finishes it sets it).
+    pub retention: Duration,
     /// stderr of every process goes to `<log_dir>/worker-<serial>.log`.
     pub log_dir: PathBuf,
 }
@@ -151,7 +154,7 @@ impl WorkerPool {
             .env("CHAOS_LEASE_MS", ms(LEASE))
             .env("CHAOS_HEARTBEAT_MS", ms(HEARTBEAT))
             .env("CHAOS_RECOVERY_MS", ms(RECOVERY))
-            .env("CHAOS_RETENTION_MS", ms(RETENTION))
+            .env("CHAOS_RETENTION_MS", ms(s.retention))
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -353,6 +356,10 @@ pub struct Scenario {
     pub slots: usize,
     /// Each part sleeps 0 to this many ms.
     pub max_sleep_ms: u64,
+    /// How long results are kept once a request finished ([`RETENTION`] unless a fault needs
+    /// more): a waiter whose reads fail for longer than this finds its request gone, which the run
+    /// reports as an expiry, not a loss.
+    pub retention: Duration,
     /// From start to every request done; past it the run fails with a diagnosis.
     pub timeout: Duration,
     /// Seeds the workload and the harness's random choices (printed, to replay a workload; the
@@ -382,6 +389,7 @@ impl Scenario {
             workers: 4,
             slots: 4,
             max_sleep_ms: 3,
+            retention: RETENTION,
             // About 0.3 s per request (proxy stalls are the slowest fault), and never less than
             // the 150 s of the acceptance run.
             timeout: Duration::from_secs(150.max(requests * 3 / 10)),
@@ -738,7 +746,7 @@ async fn run_phased(scenario: Scenario, phase: Phase) -> Figures {
         .lease(LEASE)
         .heartbeat(HEARTBEAT)
         .recovery_interval(RECOVERY)
-        .retention(RETENTION)
+        .retention(s.retention)
         .wait_poll(WAIT_POLL);
     // Workers and the second listener go through the proxy when there is one. The producer
     // always connects directly: what is under test is the workers' side of the connection.
@@ -748,7 +756,7 @@ async fn run_phased(scenario: Scenario, phase: Phase) -> Figures {
             .lease(LEASE)
             .heartbeat(HEARTBEAT)
             .recovery_interval(RECOVERY)
-            .retention(RETENTION)
+            .retention(s.retention)
             .wait_poll(WAIT_POLL),
         None => config.clone(),
     };
@@ -759,6 +767,7 @@ async fn run_phased(scenario: Scenario, phase: Phase) -> Figures {
         counter_url: server_url.clone(),
         namespace: namespace.clone(),
         slots: s.slots,
+        retention: s.retention,
         log_dir: log_dir.clone(),
     };
 
@@ -822,12 +831,21 @@ async fn run_phased(scenario: Scenario, phase: Phase) -> Figures {
         }
         done
     };
+    let unknown_requests = progress.unknown.clone();
     let watchdog = async {
         let progress =
             || (completed(), heard_direct.lock().unwrap().total, heard_second.lock().unwrap().total);
         let (mut seen, mut since) = (progress(), Instant::now());
         loop {
             tokio::time::sleep(Duration::from_millis(250)).await;
+            let unknown = unknown_requests.lock().unwrap().clone();
+            if !unknown.is_empty() {
+                return format!(
+                    "wait() found requests {unknown:?} unknown: lost, or their results expired before \
+                     the producer could read them (retention {:?})",
+                    s.retention
+                );
+            }
             if progress() != seen {
                 (seen, since) = (progress(), Instant::now());
             } else if since.elapsed() > STALL_LIMIT {
@@ -918,7 +936,8 @@ async fn run_phased(scenario: Scenario, phase: Phase) -> Figures {
     }
 
     phase.set("waiting for the namespace to empty");
-    (f.keys_left, f.keys_gone_after) = wait_for_empty_namespace(&sg_url, &namespace, last_completion).await;
+    (f.keys_left, f.keys_gone_after) =
+        wait_for_empty_namespace(&sg_url, &namespace, last_completion, s.retention).await;
     let _ = client.quit().await;
     let _ = sg_client.quit().await;
     phase.set("stopping redis");
@@ -997,6 +1016,8 @@ struct Progress {
     finished: Arc<Mutex<HashSet<u64>>>,
     /// `wait()` errors, each retried.
     wait_errors: Arc<AtomicU64>,
+    /// Requests (by number) `wait()` found unknown: lost, or their results expired unread.
+    unknown: Arc<Mutex<Vec<u64>>>,
 }
 
 /// Submits the workload, one request after the other, and waits for each in a task of its own.
@@ -1023,13 +1044,20 @@ async fn submit_all(
             .await
             .unwrap_or_else(|e| panic!("submit of request {r} failed: {e}"));
         submitted.push(Submitted { id: handle.id().clone(), r, limit });
-        let (finished, wait_errors) = (progress.finished.clone(), progress.wait_errors.clone());
+        let (finished, wait_errors, unknown) =
+            (progress.finished.clone(), progress.wait_errors.clone(), progress.unknown.clone());
         waiters.push(tokio::spawn(async move {
             loop {
                 match handle.wait::<u64>().await {
                     Ok(done) => {
                         finished.lock().unwrap().insert(r);
                         return done;
+                    }
+                    Err(sluicegate::Error::UnknownRequest(_)) => {
+                        // Final: the run fails, and its diagnosis says whether the listeners heard
+                        // the request finish (its results expired unread) or not (it was lost).
+                        unknown.lock().unwrap().push(r);
+                        return std::future::pending().await;
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "wait failed; retrying");
@@ -1059,8 +1087,13 @@ async fn wait_for_settled_index(client: &Client, ns: &str) -> Duration {
 
 /// Polls the namespace until it is empty or a retention (plus 10 s of slack for expiry) has passed
 /// since `last_completion`. Returns what is left and when it was looked at.
-async fn wait_for_empty_namespace(url: &str, ns: &str, last_completion: Instant) -> (Vec<String>, Duration) {
-    let deadline = last_completion + RETENTION + Duration::from_secs(10);
+async fn wait_for_empty_namespace(
+    url: &str,
+    ns: &str,
+    last_completion: Instant,
+    retention: Duration,
+) -> (Vec<String>, Duration) {
+    let deadline = last_completion + retention + Duration::from_secs(10);
     loop {
         let keys = keys_in_namespace(url, ns).await.expect("scan namespace");
         if keys.is_empty() || Instant::now() > deadline {
@@ -1165,8 +1198,9 @@ async fn diagnose(
     };
     for sub in unfinished.iter().take(8) {
         let fields = sorted_hash(&client, &format!("{ns}:r:{{{}}}", sub.id.key_id())).await;
+        let heard_by = heard.map(|h| h.lock().unwrap().by_request.get(sub.id.as_str()).copied().unwrap_or(0));
         out.push_str(&format!(
-            "unfinished request {} ({}), limit {}: {fields:?}\n",
+            "unfinished request {} ({}), limit {}, completion heard {heard_by:?} times: {fields:?}\n",
             sub.r, sub.id, sub.limit
         ));
     }
