@@ -164,7 +164,7 @@ local function lane_ack(keys, args)
       if r[9] then
         kept[#kept + 1] = kid
         kept_states[#kept_states + 1] = rec.state
-        kept_ats[#kept_ats + 1] = string.match(r[9], '^[^|]*')
+        kept_ats[#kept_ats + 1] = sg_ix_kept_at(r[9], r[2])
       else
         finished[#finished + 1] = kid
         states[#states + 1] = rec.state

@@ -7,7 +7,7 @@
 -- (its release is owed, and for the caller to run), {'already', state} when it was terminal, or
 -- {'unknown'}.
 local function lane_cancel(keys, args)
-  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol', 'dn')
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol', 'dn', 'ix')
   if not m[1] then return {'unknown'} end
   if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
   local now = sg_now()
@@ -16,7 +16,10 @@ local function lane_cancel(keys, args)
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
-  sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
+  local ix = sg_ix(keys[2])
+  -- A queued one whose record keeps its row is not listed as live yet (sg_ix_add_kept).
+  if m[1] == 'queued' and m[5] then sg_ix_live_kept(ix, args[1], m[5], m[2]) end
+  sg_ix_finish(ix, args[1], 'cancelled', now + tonumber(args[2]), now)
   sg_lane_events(keys[2], {line}, args[2], now, args[3])
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}

@@ -39,9 +39,10 @@ local function lane_submit_many(keys, args)
   if #requests == 0 or #keys ~= 10 + 2 * #requests then
     return redis.error_reply('SGINVALID lane_submit_many takes 10 keys and two per request, and one request at least')
   end
-  -- One clock reading, so one lifecycle, for the call's requests; once one is listed live, the
-  -- index's shared keys are known to be kept (sg_ix_add's `live`).
-  local reply, now, lc, parked, ix, fed, live = {}, nil, nil, nil, sg_ix(keys[9]), 0, false
+  -- One clock reading, so one lifecycle, for the call's requests; once one is listed live (one with
+  -- tags: those without are listed when handed out, sg_ix_add_kept), the index's shared keys are
+  -- known to be kept (sg_ix_add's `live`). The queued ones are counted once, at the end.
+  local reply, now, lc, parked, ix, fed, live, queued = {}, nil, nil, nil, sg_ix(keys[9]), 0, false, 0
   for j, r in ipairs(requests) do
     local taken = sg_lane_taken(r, keys[10], keys[9])
     if taken then
@@ -52,11 +53,13 @@ local function lane_submit_many(keys, args)
         lc = sg_int(now * 1000)
         parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
       end
-      fed = fed + sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
-      live = live or r.row ~= ''
+      local f, q = sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
+      fed, queued = fed + f, queued + q
+      live = live or (r.row ~= '' and string.byte(r.row, -1) ~= 124)
       reply[j] = lc
     end
   end
+  sg_ix_queued(ix, queued)
   if now then sg_push(keys[7], keys[8], sg_unpark(keys, args[1], fed, now, parked)) end
   return reply
 end

@@ -13,6 +13,95 @@
 -- Returns {next score, next passed, looked at, rows...}: next score is '' when the walk reached the
 -- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
 -- cursor (score, passed) that resumes right after it.
+-- How many lane entries of requests that are not queued a walk of one lane passes over before it
+-- gives up (list_lane): such entries (parts fed later, or requeued, of started requests) are at
+-- most about the limits of the requests running in the lane.
+local LIST_LANE_SKIP = 10000
+
+-- The queued requests of one lane, as `list` walks a set: the lane request entries of the lane
+-- `stream` (its consumer group `g`) not handed out yet, newest first, each as {key id, submitted
+-- ms, 'live'} ('~' for one cancelled), those submitted after `from` (ms, or '+inf') left out, at
+-- least `want` of them when
+-- the lane has that many, and every one submitted in the same millisecond as the last (so that
+-- ties are told apart by key id as in a sorted set). Returns them and whether that was all.
+-- A request is queued until its first part is handed out (prelude.lua, sg_ix_add_kept); every
+-- part of it is then still in the lane, fed at its submit in submission order, and so are the
+-- parts of one cancelled before it started. Those entries are in the order of their requests'
+-- submit times, which a binary search by entry id uses; the lane's other entries (parts fed
+-- later, or requeued, of started requests) are passed over. Queued requests left out of the
+-- listing (no `ix` in their records) and those cancelled are returned too, for the page's walk to
+-- count as looked at, not show: so a page's work stays bounded by its budget. A lane with more
+-- than LIST_LANE_SKIP other entries among those it walks is left unfinished (not expected).
+local function list_lane(base, stream, from, want, live)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  if not last then return {}, true end
+  local delivered = '0-0'
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    for i = 1, #g, 2 do
+      if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
+    end
+  end
+  local n = function(id) return tonumber(string.match(id, '^0%-(%d+)$') or '0') end
+  local lo, hi = n(delivered) + 1, n(last[1])
+  if lo > hi then return {}, true end
+  -- The submit time of the request of entry `e` if it is in submission order (queued, or
+  -- cancelled before it started: no `started`), else nil; and the set it is walked as.
+  local known = {}
+  local function ordered(e)
+    local kid, lc = e[2][4], e[2][8]
+    local k = known[kid]
+    if k == nil then
+      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started')
+      k = false
+      if m[2] == lc and m[1] == 'queued' and not redis.call('ZSCORE', live, kid) then
+        k = {math.floor(tonumber(lc) / 1000), 'live'}
+      elseif m[2] == lc and m[1] == 'cancelled' and not m[3] then
+        k = {math.floor(tonumber(lc) / 1000), '~'}
+      end
+      known[kid] = k
+    end
+    if not k then return nil end
+    return k[1], k[2]
+  end
+  -- The first entry id after which every ordered entry was submitted after `from`: the smallest
+  -- id whose first ordered entry at or after it was. A probe that finds none near errs later,
+  -- which only makes the walk below pass over more.
+  local top = '+'
+  if from ~= '+inf' then
+    local f, a, b = tonumber(from), lo, hi + 1
+    while a < b do
+      local mid = math.floor((a + b) / 2)
+      local at
+      for _, e in ipairs(redis.call('XRANGE', stream, '0-' .. mid, '+', 'COUNT', 16)) do
+        at = ordered(e)
+        if at then break end
+      end
+      if at and at > f then b = mid else a = mid + 1 end
+    end
+    if a > hi then top = '+' else top = '(0-' .. a end
+  end
+  local f = tonumber(from) or math.huge
+  local out, seen, skipped, tie = {}, {}, 0, nil
+  while true do
+    local got = redis.call('XREVRANGE', stream, top, '(' .. delivered, 'COUNT', 100)
+    if #got == 0 then return out, true end
+    for _, e in ipairs(got) do
+      local kid = e[2][4]
+      local at, set = ordered(e)
+      if at and at <= f and not seen[kid] then
+        if tie and at < tie then return out, false end
+        seen[kid] = true
+        out[#out + 1] = {kid, at, set}
+        if #out >= want then tie = at end
+      elseif not at then
+        skipped = skipped + 1
+        if skipped > LIST_LANE_SKIP then return out, false end
+      end
+    end
+    top = '(' .. got[#got][1]
+  end
+end
+
 local function list(keys, args)
   local ix = string.sub(keys[1], 1, -4)
   local cursor, passed = args[3], tonumber(args[4])
@@ -29,10 +118,27 @@ local function list(keys, args)
     local got = redis.call('ZREVRANGEBYSCORE', ix .. set, from, '-inf', 'WITHSCORES', 'LIMIT', 0, want)
     if #got / 2 >= want then complete = false end
     for i = 1, #got, 2 do entries[#entries + 1] = {got[i], tonumber(got[i + 1]), set} end
+    if set == 'live' then
+      -- Queued lane requests are listed as live, but found in their lanes (sg_ix_add_kept).
+      local base = string.sub(ix, 1, -4)
+      for p = 0, 99 do
+        if args[8] == '' or args[8] == tostring(p) then
+          local stream = base .. 'lane:' .. p .. ':s'
+          if redis.call('EXISTS', stream) == 1 then
+            local queued, all = list_lane(base, stream, from, want, ix .. 'live')
+            if not all then complete = false end
+            for _, e in ipairs(queued) do entries[#entries + 1] = e end
+          end
+        end
+      end
+    end
   end
+  -- By score, then key id, then set (a request cancelled before it started is both in
+  -- `cancelled` and, as '~', in its lane): the same order on every page.
   table.sort(entries, function(a, b)
     if a[2] ~= b[2] then return a[2] > b[2] end
-    return a[1] > b[1]
+    if a[1] ~= b[1] then return a[1] > b[1] end
+    return a[3] > b[3]
   end)
   local states = {}
   for s in string.gmatch(args[2], '[^,]+') do states[#states + 1] = s end
@@ -54,7 +160,7 @@ local function list(keys, args)
           if redis.call('ZSCORE', ix .. s, kid) then state = s break end
         end
       end
-      local ok = row ~= nil and state ~= nil
+      local ok = row ~= nil and state ~= nil and e[3] ~= '~'
       if ok and #states > 0 then
         ok = false
         for _, s in ipairs(states) do if s == state then ok = true end end

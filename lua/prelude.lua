@@ -1018,8 +1018,9 @@ end
 --   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
 --                                        `r` a request of its own keys, `l` a lane request; tags
 --                                        comma-separated), except a lane request without tags,
---                                        whose record keeps its row (field `ix`, "<submitted
---                                        ms>|<row>"; sg_ix_add_kept): its finish then reads it
+--                                        whose record keeps its row (an empty field `ix`: its
+--                                        `pol` and `lc` say its row and submit ms, sg_ix_row,
+--                                        sg_ix_kept_at; sg_ix_add_kept): its finish then reads it
 --                                        with the record, and the row goes with the record
 --   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
 --   exp                                  sorted set of the finished ones, score = when their keys
@@ -1027,6 +1028,10 @@ end
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
+--   lq                                   the number of queued lane requests whose records keep
+--                                        their rows and that are not in `live` yet
+--                                        (sg_ix_add_kept): `list` finds them in their lanes. It
+--                                        is deleted when it reaches 0
 --   next                                 hash: key id -> the row of a registration that found its
 --                                        id listed by a finished request (sg_ix_add): once the new
 --                                        request exists (that one's keys were purged), its first
@@ -1209,15 +1214,42 @@ local function sg_ix_add(ix, kid, row, now, created, fresh, live, at)
   end
 end
 
--- Lists lane request `kid` as live, submitted at `at` (text), its row kept in its record (the
--- caller writes the record's `ix`): sg_ix_add for a created request, without a row in `row`.
-local function sg_ix_add_kept(ix, kid, now, at, fresh, live)
+-- When a lane request whose record keeps its row was submitted (ms, text), from the record's
+-- `ix` (`kept`) and `lc`: `ix` is empty, and `lc` starts with the submit ms, but in a record an
+-- earlier version wrote `ix` is "<submitted ms>|<row>".
+local function sg_ix_kept_at(kept, lc)
+  if kept ~= '' then return string.match(kept, '^[^|]*') end
+  return string.sub(lc, 1, -4)
+end
+
+-- Enters a created lane request `kid` whose record keeps its row (the caller writes the record's
+-- `ix`) in the index: not as live yet, but as one of the shard's queued lane requests (`lq`),
+-- which `list` finds in their lanes (list.lua). It is listed as live when its first part is handed
+-- out, or when it is tracked (sg_ix_live_kept), so that a queued one costs no member of `live`.
+-- An id that is not `fresh` first loses what an earlier request of it left listed; one listed as
+-- live already (a registration of the id, refused as a duplicate, listed it) stays so, and is not
+-- counted. Returns 1 when it counts among the queued ones: the caller adds it to `lq`
+-- (sg_ix_queued), once per call.
+local function sg_ix_add_kept(ix, kid, now, fresh)
   if not fresh then
-    if redis.call('ZSCORE', ix .. 'live', kid) then return end
+    if redis.call('ZSCORE', ix .. 'live', kid) then return 0 end
     sg_ix_remove(ix, kid, now)
   end
-  if not live then sg_ix_first_live(ix) end
-  redis.call('ZADD', ix .. 'live', at, kid)
+  return 1
+end
+
+-- Adds `n` to the shard's count of queued lane requests not listed as live (`lq`).
+local function sg_ix_queued(ix, n)
+  if n > 0 then redis.call('INCRBY', ix .. 'lq', n) end
+end
+
+-- Lists lane request `kid`, queued, its row kept in its record (`kept` and `lc`, the record's `ix`
+-- and `lc`), as live, unless it is already: at its first hand-out (sg_lane_entry), when it is
+-- tracked, or when it is cancelled (as its finish moves it from `live`). It leaves the queued count.
+local function sg_ix_live_kept(ix, kid, kept, lc)
+  sg_ix_first_live(ix)
+  if redis.call('ZADD', ix .. 'live', 'NX', sg_ix_kept_at(kept, lc), kid) == 0 then return end
+  if redis.call('DECR', ix .. 'lq') <= 0 then redis.call('DEL', ix .. 'lq') end
 end
 
 -- The record of lane request `kid` on the shard of index prefix `ix` ("...:ix:" -> "...:s:<kid>").
@@ -1225,12 +1257,16 @@ local function sg_ix_record(ix, kid)
   return string.sub(ix, 1, -4) .. 's:' .. kid
 end
 
--- The index row of `kid`: from `row`, or kept in its lane record (nil when neither has it).
+-- The index row of `kid`: from `row`, or kept in its lane record (nil when neither has it): a
+-- lane request without tags, whose row its settings (`pol`, "[f]<priority>,<limit>,...") say.
 local function sg_ix_row(ix, kid)
   local row = redis.call('HGET', ix .. 'row', kid)
   if row then return row end
-  local kept = redis.call('HGET', sg_ix_record(ix, kid), 'ix')
-  return kept and string.match(kept, '^[^|]*|(.*)$') or nil
+  local r = redis.call('HMGET', sg_ix_record(ix, kid), 'ix', 'pol')
+  if not r[1] then return nil end
+  if r[1] ~= '' then return string.match(r[1], '^[^|]*|(.*)$') end
+  local prio, limit = string.match(r[2] or '', '^f?(%d+),(%d+)')
+  return 'l|' .. (prio or '0') .. '|' .. (limit or '1') .. '|'
 end
 
 -- The first push of request `kid` (it exists): if its registration found the id listed by a
@@ -1478,13 +1514,15 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
   if not m then
-    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol')
+    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix')
     seen[kid] = m
   end
   if not sg_lane_live(m, lc) then return nil end
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
+    -- Listed from now on as live (the prefix "...:s:" names the shard's index "...:ix:").
+    if m[4] then sg_ix_live_kept(string.sub(prefix, 1, -3) .. 'ix:', kid, m[4], m[2]) end
     local created = math.floor(tonumber(lc) / 1000)
     return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
   end
@@ -1629,13 +1667,15 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
     fields[#fields + 1] = 'nf'
     fields[#fields + 1] = sg_str(fed)
   end
-  -- A listed request without tags keeps its row here, not in the index's `row` (sg_ix_add_kept).
+  -- A listed request without tags keeps its row here, not in the index's `row` (sg_ix_add_kept):
+  -- an empty `ix` says it is listed, and its `pol` and `lc` say the rest (sg_ix_row,
+  -- sg_ix_kept_at), which costs the record no bytes (it stays in its allocation's size class).
   -- `lc` is `now` * 1000 as text: all its digits but the last three are `now`'s.
   local at = string.sub(lc, 1, -4)
   local kept = r.row ~= '' and string.byte(r.row, -1) == 124
   if kept then
     fields[#fields + 1] = 'ix'
-    fields[#fields + 1] = at .. '|' .. r.row
+    fields[#fields + 1] = ''
   end
   -- A fail-fast request keeps every part's payload until the part is settled.
   local from = fed
@@ -1646,13 +1686,14 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   end
   redis.call('HSET', r.record, unpack(fields))
   -- An id the producer generated (no nonce) whose record is absent was never listed.
+  local queued = 0
   if kept then
-    sg_ix_add_kept(ix, r.kid, now, at, r.nonce == '', live)
+    queued = sg_ix_add_kept(ix, r.kid, now, r.nonce == '')
   else
     sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '', live, at)
   end
   for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
-  return fed
+  return fed, queued
 end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)

@@ -566,10 +566,13 @@ impl Admin {
             for set in ["live", "completed", "failed", "cancelled"] {
                 pipe.zcard::<(), _>(keys.index_set(shard, set)).await?;
             }
-            let counts: Vec<u64> = pipe.all().await?;
+            // Queued lane requests are counted apart until they are listed as live (`lq`).
+            pipe.get::<(), _>(keys.index_set(shard, "lq")).await?;
+            let counts: Vec<Option<u64>> = pipe.all().await?;
+            let counts: Vec<u64> = counts.into_iter().map(Option::unwrap_or_default).collect();
             active_requests += counts[0];
             tokens_held += counts[1];
-            requests.unfinished += counts[2];
+            requests.unfinished += counts[2] + counts[6];
             requests.completed += counts[3];
             requests.failed += counts[4];
             requests.cancelled += counts[5];

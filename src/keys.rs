@@ -155,7 +155,8 @@ impl Keys {
         format!("{}ix:row", self.shard_prefix(shard))
     }
 
-    /// One set of the listing index of `shard` (`live`, `completed`, `t:<tag>`, `exp`, ...).
+    /// One key of the listing index of `shard`: a set (`live`, `completed`, `t:<tag>`, `exp`, ...)
+    /// or the count of queued lane requests not listed as live yet (`lq`).
     pub(crate) fn index_set(&self, shard: u32, set: &str) -> String {
         format!("{}ix:{set}", self.shard_prefix(shard))
     }

@@ -647,6 +647,7 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     for state in ["completed", "failed", "cancelled"] {
         let _: () = pipe.zrange(ix(state), 0, -1, None, false, None, false).await.map_err(e)?;
     }
+    let _: () = pipe.get(ix("lq")).await.map_err(e)?;
     let mut replies: std::vec::IntoIter<Value> = pipe.all::<Vec<Value>>().await.map_err(e)?.into_iter();
     let mut next = || replies.next().unwrap_or(Value::Null);
     let active: Vec<String> = next().convert().map_err(e)?;
@@ -655,13 +656,17 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let now = secs * 1000 + micros / 1000 + world.clock_ms;
     let mut out = BTreeMap::new();
     let mut lanes: HashMap<String, Vec<String>> = HashMap::new();
-    // Lane requests whose records keep their listing rows (no tags: docs/protocol.md §5).
-    let mut kept_rows = HashSet::new();
+    // Lane requests whose records keep their listing rows (no tags: docs/protocol.md §5), and
+    // which of them are queued.
+    let (mut kept_rows, mut queued) = (HashSet::new(), HashSet::new());
     for i in 0..REQUEST_IDS {
         let kid = request_id(i).key_id();
         let record: HashMap<String, Vec<u8>> = next().convert().map_err(e)?;
         if record.contains_key("ix") {
             kept_rows.insert(kid.clone());
+            if record.get("state").map(Vec::as_slice) == Some(b"queued") {
+                queued.insert(kid.clone());
+            }
         }
         let meta: HashMap<String, String> = next().convert().map_err(e)?;
         let results: u64 = next().convert().map_err(e)?;
@@ -690,12 +695,23 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     for _ in 0..3 {
         states.push(next().convert().map_err(e)?);
     }
+    let queued_count: Option<i64> = next().convert().map_err(e)?;
+    // Listed as live: in `live` with a row, or a queued lane request found in its lane.
+    let listed_live = live
+        .iter()
+        .filter(|k| rows.contains(*k) || kept_rows.contains(*k))
+        .chain(queued.iter().filter(|k| !live.contains(*k)))
+        .cloned()
+        .collect();
     // Listed: a row in ix:row or kept in a lane record, or an entry of the index (a purged lane
     // request's kept row went with its record; its entries stay until `unlist` or its expiry).
     let rows = rows.into_iter().chain(kept_rows).chain(live.iter().cloned()).chain(expiring).collect();
     let index = IndexSeen {
         rows,
         states,
+        queued: queued.into_iter().filter(|k| !live.contains(k)).collect(),
+        queued_count: queued_count.unwrap_or(0),
+        listed_live,
         live: live.into_iter().collect(),
         tracked,
         tracked_live: tracked_live.unwrap_or(0),
@@ -818,16 +834,24 @@ struct IndexSeen {
     /// The members of `ix:live`, `ix:completed`, `ix:failed` and `ix:cancelled`.
     states: Vec<Vec<String>>,
     live: HashSet<String>,
+    /// Queued lane requests whose records keep their rows and that are not in `ix:live` (listed as
+    /// live from their first hand-out on), and `ix:lq`'s count of them.
+    queued: HashSet<String>,
+    queued_count: i64,
+    /// What `list` of the live requests must show: the members of `ix:live` with a row, and
+    /// `queued`.
+    listed_live: HashSet<String>,
     tracked: Vec<String>,
     /// `ix:tl`'s count of the tracked set's live members, and the set's expiry (PTTL).
     tracked_live: i64,
     tracked_ttl: i64,
 }
 
-/// The listing index's invariants: a live request is listed as live, unless it was submitted
-/// unlisted, and one only ever submitted unlisted is not listed; no request is in two state sets;
-/// the tracked set holds listed requests only, counts its live ones exactly (`ix:tl`), and keeps
-/// no expiry while it has one.
+/// The listing index's invariants: a live request is listed as live (in `ix:live`, or a queued
+/// lane request, counted exactly by `ix:lq`), unless it was submitted unlisted, and one only ever
+/// submitted unlisted is not listed; no request is in two state sets; the tracked set holds
+/// listed requests only, counts its live ones exactly (`ix:tl`), and keeps no expiry while it has
+/// one.
 fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Result<(), String> {
     let mut state_of: HashMap<&str, usize> = HashMap::new();
     for (n, members) in ix.states.iter().enumerate() {
@@ -851,10 +875,23 @@ fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Resu
         if takeover && ix.rows.contains(&kid) {
             continue;
         }
-        if !s.meta.is_empty() && !s.terminal() && s.state() != "loading" && !ix.live.contains(&kid) {
+        if !s.meta.is_empty()
+            && !s.terminal()
+            && s.state() != "loading"
+            && !ix.live.contains(&kid)
+            && !ix.queued.contains(&kid)
+        {
             let listed = if ix.rows.contains(&kid) { "listed, but not as live" } else { "not listed" };
             return Err(format!("{}: {} but {listed} in the listing index", request_id(*i), s.state()));
         }
+    }
+    if ix.queued.len() as i64 != ix.queued_count {
+        return Err(format!(
+            "the index counts {} queued lane requests, but {} are: {:?}",
+            ix.queued_count,
+            ix.queued.len(),
+            ix.queued
+        ));
     }
     if let Some(stray) = ix.tracked.iter().find(|k| !ix.rows.contains(*k)) {
         return Err(format!("{stray} is tracked but not listed"));
@@ -870,6 +907,65 @@ fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Resu
         return Err(format!("the tracked set has live requests but expires in {} ms", ix.tracked_ttl));
     }
     Ok(())
+}
+
+/// `list` of the live requests, walked a page of two entries at a time (so that cursors, ties and
+/// the lanes' binary search are exercised), shows each request listed as live once, and nothing
+/// else.
+async fn check_listing(world: &World, ix: &IndexSeen) -> Result<(), String> {
+    let ns = world.config.namespace_str();
+    let rows_key = format!("{ns}:{{{ns}.q0}}:ix:row");
+    let (mut score, mut passed) = ("+inf".to_owned(), 0i64);
+    let mut shown: Vec<String> = Vec::new();
+    for _ in 0..200 {
+        let args: Vec<Value> = vec![
+            "sg2_list".into(),
+            1.into(),
+            rows_key.as_str().into(),
+            "live".into(),
+            "".into(),
+            score.as_str().into(),
+            passed.into(),
+            "".into(),
+            2.into(),
+            2.into(),
+            "".into(),
+            "".into(),
+            "".into(),
+        ];
+        let reply: Vec<Value> = world
+            .reader
+            .custom(
+                fred::types::CustomCommand::new_static("FCALL_RO", fred::types::ClusterHash::FirstKey, false),
+                args,
+            )
+            .await
+            .map_err(|e| format!("list: {e}"))?;
+        let text = |v: &Value| v.as_string().unwrap_or_default();
+        for row in reply.get(3..).unwrap_or_default().chunks(7) {
+            shown.push(text(&row[0]));
+        }
+        let next = reply.first().map(text).unwrap_or_default();
+        if next.is_empty() {
+            let mut unique: Vec<String> = shown.clone();
+            unique.sort();
+            unique.dedup();
+            if unique.len() != shown.len() {
+                return Err(format!("list of the live requests showed one twice: {shown:?}"));
+            }
+            let got: HashSet<String> = shown.into_iter().collect();
+            if got != ix.listed_live {
+                return Err(format!(
+                    "list of the live requests showed {got:?}, but {:?} are listed as live",
+                    ix.listed_live
+                ));
+            }
+            return Ok(());
+        }
+        score = next;
+        passed = reply.get(1).and_then(Value::as_i64).unwrap_or(0);
+    }
+    Err(format!("list of the live requests did not end within 200 pages: {shown:?}"))
 }
 
 /// The stats by stage as stored, summed by priority. Whatever the faults (a lost flush, a flush
@@ -926,6 +1022,7 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
         world.model.schedules.step(&reader, &ns, now as i64).await?;
     }
     check_index(world, &seen, &index)?;
+    check_listing(world, &index).await?;
     if std::mem::take(&mut world.model.stats_added) {
         check_stats(world).await?;
     }

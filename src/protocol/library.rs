@@ -509,6 +509,11 @@ const APP_COMMANDS: &[&str] = &[
     "smembers",
     "srem",
     "zrevrange",
+    // the listing index's count of queued lane requests (`ix:lq`): submits and first hand-outs
+    // change it, `Admin::stats` reads it
+    "incrby",
+    "decr",
+    "get",
 ];
 
 /// A least-privilege ACL rule set for the applications of one namespace (producers, workers,

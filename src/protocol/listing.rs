@@ -171,15 +171,28 @@ fn parse_score(s: &str) -> Result<f64> {
 }
 
 /// The listing row of `key_id` on `shard`: from the index's rows, or kept in its lane record (a
-/// lane request without tags: field `ix`, "<submitted ms>|<row>"; docs/protocol.md §5). `None`
-/// when it is not listed.
+/// lane request without tags: field `ix`; docs/protocol.md §5). `None` when it is not listed.
 pub(crate) async fn row_of(store: &Store, shard: u32, key_id: &str) -> Result<Option<String>> {
     let row: Option<String> = store.client.hget(store.keys.index_rows(shard).as_str(), key_id).await?;
     if row.is_some() {
         return Ok(row);
     }
-    let kept: Option<String> = store.client.hget(store.keys.record(shard, key_id).as_str(), "ix").await?;
-    Ok(kept.and_then(|k| k.split_once('|').map(|(_, row)| row.to_owned())))
+    let (kept, pol): (Option<String>, Option<String>) =
+        store.client.hmget(store.keys.record(shard, key_id).as_str(), vec!["ix", "pol"]).await?;
+    Ok(kept.map(|k| kept_row(&k, pol.as_deref().unwrap_or(""))))
+}
+
+/// The row a lane record keeps (`ix`, and its settings `pol`): `ix` is empty, the row
+/// `l|<priority>|<limit>|` from `pol` ("[f]<priority>,<limit>,..."); a record an earlier version
+/// wrote keeps "<submitted ms>|<row>".
+fn kept_row(ix: &str, pol: &str) -> String {
+    if let Some((_, row)) = ix.split_once('|') {
+        return row.to_owned();
+    }
+    let mut settings = pol.trim_start_matches('f').split(',');
+    let priority = settings.next().unwrap_or("0");
+    let limit = settings.next().unwrap_or("1");
+    format!("l|{priority}|{limit}|")
 }
 
 /// `track` on `shard`: marks (or unmarks) `key_id` as tracked. False when it is not listed.
@@ -233,6 +246,15 @@ fn refused(e: Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lane_records_row_comes_from_its_settings_or_from_an_earlier_versions_ix() {
+        assert_eq!(kept_row("", "10,4,1"), "l|10|4|");
+        assert_eq!(kept_row("", "f99,1,3,2"), "l|99|1|");
+        assert_eq!(kept_row("1764453600000|l|7|2|", "7,2,1"), "l|7|2|");
+        let row = Row::parse(&kept_row("", "f5,3,2")).unwrap();
+        assert_eq!((row.kind, row.priority, row.limit, row.tags.len()), (Kind::Lane, 5, 3, 0));
+    }
 
     #[test]
     fn rows_read_back_as_written() {

@@ -356,6 +356,101 @@ async fn list_pages_and_filters_ten_thousand_requests_through_the_index() {
     assert!(bad.to_string().contains("not a list cursor"), "{bad}");
 }
 
+/// Queued small requests are found in their lanes (they are listed as live only once handed out):
+/// every one once, newest first, whatever the page size, with the ones submitted together in one
+/// millisecond told apart, the unlisted and the cancelled left out, and the same after some were
+/// tracked (which lists them as live) and after a worker ran some.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_lane_requests_list_from_their_lanes_once_each_newest_first() {
+    use sluicegate::{ListQuery, ListState, Priority};
+    let env = env_on(TOPOLOGY, "lanelist").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut listed = Vec::new();
+    for round in 0..6u64 {
+        // One at a time (a millisecond each, or a few sharing one), then 50 in one call (all in
+        // the same millisecond), then unlisted ones between them.
+        for n in 0..20 {
+            let prio = if n % 3 == 0 { 20 } else { 10 };
+            let h = producer.request().priority(prio).unwrap().submit([Job::new(n)]).await.unwrap();
+            listed.push(h);
+        }
+        let batch = (0..50u64).map(|n| (producer.request().priority(10).unwrap(), vec![Job::new(round * 100 + n)]));
+        for h in producer.submit_many(batch).await {
+            listed.push(h.unwrap());
+        }
+        for n in 0..10 {
+            producer.request().unlisted().priority(10).unwrap().submit([Job::new(n)]).await.unwrap();
+        }
+    }
+    // Cancelled while queued: listed as cancelled, not live.
+    let cancelled: Vec<_> = listed.iter().step_by(17).map(|h| h.id().to_string()).collect();
+    for h in listed.iter().step_by(17) {
+        admin.cancel(h.id()).await.unwrap();
+    }
+    let expect: std::collections::HashSet<String> =
+        listed.iter().map(|h| h.id().to_string()).filter(|id| !cancelled.contains(id)).collect();
+    let all = |q: ListQuery| {
+        let admin = admin.clone();
+        async move {
+            let (mut ids, mut last_ms) = (Vec::new(), i64::MAX);
+            let mut q = q;
+            loop {
+                let page = admin.list(&q).await.unwrap();
+                for r in &page.requests {
+                    assert!(r.submitted_ms <= last_ms, "not newest first");
+                    last_ms = r.submitted_ms;
+                    ids.push(r.id.clone());
+                }
+                match page.cursor {
+                    Some(c) => q = q.cursor(c),
+                    None => return ids,
+                }
+            }
+        }
+    };
+    let check = |ids: Vec<String>, want: &std::collections::HashSet<String>, what: &str| {
+        let n = ids.len();
+        let got: std::collections::HashSet<String> = ids.into_iter().collect();
+        assert_eq!(got.len(), n, "{what}: a request listed twice");
+        assert_eq!(&got, want, "{what}");
+    };
+    for size in [1, 7, 64, 1000] {
+        check(all(ListQuery::new().state(ListState::Queued).limit(size)).await, &expect, &format!("pages of {size}"));
+    }
+    check(all(ListQuery::new().limit(9)).await, &listed.iter().map(|h| h.id().to_string()).collect(), "every state");
+    let at_20: std::collections::HashSet<String> = listed
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 70 < 20 && (i % 70) % 3 == 0)
+        .map(|(_, h)| h.id().to_string())
+        .collect();
+    check(all(ListQuery::new().priority(Priority::new(20).unwrap()).limit(5)).await, &at_20, "priority 20");
+    let queued_at_20 = at_20.iter().filter(|id| !cancelled.contains(*id)).cloned().collect();
+    let q = ListQuery::new().state(ListState::Queued).priority(Priority::new(20).unwrap()).limit(3);
+    check(all(q).await, &queued_at_20, "queued at priority 20");
+    assert_eq!(admin.stats().await.unwrap().requests.unfinished, expect.len() as u64);
+
+    // Tracked while queued: listed as live from the index now, once.
+    for h in listed.iter().skip(1).step_by(23) {
+        admin.track(h.id(), true).await.unwrap();
+    }
+    check(all(ListQuery::new().state(ListState::Queued).limit(11)).await, &expect, "after tracking");
+    assert_eq!(admin.stats().await.unwrap().requests.unfinished, expect.len() as u64);
+
+    // A worker runs them all: none is live any more, each is completed once.
+    let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
+    for h in &listed {
+        h.wait_timeout::<u64>(Duration::from_secs(60)).await.unwrap();
+    }
+    w.stop().await;
+    check(all(ListQuery::new().state(ListState::Queued).limit(50)).await, &Default::default(), "all done");
+    check(all(ListQuery::new().state(ListState::Completed).limit(50)).await, &expect, "completed");
+    let counts = admin.stats().await.unwrap().requests;
+    assert_eq!((counts.unfinished, counts.completed), (0, expect.len() as u64), "{counts:?}");
+}
+
 /// Finished requests move to their state's set; purge of one leaves no key of it, purge of a
 /// state by age takes only those, and a live request is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -786,8 +881,11 @@ async fn an_admin_with_another_shard_count_lists_and_finds_every_lane_request() 
     let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
     let mut indexed = 0u64;
     for shard in 0..2 {
+        // Queued lane requests are counted in `lq` until they are handed out (docs/protocol.md §5).
         let rows: u64 = redis.zcard(format!("{ns}:{{{ns}.q{shard}}}:ix:live")).await.unwrap();
-        indexed += rows;
+        let queued: Option<u64> =
+            fred::interfaces::KeysInterface::get(&redis, format!("{ns}:{{{ns}.q{shard}}}:ix:lq")).await.unwrap();
+        indexed += rows + queued.unwrap_or(0);
     }
     assert!(indexed > 0 && indexed < 40, "the 40 requests spread over 3 shards: {indexed} on shards 0 and 1");
     let page = admin.list(&ListQuery::new()).await.unwrap();

@@ -868,11 +868,12 @@ class Admin:
         home = self._home(kid)
         row = p.conn.client.hget(p.keys.index_rows(home), kid)
         if row is None:
-            # A lane request without tags: its record keeps its row, "<submitted ms>|<row>".
+            # A lane request without tags: its record's `ix` says it is listed, and it has no tags
+            # (a record an earlier version wrote keeps "<submitted ms>|<row>" there).
             kept = p.conn.client.hget(p.keys.record(home, kid), "ix")
             if kept is None:
                 return None
-            row = text(kept).split("|", 1)[1]
+            row = text(kept).split("|", 1)[1] if "|" in text(kept) else "l|0|1|"
         tags = _Row.parse(text(row)).tags
         tracked = p.conn.client.zscore(p.keys.index_set(home, "tracked"), kid)
         return tags, tracked is not None

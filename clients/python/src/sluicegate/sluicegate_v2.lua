@@ -1020,8 +1020,9 @@ end
 --   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
 --                                        `r` a request of its own keys, `l` a lane request; tags
 --                                        comma-separated), except a lane request without tags,
---                                        whose record keeps its row (field `ix`, "<submitted
---                                        ms>|<row>"; sg_ix_add_kept): its finish then reads it
+--                                        whose record keeps its row (an empty field `ix`: its
+--                                        `pol` and `lc` say its row and submit ms, sg_ix_row,
+--                                        sg_ix_kept_at; sg_ix_add_kept): its finish then reads it
 --                                        with the record, and the row goes with the record
 --   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
 --   exp                                  sorted set of the finished ones, score = when their keys
@@ -1029,6 +1030,10 @@ end
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
+--   lq                                   the number of queued lane requests whose records keep
+--                                        their rows and that are not in `live` yet
+--                                        (sg_ix_add_kept): `list` finds them in their lanes. It
+--                                        is deleted when it reaches 0
 --   next                                 hash: key id -> the row of a registration that found its
 --                                        id listed by a finished request (sg_ix_add): once the new
 --                                        request exists (that one's keys were purged), its first
@@ -1211,15 +1216,42 @@ local function sg_ix_add(ix, kid, row, now, created, fresh, live, at)
   end
 end
 
--- Lists lane request `kid` as live, submitted at `at` (text), its row kept in its record (the
--- caller writes the record's `ix`): sg_ix_add for a created request, without a row in `row`.
-local function sg_ix_add_kept(ix, kid, now, at, fresh, live)
+-- When a lane request whose record keeps its row was submitted (ms, text), from the record's
+-- `ix` (`kept`) and `lc`: `ix` is empty, and `lc` starts with the submit ms, but in a record an
+-- earlier version wrote `ix` is "<submitted ms>|<row>".
+local function sg_ix_kept_at(kept, lc)
+  if kept ~= '' then return string.match(kept, '^[^|]*') end
+  return string.sub(lc, 1, -4)
+end
+
+-- Enters a created lane request `kid` whose record keeps its row (the caller writes the record's
+-- `ix`) in the index: not as live yet, but as one of the shard's queued lane requests (`lq`),
+-- which `list` finds in their lanes (list.lua). It is listed as live when its first part is handed
+-- out, or when it is tracked (sg_ix_live_kept), so that a queued one costs no member of `live`.
+-- An id that is not `fresh` first loses what an earlier request of it left listed; one listed as
+-- live already (a registration of the id, refused as a duplicate, listed it) stays so, and is not
+-- counted. Returns 1 when it counts among the queued ones: the caller adds it to `lq`
+-- (sg_ix_queued), once per call.
+local function sg_ix_add_kept(ix, kid, now, fresh)
   if not fresh then
-    if redis.call('ZSCORE', ix .. 'live', kid) then return end
+    if redis.call('ZSCORE', ix .. 'live', kid) then return 0 end
     sg_ix_remove(ix, kid, now)
   end
-  if not live then sg_ix_first_live(ix) end
-  redis.call('ZADD', ix .. 'live', at, kid)
+  return 1
+end
+
+-- Adds `n` to the shard's count of queued lane requests not listed as live (`lq`).
+local function sg_ix_queued(ix, n)
+  if n > 0 then redis.call('INCRBY', ix .. 'lq', n) end
+end
+
+-- Lists lane request `kid`, queued, its row kept in its record (`kept` and `lc`, the record's `ix`
+-- and `lc`), as live, unless it is already: at its first hand-out (sg_lane_entry), when it is
+-- tracked, or when it is cancelled (as its finish moves it from `live`). It leaves the queued count.
+local function sg_ix_live_kept(ix, kid, kept, lc)
+  sg_ix_first_live(ix)
+  if redis.call('ZADD', ix .. 'live', 'NX', sg_ix_kept_at(kept, lc), kid) == 0 then return end
+  if redis.call('DECR', ix .. 'lq') <= 0 then redis.call('DEL', ix .. 'lq') end
 end
 
 -- The record of lane request `kid` on the shard of index prefix `ix` ("...:ix:" -> "...:s:<kid>").
@@ -1227,12 +1259,16 @@ local function sg_ix_record(ix, kid)
   return string.sub(ix, 1, -4) .. 's:' .. kid
 end
 
--- The index row of `kid`: from `row`, or kept in its lane record (nil when neither has it).
+-- The index row of `kid`: from `row`, or kept in its lane record (nil when neither has it): a
+-- lane request without tags, whose row its settings (`pol`, "[f]<priority>,<limit>,...") say.
 local function sg_ix_row(ix, kid)
   local row = redis.call('HGET', ix .. 'row', kid)
   if row then return row end
-  local kept = redis.call('HGET', sg_ix_record(ix, kid), 'ix')
-  return kept and string.match(kept, '^[^|]*|(.*)$') or nil
+  local r = redis.call('HMGET', sg_ix_record(ix, kid), 'ix', 'pol')
+  if not r[1] then return nil end
+  if r[1] ~= '' then return string.match(r[1], '^[^|]*|(.*)$') end
+  local prio, limit = string.match(r[2] or '', '^f?(%d+),(%d+)')
+  return 'l|' .. (prio or '0') .. '|' .. (limit or '1') .. '|'
 end
 
 -- The first push of request `kid` (it exists): if its registration found the id listed by a
@@ -1480,13 +1516,15 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
   if not m then
-    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol')
+    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix')
     seen[kid] = m
   end
   if not sg_lane_live(m, lc) then return nil end
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
+    -- Listed from now on as live (the prefix "...:s:" names the shard's index "...:ix:").
+    if m[4] then sg_ix_live_kept(string.sub(prefix, 1, -3) .. 'ix:', kid, m[4], m[2]) end
     local created = math.floor(tonumber(lc) / 1000)
     return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
   end
@@ -1631,13 +1669,15 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
     fields[#fields + 1] = 'nf'
     fields[#fields + 1] = sg_str(fed)
   end
-  -- A listed request without tags keeps its row here, not in the index's `row` (sg_ix_add_kept).
+  -- A listed request without tags keeps its row here, not in the index's `row` (sg_ix_add_kept):
+  -- an empty `ix` says it is listed, and its `pol` and `lc` say the rest (sg_ix_row,
+  -- sg_ix_kept_at), which costs the record no bytes (it stays in its allocation's size class).
   -- `lc` is `now` * 1000 as text: all its digits but the last three are `now`'s.
   local at = string.sub(lc, 1, -4)
   local kept = r.row ~= '' and string.byte(r.row, -1) == 124
   if kept then
     fields[#fields + 1] = 'ix'
-    fields[#fields + 1] = at .. '|' .. r.row
+    fields[#fields + 1] = ''
   end
   -- A fail-fast request keeps every part's payload until the part is settled.
   local from = fed
@@ -1648,13 +1688,14 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   end
   redis.call('HSET', r.record, unpack(fields))
   -- An id the producer generated (no nonce) whose record is absent was never listed.
+  local queued = 0
   if kept then
-    sg_ix_add_kept(ix, r.kid, now, at, r.nonce == '', live)
+    queued = sg_ix_add_kept(ix, r.kid, now, r.nonce == '')
   else
     sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '', live, at)
   end
   for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
-  return fed
+  return fed, queued
 end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
@@ -3630,7 +3671,9 @@ local function lane_submit(keys, args)
   local now = sg_now()
   local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
   local lc = sg_int(now * 1000)
-  local fed = sg_lane_write(keys, r, args, 16, n, now, lc, sg_ix(keys[10]))
+  local ix = sg_ix(keys[10])
+  local fed, queued = sg_lane_write(keys, r, args, 16, n, now, lc, ix)
+  sg_ix_queued(ix, queued)
   local woken = sg_unpark(keys, args[1], fed, now, parked)
   sg_push(keys[8], keys[9], woken)
   return {lc, #woken}
@@ -3679,9 +3722,10 @@ local function lane_submit_many(keys, args)
   if #requests == 0 or #keys ~= 10 + 2 * #requests then
     return redis.error_reply('SGINVALID lane_submit_many takes 10 keys and two per request, and one request at least')
   end
-  -- One clock reading, so one lifecycle, for the call's requests; once one is listed live, the
-  -- index's shared keys are known to be kept (sg_ix_add's `live`).
-  local reply, now, lc, parked, ix, fed, live = {}, nil, nil, nil, sg_ix(keys[9]), 0, false
+  -- One clock reading, so one lifecycle, for the call's requests; once one is listed live (one with
+  -- tags: those without are listed when handed out, sg_ix_add_kept), the index's shared keys are
+  -- known to be kept (sg_ix_add's `live`). The queued ones are counted once, at the end.
+  local reply, now, lc, parked, ix, fed, live, queued = {}, nil, nil, nil, sg_ix(keys[9]), 0, false, 0
   for j, r in ipairs(requests) do
     local taken = sg_lane_taken(r, keys[10], keys[9])
     if taken then
@@ -3692,11 +3736,13 @@ local function lane_submit_many(keys, args)
         lc = sg_int(now * 1000)
         parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
       end
-      fed = fed + sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
-      live = live or r.row ~= ''
+      local f, q = sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
+      fed, queued = fed + f, queued + q
+      live = live or (r.row ~= '' and string.byte(r.row, -1) ~= 124)
       reply[j] = lc
     end
   end
+  sg_ix_queued(ix, queued)
   if now then sg_push(keys[7], keys[8], sg_unpark(keys, args[1], fed, now, parked)) end
   return reply
 end
@@ -3869,7 +3915,7 @@ local function lane_ack(keys, args)
       if r[9] then
         kept[#kept + 1] = kid
         kept_states[#kept_states + 1] = rec.state
-        kept_ats[#kept_ats + 1] = string.match(r[9], '^[^|]*')
+        kept_ats[#kept_ats + 1] = sg_ix_kept_at(r[9], r[2])
       else
         finished[#finished + 1] = kid
         states[#states + 1] = rec.state
@@ -3909,7 +3955,7 @@ do
 -- (its release is owed, and for the caller to run), {'already', state} when it was terminal, or
 -- {'unknown'}.
 local function lane_cancel(keys, args)
-  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol', 'dn')
+  local m = redis.call('HMGET', keys[1], 'state', 'lc', 'pol', 'dn', 'ix')
   if not m[1] then return {'unknown'} end
   if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
   local now = sg_now()
@@ -3918,7 +3964,10 @@ local function lane_cancel(keys, args)
   sg_hdel_many(keys[1], waiting)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
-  sg_ix_finish(sg_ix(keys[2]), args[1], 'cancelled', now + tonumber(args[2]), now)
+  local ix = sg_ix(keys[2])
+  -- A queued one whose record keeps its row is not listed as live yet (sg_ix_add_kept).
+  if m[1] == 'queued' and m[5] then sg_ix_live_kept(ix, args[1], m[5], m[2]) end
+  sg_ix_finish(ix, args[1], 'cancelled', now + tonumber(args[2]), now)
   sg_lane_events(keys[2], {line}, args[2], now, args[3])
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
   return {'finished', 'cancelled', m[2]}
@@ -4016,6 +4065,95 @@ end
 -- Returns {next score, next passed, looked at, rows...}: next score is '' when the walk reached the
 -- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
 -- cursor (score, passed) that resumes right after it.
+-- How many lane entries of requests that are not queued a walk of one lane passes over before it
+-- gives up (list_lane): such entries (parts fed later, or requeued, of started requests) are at
+-- most about the limits of the requests running in the lane.
+local LIST_LANE_SKIP = 10000
+
+-- The queued requests of one lane, as `list` walks a set: the lane request entries of the lane
+-- `stream` (its consumer group `g`) not handed out yet, newest first, each as {key id, submitted
+-- ms, 'live'} ('~' for one cancelled), those submitted after `from` (ms, or '+inf') left out, at
+-- least `want` of them when
+-- the lane has that many, and every one submitted in the same millisecond as the last (so that
+-- ties are told apart by key id as in a sorted set). Returns them and whether that was all.
+-- A request is queued until its first part is handed out (prelude.lua, sg_ix_add_kept); every
+-- part of it is then still in the lane, fed at its submit in submission order, and so are the
+-- parts of one cancelled before it started. Those entries are in the order of their requests'
+-- submit times, which a binary search by entry id uses; the lane's other entries (parts fed
+-- later, or requeued, of started requests) are passed over. Queued requests left out of the
+-- listing (no `ix` in their records) and those cancelled are returned too, for the page's walk to
+-- count as looked at, not show: so a page's work stays bounded by its budget. A lane with more
+-- than LIST_LANE_SKIP other entries among those it walks is left unfinished (not expected).
+local function list_lane(base, stream, from, want, live)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  if not last then return {}, true end
+  local delivered = '0-0'
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    for i = 1, #g, 2 do
+      if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
+    end
+  end
+  local n = function(id) return tonumber(string.match(id, '^0%-(%d+)$') or '0') end
+  local lo, hi = n(delivered) + 1, n(last[1])
+  if lo > hi then return {}, true end
+  -- The submit time of the request of entry `e` if it is in submission order (queued, or
+  -- cancelled before it started: no `started`), else nil; and the set it is walked as.
+  local known = {}
+  local function ordered(e)
+    local kid, lc = e[2][4], e[2][8]
+    local k = known[kid]
+    if k == nil then
+      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started')
+      k = false
+      if m[2] == lc and m[1] == 'queued' and not redis.call('ZSCORE', live, kid) then
+        k = {math.floor(tonumber(lc) / 1000), 'live'}
+      elseif m[2] == lc and m[1] == 'cancelled' and not m[3] then
+        k = {math.floor(tonumber(lc) / 1000), '~'}
+      end
+      known[kid] = k
+    end
+    if not k then return nil end
+    return k[1], k[2]
+  end
+  -- The first entry id after which every ordered entry was submitted after `from`: the smallest
+  -- id whose first ordered entry at or after it was. A probe that finds none near errs later,
+  -- which only makes the walk below pass over more.
+  local top = '+'
+  if from ~= '+inf' then
+    local f, a, b = tonumber(from), lo, hi + 1
+    while a < b do
+      local mid = math.floor((a + b) / 2)
+      local at
+      for _, e in ipairs(redis.call('XRANGE', stream, '0-' .. mid, '+', 'COUNT', 16)) do
+        at = ordered(e)
+        if at then break end
+      end
+      if at and at > f then b = mid else a = mid + 1 end
+    end
+    if a > hi then top = '+' else top = '(0-' .. a end
+  end
+  local f = tonumber(from) or math.huge
+  local out, seen, skipped, tie = {}, {}, 0, nil
+  while true do
+    local got = redis.call('XREVRANGE', stream, top, '(' .. delivered, 'COUNT', 100)
+    if #got == 0 then return out, true end
+    for _, e in ipairs(got) do
+      local kid = e[2][4]
+      local at, set = ordered(e)
+      if at and at <= f and not seen[kid] then
+        if tie and at < tie then return out, false end
+        seen[kid] = true
+        out[#out + 1] = {kid, at, set}
+        if #out >= want then tie = at end
+      elseif not at then
+        skipped = skipped + 1
+        if skipped > LIST_LANE_SKIP then return out, false end
+      end
+    end
+    top = '(' .. got[#got][1]
+  end
+end
+
 local function list(keys, args)
   local ix = string.sub(keys[1], 1, -4)
   local cursor, passed = args[3], tonumber(args[4])
@@ -4032,10 +4170,27 @@ local function list(keys, args)
     local got = redis.call('ZREVRANGEBYSCORE', ix .. set, from, '-inf', 'WITHSCORES', 'LIMIT', 0, want)
     if #got / 2 >= want then complete = false end
     for i = 1, #got, 2 do entries[#entries + 1] = {got[i], tonumber(got[i + 1]), set} end
+    if set == 'live' then
+      -- Queued lane requests are listed as live, but found in their lanes (sg_ix_add_kept).
+      local base = string.sub(ix, 1, -4)
+      for p = 0, 99 do
+        if args[8] == '' or args[8] == tostring(p) then
+          local stream = base .. 'lane:' .. p .. ':s'
+          if redis.call('EXISTS', stream) == 1 then
+            local queued, all = list_lane(base, stream, from, want, ix .. 'live')
+            if not all then complete = false end
+            for _, e in ipairs(queued) do entries[#entries + 1] = e end
+          end
+        end
+      end
+    end
   end
+  -- By score, then key id, then set (a request cancelled before it started is both in
+  -- `cancelled` and, as '~', in its lane): the same order on every page.
   table.sort(entries, function(a, b)
     if a[2] ~= b[2] then return a[2] > b[2] end
-    return a[1] > b[1]
+    if a[1] ~= b[1] then return a[1] > b[1] end
+    return a[3] > b[3]
   end)
   local states = {}
   for s in string.gmatch(args[2], '[^,]+') do states[#states + 1] = s end
@@ -4057,7 +4212,7 @@ local function list(keys, args)
           if redis.call('ZSCORE', ix .. s, kid) then state = s break end
         end
       end
-      local ok = row ~= nil and state ~= nil
+      local ok = row ~= nil and state ~= nil and e[3] ~= '~'
       if ok and #states > 0 then
         ok = false
         for _, s in ipairs(states) do if s == state then ok = true end end
@@ -4097,6 +4252,15 @@ local function track(keys, args)
   if not sg_ix_row(ix, kid) then return 0 end
   local mark = {SG_IX_TRACKED, ix .. 'tracked'}
   local live = redis.call('ZSCORE', ix .. 'live', kid)
+  if not live and args[2] == '1' then
+    -- A queued lane request whose record keeps its row is listed as live once tracked
+    -- (sg_ix_add_kept), so that the tracked set counts it live.
+    local rec = redis.call('HMGET', sg_ix_record(ix, kid), 'state', 'ix', 'lc')
+    if rec[1] == 'queued' and rec[2] then
+      sg_ix_live_kept(ix, kid, rec[2], rec[3])
+      live = redis.call('ZSCORE', ix .. 'live', kid)
+    end
+  end
   local was = redis.call('ZSCORE', mark[2], kid)
   local now = sg_now()
   if args[2] ~= '1' then
