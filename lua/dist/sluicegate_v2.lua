@@ -4065,25 +4065,25 @@ end
 -- Returns {next score, next passed, looked at, rows...}: next score is '' when the walk reached the
 -- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
 -- cursor (score, passed) that resumes right after it.
--- How many lane entries of requests that are not queued a walk of one lane passes over before it
--- gives up (list_lane): such entries (parts fed later, or requeued, of started requests) are at
--- most about the limits of the requests running in the lane.
+-- How many lane entries `list` passes over in one lane (hidden ones, below, and entries of
+-- started requests: parts fed later, or requeued) before it ends its page where that lane's walk
+-- stopped (list_lane's `low`). The randomized checker's build of the library sets it to 2.
 local LIST_LANE_SKIP = 10000
 
--- The queued requests of one lane, as `list` walks a set: the lane request entries of the lane
--- `stream` (its consumer group `g`) not handed out yet, newest first, each as {key id, submitted
--- ms, 'live'} ('~' for one cancelled), those submitted after `from` (ms, or '+inf') left out, at
--- least `want` of them when
--- the lane has that many, and every one submitted in the same millisecond as the last (so that
--- ties are told apart by key id as in a sorted set). Returns them and whether that was all.
+-- The queued requests of one lane, as `list` walks a set: the entries of the lane `stream` (its
+-- consumer group `g`) not handed out yet, newest first, each as {key id, submitted ms, 'live'}
+-- once per request, those submitted after `from` (ms, or '+inf') left out, at least `want` of
+-- them when the lane has that many, and then every one submitted in the same millisecond as the
+-- last (so that ties are told apart by key id as in a sorted set).
 -- A request is queued until its first part is handed out (prelude.lua, sg_ix_add_kept); every
 -- part of it is then still in the lane, fed at its submit in submission order, and so are the
--- parts of one cancelled before it started. Those entries are in the order of their requests'
--- submit times, which a binary search by entry id uses; the lane's other entries (parts fed
--- later, or requeued, of started requests) are passed over. Queued requests left out of the
--- listing (no `ix` in their records) and those cancelled are returned too, for the page's walk to
--- count as looked at, not show: so a page's work stays bounded by its budget. A lane with more
--- than LIST_LANE_SKIP other entries among those it walks is left unfinished (not expected).
+-- parts of one cancelled before it started. Those entries ("ordered") follow their requests'
+-- submit times, which a binary search by entry id uses. The walk shows only queued requests that
+-- keep their rows in their records and are not in `live` (`live` shows those); the other ordered
+-- ones (unlisted, tracked, cancelled) are hidden, and entries of started requests are passed
+-- over. Returns the entries, whether that was all, and, when it passed over more than
+-- LIST_LANE_SKIP entries first, the submit ms of the last ordered entry it reached (math.huge
+-- when none): the page then ends above it.
 local function list_lane(base, stream, from, want, live)
   local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
   if not last then return {}, true end
@@ -4096,21 +4096,22 @@ local function list_lane(base, stream, from, want, live)
   local n = function(id) return tonumber(string.match(id, '^0%-(%d+)$') or '0') end
   local lo, hi = n(delivered) + 1, n(last[1])
   if lo > hi then return {}, true end
-  -- The submit time of the request of entry `e` if it is in submission order (queued, or
-  -- cancelled before it started: no `started`), else nil; and the set it is walked as.
+  -- The submit ms of the request of entry `e` if the entry is ordered, else nil; and whether the
+  -- walk shows it. By request and lifecycle: entries of an earlier request of the id (cancelled,
+  -- then purged) may still wait in the lane.
   local known = {}
   local function ordered(e)
     local kid, lc = e[2][4], e[2][8]
-    local k = known[kid]
+    local key = kid .. '|' .. lc
+    local k = known[key]
     if k == nil then
-      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started')
+      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started', 'ix')
       k = false
-      if m[2] == lc and m[1] == 'queued' and not redis.call('ZSCORE', live, kid) then
-        k = {math.floor(tonumber(lc) / 1000), 'live'}
-      elseif m[2] == lc and m[1] == 'cancelled' and not m[3] then
-        k = {math.floor(tonumber(lc) / 1000), '~'}
+      if m[2] == lc and (m[1] == 'queued' or (m[1] == 'cancelled' and not m[3])) then
+        local shown = m[1] == 'queued' and m[4] and not redis.call('ZSCORE', live, kid)
+        k = {math.floor(tonumber(lc) / 1000), shown and true or false}
       end
-      known[kid] = k
+      known[key] = k
     end
     if not k then return nil end
     return k[1], k[2]
@@ -4119,8 +4120,9 @@ local function list_lane(base, stream, from, want, live)
   -- id whose first ordered entry at or after it was. A probe that finds none near errs later,
   -- which only makes the walk below pass over more.
   local top = '+'
+  local f = tonumber(from) or math.huge
   if from ~= '+inf' then
-    local f, a, b = tonumber(from), lo, hi + 1
+    local a, b = lo, hi + 1
     while a < b do
       local mid = math.floor((a + b) / 2)
       local at
@@ -4130,25 +4132,29 @@ local function list_lane(base, stream, from, want, live)
       end
       if at and at > f then b = mid else a = mid + 1 end
     end
-    if a > hi then top = '+' else top = '(0-' .. a end
+    if a <= hi then top = '(0-' .. a end
   end
-  local f = tonumber(from) or math.huge
-  local out, seen, skipped, tie = {}, {}, 0, nil
+  local out, shown, skipped, tie, low = {}, {}, 0, nil, nil
   while true do
     local got = redis.call('XREVRANGE', stream, top, '(' .. delivered, 'COUNT', 100)
     if #got == 0 then return out, true end
     for _, e in ipairs(got) do
       local kid = e[2][4]
-      local at, set = ordered(e)
-      if at and at <= f and not seen[kid] then
+      local at, show = ordered(e)
+      if at and at <= f then
         if tie and at < tie then return out, false end
-        seen[kid] = true
-        out[#out + 1] = {kid, at, set}
-        if #out >= want then tie = at end
-      elseif not at then
+        low = at
+        if show and not shown[kid] then
+          shown[kid] = true
+          out[#out + 1] = {kid, at, 'live'}
+          if #out >= want then tie = at end
+        elseif not show then
+          skipped = skipped + 1
+        end
+      else
         skipped = skipped + 1
-        if skipped > LIST_LANE_SKIP then return out, false end
       end
+      if skipped > LIST_LANE_SKIP then return out, false, low or math.huge end
     end
     top = '(' .. got[#got][1]
   end
@@ -4165,7 +4171,9 @@ local function list(keys, args)
   end
   local limit, budget = tonumber(args[6]), tonumber(args[7])
   local want = passed + budget
-  local entries, complete = {}, true
+  -- `floor`: a lane walk that stopped early (list_lane) saw every entry above it, not every one
+  -- at it or below: this page shows only entries above it, and the next one starts there.
+  local entries, complete, floor = {}, true, nil
   for set in string.gmatch(args[1], '[^,]+') do
     local got = redis.call('ZREVRANGEBYSCORE', ix .. set, from, '-inf', 'WITHSCORES', 'LIMIT', 0, want)
     if #got / 2 >= want then complete = false end
@@ -4177,16 +4185,26 @@ local function list(keys, args)
         if args[8] == '' or args[8] == tostring(p) then
           local stream = base .. 'lane:' .. p .. ':s'
           if redis.call('EXISTS', stream) == 1 then
-            local queued, all = list_lane(base, stream, from, want, ix .. 'live')
+            local queued, all, low = list_lane(base, stream, from, want, ix .. 'live')
             if not all then complete = false end
+            if low then floor = math.max(floor or low, low) end
             for _, e in ipairs(queued) do entries[#entries + 1] = e end
           end
         end
       end
     end
   end
-  -- By score, then key id, then set (a request cancelled before it started is both in
-  -- `cancelled` and, as '~', in its lane): the same order on every page.
+  if floor then
+    if floor >= (tonumber(from) or math.huge) then
+      return redis.error_reply('SGSTATE a lane holds more than ' .. LIST_LANE_SKIP .. ' entries of started '
+        .. 'requests among its queued ones: list cannot page past them now (list finished requests, or '
+        .. 'try again once the lane has drained further)')
+    end
+    local above = {}
+    for _, e in ipairs(entries) do if e[2] > floor then above[#above + 1] = e end end
+    entries = above
+  end
+  -- By score, then key id, then set: the same order on every page.
   table.sort(entries, function(a, b)
     if a[2] ~= b[2] then return a[2] > b[2] end
     if a[1] ~= b[1] then return a[1] > b[1] end
@@ -4212,7 +4230,7 @@ local function list(keys, args)
           if redis.call('ZSCORE', ix .. s, kid) then state = s break end
         end
       end
-      local ok = row ~= nil and state ~= nil and e[3] ~= '~'
+      local ok = row ~= nil and state ~= nil
       if ok and #states > 0 then
         ok = false
         for _, s in ipairs(states) do if s == state then ok = true end end
@@ -4231,7 +4249,10 @@ local function list(keys, args)
       end
     end
   end
-  if i < #entries or not complete then
+  if floor and i >= #entries then
+    -- Every entry above the floor was looked at: the next page starts at it, none of it passed.
+    out[1], out[2] = sg_int(floor), 0
+  elseif i < #entries or not complete then
     out[1], out[2] = sg_int(last or tonumber(from)), ties
     if not last then out[2] = passed end
   end

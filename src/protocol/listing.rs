@@ -128,7 +128,8 @@ pub(crate) async fn list(store: &Store, shard: u32, a: &ListArgs<'_>) -> Result<
         a.tag.unwrap_or("").into(),
         (if a.tracked { "1" } else { "" }).into(),
     ];
-    let items = reply::array(store.fcall(Func::List, &[rows_key.as_str()], args).await?)?;
+    // Refused (SGSTATE) when a lane holds too many entries of started requests to page past now.
+    let items = reply::array(store.fcall(Func::List, &[rows_key.as_str()], args).await.map_err(refused)?)?;
     if items.len() < 3 || (items.len() - 3) % 7 != 0 {
         return Err(Error::Protocol(format!("list answered {} items", items.len())));
     }

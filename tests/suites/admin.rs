@@ -451,6 +451,50 @@ async fn queued_lane_requests_list_from_their_lanes_once_each_newest_first() {
     assert_eq!((counts.unfinished, counts.completed), (0, expect.len() as u64), "{counts:?}");
 }
 
+/// A lane walk that passes over more than 10,000 entries it does not show (here unlisted queued
+/// requests between two groups of listed ones) ends its page where it stopped, and the next page
+/// goes on from there: every listed request is shown once, none is skipped, and the requests of
+/// another lane older than where the walk stopped wait for a later page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_walk_past_ten_thousand_hidden_entries_pages_on_from_where_it_stopped() {
+    use sluicegate::{ListQuery, ListState};
+    let env = env_on(TOPOLOGY, "lanefloor").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut listed = std::collections::HashSet::new();
+    let submit_listed = |n: u64, priority: u8| {
+        let producer = producer.clone();
+        async move { producer.request().priority(priority).unwrap().submit([Job::new(n)]).await.unwrap().id().to_string() }
+    };
+    for (n, priority) in (0..60).map(|n| (n, if n < 30 { 10 } else { 20 })) {
+        listed.insert(submit_listed(n, priority).await);
+    }
+    let hidden = (0..10_300u64).map(|n| (producer.request().unlisted().priority(10).unwrap(), vec![Job::new(n)]));
+    assert!(producer.submit_many(hidden).await.iter().all(Result::is_ok));
+    for (n, priority) in (0..60).map(|n| (n, if n < 30 { 10 } else { 20 })) {
+        listed.insert(submit_listed(n, priority).await);
+    }
+    for limit in [7, 1000] {
+        let (mut shown, mut q, mut pages) = (Vec::new(), ListQuery::new().state(ListState::Queued).limit(limit), 0);
+        loop {
+            let page = admin.list(&q).await.unwrap();
+            shown.extend(page.requests.iter().map(|r| r.id.clone()));
+            pages += 1;
+            match page.cursor {
+                Some(c) => q = q.cursor(c),
+                None => break,
+            }
+            assert!(pages < 100, "no end after 100 pages: {} shown", shown.len());
+        }
+        let n = shown.len();
+        let got: std::collections::HashSet<String> = shown.into_iter().collect();
+        assert_eq!(got.len(), n, "pages of {limit}: a request shown twice");
+        assert_eq!(got, listed, "pages of {limit}");
+    }
+    assert_eq!(admin.stats().await.unwrap().requests.unfinished, 120);
+}
+
 /// Finished requests move to their state's set; purge of one leaves no key of it, purge of a
 /// state by age takes only those, and a live request is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
