@@ -25,6 +25,7 @@ local function lane_acquire(keys, args)
         if e then reply[#reply + 1] = e end
       end
     end
+    sg_lane_list_started(args[7], seen)
     if #reply > 1 then return reply end
   end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end

@@ -516,7 +516,7 @@ const APP_COMMANDS: &[&str] = &[
     // the listing index's count of queued lane requests (`ix:lq`): submits and first hand-outs
     // change it, `Admin::stats` reads it
     "incrby",
-    "decr",
+    "decrby",
     "get",
 ];
 

@@ -1251,7 +1251,7 @@ end
 local function sg_ix_live_kept(ix, kid, kept, lc)
   sg_ix_first_live(ix)
   if redis.call('ZADD', ix .. 'live', 'NX', sg_ix_kept_at(kept, lc), kid) == 0 then return end
-  if redis.call('DECR', ix .. 'lq') <= 0 then redis.call('DEL', ix .. 'lq') end
+  if redis.call('DECRBY', ix .. 'lq', 1) <= 0 then redis.call('DEL', ix .. 'lq') end
 end
 
 -- The record of lane request `kid` on the shard of index prefix `ix` ("...:ix:" -> "...:s:<kid>").
@@ -1523,12 +1523,30 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
-    -- Listed from now on as live (the prefix "...:s:" names the shard's index "...:ix:").
-    if m[4] then sg_ix_live_kept(string.sub(prefix, 1, -3) .. 'ix:', kid, m[4], m[2]) end
+    -- Listed from now on as live, by the caller, with the others its call starts
+    -- (sg_lane_list_started): `seen[1]` collects their submit ms and key ids.
+    if m[4] then
+      local listing = seen[1] or {}
+      seen[1] = listing
+      listing[#listing + 1] = sg_ix_kept_at(m[4], m[2])
+      listing[#listing + 1] = kid
+    end
     local created = math.floor(tonumber(lc) / 1000)
     return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
   end
   return {id, tonumber(index), payload, attempt, kid, lc, m[3]}
+end
+
+-- Lists the lane requests whose first parts sg_lane_entry handed out in this call (`seen[1]`:
+-- submit ms and key id, in pairs) as live, as sg_ix_live_kept does one, with one command per key
+-- for all of them. `prefix` names the records ("...:s:"), and so the shard's index ("...:ix:").
+local function sg_lane_list_started(prefix, seen)
+  local listing = seen[1]
+  if not listing then return end
+  local ix = string.sub(prefix, 1, -3) .. 'ix:'
+  sg_ix_first_live(ix)
+  local added = redis.call('ZADD', ix .. 'live', 'NX', unpack(listing))
+  if added > 0 and redis.call('DECRBY', ix .. 'lq', added) <= 0 then redis.call('DEL', ix .. 'lq') end
 end
 
 -- How long the lane's oldest pending entry may have been out before settled entries are deleted
@@ -1718,6 +1736,7 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
     if #ids >= want or #dropped == 0 then break end
     extra = redis.call('HGET', keys[1], 'extra')
   end
+  sg_lane_list_started(prefix, seen)
   if #ids > 0 then
     redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
     return reply
@@ -2362,6 +2381,7 @@ local function lane_acquire(keys, args)
         if e then reply[#reply + 1] = e end
       end
     end
+    sg_lane_list_started(args[7], seen)
     if #reply > 1 then return reply end
   end
   if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
