@@ -197,8 +197,10 @@ local function list(keys, args)
       end
     end
   end
-  if floor and i >= #entries then
-    -- Every entry above the floor was looked at: the next page starts at it, none of it passed.
+  if floor and i >= #entries and looked == 0 then
+    -- Nothing above the floor was left to look at: the next page starts at it, none of it
+    -- passed. (Otherwise it resumes after the last entry looked at, as always: a set that gave
+    -- `want` entries may hold more above the floor.)
     out[1], out[2] = sg_int(floor), 0
   elseif i < #entries or not complete then
     out[1], out[2] = sg_int(last or tonumber(from)), ties

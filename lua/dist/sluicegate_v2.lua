@@ -1245,13 +1245,19 @@ local function sg_ix_queued(ix, n)
   if n > 0 then redis.call('INCRBY', ix .. 'lq', n) end
 end
 
--- Lists lane request `kid`, queued, its row kept in its record (`kept` and `lc`, the record's `ix`
--- and `lc`), as live, unless it is already: at its first hand-out (sg_lane_entry), when it is
--- tracked, or when it is cancelled (as its finish moves it from `live`). It leaves the queued count.
-local function sg_ix_live_kept(ix, kid, kept, lc)
+-- Lists queued lane requests whose records keep their rows as live, unless they are already:
+-- `listing` holds their submit ms and key ids, in pairs. Those it lists leave the queued count.
+-- One command per key for all of them.
+local function sg_ix_live_kept_many(ix, listing)
   sg_ix_first_live(ix)
-  if redis.call('ZADD', ix .. 'live', 'NX', sg_ix_kept_at(kept, lc), kid) == 0 then return end
-  if redis.call('DECRBY', ix .. 'lq', 1) <= 0 then redis.call('DEL', ix .. 'lq') end
+  local added = redis.call('ZADD', ix .. 'live', 'NX', unpack(listing))
+  if added > 0 and redis.call('DECRBY', ix .. 'lq', added) <= 0 then redis.call('DEL', ix .. 'lq') end
+end
+
+-- sg_ix_live_kept_many for one request, `kid`, from its record's `ix` and `lc` (`kept`, `lc`): when
+-- it is tracked, or cancelled (before its finish moves it from `live`), while it is queued.
+local function sg_ix_live_kept(ix, kid, kept, lc)
+  sg_ix_live_kept_many(ix, {sg_ix_kept_at(kept, lc), kid})
 end
 
 -- The record of lane request `kid` on the shard of index prefix `ix` ("...:ix:" -> "...:s:<kid>").
@@ -1538,15 +1544,10 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
 end
 
 -- Lists the lane requests whose first parts sg_lane_entry handed out in this call (`seen[1]`:
--- submit ms and key id, in pairs) as live, as sg_ix_live_kept does one, with one command per key
--- for all of them. `prefix` names the records ("...:s:"), and so the shard's index ("...:ix:").
+-- submit ms and key id, in pairs) as live (sg_ix_live_kept_many). `prefix` names the records
+-- ("...:s:"), and so the shard's index ("...:ix:").
 local function sg_lane_list_started(prefix, seen)
-  local listing = seen[1]
-  if not listing then return end
-  local ix = string.sub(prefix, 1, -3) .. 'ix:'
-  sg_ix_first_live(ix)
-  local added = redis.call('ZADD', ix .. 'live', 'NX', unpack(listing))
-  if added > 0 and redis.call('DECRBY', ix .. 'lq', added) <= 0 then redis.call('DEL', ix .. 'lq') end
+  if seen[1] then sg_ix_live_kept_many(string.sub(prefix, 1, -3) .. 'ix:', seen[1]) end
 end
 
 -- How long the lane's oldest pending entry may have been out before settled entries are deleted
@@ -4269,8 +4270,10 @@ local function list(keys, args)
       end
     end
   end
-  if floor and i >= #entries then
-    -- Every entry above the floor was looked at: the next page starts at it, none of it passed.
+  if floor and i >= #entries and looked == 0 then
+    -- Nothing above the floor was left to look at: the next page starts at it, none of it
+    -- passed. (Otherwise it resumes after the last entry looked at, as always: a set that gave
+    -- `want` entries may hold more above the floor.)
     out[1], out[2] = sg_int(floor), 0
   elseif i < #entries or not complete then
     out[1], out[2] = sg_int(last or tonumber(from)), ties
