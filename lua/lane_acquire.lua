@@ -8,6 +8,8 @@
 --          lifecycle, the record's pol, and, for a request's first entry, its queue wait ms};
 --         {'park', wake}, {'drop'}, {'stale'} as acquire.
 -- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
+-- A call re-sent after its reply was lost (the token held by this holder under this epoch) hands
+-- out again what the first handed out and is still live, or else hands out afresh.
 local function lane_acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra')
   local tok = m[1]
@@ -15,19 +17,35 @@ local function lane_acquire(keys, args)
   local f = sg_split(tok)
   local now = sg_now()
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
-    -- The same call re-sent after its reply was lost: the entries it handed out, again.
-    local reply, seen = {'run'}, {}
+    -- The same call re-sent after its reply was lost: the entries it handed out, again. Those of
+    -- requests no longer live (cancelled meanwhile) are acked away as a hand-out does, and the
+    -- token then holds exactly the rest, which the slot's ack presents (sg_holds). When none is
+    -- left, the hand-out starts afresh: answering `stale` would leave the token held by a live
+    -- slot that forgets it.
+    local reply, seen, ids, dropped = {'run'}, {}, {}, {}
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if entry and pending then
         local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now, seen, sg_int(now))
-        if e then reply[#reply + 1] = e end
+        if e then
+          reply[#reply + 1] = e
+          ids[#ids + 1] = id
+        else
+          dropped[#dropped + 1] = id
+        end
       end
     end
+    sg_lane_drop(keys, dropped)
     sg_lane_list_started(args[7], seen)
-    if #reply > 1 then return reply end
+    if #ids > 0 then
+      if #ids < #sg_ids(f[5]) then
+        redis.call('HSET', keys[1], 't' .. args[2], 'h|' .. f[2] .. '|' .. f[3] .. '|' .. f[4] .. '|' .. table.concat(ids, ','))
+      end
+      return reply
+    end
+  elseif f[1] ~= 'q' or f[2] ~= args[3] then
+    return {'stale'}
   end
-  if f[1] ~= 'q' or f[2] ~= args[3] then return {'stale'} end
   return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
 end

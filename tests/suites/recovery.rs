@@ -87,6 +87,61 @@ impl Raw {
             other => panic!("take found nothing: {other:?}"),
         }
     }
+    /// `take` on shard 0 as `holder` (take id 1), a lane token's first batch at most `batch`
+    /// entries: the whole reply.
+    async fn take_with(&self, holder: &str, batch: i64) -> Value {
+        let keys = ["held", "bell", "active", "armed", "paused"].map(|k| self.token_key(k)).to_vec();
+        let args: Vec<Value> = vec![
+            holder.into(),
+            1.into(),
+            "".into(),
+            "0".into(),
+            holder.into(),
+            batch.into(),
+            self.token_key("lane:").into(),
+            self.token_key("s:").into(),
+            self.token_key("p:").into(),
+        ];
+        self.call("take", keys, args).await
+    }
+    /// The keys of the lane of priority `prio` on shard 0, as `lane_acquire` and `lane_ack` take
+    /// them: the lane's own (as a request's), then those of its shard their KEYS list names.
+    fn lane_keys(&self, prio: u8, shard_keys: &[&str]) -> Vec<String> {
+        let base = self.token_key(&format!("lane:{prio}"));
+        let mut keys: Vec<String> =
+            ["", ":s", ":res", ":err", ":orph", ":retry"].iter().map(|s| format!("{base}{s}")).collect();
+        keys.extend(shard_keys.iter().map(|k| self.token_key(k)));
+        keys
+    }
+    /// `lane_acquire` of a lane token `element` of priority `prio` as `holder`: the raw reply.
+    async fn lane_acquire(&self, element: &str, prio: u8, holder: &str, batch: i64) -> Vec<Value> {
+        let parts: Vec<&str> = element.split('|').collect();
+        let consumer = holder.split('/').next().unwrap();
+        let mut args: Vec<Value> = [parts[0], parts[1], parts[2], holder, consumer].map(Value::from).to_vec();
+        args.extend([batch.into(), self.token_key("s:").into()]);
+        match self.call("lane_acquire", self.lane_keys(prio, &["active", "armed"]), args).await {
+            Value::Array(items) => items,
+            other => panic!("{other:?}"),
+        }
+    }
+    /// `lane_ack` of `entries` (as `lane_acquire` handed them out), each `ok` with result `42`,
+    /// asking for more (with none queued, the token parks in its lane): the raw reply.
+    async fn lane_ack_ok(&self, element: &str, prio: u8, holder: &str, entries: &[Vec<Value>]) -> Vec<Value> {
+        let parts: Vec<&str> = element.split('|').collect();
+        let consumer = holder.split('/').next().unwrap();
+        let channel = format!("{}:done", self.ns);
+        let mut args: Vec<Value> =
+            [parts[0], parts[1], parts[2], holder, consumer, "1", "60000", channel.as_str(), "1"].map(Value::from).to_vec();
+        args.push(self.token_key("s:").into());
+        for e in entries {
+            args.extend([e[0].clone(), "ok".into(), Value::Bytes(rmp_serde::to_vec(&42u64).unwrap().into()), "0".into()]);
+            args.extend([e[3].clone(), e[4].clone(), e[5].clone(), e[1].clone()]);
+        }
+        match self.call("lane_ack", self.lane_keys(prio, &["events", "active", "armed"]), args).await {
+            Value::Array(items) => items,
+            other => panic!("{other:?}"),
+        }
+    }
     /// Presents an element to acquire as `holder`: the token is now held.
     async fn acquire(&self, element: &str, holder: &str) -> Vec<Value> {
         let parts: Vec<&str> = element.split('|').collect();
@@ -220,6 +275,65 @@ async fn a_lane_batch_handed_out_by_take_to_a_worker_that_died_runs_again() {
     let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the dead slot's batch runs again");
     assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6, 8]);
     w.stop().await;
+}
+
+/// A slot whose `take` reply was lost takes again (the same take id) and gets the element without
+/// a batch, then acquires it: `lane_acquire` hands out again what the first take handed out. An
+/// entry of a request cancelled in between is acked away, and the token then names exactly what
+/// the slot will ack, so the ack is not fenced; with nothing left the hand-out starts afresh. It
+/// used to answer `stale`: the slot forgot the token while its record said this live slot held it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_lane_acquire_hands_out_what_is_still_live_or_else_afresh() {
+    let env = env_on(TOPOLOGY, "laneresend").await;
+    let config = fast(&env.config).lane_tokens(1);
+    let producer = Producer::connect(&config).await.unwrap();
+    let one = |n: u64| producer.request().priority(40).unwrap().submit([Job::new(n)]);
+    let (a, c) = (one(1).await.unwrap(), one(2).await.unwrap());
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let holder = "w-live/0";
+    let kid = |e: &Vec<Value>| e[4].as_string().unwrap();
+    let batch = |items: &[Value]| -> Vec<Vec<Value>> {
+        assert_eq!(items[0].as_str().as_deref(), Some("run"), "a batch: {items:?}");
+        items[1..].iter().map(|e| e.clone().into_array()).collect()
+    };
+
+    // The first take hands out both; its reply is lost. A is cancelled before the slot asks again.
+    let element = match raw.take_with(holder, 2).await {
+        Value::Array(items) => {
+            let Value::Array(first) = &items[2] else { panic!("a lane take acquires: {items:?}") };
+            assert_eq!(batch(first).len(), 2);
+            items[1].as_string().unwrap()
+        }
+        other => panic!("{other:?}"),
+    };
+    a.cancel().await.unwrap();
+    let again = raw.lane_acquire(&element, 40, holder, 2).await;
+    let entries = batch(&again);
+    assert_eq!(entries.iter().map(kid).collect::<Vec<_>>(), [c.id().key_id()], "only C is handed out again");
+    let pending: Value = raw
+        .client
+        .custom(CustomCommand::new_static("XPENDING", ClusterHash::FirstKey, false), vec![raw.lane_keys(40, &[])[1].clone(), "g".into()])
+        .await
+        .unwrap();
+    assert_eq!(pending.into_array()[0].as_i64(), Some(1), "A's entry was acked away");
+    let acked = raw.lane_ack_ok(&element, 40, holder, &entries).await;
+    assert_ne!(acked[0].as_str().as_deref(), Some("fenced"), "the ack of what was handed out again is not fenced");
+    let done = c.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), [42]);
+
+    // Everything the first hand-out gave is cancelled before the slot asks again: it gets new work.
+    let (d, e) = (one(3).await.unwrap(), one(4).await.unwrap());
+    raw.client.hdel::<i64, _, _>(raw.token_key("held"), holder).await.unwrap();
+    let element = match raw.take_with(holder, 1).await {
+        Value::Array(items) => items[1].as_string().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    d.cancel().await.unwrap();
+    let again = raw.lane_acquire(&element, 40, holder, 1).await;
+    let entries = batch(&again);
+    assert_eq!(entries.iter().map(kid).collect::<Vec<_>>(), [e.id().key_id()], "a fresh hand-out, not `stale`");
+    raw.lane_ack_ok(&element, 40, holder, &entries).await;
+    assert_eq!(e.wait_timeout::<u64>(Duration::from_secs(5)).await.unwrap().into_outputs().unwrap(), [42]);
 }
 
 /// A slot that stops without having seen its take's reply undoes the take (`untake`). A lane's
