@@ -432,6 +432,36 @@ def test_a_redis_cluster_runs_requests_too(cluster: Any, ns: str, running: Runni
     )
 
 
+def test_on_a_cluster_waits_are_rung_by_their_completions_through_the_shared_subscription(
+    cluster: Any, ns: str, running: Running
+) -> None:
+    # A poll of 600 s, as on one server above: only a completion message, heard through the
+    # doorbell's one subscription (redis-py's ClusterPubSub on a cluster), ends these waits within
+    # 30 s. The subscription stands before any request runs, so none is missed.
+    p = Producer(cluster.url, ns, wait_poll=600, token_shards=2)
+    try:
+        handles = [p.submit(parts(1 + n % 3), concurrency=2, own_stream=n % 4 == 0) for n in range(12)]
+        done: Dict[int, Any] = {}
+
+        def wait(i: int) -> None:
+            done[i] = handles[i].wait(timeout=120)
+
+        threads = [threading.Thread(target=wait, args=(i,), daemon=True) for i in range(len(handles))]
+        for t in threads:
+            t.start()
+        assert p._doorbell.subscribed(10), "the doorbell did not subscribe on the cluster"
+        time.sleep(0.3)  # every wait has read its record and sleeps on its ring
+        running.start(cluster.url, double, ns, slots=4, token_shards=2)
+        deadline = time.monotonic() + 30
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "a wait was not rung by its request's completion"
+        for i in range(len(handles)):
+            assert done[i].results == [{"i": j, "double": 2 * j} for j in range(1 + i % 3)], i
+    finally:
+        p.close()
+
+
 def test_token_shards_spread_tokens_and_events_and_everything_completes(server: Any, ns: str, running: Running) -> None:
     seen = Concurrency()
 
