@@ -62,26 +62,7 @@ impl Raw {
     }
     /// `take` on shard 0 as `holder` (take id 1): the element, recorded as held.
     async fn take(&self, holder: &str) -> String {
-        let keys = vec![
-            self.token_key("held"),
-            self.token_key("bell"),
-            self.token_key("active"),
-            self.token_key("armed"),
-            self.token_key("paused"),
-        ];
-        let args: Vec<Value> = vec![
-            holder.into(),
-            1.into(),
-            "".into(),
-            "0".into(),
-            holder.into(),
-            1.into(),
-            self.token_key("lane:").into(),
-            self.token_key("s:").into(),
-            self.token_key("p:").into(),
-        ];
-        let reply = self.call("take", keys, args).await;
-        match reply {
+        match self.take_with(holder, 1).await {
             // (A lane token's reply has a third item: its first batch, acquired in the same call.)
             Value::Array(items) if items.len() >= 2 => items[1].as_string().unwrap(),
             other => panic!("take found nothing: {other:?}"),
