@@ -27,7 +27,12 @@ local function finish_index(keys, args)
   redis.call('XADD', keys[2], 'MINID', '~', math.max(now - retention, 0), '*',
     'rid', args[1], 'state', args[2])
   redis.call('PEXPIRE', keys[2], retention)
-  sg_ix_finish(sg_ix(keys[1]), args[1], args[2], now + retention, now)
+  local ix = sg_ix(keys[1])
+  -- A request that ended before any push (a downstream failed at its commit by a failed upstream)
+  -- never took the listing entry of a purged request of its id that its registration found
+  -- (sg_ix_takeover): it takes it here, then moves to its terminal set.
+  sg_ix_takeover(ix, args[1], now)
+  sg_ix_finish(ix, args[1], args[2], now + retention, now)
   if redis.call('EXISTS', sg_shard_key(keys[1], 'dn:' .. args[1])) == 1 then
     redis.call('ZADD', sg_shard_key(keys[1], 'rel'), now + SG_REL_DELAY_MS, args[1])
     return 2

@@ -1035,7 +1035,8 @@ end
 --   next                                 hash: key id -> the row of a registration that found its
 --                                        id listed by a finished request (sg_ix_add): once the new
 --                                        request exists (that one's keys were purged), its first
---                                        push lists it in that one's place (sg_ix_takeover)
+--                                        push lists it in that one's place (sg_ix_takeover), or
+--                                        its finish (finish_index) when it ended before any push
 -- Every change is O(log n) (per tag). A finished request leaves with its retention (each finish and
 -- each claim of recovery drop a few expired ones), and every key expires on its own once it holds
 -- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
@@ -1179,7 +1180,8 @@ end
 -- that is merely listed when the caller has created the new request (`created`: lane_submit), since
 -- the id was free: an operator purged its keys and the index has not followed yet (`unlist` comes
 -- after, or its caller died). A registration (not `created`) cannot tell whether the finished one's
--- keys are gone: it keeps its row in `next`, for the new request's first push (sg_ix_takeover).
+-- keys are gone: it keeps its row in `next`, for the new request's first push, or its finish
+-- when it ended before any (sg_ix_takeover).
 -- `fresh`: the caller knows the id was never listed (lane_submit under an id the producer
 -- generated, whose record it found absent), which saves the checks. `live`: the caller knows a
 -- request is listed live on the shard already (lane_submit_many, after its first), which saves
