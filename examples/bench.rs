@@ -347,8 +347,16 @@ impl Bench {
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
         // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
-        let worker = Worker::builder(config, handler)
-            .slots(slots)
+        // BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
+        let reserve = std::env::var("BENCH_RESERVE").ok().and_then(|r| {
+            let (n, p) = r.split_once(':')?;
+            Some((n.parse::<usize>().ok()?, p.parse::<u8>().ok()?))
+        });
+        let mut builder = Worker::builder(config, handler).slots(slots);
+        if let Some((n, p)) = reserve {
+            builder = builder.reserve(n, p);
+        }
+        let worker = builder
             .quantum(Quantum {
                 parts: std::env::var("BENCH_QUANTUM")
                     .ok()

@@ -541,28 +541,31 @@ local function sg_step_late(deadline)
   return nil
 end
 
--- The LMPOP command over one shard's priority lists, highest first, from their common prefix:
--- built once per prefix and kept (a library's local state lasts until it is loaded again), at
--- most SG_LMPOP_KEPT prefixes (namespaces times shards) at a time.
+-- The LMPOP command over one shard's priority lists, highest first down to `floor` (0: all), from
+-- their common prefix: built once per prefix and floor and kept (a library's local state lasts
+-- until it is loaded again), at most SG_LMPOP_KEPT of them (namespaces times shards times the
+-- floors of reserved slots) at a time.
 local SG_LMPOP_KEPT = 256
 local sg_lmpop_kept, sg_lmpop_count = {}, 0
-local function sg_lmpop_lists(prefix)
-  local command = sg_lmpop_kept[prefix]
+local function sg_lmpop_lists(prefix, floor)
+  local kept = floor == 0 and prefix or prefix .. '|' .. floor
+  local command = sg_lmpop_kept[kept]
   if command then return command end
-  command = {'LMPOP', 100}
-  for p = 99, 0, -1 do command[#command + 1] = prefix .. p end
+  command = {'LMPOP', 100 - floor}
+  for p = 99, floor, -1 do command[#command + 1] = prefix .. p end
   command[#command + 1] = 'RIGHT'
   if sg_lmpop_count >= SG_LMPOP_KEPT then sg_lmpop_kept, sg_lmpop_count = {}, 0 end
-  sg_lmpop_kept[prefix] = command
+  sg_lmpop_kept[kept] = command
   sg_lmpop_count = sg_lmpop_count + 1
   return command
 end
 
 -- The same LMPOP without the priorities an operator paused (`paused`: priority text -> true);
--- nil when every priority is paused. Built for each call: pauses are rare and short-lived.
-local function sg_lmpop_unpaused(prefix, paused)
+-- nil when every priority from `floor` up is paused. Built for each call: pauses are rare and
+-- short-lived.
+local function sg_lmpop_unpaused(prefix, paused, floor)
   local command = {'LMPOP', 0}
-  for p = 99, 0, -1 do
+  for p = 99, floor, -1 do
     if not paused[tostring(p)] then command[#command + 1] = prefix .. p end
   end
   command[2] = #command - 2

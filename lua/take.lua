@@ -24,9 +24,12 @@
 -- its wait ends (the slot asks again then, rather than after an idle poll).
 -- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
 -- held, if any, goes back (prelude, sg_held_end).
--- KEYS[6] and ARGV[10..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
+-- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
+-- only lower priorities wait.
+-- KEYS[6] and ARGV[11..] (optional) a token to give back first, as `give_back` does it: a slot at
 -- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
--- ARGV[10] the take id the slot's record must carry to be ended, ARGV[11..] the elements. A re-sent
+-- ARGV[11] the take id the slot's record must carry to be ended, ARGV[12..] the elements. A re-sent
 -- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
 -- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
@@ -40,10 +43,17 @@ local SG_TAKE_POPS = 16
 
 local function take(keys, args)
   local holder, id = args[1], args[2]
+  local floor = 0
+  if (args[10] or '') ~= '' then
+    floor = tonumber(args[10])
+    if not floor or floor ~= math.floor(floor) or floor < 0 or floor > 99 then
+      return redis.error_reply('SGINVALID take\'s floor must be a priority from 0 to 99, not ' .. args[10])
+    end
+  end
   local shard = sg_shard_key(keys[1], '')
   local held = redis.call('HGET', keys[1], holder)
-  if keys[6] and (args[10] or '') ~= '' and not (held and sg_split(held)[4] == id) then
-    give_back({keys[1], keys[2], keys[6]}, {holder, args[10], unpack(args, 11)})
+  if keys[6] and (args[11] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[11], unpack(args, 12)})
     held = redis.call('HGET', keys[1], holder)
   end
   local previous = nil
@@ -64,14 +74,14 @@ local function take(keys, args)
   end
   -- The previous record ends whatever this take finds (the field is overwritten or deleted below).
   if previous then sg_held_end(shard, previous) end
-  local lmpop = sg_lmpop_lists(args[9])
+  local lmpop = sg_lmpop_lists(args[9], floor)
   -- (A caller of before pauses passes four keys: it takes as if nothing were paused.)
   local pauses = keys[5] and redis.call('HGETALL', keys[5]) or {}
   local paused = nil
   if #pauses > 0 then
     paused = {}
     for i = 1, #pauses, 2 do paused[pauses[i]] = true end
-    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
+    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused, floor)
     if not lmpop then
       if held then redis.call('HDEL', keys[1], holder) end
       -- A bell the slot popped stays for the elements waiting: the slot waits an idle poll.

@@ -543,28 +543,31 @@ local function sg_step_late(deadline)
   return nil
 end
 
--- The LMPOP command over one shard's priority lists, highest first, from their common prefix:
--- built once per prefix and kept (a library's local state lasts until it is loaded again), at
--- most SG_LMPOP_KEPT prefixes (namespaces times shards) at a time.
+-- The LMPOP command over one shard's priority lists, highest first down to `floor` (0: all), from
+-- their common prefix: built once per prefix and floor and kept (a library's local state lasts
+-- until it is loaded again), at most SG_LMPOP_KEPT of them (namespaces times shards times the
+-- floors of reserved slots) at a time.
 local SG_LMPOP_KEPT = 256
 local sg_lmpop_kept, sg_lmpop_count = {}, 0
-local function sg_lmpop_lists(prefix)
-  local command = sg_lmpop_kept[prefix]
+local function sg_lmpop_lists(prefix, floor)
+  local kept = floor == 0 and prefix or prefix .. '|' .. floor
+  local command = sg_lmpop_kept[kept]
   if command then return command end
-  command = {'LMPOP', 100}
-  for p = 99, 0, -1 do command[#command + 1] = prefix .. p end
+  command = {'LMPOP', 100 - floor}
+  for p = 99, floor, -1 do command[#command + 1] = prefix .. p end
   command[#command + 1] = 'RIGHT'
   if sg_lmpop_count >= SG_LMPOP_KEPT then sg_lmpop_kept, sg_lmpop_count = {}, 0 end
-  sg_lmpop_kept[prefix] = command
+  sg_lmpop_kept[kept] = command
   sg_lmpop_count = sg_lmpop_count + 1
   return command
 end
 
 -- The same LMPOP without the priorities an operator paused (`paused`: priority text -> true);
--- nil when every priority is paused. Built for each call: pauses are rare and short-lived.
-local function sg_lmpop_unpaused(prefix, paused)
+-- nil when every priority from `floor` up is paused. Built for each call: pauses are rare and
+-- short-lived.
+local function sg_lmpop_unpaused(prefix, paused, floor)
   local command = {'LMPOP', 0}
-  for p = 99, 0, -1 do
+  for p = 99, floor, -1 do
     if not paused[tostring(p)] then command[#command + 1] = prefix .. p end
   end
   command[2] = #command - 2
@@ -2461,9 +2464,12 @@ do
 -- its wait ends (the slot asks again then, rather than after an idle poll).
 -- The record this slot's previous take left (ARGV[3]) ends here, and with it the group token it
 -- held, if any, goes back (prelude, sg_held_end).
--- KEYS[6] and ARGV[10..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
+-- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
+-- only lower priorities wait.
+-- KEYS[6] and ARGV[11..] (optional) a token to give back first, as `give_back` does it: a slot at
 -- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
--- ARGV[10] the take id the slot's record must carry to be ended, ARGV[11..] the elements. A re-sent
+-- ARGV[11] the take id the slot's record must carry to be ended, ARGV[12..] the elements. A re-sent
 -- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
 -- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
@@ -2477,10 +2483,17 @@ local SG_TAKE_POPS = 16
 
 local function take(keys, args)
   local holder, id = args[1], args[2]
+  local floor = 0
+  if (args[10] or '') ~= '' then
+    floor = tonumber(args[10])
+    if not floor or floor ~= math.floor(floor) or floor < 0 or floor > 99 then
+      return redis.error_reply('SGINVALID take\'s floor must be a priority from 0 to 99, not ' .. args[10])
+    end
+  end
   local shard = sg_shard_key(keys[1], '')
   local held = redis.call('HGET', keys[1], holder)
-  if keys[6] and (args[10] or '') ~= '' and not (held and sg_split(held)[4] == id) then
-    give_back({keys[1], keys[2], keys[6]}, {holder, args[10], unpack(args, 11)})
+  if keys[6] and (args[11] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[11], unpack(args, 12)})
     held = redis.call('HGET', keys[1], holder)
   end
   local previous = nil
@@ -2501,14 +2514,14 @@ local function take(keys, args)
   end
   -- The previous record ends whatever this take finds (the field is overwritten or deleted below).
   if previous then sg_held_end(shard, previous) end
-  local lmpop = sg_lmpop_lists(args[9])
+  local lmpop = sg_lmpop_lists(args[9], floor)
   -- (A caller of before pauses passes four keys: it takes as if nothing were paused.)
   local pauses = keys[5] and redis.call('HGETALL', keys[5]) or {}
   local paused = nil
   if #pauses > 0 then
     paused = {}
     for i = 1, #pauses, 2 do paused[pauses[i]] = true end
-    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused)
+    lmpop = not paused['all'] and sg_lmpop_unpaused(args[9], paused, floor)
     if not lmpop then
       if held then redis.call('HDEL', keys[1], holder) end
       -- A bell the slot popped stays for the elements waiting: the slot waits an idle poll.

@@ -300,7 +300,7 @@ async fn drain(world: &mut World) -> Result<(), String> {
         for w in 0..WORKERS {
             world.apply(&Op::Beat { worker: w }).await?;
             for slot in 0..SLOTS {
-                world.apply(&Op::Take { worker: w, slot }).await?;
+                world.apply(&Op::Take { worker: w, slot, floor: None }).await?;
             }
         }
         world.apply(&Op::Recover { worker: (round % WORKERS as usize) as u8 }).await?;

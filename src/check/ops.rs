@@ -137,10 +137,14 @@ pub(crate) enum Op {
         producer: u8,
         requests: Vec<Submit>,
     },
-    /// Slot `slot` of worker `worker` takes one token and serves it (if it is idle).
+    /// Slot `slot` of worker `worker` takes one token and serves it (if it is idle); with a
+    /// `floor`, as a reserved slot of that floor takes (`WorkerBuilder::reserve`: no lower
+    /// priority; absent in sequences recorded before it).
     Take {
         worker: u8,
         slot: u8,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        floor: Option<u8>,
     },
     /// Worker `worker` renews the leases its slots hold.
     Beat {
@@ -320,7 +324,11 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict }
         }
         410..=429 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
-        430..=569 => Op::Take { worker: rng.gen_range(0..WORKERS), slot: rng.gen_range(0..SLOTS) },
+        430..=569 => Op::Take {
+            worker: rng.gen_range(0..WORKERS),
+            slot: rng.gen_range(0..SLOTS),
+            floor: (rng.gen_range(0..6) == 0).then(|| [50, 90][rng.gen_range(0..2)]),
+        },
         570..=659 => {
             let submit = draw_submit(rng);
             if submit.bulk && rng.gen_bool(0.5) {

@@ -16,6 +16,7 @@ use super::model::{Model, Outcome};
 use super::ops::{Op, Shape, Submit, PRODUCERS, SLOTS, WORKERS};
 use crate::config::Config;
 use crate::request::Cancelled;
+use crate::request::Priority;
 use crate::request::RequestId;
 use crate::stats::Recorder;
 use crate::store::Store;
@@ -358,7 +359,7 @@ impl World {
                 })
                 .await
             }
-            Op::Take { worker, slot } => {
+            Op::Take { worker, slot, floor } => {
                 let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
                 self.worker(*worker).await?;
                 let id = self.next_actor;
@@ -369,8 +370,10 @@ impl World {
                 let (shared, state) = (w.shared.clone(), w.slots[*slot as usize].clone());
                 let process = Process::Worker(*worker, w.incarnation);
                 w.busy[*slot as usize] = Some(id);
+                let floor = floor.map(Priority::new).transpose().map_err(|e| e.to_string())?;
                 self.spawn(process, Task::Take { slot: *slot }, async move {
                     let mut state = state.lock().await;
+                    state.floor = floor;
                     match slot::take_and_serve(&shared, &mut state, &blocking, 0).await {
                         Ok(()) => Outcome::Done,
                         Err(e) => Outcome::Error(e.to_string()),

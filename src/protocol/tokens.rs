@@ -61,8 +61,9 @@ pub(crate) struct GiveBack {
 /// `woken`: the slot popped a bell itself. `Empty` when every list is empty, `Paused` when an
 /// operator paused the shard's priorities. The same call re-sent returns what it took the first
 /// time (without a batch). A lane's token is acquired in the same call, for a first batch of at
-/// most `want` entries handed to `consumer`. `give_back` (on this shard) is done first, in the
-/// same step, as [`give_back`] does it.
+/// most `want` entries handed to `consumer`. `floor`: the lowest priority popped (a reserved
+/// slot's, `WorkerBuilder::reserve`; `Priority::MIN` for any). `give_back` (on this shard) is done
+/// first, in the same step, as [`give_back`] does it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn take(
     store: &Store,
@@ -73,6 +74,7 @@ pub(crate) async fn take(
     previous: Option<u64>,
     woken: bool,
     want: u32,
+    floor: Priority,
     give_back: Option<&GiveBack>,
 ) -> Result<Take> {
     let keys = &store.keys;
@@ -91,7 +93,12 @@ pub(crate) async fn take(
         keys.record_prefix(shard).into(),
         keys.list_prefix(shard).into(),
     ];
-    if let Some(gb) = give_back.filter(|gb| gb.shard == shard) {
+    let give_back = give_back.filter(|gb| gb.shard == shard);
+    // (Left out when neither a floor nor a give-back follows: the call then reads as before both.)
+    if floor > Priority::MIN || give_back.is_some() {
+        args.push(if floor > Priority::MIN { floor.get().to_string() } else { String::new() }.into());
+    }
+    if let Some(gb) = give_back {
         names.push(&gb.list);
         args.push(gb.take.as_str().into());
         args.extend(gb.elements.iter().cloned());

@@ -21,6 +21,7 @@ pub use handler::{Context, Handler, HandlerError};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::request::Priority;
 use leases::Leases;
 pub use registry::{SlotWork, WorkerInfo};
 
@@ -180,6 +181,7 @@ pub struct WorkerBuilder<H> {
     shutdown_grace: Duration,
     stage_stats: bool,
     label: Option<String>,
+    reserve: Option<(usize, u8)>,
 }
 
 impl<H: Handler> WorkerBuilder<H> {
@@ -222,6 +224,28 @@ impl<H: Handler> WorkerBuilder<H> {
         self
     }
 
+    /// Keeps `slots` of this worker's slots for requests of priority `min_priority` (1 to 99) or
+    /// higher: they take nothing lower, and wait for such work to be announced. A busy slot gives
+    /// way to a higher priority only between batches, so with long handlers (minutes, say) an
+    /// urgent request submitted while every slot is busy waits for the first handler to end; a
+    /// reserved slot starts it at once. The reserved slots are counted in [`slots`](Self::slots)
+    /// (at least one slot stays unreserved), and sit idle while no such request waits.
+    ///
+    /// ```no_run
+    /// # use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Worker};
+    /// # struct Upper;
+    /// # #[async_trait] impl Handler for Upper { type Input = String; type Output = String;
+    /// #   async fn handle(&self, _: Context, s: String) -> Result<String, HandlerError> { Ok(s) } }
+    /// # async fn demo() -> sluicegate::Result<()> {
+    /// // Sixteen slots, two of them kept for requests of priority 90 and above.
+    /// let worker = Worker::builder(&Config::from_env(), Upper).slots(16).reserve(2, 90).build().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn reserve(mut self, slots: usize, min_priority: u8) -> Self {
+        self.reserve = Some((slots, min_priority));
+        self
+    }
+
     /// How much one token take may run before the token goes back (default 32 parts or 250 ms).
     /// When the parts run out first and no token waits on the shard, the slot runs on for another
     /// quantum of parts, within the same time.
@@ -259,6 +283,27 @@ impl<H: Handler> WorkerBuilder<H> {
         if self.quantum.parts == 0 {
             return Err(Error::Config("quantum.parts must be at least 1".into()));
         }
+        let reserved = match self.reserve {
+            None | Some((0, _)) => None,
+            Some((n, _)) if n >= self.slots => {
+                return Err(Error::Config(format!(
+                    "reserve({n}, ..) keeps {n} of the worker's {} slots: at least one must take every priority",
+                    self.slots
+                )))
+            }
+            Some((_, 0)) => {
+                return Err(Error::Config(
+                    "reserve(.., 0) keeps slots for every priority, which reserves nothing: give a priority from 1 to 99"
+                        .into(),
+                ))
+            }
+            Some((n, p)) => Some((
+                n,
+                Priority::new(p).map_err(|_| {
+                    Error::Config(format!("reserve(.., {p}): a priority is from 1 to 99 here, not {p}"))
+                })?,
+            )),
+        };
         if self.idle_poll + Duration::from_millis(500) > self.config.unresponsive {
             return Err(Error::Config(format!(
                 "idle_poll ({:?}) must be at least 500 ms shorter than the unresponsive timeout ({:?}), \
@@ -305,8 +350,9 @@ impl<H: Handler> WorkerBuilder<H> {
                 leases: Leases::default(),
                 stopping: CancellationToken::new(),
                 wakes: Some(wake_tx),
-                higher: Arc::new(higher::Higher::new(shards)),
+                higher: Arc::new(higher::Higher::new(shards, reserved.map(|(_, p)| p))),
             }),
+            reserved,
             blocking,
             wakes,
             label: self.label,
@@ -331,6 +377,8 @@ pub struct Worker<H> {
     blocking: Vec<fred::clients::Client>,
     wakes: tokio::sync::mpsc::UnboundedReceiver<slot::Wake>,
     label: Option<String>,
+    /// How many of the slots are reserved, and for which priorities (the last ones).
+    reserved: Option<(usize, Priority)>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -347,6 +395,7 @@ impl<H: Handler> Worker<H> {
             shutdown_grace: Duration::from_secs(30),
             stage_stats: true,
             label: None,
+            reserve: None,
         }
     }
 
@@ -402,8 +451,13 @@ impl<H: Handler> Worker<H> {
         let listening = higher::listen(&shared.store, shared.higher.clone()).await;
         let mut slots = tokio::task::JoinSet::new();
         let shards = shared.store.keys.shards();
+        let general = self.blocking.len() - self.reserved.map_or(0, |(n, _)| n);
         for (n, client) in self.blocking.into_iter().enumerate() {
-            slots.spawn(slot::run(shared.clone(), slot::Slot::new(n, shards), client));
+            let slot = match self.reserved {
+                Some((_, floor)) if n >= general => slot::Slot::reserved(n, shards, floor, &shared.higher),
+                _ => slot::Slot::new(n, shards),
+            };
+            slots.spawn(slot::run(shared.clone(), slot, client));
         }
         tokio::select! {
             _ = shutdown => {}

@@ -116,6 +116,12 @@ pub(crate) struct Slot {
     /// The handler time the slot last saw under a lane's token (`Batching::mean_us`), which sizes
     /// the first batch of its next lane hold (`Turn::new`).
     lane_mean_us: Option<f64>,
+    /// A reserved slot's floor (`WorkerBuilder::reserve`): it takes no lower priority, and waits
+    /// for work on the announcements at or above it (`heard`) rather than on the bell.
+    pub(crate) floor: Option<Priority>,
+    heard: Option<tokio::sync::watch::Receiver<Option<(u32, Priority)>>>,
+    /// The shard a reserved slot heard of work on: it takes there next.
+    go: Option<u32>,
 }
 
 impl Slot {
@@ -128,7 +134,15 @@ impl Slot {
             owed: None,
             stay: false,
             lane_mean_us: None,
+            floor: None,
+            heard: None,
+            go: None,
         }
+    }
+
+    /// A slot kept for priorities `floor` and higher, woken by what `higher` hears.
+    pub(crate) fn reserved(n: usize, shards: u32, floor: Priority, higher: &Higher) -> Slot {
+        Slot { floor: Some(floor), heard: Some(higher.hear()), ..Slot::new(n, shards) }
     }
 }
 
@@ -189,7 +203,9 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, mut slot: Slot, bloc
         match take_and_serve(&shared, &mut slot, &blocking, shard).await {
             Ok(()) => {
                 backoff = Duration::from_millis(50);
-                if !std::mem::take(&mut slot.stay) {
+                if let Some(heard) = slot.go.take() {
+                    shard = heard % shards;
+                } else if !std::mem::take(&mut slot.stay) {
                     shard = (shard + 1) % shards;
                 }
             }
@@ -266,9 +282,17 @@ pub(crate) async fn take_and_serve<H: Handler>(
             }
         }
     }
+    // A reserved slot has heard everything announced so far: what comes during its take wakes it.
+    if let Some(heard) = slot.heard.as_mut() {
+        heard.borrow_and_update();
+    }
     let token = match take(shared, slot, &holder, shard, false).await? {
         Took::Token(token) => *token,
         Took::Paused => return paused(shared).await,
+        Took::Nothing(refill) if slot.floor.is_some() => {
+            reserved_wait(shared, slot, refill).await;
+            return Ok(());
+        }
         Took::Nothing(refill) => {
             let store = &shared.store;
             let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
@@ -304,6 +328,30 @@ pub(crate) async fn take_and_serve<H: Handler>(
     shared.higher.answered(shard, token.priority);
     let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.element.k, priority = token.priority.get());
     serve(shared, slot, &holder, token).instrument(span).await
+}
+
+/// A reserved slot that found nothing at or above its floor waits for an announcement it covers,
+/// an idle poll (a shard poll with several shards; sooner when a group's rate limit refills), or
+/// the stop, and then takes again: on the shard it heard of (`Slot::go`), else on the next one.
+/// Not on the bell: every push of any priority rings it, and a reserved slot woken by a flood it
+/// does not take would spin. An announcement the subscription lost waits for the poll.
+async fn reserved_wait<H: Handler>(shared: &Shared<H>, slot: &mut Slot, refill: Option<Duration>) {
+    // (Under the checker, whose time is its own, a take finding nothing ends the op.)
+    if shared.store.deterministic() {
+        return;
+    }
+    let wait = if shared.store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
+    let wait = refill.map_or(wait, |r| r.min(wait)).max(Duration::from_millis(1));
+    let Some(heard) = slot.heard.as_mut() else { return };
+    let _idle = shared.higher.idle_reserved();
+    tokio::select! {
+        _ = shared.stopping.cancelled() => {}
+        changed = tokio::time::timeout(wait, heard.changed()) => {
+            if let Ok(Ok(())) = changed {
+                slot.go = heard.borrow_and_update().map(|(shard, _)| shard);
+            }
+        }
+    }
 }
 
 /// While an operator has paused the namespace (`Admin::pause`), a slot asks again after an idle
@@ -342,7 +390,8 @@ async fn take<H: Handler>(
     // Only a lane's token comes acquired, with a first batch of this size.
     let want = Turn::new(shared, false, slot.lane_mean_us).want();
     let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
-    let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, owed).await?;
+    let floor = slot.floor.unwrap_or(Priority::MIN);
+    let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, floor, owed).await?;
     if owed.is_some() {
         slot.owed = None;
     }

@@ -151,6 +151,68 @@ async fn with_two_shards_the_slot_that_gives_way_takes_where_the_higher_priority
     w.stop().await;
 }
 
+/// A busy slot gives way only between batches: with handlers that run for a minute, an urgent
+/// request would wait for the first of them to end. A slot reserved for priorities 90 and up takes
+/// none of the long request's waiting tokens, and starts the urgent request as soon as it is
+/// announced, while the other slot is still inside its handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_slot_starts_an_urgent_request_while_every_other_slot_runs_a_long_handler() {
+    let env = env_on(TOPOLOGY, "reserved").await;
+    let probe = Probe::default();
+    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
+        .slots(2)
+        .reserve(1, 90)
+        .shutdown_grace(Duration::from_millis(100));
+    let w = start_built(builder).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    // Two tokens, both waiting for a slot: only the unreserved one may take one.
+    let long = producer
+        .request()
+        .priority(89)
+        .unwrap()
+        .concurrency(2)
+        .unwrap()
+        .submit((0..2).map(|i| Job::sleeping(i, 60_000)))
+        .await
+        .unwrap();
+    while probe.starts().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Long enough for an idle slot to take the second token (it polls every 100 ms here).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(probe.starts().len(), 1, "the slot reserved for priorities 90 and up ran a part of priority 89");
+    let urgent = producer.request().priority(90).unwrap().submit([Job::new(7)]).await.unwrap();
+    let done = urgent.wait_timeout::<u64>(Duration::from_secs(20)).await;
+    assert!(done.is_ok(), "the urgent request waited for a minute-long handler: {done:?}");
+    assert_eq!(probe.starts().len(), 2, "only the urgent part started beside the long one");
+    w.stop().await;
+    drop(long);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_refuses_settings_that_leave_no_slot_for_every_priority_or_reserve_nothing() {
+    let env = env_on(TOPOLOGY, "reserve_bad").await;
+    let build = |slots: usize, reserved: usize, priority: u8| {
+        sluicegate::Worker::builder(&env.config, Probe::default()).slots(slots).reserve(reserved, priority).build()
+    };
+    for (slots, reserved, priority, says) in [
+        (2, 2, 90, "at least one must take every priority"),
+        (4, 5, 90, "at least one must take every priority"),
+        (2, 1, 0, "reserves nothing"),
+        (2, 1, 100, "from 1 to 99"),
+    ] {
+        match build(slots, reserved, priority).await {
+            Err(Error::Config(message)) => {
+                assert!(message.contains(says), "reserve({reserved}, {priority}) of {slots}: {message}")
+            }
+            Err(e) => panic!("reserve({reserved}, {priority}) of {slots}: not a configuration error: {e}"),
+            Ok(_) => panic!("reserve({reserved}, {priority}) of {slots} was accepted"),
+        }
+    }
+    // No slot reserved is no reservation at all.
+    assert!(build(2, 0, 0).await.is_ok());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_urgent_request_gets_the_next_free_slot_within_one_quantum() {
     let env = env_on(TOPOLOGY, "preempt").await;

@@ -7,6 +7,13 @@ use clap::{Args, Parser, Subcommand};
 use sluicegate::DEFAULT_REDIS_URL;
 
 /// Durations on the command line: `500ms`, `2s`, `1m30s`, `1h`.
+/// `--reserve N:P`: N slots for priority P and above (the worker checks the numbers' range).
+fn reserve(text: &str) -> Result<(usize, u8), String> {
+    let bad = || format!("`{text}` is not N:P, a count of slots and a priority, e.g. 2:90");
+    let (n, p) = text.split_once(':').ok_or_else(bad)?;
+    Ok((n.trim().parse().map_err(|_| bad())?, p.trim().parse().map_err(|_| bad())?))
+}
+
 fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m30s)"))
 }
@@ -559,6 +566,11 @@ pub(crate) struct WorkerArgs {
     /// Commands run at once by this worker.
     #[arg(long, default_value_t = 4, value_name = "K")]
     pub(crate) slots: usize,
+
+    /// Keep N of the slots for requests of priority P or higher (1 to 99): they take nothing
+    /// lower, so such a request starts at once even while every other slot runs a long command.
+    #[arg(long, value_parser = reserve, value_name = "N:P")]
+    pub(crate) reserve: Option<(usize, u8)>,
 
     /// Kill a command that runs longer than this (a retryable failure) [default: none].
     #[arg(long, value_parser = duration, value_name = "DURATION")]

@@ -14,16 +14,15 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
     // should not depend on Redis being up.
     let exec = Exec::new(&args.exec, args.timeout, args.max_output_bytes).map_err(Failure::bad_input)?;
     let shown = exec.shown().to_owned();
-    let worker = ctx
-        .connecting(
-            Worker::builder(&ctx.config, exec)
-                .slots(args.slots)
-                .shutdown_grace(args.shutdown_grace)
-                .stage_stats(!args.no_stage_stats)
-                .label(shown.clone())
-                .build(),
-        )
-        .await?;
+    let mut builder = Worker::builder(&ctx.config, exec)
+        .slots(args.slots)
+        .shutdown_grace(args.shutdown_grace)
+        .stage_stats(!args.no_stage_stats)
+        .label(shown.clone());
+    if let Some((n, priority)) = args.reserve {
+        builder = builder.reserve(n, priority);
+    }
+    let worker = ctx.connecting(builder.build()).await?;
     let metrics = worker.metrics();
     // Bound before the worker starts, so that a port in use is a start-up error, not a log line.
     let exporter = match args.metrics_addr {
@@ -44,11 +43,19 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
     // is a record on stdout that a script can wait for.
     if ctx.json {
         let mut out = Out::new();
-        out.json(&json!({ "worker": worker.id(), "exec": shown, "slots": args.slots }))?;
+        let mut line = json!({ "worker": worker.id(), "exec": shown, "slots": args.slots });
+        if let Some((n, priority)) = args.reserve {
+            line["reserved"] = json!({ "slots": n, "min_priority": priority });
+        }
+        out.json(&line)?;
         out.flush()?;
     } else {
+        let reserved = match args.reserve {
+            Some((n, priority)) => format!(" ({n} kept for priority {priority} and above)"),
+            None => String::new(),
+        };
         eprintln!(
-            "worker {} running `{shown}` with {} slot(s) in namespace {}; stop with ctrl-c or SIGTERM",
+            "worker {} running `{shown}` with {} slot(s){reserved} in namespace {}; stop with ctrl-c or SIGTERM",
             worker.id(),
             args.slots,
             ctx.config.namespace_str()

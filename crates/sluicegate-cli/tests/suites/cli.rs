@@ -794,7 +794,19 @@ fn bad_input_is_one_line_naming_the_problem() {
         "request id \"taken\" is already in use; choose another --id or wait until its retention ends",
     );
 
+    assert_fails(
+        &sg.run(&["worker", "--exec", "true", "--slots", "2", "--reserve", "2:90"]),
+        2,
+        "invalid configuration: reserve(2, ..) keeps 2 of the worker's 2 slots: at least one must take every priority",
+    );
+    fails_with(
+        &sg.run(&["worker", "--exec", "true", "--reserve", "1:100"]),
+        2,
+        "a priority is from 1 to 99 here, not 100",
+    );
+
     // Usage errors are clap's, with exit 2.
+    fails_with(&sg.run(&["worker", "--exec", "true", "--reserve", "2"]), 2, "`2` is not N:P");
     let out = sg.run(&["submit", "--concurrency", "many"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
