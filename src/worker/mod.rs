@@ -249,8 +249,6 @@ impl<H: Handler> WorkerBuilder<H> {
     /// How much one token take may run before the token goes back (default 32 parts or 250 ms).
     /// When the parts run out first and no token waits on the shard, the slot runs on for another
     /// quantum of parts, within the same time.
-    /// When the parts run out first and no other request's token waits on the shard, the slot
-    /// runs on for another quantum of parts, within the same time.
     pub fn quantum(mut self, quantum: Quantum) -> Self {
         self.quantum = quantum;
         self
