@@ -178,6 +178,57 @@ async fn slowlog_report(redis: &Client, label: &str, items: u64) -> Result<(), B
     Ok(())
 }
 
+/// How long Redis took to answer a PING from another client, every 10 ms while a phase ran: the
+/// wait any one command has in the queue of a busy Redis (the floor under a submit call's time).
+/// The prober has its own thread, runtime and connection, so a busy bench process does not
+/// inflate it; bench/bullmq's probe is the same.
+struct PingProbe {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Duration>>,
+}
+
+impl PingProbe {
+    fn start(url: &str) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (url, flag) = (url.to_owned(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+            runtime.block_on(async move {
+                let mut samples = Vec::new();
+                let Ok(redis) = connect(&url).await else { return samples };
+                while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    let t = Instant::now();
+                    if redis.ping::<()>(None).await.is_err() {
+                        break;
+                    }
+                    samples.push(t.elapsed());
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                samples
+            })
+        });
+        PingProbe { stop, thread }
+    }
+
+    /// "PING p50 x ms, p99 y ms (n)" over the phase.
+    fn finish(self) -> String {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut samples = self.thread.join().unwrap_or_default();
+        if samples.is_empty() {
+            return "no PING answered".to_owned();
+        }
+        samples.sort();
+        let at = |q: usize| samples[(samples.len() * q / 100).min(samples.len() - 1)].as_secs_f64() * 1e3;
+        format!(
+            "PING from another client p50 {:.3} ms, p99 {:.3} ms ({} pings)",
+            at(50),
+            at(99),
+            samples.len()
+        )
+    }
+}
+
 /// With `BENCH_PROFILE=1`: the commands Redis ran between two readings, most µs first, per item.
 fn profile(label: &str, before: &Stats, after: &Stats, items: u64) {
     if std::env::var_os("BENCH_PROFILE").is_none() {
@@ -854,6 +905,7 @@ impl Bench {
         let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (ran_before, started) = (ran.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
+        let probe = PingProbe::start(&self.url);
         let (mut samples, mut submits, mut after) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..100 {
             let t0 = Instant::now();
@@ -866,10 +918,11 @@ impl Bench {
             after.push((began - t0).saturating_sub(submitted));
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        let pings = probe.finish();
         submits.sort();
         after.sort();
         eprintln!(
-            "{scenario}: the submit call alone took p50 {:.3} ms, p99 {:.3} ms; its return -> start p50 {:.3} ms, p99 {:.3} ms",
+            "{scenario}: the submit call alone took p50 {:.3} ms, p99 {:.3} ms; its return -> start p50 {:.3} ms, p99 {:.3} ms; {pings}",
             submits[submits.len() / 2].as_secs_f64() * 1e3,
             submits[submits.len() * 99 / 100].as_secs_f64() * 1e3,
             after[after.len() / 2].as_secs_f64() * 1e3,
@@ -887,7 +940,7 @@ impl Bench {
         };
         Ok(vec![Row::new(scenario, 100).latencies(samples).note(format!(
             "priority-99 request submitted every 50 ms during a {flood}-part flood, {handlers}: submit -> start; \
-             the flood ran {flood_rate:.0} parts/s meanwhile"
+             the flood ran {flood_rate:.0} parts/s meanwhile; {pings}"
         ))])
     }
 

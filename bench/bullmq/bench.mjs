@@ -182,21 +182,22 @@ const r = new Redis(workerData.url);
 let stop = false;
 parentPort.once('message', () => (stop = true));
 (async () => {
-  let worst = 0;
+  const samples = [];
   parentPort.postMessage('ready');
   while (!stop) {
     const t = performance.now();
     await r.ping();
-    worst = Math.max(worst, performance.now() - t);
-    await new Promise((res) => setTimeout(res, 50));
+    samples.push(performance.now() - t);
+    await new Promise((res) => setTimeout(res, workerData.everyMs));
   }
   r.disconnect();
-  parentPort.postMessage(worst);
+  parentPort.postMessage(samples);
 })();`;
 
-async function worstPing(phase) {
+// The PING round trips (ms) of the prober, one every `everyMs`, while `phase` runs.
+async function pings(phase, everyMs) {
   const ioredis = createRequire(import.meta.url).resolve('ioredis');
-  const th = new Thread(PROBE, { eval: true, workerData: { url: REDIS_URL, ioredis } });
+  const th = new Thread(PROBE, { eval: true, workerData: { url: REDIS_URL, ioredis, everyMs } });
   const msgs = on(th, 'message');
   await msgs.next(); // 'ready'
   try {
@@ -204,9 +205,13 @@ async function worstPing(phase) {
   } finally {
     th.postMessage('stop');
   }
-  const worst = (await msgs.next()).value[0];
+  const samples = (await msgs.next()).value[0];
   await th.terminate();
-  return worst;
+  return samples;
+}
+
+async function worstPing(phase) {
+  return Math.max(0, ...(await pings(phase, 50)));
 }
 
 async function addBulk(q, total, opts, name = 'j') {
@@ -431,12 +436,17 @@ async function priorityUnderLoad(ctx, scenario, N, workMs) {
   const p0 = processed;
   const s2 = await snapshot();
   const t2 = now();
-  for (let i = 0; i < HIGH; i++) {
-    await q.add('high', { ...PAYLOAD, t0: now() }, { priority: 1, removeOnComplete: true });
-    const next = t2 + (i + 1) * 50; // fixed 50 ms schedule, not 50 ms after each add returns
-    if (next > now()) await sleep(next - now());
-  }
-  await highDone.promise;
+  // As sluicegate's bench: how long Redis took to answer another client's PING meanwhile (the
+  // wait any one command has in its queue), from a prober in its own thread.
+  const probed = await pings(async () => {
+    for (let i = 0; i < HIGH; i++) {
+      await q.add('high', { ...PAYLOAD, t0: now() }, { priority: 1, removeOnComplete: true });
+      const next = t2 + (i + 1) * 50; // fixed 50 ms schedule, not 50 ms after each add returns
+      if (next > now()) await sleep(next - now());
+    }
+    await highDone.promise;
+  }, 10);
+  const pinged = percentiles(probed);
   const t3 = now();
   const s3 = await snapshot();
   const jobs = processed - p0;
@@ -451,7 +461,8 @@ async function priorityUnderLoad(ctx, scenario, N, workMs) {
     note:
       `high (priority 1) add start -> processor start, every 50 ms during a ${added}-job priority-1000 flood, ` +
       `${workMs > 0 ? `processors of ${workMs} ms` : 'no-op processors'}; ` +
-      `throughput and cost per job processed in that window; ${left} low jobs still queued at end` +
+      `throughput and cost per job processed in that window; ${left} low jobs still queued at end; ` +
+      `PING from another client p50 ${pinged.p50.toFixed(3)} ms, p99 ${pinged.p99.toFixed(3)} ms (${probed.length} pings)` +
       (left === 0 ? ' (FLOOD RAN OUT: figures not under load)' : ''),
   });
 }
