@@ -396,13 +396,26 @@ impl Bench {
         slots: usize,
         stage_stats: bool,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
-        let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
         // BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
         let reserve = std::env::var("BENCH_RESERVE").ok().and_then(|r| {
             let (n, p) = r.split_once(':')?;
             Some((n.parse::<usize>().ok()?, p.parse::<u8>().ok()?))
         });
+        self.worker_reserving(config, handler, slots, stage_stats, reserve).await
+    }
+
+    /// A worker as [`worker_with`](Self::worker_with) makes, with `reserve` = (n, p): n of its
+    /// slots kept for priorities p and up (`WorkerBuilder::reserve`).
+    async fn worker_reserving(
+        &self,
+        config: &Config,
+        handler: Noop,
+        slots: usize,
+        stage_stats: bool,
+        reserve: Option<(usize, u8)>,
+    ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
+        // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
+        let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
         let mut builder = Worker::builder(config, handler).slots(slots);
         if let Some((n, p)) = reserve {
             builder = builder.reserve(n, p);
@@ -887,10 +900,12 @@ impl Bench {
     /// start: `priority_under_load` with no-op handlers (the flood as fast as Redis goes), and
     /// `priority_busy` with handlers that take `work` each (1 ms, as an I/O-bound handler: the
     /// flood then runs at what 16 slots do, about as fast as BullMQ's, and Redis has room).
+    /// `reserve` = (n, p): n of the slots kept for priorities p and up (`_reserved` rows).
     async fn priority_under_load(
         &self,
         scenario: &str,
         work: Option<Duration>,
+        reserve: Option<(usize, u8)>,
     ) -> Result<Vec<Row>, BoxError> {
         let config = self.config("prio");
         let handler = Noop { track: true, work, ..Noop::default() };
@@ -902,7 +917,10 @@ impl Bench {
         let low =
             producer.request().priority(1)?.concurrency(limit)?.submit((0..flood).map(|_| PAYLOAD)).await?;
         let ran = handler.ran.clone();
-        let (stop, task) = self.worker(&config, handler, SLOTS).await?;
+        let (stop, task) = match reserve {
+            Some(reserve) => self.worker_reserving(&config, handler, SLOTS, true, Some(reserve)).await?,
+            None => self.worker(&config, handler, SLOTS).await?,
+        };
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (ran_before, started) = (ran.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
         let probe = PingProbe::start(&self.url);
@@ -934,10 +952,13 @@ impl Bench {
         task.await??;
         drop(low);
         self.drop_namespace(&config).await?;
-        let handlers = match work {
+        let mut handlers = match work {
             Some(work) => format!("handlers of {} ms", work.as_secs_f64() * 1e3),
             None => "no-op handlers".to_owned(),
         };
+        if let Some((n, p)) = reserve {
+            handlers += &format!(", {n} of the {SLOTS} slots kept for priorities {p} and up");
+        }
         Ok(vec![Row::new(scenario, 100).latencies(samples).note(format!(
             "priority-99 request submitted every 50 ms during a {flood}-part flood, {handlers}: submit -> start; \
              the flood ran {flood_rate:.0} parts/s meanwhile; {pings}"
@@ -1656,13 +1677,24 @@ impl Bench {
             rows.extend(self.idle_latency().await?);
         }
         if wants("priority_under_load") {
-            rows.extend(self.priority_under_load("priority_under_load", None).await?);
+            rows.extend(self.priority_under_load("priority_under_load", None, None).await?);
+        }
+        // The same with one slot kept for priorities 90 and up, which the urgent request's submit
+        // hands its token to (docs/protocol.md, "Hand-offs").
+        if wants("priority_under_load_reserved") {
+            rows.extend(self.priority_under_load("priority_under_load_reserved", None, Some((1, 90))).await?);
         }
         if wants("floor") {
             rows.extend(self.floor().await?);
         }
         if wants("priority_busy") {
-            rows.extend(self.priority_under_load("priority_busy", Some(Duration::from_millis(1))).await?);
+            rows.extend(
+                self.priority_under_load("priority_busy", Some(Duration::from_millis(1)), None).await?,
+            );
+        }
+        if wants("priority_busy_reserved") {
+            let work = Some(Duration::from_millis(1));
+            rows.extend(self.priority_under_load("priority_busy_reserved", work, Some((1, 90))).await?);
         }
         if wants("dag_release") || wants("dag_fanout_100") {
             rows.extend(self.dag_release().await?);
@@ -1769,7 +1801,9 @@ fn print_ratios(rows: &[Row]) {
         ("idle_latency", "idle_latency"),
         ("idle_completion_latency", "idle_completion_latency"),
         ("priority_under_load", "priority_under_load"),
+        ("priority_under_load_reserved", "priority_under_load"),
         ("priority_busy", "priority_busy"),
+        ("priority_busy_reserved", "priority_busy"),
         ("dag_release", "flow_release"),
     ];
     println!("\nsluicegate vs BullMQ (each ratio > 1 means sluicegate is better)");

@@ -590,6 +590,44 @@ local SG_BELL_TTL_MS = 600000
 -- tokens, not the request's, onto the shard's lists).
 local sg_group_push
 
+-- Hand-offs. A reserved slot (`WorkerBuilder::reserve`) whose take found nothing at or above its
+-- floor offers to be handed the next lane token of such a priority: its take registers it in the
+-- shard's `wait` hash (holder -> "<floor>|<take id>|<consumer>|<batch>|<until ms>") and it blocks
+-- on its hand list `<shard>hand:<holder>`. `lane_submit` of a request of priority p >= floor then
+-- does, for the lane token it wakes, what that slot's next take (with the registered take id)
+-- would: the held record, and `lane_acquire` for the slot's consumer, and pushes the reply the take
+-- would have given (MessagePack) onto the hand list instead of the element onto the priority list:
+-- the slot's blocked pop returns in the step that submitted, one round trip fewer than a take
+-- after an announcement. The token is held (a record, entries pending under the slot's consumer)
+-- before the message leaves, so a lost message loses nothing: the slot's next take, with that id,
+-- gets the element as a re-sent take does (take.lua), and `lane_acquire` the same entries; a slot
+-- that died is reclaimed from its record as any. An offer ends with the slot's next take (or
+-- `untake` at its stop), with the hand-off, or at its `until`, past which it is passed over (a
+-- worker that died without ending it).
+local function sg_hand_offer(shard, holder, floor, take, consumer, want, until_ms)
+  redis.call('HSET', shard .. 'wait', holder, floor .. '|' .. take .. '|' .. consumer .. '|' .. want .. '|' .. until_ms)
+  redis.call('PEXPIRE', shard .. 'wait', SG_HELD_TTL_MS)
+  redis.call('DEL', shard .. 'hand:' .. holder)
+end
+
+-- The offers on `shard` of slots whose floor is at most `priority`, best first ({holder,
+-- fields}, fields as sg_split gives them), ending those past their `until` on the way.
+local function sg_hand_offers(shard, priority, now)
+  local all = redis.call('HGETALL', shard .. 'wait')
+  local out = {}
+  for i = 1, #all, 2 do
+    local f = sg_split(all[i + 1])
+    if tonumber(f[5]) < now then
+      redis.call('HDEL', shard .. 'wait', all[i])
+    elseif tonumber(f[1]) <= priority then
+      out[#out + 1] = {all[i], f}
+    end
+  end
+  -- The highest floor first: a slot kept for lower floors stays for what only it covers.
+  table.sort(out, function(a, b) return tonumber(a[2][1]) > tonumber(b[2][1]) end)
+  return out
+end
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots

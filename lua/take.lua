@@ -27,9 +27,14 @@
 -- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
 -- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
 -- only lower priorities wait.
--- KEYS[6] and ARGV[11..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- ARGV[11] (optional; '' or absent: none) a reserved slot's next take id, and ARGV[12] how long (ms)
+-- the offer lasts: when this take finds nothing (and has a floor), the slot waits for a hand-off
+-- (prelude.lua, "Hand-offs"): it is registered in the shard's `wait` hash, holder ->
+-- "<floor>|<next take id>|<consumer>|<batch>|<until ms>", and its hand list is emptied. Every take
+-- ends the slot's registration first: a slot asks for a hand-off only while it waits.
+-- KEYS[6] and ARGV[13..] (optional) a token to give back first, as `give_back` does it: a slot at
 -- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
--- ARGV[11] the take id the slot's record must carry to be ended, ARGV[12..] the elements. A re-sent
+-- ARGV[13] the take id the slot's record must carry to be ended, ARGV[14..] the elements. A re-sent
 -- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
 -- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
@@ -38,7 +43,9 @@
 -- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
--- slot then acquires it, and `lane_acquire` hands out the same entries again.
+-- slot then acquires it, and `lane_acquire` hands out the same entries again. So does a take whose
+-- id is the one a hand-off recorded (ARGV[11] of the slot's last take): the slot that did not see
+-- the hand list's message gets the token handed to it this way.
 local SG_TAKE_POPS = 16
 
 local function take(keys, args)
@@ -51,9 +58,10 @@ local function take(keys, args)
     end
   end
   local shard = sg_shard_key(keys[1], '')
+  redis.call('HDEL', shard .. 'wait', holder)
   local held = redis.call('HGET', keys[1], holder)
-  if keys[6] and (args[11] or '') ~= '' and not (held and sg_split(held)[4] == id) then
-    give_back({keys[1], keys[2], keys[6]}, {holder, args[11], unpack(args, 12)})
+  if keys[6] and (args[13] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[13], unpack(args, 14)})
     held = redis.call('HGET', keys[1], holder)
   end
   local previous = nil
@@ -115,6 +123,9 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
+    if floor > 0 and (args[11] or '') ~= '' then
+      sg_hand_offer(shard, holder, floor, args[11], args[5], args[6], now + tonumber(args[12]))
+    end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)

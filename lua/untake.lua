@@ -1,4 +1,5 @@
--- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
+-- untake: undo a take whose reply its slot never saw (the call failed, or a hand-off's message was
+-- not read), at the slot's clean stop:
 -- the element goes back to the tail of its list, where it was taken from, and the record ends.
 -- KEYS[1] the shard's held records   KEYS[2] the shard's bell
 -- ARGV[1] holder   ARGV[2] the take id
@@ -7,6 +8,9 @@
 -- batch becomes orphans, the token is pushed again) as for a dead slot's.
 -- Returns 1 if the take had happened (and is undone, or left to recovery), 0 if there is no record of it.
 local function untake(keys, args)
+  -- A hand-off the slot offered ends too (prelude.lua, "Hand-offs"); one made already is undone
+  -- below as the take it stands for.
+  redis.call('HDEL', sg_shard_key(keys[1], 'wait'), args[1])
   local held = redis.call('HGET', keys[1], args[1])
   if not held then return 0 end
   local f = sg_split(held)

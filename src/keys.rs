@@ -184,6 +184,17 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:bell", self.ns, self.ns)
     }
 
+    /// Hash of the hand-offs reserved slots of `shard` wait for: holder -> `<floor>|<take id>|<consumer>|<batch>|<until ms>`
+    /// (lua/prelude.lua, "Hand-offs").
+    pub(crate) fn offers(&self, shard: u32) -> String {
+        format!("{}:{{{}.q{shard}}}:wait", self.ns, self.ns)
+    }
+
+    /// List where `lane_submit` leaves the token it hands to `holder` on `shard`, for its blocked pop.
+    pub(crate) fn hand(&self, shard: u32, holder: &str) -> String {
+        format!("{}:{{{}.q{shard}}}:hand:{holder}", self.ns, self.ns)
+    }
+
     /// Hash of what the slots took on `shard`: holder `<worker>/<slot>` -> `<element>|<take id>|<list>`.
     pub(crate) fn held(&self, shard: u32) -> String {
         format!("{}:{{{}.q{shard}}}:held", self.ns, self.ns)

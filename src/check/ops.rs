@@ -327,7 +327,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
         430..=569 => Op::Take {
             worker: rng.gen_range(0..WORKERS),
             slot: rng.gen_range(0..SLOTS),
-            floor: (rng.gen_range(0..6) == 0).then(|| [50, 90][rng.gen_range(0..2)]),
+            floor: (rng.gen_range(0..3) == 0).then(|| [50, 90][rng.gen_range(0..2)]),
         },
         570..=659 => {
             let submit = draw_submit(rng);

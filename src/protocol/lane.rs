@@ -42,6 +42,9 @@ pub(crate) async fn submit(store: &Store, req: &NewRequest<'_>, parts: Vec<Value
         store.keys.active(shard),
         store.keys.registrations(shard),
         store.keys.finish_marks(shard, req.key_id),
+        store.keys.held(shard),
+        store.keys.armed(shard),
+        store.keys.offers(shard),
     ]);
     let mut args: Vec<Value> = vec![
         lane.into(),

@@ -62,8 +62,9 @@ pub(crate) struct GiveBack {
 /// operator paused the shard's priorities. The same call re-sent returns what it took the first
 /// time (without a batch). A lane's token is acquired in the same call, for a first batch of at
 /// most `want` entries handed to `consumer`. `floor`: the lowest priority popped (a reserved
-/// slot's, `WorkerBuilder::reserve`; `Priority::MIN` for any). `give_back` (on this shard) is done
-/// first, in the same step, as [`give_back`] does it.
+/// slot's, `WorkerBuilder::reserve`; `Priority::MIN` for any). `offer`: with a floor, the slot's
+/// next take id and how long it waits: when nothing is taken, the slot is offered a hand-off
+/// ([`hand`]). `give_back` (on this shard) is done first, in the same step, as [`give_back`] does it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn take(
     store: &Store,
@@ -75,6 +76,7 @@ pub(crate) async fn take(
     woken: bool,
     want: u32,
     floor: Priority,
+    offer: Option<(u64, Duration)>,
     give_back: Option<&GiveBack>,
 ) -> Result<Take> {
     let keys = &store.keys;
@@ -94,9 +96,14 @@ pub(crate) async fn take(
         keys.list_prefix(shard).into(),
     ];
     let give_back = give_back.filter(|gb| gb.shard == shard);
+    let offer = offer.filter(|_| floor > Priority::MIN);
     // (Left out when neither a floor nor a give-back follows: the call then reads as before both.)
     if floor > Priority::MIN || give_back.is_some() {
         args.push(if floor > Priority::MIN { floor.get().to_string() } else { String::new() }.into());
+        match offer {
+            Some((id, wait)) => args.extend([(id as i64).into(), ms(wait)]),
+            None => args.extend([Value::from(""), Value::from("")]),
+        }
     }
     if let Some(gb) = give_back {
         names.push(&gb.list);
@@ -104,7 +111,12 @@ pub(crate) async fn take(
         args.extend(gb.elements.iter().cloned());
     }
     let sent = Instant::now();
-    let mut items = reply::array(store.fcall(Func::Take, &names, args).await?)?.into_iter();
+    taken(reply::array(store.fcall(Func::Take, &names, args).await?)?, sent)
+}
+
+/// What `take` answered (or a hand-off's message: `lane_submit` did the take for the slot).
+fn taken(items: Vec<Value>, sent: Instant) -> Result<Take> {
+    let mut items = items.into_iter();
     let (list, element) = match (items.next(), items.next()) {
         (Some(word), Some(ms)) if reply::text(&word)? == "wait" => {
             return Ok(Take::Wait(Duration::from_millis(reply::int(&ms)?.max(1) as u64)))
@@ -122,6 +134,100 @@ pub(crate) async fn take(
         None => {}
     }
     Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired, one_part }))
+}
+
+/// The token `lane_submit` handed to a reserved slot that offered to take it (lua/prelude.lua,
+/// "Hand-offs"), from the slot's hand list `hand`: the take's reply, packed (MessagePack). Waits up
+/// to `wait` on the blocking connection `blocking` (`None`: does not block, for the checker).
+/// `Ok(None)` when nothing came.
+pub(crate) async fn hand(
+    store: &Store,
+    blocking: &fred::clients::Client,
+    hand: &str,
+    wait: Option<Duration>,
+) -> Result<Option<Take>> {
+    let packed: Option<Bytes> = store
+        .call("blpop", hand, || async {
+            let Some(wait) = wait else {
+                return Ok(store.client.lpop(hand, None).await?);
+            };
+            match blocking.blpop::<Option<(String, Bytes)>, _>(hand, wait.as_secs_f64()).await {
+                Ok(popped) => Ok(popped.map(|(_, packed)| packed)),
+                Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await?;
+    let Some(packed) = packed else { return Ok(None) };
+    let sent = Instant::now();
+    let Packed(reply) = rmp_serde::from_slice(&packed)
+        .map_err(|e| Error::Protocol(format!("a hand-off's message is not MessagePack: {e}")))?;
+    Ok(Some(taken(reply::array(reply)?, sent)?))
+}
+
+/// A Lua value packed by `cmsgpack`, read as Redis would have replied it: a number as an integer
+/// (Redis truncates), `true` as 1 and `false` as nil, text as bytes, and a table with holes (packed
+/// as a map) as the array up to its first hole.
+struct Packed(Value);
+
+impl<'de> serde::Deserialize<'de> for Packed {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_any(PackedVisitor).map(Packed)
+    }
+}
+
+struct PackedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for PackedVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a Lua value packed by cmsgpack")
+    }
+    fn visit_bool<E>(self, v: bool) -> std::result::Result<Value, E> {
+        Ok(if v { Value::Integer(1) } else { Value::Null })
+    }
+    fn visit_i64<E>(self, v: i64) -> std::result::Result<Value, E> {
+        Ok(Value::Integer(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
+        Ok(Value::Integer(v as i64))
+    }
+    fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
+        Ok(Value::Integer(v as i64))
+    }
+    fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
+        Ok(Value::Bytes(Bytes::copy_from_slice(v.as_bytes())))
+    }
+    fn visit_bytes<E>(self, v: &[u8]) -> std::result::Result<Value, E> {
+        Ok(Value::Bytes(Bytes::copy_from_slice(v)))
+    }
+    fn visit_unit<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(Packed(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Value, A::Error> {
+        let mut at = std::collections::BTreeMap::new();
+        while let Some((Packed(k), Packed(v))) = map.next_entry()? {
+            if let Value::Integer(k) = k {
+                at.insert(k, v);
+            }
+        }
+        let mut out = Vec::new();
+        while let Some(v) = at.remove(&(out.len() as i64 + 1)) {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
 }
 
 /// `untake` on `shard`: undoes take `take` of `holder`, whose reply was never seen. Returns

@@ -122,6 +122,11 @@ pub(crate) struct Slot {
     heard: Option<tokio::sync::watch::Receiver<Option<(u32, Priority)>>>,
     /// The shard a reserved slot heard of work on: it takes there next.
     go: Option<u32>,
+    /// The shard on which the slot's last take found nothing and offered it a hand-off
+    /// (lua/prelude.lua, "Hand-offs") under the id of its next take: a reserved slot waits on its
+    /// hand list there. The slot's next take on that shard ends the offer (or gets the token
+    /// handed meanwhile, as a re-sent take).
+    offered: Option<u32>,
 }
 
 impl Slot {
@@ -137,6 +142,7 @@ impl Slot {
             floor: None,
             heard: None,
             go: None,
+            offered: None,
         }
     }
 
@@ -244,6 +250,14 @@ pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot)
             Err(e) => tracing::debug!(error = %e, "could not undo a take; recovery will reclaim it"),
         }
     }
+    // An offer of a hand-off ends; a token handed meanwhile and not read is undone as the take it
+    // stands for.
+    if let Some(shard) = slot.offered.take() {
+        match tokens::untake(&shared.store, shard, &holder, slot.next_take).await {
+            Ok(took) => slot.next_take += u64::from(took),
+            Err(e) => tracing::debug!(error = %e, "could not end a hand-off's offer; it lapses"),
+        }
+    }
     // (Pushed again if a take that carried it ran and found nothing: an extra copy is refused
     // when taken.)
     if let Err(e) = settle_owed(shared, slot, &holder).await {
@@ -282,6 +296,16 @@ pub(crate) async fn take_and_serve<H: Handler>(
             }
         }
     }
+    // (Under the checker, whose time is its own, a slot that offered to be handed a token looks at
+    // its hand list when it next acts; a slot that waits for real popped it already. Every other
+    // time, by the offered id's parity, it does not look, and its take under that id gets what was
+    // handed as a re-sent take does: the checker searches both ways.)
+    if slot.offered == Some(shard) && shared.store.deterministic() && slot.next_take % 2 == 0 {
+        if let Some(token) = handed(shared, slot, blocking, &holder, shard, None).await? {
+            shared.higher.answered(shard, token.priority);
+            return serve(shared, slot, &holder, token).await;
+        }
+    }
     // A reserved slot has heard everything announced so far: what comes during its take wakes it.
     if let Some(heard) = slot.heard.as_mut() {
         heard.borrow_and_update();
@@ -290,8 +314,10 @@ pub(crate) async fn take_and_serve<H: Handler>(
         Took::Token(token) => *token,
         Took::Paused => return paused(shared).await,
         Took::Nothing(refill) if slot.floor.is_some() => {
-            reserved_wait(shared, slot, refill).await;
-            return Ok(());
+            match reserved_wait(shared, slot, blocking, &holder, shard, refill).await? {
+                Some(token) => token,
+                None => return Ok(()),
+            }
         }
         Took::Nothing(refill) => {
             let store = &shared.store;
@@ -330,26 +356,99 @@ pub(crate) async fn take_and_serve<H: Handler>(
     serve(shared, slot, &holder, token).instrument(span).await
 }
 
-/// A reserved slot that found nothing at or above its floor waits for an announcement it covers,
-/// an idle poll (a shard poll with several shards; sooner when a group's rate limit refills), or
-/// the stop, and then takes again: on the shard it heard of (`Slot::go`), else on the next one.
-/// Not on the bell: every push of any priority rings it, and a reserved slot woken by a flood it
-/// does not take would spin. An announcement the subscription lost waits for the poll.
-async fn reserved_wait<H: Handler>(shared: &Shared<H>, slot: &mut Slot, refill: Option<Duration>) {
+/// A reserved slot that found nothing at or above its floor waits for a token handed to it (its
+/// take offered it a hand-off: `Slot::offered`), an announcement it covers, an idle poll (a shard
+/// poll with several shards; sooner when a group's rate limit refills), or the stop. A handed token
+/// is returned, to be served; otherwise the slot takes again: on the shard it heard of
+/// (`Slot::go`), else on the next one. Not on the bell: every push of any priority rings it, and
+/// a reserved slot woken by a flood it does not take would spin. An announcement the subscription
+/// lost waits for the poll.
+async fn reserved_wait<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    blocking: &Client,
+    holder: &str,
+    shard: u32,
+    refill: Option<Duration>,
+) -> Result<Option<Token>> {
     // (Under the checker, whose time is its own, a take finding nothing ends the op.)
     if shared.store.deterministic() {
-        return;
+        return Ok(None);
     }
     let wait = if shared.store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
     let wait = refill.map_or(wait, |r| r.min(wait)).max(Duration::from_millis(1));
-    let Some(heard) = slot.heard.as_mut() else { return };
     let _idle = shared.higher.idle_reserved();
-    tokio::select! {
-        _ = shared.stopping.cancelled() => {}
-        changed = tokio::time::timeout(wait, heard.changed()) => {
-            if let Ok(Ok(())) = changed {
-                slot.go = heard.borrow_and_update().map(|(shard, _)| shard);
+    if slot.offered != Some(shard) {
+        let Some(heard) = slot.heard.as_mut() else { return Ok(None) };
+        tokio::select! {
+            _ = shared.stopping.cancelled() => {}
+            changed = tokio::time::timeout(wait, heard.changed()) => {
+                if let Ok(Ok(())) = changed {
+                    slot.go = heard.borrow_and_update().map(|(shard, _)| shard);
+                }
             }
+        }
+        return Ok(None);
+    }
+    // The pop is never abandoned mid-flight (a message it then popped would be read by no one):
+    // an announcement or the stop unblocks it, and it ends.
+    let hand = shared.store.keys.hand(shard, holder);
+    let pop = tokens::hand(&shared.store, blocking, &hand, Some(wait));
+    tokio::pin!(pop);
+    let mut unblocked = false;
+    let popped = loop {
+        let heard = slot.heard.as_mut();
+        tokio::select! {
+            popped = &mut pop => break popped,
+            _ = shared.stopping.cancelled(), if !unblocked => {}
+            Ok(()) = async { match heard { Some(h) => h.changed().await, None => std::future::pending().await } }, if !unblocked => {
+                slot.go = slot.heard.as_mut().and_then(|h| *h.borrow_and_update()).map(|(shard, _)| shard);
+            }
+        }
+        unblocked = true;
+        let _ = blocking.unblock_self(Some(fred::types::ClientUnblockFlag::Timeout)).await;
+    };
+    match popped? {
+        Some(took) => Ok(handed_token(shared, slot, shard, took)),
+        None => Ok(None),
+    }
+}
+
+/// The token handed to this slot, if its hand list holds it (`wait`: how long to block for it;
+/// `None`: not at all).
+async fn handed<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    blocking: &Client,
+    holder: &str,
+    shard: u32,
+    wait: Option<Duration>,
+) -> Result<Option<Token>> {
+    let hand = shared.store.keys.hand(shard, holder);
+    match tokens::hand(&shared.store, blocking, &hand, wait).await? {
+        Some(took) => Ok(handed_token(shared, slot, shard, took)),
+        None => Ok(None),
+    }
+}
+
+/// A hand-off's take, as the slot's take under the id its offer named: its record on `shard`
+/// carries that id.
+fn handed_token<H: Handler>(
+    shared: &Shared<H>,
+    slot: &mut Slot,
+    shard: u32,
+    took: tokens::Take,
+) -> Option<Token> {
+    let tokens::Take::Took(tokens::Taken { list, element, acquired, one_part }) = took else { return None };
+    let id = slot.next_take;
+    slot.offered = None;
+    slot.last_take[shard as usize] = Some(id);
+    slot.next_take += 1;
+    match parse_token(&shared.store, &list, &element, shard, id) {
+        Some(token) => Some(Token { acquired, one_part, ..token }),
+        None => {
+            tracing::warn!(list, element, "dropping a malformed token element");
+            None
         }
     }
 }
@@ -391,16 +490,32 @@ async fn take<H: Handler>(
     let want = Turn::new(shared, false, slot.lane_mean_us).want();
     let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
     let floor = slot.floor.unwrap_or(Priority::MIN);
-    let taken = tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, floor, owed).await?;
+    // A reserved slot offers to be handed the next token of its priorities, under its next take's
+    // id, for as long as it waits and a second more (one shard: with several, the slot moves on).
+    // (Under the checker, whose clock jumps by seconds between a slot's steps, for a minute.)
+    let lasts = if store.deterministic() {
+        Duration::from_secs(60)
+    } else {
+        shared.idle_poll + Duration::from_secs(1)
+    };
+    let offer = (slot.floor.is_some() && store.keys.shards() == 1).then_some((id + 1, lasts));
+    let taken =
+        tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, floor, offer, owed).await?;
     if owed.is_some() {
         slot.owed = None;
     }
     slot.pending = None;
+    slot.offered = None;
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
     let tokens::Taken { list, element, acquired, one_part } = match taken {
         tokens::Take::Took(taken) => taken,
-        tokens::Take::Empty => return Ok(Took::Nothing(None)),
+        tokens::Take::Empty => {
+            if offer.is_some() {
+                slot.offered = Some(shard);
+            }
+            return Ok(Took::Nothing(None));
+        }
         tokens::Take::Wait(refill) => return Ok(Took::Nothing(Some(refill))),
         tokens::Take::Paused => return Ok(Took::Paused),
     };

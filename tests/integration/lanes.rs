@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::support::{env_on, start_worker, Job, Probe};
+use crate::support::{env_on, start_built, start_worker, Job, Probe};
 use fred::prelude::{KeysInterface, StreamsInterface};
 use sluicegate::{Producer, Quantum, RequestState};
 use sluicegate_testkit::{connect, Topology};
@@ -97,4 +97,60 @@ async fn a_drained_lane_empties_and_expires() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     w.stop().await;
+}
+
+/// A reserved slot that found nothing of its priorities offers to be handed the next such lane
+/// token (docs/protocol.md, "Hand-offs"): the submit of an urgent small request records the token
+/// as the slot's and leaves it on the slot's hand list, rather than pushing it onto the priority
+/// list and announcing it there. So nothing is announced, while the other slot is inside a
+/// minute-long handler, and the urgent request still runs at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_push() {
+    use fred::prelude::{ClientLike, EventInterface, PubsubInterface};
+    let env = env_on(Topology::Single, "lane-hand").await;
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    let probe = Probe::default();
+    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
+        .slots(2)
+        .reserve(1, 90)
+        .shutdown_grace(Duration::from_millis(100));
+    let w = start_built(builder).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let long = producer.request().priority(10).unwrap().submit([Job::sleeping(0, 60_000)]).await.unwrap();
+    while probe.starts().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The reserved slot's offer is in place once its take found nothing.
+    let offers = format!("{ns}:{{{ns}.q0}}:wait");
+    let began = Instant::now();
+    while !redis.exists::<bool, _>(&offers).await.unwrap() {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the reserved slot never offered to be handed a token"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let subscriber =
+        fred::types::Builder::from_config(fred::types::config::Config::from_url(env.redis.url()).unwrap())
+            .build_subscriber_client()
+            .unwrap();
+    subscriber.init().await.unwrap();
+    let mut announced = subscriber.message_rx();
+    subscriber.subscribe(format!("{ns}:{{{ns}.q0}}:up")).await.unwrap();
+
+    let urgent = producer.request().priority(95).unwrap().submit([Job::new(7)]).await.unwrap();
+    let done = urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), vec![14]);
+    assert_eq!(probe.starts().len(), 2, "only the urgent part started beside the long one");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    if let Ok(message) = announced.try_recv() {
+        panic!(
+            "the urgent token was pushed and announced ({:?}), not handed to the waiting slot",
+            message.value
+        );
+    }
+    subscriber.quit().await.unwrap();
+    w.stop().await;
+    drop(long);
 }

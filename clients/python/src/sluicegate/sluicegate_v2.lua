@@ -592,6 +592,44 @@ local SG_BELL_TTL_MS = 600000
 -- tokens, not the request's, onto the shard's lists).
 local sg_group_push
 
+-- Hand-offs. A reserved slot (`WorkerBuilder::reserve`) whose take found nothing at or above its
+-- floor offers to be handed the next lane token of such a priority: its take registers it in the
+-- shard's `wait` hash (holder -> "<floor>|<take id>|<consumer>|<batch>|<until ms>") and it blocks
+-- on its hand list `<shard>hand:<holder>`. `lane_submit` of a request of priority p >= floor then
+-- does, for the lane token it wakes, what that slot's next take (with the registered take id)
+-- would: the held record, and `lane_acquire` for the slot's consumer, and pushes the reply the take
+-- would have given (MessagePack) onto the hand list instead of the element onto the priority list:
+-- the slot's blocked pop returns in the step that submitted, one round trip fewer than a take
+-- after an announcement. The token is held (a record, entries pending under the slot's consumer)
+-- before the message leaves, so a lost message loses nothing: the slot's next take, with that id,
+-- gets the element as a re-sent take does (take.lua), and `lane_acquire` the same entries; a slot
+-- that died is reclaimed from its record as any. An offer ends with the slot's next take (or
+-- `untake` at its stop), with the hand-off, or at its `until`, past which it is passed over (a
+-- worker that died without ending it).
+local function sg_hand_offer(shard, holder, floor, take, consumer, want, until_ms)
+  redis.call('HSET', shard .. 'wait', holder, floor .. '|' .. take .. '|' .. consumer .. '|' .. want .. '|' .. until_ms)
+  redis.call('PEXPIRE', shard .. 'wait', SG_HELD_TTL_MS)
+  redis.call('DEL', shard .. 'hand:' .. holder)
+end
+
+-- The offers on `shard` of slots whose floor is at most `priority`, best first ({holder,
+-- fields}, fields as sg_split gives them), ending those past their `until` on the way.
+local function sg_hand_offers(shard, priority, now)
+  local all = redis.call('HGETALL', shard .. 'wait')
+  local out = {}
+  for i = 1, #all, 2 do
+    local f = sg_split(all[i + 1])
+    if tonumber(f[5]) < now then
+      redis.call('HDEL', shard .. 'wait', all[i])
+    elseif tonumber(f[1]) <= priority then
+      out[#out + 1] = {all[i], f}
+    end
+  end
+  -- The highest floor first: a slot kept for lower floors stays for what only it covers.
+  table.sort(out, function(a, b) return tonumber(a[2][1]) > tonumber(b[2][1]) end)
+  return out
+end
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
@@ -2467,9 +2505,14 @@ do
 -- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
 -- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
 -- only lower priorities wait.
--- KEYS[6] and ARGV[11..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- ARGV[11] (optional; '' or absent: none) a reserved slot's next take id, and ARGV[12] how long (ms)
+-- the offer lasts: when this take finds nothing (and has a floor), the slot waits for a hand-off
+-- (prelude.lua, "Hand-offs"): it is registered in the shard's `wait` hash, holder ->
+-- "<floor>|<next take id>|<consumer>|<batch>|<until ms>", and its hand list is emptied. Every take
+-- ends the slot's registration first: a slot asks for a hand-off only while it waits.
+-- KEYS[6] and ARGV[13..] (optional) a token to give back first, as `give_back` does it: a slot at
 -- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
--- ARGV[11] the take id the slot's record must carry to be ended, ARGV[12..] the elements. A re-sent
+-- ARGV[13] the take id the slot's record must carry to be ended, ARGV[14..] the elements. A re-sent
 -- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
 -- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
@@ -2478,7 +2521,9 @@ do
 -- `lane_acquire` returns), {} when every list is empty, or {'paused'} when an operator paused the
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
--- slot then acquires it, and `lane_acquire` hands out the same entries again.
+-- slot then acquires it, and `lane_acquire` hands out the same entries again. So does a take whose
+-- id is the one a hand-off recorded (ARGV[11] of the slot's last take): the slot that did not see
+-- the hand list's message gets the token handed to it this way.
 local SG_TAKE_POPS = 16
 
 local function take(keys, args)
@@ -2491,9 +2536,10 @@ local function take(keys, args)
     end
   end
   local shard = sg_shard_key(keys[1], '')
+  redis.call('HDEL', shard .. 'wait', holder)
   local held = redis.call('HGET', keys[1], holder)
-  if keys[6] and (args[11] or '') ~= '' and not (held and sg_split(held)[4] == id) then
-    give_back({keys[1], keys[2], keys[6]}, {holder, args[11], unpack(args, 12)})
+  if keys[6] and (args[13] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[13], unpack(args, 14)})
     held = redis.call('HGET', keys[1], holder)
   end
   local previous = nil
@@ -2555,6 +2601,9 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
+    if floor > 0 and (args[11] or '') ~= '' then
+      sg_hand_offer(shard, holder, floor, args[11], args[5], args[6], now + tonumber(args[12]))
+    end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)
@@ -2571,7 +2620,8 @@ end
 redis.register_function('sg2_take', take)
 end
 do
--- untake: undo a take whose reply its slot never saw (the call failed), at the slot's clean stop:
+-- untake: undo a take whose reply its slot never saw (the call failed, or a hand-off's message was
+-- not read), at the slot's clean stop:
 -- the element goes back to the tail of its list, where it was taken from, and the record ends.
 -- KEYS[1] the shard's held records   KEYS[2] the shard's bell
 -- ARGV[1] holder   ARGV[2] the take id
@@ -2580,6 +2630,9 @@ do
 -- batch becomes orphans, the token is pushed again) as for a dead slot's.
 -- Returns 1 if the take had happened (and is undone, or left to recovery), 0 if there is no record of it.
 local function untake(keys, args)
+  -- A hand-off the slot offered ends too (prelude.lua, "Hand-offs"); one made already is undone
+  -- below as the take it stands for.
+  redis.call('HDEL', sg_shard_key(keys[1], 'wait'), args[1])
   local held = redis.call('HGET', keys[1], args[1])
   if not held then return 0 end
   local f = sg_split(held)
@@ -3711,11 +3764,50 @@ do
 -- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
 -- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15] trace context ('' =
 -- none; as submit_open's ARGV[14], stored as the record's `trace`)   ARGV[16..] payloads (1 to 64)
--- Returns {lifecycle, woken}: woken is how many lane tokens were pushed. The same call re-sent
+-- KEYS[13..15] (optional) the shard's held records, looks armed before a step, and hand-off
+-- offers (prelude.lua, "Hand-offs"): given, a lane token this call wakes goes to a reserved slot
+-- that waits for one of its priority, rather than onto the list.
+-- Returns {lifecycle, woken}: woken is how many lane tokens were pushed or handed. The same call re-sent
 -- after a reconnect (same nonce) answers as the first did and writes nothing. Errors
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
 -- named, a request of the stream path registered or retained on this shard), "SGINVALID ..."
 -- when an argument is out of range.
+-- Hands lane token elements `woken` to the slots that offered to take their priority `prio`
+-- (prelude.lua, "Hand-offs"), as many as there are offers; returns the elements left to push.
+-- KEYS as lane_submit's; `records`: the records' key prefix.
+local function lane_hand(keys, prio, woken, now, records)
+  if not keys[15] or #woken == 0 or redis.call('EXISTS', keys[15]) == 0 then return woken end
+  local shard = sg_shard_key(keys[15], '')
+  local offers = sg_hand_offers(shard, prio, now)
+  local left, next = {}, 1
+  for _, element in ipairs(woken) do
+    local offer = offers[next]
+    -- (A slot that offers holds nothing on the shard: its take ended its record. One that does is
+    -- passed over, its offer ended.)
+    while offer and redis.call('HEXISTS', keys[13], offer[1]) == 1 do
+      redis.call('HDEL', keys[15], offer[1])
+      next = next + 1
+      offer = offers[next]
+    end
+    if not offer then
+      left[#left + 1] = element
+    else
+      next = next + 1
+      local holder, f = offer[1], offer[2]
+      local e = sg_split(element)
+      redis.call('HDEL', keys[15], holder)
+      redis.call('HSET', keys[13], holder, element .. '|' .. f[2] .. '|' .. keys[8])
+      redis.call('PEXPIRE', keys[13], SG_HELD_TTL_MS)
+      local acquired = lane_acquire({keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10], keys[14]},
+        {e[1], e[2], e[3], holder, f[3], f[4], records})
+      local hand = shard .. 'hand:' .. holder
+      redis.call('RPUSH', hand, cmsgpack.pack({keys[8], element, acquired}))
+      redis.call('PEXPIRE', hand, SG_BELL_TTL_MS)
+    end
+  end
+  return left
+end
+
 local function lane_submit(keys, args)
   local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
   local n = #args - 15
@@ -3734,7 +3826,7 @@ local function lane_submit(keys, args)
   local fed, queued = sg_lane_write(keys, r, args, 16, n, now, lc, ix)
   sg_ix_queued(ix, queued)
   local woken = sg_unpark(keys, args[1], fed, now, parked)
-  sg_push(keys[8], keys[9], woken)
+  sg_push(keys[8], keys[9], lane_hand(keys, prio, woken, now, string.sub(keys[7], 1, #keys[7] - #args[2])))
   return {lc, #woken}
 end
 redis.register_function('sg2_lane_submit', lane_submit)
