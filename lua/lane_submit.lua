@@ -28,6 +28,9 @@
 local function lane_hand(keys, prio, woken, now, records)
   if not keys[15] or #woken == 0 or redis.call('EXISTS', keys[15]) == 0 then return woken end
   local shard = sg_shard_key(keys[15], '')
+  -- (Paused, by an operator: the token waits on its list, where no slot takes it until resumed.)
+  local paused = redis.call('HMGET', shard .. 'paused', 'all', sg_str(prio))
+  if paused[1] or paused[2] then return woken end
   local offers = sg_hand_offers(shard, prio, now)
   local left, next = {}, 1
   for _, element in ipairs(woken) do

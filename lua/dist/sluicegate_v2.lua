@@ -2505,14 +2505,15 @@ do
 -- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
 -- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
 -- only lower priorities wait.
--- ARGV[11] (optional; '' or absent: none) a reserved slot's next take id, and ARGV[12] how long (ms)
--- the offer lasts: when this take finds nothing (and has a floor), the slot waits for a hand-off
--- (prelude.lua, "Hand-offs"): it is registered in the shard's `wait` hash, holder ->
--- "<floor>|<next take id>|<consumer>|<batch>|<until ms>", and its hand list is emptied. Every take
--- ends the slot's registration first: a slot asks for a hand-off only while it waits.
--- KEYS[6] and ARGV[13..] (optional) a token to give back first, as `give_back` does it: a slot at
+-- ARGV[10] may also be "<floor>|<next take id>|<ms>": a reserved slot's offer of a hand-off, for
+-- as long as ms (a library older than hand-offs refuses it as a floor, rather than misread it):
+-- when this take finds nothing, the slot waits for one (prelude.lua, "Hand-offs"): it is
+-- registered in the shard's `wait` hash, holder -> "<floor>|<next take id>|<consumer>|<batch>|<until
+-- ms>", and its hand list is emptied. Every take ends the slot's offer first: a slot offers only
+-- while it waits.
+-- KEYS[6] and ARGV[11..] (optional) a token to give back first, as `give_back` does it: a slot at
 -- its quantum's end gives its token back and takes again in one call. KEYS[6] the list to push to,
--- ARGV[13] the take id the slot's record must carry to be ended, ARGV[14..] the elements. A re-sent
+-- ARGV[11] the take id the slot's record must carry to be ended, ARGV[12..] the elements. A re-sent
 -- call whose first copy took something (its record carries ARGV[2]) gives nothing back again; one
 -- whose first copy took nothing pushes the elements again, which is harmless (give_back.lua).
 -- Returns {list, element}, {list, element, 'one'} for a request in a rate-limited group (the slot
@@ -2522,15 +2523,20 @@ do
 -- namespace or every priority (nothing taken; the slot waits an idle poll and asks again). The same call re-sent (the same take
 -- id: its first reply was lost) returns the element it took the first time, without a batch: the
 -- slot then acquires it, and `lane_acquire` hands out the same entries again. So does a take whose
--- id is the one a hand-off recorded (ARGV[11] of the slot's last take): the slot that did not see
--- the hand list's message gets the token handed to it this way.
+-- id is the one a hand-off recorded (the id the slot's last take offered): the slot that did not
+-- see the hand list's message gets the token handed to it this way. And so does an offering take
+-- re-sent (its first reply lost) that finds the token handed under the id it offered: the record
+-- is rewritten under this take's id, which the slot will hold it by.
 local SG_TAKE_POPS = 16
 
 local function take(keys, args)
   local holder, id = args[1], args[2]
-  local floor = 0
+  local floor, offer, lasts = 0, nil, nil
   if (args[10] or '') ~= '' then
-    floor = tonumber(args[10])
+    local text = args[10]
+    local f, o, ms = string.match(text, '^([^|]*)|(%d+)|(%d+)$')
+    if f then text, offer, lasts = f, o, tonumber(ms) end
+    floor = tonumber(text)
     if not floor or floor ~= math.floor(floor) or floor < 0 or floor > 99 then
       return redis.error_reply('SGINVALID take\'s floor must be a priority from 0 to 99, not ' .. args[10])
     end
@@ -2538,13 +2544,20 @@ local function take(keys, args)
   local shard = sg_shard_key(keys[1], '')
   redis.call('HDEL', shard .. 'wait', holder)
   local held = redis.call('HGET', keys[1], holder)
-  if keys[6] and (args[13] or '') ~= '' and not (held and sg_split(held)[4] == id) then
-    give_back({keys[1], keys[2], keys[6]}, {holder, args[13], unpack(args, 14)})
+  if keys[6] and (args[11] or '') ~= '' and not (held and sg_split(held)[4] == id) then
+    give_back({keys[1], keys[2], keys[6]}, {holder, args[11], unpack(args, 12)})
     held = redis.call('HGET', keys[1], holder)
   end
   local previous = nil
   if held then
     local f = sg_split(held)
+    if offer and f[4] == offer then
+      -- This offering take was re-sent, and a hand-off came under the id it offered: the token is
+      -- this take's.
+      f[4] = id
+      held = table.concat(f, '|')
+      redis.call('HSET', keys[1], holder, held)
+    end
     if f[4] == id then
       local one = nil
       if f[6] and redis.call('HEXISTS', sg_group_key(shard, f[6]), 'rate') == 1 then one = 'one' end
@@ -2601,9 +2614,7 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
-    if floor > 0 and (args[11] or '') ~= '' then
-      sg_hand_offer(shard, holder, floor, args[11], args[5], args[6], now + tonumber(args[12]))
-    end
+    if floor > 0 and offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now + lasts) end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)
@@ -3778,6 +3789,9 @@ do
 local function lane_hand(keys, prio, woken, now, records)
   if not keys[15] or #woken == 0 or redis.call('EXISTS', keys[15]) == 0 then return woken end
   local shard = sg_shard_key(keys[15], '')
+  -- (Paused, by an operator: the token waits on its list, where no slot takes it until resumed.)
+  local paused = redis.call('HMGET', shard .. 'paused', 'all', sg_str(prio))
+  if paused[1] or paused[2] then return woken end
   local offers = sg_hand_offers(shard, prio, now)
   local left, next = {}, 1
   for _, element in ipairs(woken) do

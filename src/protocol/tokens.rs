@@ -96,14 +96,15 @@ pub(crate) async fn take(
         keys.list_prefix(shard).into(),
     ];
     let give_back = give_back.filter(|gb| gb.shard == shard);
-    let offer = offer.filter(|_| floor > Priority::MIN);
-    // (Left out when neither a floor nor a give-back follows: the call then reads as before both.)
+    // (Left out when neither a floor nor a give-back follows: the call then reads as before both.
+    // An offer rides in the floor's argument, "<floor>|<take id>|<ms>", which a library older than
+    // hand-offs refuses rather than misreads.)
     if floor > Priority::MIN || give_back.is_some() {
-        args.push(if floor > Priority::MIN { floor.get().to_string() } else { String::new() }.into());
-        match offer {
-            Some((id, wait)) => args.extend([(id as i64).into(), ms(wait)]),
-            None => args.extend([Value::from(""), Value::from("")]),
-        }
+        args.push(match offer {
+            _ if floor == Priority::MIN => Value::from(""),
+            Some((id, lasts)) => format!("{}|{id}|{}", floor.get(), lasts.as_millis()).into(),
+            None => floor.get().to_string().into(),
+        });
     }
     if let Some(gb) = give_back {
         names.push(&gb.list);
@@ -165,9 +166,9 @@ pub(crate) async fn hand(
     Ok(Some(taken(reply::array(reply)?, sent)?))
 }
 
-/// A Lua value packed by `cmsgpack`, read as Redis would have replied it: a number as an integer
-/// (Redis truncates), `true` as 1 and `false` as nil, text as bytes, and a table with holes (packed
-/// as a map) as the array up to its first hole.
+/// A Lua value packed by `cmsgpack`, read as fred reads what Redis replies for it: a number as an
+/// integer (Redis truncates), `true` as 1 and `false` as nil, text as a string when it is UTF-8 and
+/// as bytes otherwise, and a table with holes (packed as a map) as the array up to its first hole.
 struct Packed(Value);
 
 impl<'de> serde::Deserialize<'de> for Packed {
@@ -197,7 +198,7 @@ impl<'de> serde::de::Visitor<'de> for PackedVisitor {
         Ok(Value::Integer(v as i64))
     }
     fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
-        Ok(Value::Bytes(Bytes::copy_from_slice(v.as_bytes())))
+        Ok(Value::String(v.into()))
     }
     fn visit_bytes<E>(self, v: &[u8]) -> std::result::Result<Value, E> {
         Ok(Value::Bytes(Bytes::copy_from_slice(v)))

@@ -228,7 +228,9 @@ impl<H: Handler> WorkerBuilder<H> {
     /// higher: they take nothing lower, and wait for such work to be announced. A busy slot gives
     /// way to a higher priority only between batches, so with long handlers (minutes, say) an
     /// urgent request submitted while every slot is busy waits for the first handler to end; a
-    /// reserved slot starts it at once. The reserved slots are counted in [`slots`](Self::slots)
+    /// reserved slot starts it at once. With one token shard, an idle reserved slot is handed a
+    /// small request (up to 64 parts) of its priorities by that request's submit, in the same step
+    /// (docs/protocol.md, "Hand-offs"). The reserved slots are counted in [`slots`](Self::slots)
     /// (at least one slot stays unreserved), and sit idle while no such request waits.
     ///
     /// ```no_run

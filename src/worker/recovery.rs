@@ -346,6 +346,12 @@ pub(crate) async fn reap(
     for shard in 0..shards {
         let held = store.keys.held(shard);
         let fields: Vec<String> = (0..slots).map(|n| format!("{id}/{n}")).collect();
+        // Its slots' offers of hand-offs end first: nothing more is handed to them, and what was
+        // handed already has its record, read next.
+        let offers = store.keys.offers(shard);
+        let _: i64 = store
+            .call("hdel", &offers, || async { Ok(store.client.hdel(offers.as_str(), fields.clone()).await?) })
+            .await?;
         let records: Vec<Option<String>> = store
             .call("hmget", &held, || async { Ok(store.client.hmget(held.as_str(), fields.clone()).await?) })
             .await?;

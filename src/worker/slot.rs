@@ -390,22 +390,32 @@ async fn reserved_wait<H: Handler>(
         }
         return Ok(None);
     }
+    // An announcement heard during the take, or the stop, ends the wait before it starts.
+    let heard_now = slot.heard.as_ref().is_some_and(|h| h.has_changed().unwrap_or(false));
+    if heard_now || shared.stopping.is_cancelled() {
+        slot.go = slot.heard.as_mut().and_then(|h| *h.borrow_and_update()).map(|(shard, _)| shard);
+        return Ok(None);
+    }
     // The pop is never abandoned mid-flight (a message it then popped would be read by no one):
-    // an announcement or the stop unblocks it, and it ends.
+    // an announcement or the stop unblocks it (`CLIENT UNBLOCK`, from another connection), and
+    // it ends. An unblock that comes before the pop is blocked in Redis finds nothing to unblock,
+    // so it is sent again every few ms until the pop returns.
     let hand = shared.store.keys.hand(shard, holder);
     let pop = tokens::hand(&shared.store, blocking, &hand, Some(wait));
     tokio::pin!(pop);
-    let mut unblocked = false;
+    let mut unblocking = false;
     let popped = loop {
         let heard = slot.heard.as_mut();
         tokio::select! {
+            biased;
             popped = &mut pop => break popped,
-            _ = shared.stopping.cancelled(), if !unblocked => {}
-            Ok(()) = async { match heard { Some(h) => h.changed().await, None => std::future::pending().await } }, if !unblocked => {
+            _ = shared.stopping.cancelled(), if !unblocking => {}
+            Ok(()) = async { match heard { Some(h) => h.changed().await, None => std::future::pending().await } }, if !unblocking => {
                 slot.go = slot.heard.as_mut().and_then(|h| *h.borrow_and_update()).map(|(shard, _)| shard);
             }
+            _ = tokio::time::sleep(Duration::from_millis(5)), if unblocking => {}
         }
-        unblocked = true;
+        unblocking = true;
         let _ = blocking.unblock_self(Some(fred::types::ClientUnblockFlag::Timeout)).await;
     };
     match popped? {

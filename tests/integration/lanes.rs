@@ -154,3 +154,38 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
     w.stop().await;
     drop(long);
 }
+
+/// A hand-off respects an operator's pause: a reserved slot that offered (its floor's other
+/// priorities are not paused) is not handed a token of a paused priority; the token waits on its
+/// list, and runs once the priority is resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_priority_is_not_handed_to_a_waiting_reserved_slot() {
+    let env = env_on(Topology::Single, "lane-hand-pause").await;
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    let probe = Probe::default();
+    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
+        .slots(2)
+        .reserve(1, 90)
+        .shutdown_grace(Duration::from_millis(100));
+    let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    admin.pause(Some(sluicegate::Priority::new(95).unwrap())).await.unwrap();
+    let w = start_built(builder).await;
+    let offers = format!("{ns}:{{{ns}.q0}}:wait");
+    let began = Instant::now();
+    while !redis.exists::<bool, _>(&offers).await.unwrap() {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the reserved slot never offered to be handed a token"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let urgent = producer.request().priority(95).unwrap().submit([Job::new(7)]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(probe.starts().is_empty(), "a part of a paused priority was handed to the reserved slot and ran");
+    admin.resume(Some(sluicegate::Priority::new(95).unwrap())).await.unwrap();
+    let done = urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), vec![14]);
+    w.stop().await;
+}
