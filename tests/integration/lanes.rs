@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::support::{env_on, start_built, start_worker, Job, Probe};
+use crate::support::{env_on, start_built, start_worker, Env, Job, Probe, Running};
 use fred::prelude::{KeysInterface, StreamsInterface};
 use sluicegate::{Producer, Quantum, RequestState};
 use sluicegate_testkit::{connect, Topology};
@@ -99,6 +99,29 @@ async fn a_drained_lane_empties_and_expires() {
     w.stop().await;
 }
 
+/// A worker of two slots, one kept for priorities 90 and up (`reserve(1, 90)`); returns once its
+/// reserved slot's take found nothing and the slot offered to be handed a token (its holder is in
+/// the shard's `wait` hash).
+async fn reserved_worker_offering(env: &Env, probe: &Probe) -> Running {
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
+        .slots(2)
+        .reserve(1, 90)
+        .shutdown_grace(Duration::from_millis(100));
+    let w = start_built(builder).await;
+    let offers = format!("{ns}:{{{ns}.q0}}:wait");
+    let began = Instant::now();
+    while !redis.exists::<bool, _>(&offers).await.unwrap() {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the reserved slot never offered to be handed a token"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    w
+}
+
 /// A reserved slot that found nothing of its priorities offers to be handed the next such lane
 /// token (docs/protocol.md, "Hand-offs"): the submit of an urgent small request records the token
 /// as the slot's and leaves it on the slot's hand list, rather than pushing it onto the priority
@@ -109,26 +132,11 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
     use fred::prelude::{ClientLike, EventInterface, PubsubInterface};
     let env = env_on(Topology::Single, "lane-hand").await;
     let ns = env.config.namespace_str().to_owned();
-    let redis = connect(env.redis.url()).await.unwrap();
     let probe = Probe::default();
-    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
-        .slots(2)
-        .reserve(1, 90)
-        .shutdown_grace(Duration::from_millis(100));
-    let w = start_built(builder).await;
+    let w = reserved_worker_offering(&env, &probe).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let long = producer.request().priority(10).unwrap().submit([Job::sleeping(0, 60_000)]).await.unwrap();
     while probe.starts().is_empty() {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    // The reserved slot's offer is in place once its take found nothing.
-    let offers = format!("{ns}:{{{ns}.q0}}:wait");
-    let began = Instant::now();
-    while !redis.exists::<bool, _>(&offers).await.unwrap() {
-        assert!(
-            began.elapsed() < Duration::from_secs(10),
-            "the reserved slot never offered to be handed a token"
-        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let subscriber =
@@ -161,25 +169,10 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_priority_is_not_handed_to_a_waiting_reserved_slot() {
     let env = env_on(Topology::Single, "lane-hand-pause").await;
-    let ns = env.config.namespace_str().to_owned();
-    let redis = connect(env.redis.url()).await.unwrap();
     let probe = Probe::default();
-    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
-        .slots(2)
-        .reserve(1, 90)
-        .shutdown_grace(Duration::from_millis(100));
     let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
     admin.pause(Some(sluicegate::Priority::new(95).unwrap())).await.unwrap();
-    let w = start_built(builder).await;
-    let offers = format!("{ns}:{{{ns}.q0}}:wait");
-    let began = Instant::now();
-    while !redis.exists::<bool, _>(&offers).await.unwrap() {
-        assert!(
-            began.elapsed() < Duration::from_secs(10),
-            "the reserved slot never offered to be handed a token"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let w = reserved_worker_offering(&env, &probe).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let urgent = producer.request().priority(95).unwrap().submit([Job::new(7)]).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
