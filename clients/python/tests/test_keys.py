@@ -35,3 +35,34 @@ def test_a_flushed_library_is_loaded_again_on_the_next_call(server: Any, ns: str
     p.protocol.conn.client.function_flush()
     handle = p.submit([1, 2], own_stream=True)
     assert p.status(handle.id)["state"] == "queued"
+
+
+def test_a_small_request_is_handed_to_a_slot_that_offered_to_take_its_priority(server: Any, ns: str) -> None:
+    """docs/protocol.md §5, "Hand-offs": a reserved slot's take that finds nothing at or above its
+    floor offers it (here a slot of a worker that never registered, floor 90, next take id 1); the
+    Python producer's submit of a priority-95 request then records the lane token as that slot's
+    and leaves the take's reply on its hand list, rather than pushing the token onto the list."""
+    import msgpack
+
+    from sluicegate._conn import fcall_items, text
+
+    p = Producer(server.url, ns)
+    k, holder = p.protocol.keys, "w-test/0"
+    conn = p.protocol.conn
+    reply = fcall_items(
+        conn.fcall(
+            "take", [k.held(0), k.bell(0), k.active(0), k.armed(0), k.paused(0)],
+            [holder, 0, "", "0", "w-test", 4, k.lane_prefix(0), k.record_prefix(0), k.list_prefix(0), "90|1|60000"],
+        )
+    )
+    assert reply == [], reply
+    assert conn.client.hexists(k.offers(0), holder)
+    p.submit([7], priority=95)
+    record = text(conn.client.hget(k.held(0), holder))
+    assert record.split("|")[3] == "1", record
+    assert conn.client.llen(k.token_list(0, 95)) == 0, "the token was pushed, not handed"
+    assert not conn.client.hexists(k.offers(0), holder)
+    hand = conn.client.lpop(f"{k.held(0)[: -len('held')]}hand:{holder}")
+    listed, element, acquired = msgpack.unpackb(hand, raw=True)
+    assert listed.decode() == k.token_list(0, 95) and element.decode().startswith("~0.95|")
+    assert acquired[0] == b"run" and len(acquired) == 2, acquired

@@ -236,6 +236,10 @@ class Keys:
     def held(self, shard: int) -> str:
         return self._shard(shard) + "held"
 
+    def offers(self, shard: int) -> str:
+        """Reserved slots' offers of hand-offs on ``shard`` (docs/protocol.md §5, "Hand-offs")."""
+        return self._shard(shard) + "wait"
+
     def registrations(self, shard: int) -> str:
         return self._shard(shard) + "reg"
 

@@ -408,6 +408,10 @@ class Producer:
                 k.active(shard),
                 k.registrations(shard),
                 k.finish_marks(shard, kid),
+                # A reserved slot (a Rust worker's) that waits for one is handed the token.
+                k.held(shard),
+                k.armed(shard),
+                k.offers(shard),
             ]
             args = [lane, kid, rid, spec.nonce_arg(), priority, concurrency, *policy, ff, s.lane_tokens,
                     ms(s.census_interval), spec.row, "", *payloads]
