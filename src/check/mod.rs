@@ -1,9 +1,10 @@
 //! The randomized model-based protocol checker (test builds only).
 //!
-//! It drives the real code (producers' submits, slots' token takes, recovery passes, operators'
-//! commands: cancel, requeue, finalize, reprioritize, pause, track, purge and purge of the finished
-//! ones; producers' and workers' flushes of their stats by stage) against the real Functions
-//! library on a redis-server of its own, with every Redis
+//! It drives the real code (producers' submits, slots' token takes, some giving way to a higher
+//! priority announced while they hold a token, recovery passes, operators' commands: cancel,
+//! requeue, finalize, reprioritize, pause, track, purge and purge of the finished ones; producers'
+//! and workers' flushes of their stats by stage) against the real Functions library on a
+//! redis-server of its own, with every Redis
 //! call parked at a gate (`gate.rs`) so that a seeded scheduler chooses the interleaving and the
 //! faults: a reply lost after the call ran, a call re-sent, a call refused (not run, an error that
 //! is not the connection's, as `OOM` would be), a process killed between any two of
@@ -300,7 +301,7 @@ async fn drain(world: &mut World) -> Result<(), String> {
         for w in 0..WORKERS {
             world.apply(&Op::Beat { worker: w }).await?;
             for slot in 0..SLOTS {
-                world.apply(&Op::Take { worker: w, slot, floor: None }).await?;
+                world.apply(&Op::Take { worker: w, slot, floor: None, way: false }).await?;
             }
         }
         world.apply(&Op::Recover { worker: (round % WORKERS as usize) as u8 }).await?;

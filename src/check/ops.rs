@@ -145,6 +145,10 @@ pub(crate) enum Op {
         slot: u8,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         floor: Option<u8>,
+        /// Priority 99 is announced on the shard first (`higher`): the slot, holding a lower one,
+        /// gives way at its first batch's end (`give_way`). Absent in sequences recorded before it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        way: bool,
     },
     /// Worker `worker` renews the leases its slots hold.
     Beat {
@@ -328,6 +332,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             worker: rng.gen_range(0..WORKERS),
             slot: rng.gen_range(0..SLOTS),
             floor: (rng.gen_range(0..3) == 0).then(|| [50, 90][rng.gen_range(0..2)]),
+            way: rng.gen_range(0..4) == 0,
         },
         570..=659 => {
             let submit = draw_submit(rng);

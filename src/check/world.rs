@@ -359,7 +359,7 @@ impl World {
                 })
                 .await
             }
-            Op::Take { worker, slot, floor } => {
+            Op::Take { worker, slot, floor, way } => {
                 let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
                 self.worker(*worker).await?;
                 let id = self.next_actor;
@@ -371,6 +371,9 @@ impl World {
                 let process = Process::Worker(*worker, w.incarnation);
                 w.busy[*slot as usize] = Some(id);
                 let floor = floor.map(Priority::new).transpose().map_err(|e| e.to_string())?;
+                if *way {
+                    shared.higher.announce(0, Priority::MAX);
+                }
                 self.spawn(process, Task::Take { slot: *slot }, async move {
                     let mut state = state.lock().await;
                     state.floor = floor;

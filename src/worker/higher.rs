@@ -51,7 +51,7 @@ impl Higher {
         }
     }
 
-    fn announce(&self, shard: usize, priority: Priority) {
+    pub(crate) fn announce(&self, shard: usize, priority: Priority) {
         let reserved = self.reserved.is_some_and(|floor| priority >= floor);
         if reserved {
             self.heard.send_replace(Some((shard as u32, priority)));
