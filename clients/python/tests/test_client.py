@@ -508,6 +508,40 @@ def test_a_free_slot_takes_the_highest_priority_waiting(server: Any, ns: str, ru
     assert order == [high.id] * 5 + [mid.id] * 5 + [low.id] * 5
 
 
+def test_a_reserved_slot_starts_an_urgent_request_while_every_other_slot_is_busy(
+    server: Any, ns: str, running: Running
+) -> None:
+    """Two slots, one kept for priorities 90 and up: the long priority-89 request's second token
+    waits (the reserved slot leaves it), and a priority-99 request starts while the other slot is
+    still inside a long handler."""
+    release = threading.Event()
+    started: List[str] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        started.append(ctx.request_id)
+        if ctx.priority == 89:
+            release.wait(30)
+        return part["i"]
+
+    with pytest.raises(ValueError, match="at least one must take every priority"):
+        sluicegate.Worker(server.url, handler, slots=2, namespace=ns, reserve=(2, 90))
+    with pytest.raises(ValueError, match="a priority is from 1 to 99"):
+        sluicegate.Worker(server.url, handler, slots=2, namespace=ns, reserve=(1, 0))
+    running.start(server.url, handler, ns, slots=2, reserve=(1, 90))
+    p = Producer(server.url, ns)
+    long = p.submit(parts(2), priority=89, concurrency=2)
+    deadline = time.time() + 10
+    while len(started) < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a reserved slot that took the 89 would have started its second part by now
+    assert started == [long.id], started
+    urgent = p.submit(parts(1), priority=99)
+    assert urgent.wait(timeout=10).state == "completed"
+    assert not release.is_set() and started == [long.id, urgent.id], started
+    release.set()
+    assert long.wait(timeout=30).state == "completed"
+
+
 def test_an_unlisted_request_runs_but_stays_out_of_the_listing_index(server: Any, ns: str, running: Running) -> None:
     running.start(server.url, double, ns, slots=2)
     p = Producer(server.url, ns)

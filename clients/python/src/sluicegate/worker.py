@@ -383,7 +383,10 @@ class Worker:
     (run on an asyncio loop). Raise :class:`PermanentError` for a failure that must not be
     retried; any other exception is retried while the request's ``max_attempts`` allows.
 
-    Timings are in seconds, with the Rust client's defaults.
+    Timings are in seconds, with the Rust client's defaults. ``reserve=(n, p)`` keeps the last
+    ``n`` slots for requests of priority ``p`` (1 to 99) or higher (the Rust
+    ``WorkerBuilder::reserve``): they take nothing lower, and start such a request as soon as it
+    is announced, while the other slots are busy.
     """
 
     def __init__(
@@ -406,9 +409,19 @@ class Worker:
         loading_ttl: float = 3600.0,
         token_shards: int = 1,
         shard_poll: float = 0.1,
+        reserve: Optional[Tuple[int, int]] = None,
     ) -> None:
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
+        if reserve is not None:
+            n, floor = reserve
+            if not 1 <= n < slots:
+                raise ValueError(
+                    f"reserve=({n}, ..) keeps {n} of the worker's {slots} slots: from 1, and at least one must "
+                    "take every priority"
+                )
+            if not 1 <= floor <= 99:
+                raise ValueError(f"reserve=(.., {floor}): a priority is from 1 to 99 here")
         if heartbeat > lease / 2:
             raise ValueError("the heartbeat must be at most half the lease")
         if not 1 <= max_batch <= 256:
@@ -421,7 +434,9 @@ class Worker:
         if not 1 <= token_shards <= MAX_TOKEN_SHARDS:
             raise ValueError("token_shards must be from 1 to 1024")
         self.shard_poll = shard_poll
-        self.higher = _Higher(token_shards)
+        self.higher = _Higher(token_shards, None if reserve is None else reserve[1])
+        #: How many slots are kept for high priorities, and from which priority (the last ones).
+        self.reserve = reserve
         self.url = url
         self.handler = handler
         self.is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
@@ -689,16 +704,43 @@ class Worker:
 
 class _Higher:
     """Per shard, the highest priority announced waiting (plus one; 0: none), for busy slots of
-    a lower priority to give way to (src/worker/higher.rs)."""
+    a lower priority to give way to; and for the worker's reserved slots, the announcements at or
+    above their floor (src/worker/higher.rs)."""
 
-    def __init__(self, shards: int) -> None:
+    def __init__(self, shards: int, reserved: Optional[int] = None) -> None:
         self.cells = [0] * shards
         self.lock = threading.Lock()
+        self.reserved = reserved
+        #: Reserved slots waiting for work: an announcement they cover wakes them, and no busy
+        #: slot gives way for it.
+        self.idle_reserved = 0
+        #: Announcements at or above the reserved floor: how many so far, and the last one's shard.
+        self.heard = 0
+        self.heard_shard = 0
+        self.hear = threading.Condition(self.lock)
 
     def announce(self, shard: int, priority: int) -> None:
         with self.lock:
+            if self.reserved is not None and priority >= self.reserved:
+                self.heard += 1
+                self.heard_shard = shard
+                self.hear.notify_all()
+                if self.idle_reserved > 0:
+                    return
             if shard < len(self.cells):
                 self.cells[shard] = max(self.cells[shard], priority + 1)
+
+    def wait_heard(self, seen: int, timeout: float) -> Optional[int]:
+        """For an idle reserved slot: waits until an announcement it covers comes after the
+        ``seen``-th, at most ``timeout`` seconds; the shard it came on, or None."""
+        with self.lock:
+            self.idle_reserved += 1
+            try:
+                if self.hear.wait_for(lambda: self.heard != seen, timeout):
+                    return self.heard_shard
+                return None
+            finally:
+                self.idle_reserved -= 1
 
     def claim_above(self, shard: int, priority: int) -> bool:
         """Whether a higher priority waits on the shard; the one slot that claims it gives way."""
@@ -729,6 +771,12 @@ class _Slot:
         self.mean_us: Optional[float] = None
         # The last handler run's own time (µs), set by the thread or task that ran it.
         self.ran_us: Optional[float] = None
+        # A reserved slot's floor (`reserve`): it takes no lower priority, and waits for work on
+        # the announcements at or above it rather than on the bell, which every push rings.
+        reserve = worker.reserve
+        self.floor: Optional[int] = reserve[1] if reserve is not None and n >= worker.slots - reserve[0] else None
+        # The shard a reserved slot heard of work on: it takes there next.
+        self.go: Optional[int] = None
 
     # ----- the loop (§6.2) -----
 
@@ -740,7 +788,10 @@ class _Slot:
             try:
                 self.take_and_serve(shard)
                 backoff = 0.05
-                shard = (shard + 1) % shards
+                if self.go is not None:
+                    shard, self.go = self.go % shards, None
+                else:
+                    shard = (shard + 1) % shards
             except Exception as e:  # noqa: BLE001 - the same shard again
                 log.warning("slot %d error; retrying after %.2fs: %s", self.n, backoff, e)
                 time.sleep(backoff)
@@ -776,7 +827,16 @@ class _Slot:
             if s != shard and last is not None:
                 self.p.release(s, holder, str(last))
                 self.last_take[s] = None
+        seen = self.w.higher.heard
         took = self.take(holder, shard, False)
+        if self.floor is not None and (took == "nothing" or isinstance(took, float)):
+            # A reserved slot waits for an announcement it covers (or a poll), not on the bell:
+            # woken by a flood it does not take, it would spin. It then takes on that shard.
+            wait = self.w.idle_poll if self.w.settings.token_shards == 1 else self.w.shard_poll
+            if isinstance(took, float):
+                wait = min(took, wait)
+            self.go = self.w.higher.wait_heard(seen, wait)
+            return
         if took == "nothing" or isinstance(took, float):
             bell = self.p.keys.bell(shard)
             wait = self.w.idle_poll if self.w.settings.token_shards == 1 else self.w.shard_poll
@@ -815,7 +875,9 @@ class _Slot:
             self.p.conn.fcall(
                 "take", [k.held(shard), k.bell(shard), k.active(shard), k.armed(shard), k.paused(shard)],
                 [holder, take_id, "" if prev is None else str(prev), "1" if woken else "0", self.w.worker_id,
-                 self.want(0), k.lane_prefix(shard), k.record_prefix(shard), k.list_prefix(shard)],
+                 self.want(0), k.lane_prefix(shard), k.record_prefix(shard), k.list_prefix(shard)]
+                # (A reserved slot's floor: the lowest priority it pops.)
+                + ([] if self.floor is None else [str(self.floor)]),
             )
         )
         self.pending = None
