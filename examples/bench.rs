@@ -813,7 +813,7 @@ impl Bench {
         let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         let producer = Producer::connect(&config).await?;
         let samples = self.scaled(1_000);
-        let (mut start, mut finish) = (Vec::new(), Vec::new());
+        let (mut start, mut finish, mut whole) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..samples {
             let t0 = Instant::now();
             let h = producer.request().submit([PAYLOAD]).await?;
@@ -822,6 +822,7 @@ impl Bench {
             let (began, ended) = marks.lock().unwrap_or_else(|p| p.into_inner())[h.id().as_str()];
             start.push(began - t0);
             finish.push(t1 - ended);
+            whole.push(t1 - t0);
         }
         stop.cancel();
         task.await??;
@@ -832,6 +833,9 @@ impl Bench {
             Row::new("idle_completion_latency", samples)
                 .latencies(finish)
                 .note("handler returns -> wait() returns (ack, finish, pub/sub, results read)"),
+            Row::new("idle_round_trip", samples)
+                .latencies(whole)
+                .note("submit() called -> wait() returns, idle worker, no-op handler"),
         ])
     }
 
@@ -1800,6 +1804,7 @@ fn print_ratios(rows: &[Row]) {
         ("memory", "memory"),
         ("idle_latency", "idle_latency"),
         ("idle_completion_latency", "idle_completion_latency"),
+        ("idle_round_trip", "idle_round_trip"),
         ("priority_under_load", "priority_under_load"),
         ("priority_under_load_reserved", "priority_under_load"),
         ("priority_busy", "priority_busy"),
