@@ -146,7 +146,7 @@ pub(crate) enum Op {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         floor: Option<u8>,
         /// Priority 99 is announced on the shard first (`higher`): the slot, holding a lower one,
-        /// gives way at its first batch's end (`give_way`). Absent in sequences recorded before it.
+        /// gives way at its first batch's end (`Turn::then`). Absent in sequences recorded before it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         way: bool,
     },
