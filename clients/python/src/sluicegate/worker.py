@@ -829,20 +829,18 @@ class _Slot:
                 self.last_take[s] = None
         seen = self.w.higher.heard
         took = self.take(holder, shard, False)
-        if self.floor is not None and (took == "nothing" or isinstance(took, float)):
-            # A reserved slot waits for an announcement it covers (or a poll), not on the bell:
-            # woken by a flood it does not take, it would spin. It then takes on that shard.
-            wait = self.w.idle_poll if self.w.settings.token_shards == 1 else self.w.shard_poll
-            if isinstance(took, float):
-                wait = min(took, wait)
-            self.go = self.w.higher.wait_heard(seen, wait)
-            return
         if took == "nothing" or isinstance(took, float):
-            bell = self.p.keys.bell(shard)
             wait = self.w.idle_poll if self.w.settings.token_shards == 1 else self.w.shard_poll
             if isinstance(took, float):
                 # A group's rate limit refills sooner: the take after it queues the group's token.
                 wait = min(took, wait)
+            if self.floor is not None:
+                # A reserved slot waits for an announcement it covers (or a poll), not on the
+                # bell: woken by a flood it does not take, it would spin. It then takes on that
+                # shard.
+                self.go = self.w.higher.wait_heard(seen, wait)
+                return
+            bell = self.p.keys.bell(shard)
             # (At least 1 ms: a BRPOP timeout of 0 would block for ever.)
             rang = self.p.conn.client.brpop([bell], timeout=max(wait, 0.001))
             took = self.take(holder, shard, rang is not None)
