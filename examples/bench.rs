@@ -808,7 +808,10 @@ impl Bench {
 
     async fn idle_latency(&self) -> Result<Vec<Row>, BoxError> {
         let config = self.config("idle");
-        let handler = Noop { track: true, ..Noop::default() };
+        // BENCH_IDLE_WORK_MS=M: each handler sleeps M ms (a handler that does some I/O), not none.
+        let work =
+            std::env::var("BENCH_IDLE_WORK_MS").ok().and_then(|v| v.parse().ok()).map(Duration::from_millis);
+        let handler = Noop { track: true, work, ..Noop::default() };
         let marks = handler.marks.clone();
         let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         let producer = Producer::connect(&config).await?;

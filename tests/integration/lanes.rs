@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::support::monitor::Monitor;
 use crate::support::{env_on, start_built, start_worker, Env, Job, Probe, Running};
 use fred::prelude::{KeysInterface, StreamsInterface};
 use sluicegate::{Producer, Quantum, RequestState};
@@ -97,6 +98,34 @@ async fn a_drained_lane_empties_and_expires() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     w.stop().await;
+}
+
+/// A handle its producer got from submitting a lane request knows where the request lives: its
+/// wait reads the record, and never looks for the meta hash a request with keys of its own has
+/// (one round trip fewer per read, docs/protocol.md §6.7). A handle made from the id alone does
+/// not know, and finds the record after the meta hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_requests_wait_reads_its_record_alone() {
+    let env = env_on(Topology::Single, "lane-wait").await;
+    let ns = env.config.namespace_str().to_owned();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let submitted = producer.request().submit([Job::new(1)]).await.unwrap();
+    let id = submitted.id().clone();
+    // No worker: the request ends by its cancellation, and is then read as any terminal one.
+    submitted.cancel().await.unwrap();
+    let meta = format!("{ns}:r:{{{}}}", id.as_str());
+    let record = format!("{ns}:{{{ns}.q0}}:s:{}", id.as_str());
+
+    let monitor = Monitor::start(env.redis.url(), id.as_str()).await;
+    let done = submitted.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
+    let by_id = producer.handle(id.clone()).wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
+    let commands = monitor.stop();
+    assert_eq!(done.state, RequestState::Cancelled);
+    assert_eq!(by_id.state, RequestState::Cancelled);
+    let reads = |key: &str| commands.iter().filter(|c| c.get(1).map(String::as_str) == Some(key)).count();
+    // (The id-made handle's wait: one read of the meta hash, then the record's.)
+    assert_eq!(reads(&meta), 1, "the submitting handle's wait looked for a meta hash: {commands:?}");
+    assert_eq!(reads(&record), 2, "each wait reads the record once: {commands:?}");
 }
 
 /// A worker of two slots, one kept for priorities 90 and up (`reserve(1, 90)`); returns once its

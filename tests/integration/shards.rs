@@ -5,14 +5,13 @@
 const TOPOLOGY: sluicegate_testkit::Topology = sluicegate_testkit::Topology::Cluster;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::monitor::{fcalls, Monitor};
 use crate::support::{env_streams, start_worker, Job, Probe};
 use fred::prelude::{ClientLike, ClusterInterface, ListInterface};
 use sluicegate::{Config, Producer, Quantum, RequestState};
 use sluicegate_testkit::{command_calls, connect, unique_namespace};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 const SHARDS: u32 = 3;
 
@@ -44,49 +43,6 @@ fn spread_namespace(client: &fred::prelude::Client, prefix: &str) -> String {
         if owners.len() == SHARDS as usize {
             return ns;
         }
-    }
-}
-
-/// Counts the top-level FCALLs of one node by function name (and their first key's shard tag),
-/// from `MONITOR`: `INFO commandstats` counts FCALL as one command, whichever function it calls.
-struct Monitor {
-    counts: Arc<Mutex<BTreeMap<String, u64>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Monitor {
-    async fn start(url: &str, ns: &str) -> Monitor {
-        let addr = url.trim_start_matches("redis://").to_owned();
-        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        stream.write_all(b"MONITOR\r\n").await.unwrap();
-        let mut lines = BufReader::new(stream).lines();
-        let first = lines.next_line().await.unwrap().unwrap();
-        assert_eq!(first, "+OK", "MONITOR on {addr}");
-        let counts = Arc::new(Mutex::new(BTreeMap::new()));
-        let sink = counts.clone();
-        let ns = ns.to_owned();
-        let task = tokio::spawn(async move {
-            while let Ok(Some(line)) = lines.next_line().await {
-                // +<time> [<db> <client>] "FCALL" "sg1_ring" "2" "<key>" ...; script calls say "lua]".
-                if line.contains(" lua] ") {
-                    continue;
-                }
-                let words: Vec<&str> = line.split("\" \"").collect();
-                let cmd = words.first().and_then(|w| w.rsplit('"').next()).unwrap_or_default();
-                if !cmd.eq_ignore_ascii_case("fcall") || !line.contains(&ns) {
-                    continue;
-                }
-                let name = words.get(1).map(|w| w.trim_end_matches('"')).unwrap_or_default().to_owned();
-                *sink.lock().unwrap().entry(name).or_insert(0) += 1;
-            }
-        });
-        Monitor { counts, task }
-    }
-
-    fn stop(self) -> BTreeMap<String, u64> {
-        self.task.abort();
-        let counts = self.counts.lock().unwrap().clone();
-        counts
     }
 }
 
@@ -159,7 +115,8 @@ async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters()
     for m in &masters {
         after.push(command_calls(m).await.unwrap());
     }
-    let fcalls: Vec<BTreeMap<String, u64>> = monitors.into_iter().map(Monitor::stop).collect();
+    // (`INFO commandstats` counts FCALL as one command, whichever function it calls.)
+    let fcalls: Vec<BTreeMap<String, u64>> = monitors.into_iter().map(|m| fcalls(&m.stop())).collect();
     let delta = |i: usize, cmd: &str| {
         after[i].get(cmd).copied().unwrap_or(0) - before[i].get(cmd).copied().unwrap_or(0)
     };

@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
 
 pub mod census;
+pub mod monitor;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -159,6 +159,29 @@ def test_a_wait_with_no_time_left_still_reads_the_record_once(server: Any, ns: s
             pending.wait(timeout=0)
 
 
+def test_a_lane_requests_wait_reads_its_record_alone(server: Any, ns: str) -> None:
+    """The handle of a request submitted in a lane knows where it lives: its wait reads the record
+    and never looks for a meta hash (§6.7); a wait by id alone still finds it after the meta hash."""
+    import redis
+
+    admin = redis.Redis(port=server.port)
+
+    def hmgets() -> int:
+        return int(admin.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+    with Producer(server.url, ns) as p:
+        handles = [p.submit(parts(1))] + p.submit_many([{"parts": parts(2)}])
+        for h in handles:
+            p.cancel(h.id)  # no worker: each ends by its cancellation
+        before = hmgets()
+        for h in handles:
+            assert h.wait(timeout=10).state == "cancelled"
+        assert hmgets() == before, "a lane request's wait looked for a meta hash"
+        assert p.wait(handles[0].id, timeout=10).state == "cancelled"
+        assert hmgets() == before + 1
+    admin.close()
+
+
 def test_submit_many_answers_each_request_in_order_and_refuses_only_the_bad_ones(server: Any, ns: str, running: Running) -> None:
     p = Producer(server.url, ns)
     p.submit(parts(1), id="taken")

@@ -134,15 +134,17 @@ def _lane_total(pol: str) -> int:
 class RequestHandle:
     """A submitted request: wait for it, cancel it, read its status."""
 
-    def __init__(self, producer: "Producer", rid: str) -> None:
+    def __init__(self, producer: "Producer", rid: str, lane: bool = False) -> None:
         self.producer = producer
         self.id = rid
+        # Submitted as a lane request: its state and results are in its record alone (§6.7).
+        self._lane = lane
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.id!r})"
 
     def wait(self, timeout: Optional[float] = None) -> Completion:
-        return self.producer.wait(self.id, timeout)
+        return self.producer._wait(self.id, timeout, self._lane)
 
     def cancel(self) -> str:
         return self.producer.cancel(self.id)
@@ -382,7 +384,7 @@ class Producer:
                     elif refusal.startswith("SG"):
                         answers[n] = errors.InvalidRequest(refusal.split(" ", 1)[-1])
                     else:
-                        answers[n] = RequestHandle(self, spec.rid)
+                        answers[n] = RequestHandle(self, spec.rid, lane=True)
         for n, spec in others:
             try:
                 answers[n] = self._write(spec)
@@ -416,7 +418,7 @@ class Producer:
             args = [lane, kid, rid, spec.nonce_arg(), priority, concurrency, *policy, ff, s.lane_tokens,
                     ms(s.census_interval), spec.row, "", *payloads]
             p.conn.fcall("lane_submit", keys, args)
-            return RequestHandle(self, rid)
+            return RequestHandle(self, rid, lane=True)
         shards = s.token_shards
         place = Placement(priority, shards, group)
         at, score = p.register(kid, shards, spec.row)
@@ -556,11 +558,18 @@ class Producer:
 
     def try_completion(self, rid: str) -> Optional[Completion]:
         """The request's completion if it is terminal, else None."""
+        return self._try_completion(rid, False)
+
+    def _try_completion(self, rid: str, lane: bool) -> Optional[Completion]:
+        """``try_completion``; ``lane``: known to be a lane request, whose record is read without
+        first looking for a meta hash (§6.7)."""
         p = self.protocol
         kid = key_id(rid)
         keys = p.keys.request(kid)
         client = p.conn.client
-        state, total, taken, why = client.hmget(keys.meta, ["state", "total", "taken", "why"])
+        state = total = taken = why = None
+        if not lane:
+            state, total, taken, why = client.hmget(keys.meta, ["state", "total", "taken", "why"])
         if state is None:
             record = client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
             if not record:
@@ -588,6 +597,9 @@ class Producer:
         """Waits for the request to finish (§6.7: subscribed first, then read the durable record,
         again whenever a completion names it or ``wait_poll`` passes). The producer's waits share
         one subscription (``_doorbell.Doorbell``)."""
+        return self._wait(rid, timeout, False)
+
+    def _wait(self, rid: str, timeout: Optional[float], lane: bool) -> Completion:
         p = self.protocol
         kid = key_id(rid)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -602,11 +614,18 @@ class Producer:
             # Subscribed before the first read; if the subscription is slow to stand, the read
             # goes ahead and the poll covers a message missed meanwhile.
             self._doorbell.subscribed(left())
+            reads = 0
             while True:
                 ring.clear()
-                done = self.try_completion(rid)
+                done = self._try_completion(rid, lane)
                 if done is not None:
                     return done
+                # A lane request's first read comes about when a worker takes it; a second one
+                # finds a short handler's part acked without waiting for the doorbell (the Rust
+                # producer does the same).
+                reads += 1
+                if lane and reads == 1:
+                    continue
                 if deadline is not None and time.monotonic() >= deadline:
                     raise errors.WaitTimeout(f'timed out waiting for request "{rid}"')
                 ring.wait(left())
