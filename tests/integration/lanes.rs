@@ -119,7 +119,7 @@ async fn a_lane_requests_wait_reads_its_record_alone() {
     let monitor = Monitor::start(env.redis.url(), id.as_str()).await;
     let done = submitted.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
     let by_id = producer.handle(id.clone()).wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
-    let commands = monitor.stop();
+    let commands = monitor.stop().await;
     assert_eq!(done.state, RequestState::Cancelled);
     assert_eq!(by_id.state, RequestState::Cancelled);
     let reads = |key: &str| commands.iter().filter(|c| c.get(1).map(String::as_str) == Some(key)).count();

@@ -116,7 +116,11 @@ async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters()
         after.push(command_calls(m).await.unwrap());
     }
     // (`INFO commandstats` counts FCALL as one command, whichever function it calls.)
-    let fcalls: Vec<BTreeMap<String, u64>> = monitors.into_iter().map(|m| fcalls(&m.stop())).collect();
+    let mut fcalls_by_master: Vec<BTreeMap<String, u64>> = Vec::new();
+    for m in monitors {
+        fcalls_by_master.push(fcalls(&m.stop().await));
+    }
+    let fcalls = fcalls_by_master;
     let delta = |i: usize, cmd: &str| {
         after[i].get(cmd).copied().unwrap_or(0) - before[i].get(cmd).copied().unwrap_or(0)
     };

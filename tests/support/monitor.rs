@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 pub struct Monitor {
+    addr: String,
+    filter: String,
     lines: Arc<Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -22,22 +24,32 @@ impl Monitor {
         assert_eq!(first, "+OK", "MONITOR on {addr}");
         let lines = Arc::new(Mutex::new(Vec::new()));
         let sink = lines.clone();
-        let filter = filter.to_owned();
+        let wanted = filter.to_owned();
         let task = tokio::spawn(async move {
             while let Ok(Some(line)) = reader.next_line().await {
-                if !line.contains(" lua] ") && line.contains(&filter) {
+                if !line.contains(" lua] ") && line.contains(&wanted) {
                     sink.lock().unwrap().push(line);
                 }
             }
         });
-        Monitor { lines, task }
+        Monitor { addr, filter: filter.to_owned(), lines, task }
     }
 
-    /// The commands recorded, each as `["NAME", "arg", ...]` (quotes removed, escapes kept).
-    pub fn stop(self) -> Vec<Vec<String>> {
+    /// The commands recorded, each as `["NAME", "arg", ...]` (quotes removed, escapes kept):
+    /// every command the node ran before this call, since a marker sent now is waited for (MONITOR's
+    /// lines trail the commands they show).
+    pub async fn stop(self) -> Vec<Vec<String>> {
+        let marker = format!("{}:monitor-end", self.filter);
+        let mut stream = tokio::net::TcpStream::connect(&self.addr).await.unwrap();
+        stream.write_all(format!("ECHO {marker}\r\n").as_bytes()).await.unwrap();
+        let began = std::time::Instant::now();
+        while !self.lines.lock().unwrap().iter().any(|l| l.contains(&marker)) {
+            assert!(began.elapsed() < std::time::Duration::from_secs(10), "MONITOR never showed its marker");
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
         self.task.abort();
         let lines = self.lines.lock().unwrap().clone();
-        lines.iter().map(|l| words(l)).collect()
+        lines.iter().filter(|l| !l.contains(&marker)).map(|l| words(l)).collect()
     }
 }
 
