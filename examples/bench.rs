@@ -230,6 +230,13 @@ impl PingProbe {
 }
 
 /// With `BENCH_PROFILE=1`: the commands Redis ran between two readings, most µs first, per item.
+/// Runs a built worker until the returned token is cancelled.
+fn start(worker: Worker<Noop>) -> (CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>) {
+    let stop = CancellationToken::new();
+    let signal = stop.clone();
+    (stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await })))
+}
+
 fn profile(label: &str, before: &Stats, after: &Stats, items: u64) {
     if std::env::var_os("BENCH_PROFILE").is_none() {
         return;
@@ -379,13 +386,14 @@ impl Bench {
             .token_shards(self.shards)
     }
 
+    /// One worker of `slots` slots over `config`, running until the token is cancelled.
     async fn worker(
         &self,
         config: &Config,
         handler: Noop,
         slots: usize,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        self.worker_with(config, handler, slots, true).await
+        Ok(start(self.ready_worker(config, handler, slots, true).await?))
     }
 
     /// A worker as [`worker`](Self::worker) makes, counting the stats by stage or not.
@@ -396,12 +404,25 @@ impl Bench {
         slots: usize,
         stage_stats: bool,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
+        Ok(start(self.ready_worker(config, handler, slots, stage_stats).await?))
+    }
+
+    /// A worker as [`worker_with`](Self::worker_with) makes, built (connected) but not running
+    /// yet ([`start`] runs it). The throughput rows start their clock after this, as bench.mjs
+    /// starts BullMQ's after its worker's `waitUntilReady()`.
+    async fn ready_worker(
+        &self,
+        config: &Config,
+        handler: Noop,
+        slots: usize,
+        stage_stats: bool,
+    ) -> Result<Worker<Noop>, BoxError> {
         // BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
         let reserve = std::env::var("BENCH_RESERVE").ok().and_then(|r| {
             let (n, p) = r.split_once(':')?;
             Some((n.parse::<usize>().ok()?, p.parse::<u8>().ok()?))
         });
-        self.worker_reserving(config, handler, slots, stage_stats, reserve).await
+        self.built_worker(config, handler, slots, stage_stats, reserve).await
     }
 
     /// A worker as [`worker_with`](Self::worker_with) makes, with `reserve` = (n, p): n of its
@@ -414,13 +435,24 @@ impl Bench {
         stage_stats: bool,
         reserve: Option<(usize, u8)>,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
+        Ok(start(self.built_worker(config, handler, slots, stage_stats, reserve).await?))
+    }
+
+    async fn built_worker(
+        &self,
+        config: &Config,
+        handler: Noop,
+        slots: usize,
+        stage_stats: bool,
+        reserve: Option<(usize, u8)>,
+    ) -> Result<Worker<Noop>, BoxError> {
         // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
         let mut builder = Worker::builder(config, handler).slots(slots);
         if let Some((n, p)) = reserve {
             builder = builder.reserve(n, p);
         }
-        let worker = builder
+        Ok(builder
             .quantum(Quantum {
                 parts: std::env::var("BENCH_QUANTUM")
                     .ok()
@@ -431,10 +463,7 @@ impl Bench {
             .max_batch(max_batch)
             .stage_stats(stage_stats)
             .build()
-            .await?;
-        let stop = CancellationToken::new();
-        let signal = stop.clone();
-        Ok((stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await }))))
+            .await?)
     }
 
     /// Runs `requests` requests of `parts` each through 16 slots: submission, then processing.
@@ -484,10 +513,13 @@ impl Bench {
             .rate(started.elapsed())
             .cost(&before, &stats(&self.nodes).await?)
             .note(format!("{requests} x {parts} parts, submitted one request after another"));
+        let building = Instant::now();
+        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true).await?;
+        let built = building.elapsed();
         slowlog_on(&self.redis).await?;
         let before = stats(&self.nodes).await?;
         let started = Instant::now();
-        let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
+        let (stop, task) = start(worker);
         try_join_all(handles.iter().map(|h| h.wait::<()>())).await?;
         let elapsed = started.elapsed();
         let after = stats(&self.nodes).await?;
@@ -498,7 +530,9 @@ impl Bench {
         let grouped =
             if groups > 0 { format!(", in {groups} groups of limit {SLOTS}") } else { String::new() };
         let run = Row::new(scenario, items).rate(elapsed).cost(&before, &after).note(format!(
-            "{requests} x {parts}, limit {limit} per request{grouped}, {SLOTS} slots, lease 30 s, recovery on"
+            "{requests} x {parts}, limit {limit} per request{grouped}, {SLOTS} slots, lease 30 s, recovery on; \
+             worker built (connected) in {:.1} ms before the clock starts",
+            built.as_secs_f64() * 1e3
         ));
         Ok(vec![submit, run])
     }
@@ -531,6 +565,9 @@ impl Bench {
         // cost is the benchmark's, so the drain's window starts after it (`ready`).
         let ns = config.namespace_str().to_owned();
         let index_queued = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
+        let building = Instant::now();
+        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true).await?;
+        let built = building.elapsed();
         slowlog_on(&self.redis).await?;
         let ready = stats(&self.nodes).await?;
         let how = if scenario.ends_with("_bulk") {
@@ -547,7 +584,7 @@ impl Bench {
             ));
         submit.bytes_per_item = Some(queued.memory.saturating_sub(empty.memory) as f64 / items as f64);
         let started = Instant::now();
-        let (stop, task) = self.worker(&config, Noop::default(), SLOTS).await?;
+        let (stop, task) = start(worker);
         for _ in 0..requests {
             events.next().await?;
         }
@@ -561,7 +598,9 @@ impl Bench {
         task.await??;
         let mut run = Row::new(scenario, items).rate(elapsed).cost(&ready, &drained).note(format!(
             "{requests} x {parts} queued, limit {limit} per request, {SLOTS} slots: worker start -> last completion event; bytes: results kept per part \
-             (listing index: {index_done:.0} B per finished request, until its retention ends)"
+             (listing index: {index_done:.0} B per finished request, until its retention ends); \
+             worker built (connected) in {:.1} ms before the clock starts",
+            built.as_secs_f64() * 1e3
         ));
         run.bytes_per_item = Some(drained.memory.saturating_sub(empty.memory) as f64 / items as f64);
         self.drop_namespace(&config).await?;
