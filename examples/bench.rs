@@ -983,6 +983,10 @@ impl Bench {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let pings = probe.finish();
+        if std::env::var("BENCH_DEBUG_SUBMITS").is_ok() {
+            let slow: Vec<_> = submits.iter().enumerate().filter(|(_, d)| d.as_millis() >= 3).collect();
+            eprintln!("{scenario}: submits of 3 ms or more (sample, time): {slow:?}");
+        }
         submits.sort();
         after.sort();
         eprintln!(
