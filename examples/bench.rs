@@ -855,8 +855,15 @@ impl Bench {
         let (stop, task) = self.worker(&config, handler, SLOTS).await?;
         let producer = Producer::connect(&config).await?;
         let samples = self.scaled(1_000);
+        // As many warm-up rounds as bench.mjs's idle_latency runs before its samples (2,000, for
+        // V8's JIT): neither system is measured cold.
+        let warm_up = self.scaled(2_000);
         let (mut start, mut finish, mut whole) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..samples {
+        for round in 0..warm_up + samples {
+            if round < warm_up {
+                producer.request().submit([PAYLOAD]).await?.wait::<()>().await?;
+                continue;
+            }
             let t0 = Instant::now();
             let h = producer.request().submit([PAYLOAD]).await?;
             h.wait::<()>().await?;
