@@ -230,6 +230,13 @@ impl PingProbe {
 }
 
 /// With `BENCH_PROFILE=1`: the commands Redis ran between two readings, most µs first, per item.
+/// BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
+fn bench_reserve() -> Option<(usize, u8)> {
+    let r = std::env::var("BENCH_RESERVE").ok()?;
+    let (n, p) = r.split_once(':')?;
+    Some((n.parse().ok()?, p.parse().ok()?))
+}
+
 /// Runs a built worker until the returned token is cancelled.
 fn start(worker: Worker<Noop>) -> (CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>) {
     let stop = CancellationToken::new();
@@ -393,7 +400,7 @@ impl Bench {
         handler: Noop,
         slots: usize,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        Ok(start(self.ready_worker(config, handler, slots, true).await?))
+        Ok(start(self.ready_worker(config, handler, slots, true, bench_reserve()).await?))
     }
 
     /// A worker as [`worker`](Self::worker) makes, counting the stats by stage or not.
@@ -404,41 +411,14 @@ impl Bench {
         slots: usize,
         stage_stats: bool,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        Ok(start(self.ready_worker(config, handler, slots, stage_stats).await?))
+        Ok(start(self.ready_worker(config, handler, slots, stage_stats, bench_reserve()).await?))
     }
 
-    /// A worker as [`worker_with`](Self::worker_with) makes, built (connected) but not running
-    /// yet ([`start`] runs it). The throughput rows start their clock after this, as bench.mjs
-    /// starts BullMQ's after its worker's `waitUntilReady()`.
+    /// A worker built (connected) but not running yet ([`start`] runs it), with `reserve` =
+    /// (n, p): n of its slots kept for priorities p and up (`WorkerBuilder::reserve`). The
+    /// throughput rows start their clock after this, as bench.mjs starts BullMQ's after its
+    /// worker's `waitUntilReady()`.
     async fn ready_worker(
-        &self,
-        config: &Config,
-        handler: Noop,
-        slots: usize,
-        stage_stats: bool,
-    ) -> Result<Worker<Noop>, BoxError> {
-        // BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
-        let reserve = std::env::var("BENCH_RESERVE").ok().and_then(|r| {
-            let (n, p) = r.split_once(':')?;
-            Some((n.parse::<usize>().ok()?, p.parse::<u8>().ok()?))
-        });
-        self.built_worker(config, handler, slots, stage_stats, reserve).await
-    }
-
-    /// A worker as [`worker_with`](Self::worker_with) makes, with `reserve` = (n, p): n of its
-    /// slots kept for priorities p and up (`WorkerBuilder::reserve`).
-    async fn worker_reserving(
-        &self,
-        config: &Config,
-        handler: Noop,
-        slots: usize,
-        stage_stats: bool,
-        reserve: Option<(usize, u8)>,
-    ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        Ok(start(self.built_worker(config, handler, slots, stage_stats, reserve).await?))
-    }
-
-    async fn built_worker(
         &self,
         config: &Config,
         handler: Noop,
@@ -514,7 +494,7 @@ impl Bench {
             .cost(&before, &stats(&self.nodes).await?)
             .note(format!("{requests} x {parts} parts, submitted one request after another"));
         let building = Instant::now();
-        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true).await?;
+        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve()).await?;
         let built = building.elapsed();
         slowlog_on(&self.redis).await?;
         let before = stats(&self.nodes).await?;
@@ -566,7 +546,7 @@ impl Bench {
         let ns = config.namespace_str().to_owned();
         let index_queued = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
         let building = Instant::now();
-        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true).await?;
+        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve()).await?;
         let built = building.elapsed();
         slowlog_on(&self.redis).await?;
         let ready = stats(&self.nodes).await?;
@@ -971,7 +951,7 @@ impl Bench {
             producer.request().priority(1)?.concurrency(limit)?.submit((0..flood).map(|_| PAYLOAD)).await?;
         let ran = handler.ran.clone();
         let (stop, task) = match reserve {
-            Some(reserve) => self.worker_reserving(&config, handler, SLOTS, true, Some(reserve)).await?,
+            Some(reserve) => start(self.ready_worker(&config, handler, SLOTS, true, Some(reserve)).await?),
             None => self.worker(&config, handler, SLOTS).await?,
         };
         tokio::time::sleep(Duration::from_millis(200)).await;
