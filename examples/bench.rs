@@ -229,7 +229,6 @@ impl PingProbe {
     }
 }
 
-/// With `BENCH_PROFILE=1`: the commands Redis ran between two readings, most µs first, per item.
 /// BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
 fn bench_reserve() -> Option<(usize, u8)> {
     let r = std::env::var("BENCH_RESERVE").ok()?;
@@ -244,6 +243,7 @@ fn start(worker: Worker<Noop>) -> (CancellationToken, tokio::task::JoinHandle<sl
     (stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await })))
 }
 
+/// With `BENCH_PROFILE=1`: the commands Redis ran between two readings, most µs first, per item.
 fn profile(label: &str, before: &Stats, after: &Stats, items: u64) {
     if std::env::var_os("BENCH_PROFILE").is_none() {
         return;

@@ -307,7 +307,7 @@ const scenarios = {
       return t1 - ends.get(job.id);
     };
     // Warm-up: script loading, and V8's JIT. With 20 rounds, run alone (`node bench.mjs
-    // idle_latency`), p50 was 0.30-0.34 ms and p99 3.4-3.7 against 0.25 and 1.0-1.7 after 2,000
+    // idle_latency`), p50 was 0.29-0.34 ms and p99 3.4-4.0 against 0.25 and 1.0-1.7 after 2,000
     // (AMD EPYC host, 2026-11-30). sluicegate's idle_latency warms up as many rounds.
     for (let i = 0; i < scaled(2000); i++) await once();
     await sleep(200);
