@@ -55,7 +55,7 @@ local function lane_hand(keys, prio, woken, now, records)
         {e[1], e[2], e[3], holder, f[3], f[4], records})
       local hand = shard .. 'hand:' .. holder
       redis.call('RPUSH', hand, cmsgpack.pack({keys[8], element, acquired}))
-      redis.call('PEXPIRE', hand, SG_BELL_TTL_MS)
+      redis.call('PEXPIRE', hand, math.max(tonumber(f[5]) - now, 1))
     end
   end
   return left

@@ -27,8 +27,10 @@
 -- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
 -- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
 -- only lower priorities wait.
--- ARGV[10] may also be "<floor>|<next take id>|<ms>": a reserved slot's offer of a hand-off, for
--- as long as ms (a library older than hand-offs refuses it as a floor, rather than misread it):
+-- ARGV[10] may also be "<floor>|<next take id>|<ms>": a slot's offer of a hand-off, for as long as
+-- ms (a library older than hand-offs refuses it as a floor, rather than misread it). A reserved slot
+-- offers with its floor; a worker's standby slot, one idle slot per worker, with floor 0 (any
+-- priority; prelude.lua, "Hand-offs"):
 -- when this take finds nothing, the slot waits for one (prelude.lua, "Hand-offs"): it is
 -- registered in the shard's `wait` hash, holder -> "<floor>|<next take id>|<consumer>|<batch>|<until
 -- ms>", and its hand list is emptied. Every take ends the slot's offer first: a slot offers only
@@ -81,6 +83,13 @@ local function take(keys, args)
       redis.call('HSET', keys[1], holder, held)
     end
     if f[4] == id then
+      -- A bell this slot popped was not for this token: a hand-off rang none, and a re-sent take's
+      -- first copy balanced its own. It rings again for the element it was for (one too many, if
+      -- this take was re-sent, wakes a slot that finds nothing).
+      if args[4] == '1' then
+        redis.call('LPUSH', keys[2], '1')
+        redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
+      end
       local one = nil
       if f[6] and redis.call('HEXISTS', sg_group_key(shard, f[6]), 'rate') == 1 then one = 'one' end
       return {f[5], sg_element(f[1], f[2], f[3]), one}
@@ -136,7 +145,7 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
-    if floor > 0 and offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now + lasts) end
+    if offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now, lasts) end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)

@@ -508,12 +508,14 @@ fn search_both(budget: Duration, mix: Mix) {
             Ok((sequences, steps)) => eprintln!(
                 "protocol checker: {sequences} sequences, {steps} operations (dependencies' share {}): no \
                  invariant broken; so far {} requests ended at their deadline, {} failed because of an \
-                 upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens",
+                 upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
+                 {} lane tokens were handed to a waiting slot",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),
                 model::RAN_AFTER_UPSTREAMS.load(Ordering::Relaxed),
-                model::GROUPED_RUNS_CHECKED.load(Ordering::Relaxed)
+                model::GROUPED_RUNS_CHECKED.load(Ordering::Relaxed),
+                model::HANDED_OFF.load(Ordering::Relaxed)
             ),
             Err(report) => panic!("{report}"),
         }

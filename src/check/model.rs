@@ -1179,6 +1179,9 @@ pub(crate) static RAN_AFTER_UPSTREAMS: std::sync::atomic::AtomicU64 = std::sync:
 /// Handler runs of grouped requests under live leases that the steps' checks found under a group
 /// token: how often the tenant groups' paths ran.
 pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Lane tokens a submit handed to a worker's waiting slot that the slot read from its hand list
+/// (the others were taken under the offered id): how often the hand-offs' paths ran.
+pub(crate) static HANDED_OFF: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The invariants that hold once everything has drained: every accepted part ended with a result
 /// or a dead letter, one terminal record and one event per lifecycle, nothing left to expire.

@@ -261,6 +261,7 @@ impl World {
                 stopping: CancellationToken::new(),
                 wakes: None,
                 higher: Default::default(),
+                standby: Default::default(),
             });
             let slots = (0..SLOTS)
                 .map(|n| Arc::new(tokio::sync::Mutex::new(slot::Slot::new(n as usize, 1))))
@@ -853,6 +854,7 @@ impl World {
         if let Process::Worker(w, inc) = process {
             if let Some(p) = self.workers[w as usize].take_if(|p| p.incarnation == inc) {
                 self.model.schedule_submits_before += p.shared.metrics.schedule_submits.load(Relaxed);
+                super::model::HANDED_OFF.fetch_add(p.shared.metrics.handed_off.load(Relaxed), Relaxed);
             }
         }
     }
@@ -873,6 +875,7 @@ impl World {
         for w in self.workers.iter_mut() {
             let Some(p) = w.take() else { continue };
             self.model.schedule_submits_before += p.shared.metrics.schedule_submits.load(Relaxed);
+            super::model::HANDED_OFF.fetch_add(p.shared.metrics.handed_off.load(Relaxed), Relaxed);
             let shared = slot::Shared {
                 store: plain.clone(),
                 handler: p.shared.handler.clone(),
@@ -888,6 +891,7 @@ impl World {
                 stopping: CancellationToken::new(),
                 wakes: None,
                 higher: Default::default(),
+                standby: Default::default(),
             };
             for state in &p.slots {
                 slot::release_all(&shared, &mut *state.lock().await).await;

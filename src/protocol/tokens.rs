@@ -62,9 +62,9 @@ pub(crate) struct GiveBack {
 /// operator paused the shard's priorities. The same call re-sent returns what it took the first
 /// time (without a batch). A lane's token is acquired in the same call, for a first batch of at
 /// most `want` entries handed to `consumer`. `floor`: the lowest priority popped (a reserved
-/// slot's, `WorkerBuilder::reserve`; `Priority::MIN` for any). `offer`: with a floor, the slot's
-/// next take id and how long it waits: when nothing is taken, the slot is offered a hand-off
-/// ([`hand`]). `give_back` (on this shard) is done first, in the same step, as [`give_back`] does it.
+/// slot's, `WorkerBuilder::reserve`; `Priority::MIN` for any). `offer`: the slot's next take id
+/// and how long it waits (a reserved slot's, or a worker's standby's): when nothing is taken, the
+/// slot is offered a hand-off ([`hand`], [`hand_or_bell`]). `give_back` (on this shard) is done first, in the same step, as [`give_back`] does it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn take(
     store: &Store,
@@ -99,10 +99,10 @@ pub(crate) async fn take(
     // (Left out when neither a floor nor a give-back follows: the call then reads as before both.
     // An offer rides in the floor's argument, "<floor>|<take id>|<ms>", which a library older than
     // hand-offs refuses rather than misreads.)
-    if floor > Priority::MIN || give_back.is_some() {
+    if floor > Priority::MIN || offer.is_some() || give_back.is_some() {
         args.push(match offer {
-            _ if floor == Priority::MIN => Value::from(""),
             Some((id, lasts)) => format!("{}|{id}|{}", floor.get(), lasts.as_millis()).into(),
+            None if floor == Priority::MIN => Value::from(""),
             None => floor.get().to_string().into(),
         });
     }
@@ -159,11 +159,51 @@ pub(crate) async fn hand(
             }
         })
         .await?;
-    let Some(packed) = packed else { return Ok(None) };
+    packed.map(|packed| unpack_hand(&packed)).transpose()
+}
+
+/// What woke a worker's standby slot ([`hand_or_bell`]).
+pub(crate) enum Woken {
+    /// A token `lane_submit` handed to it: the take its offer stood for.
+    Handed(Take),
+    /// A bell it popped: something was pushed on the shard.
+    Bell,
+    /// Neither, within its wait.
+    Timeout,
+}
+
+/// A standby slot's wait (`Slot::standby`): for a token handed to it on its hand list `hand` (as
+/// [`hand`] reads it) or a bell on `bell` (the same shard's), whichever comes first, for up to
+/// `wait` on the blocking connection `blocking`. The pop runs to its server-side timeout.
+pub(crate) async fn hand_or_bell(
+    store: &Store,
+    blocking: &fred::clients::Client,
+    hand: &str,
+    bell: &str,
+    wait: Duration,
+) -> Result<Woken> {
+    let popped: Option<(String, Bytes)> = store
+        .call("blpop", hand, || async {
+            match blocking.blpop::<Option<(String, Bytes)>, _>(vec![hand, bell], wait.as_secs_f64()).await {
+                Ok(popped) => Ok(popped),
+                Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await?;
+    match popped {
+        None => Ok(Woken::Timeout),
+        Some((key, _)) if key == bell => Ok(Woken::Bell),
+        Some((_, packed)) => Ok(Woken::Handed(unpack_hand(&packed)?)),
+    }
+}
+
+/// A hand-off's message: the take's reply, packed.
+fn unpack_hand(packed: &[u8]) -> Result<Take> {
     let sent = Instant::now();
-    let Packed(reply) = rmp_serde::from_slice(&packed)
+    let Packed(reply) = rmp_serde::from_slice(packed)
         .map_err(|e| Error::Protocol(format!("a hand-off's message is not MessagePack: {e}")))?;
-    Ok(Some(taken(reply::array(reply)?, sent)?))
+    taken(reply::array(reply)?, sent)
 }
 
 /// A Lua value packed by `cmsgpack`, read as fred reads what Redis replies for it: a number as an

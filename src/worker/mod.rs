@@ -85,6 +85,9 @@ pub struct WorkerMetrics {
     /// Schedule firings refused because the schedule changed after this worker read it (another
     /// worker fired those ticks first, or an operator paused, resumed or replaced it).
     pub schedule_conflicts: AtomicU64,
+    /// Small requests' tokens handed to this worker's waiting slots by their submits (to a reserved
+    /// slot, or to the standby slot of an idle worker): run without a take of their own.
+    pub handed_off: AtomicU64,
 }
 
 impl Default for WorkerMetrics {
@@ -104,6 +107,7 @@ impl Default for WorkerMetrics {
             schedule_submits: AtomicU64::new(0),
             schedule_duplicates: AtomicU64::new(0),
             schedule_conflicts: AtomicU64::new(0),
+            handed_off: AtomicU64::new(0),
         }
     }
 }
@@ -218,7 +222,10 @@ impl<H: Handler> WorkerBuilder<H> {
         self
     }
 
-    /// Handlers run at once in this process (default 4).
+    /// Handlers run at once in this process (default 4). With one token shard, one idle
+    /// unreserved slot at a time is the worker's standby: the submit of a small request (up to 64
+    /// parts) is handed to it in the submit's own step, as to a reserved slot (docs/protocol.md,
+    /// "Hand-offs"), so an idle worker starts it without a take after the bell.
     pub fn slots(mut self, slots: usize) -> Self {
         self.slots = slots;
         self
@@ -351,6 +358,7 @@ impl<H: Handler> WorkerBuilder<H> {
                 stopping: CancellationToken::new(),
                 wakes: Some(wake_tx),
                 higher: Arc::new(higher::Higher::new(shards, reserved.map(|(_, p)| p))),
+                standby: Default::default(),
             }),
             reserved,
             blocking,

@@ -10,7 +10,8 @@
 //! worker dies, recovery finds the record and reclaims the token. A slot whose own call failed
 //! halfway (a lost reply, a dropped connection) reclaims its token itself in the same way.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::{self, Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -74,6 +75,8 @@ pub(crate) struct Shared<H> {
     pub(crate) wakes: Option<tokio::sync::mpsc::UnboundedSender<Wake>>,
     /// Higher priorities announced waiting, for busy slots to give way to (`higher`).
     pub(crate) higher: Arc<Higher>,
+    /// Whether one of the worker's unreserved slots is its standby (`Slot::standby`).
+    pub(crate) standby: AtomicBool,
 }
 
 impl<H> Shared<H> {
@@ -127,6 +130,12 @@ pub(crate) struct Slot {
     /// hand list there. The slot's next take on that shard ends the offer (or gets the token
     /// handed meanwhile, as a re-sent take).
     offered: Option<u32>,
+    /// This unreserved slot is its worker's standby (one at a time, `Shared::standby`): with one
+    /// token shard, when its take finds nothing it offers to be handed the next lane token of any
+    /// priority, and waits on its hand list and the bell at once. So a small request submitted to
+    /// an idle worker starts in the submit's own step, without a take after the bell. The slot
+    /// stays the standby until it gets a token.
+    standby: bool,
 }
 
 impl Slot {
@@ -143,6 +152,24 @@ impl Slot {
             heard: None,
             go: None,
             offered: None,
+            standby: false,
+        }
+    }
+
+    /// Whether this slot is, or now becomes, its worker's standby (`standby`): only an unreserved
+    /// slot, and one at a time.
+    fn claim_standby<H>(&mut self, shared: &Shared<H>) -> bool {
+        if self.floor.is_none() && !self.standby {
+            self.standby =
+                shared.standby.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok();
+        }
+        self.standby
+    }
+
+    /// The slot got a token: another idle slot may be the standby now.
+    fn leave_standby<H>(&mut self, shared: &Shared<H>) {
+        if std::mem::take(&mut self.standby) {
+            shared.standby.store(false, Ordering::Release);
         }
     }
 
@@ -319,7 +346,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
                 None => return Ok(()),
             }
         }
-        Took::Nothing(refill) => {
+        Took::Nothing(refill) => 'idle: {
             let store = &shared.store;
             let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
             // A group's rate limit refills sooner: the take after it queues the group's token.
@@ -329,21 +356,34 @@ pub(crate) async fn take_and_serve<H: Handler>(
             let bell = store.keys.bell(shard);
             // (Under the checker, whose time is its own, the wait is a plain RPOP.)
             let deterministic = store.deterministic();
-            let woken: bool = store
-                .call("brpop", &bell, || async {
-                    if deterministic {
-                        let rang: Option<String> = store.client.rpop(bell.as_str(), None).await?;
-                        return Ok(rang.is_some());
-                    }
-                    let rang: Option<(String, String)> =
-                        match blocking.brpop(bell.as_str(), wait.as_secs_f64()).await {
-                            Ok(v) => v,
-                            Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
-                            Err(e) => return Err(e.into()),
-                        };
-                    Ok(rang.is_some())
-                })
-                .await?;
+            let woken = if slot.offered == Some(shard) && !deterministic {
+                // The standby, offered a hand-off, waits on its hand list and the bell at once.
+                let hand = store.keys.hand(shard, &holder);
+                match tokens::hand_or_bell(store, blocking, &hand, &bell, wait).await? {
+                    tokens::Woken::Handed(took) => match handed_token(shared, slot, shard, took) {
+                        Some(token) => break 'idle token,
+                        None => return Ok(()),
+                    },
+                    tokens::Woken::Bell => true,
+                    tokens::Woken::Timeout => false,
+                }
+            } else {
+                store
+                    .call("brpop", &bell, || async {
+                        if deterministic {
+                            let rang: Option<String> = store.client.rpop(bell.as_str(), None).await?;
+                            return Ok(rang.is_some());
+                        }
+                        let rang: Option<(String, String)> =
+                            match blocking.brpop(bell.as_str(), wait.as_secs_f64()).await {
+                                Ok(v) => v,
+                                Err(e) if *e.kind() == fred::error::ErrorKind::Timeout => None,
+                                Err(e) => return Err(e.into()),
+                            };
+                        Ok(rang.is_some())
+                    })
+                    .await?
+            };
             match take(shared, slot, &holder, shard, woken).await? {
                 Took::Token(token) => *token,
                 Took::Paused => return paused(shared).await,
@@ -452,6 +492,8 @@ fn handed_token<H: Handler>(
     let tokens::Take::Took(tokens::Taken { list, element, acquired, one_part }) = took else { return None };
     let id = slot.next_take;
     slot.offered = None;
+    slot.leave_standby(shared);
+    shared.metrics.handed_off.fetch_add(1, Relaxed);
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
     match parse_token(&shared.store, &list, &element, shard, id) {
@@ -498,17 +540,19 @@ async fn take<H: Handler>(
     slot.pending = Some(shard);
     // Only a lane's token comes acquired, with a first batch of this size.
     let want = Turn::new(shared, false, slot.lane_mean_us).want();
-    let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
-    let floor = slot.floor.unwrap_or(Priority::MIN);
-    // A reserved slot offers to be handed the next token of its priorities, under its next take's
-    // id, for as long as it waits and a second more (one shard: with several, the slot moves on).
-    // (Under the checker, whose clock jumps by seconds between a slot's steps, for a minute.)
+    // A reserved slot offers to be handed the next token of its priorities, and the standby one of
+    // any, under its next take's id, for as long as it waits and a second more (one shard: with
+    // several, the slot moves on). (Under the checker, whose clock jumps by seconds between a
+    // slot's steps, for a minute.)
     let lasts = if store.deterministic() {
         Duration::from_secs(60)
     } else {
         shared.idle_poll + Duration::from_secs(1)
     };
-    let offer = (slot.floor.is_some() && store.keys.shards() == 1).then_some((id + 1, lasts));
+    let offers = store.keys.shards() == 1 && (slot.floor.is_some() || slot.claim_standby(shared));
+    let offer = offers.then_some((id + 1, lasts));
+    let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
+    let floor = slot.floor.unwrap_or(Priority::MIN);
     let taken =
         tokens::take(store, shard, holder, &shared.id(), id, prev, woken, want, floor, offer, owed).await?;
     if owed.is_some() {
@@ -519,7 +563,10 @@ async fn take<H: Handler>(
     slot.last_take[shard as usize] = Some(id);
     slot.next_take += 1;
     let tokens::Taken { list, element, acquired, one_part } = match taken {
-        tokens::Take::Took(taken) => taken,
+        tokens::Take::Took(taken) => {
+            slot.leave_standby(shared);
+            taken
+        }
         tokens::Take::Empty => {
             if offer.is_some() {
                 slot.offered = Some(shard);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::monitor::Monitor;
 use crate::support::{env_on, start_built, start_worker, Env, Job, Probe, Running};
-use fred::prelude::{KeysInterface, StreamsInterface};
+use fred::prelude::{HashesInterface, KeysInterface, StreamsInterface};
 use sluicegate::{Producer, Quantum, RequestState};
 use sluicegate_testkit::{connect, Topology};
 
@@ -129,8 +129,8 @@ async fn a_lane_requests_wait_reads_its_record_alone() {
 }
 
 /// A worker of two slots, one kept for priorities 90 and up (`reserve(1, 90)`); returns once its
-/// reserved slot's take found nothing and the slot offered to be handed a token (its holder is in
-/// the shard's `wait` hash).
+/// reserved slot's take found nothing and the slot offered to be handed a token (its offer, floor
+/// 90, is in the shard's `wait` hash).
 async fn reserved_worker_offering(env: &Env, probe: &Probe) -> Running {
     let ns = env.config.namespace_str().to_owned();
     let redis = connect(env.redis.url()).await.unwrap();
@@ -141,7 +141,8 @@ async fn reserved_worker_offering(env: &Env, probe: &Probe) -> Running {
     let w = start_built(builder).await;
     let offers = format!("{ns}:{{{ns}.q0}}:wait");
     let began = Instant::now();
-    while !redis.exists::<bool, _>(&offers).await.unwrap() {
+    // (The worker's standby slot offers too, for any priority: its floor is 0.)
+    while !redis.hvals::<Vec<String>, _>(&offers).await.unwrap().iter().any(|o| o.starts_with("90|")) {
         assert!(
             began.elapsed() < Duration::from_secs(10),
             "the reserved slot never offered to be handed a token"
@@ -190,6 +191,53 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
     subscriber.quit().await.unwrap();
     w.stop().await;
     drop(long);
+}
+
+/// An idle worker's standby slot (one of its unreserved slots at a time) offers to be handed the
+/// next lane token of any priority (docs/protocol.md, "Hand-offs"): the submit of a small request
+/// records the token as the slot's and leaves it on the slot's hand list, so nothing is pushed onto
+/// a priority list or announced, and the slot runs the part without a take of its own
+/// (`WorkerMetrics::handed_off`). Once done it offers again, and the next request is handed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_workers_standby_slot_is_handed_each_small_request_by_its_submit() {
+    use fred::prelude::{ClientLike, EventInterface, PubsubInterface};
+    use std::sync::atomic::Ordering::Relaxed;
+    let env = env_on(Topology::Single, "lane-standby").await;
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    let probe = Probe::default();
+    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
+        .slots(2)
+        .shutdown_grace(Duration::from_millis(100));
+    let w = start_built(builder).await;
+    let subscriber =
+        fred::types::Builder::from_config(fred::types::config::Config::from_url(env.redis.url()).unwrap())
+            .build_subscriber_client()
+            .unwrap();
+    subscriber.init().await.unwrap();
+    let mut announced = subscriber.message_rx();
+    subscriber.subscribe(format!("{ns}:{{{ns}.q0}}:up")).await.unwrap();
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let offers = format!("{ns}:{{{ns}.q0}}:wait");
+    for n in 0..3u64 {
+        let began = Instant::now();
+        while !redis.hvals::<Vec<String>, _>(&offers).await.unwrap().iter().any(|o| o.starts_with("0|")) {
+            assert!(
+                began.elapsed() < Duration::from_secs(10),
+                "no standby slot offered to be handed a token"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let done = producer.request().submit([Job::new(n)]).await.unwrap();
+        let done = done.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(done.into_outputs().unwrap(), vec![2 * n]);
+    }
+    assert_eq!(w.metrics().handed_off.load(Relaxed), 3, "each request was handed to the standby slot");
+    if let Ok(message) = announced.try_recv() {
+        panic!("a token was pushed and announced ({:?}), not handed to the standby slot", message.value);
+    }
+    subscriber.quit().await.unwrap();
+    w.stop().await;
 }
 
 /// A hand-off respects an operator's pause: a reserved slot that offered (its floor's other

@@ -256,6 +256,11 @@ impl Collector for WorkerCollector {
                 &m.redis_errors,
             ),
             (
+                "hand_offs",
+                "Small requests' tokens handed to this worker's waiting slots by their submits (a reserved slot, or an idle worker's standby): run without a take",
+                &m.handed_off,
+            ),
+            (
                 "schedule_submits",
                 "Schedule ticks whose request this worker's recovery created",
                 &m.schedule_submits,

@@ -596,22 +596,27 @@ local SG_BELL_TTL_MS = 600000
 local sg_group_push
 
 -- Hand-offs. A reserved slot (`WorkerBuilder::reserve`) whose take found nothing at or above its
--- floor offers to be handed the next lane token of such a priority: its take registers it in the
--- shard's `wait` hash (holder -> "<floor>|<take id>|<consumer>|<batch>|<until ms>") and it blocks
--- on its hand list `<shard>hand:<holder>`. `lane_submit` of a request of priority p >= floor then
--- does, for the lane token it wakes, what that slot's next take (with the registered take id)
--- would: the held record, and `lane_acquire` for the slot's consumer, and pushes the reply the take
--- would have given (MessagePack) onto the hand list instead of the element onto the priority list:
--- the slot's blocked pop returns in the step that submitted, one round trip fewer than a take
--- after an announcement. The token is held (a record, entries pending under the slot's consumer)
--- before the message leaves, so a lost message loses nothing: the slot's next take, with that id,
--- gets the element as a re-sent take does (take.lua), and `lane_acquire` the same entries; a slot
--- that died is reclaimed from its record as any. An offer ends with the slot's next take (or
--- `untake` at its stop), with the hand-off, or at its `until`, past which it is passed over (a
--- worker that died without ending it).
-local function sg_hand_offer(shard, holder, floor, take, consumer, want, until_ms)
-  redis.call('HSET', shard .. 'wait', holder, floor .. '|' .. take .. '|' .. consumer .. '|' .. want .. '|' .. until_ms)
-  redis.call('PEXPIRE', shard .. 'wait', SG_HELD_TTL_MS)
+-- floor offers to be handed the next lane token of such a priority; so does a worker's standby
+-- slot (one idle unreserved slot per worker at a time), with floor 0: any priority. Its take
+-- registers it in the shard's `wait` hash (holder -> "<floor>|<take id>|<consumer>|<batch>|<until
+-- ms>") and it blocks on its hand list `<shard>hand:<holder>` (a standby on the shard's bell too).
+-- `lane_submit` of a request of priority p >= floor then does, for the lane token it wakes, what
+-- that slot's next take (with the registered take id) would: the held record, and `lane_acquire`
+-- for the slot's consumer, and pushes the reply the take would have given (MessagePack) onto the
+-- hand list instead of the element onto the priority list: the slot's blocked pop returns in the
+-- step that submitted, one round trip fewer than a take after a bell or an announcement. The token
+-- is held (a record, entries pending under the slot's consumer) before the message leaves, so a
+-- lost message loses nothing: the slot's next take, with that id, gets the element as a re-sent
+-- take does (take.lua), and `lane_acquire` the same entries; a slot that died is reclaimed from its
+-- record as any. An offer ends with the slot's next take (or `untake` at its stop), with the
+-- hand-off, or at its `until`, past which it is passed over (a worker that died without ending it).
+-- The `wait` hash lasts as long as its longest offer, and a hand list as long as its slot's offer:
+-- what a worker that died while it offered leaves goes soon after (a token handed to it is in its
+-- held record, which recovery reclaims; its message is only a shortcut).
+local function sg_hand_offer(shard, holder, floor, take, consumer, want, now, lasts)
+  local wait = shard .. 'wait'
+  redis.call('HSET', wait, holder, floor .. '|' .. take .. '|' .. consumer .. '|' .. want .. '|' .. (now + lasts))
+  if redis.call('PTTL', wait) < lasts then redis.call('PEXPIRE', wait, lasts) end
   redis.call('DEL', shard .. 'hand:' .. holder)
 end
 
@@ -2508,8 +2513,10 @@ do
 -- ARGV[10] (optional; '' or absent: 0) the floor: the lowest priority this take pops. A slot kept
 -- for higher priorities (`WorkerBuilder::reserve`) takes with its floor, and finds nothing while
 -- only lower priorities wait.
--- ARGV[10] may also be "<floor>|<next take id>|<ms>": a reserved slot's offer of a hand-off, for
--- as long as ms (a library older than hand-offs refuses it as a floor, rather than misread it):
+-- ARGV[10] may also be "<floor>|<next take id>|<ms>": a slot's offer of a hand-off, for as long as
+-- ms (a library older than hand-offs refuses it as a floor, rather than misread it). A reserved slot
+-- offers with its floor; a worker's standby slot, one idle slot per worker, with floor 0 (any
+-- priority; prelude.lua, "Hand-offs"):
 -- when this take finds nothing, the slot waits for one (prelude.lua, "Hand-offs"): it is
 -- registered in the shard's `wait` hash, holder -> "<floor>|<next take id>|<consumer>|<batch>|<until
 -- ms>", and its hand list is emptied. Every take ends the slot's offer first: a slot offers only
@@ -2562,6 +2569,13 @@ local function take(keys, args)
       redis.call('HSET', keys[1], holder, held)
     end
     if f[4] == id then
+      -- A bell this slot popped was not for this token: a hand-off rang none, and a re-sent take's
+      -- first copy balanced its own. It rings again for the element it was for (one too many, if
+      -- this take was re-sent, wakes a slot that finds nothing).
+      if args[4] == '1' then
+        redis.call('LPUSH', keys[2], '1')
+        redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
+      end
       local one = nil
       if f[6] and redis.call('HEXISTS', sg_group_key(shard, f[6]), 'rate') == 1 then one = 'one' end
       return {f[5], sg_element(f[1], f[2], f[3]), one}
@@ -2617,7 +2631,7 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
-    if floor > 0 and offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now + lasts) end
+    if offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now, lasts) end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)
@@ -3819,7 +3833,7 @@ local function lane_hand(keys, prio, woken, now, records)
         {e[1], e[2], e[3], holder, f[3], f[4], records})
       local hand = shard .. 'hand:' .. holder
       redis.call('RPUSH', hand, cmsgpack.pack({keys[8], element, acquired}))
-      redis.call('PEXPIRE', hand, SG_BELL_TTL_MS)
+      redis.call('PEXPIRE', hand, math.max(tonumber(f[5]) - now, 1))
     end
   end
   return left
