@@ -157,9 +157,12 @@ impl Slot {
     }
 
     /// Whether this slot is, or now becomes, its worker's standby (`standby`): only an unreserved
-    /// slot, and one at a time.
+    /// slot, one at a time, and not once the worker stops. (A slot the checker gives a floor for
+    /// a take leaves the role.)
     fn claim_standby<H>(&mut self, shared: &Shared<H>) -> bool {
-        if self.floor.is_none() && !self.standby {
+        if self.floor.is_some() || shared.stopping.is_cancelled() {
+            self.leave_standby(shared);
+        } else if !self.standby {
             self.standby =
                 shared.standby.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok();
         }
@@ -549,7 +552,10 @@ async fn take<H: Handler>(
     } else {
         shared.idle_poll + Duration::from_secs(1)
     };
-    let offers = store.keys.shards() == 1 && (slot.floor.is_some() || slot.claim_standby(shared));
+    // (A stopping worker's slots offer nothing: an offer made now would outlive the slot's wait.)
+    let standby = store.keys.shards() == 1 && slot.claim_standby(shared);
+    let offers =
+        store.keys.shards() == 1 && !shared.stopping.is_cancelled() && (slot.floor.is_some() || standby);
     let offer = offers.then_some((id + 1, lasts));
     let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
     let floor = slot.floor.unwrap_or(Priority::MIN);
