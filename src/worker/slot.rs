@@ -109,6 +109,8 @@ pub(crate) struct Slot {
     /// A take sent whose reply has not come (the call failed): repeated with its id, or undone
     /// at a clean stop.
     pending: Option<u32>,
+    /// That take offered a hand-off (under the id after its own): undone at a clean stop too.
+    pending_offered: bool,
     /// The token the slot's last hold ended with ack's `requeue`, not given back yet: it goes back
     /// in the same call as the slot's next take on its shard (`take`'s give-back), or on its own
     /// before the slot takes on another shard or stops. Kept until a call that does it lands.
@@ -145,6 +147,7 @@ impl Slot {
             next_take: 0,
             last_take: vec![None; shards as usize],
             pending: None,
+            pending_offered: false,
             owed: None,
             stay: false,
             lane_mean_us: None,
@@ -275,6 +278,12 @@ pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot)
                 // A take that happened gave back what it carried, in the same step.
                 if took && slot.owed.as_ref().is_some_and(|gb| gb.shard == shard) {
                     slot.owed = None;
+                }
+                // A take that offered, and happened finding nothing, may have been handed a token
+                // since, under the id after its own (the slot's next now): undone below as the
+                // offer's.
+                if std::mem::take(&mut slot.pending_offered) && !took {
+                    slot.offered = Some(shard);
                 }
             }
             Err(e) => tracing::debug!(error = %e, "could not undo a take; recovery will reclaim it"),
@@ -557,6 +566,7 @@ async fn take<H: Handler>(
     let offers =
         store.keys.shards() == 1 && !shared.stopping.is_cancelled() && (slot.floor.is_some() || standby);
     let offer = offers.then_some((id + 1, lasts));
+    slot.pending_offered = offer.is_some();
     let owed = slot.owed.as_ref().filter(|gb| gb.shard == shard);
     let floor = slot.floor.unwrap_or(Priority::MIN);
     let taken =
