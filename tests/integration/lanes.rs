@@ -139,17 +139,40 @@ async fn reserved_worker_offering(env: &Env, probe: &Probe) -> Running {
         .reserve(1, 90)
         .shutdown_grace(Duration::from_millis(100));
     let w = start_built(builder).await;
-    let offers = format!("{ns}:{{{ns}.q0}}:wait");
-    let began = Instant::now();
     // (The worker's standby slot offers too, for any priority: its floor is 0.)
-    while !redis.hvals::<Vec<String>, _>(&offers).await.unwrap().iter().any(|o| o.starts_with("90|")) {
+    wait_for_offer(&redis, &ns, 90).await;
+    w
+}
+
+/// Returns once a slot of floor `floor` offers to be handed a token on shard 0 (its offer is in the
+/// shard's `wait` hash), within 10 s.
+async fn wait_for_offer(redis: &fred::clients::Client, ns: &str, floor: u8) {
+    let (offers, prefix) = (format!("{ns}:{{{ns}.q0}}:wait"), format!("{floor}|"));
+    let began = Instant::now();
+    while !redis.hvals::<Vec<String>, _>(&offers).await.unwrap().iter().any(|o| o.starts_with(&prefix)) {
         assert!(
             began.elapsed() < Duration::from_secs(10),
-            "the reserved slot never offered to be handed a token"
+            "no slot of floor {floor} offered to be handed a token"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    w
+}
+
+/// A subscriber to shard 0's `up` channel, where a push onto an empty priority list is announced,
+/// and its messages.
+async fn listen_up(
+    env: &Env,
+) -> (fred::clients::SubscriberClient, tokio::sync::broadcast::Receiver<fred::types::Message>) {
+    use fred::prelude::{ClientLike, EventInterface, PubsubInterface};
+    let ns = env.config.namespace_str();
+    let subscriber =
+        fred::types::Builder::from_config(fred::types::config::Config::from_url(env.redis.url()).unwrap())
+            .build_subscriber_client()
+            .unwrap();
+    subscriber.init().await.unwrap();
+    let announced = subscriber.message_rx();
+    subscriber.subscribe(format!("{ns}:{{{ns}.q0}}:up")).await.unwrap();
+    (subscriber, announced)
 }
 
 /// A reserved slot that found nothing of its priorities offers to be handed the next such lane
@@ -159,9 +182,8 @@ async fn reserved_worker_offering(env: &Env, probe: &Probe) -> Running {
 /// minute-long handler, and the urgent request still runs at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_push() {
-    use fred::prelude::{ClientLike, EventInterface, PubsubInterface};
+    use fred::prelude::ClientLike;
     let env = env_on(Topology::Single, "lane-hand").await;
-    let ns = env.config.namespace_str().to_owned();
     let probe = Probe::default();
     let w = reserved_worker_offering(&env, &probe).await;
     let producer = Producer::connect(&env.config).await.unwrap();
@@ -169,13 +191,7 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
     while probe.starts().is_empty() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let subscriber =
-        fred::types::Builder::from_config(fred::types::config::Config::from_url(env.redis.url()).unwrap())
-            .build_subscriber_client()
-            .unwrap();
-    subscriber.init().await.unwrap();
-    let mut announced = subscriber.message_rx();
-    subscriber.subscribe(format!("{ns}:{{{ns}.q0}}:up")).await.unwrap();
+    let (subscriber, mut announced) = listen_up(&env).await;
 
     let urgent = producer.request().priority(95).unwrap().submit([Job::new(7)]).await.unwrap();
     let done = urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
@@ -200,7 +216,7 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
 /// (`WorkerMetrics::handed_off`). Once done it offers again, and the next request is handed too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_workers_standby_slot_is_handed_each_small_request_by_its_submit() {
-    use fred::prelude::{ClientLike, EventInterface, PubsubInterface};
+    use fred::prelude::ClientLike;
     use std::sync::atomic::Ordering::Relaxed;
     let env = env_on(Topology::Single, "lane-standby").await;
     let ns = env.config.namespace_str().to_owned();
@@ -210,24 +226,10 @@ async fn an_idle_workers_standby_slot_is_handed_each_small_request_by_its_submit
         .slots(2)
         .shutdown_grace(Duration::from_millis(100));
     let w = start_built(builder).await;
-    let subscriber =
-        fred::types::Builder::from_config(fred::types::config::Config::from_url(env.redis.url()).unwrap())
-            .build_subscriber_client()
-            .unwrap();
-    subscriber.init().await.unwrap();
-    let mut announced = subscriber.message_rx();
-    subscriber.subscribe(format!("{ns}:{{{ns}.q0}}:up")).await.unwrap();
+    let (subscriber, mut announced) = listen_up(&env).await;
     let producer = Producer::connect(&env.config).await.unwrap();
-    let offers = format!("{ns}:{{{ns}.q0}}:wait");
     for n in 0..3u64 {
-        let began = Instant::now();
-        while !redis.hvals::<Vec<String>, _>(&offers).await.unwrap().iter().any(|o| o.starts_with("0|")) {
-            assert!(
-                began.elapsed() < Duration::from_secs(10),
-                "no standby slot offered to be handed a token"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_for_offer(&redis, &ns, 0).await;
         let done = producer.request().submit([Job::new(n)]).await.unwrap();
         let done = done.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
         assert_eq!(done.into_outputs().unwrap(), vec![2 * n]);
