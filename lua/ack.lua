@@ -5,13 +5,13 @@
 -- ARGV[1] request key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue with this request, 0 = give the token back (quantum used up, shutting down)
 -- ARGV[7] retention (ms) of results once finished   ARGV[8] completion channel
--- ARGV[9] next batch: how many entries at most
+-- ARGV[9] next batch: how many entries at most, "<n>" or "<n>|flat" (flat entries in a `run` reply, sg_next)
 -- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
 --   entry id, outcome, body, retry delay (ms), attempt
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
 --   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
--- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element, priority}:
+-- Returns {'run', entry, ...} as acquire (without the policy; flat entries with "<n>|flat"); {'requeue', element, priority}:
 --         push element back (give_back) onto the list of the request's priority now (an operator
 --         may have changed it since the token was taken: reprioritize); {'park', wake} as
 --         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
@@ -173,7 +173,8 @@ local function ack(keys, args)
     return sg_deadline_wait(keys, k, epoch) or sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
-    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])
+    local want, flat = sg_want(args[9])
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, want, m[9], m[10], flat)
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end

@@ -1,7 +1,7 @@
 -- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
--- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most, "<n>" or "<n>|flat"
 -- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
 -- call finishes at its deadline
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
@@ -11,7 +11,8 @@
 --          delay's end) when this call started it (state queued -> running), for the stats by
 --          stage, else -1; the deadline, only for a request that has one, is in how many ms it
 --          falls: the slot cancels the handlers still running then;
---          entry = {entry id, index, payload, attempt};
+--          entry = {entry id, index, payload, attempt}, or with ARGV[6] "<n>|flat" the three items
+--          entry id, payload, attempt in the reply itself (index = the id's sequence number - 1);
 --         {'park', wake, S}: no work left to hand out (or none the request's rate limit lets
 --          start now), the token waits in the request until there is (wake: in how many ms a retry
 --          falls due or the rate limit has room, 0 if neither; S: the request's token shards, for
@@ -34,10 +35,13 @@ local function acquire(keys, args)
     -- first reply was lost. Hand out the entries it already holds instead of stranding them.
     if m[11] then policy[6], policy[7] = -1, tonumber(m[11]) - sg_now() end
     local reply = {'run', policy}
+    local _, flat = sg_want(args[6])
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
-      if entry and pending then
+      if entry and pending and flat then
+        reply[#reply + 1], reply[#reply + 2], reply[#reply + 3] = id, entry[2][2], tonumber(pending[4])
+      elseif entry and pending then
         reply[#reply + 1] = {id, sg_index(id), entry[2][2], tonumber(pending[4])}
       end
     end
@@ -52,7 +56,8 @@ local function acquire(keys, args)
     out[#out + 1] = {'shards', m[8] or '1'}
     return out
   end
-  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), m[12], m[13])
+  local want, flat = sg_want(args[6])
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], want, m[12], m[13], flat)
   if next[1] == 'park' then
     -- The slot has no policy of the request yet: the shards tell it where to arm the wake.
     next[3] = m[8] or '1'

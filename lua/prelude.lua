@@ -252,13 +252,26 @@ local function sg_rate_room(rate, tat, now)
   return math.max(math.floor((now + tau + t - base) / t + 1e-9), 0), t, base, tau
 end
 
+-- A batch size as `acquire` and `ack` take it: "<n>", or "<n>|flat" for a `run` reply whose
+-- entries are flat (sg_next). Returns n (nil if the text is neither) and whether flat.
+local function sg_want(text)
+  local n = tonumber(text)
+  if n then return n, false end
+  n = string.match(text or '', '^(%d+)|flat$')
+  return tonumber(n), n ~= nil
+end
+
 -- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
 -- under the one token), or parks the token when there is none. `rate` and `tat`: the meta
 -- fields of a rate-limited request (nil: none); the batch is then at most what the limit lets
 -- start now, and with no room the token parks until there is.
 -- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
 -- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
-local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate, tat)
+-- With `flat`, a `run` reply holds each entry's id, payload and attempt in itself, three items
+-- per entry, rather than an array of four: Redis turns each table of a reply into an array at a
+-- cost (it looks up the fields that would make the table an error or status reply), about a
+-- tenth of a part's. The index is the id's sequence number minus one (sg_index).
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate, tat, flat)
   local t, base
   if rate then
     local room, tau
@@ -275,6 +288,14 @@ local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate,
     if rate then redis.call('HSET', keys[1], 'tat', string.format('%.3f', base + #work * t)) end
     local ids = {}
     local reply = {'run'}
+    if flat then
+      for i, w in ipairs(work) do
+        ids[i] = w[1]
+        reply[3 * i - 1], reply[3 * i], reply[3 * i + 1] = w[1], w[2][2], w[3]
+      end
+      redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+      return reply
+    end
     -- The new entries' ids only grow, so when the last one's index is the first one's plus
     -- their count - 1, the ones between have the indices in between: two conversions of text to
     -- a number for them instead of one each.

@@ -254,13 +254,26 @@ local function sg_rate_room(rate, tat, now)
   return math.max(math.floor((now + tau + t - base) / t + 1e-9), 0), t, base, tau
 end
 
+-- A batch size as `acquire` and `ack` take it: "<n>", or "<n>|flat" for a `run` reply whose
+-- entries are flat (sg_next). Returns n (nil if the text is neither) and whether flat.
+local function sg_want(text)
+  local n = tonumber(text)
+  if n then return n, false end
+  n = string.match(text or '', '^(%d+)|flat$')
+  return tonumber(n), n ~= nil
+end
+
 -- Hands the token's holder its next batch of up to `want` sub-requests (run one after another
 -- under the one token), or parks the token when there is none. `rate` and `tat`: the meta
 -- fields of a rate-limited request (nil: none); the batch is then at most what the limit lets
 -- start now, and with no room the token parks until there is.
 -- Returns {'run', {entry id, index, payload, attempt}, ...} or {'park', wake}: wake is in how
 -- many ms a retry falls due (0 if none is waiting), when the token should be woken for it.
-local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate, tat)
+-- With `flat`, a `run` reply holds each entry's id, payload and attempt in itself, three items
+-- per entry, rather than an array of four: Redis turns each table of a reply into an array at a
+-- cost (it looks up the fields that would make the table an error or status reply), about a
+-- tenth of a part's. The index is the id's sequence number minus one (sg_index).
+local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate, tat, flat)
   local t, base
   if rate then
     local room, tau
@@ -277,6 +290,14 @@ local function sg_next(keys, k, epoch, holder, consumer, now, extra, want, rate,
     if rate then redis.call('HSET', keys[1], 'tat', string.format('%.3f', base + #work * t)) end
     local ids = {}
     local reply = {'run'}
+    if flat then
+      for i, w in ipairs(work) do
+        ids[i] = w[1]
+        reply[3 * i - 1], reply[3 * i], reply[3 * i + 1] = w[1], w[2][2], w[3]
+      end
+      redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+      return reply
+    end
     -- The new entries' ids only grow, so when the last one's index is the first one's plus
     -- their count - 1, the ones between have the indices in between: two conversions of text to
     -- a number for them instead of one each.
@@ -2688,7 +2709,7 @@ do
 -- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
--- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most
+-- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most, "<n>" or "<n>|flat"
 -- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
 -- call finishes at its deadline
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
@@ -2698,7 +2719,8 @@ do
 --          delay's end) when this call started it (state queued -> running), for the stats by
 --          stage, else -1; the deadline, only for a request that has one, is in how many ms it
 --          falls: the slot cancels the handlers still running then;
---          entry = {entry id, index, payload, attempt};
+--          entry = {entry id, index, payload, attempt}, or with ARGV[6] "<n>|flat" the three items
+--          entry id, payload, attempt in the reply itself (index = the id's sequence number - 1);
 --         {'park', wake, S}: no work left to hand out (or none the request's rate limit lets
 --          start now), the token waits in the request until there is (wake: in how many ms a retry
 --          falls due or the rate limit has room, 0 if neither; S: the request's token shards, for
@@ -2721,10 +2743,13 @@ local function acquire(keys, args)
     -- first reply was lost. Hand out the entries it already holds instead of stranding them.
     if m[11] then policy[6], policy[7] = -1, tonumber(m[11]) - sg_now() end
     local reply = {'run', policy}
+    local _, flat = sg_want(args[6])
     for _, id in ipairs(sg_ids(f[5])) do
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
-      if entry and pending then
+      if entry and pending and flat then
+        reply[#reply + 1], reply[#reply + 2], reply[#reply + 3] = id, entry[2][2], tonumber(pending[4])
+      elseif entry and pending then
         reply[#reply + 1] = {id, sg_index(id), entry[2][2], tonumber(pending[4])}
       end
     end
@@ -2739,7 +2764,8 @@ local function acquire(keys, args)
     out[#out + 1] = {'shards', m[8] or '1'}
     return out
   end
-  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), m[12], m[13])
+  local want, flat = sg_want(args[6])
+  local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], want, m[12], m[13], flat)
   if next[1] == 'park' then
     -- The slot has no policy of the request yet: the shards tell it where to arm the wake.
     next[3] = m[8] or '1'
@@ -2768,13 +2794,13 @@ do
 -- ARGV[1] request key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue with this request, 0 = give the token back (quantum used up, shutting down)
 -- ARGV[7] retention (ms) of results once finished   ARGV[8] completion channel
--- ARGV[9] next batch: how many entries at most
+-- ARGV[9] next batch: how many entries at most, "<n>" or "<n>|flat" (flat entries in a `run` reply, sg_next)
 -- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
 --   entry id, outcome, body, retry delay (ms), attempt
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
 --   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
--- Returns {'run', entry, ...} as acquire (without the policy); {'requeue', element, priority}:
+-- Returns {'run', entry, ...} as acquire (without the policy; flat entries with "<n>|flat"); {'requeue', element, priority}:
 --         push element back (give_back) onto the list of the request's priority now (an operator
 --         may have changed it since the token was taken: reprioritize); {'park', wake} as
 --         acquire; {'finished', state, lifecycle, sweep elements...}: the request just turned
@@ -2936,7 +2962,8 @@ local function ack(keys, args)
     return sg_deadline_wait(keys, k, epoch) or sg_finish_deadline(keys, args[1], args[7], args[8], now, tonumber(k))
   end
   if args[6] == '1' then
-    return sg_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), m[9], m[10])
+    local want, flat = sg_want(args[9])
+    return sg_next(keys, k, epoch, holder, args[5], now, extra, want, m[9], m[10], flat)
   end
   return {'requeue', sg_requeue(keys, args[1], k, epoch, now), tonumber(m[7])}
 end

@@ -275,6 +275,14 @@ def _parse_next(reply: Any, reading: str, sent: float = 0.0) -> _Next:
     return nxt
 
 
+def _entry_index(entry_id: Any) -> int:
+    """A request entry's index from its id ``0-<seq>``: ``seq - 1``."""
+    seq = text(entry_id)
+    if not seq.startswith("0-") or not seq[2:].isdigit() or int(seq[2:]) < 1:
+        raise ValueError(f"entry id {seq!r} is not 0-<n>, n >= 1")
+    return int(seq[2:]) - 1
+
+
 def _trailing(items: List[Any], tag: str) -> bool:
     """Whether the last item of a reply is an array ``{tag, ...}`` (``lane_ack``'s ``done`` and
     ``rel``)."""
@@ -290,6 +298,13 @@ def _parse_items(items: List[Any], reading: str, sent: float) -> _Next:
             policy, _ = _read_policy(rest[0] if rest else None, sent)
             rest = rest[1:]
         entries = []
+        if rest and not isinstance(rest[0], (list, tuple)):
+            # Flat entries: id, payload, attempt; the index is the id's sequence number - 1.
+            if len(rest) % 3:
+                raise ValueError("short entry in a 'run' reply")
+            for i in range(0, len(rest), 3):
+                entries.append(_Entry(rest[i], _entry_index(rest[i]), rest[i + 1] or b"", integer(rest[i + 2], 1), None))
+            rest = []
         for e in rest:
             lane_info = None
             if len(e) >= 7:
@@ -961,7 +976,9 @@ class _Slot:
             args.append(self.p.keys.record_prefix(shard))
             keys += [self.p.keys.active(shard), self.p.keys.armed(shard)]
             return _parse_next(self.p.conn.fcall("lane_acquire", keys, args), LANE_ACQUIRE)
-        # Retention and channel: for a request the call finishes at its deadline.
+        # Flat entries (protocol §5, the hand-out); retention and channel: for a request the call
+        # finishes at its deadline.
+        args[-1] = f"{want}|flat"
         args += [ms(self.w.settings.retention), self.p.keys.done_channel()]
         sent = time.monotonic()
         return _parse_next(self.p.conn.fcall("acquire", keys, args), ACQUIRE, sent)
@@ -1081,8 +1098,10 @@ class _Slot:
         lane = lane_of(t.kid)
         if lane is not None:
             keys += [k.events(lane[0]), k.active(lane[0]), k.armed(lane[0])]
+        # A request's next batch comes with flat entries; a lane's as arrays (lane_ack reads a number).
+        batch: Any = (want or 0) if lane is not None else f"{want or 0}|flat"
         args: List[Any] = self._holding_args(t) + [
-            "1" if want is not None else "0", ms(self.w.settings.retention), k.done_channel(), want or 0,
+            "1" if want is not None else "0", ms(self.w.settings.retention), k.done_channel(), batch,
         ]
         if lane is not None:
             args.append(k.record_prefix(lane[0]))
