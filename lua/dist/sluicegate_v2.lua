@@ -2571,6 +2571,10 @@ local function take(keys, args)
     if not floor or floor ~= math.floor(floor) or floor < 0 or floor > 99 then
       return redis.error_reply('SGINVALID take\'s floor must be a priority from 0 to 99, not ' .. args[10])
     end
+    -- An offer of 0 ms would set the `wait` hash's TTL to 0, ending every slot's offer.
+    if lasts == 0 then
+      return redis.error_reply('SGINVALID take\'s offer must last at least 1 ms, not ' .. args[10])
+    end
   end
   local shard = sg_shard_key(keys[1], '')
   redis.call('HDEL', shard .. 'wait', holder)

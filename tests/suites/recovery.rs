@@ -194,6 +194,36 @@ impl Raw {
     async fn list_len(&self, prio: u8) -> i64 {
         self.client.llen(self.list(prio)).await.unwrap()
     }
+    /// `take` on shard 0 as `holder` with ARGV[10] `floor` (a floor, or a floor with an offer):
+    /// the reply, or the error it was refused with.
+    async fn take_offering(&self, holder: &str, floor: &str) -> Result<Value, fred::error::Error> {
+        let keys = ["held", "bell", "active", "armed", "paused"].map(|k| self.token_key(k));
+        let mut all: Vec<Value> = vec![fcall("take").into(), (keys.len() as i64).into()];
+        all.extend(keys.into_iter().map(Value::from));
+        all.extend([holder, "1", "", "0", holder, "1"].map(Value::from));
+        all.extend([self.token_key("lane:"), self.token_key("s:"), self.token_key("p:")].map(Value::from));
+        all.push(floor.into());
+        let cmd = CustomCommand::new_static("FCALL", ClusterHash::Offset(2), false);
+        self.client.custom::<Value, Value>(cmd, all).await
+    }
+}
+
+/// A take's offer of a hand-off that would last 0 ms is refused, and refused before it changes
+/// anything: the `wait` hash it would have set to expire at once keeps the other slots' offers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_offering_for_0_ms_is_refused_and_the_other_offers_stay() {
+    let env = env_on(TOPOLOGY, "offer0").await;
+    // (Connecting loads the library.)
+    let _producer = Producer::connect(&env.config).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &env.config).await;
+    let found = raw.take_offering("w-a/0", "0|2|60000").await.unwrap();
+    assert_eq!(found, Value::Array(Vec::new()), "nothing to take: the slot offers instead");
+    let offers = raw.token_key("wait");
+    let refused = raw.take_offering("w-b/0", "0|2|0").await.unwrap_err();
+    assert!(refused.details().contains("SGINVALID take's offer must last at least 1 ms"), "{refused:?}");
+    let left: Vec<String> = raw.client.hkeys(&offers).await.unwrap();
+    assert_eq!(left, vec!["w-a/0".to_owned()], "the other slot's offer stays");
+    assert!(raw.client.pttl::<i64, _>(&offers).await.unwrap() > 50_000);
 }
 
 /// A requeued one-part failure: its two lifecycles are announced, failed then completed, and the
