@@ -9,7 +9,7 @@
 -- KEYS[8] the shard's active index   KEYS[9] the shard's looks armed before a step
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
--- channel   ARGV[9] next batch: how many entries at most   ARGV[10] the records' key prefix
+-- channel   ARGV[9] next batch: how many entries at most ("<n>|flat": flat entries)   ARGV[10] the records' key prefix
 -- ARGV[11..] one group of eight per entry, in the order handed out: entry id, outcome ('ok',
 --   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
 --   lifecycle, index
@@ -184,7 +184,8 @@ local function lane_ack(keys, args)
   sg_lane_drop(keys, settled)
   local reply
   if args[6] == '1' then
-    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+    local want, flat = sg_want(args[9])
+    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, want, prefix, keys[8], keys[9], flat)
   else
     reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end

@@ -1586,8 +1586,10 @@ end
 -- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
 -- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
 -- id), so that a batch with several parts of one request reads its record once; `started` is
--- `now` as text, converted once per call.
-local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
+-- `now` as text, converted once per call. The entry goes at the end of `reply`: as an array, or
+-- with `flat` as its eight items in the reply itself (the eighth -1 when the hand-out did not
+-- start the request; sg_next, "flat"). Returns whether it went (false: to be dropped).
+local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen, started)
   -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l.
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
@@ -1595,7 +1597,8 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
     m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix')
     seen[kid] = m
   end
-  if not sg_lane_live(m, lc) then return nil end
+  if not sg_lane_live(m, lc) then return false end
+  local waited = nil
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
@@ -1607,10 +1610,16 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
       listing[#listing + 1] = sg_ix_kept_at(m[4], m[2])
       listing[#listing + 1] = kid
     end
-    local created = math.floor(tonumber(lc) / 1000)
-    return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
+    waited = math.max(now - math.floor(tonumber(lc) / 1000), 0)
   end
-  return {id, tonumber(index), payload, attempt, kid, lc, m[3]}
+  local n = #reply
+  if flat then
+    reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = id, tonumber(index), payload, attempt
+    reply[n + 5], reply[n + 6], reply[n + 7], reply[n + 8] = kid, lc, m[3], waited or -1
+  else
+    reply[n + 1] = {id, tonumber(index), payload, attempt, kid, lc, m[3], waited}
+  end
+  return true
 end
 
 -- Lists the lane requests whose first parts sg_lane_entry handed out in this call (`seen[1]`:
@@ -1787,7 +1796,7 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   return fed, queued
 end
 
-local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
+local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed, flat)
   want = math.max(want or 1, 1)
   local reply, ids, seen, started = {'run'}, {}, {}, sg_int(now)
   for _ = 1, 8 do
@@ -1795,10 +1804,8 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
     if #work == 0 then break end
     local dropped = {}
     for _, w in ipairs(work) do
-      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now, seen, started)
-      if entry then
+      if sg_lane_entry(reply, flat, prefix, w[1], w[2], w[3], now, seen, started) then
         ids[#ids + 1] = w[1]
-        reply[#reply + 1] = entry
       else
         dropped[#dropped + 1] = w[1]
       end

@@ -11,7 +11,7 @@
 -- the slot's previous take on this shard ('' if none): its record, if still there, is done with
 -- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
 -- bells and elements stay about even)
--- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size
+-- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size ("<n>|flat": a lane's, flat, lane_acquire)
 -- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
 -- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
 -- named here rather than passed, since a hundred key arguments cost more than the pop
@@ -149,7 +149,9 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
-    if offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now, lasts) end
+    -- (The offer keeps the batch size as a number: a hand-off's batch travels packed, not as a
+    -- reply, so it has nothing to gain from flat entries.)
+    if offer then sg_hand_offer(shard, holder, floor, offer, args[5], sg_int(sg_want(args[6]) or 1), now, lasts) end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)

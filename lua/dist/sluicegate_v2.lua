@@ -1588,8 +1588,10 @@ end
 -- field only when this hand-out started it: how long it waited since its submit (the lifecycle's
 -- created ms), for the stats by stage. `seen` holds the records read so far in this call (by key
 -- id), so that a batch with several parts of one request reads its record once; `started` is
--- `now` as text, converted once per call.
-local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
+-- `now` as text, converted once per call. The entry goes at the end of `reply`: as an array, or
+-- with `flat` as its eight items in the reply itself (the eighth -1 when the hand-out did not
+-- start the request; sg_next, "flat"). Returns whether it went (false: to be dropped).
+local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen, started)
   -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l.
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
@@ -1597,7 +1599,8 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
     m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix')
     seen[kid] = m
   end
-  if not sg_lane_live(m, lc) then return nil end
+  if not sg_lane_live(m, lc) then return false end
+  local waited = nil
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
@@ -1609,10 +1612,16 @@ local function sg_lane_entry(prefix, id, fields, attempt, now, seen, started)
       listing[#listing + 1] = sg_ix_kept_at(m[4], m[2])
       listing[#listing + 1] = kid
     end
-    local created = math.floor(tonumber(lc) / 1000)
-    return {id, tonumber(index), payload, attempt, kid, lc, m[3], math.max(now - created, 0)}
+    waited = math.max(now - math.floor(tonumber(lc) / 1000), 0)
   end
-  return {id, tonumber(index), payload, attempt, kid, lc, m[3]}
+  local n = #reply
+  if flat then
+    reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = id, tonumber(index), payload, attempt
+    reply[n + 5], reply[n + 6], reply[n + 7], reply[n + 8] = kid, lc, m[3], waited or -1
+  else
+    reply[n + 1] = {id, tonumber(index), payload, attempt, kid, lc, m[3], waited}
+  end
+  return true
 end
 
 -- Lists the lane requests whose first parts sg_lane_entry handed out in this call (`seen[1]`:
@@ -1789,7 +1798,7 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   return fed, queued
 end
 
-local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed)
+local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed, flat)
   want = math.max(want or 1, 1)
   local reply, ids, seen, started = {'run'}, {}, {}, sg_int(now)
   for _ = 1, 8 do
@@ -1797,10 +1806,8 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
     if #work == 0 then break end
     local dropped = {}
     for _, w in ipairs(work) do
-      local entry = sg_lane_entry(prefix, w[1], w[2], w[3], now, seen, started)
-      if entry then
+      if sg_lane_entry(reply, flat, prefix, w[1], w[2], w[3], now, seen, started) then
         ids[#ids + 1] = w[1]
-        reply[#reply + 1] = entry
       else
         dropped[#dropped + 1] = w[1]
       end
@@ -2432,9 +2439,10 @@ end
 -- KEYS[1..6] the lane's keys (as a request's, prelude.lua)   KEYS[7] the shard's active index
 -- KEYS[8] the shard's looks armed before a step
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
--- ARGV[6] batch: how many entries at most   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
+-- ARGV[6] batch: how many entries at most ("<n>|flat": flat entries)   ARGV[7] the records' key prefix ("<ns>:{<ns>.q<s>}:s:")
 -- Returns {'run', entry, ...}: entry = {entry id, index, payload, attempt, request key id,
---          lifecycle, the record's pol, and, for a request's first entry, its queue wait ms};
+--          lifecycle, the record's pol, and, for a request's first entry, its queue wait ms}, or
+--          with "<n>|flat" these eight items in the reply itself, the eighth -1 when absent;
 --         {'park', wake}, {'drop'}, {'stale'} as acquire.
 -- Entries of requests no longer live (cancelled, failed fast, reopened) are acked away unrun.
 -- A call re-sent after its reply was lost (the token held by this holder under this epoch) hands
@@ -2445,6 +2453,7 @@ local function lane_acquire(keys, args)
   if not tok then return {'drop'} end
   local f = sg_split(tok)
   local now = sg_now()
+  local want, flat = sg_want(args[6])
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then
     -- The same call re-sent after its reply was lost: the entries it handed out, again. Those of
     -- requests no longer live (cancelled meanwhile) are acked away as a hand-out does, and the
@@ -2456,9 +2465,7 @@ local function lane_acquire(keys, args)
       local entry = redis.call('XRANGE', keys[2], id, id)[1]
       local pending = redis.call('XPENDING', keys[2], 'g', id, id, 1)[1]
       if entry and pending then
-        local e = sg_lane_entry(args[7], id, entry[2], tonumber(pending[4]), now, seen, sg_int(now))
-        if e then
-          reply[#reply + 1] = e
+        if sg_lane_entry(reply, flat, args[7], id, entry[2], tonumber(pending[4]), now, seen, sg_int(now)) then
           ids[#ids + 1] = id
         else
           dropped[#dropped + 1] = id
@@ -2476,7 +2483,7 @@ local function lane_acquire(keys, args)
   elseif f[1] ~= 'q' or f[2] ~= args[3] then
     return {'stale'}
   end
-  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], tonumber(args[6]), args[7], keys[7], keys[8])
+  return sg_lane_next(keys, args[2], args[3], args[4], args[5], now, m[2], want, args[7], keys[7], keys[8], flat)
 end
 
 -- give_back: push a token's new element back (a slot at the end of its quantum, after ack answered
@@ -2518,7 +2525,7 @@ do
 -- the slot's previous take on this shard ('' if none): its record, if still there, is done with
 -- ARGV[4] '1' when the slot was woken by a bell it popped itself (else this call pops one, so that
 -- bells and elements stay about even)
--- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size
+-- ARGV[5] the worker's consumer name   ARGV[6] the first batch's size ("<n>|flat": a lane's, flat, lane_acquire)
 -- ARGV[7] the shard's lane key prefix ("<ns>:{<ns>.q<s>}:lane:")   ARGV[8] its records' key prefix
 -- ARGV[9] the shard's priority list prefix ("<ns>:{<ns>.q<s>}:p:"): the lists, 99 down to 0, are
 -- named here rather than passed, since a hundred key arguments cost more than the pop
@@ -2656,7 +2663,9 @@ local function take(keys, args)
     -- A group token waiting for its rate limit: the slot asks again when the wait ends.
     local wait = sg_group_next_wake(shard, now)
     if wait then return {'wait', wait} end
-    if offer then sg_hand_offer(shard, holder, floor, offer, args[5], args[6], now, lasts) end
+    -- (The offer keeps the batch size as a number: a hand-off's batch travels packed, not as a
+    -- reply, so it has nothing to gain from flat entries.)
+    if offer then sg_hand_offer(shard, holder, floor, offer, args[5], sg_int(sg_want(args[6]) or 1), now, lasts) end
     return {}
   end
   redis.call('HSET', keys[1], holder, record)
@@ -3973,7 +3982,7 @@ do
 -- KEYS[8] the shard's active index   KEYS[9] the shard's looks armed before a step
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
--- channel   ARGV[9] next batch: how many entries at most   ARGV[10] the records' key prefix
+-- channel   ARGV[9] next batch: how many entries at most ("<n>|flat": flat entries)   ARGV[10] the records' key prefix
 -- ARGV[11..] one group of eight per entry, in the order handed out: entry id, outcome ('ok',
 --   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
 --   lifecycle, index
@@ -4148,7 +4157,8 @@ local function lane_ack(keys, args)
   sg_lane_drop(keys, settled)
   local reply
   if args[6] == '1' then
-    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, tonumber(args[9]), prefix, keys[8], keys[9])
+    local want, flat = sg_want(args[9])
+    reply = sg_lane_next(keys, k, epoch, holder, args[5], now, extra, want, prefix, keys[8], keys[9], flat)
   else
     reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end

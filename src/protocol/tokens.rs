@@ -90,7 +90,7 @@ pub(crate) async fn take(
         previous.into(),
         (if woken { "1" } else { "0" }).into(),
         consumer.into(),
-        i64::from(want).into(),
+        flat(want),
         keys.lane_prefix(shard).into(),
         keys.record_prefix(shard).into(),
         keys.list_prefix(shard).into(),
@@ -456,7 +456,7 @@ pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> 
     let keys = store.keys.request(&holding.element.key_id);
     let mut args = holding.args();
     if let Some((shard, _)) = lane_of(&holding.element.key_id) {
-        args.push(i64::from(want).into());
+        args.push(flat(want));
         args.push(store.keys.record_prefix(shard).into());
         let (active, armed) = (store.keys.active(shard), store.keys.armed(shard));
         let mut keys = keys.all().to_vec();
@@ -537,9 +537,12 @@ pub(crate) async fn ack(
         Then::GiveBack => ("0", 0),
     };
     let mut args = holding.args();
-    // A lane's entries keep their array form (`lane_ack` reads a plain number).
-    let want = if lane.is_some() { i64::from(want).into() } else { flat(want) };
-    args.extend([keep_going.into(), ms(store.config.retention), store.keys.done_channel().into(), want]);
+    args.extend([
+        keep_going.into(),
+        ms(store.config.retention),
+        store.keys.done_channel().into(),
+        flat(want),
+    ]);
     if let Some(shard) = lane {
         args.push(store.keys.record_prefix(shard).into());
     }
@@ -556,13 +559,15 @@ pub(crate) async fn ack(
         }
     }
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let func = if lane.is_some() { Func::LaneAck } else { Func::Ack };
-    next(store.fcall(func, &keys, args).await?, Reading::Ack, Instant::now())
+    let (func, reading) =
+        if lane.is_some() { (Func::LaneAck, Reading::LaneAck) } else { (Func::Ack, Reading::Ack) };
+    next(store.fcall(func, &keys, args).await?, reading, Instant::now())
 }
 
-/// A request's batch size as `acquire` and `ack` take it, asking for flat entries in a `run`
-/// reply: three items each (id, payload, attempt) rather than an array of four, which costs Redis
-/// a tenth of a part to build (docs/protocol.md, "acquire").
+/// A batch size as `acquire`, `ack`, their lanes' and `take` take it, asking for flat entries in
+/// a `run` reply: a request's three items each (id, payload, attempt) rather than an array of
+/// four, a lane's eight rather than an array of seven or eight, which cost Redis about a tenth of a
+/// part to build (docs/protocol.md, the hand-out).
 fn flat(want: u32) -> Value {
     format!("{want}|flat").into()
 }
@@ -574,8 +579,10 @@ enum Reading {
     Acquire,
     /// A lane's acquire (`lane_acquire`, or `take`'s): from the first entry's own policy.
     LaneAcquire,
-    /// `ack` and `lane_ack`: none; the slot keeps the one its acquire reported.
+    /// `ack`: none; the slot keeps the one its acquire reported.
     Ack,
+    /// `lane_ack`: none, as `ack`; its entries carry their requests' own.
+    LaneAck,
 }
 
 /// Reads an acquire or ack reply (`with_policy`: which), and the lane requests a `lane_ack`
@@ -614,9 +621,32 @@ fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Lane
             };
             let mut entries = Vec::new();
             let mut items = items.peekable();
-            // Flat entries (asked for with "<n>|flat"): id, payload, attempt. A library older
-            // than flat entries answers with arrays, which the loop below reads.
-            if items.peek().is_some_and(|first| !matches!(first, Value::Array(_))) {
+            // Flat entries (asked for with "<n>|flat"): a lane's eight items, a request's three.
+            // A library older than flat entries answers with arrays, which the loop below reads.
+            let flat = items.peek().is_some_and(|first| !matches!(first, Value::Array(_)));
+            if flat && matches!(with_policy, Reading::LaneAcquire | Reading::LaneAck) {
+                while let Some(id) = items.next() {
+                    let f: Vec<Value> = items.by_ref().take(7).collect();
+                    let Ok([index, payload, attempt, key_id, lifecycle, p, waited]) =
+                        <[Value; 7]>::try_from(f)
+                    else {
+                        return Err(Error::Protocol("short lane entry in a 'run' reply".into()));
+                    };
+                    let waited = reply::int(&waited)?;
+                    entries.push(Entry {
+                        id: reply::text(&id)?,
+                        index: reply::int(&index)? as u64,
+                        payload: reply::bytes(payload)?,
+                        attempt: reply::int(&attempt)? as u32,
+                        lane: Some(LaneEntry {
+                            key_id: reply::text(&key_id)?,
+                            lifecycle: reply::text(&lifecycle)?,
+                            policy: read_lane_policy(&reply::text(&p)?)?,
+                        }),
+                        started_after: (waited >= 0).then(|| Duration::from_millis(waited as u64)),
+                    });
+                }
+            } else if flat {
                 while let Some(id) = items.next() {
                     let (Some(payload), Some(attempt)) = (items.next(), items.next()) else {
                         return Err(Error::Protocol("short entry in a 'run' reply".into()));
@@ -814,6 +844,68 @@ mod tests {
         assert!(next(short, Reading::Ack, Instant::now()).is_err());
         let bad_id = Value::Array(vec![text("run"), text("7"), Value::Bytes("a".into()), 1.into()]);
         assert!(next(bad_id, Reading::Ack, Instant::now()).is_err());
+    }
+
+    /// A lane's `run` reply reads the same with flat entries (eight items each, the queue wait -1
+    /// when the hand-out did not start the request) and with arrays (seven items, or eight).
+    #[test]
+    fn a_lane_run_reply_reads_the_same_with_flat_entries_and_with_arrays() {
+        let e1 = || {
+            vec![
+                text("0-4"),
+                2.into(),
+                Value::Bytes("a".into()),
+                1.into(),
+                text("k1"),
+                text("17"),
+                text("50,1,1,3"),
+            ]
+        };
+        let e2 = || {
+            vec![
+                text("0-5"),
+                0.into(),
+                Value::Bytes("b".into()),
+                2.into(),
+                text("k2"),
+                text("18"),
+                text("50,1,1"),
+            ]
+        };
+        let mut flat = vec![text("run")];
+        flat.extend(e1().into_iter().chain([9.into()]));
+        flat.extend(e2().into_iter().chain([(-1).into()]));
+        let arrays =
+            vec![text("run"), Value::Array(e1().into_iter().chain([9.into()]).collect()), Value::Array(e2())];
+        let read = |reply: Vec<Value>, reading| match next(Value::Array(reply), reading, Instant::now())
+            .unwrap()
+            .0
+        {
+            Next::Run(entries, policy) => {
+                let max_attempts = policy.map(|p| p.max_attempts);
+                let entries: Vec<_> = entries
+                    .into_iter()
+                    .map(|e| {
+                        let lane = e.lane.unwrap();
+                        (e.id, e.index, e.payload, e.attempt, lane.key_id, lane.lifecycle, e.started_after)
+                    })
+                    .collect();
+                (entries, max_attempts)
+            }
+            other => panic!("{other:?}"),
+        };
+        let (entries, max_attempts) = read(flat.clone(), Reading::LaneAcquire);
+        assert_eq!(max_attempts, Some(3), "a lane acquire's policy is its first entry's");
+        assert_eq!(
+            entries[0],
+            ("0-4".into(), 2, "a".into(), 1, "k1".into(), "17".into(), Some(Duration::from_millis(9)))
+        );
+        assert_eq!(entries[1], ("0-5".into(), 0, "b".into(), 2, "k2".into(), "18".into(), None));
+        assert_eq!(read(arrays.clone(), Reading::LaneAcquire).0, entries);
+        assert_eq!(read(flat.clone(), Reading::LaneAck), (entries.clone(), None));
+        assert_eq!(read(arrays, Reading::LaneAck), (entries, None));
+        flat.pop();
+        assert!(next(Value::Array(flat), Reading::LaneAck, Instant::now()).is_err(), "a short lane entry");
     }
 
     /// A `lane_ack` reply that finished requests, some with downstreams: the `done` pairs for the
