@@ -253,9 +253,9 @@ class _Next:
 
 #: Which call's reply :func:`_parse_next` reads, which says where a ``run`` reply's policy comes
 #: from (Rust ``Reading``): ``acquire`` (the item after the tag), ``lane`` (``lane_acquire`` or
-#: ``take``'s: the first entry's own), ``ack`` (``ack`` and ``lane_ack``: none; the slot keeps the
-#: one its acquire reported).
-ACQUIRE, LANE_ACQUIRE, ACK = "acquire", "lane", "ack"
+#: ``take``'s: the first entry's own), ``ack`` (``ack``: none; the slot keeps the one its acquire
+#: reported), ``lane_ack`` (none, as ``ack``; its entries carry their requests' own).
+ACQUIRE, LANE_ACQUIRE, ACK, LANE_ACK = "acquire", "lane", "ack", "lane_ack"
 
 
 def _parse_next(reply: Any, reading: str, sent: float = 0.0) -> _Next:
@@ -298,7 +298,17 @@ def _parse_items(items: List[Any], reading: str, sent: float) -> _Next:
             policy, _ = _read_policy(rest[0] if rest else None, sent)
             rest = rest[1:]
         entries = []
-        if rest and not isinstance(rest[0], (list, tuple)):
+        if rest and not isinstance(rest[0], (list, tuple)) and reading in (LANE_ACQUIRE, LANE_ACK):
+            # Flat lane entries: id, index, payload, attempt, request key id, lifecycle, settings,
+            # queue wait (-1: none).
+            if len(rest) % 8:
+                raise ValueError("short lane entry in a 'run' reply")
+            for i in range(0, len(rest), 8):
+                e = rest[i:i + 8]
+                lane_info = (text(e[4]), e[5] if isinstance(e[5], bytes) else str(e[5]).encode(), _lane_policy(text(e[6])))
+                entries.append(_Entry(e[0], integer(e[1]), e[2] or b"", integer(e[3], 1), lane_info))
+            rest = []
+        elif rest and not isinstance(rest[0], (list, tuple)):
             # Flat entries: id, payload, attempt; the index is the id's sequence number - 1.
             if len(rest) % 3:
                 raise ValueError("short entry in a 'run' reply")
@@ -888,7 +898,7 @@ class _Slot:
             self.p.conn.fcall(
                 "take", [k.held(shard), k.bell(shard), k.active(shard), k.armed(shard), k.paused(shard)],
                 [holder, take_id, "" if prev is None else str(prev), "1" if woken else "0", self.w.worker_id,
-                 self.want(0), k.lane_prefix(shard), k.record_prefix(shard), k.list_prefix(shard)]
+                 f"{self.want(0)}|flat", k.lane_prefix(shard), k.record_prefix(shard), k.list_prefix(shard)]
                 # (A reserved slot's floor: the lowest priority it pops.)
                 + ([] if self.floor is None else [str(self.floor)]),
             )
@@ -969,16 +979,15 @@ class _Slot:
 
     def acquire(self, t: _Token, want: int) -> _Next:
         keys = self.p.keys.request(t.kid).all()
-        args = self._holding_args(t) + [want]
+        # Flat entries in a run reply (protocol §5, the hand-out).
+        args = self._holding_args(t) + [f"{want}|flat"]
         lane = lane_of(t.kid)
         if lane is not None:
             shard = lane[0]
             args.append(self.p.keys.record_prefix(shard))
             keys += [self.p.keys.active(shard), self.p.keys.armed(shard)]
             return _parse_next(self.p.conn.fcall("lane_acquire", keys, args), LANE_ACQUIRE)
-        # Flat entries (protocol §5, the hand-out); retention and channel: for a request the call
-        # finishes at its deadline.
-        args[-1] = f"{want}|flat"
+        # Retention and channel: for a request the call finishes at its deadline.
         args += [ms(self.w.settings.retention), self.p.keys.done_channel()]
         sent = time.monotonic()
         return _parse_next(self.p.conn.fcall("acquire", keys, args), ACQUIRE, sent)
@@ -1098,10 +1107,9 @@ class _Slot:
         lane = lane_of(t.kid)
         if lane is not None:
             keys += [k.events(lane[0]), k.active(lane[0]), k.armed(lane[0])]
-        # A request's next batch comes with flat entries; a lane's as arrays (lane_ack reads a number).
-        batch: Any = (want or 0) if lane is not None else f"{want or 0}|flat"
+        # The next batch comes with flat entries (protocol §5, the hand-out).
         args: List[Any] = self._holding_args(t) + [
-            "1" if want is not None else "0", ms(self.w.settings.retention), k.done_channel(), batch,
+            "1" if want is not None else "0", ms(self.w.settings.retention), k.done_channel(), f"{want or 0}|flat",
         ]
         if lane is not None:
             args.append(k.record_prefix(lane[0]))
@@ -1123,7 +1131,7 @@ class _Slot:
             if lane is not None and e.lane is not None:
                 args += [e.lane[0], e.lane[1], e.index]
         func = "lane_ack" if lane is not None else "ack"
-        nxt = _parse_next(self.p.conn.fcall(func, keys, args), ACK)
+        nxt = _parse_next(self.p.conn.fcall(func, keys, args), LANE_ACK if lane is not None else ACK)
         if lane is not None:
             # Lane requests with downstreams that this call finished: their releases are owed (in
             # the outbox, for recovery if this fails), and run here, before the next batch.
