@@ -90,7 +90,10 @@ pub(crate) async fn take(
         previous.into(),
         (if woken { "1" } else { "0" }).into(),
         consumer.into(),
-        flat(want),
+        // (Not with an offer: a library older than flat entries keeps the text in its `wait`
+        // record, where the `|` would break the record for every submit that reads it. An offering
+        // take's first batch comes as arrays, as a handed one does.)
+        if offer.is_some() { i64::from(want).into() } else { flat(want) },
         keys.lane_prefix(shard).into(),
         keys.record_prefix(shard).into(),
         keys.list_prefix(shard).into(),
