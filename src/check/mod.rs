@@ -315,7 +315,7 @@ async fn drain(world: &mut World) -> Result<(), String> {
             DRAIN_TICK
         } else if BACKSTOP_ROUNDS.contains(&(rounds - round)) {
             world.config.census_interval.as_millis() as u32
-        } else if idle && indexed > 0 {
+        } else if idle && (indexed > 0 || stray_registrations(world).await? > 0) {
             world.config.loading_ttl.as_millis() as u32 / 2
         } else {
             DRAIN_TICK
@@ -325,6 +325,28 @@ async fn drain(world: &mut World) -> Result<(), String> {
         round += 1;
     }
     Ok(())
+}
+
+/// How many looks in shard 0's `active` index are registrations of requests the model does not
+/// follow and that never came to be: a schedule's tick whose submit was refused after its
+/// registration, and whose schedule was removed before the tick was fired again (the owed tick
+/// goes with its schedule). Recovery drops such a registration once the loading ttl has passed
+/// since it was made, so the drain lets that time run out, as it does for the model's own.
+async fn stray_registrations(world: &World) -> Result<usize, String> {
+    let ns = world.config.namespace_str();
+    let e = |e: fred::error::Error| e.to_string();
+    let looks: Vec<String> = world
+        .reader
+        .zrange(format!("{ns}:{{{ns}.q0}}:active"), 0, -1, None, false, None, false)
+        .await
+        .map_err(e)?;
+    let mut strays = 0;
+    // (The model's requests are `r<i>`, lanes `~<shard>.<priority>`.)
+    for kid in looks.iter().filter(|k| !k.starts_with('r') && !k.starts_with('~')) {
+        let exists: i64 = world.reader.exists(format!("{ns}:r:{{{kid}}}")).await.map_err(e)?;
+        strays += usize::from(exists == 0);
+    }
+    Ok(strays)
 }
 
 /// Whether no schedule fires any more: none is in the due set (a schedule leaves it only once it
