@@ -10,6 +10,8 @@
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
 -- channel   ARGV[9] next batch: how many entries at most ("<n>|flat": flat entries)   ARGV[10] the records' key prefix
+-- KEYS[10] (optional) the prefix of the shard's downstream sets ("<ns>:{<ns>.q<s>}:dn:"): given,
+--   the reply names the downstreams of each request it releases, when they are few (below)
 -- ARGV[11..] one group of eight per entry, in the order handed out: entry id, outcome ('ok',
 --   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
 --   lifecycle, index
@@ -18,7 +20,9 @@
 --         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
 --         ...}, one pair per request finished, for the stats by stage; and when some of them have
 --         downstreams, with {'rel', key id, state, lifecycle, ...}: their releases, owed (in the
---         outbox) and for the caller to run.
+--         outbox) and for the caller to run. With KEYS[10], one more item after it, {'dn', key id,
+--         n, downstream entry * n, ...}: the whole set of downstreams of each request released
+--         whose set holds at most SG_DN_PAGE (the release then reads none of it).
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -190,6 +194,9 @@ local function lane_ack(keys, args)
     reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end
   if #done > 1 then reply[#reply + 1] = done end
-  if #released > 1 then reply[#reply + 1] = released end
+  if #released > 1 then
+    reply[#reply + 1] = released
+    if keys[10] then reply[#reply + 1] = sg_lane_downstreams(keys[10], released) end
+  end
   return reply
 end

@@ -22,45 +22,6 @@
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
 -- named, a request of the stream path registered or retained on this shard), "SGINVALID ..."
 -- when an argument is out of range.
--- Hands lane token elements `woken` to the slots that offered to take their priority `prio`
--- (prelude.lua, "Hand-offs"), as many as there are offers; returns the elements left to push.
--- KEYS as lane_submit's; `records`: the records' key prefix.
-local function lane_hand(keys, prio, woken, now, records)
-  if not keys[15] or #woken == 0 or redis.call('EXISTS', keys[15]) == 0 then return woken end
-  local shard = sg_shard_key(keys[15], '')
-  -- (Paused, by an operator: the token waits on its list, where no slot takes it until resumed.)
-  local paused = redis.call('HMGET', shard .. 'paused', 'all', sg_str(prio))
-  if paused[1] or paused[2] then return woken end
-  local offers = sg_hand_offers(shard, prio, now)
-  local left, next = {}, 1
-  for _, element in ipairs(woken) do
-    local offer = offers[next]
-    -- (A slot that offers holds nothing on the shard: its take ended its record. One that does is
-    -- passed over, its offer ended.)
-    while offer and redis.call('HEXISTS', keys[13], offer[1]) == 1 do
-      redis.call('HDEL', keys[15], offer[1])
-      next = next + 1
-      offer = offers[next]
-    end
-    if not offer then
-      left[#left + 1] = element
-    else
-      next = next + 1
-      local holder, f = offer[1], offer[2]
-      local e = sg_split(element)
-      redis.call('HDEL', keys[15], holder)
-      redis.call('HSET', keys[13], holder, element .. '|' .. f[2] .. '|' .. keys[8])
-      redis.call('PEXPIRE', keys[13], SG_HELD_TTL_MS)
-      local acquired = lane_acquire({keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10], keys[14]},
-        {e[1], e[2], e[3], holder, f[3], f[4], records})
-      local hand = shard .. 'hand:' .. holder
-      redis.call('RPUSH', hand, cmsgpack.pack({keys[8], element, acquired}))
-      redis.call('PEXPIRE', hand, math.max(tonumber(f[5]) - now, 1))
-    end
-  end
-  return left
-end
-
 local function lane_submit(keys, args)
   local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
   local n = #args - 15
@@ -79,6 +40,17 @@ local function lane_submit(keys, args)
   local fed, queued = sg_lane_write(keys, r, args, 16, n, now, lc, ix)
   sg_ix_queued(ix, queued)
   local woken = sg_unpark(keys, args[1], fed, now, parked)
-  sg_push(keys[8], keys[9], lane_hand(keys, prio, woken, now, string.sub(keys[7], 1, #keys[7] - #args[2])))
+  -- A lane token it wakes goes to a slot that offered to take its priority, as that slot's take
+  -- would have it: held, and its first batch acquired (prelude.lua, "Hand-offs").
+  local handed = 0
+  if keys[15] then
+    local records = string.sub(keys[7], 1, #keys[7] - #args[2])
+    handed = sg_hand(keys[15], keys[13], prio, keys[8], woken, 1, now, function(holder, f, element)
+      local e = sg_split(element)
+      return {keys[8], element, lane_acquire({keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10], keys[14]},
+        {e[1], e[2], e[3], holder, f[3], f[4], records})}
+    end)
+  end
+  sg_push(keys[8], keys[9], woken, handed + 1)
   return {lc, #woken}
 end

@@ -657,6 +657,44 @@ local function sg_hand_offers(shard, priority, now)
   return out
 end
 
+-- Hands token elements of priority `prio`, `elements[from..]` from the first on, to the slots that
+-- offered to take that priority (`offers`: the shard's `wait` hash), one each: what each slot's
+-- next take (under the id it offered) would do with the element taken from `list`. The held record
+-- (`held`) first, then `message(holder, fields, element)`, the reply that take would have given, packed
+-- onto the slot's hand list. Stops at the first element it cannot hand: no offer left, or a group
+-- token (its take pops the group's queue). Nothing is handed while an operator pauses the priority.
+-- Returns how many elements it handed; the caller pushes the rest.
+local function sg_hand(offers, held, prio, list, elements, from, now, message)
+  if from > #elements or redis.call('EXISTS', offers) == 0 then return 0 end
+  local shard = sg_shard_key(offers, '')
+  -- (Paused, by an operator: the token waits on its list, where no slot takes it until resumed.)
+  local paused = redis.call('HMGET', shard .. 'paused', 'all', sg_str(prio))
+  if paused[1] or paused[2] then return 0 end
+  local all = sg_hand_offers(shard, prio, now)
+  local next, i = 1, from
+  while i <= #elements and string.byte(elements[i], 1) ~= 94 do
+    local offer = all[next]
+    -- (A slot that offers holds nothing on the shard: its take ended its record. One that does is
+    -- passed over, its offer ended.)
+    while offer and redis.call('HEXISTS', held, offer[1]) == 1 do
+      redis.call('HDEL', offers, offer[1])
+      next = next + 1
+      offer = all[next]
+    end
+    if not offer then break end
+    next = next + 1
+    local holder, f, element = offer[1], offer[2], elements[i]
+    redis.call('HDEL', offers, holder)
+    redis.call('HSET', held, holder, element .. '|' .. f[2] .. '|' .. list)
+    redis.call('PEXPIRE', held, SG_HELD_TTL_MS)
+    local hand = shard .. 'hand:' .. holder
+    redis.call('RPUSH', hand, cmsgpack.pack(message(holder, f, element)))
+    redis.call('PEXPIRE', hand, math.max(tonumber(f[5]) - now, 1))
+    i = i + 1
+  end
+  return i - from
+end
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
@@ -1566,6 +1604,28 @@ local function sg_lane_announce(record, kid, state, retention, now, events, dn)
   redis.call('PEXPIRE', record, retention)
   if dn then redis.call('ZADD', sg_shard_key(events, 'rel'), now + SG_REL_DELAY_MS, kid) end
   return kid .. '|' .. state
+end
+
+-- How many downstreams of a finished request a finishing call names in its reply, at most: a set
+-- larger than that is read by the release itself, a page at a time.
+local SG_DN_PAGE = 64
+
+-- The reply item that names the downstreams of the requests a call released (`released`:
+-- {'rel', key id, state, lifecycle, ...}): {'dn', key id, n, entry * n, ...} for each whose set
+-- (`prefix` .. key id) holds at most SG_DN_PAGE entries. Their releases, run by the caller at once,
+-- then need no read of their sets.
+local function sg_lane_downstreams(prefix, released)
+  local out = {'dn'}
+  for j = 2, #released, 3 do
+    local set = prefix .. released[j]
+    if redis.call('SCARD', set) <= SG_DN_PAGE then
+      local members = redis.call('SMEMBERS', set)
+      out[#out + 1] = released[j]
+      out[#out + 1] = #members
+      for _, m in ipairs(members) do out[#out + 1] = m end
+    end
+  end
+  return out
 end
 
 -- After a call's announcements (sg_lane_announce): their lines as one entry of the shard's events

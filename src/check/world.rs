@@ -262,6 +262,7 @@ impl World {
                 wakes: None,
                 higher: Default::default(),
                 standby: Default::default(),
+                releasing: Default::default(),
             });
             let slots = (0..SLOTS)
                 .map(|n| Arc::new(tokio::sync::Mutex::new(slot::Slot::new(n as usize, 1))))
@@ -892,6 +893,7 @@ impl World {
                 wakes: None,
                 higher: Default::default(),
                 standby: Default::default(),
+                releasing: Default::default(),
             };
             for state in &p.slots {
                 slot::release_all(&shared, &mut *state.lock().await).await;

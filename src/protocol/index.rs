@@ -57,7 +57,9 @@ pub(crate) enum PushLook {
 
 /// `push` on the home shard `home`, with the index keys: queues `elements` on the request's
 /// priority list (there may be none), keeps the request indexed, and sets its next look
-/// `next_look` from now as `look` says. Returns how many elements were pushed.
+/// `next_look` from now as `look` says. An element goes instead to a slot that offered to take
+/// its priority (a reserved slot, or an idle worker's standby: docs/protocol.md, "Hand-offs"),
+/// which then acquires it without a take. Returns how many elements were pushed or handed.
 pub(crate) async fn push_home(
     store: &Store,
     key_id: &str,
@@ -73,9 +75,10 @@ pub(crate) async fn push_home(
     };
     let mut args: Vec<Value> = vec![key_id.into(), ms(next_look), mode.into()];
     args.extend(elements);
-    let (bell, active, reg) =
-        (store.keys.bell(home), store.keys.active(home), store.keys.registrations(home));
-    reply::int(&store.fcall(Func::Push, &[list, &bell, &active, &reg], args).await?)
+    let keys = &store.keys;
+    let (bell, active, reg, held, offers) =
+        (keys.bell(home), keys.active(home), keys.registrations(home), keys.held(home), keys.offers(home));
+    reply::int(&store.fcall(Func::Push, &[list, &bell, &active, &reg, &held, &offers], args).await?)
 }
 
 /// `push` without the index keys: queues `elements` on `list`, a priority list of `shard`.

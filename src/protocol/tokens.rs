@@ -342,13 +342,24 @@ pub(crate) struct Policy {
 }
 
 /// What a `lane_ack` reports of the lane requests it finished, beside its next step: each one's
-/// state and lifecycle (the call announced them itself; the slot counts them), and the key ids of
-/// those with downstreams, with what ended, whose releases are owed (in the outbox) and the slot's
-/// to run.
+/// state and lifecycle (the call announced them itself; the slot counts them), and those with
+/// downstreams, whose releases are owed (in the outbox) and the slot's to run.
 #[derive(Debug, Default)]
 pub(crate) struct LaneFinishes {
     pub(crate) done: Vec<Done>,
-    pub(crate) releases: Vec<(String, super::dag::Ended)>,
+    pub(crate) releases: Vec<Owed>,
+}
+
+/// The release a `lane_ack` owes for a request with downstreams that it finished.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Owed {
+    /// The request's key id.
+    pub(crate) key_id: String,
+    /// The lifecycle that ended, and how.
+    pub(crate) ended: super::dag::Ended,
+    /// Its whole set of downstreams (`<dkid>|<shards>` entries), when the call named it (a small
+    /// set): the release then reads none of it.
+    pub(crate) downstreams: Option<Vec<String>>,
 }
 
 /// A request a `lane_ack` finished (the reply's trailing `{'done', state, lifecycle, ...}`).
@@ -552,6 +563,12 @@ pub(crate) async fn ack(
     ]);
     if let Some(shard) = lane {
         args.push(store.keys.record_prefix(shard).into());
+        // The downstream sets' prefix: the reply names the downstreams of each request it releases
+        // (a small set), so that the release reads none. (Under the checker, not on every other
+        // pair of epochs: a client older than that asks without, and the release reads the set.)
+        if !(store.deterministic() && holding.element.epoch / 2 % 2 == 1) {
+            keys.push(store.keys.downstreams(shard, ""));
+        }
     }
     for r in reports {
         let (kind, body, delay): (&str, Value, Duration) = match r.outcome {
@@ -607,13 +624,26 @@ fn next(reply: Value, with_policy: Reading, sent: Instant) -> Result<(Next, Lane
         }
         _ => Ok(Vec::new()),
     };
+    // `{'dn', key id, n, entry * n, ...}`, after `rel` (asked for with the sets' prefix).
+    let mut sets = std::collections::HashMap::new();
+    let mut dn = trailing(&mut items, "dn")?.into_iter().skip(1);
+    while let (Some(kid), Some(n)) = (dn.next(), dn.next()) {
+        let n = usize::try_from(reply::int(&n)?).unwrap_or(0);
+        let entries = dn.by_ref().take(n).map(|e| reply::text(&e)).collect::<Result<Vec<String>>>()?;
+        if entries.len() < n {
+            return Err(Error::Protocol("short 'dn' item in a lane_ack reply".into()));
+        }
+        sets.insert(reply::text(&kid)?, entries);
+    }
     // `{'rel', key id, state, lifecycle, ...}`.
     let rel = trailing(&mut items, "rel")?;
     let mut releases = Vec::new();
     for triple in rel.get(1..).unwrap_or_default().chunks(3) {
         if let [kid, state, lifecycle] = triple {
             let ended = super::dag::Ended { lifecycle: reply::int(lifecycle)?, state: reply::text(state)? };
-            releases.push((reply::text(kid)?, ended));
+            let key_id = reply::text(kid)?;
+            let downstreams = sets.remove(&key_id);
+            releases.push(Owed { key_id, ended, downstreams });
         }
     }
     let done = read_done(trailing(&mut items, "done")?)?;
@@ -937,15 +967,48 @@ mod tests {
             ]),
             Value::Array(vec![text("rel"), text("r1"), text("completed"), text("1795000000000000")]),
         ]);
-        let (next, finishes) = next(reply, Reading::Ack, Instant::now()).unwrap();
-        assert!(matches!(next, Next::Park(..)), "{next:?}");
+        let (step, finishes) = next(reply, Reading::Ack, Instant::now()).unwrap();
+        assert!(matches!(step, Next::Park(..)), "{step:?}");
         assert_eq!(finishes.done.len(), 2);
+        let ended = super::super::dag::Ended { lifecycle: 1_795_000_000_000_000, state: "completed".into() };
         assert_eq!(
             finishes.releases,
-            vec![(
-                "r1".to_owned(),
-                super::super::dag::Ended { lifecycle: 1_795_000_000_000_000, state: "completed".into() }
-            )]
+            vec![Owed { key_id: "r1".to_owned(), ended: ended.clone(), downstreams: None }]
         );
+
+        // With the downstream sets' prefix, the sets come after the releases (r2's was too large).
+        let reply = Value::Array(vec![
+            text("park"),
+            0.into(),
+            Value::Array(vec![
+                text("rel"),
+                text("r1"),
+                text("completed"),
+                text("1795000000000000"),
+                text("r2"),
+                text("completed"),
+                text("1795000000000000"),
+            ]),
+            Value::Array(vec![text("dn"), text("r1"), 2.into(), text("d1|1"), text("d2|3")]),
+        ]);
+        let (_, finishes) = next(reply, Reading::LaneAck, Instant::now()).unwrap();
+        assert_eq!(
+            finishes.releases,
+            vec![
+                Owed {
+                    key_id: "r1".to_owned(),
+                    ended: ended.clone(),
+                    downstreams: Some(vec!["d1|1".to_owned(), "d2|3".to_owned()])
+                },
+                Owed { key_id: "r2".to_owned(), ended, downstreams: None },
+            ]
+        );
+        let short = Value::Array(vec![
+            text("park"),
+            0.into(),
+            Value::Array(vec![text("rel"), text("r1"), text("completed"), text("1")]),
+            Value::Array(vec![text("dn"), text("r1"), 2.into(), text("d1|1")]),
+        ]);
+        assert!(next(short, Reading::LaneAck, Instant::now()).is_err(), "a short 'dn' item");
     }
 }

@@ -82,8 +82,16 @@ async fn link_one(store: &Store, entry: &str, upstream: &RequestId) -> Result<Li
 /// The release of upstream `ukid` (homed on `home`) that its finish just put in the outbox, run
 /// by its finisher at once. An error (or a cascade deeper than [`INLINE_DEPTH`]) leaves it to
 /// recovery, which claims the outbox's entry when it falls due.
-/// `ended`: the lifecycle that finished, as the finisher knows it (else it is read).
-pub(crate) async fn release_owed(store: &Store, home: u32, ukid: &str, ended: Option<Ended>, depth: usize) {
+/// `ended`: the lifecycle that finished, as the finisher knows it (else it is read);
+/// `downstreams`: the whole set of downstreams, when the finishing call named it (else it is read).
+pub(crate) async fn release_owed(
+    store: &Store,
+    home: u32,
+    ukid: &str,
+    ended: Option<Ended>,
+    downstreams: Option<Vec<String>>,
+    depth: usize,
+) {
     #[cfg(feature = "test-clock")]
     if store.config.test_no_inline_release {
         return;
@@ -91,7 +99,7 @@ pub(crate) async fn release_owed(store: &Store, home: u32, ukid: &str, ended: Op
     if depth >= INLINE_DEPTH {
         return;
     }
-    if let Err(e) = release_from(store, home, ukid, ended, depth).await {
+    if let Err(e) = release_from(store, home, ukid, ended, downstreams, depth).await {
         tracing::warn!(upstream = ukid, error = %e, "releasing the downstreams failed; recovery will");
     }
 }
@@ -107,16 +115,18 @@ pub(crate) fn release<'a>(
     ukid: &'a str,
     depth: usize,
 ) -> BoxFuture<'a, Result<()>> {
-    release_from(store, home, ukid, None, depth)
+    release_from(store, home, ukid, None, None, depth)
 }
 
 /// [`release`] of lifecycle `known` when the caller knows which ended (its finisher), else of the
-/// one its home shard says ended last.
+/// one its home shard says ended last; to the downstreams `named` when the caller knows the whole
+/// set (its finishing call named them), else to those the set holds.
 fn release_from<'a>(
     store: &'a Store,
     home: u32,
     ukid: &'a str,
     known: Option<Ended>,
+    named: Option<Vec<String>>,
     depth: usize,
 ) -> BoxFuture<'a, Result<()>> {
     Box::pin(async move {
@@ -134,8 +144,12 @@ fn release_from<'a>(
             },
         };
         let mut cursor = "0".to_owned();
+        let mut named = named;
         loop {
-            let (next, entries) = calls::downstreams_page(store, home, ukid, &cursor).await?;
+            let (next, entries) = match named.take() {
+                Some(all) => ("0".to_owned(), all),
+                None => calls::downstreams_page(store, home, ukid, &cursor).await?,
+            };
             for some in entries.chunks(store.concurrency(CONCURRENT)) {
                 try_join_all(some.iter().map(|entry| settle_one(store, entry, ukid, &ended, depth))).await?;
             }

@@ -246,7 +246,7 @@ fn finish_at<'a>(
             // Its downstreams first (their wait is the latency users see); the seal and unindex
             // after, as ever (the request stays in `active` meanwhile).
             let ended = dag::Ended { lifecycle, state: state.clone() };
-            dag::release_owed(store, home, key_id, Some(ended), depth).await;
+            dag::release_owed(store, home, key_id, Some(ended), None, depth).await;
         }
         seal_and_unindex(store, key_id, home, lifecycle, &state).await
     })
@@ -382,7 +382,7 @@ pub(crate) async fn cancel(store: &Store, id: &RequestId) -> Result<Cancelled> {
             match lane::cancel(store, home, &key_id).await? {
                 LaneCancelled::Now { release_owed } => {
                     if release_owed {
-                        dag::release_owed(store, home, &key_id, None, 0).await;
+                        dag::release_owed(store, home, &key_id, None, None, 0).await;
                     }
                     Ok(Cancelled::Now)
                 }

@@ -85,8 +85,9 @@ pub struct WorkerMetrics {
     /// Schedule firings refused because the schedule changed after this worker read it (another
     /// worker fired those ticks first, or an operator paused, resumed or replaced it).
     pub schedule_conflicts: AtomicU64,
-    /// Small requests' tokens handed to this worker's waiting slots by their submits (to a reserved
-    /// slot, or to the standby slot of an idle worker): run without a take of their own.
+    /// Tokens handed to this worker's waiting slots (a reserved slot, or the standby slot of an
+    /// idle worker) by a small request's submit or another request's push: run without a take of
+    /// their own.
     pub handed_off: AtomicU64,
 }
 
@@ -359,6 +360,7 @@ impl<H: Handler> WorkerBuilder<H> {
                 wakes: Some(wake_tx),
                 higher: Arc::new(higher::Higher::new(shards, reserved.map(|(_, p)| p))),
                 standby: Default::default(),
+                releasing: Default::default(),
             }),
             reserved,
             blocking,
@@ -495,6 +497,9 @@ impl<H: Handler> Worker<H> {
                  once this worker's registration expires, as after a crash"
             );
         }
+        // The releases still running in tasks of their own (a release left undone stays in the
+        // outbox, for recovery).
+        let _ = tokio::time::timeout_at(deadline, shared.releasing.drained()).await;
         if let Some(listening) = listening {
             listening.abort();
         }

@@ -77,6 +77,28 @@ pub(crate) struct Shared<H> {
     pub(crate) higher: Arc<Higher>,
     /// Whether one of the worker's unreserved slots is its standby (`Slot::standby`).
     pub(crate) standby: AtomicBool,
+    /// The releases of lane requests' downstreams running in tasks of their own (`release`).
+    pub(crate) releasing: Releasing,
+}
+
+/// The releases a worker's slots owe for the lane requests they finished, run in tasks of their
+/// own, at most [`Releasing::AT_ONCE`] at a time (beyond that, the slot runs one itself).
+#[derive(Clone, Debug)]
+pub(crate) struct Releasing(Arc<tokio::sync::Semaphore>);
+
+impl Default for Releasing {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::Semaphore::new(Self::AT_ONCE as usize)))
+    }
+}
+
+impl Releasing {
+    const AT_ONCE: u32 = 64;
+
+    /// Waits for the releases running to end (at a worker's stop).
+    pub(crate) async fn drained(&self) {
+        let _ = self.0.acquire_many(Self::AT_ONCE).await;
+    }
 }
 
 impl<H> Shared<H> {
@@ -1256,11 +1278,34 @@ async fn ack<H: Handler>(
         }
     }
     // Lane requests with downstreams that this call finished: their releases are owed (in the
-    // outbox, for recovery if this fails), and run here, before the next batch.
+    // outbox, for recovery if this fails).
     if let Some((shard, _)) = crate::keys::lane_of(&holding.element.key_id) {
-        for (ukid, ended) in finishes.releases {
-            crate::shards::dag::release_owed(store, shard, &ukid, Some(ended), 0).await;
+        for owed in finishes.releases {
+            release(shared, shard, owed).await;
         }
     }
     Ok(next)
+}
+
+/// Runs a release that a `lane_ack` owes, in a task of its own: the slot goes on meanwhile, to its
+/// next batch or its next take, where it may offer a hand-off (the standby) that the release's push
+/// of an opened downstream then hands it, one round trip sooner than a take after the bell. With
+/// [`Releasing::AT_ONCE`] running already, and under the checker, the slot runs it itself. A task
+/// that dies with its worker leaves the release in the outbox, for recovery.
+async fn release<H>(shared: &Shared<H>, shard: u32, owed: tokens::Owed) {
+    let run = move |store: Store| async move {
+        crate::shards::dag::release_owed(&store, shard, &owed.key_id, Some(owed.ended), owed.downstreams, 0)
+            .await
+    };
+    if !shared.store.deterministic() {
+        if let Ok(permit) = shared.releasing.0.clone().try_acquire_owned() {
+            let store = shared.store.clone();
+            tokio::spawn(async move {
+                run(store).await;
+                drop(permit);
+            });
+            return;
+        }
+    }
+    run(shared.store.clone()).await
 }

@@ -242,6 +242,46 @@ async fn an_idle_workers_standby_slot_is_handed_each_small_request_by_its_submit
     w.stop().await;
 }
 
+/// The push of a request of its own stream hands its token to an idle worker's standby slot too
+/// (docs/protocol.md, "Hand-offs"): the submit's push, and the push of a downstream whose upstream's
+/// finish opened its gate. The slot acquires the handed token without a take of its own
+/// (`WorkerMetrics::handed_off`), and nothing is pushed onto a priority list or announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_of_a_request_of_its_own_stream_is_handed_to_the_standby_slot() {
+    use fred::prelude::ClientLike;
+    use std::sync::atomic::Ordering::Relaxed;
+    let env = env_on(Topology::Single, "push-standby").await;
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    let probe = Probe::default();
+    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
+        .slots(2)
+        .shutdown_grace(Duration::from_millis(100));
+    let w = start_built(builder).await;
+    let (subscriber, mut announced) = listen_up(&env).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let own = || producer.request().own_stream(true).concurrency(1).unwrap();
+    wait_for_offer(&redis, &ns, 0).await;
+    let up = own().submit([Job::sleeping(1, 300)]).await.unwrap();
+    let down = own().after([up.id().clone()]).submit([Job::new(2)]).await.unwrap();
+    assert_eq!(
+        up.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap().into_outputs().unwrap(),
+        vec![2]
+    );
+    let done = down.wait_timeout::<u64>(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), vec![4]);
+    assert_eq!(
+        w.metrics().handed_off.load(Relaxed),
+        2,
+        "the upstream's push and the downstream's release each handed its token to the standby slot"
+    );
+    if let Ok(message) = announced.try_recv() {
+        panic!("a token was pushed and announced ({:?}), not handed to the standby slot", message.value);
+    }
+    subscriber.quit().await.unwrap();
+    w.stop().await;
+}
+
 /// A hand-off respects an operator's pause: a reserved slot that offered (its floor's other
 /// priorities are not paused) is not handed a token of a paused priority; the token waits on its
 /// list, and runs once the priority is resumed.

@@ -257,7 +257,7 @@ impl Collector for WorkerCollector {
             ),
             (
                 "hand_offs",
-                "Small requests' tokens handed to this worker's waiting slots by their submits (a reserved slot, or an idle worker's standby): run without a take",
+                "Tokens handed to this worker's waiting slots (a reserved slot, or an idle worker's standby) by a small request's submit or another request's push: run without a take",
                 &m.handed_off,
             ),
             (

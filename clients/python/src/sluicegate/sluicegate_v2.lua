@@ -659,6 +659,44 @@ local function sg_hand_offers(shard, priority, now)
   return out
 end
 
+-- Hands token elements of priority `prio`, `elements[from..]` from the first on, to the slots that
+-- offered to take that priority (`offers`: the shard's `wait` hash), one each: what each slot's
+-- next take (under the id it offered) would do with the element taken from `list`. The held record
+-- (`held`) first, then `message(holder, fields, element)`, the reply that take would have given, packed
+-- onto the slot's hand list. Stops at the first element it cannot hand: no offer left, or a group
+-- token (its take pops the group's queue). Nothing is handed while an operator pauses the priority.
+-- Returns how many elements it handed; the caller pushes the rest.
+local function sg_hand(offers, held, prio, list, elements, from, now, message)
+  if from > #elements or redis.call('EXISTS', offers) == 0 then return 0 end
+  local shard = sg_shard_key(offers, '')
+  -- (Paused, by an operator: the token waits on its list, where no slot takes it until resumed.)
+  local paused = redis.call('HMGET', shard .. 'paused', 'all', sg_str(prio))
+  if paused[1] or paused[2] then return 0 end
+  local all = sg_hand_offers(shard, prio, now)
+  local next, i = 1, from
+  while i <= #elements and string.byte(elements[i], 1) ~= 94 do
+    local offer = all[next]
+    -- (A slot that offers holds nothing on the shard: its take ended its record. One that does is
+    -- passed over, its offer ended.)
+    while offer and redis.call('HEXISTS', held, offer[1]) == 1 do
+      redis.call('HDEL', offers, offer[1])
+      next = next + 1
+      offer = all[next]
+    end
+    if not offer then break end
+    next = next + 1
+    local holder, f, element = offer[1], offer[2], elements[i]
+    redis.call('HDEL', offers, holder)
+    redis.call('HSET', held, holder, element .. '|' .. f[2] .. '|' .. list)
+    redis.call('PEXPIRE', held, SG_HELD_TTL_MS)
+    local hand = shard .. 'hand:' .. holder
+    redis.call('RPUSH', hand, cmsgpack.pack(message(holder, f, element)))
+    redis.call('PEXPIRE', hand, math.max(tonumber(f[5]) - now, 1))
+    i = i + 1
+  end
+  return i - from
+end
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
@@ -1570,6 +1608,28 @@ local function sg_lane_announce(record, kid, state, retention, now, events, dn)
   return kid .. '|' .. state
 end
 
+-- How many downstreams of a finished request a finishing call names in its reply, at most: a set
+-- larger than that is read by the release itself, a page at a time.
+local SG_DN_PAGE = 64
+
+-- The reply item that names the downstreams of the requests a call released (`released`:
+-- {'rel', key id, state, lifecycle, ...}): {'dn', key id, n, entry * n, ...} for each whose set
+-- (`prefix` .. key id) holds at most SG_DN_PAGE entries. Their releases, run by the caller at once,
+-- then need no read of their sets.
+local function sg_lane_downstreams(prefix, released)
+  local out = {'dn'}
+  for j = 2, #released, 3 do
+    local set = prefix .. released[j]
+    if redis.call('SCARD', set) <= SG_DN_PAGE then
+      local members = redis.call('SMEMBERS', set)
+      out[#out + 1] = released[j]
+      out[#out + 1] = #members
+      for _, m in ipairs(members) do out[#out + 1] = m end
+    end
+  end
+  return out
+end
+
 -- After a call's announcements (sg_lane_announce): their lines as one entry of the shard's events
 -- stream (field 'done': the lines joined by newlines; docs/protocol.md §6.5), published as one
 -- message on `channel`; the stream drops entries older than the retention (whole nodes, as XADD's
@@ -2373,9 +2433,14 @@ end
 -- that follows a submit, with the score its registration wrote: while that score is still there,
 -- the next look is set to ARGV[2], however far; if recovery has looked since, only moved earlier)
 -- or 'more' (the next look only ever moves earlier)   ARGV[4..] elements
+-- KEYS[5], KEYS[6] (home shard only, optional) the shard's held records and hand-off offers
+-- (prelude.lua, "Hand-offs"): given, an element of a request of its own keys pushed onto a priority
+-- list goes to a slot that offered to take its priority (a reserved slot, or an idle worker's
+-- standby), as that slot's take would have taken it, rather than onto the list: the slot acquires
+-- it without a take.
 -- The first push also lists the request in place of a purged request of its id that its
 -- registration found listed (sg_ix_takeover).
--- Returns the number of elements pushed. An element of a request that finished in the meantime is
+-- Returns the number of elements pushed or handed. An element of a request that finished in the meantime is
 -- refused by acquire when taken ('drop'), and the index entry by recovery, so a late or repeated
 -- push is harmless; a push never silently does nothing.
 local function push(keys, args)
@@ -2390,7 +2455,17 @@ local function push(keys, args)
     -- A lane (key id "~...") is never registered: it is created in the step that indexes it.
     if string.sub(args[1], 1, 1) ~= '~' then redis.call('HSETNX', keys[4], args[1], sg_now()) end
   end
-  return sg_push(keys[1], keys[2], args, 4)
+  local handed = 0
+  -- (Not a group's queue: its requests' elements are taken with a group token, prelude.lua. Not a
+  -- lane's token either, which recovery pushes: a lane's hand-off comes acquired, from lane_submit.)
+  local prio = keys[6] and string.sub(args[1], 1, 1) ~= '~' and not string.find(keys[1], ':grp:', 1, true)
+    and string.match(keys[1], ':p:(%d+)$')
+  if prio then
+    handed = sg_hand(keys[6], keys[5], tonumber(prio), keys[1], args, 4, sg_now(), function(_, _, element)
+      return {keys[1], element}
+    end)
+  end
+  return handed + sg_push(keys[1], keys[2], args, 4 + handed)
 end
 
 do
@@ -3840,45 +3915,6 @@ do
 -- "SGDUPLICATE ..." when the id is in use (a lane request's record, or, for an id the producer
 -- named, a request of the stream path registered or retained on this shard), "SGINVALID ..."
 -- when an argument is out of range.
--- Hands lane token elements `woken` to the slots that offered to take their priority `prio`
--- (prelude.lua, "Hand-offs"), as many as there are offers; returns the elements left to push.
--- KEYS as lane_submit's; `records`: the records' key prefix.
-local function lane_hand(keys, prio, woken, now, records)
-  if not keys[15] or #woken == 0 or redis.call('EXISTS', keys[15]) == 0 then return woken end
-  local shard = sg_shard_key(keys[15], '')
-  -- (Paused, by an operator: the token waits on its list, where no slot takes it until resumed.)
-  local paused = redis.call('HMGET', shard .. 'paused', 'all', sg_str(prio))
-  if paused[1] or paused[2] then return woken end
-  local offers = sg_hand_offers(shard, prio, now)
-  local left, next = {}, 1
-  for _, element in ipairs(woken) do
-    local offer = offers[next]
-    -- (A slot that offers holds nothing on the shard: its take ended its record. One that does is
-    -- passed over, its offer ended.)
-    while offer and redis.call('HEXISTS', keys[13], offer[1]) == 1 do
-      redis.call('HDEL', keys[15], offer[1])
-      next = next + 1
-      offer = offers[next]
-    end
-    if not offer then
-      left[#left + 1] = element
-    else
-      next = next + 1
-      local holder, f = offer[1], offer[2]
-      local e = sg_split(element)
-      redis.call('HDEL', keys[15], holder)
-      redis.call('HSET', keys[13], holder, element .. '|' .. f[2] .. '|' .. keys[8])
-      redis.call('PEXPIRE', keys[13], SG_HELD_TTL_MS)
-      local acquired = lane_acquire({keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10], keys[14]},
-        {e[1], e[2], e[3], holder, f[3], f[4], records})
-      local hand = shard .. 'hand:' .. holder
-      redis.call('RPUSH', hand, cmsgpack.pack({keys[8], element, acquired}))
-      redis.call('PEXPIRE', hand, math.max(tonumber(f[5]) - now, 1))
-    end
-  end
-  return left
-end
-
 local function lane_submit(keys, args)
   local prio, limit, lanes = tonumber(args[5]), tonumber(args[6]), tonumber(args[12])
   local n = #args - 15
@@ -3897,7 +3933,18 @@ local function lane_submit(keys, args)
   local fed, queued = sg_lane_write(keys, r, args, 16, n, now, lc, ix)
   sg_ix_queued(ix, queued)
   local woken = sg_unpark(keys, args[1], fed, now, parked)
-  sg_push(keys[8], keys[9], lane_hand(keys, prio, woken, now, string.sub(keys[7], 1, #keys[7] - #args[2])))
+  -- A lane token it wakes goes to a slot that offered to take its priority, as that slot's take
+  -- would have it: held, and its first batch acquired (prelude.lua, "Hand-offs").
+  local handed = 0
+  if keys[15] then
+    local records = string.sub(keys[7], 1, #keys[7] - #args[2])
+    handed = sg_hand(keys[15], keys[13], prio, keys[8], woken, 1, now, function(holder, f, element)
+      local e = sg_split(element)
+      return {keys[8], element, lane_acquire({keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10], keys[14]},
+        {e[1], e[2], e[3], holder, f[3], f[4], records})}
+    end)
+  end
+  sg_push(keys[8], keys[9], woken, handed + 1)
   return {lc, #woken}
 end
 redis.register_function('sg2_lane_submit', lane_submit)
@@ -3983,6 +4030,8 @@ do
 -- ARGV[1] the lane's key id   ARGV[2] token k   ARGV[3] epoch   ARGV[4] holder   ARGV[5] consumer
 -- ARGV[6] 1 = continue, 0 = give the token back   ARGV[7] retention (ms)   ARGV[8] completion
 -- channel   ARGV[9] next batch: how many entries at most ("<n>|flat": flat entries)   ARGV[10] the records' key prefix
+-- KEYS[10] (optional) the prefix of the shard's downstream sets ("<ns>:{<ns>.q<s>}:dn:"): given,
+--   the reply names the downstreams of each request it releases, when they are few (below)
 -- ARGV[11..] one group of eight per entry, in the order handed out: entry id, outcome ('ok',
 --   'retry', 'dead', 'skip' as for ack), body, retry delay (ms), attempt, request key id,
 --   lifecycle, index
@@ -3991,7 +4040,9 @@ do
 --         did, the reply ends with one more item {'done', state, lifecycle, state, lifecycle,
 --         ...}, one pair per request finished, for the stats by stage; and when some of them have
 --         downstreams, with {'rel', key id, state, lifecycle, ...}: their releases, owed (in the
---         outbox) and for the caller to run.
+--         outbox) and for the caller to run. With KEYS[10], one more item after it, {'dn', key id,
+--         n, downstream entry * n, ...}: the whole set of downstreams of each request released
+--         whose set holds at most SG_DN_PAGE (the release then reads none of it).
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
   local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
@@ -4163,7 +4214,10 @@ local function lane_ack(keys, args)
     reply = {'requeue', sg_requeue(keys, args[1], k, epoch, now)}
   end
   if #done > 1 then reply[#reply + 1] = done end
-  if #released > 1 then reply[#reply + 1] = released end
+  if #released > 1 then
+    reply[#reply + 1] = released
+    if keys[10] then reply[#reply + 1] = sg_lane_downstreams(keys[10], released) end
+  end
   return reply
 end
 redis.register_function('sg2_lane_ack', lane_ack)
