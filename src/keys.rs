@@ -190,7 +190,8 @@ impl Keys {
         format!("{}:{{{}.q{shard}}}:wait", self.ns, self.ns)
     }
 
-    /// List where `lane_submit` leaves the token it hands to `holder` on `shard`, for its blocked pop.
+    /// List where `lane_submit` or `push` leaves the token it hands to `holder` on `shard`, for its
+    /// blocked pop.
     pub(crate) fn hand(&self, shard: u32, holder: &str) -> String {
         format!("{}:{{{}.q{shard}}}:hand:{holder}", self.ns, self.ns)
     }

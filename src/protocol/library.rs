@@ -446,11 +446,17 @@ const APP_COMMANDS: &[&str] = &[
     "auth",
     "select",
     "client|setname",
+    // fred reads its connection's id at connect; a worker's stop wakes its idle slots' blocked
+    // pops with it
+    "client|id",
+    "client|unblock",
     "info",
     "fcall",
     "fcall_ro",
     // blocking reads and pub/sub, sent by the client itself
     "brpop",
+    // a standby's or reserved slot's wait on its hand list (and the bell)
+    "blpop",
     "lmpop",
     "xread",
     "subscribe",

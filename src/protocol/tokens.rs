@@ -118,7 +118,8 @@ pub(crate) async fn take(
     taken(reply::array(store.fcall(Func::Take, &names, args).await?)?, sent)
 }
 
-/// What `take` answered (or a hand-off's message: `lane_submit` did the take for the slot).
+/// What `take` answered (or a hand-off's message: `lane_submit` or `push` did the take for the
+/// slot; a lane's token comes with its first batch, another without).
 fn taken(items: Vec<Value>, sent: Instant) -> Result<Take> {
     let mut items = items.into_iter();
     let (list, element) = match (items.next(), items.next()) {
@@ -140,7 +141,7 @@ fn taken(items: Vec<Value>, sent: Instant) -> Result<Take> {
     Ok(Take::Took(Taken { list: reply::text(&list)?, element: reply::text(&element)?, acquired, one_part }))
 }
 
-/// The token `lane_submit` handed to a reserved slot that offered to take it (lua/prelude.lua,
+/// The token `lane_submit` or `push` handed to a slot that offered to take it (lua/prelude.lua,
 /// "Hand-offs"), from the slot's hand list `hand`: the take's reply, packed (MessagePack). Waits up
 /// to `wait` on the blocking connection `blocking` (`None`: does not block, for the checker).
 /// `Ok(None)` when nothing came.
@@ -167,7 +168,7 @@ pub(crate) async fn hand(
 
 /// What woke a worker's standby slot ([`hand_or_bell`]).
 pub(crate) enum Woken {
-    /// A token `lane_submit` handed to it: the take its offer stood for.
+    /// A token `lane_submit` or `push` handed to it: the take its offer stood for.
     Handed(Take),
     /// A bell it popped: something was pushed on the shard.
     Bell,

@@ -264,8 +264,9 @@ impl<H: Handler> WorkerBuilder<H> {
         self
     }
 
-    /// How long an idle slot's BRPOP blocks on the server before it is re-issued (default 1 s);
-    /// also how long shutdown may wait for idle slots.
+    /// How long an idle slot's BRPOP blocks on the server before it is re-issued (default 1 s).
+    /// A stopping worker wakes its blocked slots at once (`CLIENT UNBLOCK`); with a user whose ACL
+    /// refuses that, shutdown may wait this long for them.
     pub fn idle_poll(mut self, d: Duration) -> Self {
         self.idle_poll = d;
         self
@@ -462,6 +463,7 @@ impl<H: Handler> Worker<H> {
         let mut slots = tokio::task::JoinSet::new();
         let shards = shared.store.keys.shards();
         let general = self.blocking.len() - self.reserved.map_or(0, |(n, _)| n);
+        let blocking = self.blocking.clone();
         for (n, client) in self.blocking.into_iter().enumerate() {
             let slot = match self.reserved {
                 Some((_, floor)) if n >= general => slot::Slot::reserved(n, shards, floor, &shared.higher),
@@ -475,6 +477,7 @@ impl<H: Handler> Worker<H> {
         }
         tracing::info!(worker = %shared.id(), "shutting down: finishing running handlers");
         shared.stopping.cancel();
+        let unblocking = tokio::spawn(unblock_idle(blocking));
         // One bound for the whole stop: the grace, then STOP_WAIT for the slots' hand-backs and
         // the last calls together.
         let deadline = tokio::time::Instant::now() + shared.shutdown_grace + STOP_WAIT;
@@ -497,6 +500,7 @@ impl<H: Handler> Worker<H> {
                  once this worker's registration expires, as after a crash"
             );
         }
+        unblocking.abort();
         // The releases still running in tasks of their own (a release left undone stays in the
         // outbox, for recovery).
         let _ = tokio::time::timeout_at(deadline, shared.releasing.drained()).await;
@@ -527,6 +531,24 @@ impl<H: Handler> Worker<H> {
             );
         }
         Ok(())
+    }
+}
+
+/// At a stop, wakes the slots blocked on Redis for work (an idle slot's `BRPOP` of the bell, a
+/// standby's or reserved slot's `BLPOP` of its hand list), so that they see the stop at once rather
+/// than at the end of their poll: `CLIENT UNBLOCK`, as if the pop timed out, sent on a connection
+/// of fred's own. Again every 50 ms until the slots are done (a slot may block once more between
+/// its check of the stop and its pop). A user whose ACL refuses `CLIENT ID` or `CLIENT UNBLOCK`
+/// waits the poll out, as before.
+async fn unblock_idle(clients: Vec<fred::clients::Client>) {
+    use fred::interfaces::ClientInterface;
+    use fred::types::ClientUnblockFlag;
+    loop {
+        for client in &clients {
+            // (An error: the connection is not blocked, or the unblock was refused.)
+            let _ = client.unblock_self(Some(ClientUnblockFlag::Timeout)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -155,10 +155,10 @@ pub(crate) struct Slot {
     /// handed meanwhile, as a re-sent take).
     offered: Option<u32>,
     /// This unreserved slot is its worker's standby (one at a time, `Shared::standby`): with one
-    /// token shard, when its take finds nothing it offers to be handed the next lane token of any
+    /// token shard, when its take finds nothing it offers to be handed the next token of any
     /// priority, and waits on its hand list and the bell at once. So a small request submitted to
-    /// an idle worker starts in the submit's own step, without a take after the bell. The slot
-    /// stays the standby until it gets a token.
+    /// an idle worker starts in the submit's own step, and another request's token comes by its
+    /// push, without a take after the bell. The slot stays the standby until it gets a token.
     standby: bool,
 }
 
@@ -385,8 +385,8 @@ pub(crate) async fn take_and_serve<H: Handler>(
             let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
             // A group's rate limit refills sooner: the take after it queues the group's token.
             let wait = refill.map_or(wait, |r| r.min(wait)).max(Duration::from_millis(1));
-            // The bell is never abandoned mid-flight: it runs to its server-side timeout, which
-            // bounds how long an idle slot takes to stop. A lost bell only delays a take.
+            // The bell is never abandoned mid-flight: it runs to its server-side timeout, or until
+            // the worker's stop unblocks it (`unblock_idle`). A lost bell only delays a take.
             let bell = store.keys.bell(shard);
             // (Under the checker, whose time is its own, the wait is a plain RPOP.)
             let deterministic = store.deterministic();
@@ -1300,10 +1300,13 @@ async fn release<H>(shared: &Shared<H>, shard: u32, owed: tokens::Owed) {
     if !shared.store.deterministic() {
         if let Ok(permit) = shared.releasing.0.clone().try_acquire_owned() {
             let store = shared.store.clone();
-            tokio::spawn(async move {
-                run(store).await;
-                drop(permit);
-            });
+            tokio::spawn(
+                async move {
+                    run(store).await;
+                    drop(permit);
+                }
+                .instrument(tracing::Span::current()),
+            );
             return;
         }
     }

@@ -53,6 +53,9 @@ async fn the_whole_happy_path_runs_as_a_least_privilege_user() {
     let slow = producer.request().delay(Duration::from_secs(60)).submit([Job::new(1)]).await.unwrap();
     slow.cancel().await.unwrap();
     assert!(admin.stats().await.unwrap().workers.len() == 1);
+    // Every command the worker sends is allowed: its standby's wait on its hand list (`BLPOP`)
+    // among them.
+    assert_eq!(w.metrics().redis_errors.load(std::sync::atomic::Ordering::Relaxed), 0, "a call was refused");
     w.stop().await;
 
     // What the user may not do.

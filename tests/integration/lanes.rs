@@ -282,6 +282,35 @@ async fn a_push_of_a_request_of_its_own_stream_is_handed_to_the_standby_slot() {
     w.stop().await;
 }
 
+/// A stopping worker wakes its slots blocked on Redis for work (`CLIENT UNBLOCK`): they end
+/// cleanly at once, the standby's offer with them, rather than at the end of their poll. With a
+/// poll of 9 s, longer than the stop waits for its slots (the grace and 5 s), a slot still blocked
+/// would be aborted, and its offer left in the shard's `wait` hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_wakes_its_idle_slots_and_withdraws_its_offer() {
+    let env = env_on(Topology::Single, "stop-unblock").await;
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    // (Built here: `start_built` sets a short poll.)
+    let worker = sluicegate::Worker::builder(&env.config, Probe::default())
+        .slots(3)
+        .idle_poll(Duration::from_secs(9))
+        .shutdown_grace(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let signal = stop.clone();
+    let running = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
+    wait_for_offer(&redis, &ns, 0).await;
+    // Every slot blocked by now: the standby on its hand list and the bell, the others on the bell.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    let offers: Vec<String> = redis.hvals(format!("{ns}:{{{ns}.q0}}:wait")).await.unwrap();
+    assert!(offers.is_empty(), "the standby's offer outlived its worker: {offers:?}");
+}
+
 /// A hand-off respects an operator's pause: a reserved slot that offered (its floor's other
 /// priorities are not paused) is not handed a token of a paused priority; the token waits on its
 /// list, and runs once the priority is resumed.

@@ -214,6 +214,9 @@ def reap(p: Protocol, worker_id: str, description: Optional[str]) -> None:
     log.warning("worker %s stopped beating; reclaiming what its slots held", worker_id)
     for shard in range(shards):
         fields = [f"{worker_id}/{n}" for n in range(slots)]
+        # Its slots' offers of hand-offs end first: nothing more is handed to them, and what was
+        # handed already has its record, read next.
+        p.conn.client.hdel(p.keys.offers(shard), *fields)
         records = p.conn.client.hmget(p.keys.held(shard), fields)
         for field, record in zip(fields, records):
             if record is not None:

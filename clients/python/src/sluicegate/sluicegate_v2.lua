@@ -617,19 +617,21 @@ local SG_BELL_TTL_MS = 600000
 local sg_group_push
 
 -- Hand-offs. A reserved slot (`WorkerBuilder::reserve`) whose take found nothing at or above its
--- floor offers to be handed the next lane token of such a priority; so does a worker's standby
--- slot (one idle unreserved slot per worker at a time), with floor 0: any priority. Its take
--- registers it in the shard's `wait` hash (holder -> "<floor>|<take id>|<consumer>|<batch>|<until
--- ms>") and it blocks on its hand list `<shard>hand:<holder>` (a standby on the shard's bell too).
+-- floor offers to be handed the next token of such a priority; so does a worker's standby slot
+-- (one idle unreserved slot per worker at a time), with floor 0: any priority. Its take registers
+-- it in the shard's `wait` hash (holder -> "<floor>|<take id>|<consumer>|<batch>|<until ms>") and
+-- it blocks on its hand list `<shard>hand:<holder>` (a standby on the shard's bell too).
 -- `lane_submit` of a request of priority p >= floor then does, for the lane token it wakes, what
 -- that slot's next take (with the registered take id) would: the held record, and `lane_acquire`
 -- for the slot's consumer, and pushes the reply the take would have given (MessagePack) onto the
 -- hand list instead of the element onto the priority list: the slot's blocked pop returns in the
--- step that submitted, one round trip fewer than a take after a bell or an announcement. The token
--- is held (a record, entries pending under the slot's consumer) before the message leaves, so a
--- lost message loses nothing: the slot's next take, with that id, gets the element as a re-sent
--- take does (take.lua), and `lane_acquire` the same entries; a slot that died is reclaimed from its
--- record as any. An offer ends with the slot's next take (or `untake` at its stop), with the
+-- step that submitted, one round trip fewer than a take after a bell or an announcement. `push`
+-- (given `held` and `wait`) does the same for a request of its own keys, without a batch: that
+-- request lives in another slot, and the handed slot acquires the token itself (sg_hand). The
+-- token is held (a record; for a lane's, entries pending under the slot's consumer) before the
+-- message leaves, so a lost message loses nothing: the slot's next take, with that id, gets the
+-- element as a re-sent take does (take.lua), and `lane_acquire` the same entries; a slot that died
+-- is reclaimed from its record as any, and one that stops undoes it (`untake`). An offer ends with the slot's next take (or `untake` at its stop), with the
 -- hand-off, or at its `until`, past which it is passed over (a worker that died without ending it).
 -- The `wait` hash lasts as long as its longest offer, and a hand list as long as its slot's offer:
 -- what a worker that died while it offered leaves goes soon after (a token handed to it is in its
