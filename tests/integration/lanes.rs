@@ -209,6 +209,21 @@ async fn an_urgent_lane_request_is_handed_to_a_waiting_reserved_slot_without_a_p
     drop(long);
 }
 
+/// A worker of two slots, idle: one of them its standby (docs/protocol.md, "Hand-offs").
+async fn idle_worker_of_two_slots(env: &Env) -> Running {
+    let builder = sluicegate::Worker::builder(&env.config, Probe::default())
+        .slots(2)
+        .shutdown_grace(Duration::from_millis(100));
+    start_built(builder).await
+}
+
+/// Nothing was announced on the shard's `up` channel: every token was handed, none pushed.
+fn assert_none_announced(announced: &mut tokio::sync::broadcast::Receiver<fred::types::Message>) {
+    if let Ok(message) = announced.try_recv() {
+        panic!("a token was pushed and announced ({:?}), not handed to the standby slot", message.value);
+    }
+}
+
 /// An idle worker's standby slot (one of its unreserved slots at a time) offers to be handed the
 /// next lane token of any priority (docs/protocol.md, "Hand-offs"): the submit of a small request
 /// records the token as the slot's and leaves it on the slot's hand list, so nothing is pushed onto
@@ -221,11 +236,7 @@ async fn an_idle_workers_standby_slot_is_handed_each_small_request_by_its_submit
     let env = env_on(Topology::Single, "lane-standby").await;
     let ns = env.config.namespace_str().to_owned();
     let redis = connect(env.redis.url()).await.unwrap();
-    let probe = Probe::default();
-    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
-        .slots(2)
-        .shutdown_grace(Duration::from_millis(100));
-    let w = start_built(builder).await;
+    let w = idle_worker_of_two_slots(&env).await;
     let (subscriber, mut announced) = listen_up(&env).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     for n in 0..3u64 {
@@ -235,9 +246,7 @@ async fn an_idle_workers_standby_slot_is_handed_each_small_request_by_its_submit
         assert_eq!(done.into_outputs().unwrap(), vec![2 * n]);
     }
     assert_eq!(w.metrics().handed_off.load(Relaxed), 3, "each request was handed to the standby slot");
-    if let Ok(message) = announced.try_recv() {
-        panic!("a token was pushed and announced ({:?}), not handed to the standby slot", message.value);
-    }
+    assert_none_announced(&mut announced);
     subscriber.quit().await.unwrap();
     w.stop().await;
 }
@@ -253,11 +262,7 @@ async fn a_push_of_a_request_of_its_own_stream_is_handed_to_the_standby_slot() {
     let env = env_on(Topology::Single, "push-standby").await;
     let ns = env.config.namespace_str().to_owned();
     let redis = connect(env.redis.url()).await.unwrap();
-    let probe = Probe::default();
-    let builder = sluicegate::Worker::builder(&env.config, probe.clone())
-        .slots(2)
-        .shutdown_grace(Duration::from_millis(100));
-    let w = start_built(builder).await;
+    let w = idle_worker_of_two_slots(&env).await;
     let (subscriber, mut announced) = listen_up(&env).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let own = || producer.request().own_stream(true).concurrency(1).unwrap();
@@ -275,9 +280,7 @@ async fn a_push_of_a_request_of_its_own_stream_is_handed_to_the_standby_slot() {
         2,
         "the upstream's push and the downstream's release each handed its token to the standby slot"
     );
-    if let Ok(message) = announced.try_recv() {
-        panic!("a token was pushed and announced ({:?}), not handed to the standby slot", message.value);
-    }
+    assert_none_announced(&mut announced);
     subscriber.quit().await.unwrap();
     w.stop().await;
 }
