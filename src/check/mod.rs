@@ -225,13 +225,16 @@ async fn drain(world: &mut World) -> Result<(), String> {
                 world.reader.llen(format!("{ns}:{{{ns}.q0}}:p:{p}")).await.map_err(|e| e.to_string())?;
             queued += n;
         }
+        // Releases owed (the outbox): one whose finisher failed is run by recovery once it falls due.
+        let owed: i64 =
+            world.reader.zcard(format!("{ns}:{{{ns}.q0}}:rel")).await.map_err(|e| e.to_string())?;
         let reaped = queued == 0
             && reaping == 0
             && registered.keys().all(|w| live.contains(w))
             && held
                 .iter()
                 .all(|h| live.iter().any(|w| h.strip_prefix(w.as_str()).is_some_and(|s| s.starts_with('/'))));
-        if idle && indexed == 0 && reaped && schedules_quiet(world).await? {
+        if idle && indexed == 0 && owed == 0 && reaped && schedules_quiet(world).await? {
             return Ok(());
         }
         // What is unfinished, in which state, and how many of its parts are left: a change is
@@ -281,7 +284,7 @@ async fn drain(world: &mut World) -> Result<(), String> {
             }
             return Err(format!(
                 "liveness: still unfinished after the drain: [{}]; indexed: {indexed:?}; actors: {}; held: {held:?}; \
-                 lists: {lists:?}; live workers: {live:?}; next looks: {looks:?}",
+                 lists: {lists:?}; live workers: {live:?}; next looks: {looks:?}; releases owed: {owed}",
                 states.join("; "),
                 world.actor_count()
             ));
@@ -317,6 +320,8 @@ async fn drain(world: &mut World) -> Result<(), String> {
             world.config.census_interval.as_millis() as u32
         } else if idle && (indexed > 0 || stray_registrations(world).await? > 0) {
             world.config.loading_ttl.as_millis() as u32 / 2
+        } else if idle && owed > 0 {
+            RELEASE_DUE_MS
         } else {
             DRAIN_TICK
         };
@@ -326,6 +331,10 @@ async fn drain(world: &mut World) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// How long the drain lets time run while only releases are owed: past the outbox's delay
+/// (prelude.lua, SG_REL_DELAY_MS), after which recovery's claim runs a release its finisher left.
+const RELEASE_DUE_MS: u32 = 10_500;
 
 /// How many looks in shard 0's `active` index are registrations of requests the model does not
 /// follow and that never came to be: a schedule's tick whose submit was refused after its
