@@ -9,6 +9,8 @@
 //! to the actor the scheduler resumed last.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -52,6 +54,10 @@ pub(crate) enum Event {
     Dying,
     /// A handler is about to run sub-request `index` (attempt `attempt`) of request `request`.
     Handler { request: String, index: u64, attempt: u32, input: u64, resume: oneshot::Sender<Verdict> },
+    /// Work the actor starts in a task of its own (a lane finish's release, `slot::release`): the
+    /// scheduler makes it an actor of the same process once this one parks, and does not poll it
+    /// before, so that every event still comes from the actor it resumed last.
+    Apart(Pin<Box<dyn Future<Output = ()> + Send>>),
 }
 
 /// The scheduler's end: shared by every store and handler of one checker world.
@@ -59,12 +65,34 @@ pub(crate) struct Gate {
     events: mpsc::UnboundedSender<Event>,
     /// Parts per load call (the real chunk is 2,000 parts: the checker wants several chunks).
     pub(crate) load_chunk: usize,
+    /// Whether the actor running now starts its work apart ([`Gate::apart`]) as a worker does, or
+    /// runs it itself as a worker does once it has many such tasks running: the scheduler sets it
+    /// before it resumes a slot's actor, from that take's `Op::Take::apart`.
+    apart: AtomicBool,
 }
 
 impl Gate {
     pub(crate) fn new(load_chunk: usize) -> (Gate, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
-        (Gate { events, load_chunk }, rx)
+        (Gate { events, load_chunk, apart: AtomicBool::new(false) }, rx)
+    }
+
+    /// Sets whether the actor about to run starts its work apart.
+    pub(crate) fn set_apart(&self, on: bool) {
+        self.apart.store(on, Ordering::Relaxed);
+    }
+
+    /// Hands `work` to the scheduler to run as an actor of its own, if the running actor starts
+    /// work apart; else gives it back, for the caller to run itself.
+    pub(crate) fn apart<F>(&self, work: F) -> Option<F>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        if !self.apart.load(Ordering::Relaxed) {
+            return Some(work);
+        }
+        let _ = self.events.send(Event::Apart(Box::pin(work)));
+        None
     }
 
     /// Parks until the scheduler resumes this call, then runs it with the fault it chose. A call

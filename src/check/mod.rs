@@ -9,7 +9,9 @@
 //! faults: a reply lost after the call ran, a call re-sent, a call refused (not run, an error that
 //! is not the connection's, as `OOM` would be), a process killed between any two of
 //! its calls, time that runs past leases (the library's clock is virtual, see
-//! `protocol::checker_library_source`), a Redis crash and restart from its AOF. After every step
+//! `protocol::checker_library_source`), a Redis crash and restart from its AOF; and a slot's
+//! lane finish's releases run in the slot or as actors of their own (`Op::Take::apart`), as a
+//! worker runs them in tasks that die with its process. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
 //! sequence it drains everything to completion and checks that every accepted part ended with a
 //! result or a dead letter, one event per lifecycle (and that a listener hears each once and in
@@ -304,7 +306,9 @@ async fn drain(world: &mut World) -> Result<(), String> {
         for w in 0..WORKERS {
             world.apply(&Op::Beat { worker: w }).await?;
             for slot in 0..SLOTS {
-                world.apply(&Op::Take { worker: w, slot, floor: None, way: false }).await?;
+                world
+                    .apply(&Op::Take { worker: w, slot, floor: None, way: false, apart: round % 2 == 0 })
+                    .await?;
             }
         }
         world.apply(&Op::Recover { worker: (round % WORKERS as usize) as u8 }).await?;
@@ -474,7 +478,7 @@ fn search(budget: Duration, threads: usize, mix: Mix) -> Result<(u64, u64), Stri
         .map(|_| {
             let (next, stop, found, steps, replay) =
                 (next.clone(), stop.clone(), found.clone(), steps.clone(), replay.clone());
-            std::thread::spawn(move || {
+            on_a_deep_stack(move || {
                 let rt =
                     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
                 rt.block_on(async {
@@ -540,13 +544,14 @@ fn search_both(budget: Duration, mix: Mix) {
                 "protocol checker: {sequences} sequences, {steps} operations (dependencies' share {}): no \
                  invariant broken; so far {} requests ended at their deadline, {} failed because of an \
                  upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
-                 {} lane tokens were handed to a waiting slot",
+                 {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),
                 model::RAN_AFTER_UPSTREAMS.load(Ordering::Relaxed),
                 model::GROUPED_RUNS_CHECKED.load(Ordering::Relaxed),
-                model::HANDED_OFF.load(Ordering::Relaxed)
+                model::HANDED_OFF.load(Ordering::Relaxed),
+                model::RELEASED_APART.load(Ordering::Relaxed)
             ),
             Err(report) => panic!("{report}"),
         }
@@ -579,15 +584,31 @@ fn recorded_failures_stay_fixed() {
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     files.sort();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
-    rt.block_on(async {
-        let mut server = Server::start().await;
-        for file in files {
-            let ops: Vec<Op> = serde_json::from_slice(&std::fs::read(&file).expect("readable"))
-                .unwrap_or_else(|e| panic!("{}: not a sequence: {e}", file.display()));
-            if let Err(failure) = run(&mut server, &ops).await {
-                panic!("{} fails again after operation {}: {}", file.display(), failure.at, failure.message);
+    let replay = on_a_deep_stack(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+        rt.block_on(async {
+            let mut server = Server::start().await;
+            for file in files {
+                let ops: Vec<Op> = serde_json::from_slice(&std::fs::read(&file).expect("readable"))
+                    .unwrap_or_else(|e| panic!("{}: not a sequence: {e}", file.display()));
+                if let Err(failure) = run(&mut server, &ops).await {
+                    panic!(
+                        "{} fails again after operation {}: {}",
+                        file.display(),
+                        failure.at,
+                        failure.message
+                    );
+                }
             }
-        }
+        })
     });
+    if let Err(panic) = replay.join() {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// A thread for a world's runtime. Every actor of a world is polled on its one thread, through
+/// the real worker's futures, nested deeper than a test thread's 2 MiB holds in a debug build.
+fn on_a_deep_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> std::thread::JoinHandle<T> {
+    std::thread::Builder::new().stack_size(64 << 20).spawn(f).expect("a thread")
 }

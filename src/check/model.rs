@@ -1182,6 +1182,9 @@ pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync
 /// Lane tokens a submit handed to a worker's waiting slot that the slot read from its hand list
 /// (the others were taken under the offered id): how often the hand-offs' paths ran.
 pub(crate) static HANDED_OFF: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Releases of lane requests' downstreams that ran to their end as actors of their own
+/// (`Op::Take::apart`): how often the path of a worker's release tasks ran.
+pub(crate) static RELEASED_APART: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The invariants that hold once everything has drained: every accepted part ended with a result
 /// or a dead letter, one terminal record and one event per lifecycle, nothing left to expire.

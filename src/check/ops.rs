@@ -149,6 +149,11 @@ pub(crate) enum Op {
         /// gives way at its first batch's end (`Turn::then`). Absent in sequences recorded before it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         way: bool,
+        /// The releases its lane finishes owe run as actors of their own, as a worker's tasks do
+        /// (`slot::release`), rather than in the slot, as once a worker has many running. Absent
+        /// in sequences recorded before it (they ran in the slot).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        apart: bool,
     },
     /// Worker `worker` renews the leases its slots hold.
     Beat {
@@ -333,6 +338,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             slot: rng.gen_range(0..SLOTS),
             floor: (rng.gen_range(0..3) == 0).then(|| [50, 90][rng.gen_range(0..2)]),
             way: rng.gen_range(0..4) == 0,
+            apart: rng.gen_bool(0.5),
         },
         570..=659 => {
             let submit = draw_submit(rng);

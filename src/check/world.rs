@@ -86,12 +86,24 @@ pub(crate) enum Task {
     /// A reader of request `.0`'s results, from part `.1`, spawned while the model had seen `.2`
     /// purges of the id (a page that ends after another purge is of a request it no longer knows).
     Read(u8, u64, u32),
+    /// Work a slot started in a task of its own (a lane finish's release, `Gate::apart`), by the
+    /// actor that started it.
+    Apart(u64),
 }
 
 struct Actor {
     task: Option<JoinHandle<Outcome>>,
     process: Process,
     what: Task,
+    /// Whether it starts its work apart (`Op::Take::apart`, `Gate::apart`).
+    apart: bool,
+}
+
+/// Work an actor started apart, not yet an actor itself: it becomes one once its starter parks.
+struct Started {
+    by: u64,
+    process: Process,
+    work: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
 
 /// Something parked: an actor's next call, or a handler run.
@@ -144,6 +156,8 @@ pub(crate) struct World {
     incarnations: [u32; WORKERS as usize],
     actors: HashMap<u64, Actor>,
     next_actor: u64,
+    /// Work started apart by the actor running now (`Task::Apart`).
+    started: Vec<Started>,
     pub(crate) parked: Vec<Parked>,
     producers_busy: [bool; PRODUCERS as usize],
     /// What each producer process counted for the stats by stage and has not flushed (a new
@@ -220,6 +234,7 @@ impl World {
             incarnations: [0; WORKERS as usize],
             actors: HashMap::new(),
             next_actor: 0,
+            started: Vec::new(),
             parked: Vec::new(),
             producers_busy: [false; PRODUCERS as usize],
             producer_stats: Default::default(),
@@ -361,7 +376,7 @@ impl World {
                 })
                 .await
             }
-            Op::Take { worker, slot, floor, way } => {
+            Op::Take { worker, slot, floor, way, apart } => {
                 let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
                 self.worker(*worker).await?;
                 let id = self.next_actor;
@@ -376,7 +391,7 @@ impl World {
                 if *way {
                     shared.higher.announce(0, Priority::MAX);
                 }
-                self.spawn(process, Task::Take { slot: *slot }, async move {
+                self.spawn_as(process, Task::Take { slot: *slot }, *apart, async move {
                     let mut state = state.lock().await;
                     state.floor = floor;
                     match slot::take_and_serve(&shared, &mut state, &blocking, 0).await {
@@ -722,11 +737,36 @@ impl World {
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
+        self.spawn_as(process, what, false, body).await
+    }
+
+    /// [`spawn`](Self::spawn), for an actor that starts its work `apart` or not (`Gate::apart`).
+    async fn spawn_as<F>(&mut self, process: Process, what: Task, apart: bool, body: F) -> Result<(), String>
+    where
+        F: std::future::Future<Output = Outcome> + Send + 'static,
+    {
         let id = self.next_actor;
         self.next_actor += 1;
         let task = tokio::spawn(body);
-        self.actors.insert(id, Actor { task: Some(task), process, what });
-        self.run_until_parked(id).await
+        self.actors.insert(id, Actor { task: Some(task), process, what, apart });
+        Box::pin(self.run_until_parked(id)).await?;
+        Box::pin(self.start_apart()).await
+    }
+
+    /// Makes the work started apart actors of their own, each run to its first park: only now is
+    /// it polled, so that each event still comes from the one actor running.
+    async fn start_apart(&mut self) -> Result<(), String> {
+        while let Some(Started { by, process, work }) = self.started.pop() {
+            let id = self.next_actor;
+            self.next_actor += 1;
+            let task = tokio::spawn(async move {
+                work.await;
+                Outcome::Done
+            });
+            self.actors.insert(id, Actor { task: Some(task), process, what: Task::Apart(by), apart: false });
+            self.run_until_parked(id).await?;
+        }
+        Ok(())
     }
 
     /// Resumes one parked thing and runs its actor to its next park (or its end).
@@ -758,22 +798,31 @@ impl World {
                 let _ = resume.send(verdict);
             }
         }
-        self.run_until_parked(actor).await
+        Box::pin(self.run_until_parked(actor)).await?;
+        Box::pin(self.start_apart()).await
     }
 
     async fn run_until_parked(&mut self, id: u64) -> Result<(), String> {
-        let Some(mut task) = self.actors.get_mut(&id).and_then(|a| a.task.take()) else { return Ok(()) };
+        let Some(actor) = self.actors.get_mut(&id) else { return Ok(()) };
+        self.gate.set_apart(actor.apart);
+        let (Some(mut task), process) = (actor.task.take(), actor.process) else { return Ok(()) };
         let limit = tokio::time::sleep(STEP_LIMIT);
         tokio::pin!(limit);
-        let event = tokio::select! {
-            biased;
-            ev = self.events.recv() => Some(ev),
-            end = &mut task => {
-                let outcome = end.unwrap_or_else(|e| Outcome::Error(format!("actor panicked: {e}")));
-                self.finished(id, outcome);
-                return Ok(());
+        let event = loop {
+            let event = tokio::select! {
+                biased;
+                ev = self.events.recv() => Some(ev),
+                end = &mut task => {
+                    let outcome = end.unwrap_or_else(|e| Outcome::Error(format!("actor panicked: {e}")));
+                    self.finished(id, outcome);
+                    return Ok(());
+                }
+                _ = &mut limit => None,
+            };
+            match event {
+                Some(Some(Event::Apart(work))) => self.started.push(Started { by: id, process, work }),
+                other => break other,
             }
-            _ = &mut limit => None,
         };
         let actor = self.actors.get_mut(&id).expect("a running actor is known");
         match event {
@@ -797,6 +846,7 @@ impl World {
                 self.kill(process);
                 Ok(())
             }
+            Some(Some(Event::Apart(_))) => unreachable!("work started apart is kept above"),
             Some(None) => Err("the checker's event channel closed".into()),
             None => {
                 let what = actor.what.clone();
@@ -811,6 +861,9 @@ impl World {
             eprintln!("      actor {id} ended: {outcome:?}");
         }
         if let Some(actor) = self.actors.remove(&id) {
+            if matches!(actor.what, Task::Apart(_)) {
+                super::model::RELEASED_APART.fetch_add(1, Relaxed);
+            }
             self.release(id, &actor);
             self.model.ended(&actor.what, outcome);
         }
@@ -847,6 +900,8 @@ impl World {
             }
         }
         self.parked.retain(|p| !dead.contains(&p.actor()));
+        // What its actors started apart and that has not run yet dies with them.
+        self.started.retain(|s| s.process != process);
         if let Process::Producer(p) = process {
             // What it counted and had not flushed dies with it.
             self.producer_stats[p as usize] = None;

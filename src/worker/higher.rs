@@ -104,9 +104,13 @@ impl Drop for IdleReserved<'_> {
 }
 
 /// Subscribes to the `up` channel of every shard this worker serves and records what it hears in
-/// `higher`, until the returned task is aborted. Without it (no subscription could be made) slots
-/// still give way, at the end of their quantum.
-pub(crate) async fn listen(store: &Store, higher: Arc<Higher>) -> Option<tokio::task::JoinHandle<()>> {
+/// `higher`, until the returned task is aborted; the subscriber's connection is returned with it,
+/// for the worker to close (`hangup`). Without it (no subscription could be made) slots still give
+/// way, at the end of their quantum.
+pub(crate) async fn listen(
+    store: &Store,
+    higher: Arc<Higher>,
+) -> Option<(tokio::task::JoinHandle<()>, fred::clients::SubscriberClient)> {
     let channels: Vec<String> = (0..store.keys.shards()).map(|s| store.keys.up_channel(s)).collect();
     let subscribed = async {
         let sub = store.subscriber().await?;
@@ -121,9 +125,7 @@ pub(crate) async fn listen(store: &Store, higher: Arc<Higher>) -> Option<tokio::
             return None;
         }
     };
-    Some(tokio::spawn(async move {
-        // Owns the subscriber: it lives exactly as long as this task.
-        let _sub = sub;
+    let task = tokio::spawn(async move {
         loop {
             match messages.recv().await {
                 Ok(msg) => {
@@ -138,5 +140,6 @@ pub(crate) async fn listen(store: &Store, higher: Arc<Higher>) -> Option<tokio::
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
             }
         }
-    }))
+    });
+    Some((task, sub))
 }

@@ -1,6 +1,7 @@
 //! Workers: slots that take concurrency tokens, run the user's handler, and ack.
 
 mod handler;
+mod hangup;
 mod higher;
 mod leases;
 mod liveness;
@@ -14,8 +15,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fred::interfaces::ClientLike;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 pub use handler::{Context, Handler, HandlerError};
 
@@ -339,9 +340,13 @@ impl<H: Handler> WorkerBuilder<H> {
             true => crate::stats::Recorder::new(self.config.stats_keep()),
             false => crate::stats::Recorder::off(),
         };
+        // From here on, a failed build or a worker dropped unrun closes what it connected.
+        let mut hangup = hangup::Hangup::new(store.client.clone());
         let mut blocking = Vec::with_capacity(self.slots);
         for _ in 0..self.slots {
-            blocking.push(store.blocking_client().await?);
+            let client = store.blocking_client().await?;
+            hangup.blocking(client.clone());
+            blocking.push(client);
         }
         let (wake_tx, wakes) = tokio::sync::mpsc::unbounded_channel();
         Ok(Worker {
@@ -365,6 +370,7 @@ impl<H: Handler> WorkerBuilder<H> {
             }),
             reserved,
             blocking,
+            hangup,
             wakes,
             label: self.label,
         })
@@ -386,6 +392,8 @@ impl<H: Handler> WorkerBuilder<H> {
 pub struct Worker<H> {
     shared: Arc<slot::Shared<H>>,
     blocking: Vec<fred::clients::Client>,
+    /// Its connections, closed when it ends (a drop included).
+    hangup: hangup::Hangup,
     wakes: tokio::sync::mpsc::UnboundedReceiver<slot::Wake>,
     label: Option<String>,
     /// How many of the slots are reserved, and for which priorities (the last ones).
@@ -434,8 +442,17 @@ impl<H: Handler> Worker<H> {
     ///
     /// Besides its slots, every worker beats, reaps dead workers and takes its share of recovery,
     /// on a thread of its own: there is no master process.
+    ///
+    /// Dropping the returned future instead (an abort, a `select!` that chose another branch) is a
+    /// crash, not a stop: every task of the worker ends with it, whatever it held is reclaimed by
+    /// the other workers once its lease has passed, and its stats by stage not yet flushed are lost.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let shared = self.shared;
+        // What ends the tasks of a dropped run: the slots' JoinSet, the handles of the flusher, the
+        // listener and the unblocker (they abort on drop), the liveness thread's guard, this one
+        // for the releases, and `hangup` for the connections.
+        let _gone = shared.releasing.gone.clone().drop_guard();
+        let mut hangup = self.hangup;
         let info = WorkerInfo {
             id: shared.id(),
             slots: self.blocking.len(),
@@ -457,9 +474,15 @@ impl<H: Handler> Worker<H> {
         let flushing = CancellationToken::new();
         let flusher = shared.stats.is_on().then(|| {
             let (shared, stop) = (shared.clone(), flushing.clone());
-            tokio::spawn(async move { crate::stats::flush_until(&shared.stats, &shared.store, stop).await })
+            AbortOnDropHandle::new(tokio::spawn(async move {
+                crate::stats::flush_until(&shared.stats, &shared.store, stop).await
+            }))
         });
-        let listening = higher::listen(&shared.store, shared.higher.clone()).await;
+        let listening =
+            higher::listen(&shared.store, shared.higher.clone()).await.map(|(task, subscriber)| {
+                hangup.subscriber(subscriber);
+                AbortOnDropHandle::new(task)
+            });
         let mut slots = tokio::task::JoinSet::new();
         let shards = shared.store.keys.shards();
         let general = self.blocking.len() - self.reserved.map_or(0, |(n, _)| n);
@@ -477,7 +500,7 @@ impl<H: Handler> Worker<H> {
         }
         tracing::info!(worker = %shared.id(), "shutting down: finishing running handlers");
         shared.stopping.cancel();
-        let unblocking = tokio::spawn(unblock_idle(blocking));
+        let unblocking = AbortOnDropHandle::new(tokio::spawn(unblock_idle(blocking)));
         // One bound for the whole stop: the grace, then STOP_WAIT for the slots' hand-backs and
         // the last calls together.
         let deadline = tokio::time::Instant::now() + shared.shutdown_grace + STOP_WAIT;
@@ -523,7 +546,7 @@ impl<H: Handler> Worker<H> {
                     tracing::warn!(error = %e, "could not remove the worker's registration; it expires")
                 }
             }
-            let _ = shared.store.client.quit().await;
+            hangup.close().await;
         };
         if tokio::time::timeout_at(last_until, last).await.is_err() {
             tracing::warn!(

@@ -84,11 +84,20 @@ pub(crate) struct Shared<H> {
 /// The releases a worker's slots owe for the lane requests they finished, run in tasks of their
 /// own, at most [`Releasing::AT_ONCE`] at a time (beyond that, the slot runs one itself).
 #[derive(Clone, Debug)]
-pub(crate) struct Releasing(Arc<tokio::sync::Semaphore>);
+pub(crate) struct Releasing {
+    running: Arc<tokio::sync::Semaphore>,
+    /// Cancelled when the worker's future is dropped without a stop (`Worker::run_until`): its
+    /// release tasks end with it, as they would with its process, and leave their releases in the
+    /// outbox.
+    pub(crate) gone: CancellationToken,
+}
 
 impl Default for Releasing {
     fn default() -> Self {
-        Self(Arc::new(tokio::sync::Semaphore::new(Self::AT_ONCE as usize)))
+        Self {
+            running: Arc::new(tokio::sync::Semaphore::new(Self::AT_ONCE as usize)),
+            gone: CancellationToken::new(),
+        }
     }
 }
 
@@ -97,7 +106,7 @@ impl Releasing {
 
     /// Waits for the releases running to end (at a worker's stop).
     pub(crate) async fn drained(&self) {
-        let _ = self.0.acquire_many(Self::AT_ONCE).await;
+        let _ = self.running.acquire_many(Self::AT_ONCE).await;
     }
 }
 
@@ -1281,7 +1290,8 @@ async fn ack<H: Handler>(
     // outbox, for recovery if this fails).
     if let Some((shard, _)) = crate::keys::lane_of(&holding.element.key_id) {
         for owed in finishes.releases {
-            release(shared, shard, owed).await;
+            // Boxed: a release's future is large, and most acks release nothing.
+            Box::pin(release(shared, shard, owed)).await;
         }
     }
     Ok(next)
@@ -1290,25 +1300,34 @@ async fn ack<H: Handler>(
 /// Runs a release that a `lane_ack` owes, in a task of its own: the slot goes on meanwhile, to its
 /// next batch or its next take, where it may offer a hand-off (the standby) that the release's push
 /// of an opened downstream then hands it, one round trip sooner than a take after the bell. With
-/// [`Releasing::AT_ONCE`] running already, and under the checker, the slot runs it itself. A task
-/// that dies with its worker leaves the release in the outbox, for recovery.
+/// [`Releasing::AT_ONCE`] running already, the slot runs it itself. A task that dies with its
+/// worker leaves the release in the outbox, for recovery. Under the checker the release is an
+/// actor of its own or runs in the slot, as the take drew (`Gate::apart`).
 async fn release<H>(shared: &Shared<H>, shard: u32, owed: tokens::Owed) {
     let run = move |store: Store| async move {
         crate::shards::dag::release_owed(&store, shard, &owed.key_id, Some(owed.ended), owed.downstreams, 0)
             .await
     };
-    if !shared.store.deterministic() {
-        if let Ok(permit) = shared.releasing.0.clone().try_acquire_owned() {
-            let store = shared.store.clone();
-            tokio::spawn(
-                async move {
-                    run(store).await;
-                    drop(permit);
-                }
-                .instrument(tracing::Span::current()),
-            );
-            return;
+    #[cfg(test)]
+    if let Some(gate) = &shared.store.gate {
+        if let Some(work) = gate.apart(run(shared.store.clone())) {
+            work.await;
         }
+        return;
+    }
+    if let Ok(permit) = shared.releasing.running.clone().try_acquire_owned() {
+        let (store, gone) = (shared.store.clone(), shared.releasing.gone.clone());
+        tokio::spawn(
+            async move {
+                tokio::select! {
+                    _ = run(store) => {}
+                    _ = gone.cancelled() => {}
+                }
+                drop(permit);
+            }
+            .instrument(tracing::Span::current()),
+        );
+        return;
     }
     run(shared.store.clone()).await
 }

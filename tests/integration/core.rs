@@ -4,3 +4,105 @@
 //! 3-master Redis Cluster (`cargo test --test integration core::cluster::` runs only those).
 
 sluicegate_testkit::per_topology!(include!("../suites/core.rs"););
+
+/// Dropping a worker's future (`Running::crash` aborts its task) is a crash, not a stop
+/// (`Worker::run_until`): every task of the worker ends with it. Its subscription to the shard's
+/// `up` channel, which a task of its own holds, closes; until that task was aborted with the
+/// worker's future, it stayed subscribed, and the worker's release tasks ran on after it too.
+mod dropped {
+    use std::time::{Duration, Instant};
+
+    use crate::support::{env_on, start_worker, Probe};
+    use fred::prelude::PubsubInterface;
+    use sluicegate::Quantum;
+    use sluicegate_testkit::{connect, Topology};
+
+    async fn subscribers(redis: &fred::prelude::Client, channel: &str) -> i64 {
+        let reply: Vec<fred::types::Value> = redis.pubsub_numsub(channel).await.unwrap();
+        reply.get(1).and_then(|v| v.as_i64()).unwrap_or(0)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_workers_tasks_end_with_it() {
+        let env = env_on(Topology::Single, "dropped-worker").await;
+        let ns = env.config.namespace_str().to_owned();
+        let up = format!("{ns}:{{{ns}.q0}}:up");
+        let redis = connect(env.redis.url()).await.unwrap();
+        let worker = start_worker(&env.config, Probe::default(), 2, Quantum::default()).await;
+        let began = Instant::now();
+        while subscribers(&redis, &up).await == 0 {
+            assert!(began.elapsed() < Duration::from_secs(10), "the worker never listened on {up}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        worker.crash();
+        let began = Instant::now();
+        while subscribers(&redis, &up).await > 0 {
+            assert!(
+                began.elapsed() < Duration::from_secs(5),
+                "the dropped worker's listener is still subscribed to {up}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A worker's connections are closed when it ends: at a clean stop, and when its future is dropped
+/// (`Running::crash` aborts its task), which is a crash, not a stop (`Worker::run_until`). fred
+/// drives each connection in a task of its own that outlives the client's handles, so until the
+/// worker closed them, a stop left its subscription to the `up` channels open, and a dropped
+/// worker all its connections, its slots' pops still blocked for work. On a server of its own,
+/// so that it can count every connection.
+mod hangup {
+    use std::time::{Duration, Instant};
+
+    use crate::support::{start_worker, Probe};
+    use fred::interfaces::ClientInterface;
+    use sluicegate::{Config, Quantum};
+    use sluicegate_testkit::{connect, RedisServer};
+
+    /// The connections the server has, with what each ran last.
+    async fn connections(redis: &fred::prelude::Client) -> Vec<String> {
+        let list: String = redis.client_list::<String, ()>(None, None).await.unwrap();
+        list.lines().filter_map(|l| l.split(' ').find(|f| f.starts_with("cmd=")).map(str::to_owned)).collect()
+    }
+
+    async fn back_to(redis: &fred::prelude::Client, baseline: usize, after: &str) {
+        let began = Instant::now();
+        loop {
+            let now = connections(redis).await;
+            if now.len() == baseline {
+                return;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(5),
+                "after {after}, connections left open: {now:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_closes_its_connections_when_it_stops_and_when_it_is_dropped() {
+        let server = RedisServer::start().await.unwrap();
+        let config = Config::new(server.url()).namespace("hangup");
+        let redis = connect(&server.url()).await.unwrap();
+        let baseline = connections(&redis).await.len();
+        let worker = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
+        let began = Instant::now();
+        while !connections(&redis).await.iter().any(|c| c == "cmd=subscribe") {
+            assert!(began.elapsed() < Duration::from_secs(10), "the worker never subscribed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        worker.stop().await;
+        back_to(&redis, baseline, "a stop").await;
+
+        let worker = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
+        let began = Instant::now();
+        while !connections(&redis).await.iter().any(|c| c == "cmd=subscribe") {
+            assert!(began.elapsed() < Duration::from_secs(10), "the worker never subscribed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        worker.crash();
+        back_to(&redis, baseline, "a drop").await;
+    }
+}

@@ -1,0 +1,79 @@
+//! Closing a worker's connections when it ends, cleanly or not.
+//!
+//! A fred client's connection is driven by a task of fred's own, which outlives every handle to
+//! the client: dropping a worker (an aborted task, a `select!` that chose another branch, a worker
+//! built and never run) would leave its connections open, its slots' blocked pops still taking
+//! what they wait for, and its subscription to the `up` channels listening. So the worker keeps
+//! its connections here: a clean stop closes them ([`Hangup::close`]), and a drop closes them in a
+//! task of its own.
+
+use std::time::Duration;
+
+use fred::clients::{Client, SubscriberClient};
+use fred::interfaces::ClientInterface;
+use fred::prelude::ClientLike;
+
+/// How long the closing task of a dropped worker waits for Redis before it gives up (its
+/// connections then end with the process).
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// A worker's connections, closed once.
+pub(crate) struct Hangup {
+    /// The pipelined connection: closed last, after the others' calls.
+    main: Option<Client>,
+    /// The slots' blocking connections.
+    blocking: Vec<Client>,
+    /// The connection that listens for higher priorities (`higher::listen`).
+    subscriber: Option<SubscriberClient>,
+}
+
+impl Hangup {
+    pub(crate) fn new(main: Client) -> Self {
+        Self { main: Some(main), blocking: Vec::new(), subscriber: None }
+    }
+
+    pub(crate) fn blocking(&mut self, client: Client) {
+        self.blocking.push(client);
+    }
+
+    pub(crate) fn subscriber(&mut self, client: SubscriberClient) {
+        self.subscriber = Some(client);
+    }
+
+    /// Closes every connection: a blocking one is unblocked first (a pop waits for its timeout
+    /// before a `QUIT` sent behind it).
+    pub(crate) async fn close(mut self) {
+        close(std::mem::take(&mut self.blocking), self.subscriber.take(), self.main.take()).await
+    }
+}
+
+impl Drop for Hangup {
+    fn drop(&mut self) {
+        let (blocking, subscriber, main) =
+            (std::mem::take(&mut self.blocking), self.subscriber.take(), self.main.take());
+        if blocking.is_empty() && subscriber.is_none() && main.is_none() {
+            return;
+        }
+        // Dropped outside a runtime, the connections' own tasks are gone already.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(CLOSE_WAIT, close(blocking, subscriber, main)).await;
+            });
+        }
+    }
+}
+
+async fn close(blocking: Vec<Client>, subscriber: Option<SubscriberClient>, main: Option<Client>) {
+    let blocking = blocking.into_iter().map(|client| async move {
+        // (An error: it was not blocked.)
+        let _ = client.unblock_self(None).await;
+        let _ = client.quit().await;
+    });
+    futures::future::join_all(blocking).await;
+    if let Some(subscriber) = subscriber {
+        let _ = subscriber.quit().await;
+    }
+    if let Some(main) = main {
+        let _ = main.quit().await;
+    }
+}
