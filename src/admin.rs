@@ -2,6 +2,7 @@
 //! stats.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use fred::prelude::*;
 use fred::types::scan::Scanner;
@@ -10,6 +11,7 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::hangup::Hangup;
 use crate::keys::home_shard;
 use crate::protocol::operators::{self, Reprioritize};
 use crate::request::RequestId;
@@ -47,6 +49,8 @@ pub const STATUS_ERRORS: usize = 100;
 #[derive(Clone)]
 pub struct Admin {
     store: Store,
+    /// Its connection, closed when its last clone is dropped (none on a store of another's).
+    _hangup: Option<Arc<Hangup>>,
 }
 
 /// A request's state and counters.
@@ -261,13 +265,15 @@ pub struct Reprioritized {
 impl Admin {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
-        Ok(Self { store: crate::protocol::connect(config).await? })
+        let store = crate::protocol::connect(config).await?;
+        let hangup = Arc::new(Hangup::new(store.client.clone()));
+        Ok(Self { store, _hangup: Some(hangup) })
     }
 
     /// An admin on the randomized checker's store.
     #[cfg(test)]
     pub(crate) fn from_store(store: Store) -> Self {
-        Self { store }
+        Self { store, _hangup: None }
     }
 
     /// The request's state and counters.

@@ -12,6 +12,7 @@ use fred::prelude::*;
 
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
+use crate::hangup::Hangup;
 use crate::reply;
 use crate::request::RequestId;
 use crate::request::RequestState;
@@ -125,6 +126,8 @@ impl FromStr for Cursor {
 pub struct Listener {
     store: Store,
     reader: Client,
+    /// Its connections when they are its own (`resume_after`), closed when it is dropped.
+    _hangup: Hangup,
     /// Per token shard, its position: the id of the last entry read from its events stream (with
     /// `/n` while the events of that entry are buffered, for the cursors of the first n).
     cursors: Vec<String>,
@@ -172,15 +175,20 @@ impl Listener {
     /// Resumes after a [`CompletionEvent::cursor`] seen earlier.
     pub async fn resume_after(config: &Config, cursor: &Cursor) -> Result<Self> {
         let store = crate::protocol::connect(config).await?;
+        let mut hangup = Hangup::new(store.client.clone());
         let reader = store.blocking_client().await?;
-        Self::start(store, reader, cursor).await
+        hangup.blocking(reader.clone());
+        let mut listener = Self::start(store, reader, cursor).await?;
+        listener._hangup = hangup;
+        Ok(listener)
     }
 
     /// A listener of `store`'s namespace reading with `reader` (which it may block), after `cursor`.
     pub(crate) async fn start(store: Store, reader: Client, cursor: &Cursor) -> Result<Self> {
         let shards = store.keys.shards() as usize;
         let cursors = cursor.per_shard(shards);
-        let mut listener = Self { store, reader, cursors, turn: 0, buffered: VecDeque::new() };
+        let mut listener =
+            Self { store, reader, cursors, turn: 0, buffered: VecDeque::new(), _hangup: Hangup::none() };
         // A position inside an entry: the rest of that entry's events first.
         for shard in 0..shards {
             let (entry, read) = position(&listener.cursors[shard]);

@@ -65,6 +65,7 @@ pub mod codec;
 mod config;
 mod error;
 mod events;
+mod hangup;
 mod keys;
 #[cfg(test)]
 mod layering;

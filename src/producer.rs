@@ -15,6 +15,7 @@ use tracing::Instrument;
 use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
+use crate::hangup::Hangup;
 use crate::otel;
 use crate::protocol::lane;
 use crate::protocol::listing::{Kind, Row};
@@ -78,7 +79,7 @@ impl Producer {
     /// Connects to Redis, checks its version and loads the functions library.
     pub async fn connect(config: &Config) -> Result<Self> {
         let store = crate::protocol::connect(config).await?;
-        let counting = Arc::new(Counting::start(&store));
+        let counting = Arc::new(Counting::start(&store, Hangup::new(store.client.clone())));
         Ok(Self { store, doorbell: Arc::new(OnceCell::new()), counting })
     }
 
@@ -87,7 +88,7 @@ impl Producer {
     /// (flushed with the worker's counts), and the checker's producers.
     #[cfg(any(test, feature = "schedules"))]
     pub(crate) fn from_store(store: Store, recorder: Arc<Recorder>) -> Self {
-        let counting = Arc::new(Counting { recorder, stop: CancellationToken::new() });
+        let counting = Arc::new(Counting { recorder, stop: CancellationToken::new(), _hangup: None });
         Self { store, doorbell: Arc::new(OnceCell::new()), counting }
     }
 
@@ -1488,21 +1489,28 @@ impl Default for RetryPolicy {
 
 /// A producer's count of the requests it submitted, for the stats by stage: added to Redis every
 /// flush interval by a task of its own, which the last clone of the producer stops (the task then
-/// flushes once more, if the runtime still runs).
+/// flushes once more, if the runtime still runs, and closes the producer's connection).
 struct Counting {
     recorder: Arc<Recorder>,
     stop: CancellationToken,
+    /// The producer's connection when its store is its own and no flush task closes it: closed
+    /// when the last clone is dropped.
+    _hangup: Option<Hangup>,
 }
 
 impl Counting {
-    fn start(store: &Store) -> Self {
+    fn start(store: &Store, hangup: Hangup) -> Self {
         let recorder = Arc::new(Recorder::new(store.config.stats_keep()));
         let stop = CancellationToken::new();
         if recorder.is_on() {
-            let (recorder, store, stop) = (recorder.clone(), store.clone(), stop.clone());
-            tokio::spawn(async move { crate::stats::flush_until(&recorder, &store, stop).await });
+            let (flushed, store, stopped) = (recorder.clone(), store.clone(), stop.clone());
+            tokio::spawn(async move {
+                crate::stats::flush_until(&flushed, &store, stopped).await;
+                hangup.close().await
+            });
+            return Self { recorder, stop, _hangup: None };
         }
-        Self { recorder, stop }
+        Self { recorder, stop, _hangup: Some(hangup) }
     }
 }
 
@@ -1521,6 +1529,8 @@ type Listening = Arc<std::sync::Mutex<HashMap<String, Vec<Arc<tokio::sync::Notif
 struct Doorbell {
     listening: Listening,
     task: tokio::task::JoinHandle<()>,
+    /// Its subscriber's connection, closed when it is dropped (after `task` is aborted).
+    _hangup: Hangup,
 }
 
 /// One waiting call's place at the doorbell, left when dropped.
@@ -1549,9 +1559,9 @@ impl Doorbell {
         sub.subscribe(store.keys.done_channel()).await?;
         let listening = Listening::default();
         let rings = listening.clone();
+        let mut hangup = Hangup::none();
+        hangup.subscriber(sub);
         let task = tokio::spawn(async move {
-            // Owns the subscriber: it lives exactly as long as this task.
-            let _sub = sub;
             loop {
                 match messages.recv().await {
                     Ok(msg) => {
@@ -1574,7 +1584,7 @@ impl Doorbell {
                 }
             }
         });
-        Ok(Self { listening, task })
+        Ok(Self { listening, task, _hangup: hangup })
     }
 
     /// Listens for request `key_id`'s completion from now on.

@@ -1,7 +1,6 @@
 //! Workers: slots that take concurrency tokens, run the user's handler, and ack.
 
 mod handler;
-mod hangup;
 mod higher;
 mod leases;
 mod liveness;
@@ -341,7 +340,7 @@ impl<H: Handler> WorkerBuilder<H> {
             false => crate::stats::Recorder::off(),
         };
         // From here on, a failed build or a worker dropped unrun closes what it connected.
-        let mut hangup = hangup::Hangup::new(store.client.clone());
+        let mut hangup = crate::hangup::Hangup::new(store.client.clone());
         let mut blocking = Vec::with_capacity(self.slots);
         for _ in 0..self.slots {
             let client = store.blocking_client().await?;
@@ -393,7 +392,7 @@ pub struct Worker<H> {
     shared: Arc<slot::Shared<H>>,
     blocking: Vec<fred::clients::Client>,
     /// Its connections, closed when it ends (a drop included).
-    hangup: hangup::Hangup,
+    hangup: crate::hangup::Hangup,
     wakes: tokio::sync::mpsc::UnboundedReceiver<slot::Wake>,
     label: Option<String>,
     /// How many of the slots are reserved, and for which priorities (the last ones).

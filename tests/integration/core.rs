@@ -55,9 +55,9 @@ mod dropped {
 mod hangup {
     use std::time::{Duration, Instant};
 
-    use crate::support::{start_worker, Probe};
+    use crate::support::{start_worker, Job, Probe};
     use fred::interfaces::ClientInterface;
-    use sluicegate::{Config, Quantum};
+    use sluicegate::{Admin, Config, Listener, Producer, Quantum};
     use sluicegate_testkit::{connect, RedisServer};
 
     /// The connections the server has, with what each ran last.
@@ -104,5 +104,28 @@ mod hangup {
         }
         worker.crash();
         back_to(&redis, baseline, "a drop").await;
+    }
+
+    /// The same for the other components: a producer (its connection and its doorbell's
+    /// subscriber, once a wait started it), an admin and a listener close theirs when dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn producers_admins_and_listeners_close_their_connections_when_dropped() {
+        let server = RedisServer::start().await.unwrap();
+        let config = Config::new(server.url()).namespace("hangup-clients");
+        let redis = connect(&server.url()).await.unwrap();
+        let baseline = connections(&redis).await.len();
+        let producer = Producer::connect(&config).await.unwrap();
+        let handle = producer.request().submit([Job::new(1)]).await.unwrap();
+        assert!(handle.wait_timeout::<u64>(Duration::from_millis(50)).await.is_err(), "no worker runs it");
+        let admin = Admin::connect(&config).await.unwrap();
+        admin.status(handle.id()).await.unwrap();
+        let listener = Listener::connect(&config).await.unwrap();
+        assert!(connections(&redis).await.iter().any(|c| c == "cmd=subscribe"), "the doorbell subscribed");
+        drop((producer, handle));
+        back_to(&redis, baseline + 3, "a producer's drop").await;
+        drop(admin);
+        back_to(&redis, baseline + 2, "an admin's drop").await;
+        drop(listener);
+        back_to(&redis, baseline, "a listener's drop").await;
     }
 }

@@ -1,11 +1,11 @@
-//! Closing a worker's connections when it ends, cleanly or not.
+//! Closing a component's connections when it ends, cleanly or not.
 //!
 //! A fred client's connection is driven by a task of fred's own, which outlives every handle to
 //! the client: dropping a worker (an aborted task, a `select!` that chose another branch, a worker
 //! built and never run) would leave its connections open, its slots' blocked pops still taking
-//! what they wait for, and its subscription to the `up` channels listening. So the worker keeps
-//! its connections here: a clean stop closes them ([`Hangup::close`]), and a drop closes them in a
-//! task of its own.
+//! what they wait for, and its subscription to the `up` channels listening; dropping a producer,
+//! an admin or a listener would leave theirs. So each keeps the connections it made here: a clean
+//! stop closes them ([`Hangup::close`]), and a drop closes them in a task of its own.
 
 use std::time::Duration;
 
@@ -13,21 +13,27 @@ use fred::clients::{Client, SubscriberClient};
 use fred::interfaces::ClientInterface;
 use fred::prelude::ClientLike;
 
-/// How long the closing task of a dropped worker waits for Redis before it gives up (its
+/// How long the closing task of a dropped component waits for Redis before it gives up (its
 /// connections then end with the process).
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
-/// A worker's connections, closed once.
+/// A component's connections, closed once.
 pub(crate) struct Hangup {
     /// The pipelined connection: closed last, after the others' calls.
     main: Option<Client>,
-    /// The slots' blocking connections.
+    /// Blocking connections (a worker's slots', a listener's reader).
     blocking: Vec<Client>,
-    /// The connection that listens for higher priorities (`higher::listen`).
+    /// A pub/sub connection (a worker's `higher::listen`, a producer's doorbell).
     subscriber: Option<SubscriberClient>,
 }
 
 impl Hangup {
+    /// Nothing to close yet.
+    pub(crate) fn none() -> Self {
+        Self { main: None, blocking: Vec::new(), subscriber: None }
+    }
+
+    /// The component's pipelined connection (`Store::client`), when the store is its own.
     pub(crate) fn new(main: Client) -> Self {
         Self { main: Some(main), blocking: Vec::new(), subscriber: None }
     }
