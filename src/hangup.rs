@@ -25,17 +25,29 @@ pub(crate) struct Hangup {
     blocking: Vec<Client>,
     /// A pub/sub connection (a worker's `higher::listen`, a producer's doorbell).
     subscriber: Option<SubscriberClient>,
+    /// The runtime the connections' tasks run on, for a drop outside it.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Hangup {
     /// Nothing to close yet.
     pub(crate) fn none() -> Self {
-        Self { main: None, blocking: Vec::new(), subscriber: None }
+        Self {
+            main: None,
+            blocking: Vec::new(),
+            subscriber: None,
+            runtime: tokio::runtime::Handle::try_current().ok(),
+        }
     }
 
     /// The component's pipelined connection (`Store::client`), when the store is its own.
     pub(crate) fn new(main: Client) -> Self {
-        Self { main: Some(main), blocking: Vec::new(), subscriber: None }
+        Self {
+            main: Some(main),
+            blocking: Vec::new(),
+            subscriber: None,
+            runtime: tokio::runtime::Handle::try_current().ok(),
+        }
     }
 
     pub(crate) fn blocking(&mut self, client: Client) {
@@ -47,9 +59,11 @@ impl Hangup {
     }
 
     /// Closes every connection: a blocking one is unblocked first (a pop waits for its timeout
-    /// before a `QUIT` sent behind it).
+    /// before a `QUIT` sent behind it). Cancelled part-way (a stop's bound ran out), it leaves
+    /// them to its drop.
     pub(crate) async fn close(mut self) {
-        close(std::mem::take(&mut self.blocking), self.subscriber.take(), self.main.take()).await
+        close(&self.blocking, self.subscriber.as_ref(), self.main.as_ref()).await;
+        (self.blocking, self.subscriber, self.main) = (Vec::new(), None, None);
     }
 }
 
@@ -60,17 +74,18 @@ impl Drop for Hangup {
         if blocking.is_empty() && subscriber.is_none() && main.is_none() {
             return;
         }
-        // Dropped outside a runtime, the connections' own tasks are gone already.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        // (A runtime shut down drops the task: the connections' tasks are gone with it.)
+        if let Some(runtime) = tokio::runtime::Handle::try_current().ok().or_else(|| self.runtime.take()) {
             runtime.spawn(async move {
-                let _ = tokio::time::timeout(CLOSE_WAIT, close(blocking, subscriber, main)).await;
+                let closing = close(&blocking, subscriber.as_ref(), main.as_ref());
+                let _ = tokio::time::timeout(CLOSE_WAIT, closing).await;
             });
         }
     }
 }
 
-async fn close(blocking: Vec<Client>, subscriber: Option<SubscriberClient>, main: Option<Client>) {
-    let blocking = blocking.into_iter().map(|client| async move {
+async fn close(blocking: &[Client], subscriber: Option<&SubscriberClient>, main: Option<&Client>) {
+    let blocking = blocking.iter().map(|client| async move {
         // (An error: it was not blocked.)
         let _ = client.unblock_self(None).await;
         let _ = client.quit().await;

@@ -1555,12 +1555,13 @@ impl Drop for Ring {
 impl Doorbell {
     async fn start(store: &Store) -> Result<Self> {
         let sub = store.subscriber().await?;
+        // Closed when dropped from here on: a failed subscribe, or a wait cancelled meanwhile.
+        let mut hangup = Hangup::none();
+        hangup.subscriber(sub.clone());
         let mut messages = sub.message_rx();
         sub.subscribe(store.keys.done_channel()).await?;
         let listening = Listening::default();
         let rings = listening.clone();
-        let mut hangup = Hangup::none();
-        hangup.subscriber(sub);
         let task = tokio::spawn(async move {
             loop {
                 match messages.recv().await {

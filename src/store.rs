@@ -40,8 +40,9 @@ impl Store {
         config.validate()?;
         let namespace = config.validated_namespace()?;
         let client = new_client(config)?;
+        // (A failed `init` closes its connection task itself.)
         client.init().await.map_err(|e| connect_error(&config.url, e))?;
-        check_version(&client).await?;
+        hang_up_unless(&client, check_version(&client).await).await?;
         let store = Self {
             client,
             keys: Keys::new(&namespace, config.token_shards),
@@ -134,6 +135,15 @@ impl Store {
         sub.manage_subscriptions();
         Ok(sub)
     }
+}
+
+/// `ready`, after closing `client` if it is an error: a client connected (`init`) whose set-up
+/// failed after is dropped by its caller, while fred's task for its connection would go on.
+pub(crate) async fn hang_up_unless<C: ClientLike, T>(client: &C, ready: Result<T>) -> Result<T> {
+    if ready.is_err() {
+        let _ = client.quit().await;
+    }
+    ready
 }
 
 /// The fred configuration of `config`: its URL, and for `rediss://` the TLS settings. Every client

@@ -127,6 +127,9 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
     let t0 = Instant::now();
     let mut in_checks = Duration::ZERO;
     let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
+    // The drain's takes run releases apart every other round only in sequences that draw it, so
+    // that those recorded before it replay as they were.
+    let apart = ops.iter().any(|op| matches!(op, Op::Take { apart: true, .. }));
     for (at, op) in ops.iter().enumerate() {
         if trace {
             eprintln!("{at:>3} {op}  [parked: {}]", world.parked.len());
@@ -136,7 +139,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
             server.redis.kill().map_err(|e| fail(at)(e.to_string()))?;
             server.redis.restart().await.map_err(|e| fail(at)(e.to_string()))?;
         } else if *op == Op::Drain {
-            drain(world).await.map_err(fail(at))?;
+            drain(world, apart).await.map_err(fail(at))?;
         } else {
             world.apply(op).await.map_err(fail(at))?;
         }
@@ -145,7 +148,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
         in_checks += c.elapsed();
     }
     let t1 = Instant::now();
-    drain(world).await.map_err(fail(ops.len()))?;
+    drain(world, apart).await.map_err(fail(ops.len()))?;
     let t2 = Instant::now();
     world.stop_workers().await.map_err(fail(ops.len()))?;
     model::check_end(world).await.map_err(fail(ops.len()))?;
@@ -158,7 +161,8 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
 /// No more faults: every parked call and handler goes on, slots take, workers beat and recover,
 /// time passes, an operator finalizes streamed requests whose producer died; until every request
 /// is finished and nothing runs (at the end of a sequence, and where it has an `Op::Drain`).
-async fn drain(world: &mut World) -> Result<(), String> {
+/// `apart`: every other round, the slots' takes run their releases apart (`Op::Take::apart`).
+async fn drain(world: &mut World, apart: bool) -> Result<(), String> {
     use gate::{Fault, Verdict};
     let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
     let mut rounds = DRAIN_ROUNDS;
@@ -307,7 +311,13 @@ async fn drain(world: &mut World) -> Result<(), String> {
             world.apply(&Op::Beat { worker: w }).await?;
             for slot in 0..SLOTS {
                 world
-                    .apply(&Op::Take { worker: w, slot, floor: None, way: false, apart: round % 2 == 0 })
+                    .apply(&Op::Take {
+                        worker: w,
+                        slot,
+                        floor: None,
+                        way: false,
+                        apart: apart && round % 2 == 0,
+                    })
                     .await?;
             }
         }

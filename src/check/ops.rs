@@ -341,7 +341,18 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             apart: rng.gen_bool(0.5),
         },
         570..=659 => {
-            let submit = draw_submit(rng);
+            let mut submit = draw_submit(rng);
+            // Drawn for dependencies, half the other submits take a lane (whole, small, nothing
+            // that gives a request keys of its own): upstreams in lanes, whose releases a lane
+            // finish owes (`Op::Take::apart`), are otherwise about one submit in eight.
+            if mix.dags > 0.0 && rng.gen_bool(0.5) {
+                if let Shape::Whole { delay_ms, .. } = &mut submit.shape {
+                    *delay_ms = 0;
+                }
+                submit.own_stream = false;
+                (submit.deadline_ms, submit.rate, submit.group) = (0, None, None);
+                submit.after.clear();
+            }
             if submit.bulk && rng.gen_bool(0.5) {
                 draw_batch(rng, submit)
             } else {

@@ -11,7 +11,8 @@ use crate::store::Store;
 /// Connects (see `Store::connect`) and loads the functions library.
 pub(crate) async fn connect(config: &Config) -> Result<Store> {
     let store = Store::connect(config).await?;
-    store.load_library().await?;
+    let loaded = store.load_library().await;
+    crate::store::hang_up_unless(&store.client, loaded).await?;
     Ok(store)
 }
 

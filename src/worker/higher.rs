@@ -104,21 +104,24 @@ impl Drop for IdleReserved<'_> {
 }
 
 /// Subscribes to the `up` channel of every shard this worker serves and records what it hears in
-/// `higher`, until the returned task is aborted; the subscriber's connection is returned with it,
-/// for the worker to close (`hangup`). Without it (no subscription could be made) slots still give
-/// way, at the end of their quantum.
+/// `higher`, until the returned task is aborted; the subscriber's connection goes to the worker's
+/// `hangup`. Without it (no subscription could be made) slots still give way, at the end of their
+/// quantum.
 pub(crate) async fn listen(
     store: &Store,
     higher: Arc<Higher>,
-) -> Option<(tokio::task::JoinHandle<()>, fred::clients::SubscriberClient)> {
+    hangup: &mut crate::hangup::Hangup,
+) -> Option<tokio::task::JoinHandle<()>> {
     let channels: Vec<String> = (0..store.keys.shards()).map(|s| store.keys.up_channel(s)).collect();
     let subscribed = async {
         let sub = store.subscriber().await?;
+        // The worker's to close from here on, whatever happens next.
+        hangup.subscriber(sub.clone());
         let messages = sub.message_rx();
         sub.subscribe(channels.clone()).await?;
         Ok::<_, crate::error::Error>((sub, messages))
     };
-    let (sub, mut messages) = match subscribed.await {
+    let (_, mut messages) = match subscribed.await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(error = %e, "cannot listen for higher priorities; busy slots give way at the end of their quantum");
@@ -141,5 +144,5 @@ pub(crate) async fn listen(
             }
         }
     });
-    Some((task, sub))
+    Some(task)
 }

@@ -447,7 +447,8 @@ impl<H: Handler> Worker<H> {
     /// the other workers once its lease has passed, and its stats by stage not yet flushed are lost.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let shared = self.shared;
-        // What ends the tasks of a dropped run: the slots' JoinSet, the handles of the flusher, the
+        // What ends the tasks of a dropped run: the slots' JoinSet (a slot's running handler is
+        // aborted with it, `slot::supervise`), the handles of the flusher, the
         // listener and the unblocker (they abort on drop), the liveness thread's guard, this one
         // for the releases, and `hangup` for the connections.
         let _gone = shared.releasing.gone.clone().drop_guard();
@@ -477,11 +478,9 @@ impl<H: Handler> Worker<H> {
                 crate::stats::flush_until(&shared.stats, &shared.store, stop).await
             }))
         });
-        let listening =
-            higher::listen(&shared.store, shared.higher.clone()).await.map(|(task, subscriber)| {
-                hangup.subscriber(subscriber);
-                AbortOnDropHandle::new(task)
-            });
+        let listening = higher::listen(&shared.store, shared.higher.clone(), &mut hangup)
+            .await
+            .map(AbortOnDropHandle::new);
         let mut slots = tokio::task::JoinSet::new();
         let shards = shared.store.keys.shards();
         let general = self.blocking.len() - self.reserved.map_or(0, |(n, _)| n);

@@ -1111,6 +1111,8 @@ async fn supervise<H: Handler>(
     let logged = tracing::info_span!("handle", request_id = %ctx.request_id, index, attempt);
     let mut task =
         tokio::spawn(span.attach(async move { handler.handle(ctx, input).await }).instrument(logged));
+    // A slot dropped with its worker (a crash, not a stop) takes its running handler with it.
+    let _dies_with_slot = AbortOnDrop(task.abort_handle());
     let timeout = async {
         match policy.timeout {
             Some(limit) => tokio::time::sleep(limit).await,
@@ -1166,6 +1168,15 @@ async fn supervise<H: Handler>(
             outcome_of::<H::Output>(Ok(Ok(output)))
         }
         _ => abandoned,
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

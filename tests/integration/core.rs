@@ -128,4 +128,45 @@ mod hangup {
         drop(listener);
         back_to(&redis, baseline, "a listener's drop").await;
     }
+
+    /// A handler running when its worker is dropped ends with it, as with its process: before,
+    /// its task ran on, detached, its connection closed under it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_worker_takes_its_running_handlers_with_it() {
+        use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+        use std::sync::Arc;
+
+        #[derive(Clone, Default)]
+        struct Sleeper {
+            started: Arc<AtomicU32>,
+            ended: Arc<AtomicU32>,
+        }
+
+        #[sluicegate::async_trait]
+        impl sluicegate::Handler for Sleeper {
+            type Input = u64;
+            type Output = u64;
+            async fn handle(&self, _: sluicegate::Context, n: u64) -> Result<u64, sluicegate::HandlerError> {
+                self.started.fetch_add(1, SeqCst);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                self.ended.fetch_add(1, SeqCst);
+                Ok(n)
+            }
+        }
+
+        let server = RedisServer::start().await.unwrap();
+        let config = Config::new(server.url()).namespace("hangup-handlers");
+        let sleeper = Sleeper::default();
+        let worker = start_worker(&config, sleeper.clone(), 2, Quantum::default()).await;
+        let producer = Producer::connect(&config).await.unwrap();
+        producer.request().submit([1u64]).await.unwrap();
+        let began = Instant::now();
+        while sleeper.started.load(SeqCst) == 0 {
+            assert!(began.elapsed() < Duration::from_secs(10), "the handler never started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        worker.crash();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(sleeper.ended.load(SeqCst), 0, "the dropped worker's handler ran to its end");
+    }
 }

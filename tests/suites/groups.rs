@@ -48,11 +48,25 @@ impl Handler for ByGroup {
             r.0 += 1;
             r.1 = r.1.max(r.0);
         }
+        // Left when the run ends, or is dropped with a crashed worker (which aborts its handlers).
+        let running = Running { seen: self.seen.clone(), group: group.clone() };
         tokio::time::sleep(Duration::from_millis(sleep_ms)).await;
-        let mut s = self.seen.lock().unwrap();
-        s.running.get_mut(&group).expect("entered above").0 -= 1;
-        *s.done.entry(group).or_default() += 1;
+        drop(running);
+        *self.seen.lock().unwrap().done.entry(group).or_default() += 1;
         Ok(sleep_ms)
+    }
+}
+
+/// One run of a group's part, counted in `running` while it lives.
+struct Running {
+    seen: Arc<Mutex<Seen>>,
+    group: String,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        s.running.get_mut(&self.group).expect("entered before").0 -= 1;
     }
 }
 

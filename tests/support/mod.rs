@@ -148,6 +148,19 @@ pub struct Record {
     pub starts: Vec<(String, u64)>,
 }
 
+/// One run of a request's part, counted in its concurrency while it lives.
+struct Entered {
+    record: Arc<Mutex<Record>>,
+    id: String,
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        let mut r = self.record.lock().unwrap_or_else(|e| e.into_inner());
+        r.concurrency.get_mut(&self.id).expect("entered before").0 -= 1;
+    }
+}
+
 /// A handler that doubles `n`, sleeps or fails on request, and records concurrency and order.
 #[derive(Clone, Default)]
 pub struct Probe {
@@ -177,10 +190,12 @@ impl Handler for Probe {
             c.0 += 1;
             c.1 = c.1.max(c.0);
         }
+        // Left when the run ends, or is dropped with a crashed worker (which aborts its handlers).
+        let running = Entered { record: self.record.clone(), id };
         if job.sleep_ms > 0 {
             tokio::time::sleep(Duration::from_millis(job.sleep_ms)).await;
         }
-        self.record.lock().unwrap().concurrency.get_mut(&id).expect("entered above").0 -= 1;
+        drop(running);
         if job.fail {
             return Err(HandlerError::new(format!("job {} failed on purpose", job.n)));
         }
