@@ -81,6 +81,15 @@ mod hangup {
         }
     }
 
+    /// Waits until a worker listens for higher priorities (its last connection made at its start).
+    async fn subscribed(redis: &fred::prelude::Client) {
+        let began = Instant::now();
+        while !connections(redis).await.iter().any(|c| c == "cmd=subscribe") {
+            assert!(began.elapsed() < Duration::from_secs(10), "the worker never subscribed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_closes_its_connections_when_it_stops_and_when_it_is_dropped() {
         let server = RedisServer::start().await.unwrap();
@@ -88,20 +97,12 @@ mod hangup {
         let redis = connect(&server.url()).await.unwrap();
         let baseline = connections(&redis).await.len();
         let worker = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
-        let began = Instant::now();
-        while !connections(&redis).await.iter().any(|c| c == "cmd=subscribe") {
-            assert!(began.elapsed() < Duration::from_secs(10), "the worker never subscribed");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        subscribed(&redis).await;
         worker.stop().await;
         back_to(&redis, baseline, "a stop").await;
 
         let worker = start_worker(&config, Probe::default(), 3, Quantum::default()).await;
-        let began = Instant::now();
-        while !connections(&redis).await.iter().any(|c| c == "cmd=subscribe") {
-            assert!(began.elapsed() < Duration::from_secs(10), "the worker never subscribed");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        subscribed(&redis).await;
         worker.crash();
         back_to(&redis, baseline, "a drop").await;
     }
