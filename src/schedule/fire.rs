@@ -12,6 +12,7 @@
 //! docs/design/workflows.md, "The rule for cross-slot steps": the debt is the anchor, every call
 //! is idempotent, and the anchor goes last.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use super::cron::NEVER;
@@ -24,17 +25,17 @@ use crate::store::Store;
 /// Reads and compare-and-sets of one schedule in one pass, at most.
 const FIRE_TRIES: usize = 3;
 
-/// What one pass's firings did, for the worker's metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Report {
+/// Where the firings are counted, as each happens (the worker's metrics): a worker that dies
+/// part-way through a pass has counted every request it submitted.
+pub(crate) struct Counts<'a> {
     /// Ticks whose submit created their request.
-    pub(crate) submitted: u64,
+    pub(crate) submitted: &'a AtomicU64,
     /// Ticks whose request was there already (submitted by another worker, or by this one before
     /// a lost reply).
-    pub(crate) duplicates: u64,
+    pub(crate) duplicates: &'a AtomicU64,
     /// Firings refused because the schedule changed since it was read (another worker fired it,
     /// or an operator paused, resumed or replaced it).
-    pub(crate) conflicts: u64,
+    pub(crate) conflicts: &'a AtomicU64,
 }
 
 /// Fires schedules `names`, claimed by `claim_due` at Redis time `now`; ticks owed are left to
@@ -46,14 +47,13 @@ pub(crate) async fn fire(
     now: i64,
     names: &[String],
     claim: Duration,
-) -> Report {
-    let mut report = Report::default();
+    counts: &Counts<'_>,
+) {
     for name in names {
-        if let Err(e) = fire_one(store, producer, name, now, claim, &mut report).await {
+        if let Err(e) = fire_one(store, producer, name, now, claim, counts).await {
             tracing::warn!(schedule = name.as_str(), error = %e, "firing a schedule failed; it is tried again after its claim");
         }
     }
-    report
 }
 
 async fn fire_one(
@@ -62,7 +62,7 @@ async fn fire_one(
     name: &str,
     now: i64,
     claim: Duration,
-    report: &mut Report,
+    counts: &Counts<'_>,
 ) -> Result<()> {
     // A conflict means the state moved since it was read: another worker fired these ticks, or
     // an operator paused, resumed or replaced the schedule. Read again and fire from there (the
@@ -94,16 +94,16 @@ async fn fire_one(
         if moved {
             break;
         }
-        report.conflicts += 1;
+        counts.conflicts.fetch_add(1, Relaxed);
     }
     let Some((spec, owe)) = fired else { return Ok(()) };
     for tick in owe {
         let (builder, parts) = spec.request(producer.request(), tick)?;
         match builder.submit_encoded(parts).await {
-            Ok(_) => report.submitted += 1,
-            Err(Error::DuplicateRequestId(_)) => report.duplicates += 1,
+            Ok(_) => counts.submitted.fetch_add(1, Relaxed),
+            Err(Error::DuplicateRequestId(_)) => counts.duplicates.fetch_add(1, Relaxed),
             Err(e) => return Err(e),
-        }
+        };
         schedules::paid(store, name, tick).await?;
     }
     Ok(())

@@ -69,10 +69,12 @@ async fn pass_shard(
     #[cfg(feature = "schedules")]
     if let Some((now, names)) = due.schedules.filter(|(_, names)| !names.is_empty()) {
         let producer = crate::producer::Producer::from_store(store.clone(), stats.clone());
-        let fired = crate::schedule::fire::fire(store, &producer, now, &names, claim).await;
-        metrics.schedule_submits.fetch_add(fired.submitted, Relaxed);
-        metrics.schedule_duplicates.fetch_add(fired.duplicates, Relaxed);
-        metrics.schedule_conflicts.fetch_add(fired.conflicts, Relaxed);
+        let counts = crate::schedule::fire::Counts {
+            submitted: &metrics.schedule_submits,
+            duplicates: &metrics.schedule_duplicates,
+            conflicts: &metrics.schedule_conflicts,
+        };
+        crate::schedule::fire::fire(store, &producer, now, &names, claim, &counts).await;
     }
     #[cfg(not(feature = "schedules"))]
     let _ = stats;
