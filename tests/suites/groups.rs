@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use sluicegate::{async_trait, Admin, Context, Handler, HandlerError, Producer, Quantum, RequestState};
 
-use crate::support::{env_streams, fast, start_worker};
+use crate::support::{env_streams, fast, start_worker, OnDrop};
 
 /// What ran, by group (the request id's prefix before its first '-').
 #[derive(Default)]
@@ -49,24 +49,15 @@ impl Handler for ByGroup {
             r.1 = r.1.max(r.0);
         }
         // Left when the run ends, or is dropped with a crashed worker (which aborts its handlers).
-        let running = Running { seen: self.seen.clone(), group: group.clone() };
+        let (seen, left) = (self.seen.clone(), group.clone());
+        let running = OnDrop::new(move || {
+            let mut s = seen.lock().unwrap_or_else(|e| e.into_inner());
+            s.running.get_mut(&left).expect("entered before").0 -= 1;
+        });
         tokio::time::sleep(Duration::from_millis(sleep_ms)).await;
         drop(running);
         *self.seen.lock().unwrap().done.entry(group).or_default() += 1;
         Ok(sleep_ms)
-    }
-}
-
-/// One run of a group's part, counted in `running` while it lives.
-struct Running {
-    seen: Arc<Mutex<Seen>>,
-    group: String,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        s.running.get_mut(&self.group).expect("entered before").0 -= 1;
     }
 }
 

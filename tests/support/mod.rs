@@ -148,16 +148,21 @@ pub struct Record {
     pub starts: Vec<(String, u64)>,
 }
 
-/// One run of a request's part, counted in its concurrency while it lives.
-struct Entered {
-    record: Arc<Mutex<Record>>,
-    id: String,
+/// Runs its closure when dropped: a handler's count of the runs in progress is left when the run
+/// ends, and also when a crashed worker aborts it.
+pub struct OnDrop<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> OnDrop<F> {
+    pub fn new(f: F) -> Self {
+        Self(Some(f))
+    }
 }
 
-impl Drop for Entered {
+impl<F: FnOnce()> Drop for OnDrop<F> {
     fn drop(&mut self) {
-        let mut r = self.record.lock().unwrap_or_else(|e| e.into_inner());
-        r.concurrency.get_mut(&self.id).expect("entered before").0 -= 1;
+        if let Some(f) = self.0.take() {
+            f()
+        }
     }
 }
 
@@ -191,7 +196,11 @@ impl Handler for Probe {
             c.1 = c.1.max(c.0);
         }
         // Left when the run ends, or is dropped with a crashed worker (which aborts its handlers).
-        let running = Entered { record: self.record.clone(), id };
+        let record = self.record.clone();
+        let running = OnDrop::new(move || {
+            let mut r = record.lock().unwrap_or_else(|e| e.into_inner());
+            r.concurrency.get_mut(&id).expect("entered before").0 -= 1;
+        });
         if job.sleep_ms > 0 {
             tokio::time::sleep(Duration::from_millis(job.sleep_ms)).await;
         }
