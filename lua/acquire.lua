@@ -1,7 +1,8 @@
 -- acquire: a worker slot presents a token element it took, and gets sub-requests to run.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
--- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most, "<n>" or "<n>|flat"
+-- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most, "<n>" or "<n>|flat",
+-- and never more than the hold's share of the parts left: `left` / `limit`, rounded up (at least 1)
 -- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
 -- call finishes at its deadline
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
@@ -25,7 +26,7 @@
 --         {'stale'}: the element is not the token's current one (old epoch, or not queued).
 local function acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
-    'queued', 'eligible', 'dl', 'rate', 'tat')
+    'queued', 'eligible', 'dl', 'rate', 'tat', 'left', 'limit')
   local tok = m[1]
   if not tok then return {'drop'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
@@ -57,6 +58,10 @@ local function acquire(keys, args)
     return out
   end
   local want, flat = sg_want(args[6])
+  -- A hold's first batch is at most its share of the parts left: a slot that sized it from
+  -- another request's handler times must not run a slow request's parts one after another while
+  -- the request's other tokens find none.
+  want = math.min(want or 1, math.max(math.ceil(tonumber(m[14] or '0') / tonumber(m[15] or '1')), 1))
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], want, m[12], m[13], flat)
   if next[1] == 'park' then
     -- The slot has no policy of the request yet: the shards tell it where to arm the wake.

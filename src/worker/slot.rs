@@ -152,6 +152,9 @@ pub(crate) struct Slot {
     /// The handler time the slot last saw under a lane's token (`Batching::mean_us`), which sizes
     /// the first batch of its next lane hold (`Turn::new`).
     lane_mean_us: Option<f64>,
+    /// The same for a hold of a request of its own keys: it sizes the first batch of the slot's
+    /// next such hold, within the request's share (`acquire`) and `GUESS_BUDGET`.
+    own_mean_us: Option<f64>,
     /// A reserved slot's floor (`WorkerBuilder::reserve`): it takes no lower priority, and waits
     /// for work on the announcements at or above it (`heard`) rather than on the bell.
     pub(crate) floor: Option<Priority>,
@@ -182,6 +185,7 @@ impl Slot {
             owed: None,
             stay: false,
             lane_mean_us: None,
+            own_mean_us: None,
             floor: None,
             heard: None,
             go: None,
@@ -652,6 +656,12 @@ fn parse_token(store: &Store, list: &str, element: &str, shard: u32, take: u64) 
 /// so batches only grow while handlers are quick.
 const BATCH_TARGET: Duration = Duration::from_millis(2);
 
+/// How long a hold's first batch, sized from an earlier hold's handler times (`Turn::new`), may run
+/// before the rest of it is handed back unrun (`skip`): a request slower than the one that sized
+/// it then runs its next batches at its own pace, so the quantum and a give-way to a higher
+/// priority still come between parts.
+const GUESS_BUDGET: Duration = Duration::from_millis(8);
+
 /// Picks how many entries to ask for next, from how long handlers have been taking.
 struct Batching {
     max: u32,
@@ -687,21 +697,29 @@ struct Turn {
     parts: u32,
     /// It ended by giving way to a higher priority waiting on its shard.
     gave_way: bool,
+    /// The first batch was sized from an earlier hold's handler times (`mean_us`): it hands back
+    /// what it has not run after `GUESS_BUDGET`.
+    guessed: bool,
 }
 
 impl Turn {
-    /// A request's hold starts from a batch of one: handler times seen under another hold
-    /// (another request, or failures that returned at once) would size a batch that runs a slow
-    /// request's parts one after another in one slot, below its limit. A lane's hold starts from
-    /// `lane_mean_us`, the handler time of the slot's last lane hold: the lane's entries are many
-    /// small requests' parts, whose times a hold's batches already mix (a batch sized by one
-    /// request's parts may hold the next one's), and starting each hold from one entry made a
-    /// third of a lane's calls carry a single part.
-    fn new<H: Handler>(shared: &Shared<H>, one_part: bool, lane_mean_us: Option<f64>) -> Self {
-        let batching =
-            Batching { max: shared.max_batch, mean_us: lane_mean_us, fixed: shared.store.deterministic() };
+    /// A hold's first batch is sized from the handler time of the slot's last hold of the same
+    /// kind (`mean_us`: `Slot::lane_mean_us` or `Slot::own_mean_us`), or is one entry when the slot
+    /// has none. Starting each hold from one entry made a hold of a 100-part request pay a
+    /// one-part `ack` before its batches grew, and a lane's hold a third of its calls for single
+    /// parts. A guess from another request could make a slow request run its parts one after
+    /// another in one slot, below its limit, and hold its token past its quantum: `acquire` hands
+    /// a hold at most its share of the request's parts left (`left / limit`, rounded up), so the
+    /// request's other tokens find theirs, and the batch hands back what it has not run once it
+    /// has taken `GUESS_BUDGET` (`guessed`).
+    fn new<H: Handler>(shared: &Shared<H>, one_part: bool, mean_us: Option<f64>) -> Self {
+        let fixed = shared.store.deterministic();
+        let batching = Batching { max: shared.max_batch, mean_us, fixed };
         let parts = if one_part { 1 } else { shared.quantum.parts };
-        Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false }
+        let mut turn =
+            Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false, guessed: false };
+        turn.guessed = !fixed && turn.want() > 1;
+        turn
     }
 
     /// The next batch's size: what runs in about `BATCH_TARGET`, within what is left of the quantum.
@@ -765,7 +783,7 @@ async fn serve<H: Handler>(
 ) -> Result<()> {
     let consumer = shared.id();
     let lane = crate::keys::lane_of(&token.element.key_id).is_some();
-    let mut turn = Turn::new(shared, token.one_part, if lane { slot.lane_mean_us } else { None });
+    let mut turn = Turn::new(shared, token.one_part, if lane { slot.lane_mean_us } else { slot.own_mean_us });
     let acquired = token.acquired.take();
     let holding = Holding { element: &token.element, holder, consumer: &consumer };
     let first = match acquired {
@@ -782,6 +800,8 @@ async fn serve<H: Handler>(
     slot.stay = turn.gave_way;
     if lane {
         slot.lane_mean_us = turn.batching.mean_us;
+    } else {
+        slot.own_mean_us = turn.batching.mean_us;
     }
     match served {
         Served::Answer(last, policy) => settle(shared, slot, holder, &token, last, policy).await,
@@ -825,6 +845,8 @@ async fn run_batches<H: Handler>(
         let cancel = CancellationToken::new();
         shared.leases.hold(slot.n, lease.clone(), cancel.clone());
         let mut outcomes = Vec::with_capacity(entries.len());
+        // A first batch sized by a guess hands back what it has not run past its budget.
+        let budget = std::mem::take(&mut turn.guessed).then(|| Instant::now() + GUESS_BUDGET);
         for entry in &entries {
             if let Some(waited) = entry.started_after {
                 // This hand-out started the request: its queue wait, reported by the library.
@@ -837,6 +859,7 @@ async fn run_batches<H: Handler>(
             if shared.stopping.is_cancelled()
                 || matches!(outcomes.last(), Some(Outcome::Skipped))
                 || entry.policy(policy).deadline.is_some_and(|d| Instant::now() >= d)
+                || budget.is_some_and(|b| Instant::now() >= b)
             {
                 outcomes.push(Outcome::Skipped);
                 continue;

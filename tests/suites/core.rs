@@ -109,6 +109,66 @@ async fn a_busy_slot_gives_way_to_a_higher_priority_before_its_quantum_ends() {
     w.stop().await;
 }
 
+/// A slot sizes a hold's first batch from the handler times of its last hold: after fast requests
+/// that is a full batch. A slow request must still run at its limit: each hold is handed at most
+/// its share of the parts left (`acquire`), so its other tokens find parts too, rather than one
+/// slot holding them all while the rest park.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_fast_requests_a_slow_one_still_runs_at_its_limit() {
+    let env = env_on(TOPOLOGY, "share").await;
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 4, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let fast = producer.request().concurrency(4).unwrap().own_stream(true).submit((0..400).map(Job::new));
+    fast.await.unwrap().wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let slow = producer
+        .request()
+        .concurrency(4)
+        .unwrap()
+        .own_stream(true)
+        .submit((0..8).map(|i| Job::sleeping(i, 300)))
+        .await
+        .unwrap();
+    slow.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let max = probe.max_concurrency(slow.id().as_str());
+    assert_eq!(max, 4, "the slow request ran {max} parts at once, limit 4: one slot's first batch held its parts");
+    w.stop().await;
+}
+
+/// A first batch sized from fast handlers may hold many parts of a slow request: once it has run
+/// for its budget, it hands back the rest unrun, so a higher priority gets the slot between the
+/// slow parts rather than after the whole batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_batch_sized_by_fast_handlers_hands_back_a_slow_requests_rest() {
+    let env = env_on(TOPOLOGY, "guess").await;
+    let probe = Probe::default();
+    let quantum = Quantum { parts: 100_000, time: Duration::from_secs(600) };
+    let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let fast = producer.request().own_stream(true).submit((0..100).map(Job::new));
+    fast.await.unwrap().wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let slow = producer
+        .request()
+        .priority(1)
+        .unwrap()
+        .own_stream(true)
+        .submit((0..20).map(|i| Job::sleeping(i, 100)))
+        .await
+        .unwrap();
+    let ran_slow = |starts: &[(String, u64)]| starts.iter().filter(|(id, _)| id == slow.id().as_str()).count();
+    while ran_slow(&probe.starts()) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let urgent = producer.request().priority(99).unwrap().submit([Job::new(7)]).await.unwrap();
+    urgent.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let starts = probe.starts();
+    let at = starts.iter().position(|(id, _)| id == urgent.id().as_str()).expect("the urgent part ran");
+    let before = ran_slow(&starts[..at]);
+    assert!(before <= 3, "{before} slow parts started before the urgent one: the first batch ran whole");
+    slow.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    w.stop().await;
+}
+
 /// With two token shards, the slot that gives way takes next on the shard where the higher
 /// priority waits, not on the next shard in turn (where, here, nothing waits: it would sit out a
 /// shard poll there while the other slot runs the flood).
