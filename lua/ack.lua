@@ -9,7 +9,8 @@
 -- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
 --   entry id, outcome, body, retry delay (ms), attempt
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
---   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
+--   attempts, permanent); 'skip': the entry did not run (shutdown, or a first batch past its
+--   budget), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
 -- Returns {'run', entry, ...} as acquire (without the policy; flat entries with "<n>|flat"); {'requeue', element, priority}:
 --         push element back (give_back) onto the list of the request's priority now (an operator

@@ -263,8 +263,9 @@ enum Outcome {
         message: String,
         permanent: bool,
     },
-    /// Not run (shutdown), abandoned when shutdown's grace ran out, or failed after its hold
-    /// ended: handed out again first, no attempt spent.
+    /// Not run (shutdown, or a first batch past its budget: `GUESS_BUDGET`), abandoned when
+    /// shutdown's grace ran out, or failed after its hold ended: handed out again first, no
+    /// attempt spent.
     Skipped,
 }
 
@@ -854,8 +855,9 @@ async fn run_batches<H: Handler>(
                 shared.stats.count(token.priority, Counter::Started, 1);
                 shared.stats.time(token.priority, Timing::Wait, waited);
             }
-            // Once stopping (or once the grace ran out), the rest of the batch is handed back; past
-            // the request's deadline, no part starts.
+            // Once stopping (or once the grace ran out), or once a guessed first batch has run for
+            // its budget, the rest of the batch is handed back; past the request's deadline, no
+            // part starts.
             if shared.stopping.is_cancelled()
                 || matches!(outcomes.last(), Some(Outcome::Skipped))
                 || entry.policy(policy).deadline.is_some_and(|d| Instant::now() >= d)

@@ -169,6 +169,31 @@ async fn a_first_batch_sized_by_fast_handlers_hands_back_a_slow_requests_rest() 
     w.stop().await;
 }
 
+/// A rate-limited request's parts are charged to its rate as they are handed out: a first batch
+/// sized from fast handlers, then handed back after its budget, would have spent the starts of the
+/// parts it did not run. Its first batch is one part, so a burst of four runs at once here, where a
+/// spent start would wait 15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_request_spends_no_start_on_parts_a_first_batch_hands_back() {
+    let env = env_on(TOPOLOGY, "guessrate").await;
+    let probe = Probe::default();
+    let w = start_worker(&env.config, probe.clone(), 1, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let fast = producer.request().own_stream(true).submit((0..100).map(Job::new));
+    fast.await.unwrap().wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let limited = producer
+        .request()
+        .own_stream(true)
+        .rate(4, Duration::from_secs(60))
+        .unwrap()
+        .submit((0..4).map(|i| Job::sleeping(i, 20)))
+        .await
+        .unwrap();
+    let done = limited.wait_timeout::<u64>(Duration::from_secs(8)).await;
+    assert!(done.is_ok(), "a burst of 4 within a rate of 4 a minute did not run at once: {done:?}");
+    w.stop().await;
+}
+
 /// With two token shards, the slot that gives way takes next on the shard where the higher
 /// priority waits, not on the next shard in turn (where, here, nothing waits: it would sit out a
 /// shard poll there while the other slot runs the flood).

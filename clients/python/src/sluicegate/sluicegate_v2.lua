@@ -2800,7 +2800,8 @@ do
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] token number k   ARGV[3] token epoch   ARGV[4] holder (worker/slot)
 -- ARGV[5] stream consumer name   ARGV[6] batch: how many entries at most, "<n>" or "<n>|flat",
--- and never more than the hold's share of the parts left: `left` / `limit`, rounded up (at least 1)
+-- and never more than the hold's share of the parts left: `left` / `limit`, rounded up (at least 1);
+-- one for a rate-limited request
 -- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
 -- call finishes at its deadline
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
@@ -2859,7 +2860,9 @@ local function acquire(keys, args)
   -- A hold's first batch is at most its share of the parts left: a slot that sized it from
   -- another request's handler times must not run a slow request's parts one after another while
   -- the request's other tokens find none.
+  -- A rate-limited request's is one entry: an entry handed back unrun would stay spent from its rate.
   want = math.min(want or 1, math.max(math.ceil(tonumber(m[14] or '0') / tonumber(m[15] or '1')), 1))
+  if m[12] then want = 1 end
   local next = sg_next(keys, args[2], args[3], args[4], args[5], now, m[2], want, m[12], m[13], flat)
   if next[1] == 'park' then
     -- The slot has no policy of the request yet: the shards tell it where to arm the wake.
@@ -2893,7 +2896,8 @@ do
 -- ARGV[10..] one group of five per entry of the batch, in the order it was handed out:
 --   entry id, outcome, body, retry delay (ms), attempt
 --   outcome 'ok': body = result bytes; 'retry' / 'dead': body = the error record (JSON: error,
---   attempts, permanent); 'skip': the entry did not run (shutdown), it is handed out again first.
+--   attempts, permanent); 'skip': the entry did not run (shutdown, or a first batch past its
+--   budget), it is handed out again first.
 --   A dead letter stays pending, in the retry set at +inf, until requeue_dead or the retention.
 -- Returns {'run', entry, ...} as acquire (without the policy; flat entries with "<n>|flat"); {'requeue', element, priority}:
 --         push element back (give_back) onto the list of the request's priority now (an operator
