@@ -7,6 +7,7 @@
 //! an admin or a listener would leave theirs. So each keeps the connections it made here: a clean
 //! stop closes them ([`Hangup::close`]), and a drop closes them in a task of its own.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use fred::clients::{Client, SubscriberClient};
@@ -16,6 +17,69 @@ use fred::prelude::ClientLike;
 /// How long the closing task of a dropped component waits for Redis before it gives up (its
 /// connections then end with the process).
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// The closing tasks of dropped components that have not ended, and their end's signal.
+static CLOSING: AtomicUsize = AtomicUsize::new(0);
+static CLOSED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Waits until the connections of every component dropped so far are closed.
+///
+/// A producer, admin, listener or worker that is dropped rather than stopped closes its
+/// connections in a task of its own (at most 5 s: then they end with the process). A runtime
+/// shut down while such a task runs (a `main` returning right after the drop) cuts it short, and
+/// fred warns that it could not send `QUIT`. A program about to end can await this first: the
+/// `sluicegate` command line does.
+///
+/// ```no_run
+/// # async fn demo() -> sluicegate::Result<()> {
+/// let producer = sluicegate::Producer::connect(&sluicegate::Config::from_env()).await?;
+/// drop(producer);
+/// sluicegate::dropped_connections_closed().await;
+/// # Ok(()) }
+/// ```
+pub async fn dropped_connections_closed() {
+    loop {
+        let closed = CLOSED.notified();
+        tokio::pin!(closed);
+        // Registered before the count is read: an end between the two still wakes it.
+        closed.as_mut().enable();
+        if CLOSING.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        closed.await;
+    }
+}
+
+/// Counts a closing task from its spawn to its end, or to its drop with a runtime shut down.
+struct Closing;
+
+impl Closing {
+    fn start() -> Self {
+        CLOSING.fetch_add(1, Ordering::AcqRel);
+        Self
+    }
+}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        CLOSING.fetch_sub(1, Ordering::AcqRel);
+        CLOSED.notify_waiters();
+    }
+}
+
+/// A close that a component's own task makes once the component ends (a producer's flush task
+/// closes its connection after its last flush): counted by [`dropped_connections_closed`] from
+/// [`begin`](Self::begin), at the component's drop, until the task's copy is dropped too.
+#[derive(Clone, Default)]
+pub(crate) struct LaterClose(std::sync::Arc<std::sync::Mutex<Option<Closing>>>);
+
+impl LaterClose {
+    pub(crate) fn begin(&self) {
+        if let Ok(mut closing) = self.0.lock() {
+            closing.get_or_insert_with(Closing::start);
+        }
+    }
+}
 
 /// A component's connections, closed once.
 pub(crate) struct Hangup {
@@ -76,7 +140,9 @@ impl Drop for Hangup {
         }
         // (A runtime shut down drops the task: the connections' tasks are gone with it.)
         if let Some(runtime) = tokio::runtime::Handle::try_current().ok().or_else(|| self.runtime.take()) {
+            let counted = Closing::start();
             runtime.spawn(async move {
+                let _counted = counted;
                 let closing = close(&blocking, subscriber.as_ref(), main.as_ref());
                 let _ = tokio::time::timeout(CLOSE_WAIT, closing).await;
             });

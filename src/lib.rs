@@ -95,6 +95,7 @@ pub use async_trait::async_trait;
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Cursor, Listener};
+pub use hangup::dropped_connections_closed;
 pub use loader::Loader;
 pub use producer::{
     Completion, OpenRequest, Producer, RequestBuilder, RequestHandle, ResultsPage, MAX_UPSTREAMS,

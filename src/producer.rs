@@ -15,7 +15,7 @@ use tracing::Instrument;
 use crate::codec;
 use crate::config::Config;
 use crate::error::{retry_transient, Error, Result};
-use crate::hangup::Hangup;
+use crate::hangup::{Hangup, LaterClose};
 use crate::otel;
 use crate::protocol::lane;
 use crate::protocol::listing::{Kind, Row};
@@ -88,7 +88,12 @@ impl Producer {
     /// (flushed with the worker's counts), and the checker's producers.
     #[cfg(any(test, feature = "schedules"))]
     pub(crate) fn from_store(store: Store, recorder: Arc<Recorder>) -> Self {
-        let counting = Arc::new(Counting { recorder, stop: CancellationToken::new(), _hangup: None });
+        let counting = Arc::new(Counting {
+            recorder,
+            stop: CancellationToken::new(),
+            _hangup: None,
+            closing: LaterClose::default(),
+        });
         Self { store, doorbell: Arc::new(OnceCell::new()), counting }
     }
 
@@ -1496,26 +1501,32 @@ struct Counting {
     /// The producer's connection when its store is its own and no flush task closes it: closed
     /// when the last clone is dropped.
     _hangup: Option<Hangup>,
+    /// The flush task's close, counted from the last clone's drop until the task ends.
+    closing: LaterClose,
 }
 
 impl Counting {
     fn start(store: &Store, hangup: Hangup) -> Self {
         let recorder = Arc::new(Recorder::new(store.config.stats_keep()));
         let stop = CancellationToken::new();
+        let closing = LaterClose::default();
         if recorder.is_on() {
-            let (flushed, store, stopped) = (recorder.clone(), store.clone(), stop.clone());
+            let (flushed, store, stopped, counted) =
+                (recorder.clone(), store.clone(), stop.clone(), closing.clone());
             tokio::spawn(async move {
+                let _counted = counted;
                 crate::stats::flush_until(&flushed, &store, stopped).await;
                 hangup.close().await
             });
-            return Self { recorder, stop, _hangup: None };
+            return Self { recorder, stop, _hangup: None, closing };
         }
-        Self { recorder, stop, _hangup: Some(hangup) }
+        Self { recorder, stop, _hangup: Some(hangup), closing }
     }
 }
 
 impl Drop for Counting {
     fn drop(&mut self) {
+        self.closing.begin();
         self.stop.cancel();
     }
 }

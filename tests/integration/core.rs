@@ -130,6 +130,31 @@ mod hangup {
         back_to(&redis, baseline, "a listener's drop").await;
     }
 
+    /// A program about to end awaits `dropped_connections_closed`: it returns once the closing
+    /// tasks of everything dropped have ended, so a runtime shut down next cuts none short (the
+    /// command line's error paths drop their components, and fred then warned on stderr). With
+    /// Redis paused, a dropped producer's flush task waits for its last flush before its `QUIT`:
+    /// the wait lasts as long.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropped_connections_closed_waits_for_a_dropped_producers_last_flush_and_close() {
+        let server = RedisServer::start().await.unwrap();
+        let config = Config::new(server.url()).namespace("hangup-wait");
+        let redis = connect(&server.url()).await.unwrap();
+        let pause = || async {
+            let pause = vec!["PAUSE", "400", "ALL"];
+            let _: () =
+                fred::interfaces::ClientLike::custom(&redis, fred::cmd!("CLIENT"), pause).await.unwrap();
+            Instant::now()
+        };
+        let producer = Producer::connect(&config).await.unwrap();
+        producer.request().submit([Job::new(1)]).await.unwrap();
+        let began = pause().await;
+        drop(producer);
+        sluicegate::dropped_connections_closed().await;
+        let waited = began.elapsed();
+        assert!(waited >= Duration::from_millis(250), "a producer's close was waited for {waited:?}");
+    }
+
     /// A handler running when its worker is dropped ends with it, as with its process: before,
     /// its task ran on, detached, its connection closed under it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

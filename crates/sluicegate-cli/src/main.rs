@@ -93,7 +93,14 @@ fn main() -> ExitCode {
     let url = cli.redis.clone();
     let outcome = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => {
-            let outcome = runtime.block_on(run(cli));
+            let outcome = runtime.block_on(async {
+                let outcome = run(cli).await;
+                // Components dropped on the way out (an error returned early) close their
+                // connections in tasks of their own: a shutdown now would cut them short, and
+                // fred would warn on stderr.
+                sluicegate::dropped_connections_closed().await;
+                outcome
+            });
             // A blocking task left running (a read of stdin nobody closed, a lookup) must not hold
             // the exit: dropping the runtime would wait for it.
             runtime.shutdown_timeout(std::time::Duration::from_secs(1));
