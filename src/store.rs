@@ -98,6 +98,16 @@ impl Store {
         false
     }
 
+    /// Under the checker, whether the take running now hands back what follows its first batch's
+    /// first part, as a first batch past its budget does (`Op::Take::cut`, `slot::first_budget`).
+    pub(crate) fn cuts_first_batch(&self) -> bool {
+        #[cfg(test)]
+        if let Some(gate) = &self.gate {
+            return gate.cuts();
+        }
+        false
+    }
+
     /// A store for the randomized checker: every call goes through `gate`. Its library, loaded by
     /// `load_library`, is the checker's (a virtual clock).
     #[cfg(test)]

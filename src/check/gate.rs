@@ -69,17 +69,28 @@ pub(crate) struct Gate {
     /// runs it itself as a worker does once it has many such tasks running: the scheduler sets it
     /// before it resumes a slot's actor, from that take's `Op::Take::apart`.
     apart: AtomicBool,
+    /// Whether the actor running now cuts its hold's first batch after its first part
+    /// ([`Gate::cuts`]), set as `apart` is, from `Op::Take::cut`.
+    cut: AtomicBool,
 }
 
 impl Gate {
     pub(crate) fn new(load_chunk: usize) -> (Gate, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
-        (Gate { events, load_chunk, apart: AtomicBool::new(false) }, rx)
+        (Gate { events, load_chunk, apart: AtomicBool::new(false), cut: AtomicBool::new(false) }, rx)
     }
 
-    /// Sets whether the actor about to run starts its work apart.
-    pub(crate) fn set_apart(&self, on: bool) {
-        self.apart.store(on, Ordering::Relaxed);
+    /// Sets how the actor about to run was drawn: whether it starts its work apart, and whether
+    /// it cuts its first batch.
+    pub(crate) fn set_drawn(&self, apart: bool, cut: bool) {
+        self.apart.store(apart, Ordering::Relaxed);
+        self.cut.store(cut, Ordering::Relaxed);
+    }
+
+    /// Whether the running actor's hold hands back what follows its first batch's first part, as
+    /// one whose first part ran past its budget does (`slot::first_budget`).
+    pub(crate) fn cuts(&self) -> bool {
+        self.cut.load(Ordering::Relaxed)
     }
 
     /// Hands `work` to the scheduler to run as an actor of its own, if the running actor starts

@@ -11,7 +11,8 @@
 //! its calls, time that runs past leases (the library's clock is virtual, see
 //! `protocol::checker_library_source`), a Redis crash and restart from its AOF; and a slot's
 //! lane finish's releases run in the slot or as actors of their own (`Op::Take::apart`), as a
-//! worker runs them in tasks that die with its process. After every step
+//! worker runs them in tasks that die with its process, and its first batch handed back after
+//! its first part (`Op::Take::cut`), as when that part ran past the batch's budget. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
 //! sequence it drains everything to completion and checks that every accepted part ended with a
 //! result or a dead letter, one event per lifecycle (and that a listener hears each once and in
@@ -317,6 +318,7 @@ async fn drain(world: &mut World, apart: bool) -> Result<(), String> {
                         floor: None,
                         way: false,
                         apart: apart && round % 2 == 0,
+                        cut: false,
                     })
                     .await?;
             }
@@ -554,14 +556,16 @@ fn search_both(budget: Duration, mix: Mix) {
                 "protocol checker: {sequences} sequences, {steps} operations (dependencies' share {}): no \
                  invariant broken; so far {} requests ended at their deadline, {} failed because of an \
                  upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
-                 {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots",
+                 {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots, {} \
+                 sub-requests were handed back unrun",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),
                 model::RAN_AFTER_UPSTREAMS.load(Ordering::Relaxed),
                 model::GROUPED_RUNS_CHECKED.load(Ordering::Relaxed),
                 model::HANDED_OFF.load(Ordering::Relaxed),
-                model::RELEASED_APART.load(Ordering::Relaxed)
+                model::RELEASED_APART.load(Ordering::Relaxed),
+                model::HANDED_BACK.load(Ordering::Relaxed)
             ),
             Err(report) => panic!("{report}"),
         }

@@ -154,6 +154,12 @@ pub(crate) enum Op {
         /// in sequences recorded before it (they ran in the slot).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         apart: bool,
+        /// The hold's first batch hands back what follows its first part, as a first batch sized
+        /// by a guess does once it has run for its budget (`slot::GUESS_BUDGET`; the checker's
+        /// batches are not sized by timing, so the budget never runs out otherwise). Absent in
+        /// sequences recorded before it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cut: bool,
     },
     /// Worker `worker` renews the leases its slots hold.
     Beat {
@@ -339,6 +345,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             floor: (rng.gen_range(0..3) == 0).then(|| [50, 90][rng.gen_range(0..2)]),
             way: rng.gen_range(0..4) == 0,
             apart: rng.gen_bool(0.5),
+            cut: rng.gen_bool(0.5),
         },
         570..=659 => {
             let mut submit = draw_submit(rng);

@@ -97,6 +97,9 @@ struct Actor {
     what: Task,
     /// Whether it starts its work apart (`Op::Take::apart`, `Gate::apart`).
     apart: bool,
+    /// Whether its hold's first batch hands back what follows its first part (`Op::Take::cut`,
+    /// `Gate::cuts`).
+    cut: bool,
 }
 
 /// Work an actor started apart, not yet an actor itself: it becomes one once its starter parks.
@@ -376,7 +379,7 @@ impl World {
                 })
                 .await
             }
-            Op::Take { worker, slot, floor, way, apart } => {
+            Op::Take { worker, slot, floor, way, apart, cut } => {
                 let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
                 self.worker(*worker).await?;
                 let id = self.next_actor;
@@ -391,7 +394,7 @@ impl World {
                 if *way {
                     shared.higher.announce(0, Priority::MAX);
                 }
-                self.spawn_as(process, Task::Take { slot: *slot }, *apart, async move {
+                self.spawn_as(process, Task::Take { slot: *slot }, (*apart, *cut), async move {
                     let mut state = state.lock().await;
                     state.floor = floor;
                     match slot::take_and_serve(&shared, &mut state, &blocking, 0).await {
@@ -737,18 +740,25 @@ impl World {
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
-        self.spawn_as(process, what, false, body).await
+        self.spawn_as(process, what, (false, false), body).await
     }
 
-    /// [`spawn`](Self::spawn), for an actor that starts its work `apart` or not (`Gate::apart`).
-    async fn spawn_as<F>(&mut self, process: Process, what: Task, apart: bool, body: F) -> Result<(), String>
+    /// [`spawn`](Self::spawn), for a slot's take: whether it starts its work apart (`Gate::apart`),
+    /// and whether it cuts its first batch (`Gate::cuts`).
+    async fn spawn_as<F>(
+        &mut self,
+        process: Process,
+        what: Task,
+        (apart, cut): (bool, bool),
+        body: F,
+    ) -> Result<(), String>
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
         let id = self.next_actor;
         self.next_actor += 1;
         let task = tokio::spawn(body);
-        self.actors.insert(id, Actor { task: Some(task), process, what, apart });
+        self.actors.insert(id, Actor { task: Some(task), process, what, apart, cut });
         Box::pin(self.run_until_parked(id)).await?;
         Box::pin(self.start_apart()).await
     }
@@ -763,7 +773,10 @@ impl World {
                 work.await;
                 Outcome::Done
             });
-            self.actors.insert(id, Actor { task: Some(task), process, what: Task::Apart(by), apart: false });
+            self.actors.insert(
+                id,
+                Actor { task: Some(task), process, what: Task::Apart(by), apart: false, cut: false },
+            );
             self.run_until_parked(id).await?;
         }
         Ok(())
@@ -804,7 +817,7 @@ impl World {
 
     async fn run_until_parked(&mut self, id: u64) -> Result<(), String> {
         let Some(actor) = self.actors.get_mut(&id) else { return Ok(()) };
-        self.gate.set_apart(actor.apart);
+        self.gate.set_drawn(actor.apart, actor.cut);
         let (Some(mut task), process) = (actor.task.take(), actor.process) else { return Ok(()) };
         let limit = tokio::time::sleep(STEP_LIMIT);
         tokio::pin!(limit);
@@ -911,6 +924,7 @@ impl World {
             if let Some(p) = self.workers[w as usize].take_if(|p| p.incarnation == inc) {
                 self.model.schedule_submits_before += p.shared.metrics.schedule_submits.load(Relaxed);
                 super::model::HANDED_OFF.fetch_add(p.shared.metrics.handed_off.load(Relaxed), Relaxed);
+                super::model::HANDED_BACK.fetch_add(p.shared.metrics.handed_back.load(Relaxed), Relaxed);
             }
         }
     }
@@ -932,6 +946,7 @@ impl World {
             let Some(p) = w.take() else { continue };
             self.model.schedule_submits_before += p.shared.metrics.schedule_submits.load(Relaxed);
             super::model::HANDED_OFF.fetch_add(p.shared.metrics.handed_off.load(Relaxed), Relaxed);
+            super::model::HANDED_BACK.fetch_add(p.shared.metrics.handed_back.load(Relaxed), Relaxed);
             let shared = slot::Shared {
                 store: plain.clone(),
                 handler: p.shared.handler.clone(),

@@ -89,6 +89,11 @@ pub struct WorkerMetrics {
     /// idle worker) by a small request's submit or another request's push: run without a take of
     /// their own.
     pub handed_off: AtomicU64,
+    /// Sub-requests its slots handed back without an outcome, to be handed out again with no
+    /// attempt spent: the rest of a first batch that ran past its budget (its size was a guess
+    /// from the slot's last hold), the rest of a batch when the worker stopped or the request's
+    /// deadline passed, and runs stopped because their hold ended.
+    pub handed_back: AtomicU64,
 }
 
 impl Default for WorkerMetrics {
@@ -109,6 +114,7 @@ impl Default for WorkerMetrics {
             schedule_duplicates: AtomicU64::new(0),
             schedule_conflicts: AtomicU64::new(0),
             handed_off: AtomicU64::new(0),
+            handed_back: AtomicU64::new(0),
         }
     }
 }

@@ -663,6 +663,17 @@ const BATCH_TARGET: Duration = Duration::from_millis(2);
 /// priority still come between parts.
 const GUESS_BUDGET: Duration = Duration::from_millis(8);
 
+/// How long a hold's first batch of more than one entry may run: `GUESS_BUDGET`, its size being a
+/// guess. The checker's batches are not sized by timing (`Store::deterministic`), so its budget
+/// never runs out, except that a take may draw one spent at once (`Op::Take::cut`): that batch
+/// hands back what follows its first part, as one whose first part ran past the budget does.
+fn first_budget<H: Handler>(shared: &Shared<H>) -> Option<Duration> {
+    if shared.store.deterministic() {
+        return shared.store.cuts_first_batch().then_some(Duration::ZERO);
+    }
+    Some(GUESS_BUDGET)
+}
+
 /// Picks how many entries to ask for next, from how long handlers have been taking.
 struct Batching {
     max: u32,
@@ -698,9 +709,9 @@ struct Turn {
     parts: u32,
     /// It ended by giving way to a higher priority waiting on its shard.
     gave_way: bool,
-    /// The first batch was sized from an earlier hold's handler times (`mean_us`): it hands back
-    /// what it has not run after `GUESS_BUDGET`.
-    guessed: bool,
+    /// The first batch was sized from an earlier hold's handler times (`mean_us`): how long it may
+    /// run before it hands back what it has not run (`first_budget`).
+    guessed: Option<Duration>,
 }
 
 impl Turn {
@@ -718,8 +729,8 @@ impl Turn {
         let batching = Batching { max: shared.max_batch, mean_us, fixed };
         let parts = if one_part { 1 } else { shared.quantum.parts };
         let mut turn =
-            Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false, guessed: false };
-        turn.guessed = !fixed && turn.want() > 1;
+            Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false, guessed: None };
+        turn.guessed = if turn.want() > 1 { first_budget(shared) } else { None };
         turn
     }
 
@@ -846,8 +857,9 @@ async fn run_batches<H: Handler>(
         let cancel = CancellationToken::new();
         shared.leases.hold(slot.n, lease.clone(), cancel.clone());
         let mut outcomes = Vec::with_capacity(entries.len());
-        // A first batch sized by a guess hands back what it has not run past its budget.
-        let budget = std::mem::take(&mut turn.guessed).then(|| Instant::now() + GUESS_BUDGET);
+        // A first batch sized by a guess hands back what it has not run past its budget (its first
+        // part always runs).
+        let budget = turn.guessed.take().map(|b| Instant::now() + b);
         for entry in &entries {
             if let Some(waited) = entry.started_after {
                 // This hand-out started the request: its queue wait, reported by the library.
@@ -861,7 +873,7 @@ async fn run_batches<H: Handler>(
             if shared.stopping.is_cancelled()
                 || matches!(outcomes.last(), Some(Outcome::Skipped))
                 || entry.policy(policy).deadline.is_some_and(|d| Instant::now() >= d)
-                || budget.is_some_and(|b| Instant::now() >= b)
+                || (!outcomes.is_empty() && budget.is_some_and(|b| Instant::now() >= b))
             {
                 outcomes.push(Outcome::Skipped);
                 continue;
@@ -1279,7 +1291,10 @@ async fn ack<H: Handler>(
                 counts[0] += 1;
                 tokens::Outcome::Ok(bytes)
             }
-            Outcome::Skipped => tokens::Outcome::Skip,
+            Outcome::Skipped => {
+                m.handed_back.fetch_add(1, Relaxed);
+                tokens::Outcome::Skip
+            }
             Outcome::Failed { message, permanent } => {
                 let last = policy.is_last(entry.attempt, permanent);
                 let record = PartError { message, attempts: entry.attempt, permanent };

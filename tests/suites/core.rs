@@ -1,6 +1,7 @@
 // The body of tests/integration/core.rs: written once, run against a single Redis and a 3-master Redis
 // Cluster (`per_topology!` runs it once for each).
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use sluicegate::{Error, Listener, Producer, Quantum, RequestState};
@@ -166,6 +167,8 @@ async fn a_first_batch_sized_by_fast_handlers_hands_back_a_slow_requests_rest() 
     let before = ran_slow(&starts[..at]);
     assert!(before <= 3, "{before} slow parts started before the urgent one: the first batch ran whole");
     slow.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    let back = w.metrics().handed_back.load(Relaxed);
+    assert!(back >= 1, "the worker counted {back} parts handed back (WorkerMetrics::handed_back)");
     w.stop().await;
 }
 

@@ -514,6 +514,51 @@ def test_token_shards_spread_tokens_and_events_and_everything_completes(server: 
     assert len(got[-1].cursor.split(",")) == 3
 
 
+def test_after_fast_requests_a_slow_one_still_runs_at_its_limit(server: Any, ns: str, running: Running) -> None:
+    """A slot sizes a hold's first batch from its last hold: fast handlers must not make one slot
+    take all of a slow request's parts (``acquire`` hands it its share of the parts left)."""
+    seen = Concurrency()
+
+    def handler(ctx: Any, part: Any) -> Any:
+        seen.enter(ctx.request_id)
+        time.sleep(part.get("sleep", 0))
+        seen.leave(ctx.request_id)
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=4)
+    p = Producer(server.url, ns)
+    assert p.submit(parts(400), concurrency=4, own_stream=True).wait(timeout=30).state == "completed"
+    slow = p.submit([{"i": i, "sleep": 0.3} for i in range(8)], concurrency=4, own_stream=True)
+    assert slow.wait(timeout=30).results == list(range(8))
+    assert seen.most[slow.id] == 4, f"the slow request ran {seen.most[slow.id]} parts at once, limit 4"
+
+
+def test_a_first_batch_sized_by_fast_handlers_hands_back_a_slow_requests_rest(
+    server: Any, ns: str, running: Running
+) -> None:
+    """Once a guessed first batch has run for its budget it hands back what it has not run, so a
+    higher priority gets the slot between a slow request's parts, not after the whole batch."""
+    started: List[str] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        started.append(ctx.request_id)
+        time.sleep(part.get("sleep", 0))
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=1, quantum_parts=100_000, quantum_time=600.0)
+    p = Producer(server.url, ns)
+    assert p.submit(parts(100), own_stream=True).wait(timeout=30).state == "completed"
+    slow = p.submit([{"i": i, "sleep": 0.1} for i in range(20)], priority=1, own_stream=True)
+    deadline = time.monotonic() + 10
+    while slow.id not in started and time.monotonic() < deadline:
+        time.sleep(0.005)
+    urgent = p.submit(parts(1), priority=99)
+    assert urgent.wait(timeout=30).state == "completed"
+    before = started[: started.index(urgent.id)].count(slow.id)
+    assert before <= 3, f"{before} slow parts started before the urgent one: the first batch ran whole"
+    assert slow.wait(timeout=30).results == list(range(20))
+
+
 def test_a_free_slot_takes_the_highest_priority_waiting(server: Any, ns: str, running: Running) -> None:
     order: List[str] = []
 

@@ -359,10 +359,10 @@ def test_a_rate_limited_group_starts_its_parts_at_its_rate_one_per_take(
     per_take: Dict[Any, int] = defaultdict(int)
     run_batch = worker_module._Slot.run_batch
 
-    def counted(self: Any, t: Any, entries: Any, policy: Any) -> Any:
+    def counted(self: Any, t: Any, entries: Any, policy: Any, *rest: Any) -> Any:
         with lock:
             per_take[(self.n, t.take, t.group)] += len(entries)
-        return run_batch(self, t, entries, policy)
+        return run_batch(self, t, entries, policy, *rest)
 
     monkeypatch.setattr(worker_module._Slot, "run_batch", counted)
     p = Producer(server.url, ns)

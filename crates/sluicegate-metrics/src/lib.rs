@@ -261,6 +261,11 @@ impl Collector for WorkerCollector {
                 &m.handed_off,
             ),
             (
+                "handed_back",
+                "Sub-requests this worker's slots handed back without an outcome, to run again with no attempt spent (the rest of a first batch past its budget, of a batch at a stop or a deadline, runs stopped as their hold ended)",
+                &m.handed_back,
+            ),
+            (
                 "schedule_submits",
                 "Schedule ticks whose request this worker's recovery created",
                 &m.schedule_submits,

@@ -41,6 +41,9 @@ log = logging.getLogger("sluicegate.worker")
 LISTEN_TICK = 0.1
 #: How long a batch of fast handlers should take (src/worker/slot.rs BATCH_TARGET).
 BATCH_TARGET_US = 2000.0
+#: How long a hold's first batch, sized from the slot's last hold, may run before it hands back
+#: what it has not run (src/worker/slot.rs GUESS_BUDGET).
+GUESS_BUDGET_S = 0.008
 #: Dead workers one beat claims at most.
 REAP_BATCH = 16
 
@@ -793,7 +796,11 @@ class _Slot:
         self.last_take: List[Optional[int]] = [None] * worker.settings.token_shards
         self.pending: Optional[int] = None
         self.executor = None if worker.is_async else concurrent.futures.ThreadPoolExecutor(1, f"sluicegate-handler-{n}")
+        # The handler time of the hold under way (µs), and the slot's last of each kind, which
+        # size the first batch of its next hold of that kind (src/worker/slot.rs Turn::new).
         self.mean_us: Optional[float] = None
+        self.lane_mean_us: Optional[float] = None
+        self.own_mean_us: Optional[float] = None
         # The last handler run's own time (µs), set by the thread or task that ran it.
         self.ran_us: Optional[float] = None
         # A reserved slot's floor (`reserve`): it takes no lower priority, and waits for work on
@@ -893,7 +900,8 @@ class _Slot:
         take_id = self.next_take
         prev = self.last_take[shard]
         self.pending = shard
-        self.mean_us = None  # each hold starts from a batch of one
+        # A lane's token comes with its first batch, sized from the slot's last lane hold.
+        self.mean_us = self.lane_mean_us
         reply = fcall_items(
             self.p.conn.fcall(
                 "take", [k.held(shard), k.bell(shard), k.active(shard), k.armed(shard), k.paused(shard)],
@@ -944,22 +952,30 @@ class _Slot:
     def serve(self, holder: str, token: _Token) -> None:
         self._holder = holder
         self.consumer = self.w.worker_id
+        # The first batch is sized from the slot's last hold of the same kind (`acquire` caps it
+        # at the hold's share of the parts left); a guess, it hands back what it has not run once
+        # it has taken GUESS_BUDGET_S, so a slower request still gives way between its parts.
+        lane = lane_of(token.kid) is not None
+        self.mean_us = self.lane_mean_us if lane else self.own_mean_us
+        # Parts this hold may run: the quantum's, or one for a token taken for one part.
+        quantum = 1 if token.one_part else self.w.quantum_parts
+        want = self.want(0, quantum)
+        budget: Optional[float] = GUESS_BUDGET_S if want > 1 else None
         first = token.acquired
         if first is None:
             try:
-                first = self.acquire(token, 1)
+                first = self.acquire(token, want)
             except Exception as e:  # noqa: BLE001 - whether it ran is unknown
                 self.reclaim_own(token, e)
                 return
         started = time.monotonic()
         ran = 0
-        # Parts this hold may run: the quantum's, or one for a token taken for one part.
-        quantum = 1 if token.one_part else self.w.quantum_parts
         policy: Optional[_Policy] = None
         nxt = first
         while nxt.tag == "run":
             policy = nxt.policy or policy
-            outcomes = self.run_batch(token, nxt.entries, policy)
+            outcomes = self.run_batch(token, nxt.entries, policy, budget)
+            budget = None
             ran += len(nxt.entries)
             keep = (
                 ran < quantum
@@ -975,6 +991,10 @@ class _Slot:
                 return
             finally:
                 self.w._unhold(self.n)
+        if lane:
+            self.lane_mean_us = self.mean_us
+        else:
+            self.own_mean_us = self.mean_us
         self.settle(token, nxt, policy)
 
     def acquire(self, t: _Token, want: int) -> _Next:
@@ -992,16 +1012,25 @@ class _Slot:
         sent = time.monotonic()
         return _parse_next(self.p.conn.fcall("acquire", keys, args), ACQUIRE, sent)
 
-    def run_batch(self, t: _Token, entries: List[_Entry], policy: Optional[_Policy]) -> List[Tuple[Any, ...]]:
+    def run_batch(
+        self, t: _Token, entries: List[_Entry], policy: Optional[_Policy], budget: Optional[float] = None
+    ) -> List[Tuple[Any, ...]]:
         w = self.w
+        until = None if budget is None else time.monotonic() + budget
         meta = self.p.keys.request(t.kid).meta
         batch_cancel = _Cancel()
         w._hold(self.n, _Lease(meta, t.k, t.epoch, self._holder, None, time.monotonic(), batch_cancel))
         outcomes: List[Tuple[Any, ...]] = []
         for e in entries:
-            # Once stopping (or once the grace ran out), the rest of the batch is handed back; past
+            # Once stopping (or once the grace ran out), or once a guessed first batch has run for
+            # its budget (its first part always runs), the rest of the batch is handed back; past
             # the request's deadline, no part starts (the ack then ends the request).
-            if w.stopping.is_set() or (outcomes and outcomes[-1][0] == "skip") or e.policy(policy).past_deadline():
+            if (
+                w.stopping.is_set()
+                or (outcomes and outcomes[-1][0] == "skip")
+                or (outcomes and until is not None and time.monotonic() >= until)
+                or e.policy(policy).past_deadline()
+            ):
                 outcomes.append(("skip",))
                 continue
             cancel = batch_cancel
