@@ -41,8 +41,8 @@ log = logging.getLogger("sluicegate.worker")
 LISTEN_TICK = 0.1
 #: How long a batch of fast handlers should take (src/worker/slot.rs BATCH_TARGET).
 BATCH_TARGET_US = 2000.0
-#: How long a hold's first batch, sized from the slot's last hold, may run before it hands back
-#: what it has not run (src/worker/slot.rs GUESS_BUDGET).
+#: How long a hold's first batch, sized from the slot's last hold, may run (its handlers' own
+#: time) before it hands back what it has not run (src/worker/slot.rs GUESS_BUDGET).
 GUESS_BUDGET_S = 0.008
 #: Dead workers one beat claims at most.
 REAP_BATCH = 16
@@ -1016,7 +1016,10 @@ class _Slot:
         self, t: _Token, entries: List[_Entry], policy: Optional[_Policy], budget: Optional[float] = None
     ) -> List[Tuple[Any, ...]]:
         w = self.w
-        until = None if budget is None else time.monotonic() + budget
+        # The budget is of the handlers' own time, as the batch sizes are: on a pool whose
+        # hand-over to a handler's thread and back costs more than a no-op handler, wall time
+        # would cut every guessed batch of fast parts.
+        spent_us = 0.0
         meta = self.p.keys.request(t.kid).meta
         batch_cancel = _Cancel()
         w._hold(self.n, _Lease(meta, t.k, t.epoch, self._holder, None, time.monotonic(), batch_cancel))
@@ -1028,7 +1031,7 @@ class _Slot:
             if (
                 w.stopping.is_set()
                 or (outcomes and outcomes[-1][0] == "skip")
-                or (outcomes and until is not None and time.monotonic() >= until)
+                or (outcomes and budget is not None and spent_us >= budget * 1e6)
                 or e.policy(policy).past_deadline()
             ):
                 outcomes.append(("skip",))
@@ -1051,6 +1054,7 @@ class _Slot:
             us = self.ran_us
             if us is not None:
                 self.mean_us = us if self.mean_us is None else 0.8 * self.mean_us + 0.2 * us
+                spent_us += us
         return outcomes
 
     def run_handler(self, rid: str, priority: int, e: _Entry, policy: _Policy, cancel: _Cancel) -> Tuple[Any, ...]:
