@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import Any, Dict, List
 from unittest import mock
 
 import pytest
+import redis
 
 import sluicegate
 from sluicegate import Listener, PermanentError, Producer, UnsupportedRedis
@@ -631,3 +633,56 @@ def test_an_unlisted_request_runs_but_stays_out_of_the_listing_index(server: Any
     listed_ids = {r.decode() if isinstance(r, bytes) else r for r in rows}
     key = sluicegate._keys.key_id
     assert listed_ids == {key(listed.id)}, listed_ids
+
+
+def connected(server: Any) -> int:
+    client = redis.Redis.from_url(server.url)
+    try:
+        # This client itself is one of them.
+        return int(client.info("clients")["connected_clients"]) - 1
+    finally:
+        client.close()
+
+
+def settle_to(server: Any, want: int) -> int:
+    """The server's count of client connections once it stops falling (closes are asynchronous on
+    the server's side), at most 5 s."""
+    deadline = time.monotonic() + 5
+    n = connected(server)
+    while n > want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = connected(server)
+    return n
+
+
+def test_closed_or_dropped_components_leave_no_connection_open(server: Any, ns: str) -> None:
+    """Each component, used (a wait that subscribes, a listener's read, an admin call, a worker
+    that ran a request) then closed or stopped, twenty times over: the server's count of client
+    connections comes back to where it was. A producer dropped without close() ends its
+    subscription and its connection too."""
+    base = connected(server)
+    for n in range(20):
+        with Producer(server.url, ns) as p:
+            w = sluicegate.Worker(server.url, double, slots=2, namespace=ns, **FAST)
+            t = w.start()
+            assert w.ready.wait(10), "worker did not start"
+            assert p.submit(parts(2)).wait(timeout=30).results == [{"i": i, "double": 2 * i} for i in range(2)]
+            w.stop()
+            t.join(15)
+            assert not t.is_alive(), "the worker's thread ended"
+        listener = Listener(server.url, ns, after="0-0")
+        assert len(listener.poll()) >= 1
+        listener.close()
+        with sluicegate.Admin(server.url, ns) as admin:
+            admin.paused()
+        # A producer dropped without close(), after a wait that subscribed and was answered.
+        dropped = Producer(server.url, ns)
+        w = sluicegate.Worker(server.url, double, slots=1, namespace=ns, **FAST)
+        t = w.start()
+        assert w.ready.wait(10), "worker did not start"
+        assert dropped.submit(parts(1), own_stream=True).wait(timeout=30).state == "completed"
+        w.stop()
+        t.join(15)
+        del dropped
+        gc.collect()
+        assert settle_to(server, base) == base, f"round {n}: {connected(server) - base} connections left open"
