@@ -557,7 +557,7 @@ fn search_both(budget: Duration, mix: Mix) {
                  invariant broken; so far {} requests ended at their deadline, {} failed because of an \
                  upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
                  {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots, {} \
-                 sub-requests were handed back unrun",
+                 sub-requests were reported unrun (skip)",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),

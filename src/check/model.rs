@@ -1182,9 +1182,9 @@ pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync
 /// Lane tokens a submit handed to a worker's waiting slot that the slot read from its hand list
 /// (the others were taken under the offered id): how often the hand-offs' paths ran.
 pub(crate) static HANDED_OFF: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// Sub-requests the slots handed back without an outcome (`WorkerMetrics::handed_back`): most
-/// from first batches cut after their first part (`Op::Take::cut`), the others at deadlines and
-/// from runs stopped as their holds ended.
+/// Sub-requests the slots reported unrun (`skip`, `WorkerMetrics::handed_back`): from first
+/// batches cut after their first part (`Op::Take::cut`), at deadlines, and from runs stopped as
+/// their holds ended.
 pub(crate) static HANDED_BACK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Releases of lane requests' downstreams that ran to their end as actors of their own
 /// (`Op::Take::apart`): how often the path of a worker's release tasks ran.

@@ -89,10 +89,11 @@ pub struct WorkerMetrics {
     /// idle worker) by a small request's submit or another request's push: run without a take of
     /// their own.
     pub handed_off: AtomicU64,
-    /// Sub-requests its slots handed back without an outcome, to be handed out again with no
-    /// attempt spent: the rest of a first batch that ran past its budget (its size was a guess
-    /// from the slot's last hold), the rest of a batch when the worker stopped or the request's
-    /// deadline passed, and runs stopped because their hold ended.
+    /// Sub-requests its slots reported unrun (`skip`) in their acks: the rest of a first batch
+    /// that ran past its budget (its size was a guess from the slot's last hold), the rest of a
+    /// batch when the worker stopped, runs stopped because their hold ended (counted even when
+    /// the ack is then fenced), and parts a request's deadline stopped (that ack ends the
+    /// request). The others are handed out again first, with no attempt spent.
     pub handed_back: AtomicU64,
 }
 

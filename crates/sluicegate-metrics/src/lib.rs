@@ -262,7 +262,7 @@ impl Collector for WorkerCollector {
             ),
             (
                 "handed_back",
-                "Sub-requests this worker's slots handed back without an outcome, to run again with no attempt spent (the rest of a first batch past its budget, of a batch at a stop or a deadline, runs stopped as their hold ended)",
+                "Sub-requests this worker's slots reported unrun in their acks (the rest of a first batch past its budget or of a batch at a stop, runs stopped as their hold ended or at their request's deadline); those whose request goes on run again first, with no attempt spent",
                 &m.handed_back,
             ),
             (

@@ -968,6 +968,18 @@ class _Slot:
             except Exception as e:  # noqa: BLE001 - whether it ran is unknown
                 self.reclaim_own(token, e)
                 return
+        try:
+            self.serve_batches(token, first, quantum, budget)
+        finally:
+            # Whatever ended the hold, its handler times size the slot's next hold of this kind.
+            if lane:
+                self.lane_mean_us = self.mean_us
+            else:
+                self.own_mean_us = self.mean_us
+
+    def serve_batches(self, token: _Token, first: _Next, quantum: int, budget: Optional[float]) -> None:
+        """Runs the batches ``first`` and each ack hand out while the slot keeps the token, then does
+        what the last answer says."""
         started = time.monotonic()
         ran = 0
         policy: Optional[_Policy] = None
@@ -976,7 +988,9 @@ class _Slot:
             policy = nxt.policy or policy
             outcomes = self.run_batch(token, nxt.entries, policy, budget)
             budget = None
-            ran += len(nxt.entries)
+            # Only the parts that ran count toward the quantum: a guessed first batch cut by its
+            # budget hands the rest back, and the hold goes on with them.
+            ran += sum(1 for o in outcomes if o[0] != "skip")
             keep = (
                 ran < quantum
                 and time.monotonic() - started < self.w.quantum_time
@@ -991,10 +1005,6 @@ class _Slot:
                 return
             finally:
                 self.w._unhold(self.n)
-        if lane:
-            self.lane_mean_us = self.mean_us
-        else:
-            self.own_mean_us = self.mean_us
         self.settle(token, nxt, policy)
 
     def acquire(self, t: _Token, want: int) -> _Next:
