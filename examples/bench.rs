@@ -1297,6 +1297,9 @@ impl Bench {
     }
 }
 
+/// Parts to an entry in `floor_packed` (a divisor of the batch of 16).
+const FLOOR_PACK: usize = 8;
+
 /// The library `floor` loads: the three stream commands of a batch's ack, in one function call
 /// and nothing else (no token check, no counters, no record).
 const FLOOR_LIBRARY: &str = r#"#!lua name=sgfloor
@@ -1313,6 +1316,30 @@ redis.register_function('sgfloor_ack', function(keys, args)
     redis.call('XACK', keys[1], 'g', unpack(ids))
   end
   local got = redis.call('XREADGROUP', 'GROUP', 'g', args[1], 'COUNT', 16, 'STREAMS', keys[1], '>')
+  if not got then return {} end
+  local reply = {}
+  for _, e in ipairs(got[1][2]) do
+    reply[#reply + 1] = e[1]
+    reply[#reply + 1] = e[2][2]
+  end
+  return reply
+end)
+redis.register_function('sgfloor_packed', function(keys, args)
+  local per, n = tonumber(args[2]), tonumber(args[3])
+  if n > 0 then
+    local ids, results, at = {}, {}, 4 + n
+    for i = 1, n do
+      ids[i] = args[3 + i]
+      for j = 1, per do
+        results[#results + 1] = string.format('%d', (i - 1) * per + j)
+        results[#results + 1] = args[at]
+        at = at + 1
+      end
+    end
+    redis.call('HSET', keys[2], unpack(results))
+    redis.call('XACK', keys[1], 'g', unpack(ids))
+  end
+  local got = redis.call('XREADGROUP', 'GROUP', 'g', args[1], 'COUNT', 16 / per, 'STREAMS', keys[1], '>')
   if not got then return {} end
   local reply = {}
   for _, e in ipairs(got[1][2]) do
@@ -1347,6 +1374,41 @@ redis.register_function('sgfloor_shaped', function(keys, args)
   redis.call('HSET', keys[3], 't1', 'h|1|w/1|' .. args[2] .. '|' .. table.concat(next, ','))
   return reply
 end)
+redis.register_function('sgfloor_shaped_packed', function(keys, args)
+  local m = redis.call('HMGET', keys[3], 't1', 'extra', 'window', 'discard', 'taken', 'xdel', 'prio', 'dl', 'rate', 'tat')
+  local per = tonumber(args[3])
+  local ids, results, cleared, parts = {}, {}, {}, 0
+  local i = 4
+  while i <= #args do
+    local n = tonumber(args[i + 1])
+    ids[#ids + 1] = args[i]
+    local first = (tonumber(string.match(args[i], '%-(%d+)$')) - 1) * per
+    for j = 0, n - 1 do
+      local name = string.format('%d', first + j)
+      results[#results + 1] = name
+      results[#results + 1] = args[i + 3 + 4 * j]
+      cleared[#cleared + 1] = name
+    end
+    parts = parts + n
+    i = i + 2 + 4 * n
+  end
+  if #ids > 0 then
+    redis.call('HSET', keys[2], unpack(results))
+    redis.call('HDEL', keys[4], unpack(cleared))
+    redis.call('XACK', keys[1], 'g', unpack(ids))
+    redis.call('HINCRBY', keys[3], 'left', -parts)
+  end
+  local got = redis.call('XREADGROUP', 'GROUP', 'g', args[1], 'COUNT', 16 / per, 'STREAMS', keys[1], '>')
+  if not got then return {} end
+  local reply, next = {'run'}, {}
+  for k, e in ipairs(got[1][2]) do
+    next[k] = e[1]
+    local seq = tonumber(string.match(e[1], '%-(%d+)$'))
+    reply[#reply + 1] = {e[1], (seq - 1) * per, e[2][2], tonumber(e[2][4]), 1}
+  end
+  redis.call('HSET', keys[3], 't1', 'h|1|w/1|' .. args[2] .. '|' .. table.concat(next, ','))
+  return reply
+end)
 "#;
 
 impl Bench {
@@ -1356,21 +1418,33 @@ impl Bench {
     /// XACK, the next batch read with one XREADGROUP), twice: as three plain commands per batch
     /// (`floor_commands`), and as one function call per batch doing the same three
     /// (`floor_function`). A part in sluicegate costs this plus its token check, counters and
-    /// reply: the floor under `one_huge` and `many_small`.
+    /// reply: the floor under `one_huge` and `many_small`. `floor_packed` is `floor_function`
+    /// with `FLOOR_PACK` parts to an entry (results still one field a part), and
+    /// `floor_shaped_packed` is `floor_shaped` so packed (its arguments per part, its reply and
+    /// writes per entry): what a protocol that packs a small request's parts into fewer entries
+    /// could save (docs/design/packed-entries.md).
     async fn floor(&self) -> Result<Vec<Row>, BoxError> {
         let parts = self.scaled(200_000);
         let (stream, results) = ("sgfloor:{f}:s".to_owned(), "sgfloor:{f}:res".to_owned());
         let load = vec!["LOAD".to_owned(), "REPLACE".into(), FLOOR_LIBRARY.into()];
         let _: Value = self.redis.custom(fred::cmd!("FUNCTION"), load).await?;
         let mut rows = Vec::new();
-        for scenario in ["floor_commands", "floor_function", "floor_shaped"] {
+        let scenarios =
+            ["floor_commands", "floor_function", "floor_packed", "floor_shaped", "floor_shaped_packed"];
+        for scenario in scenarios {
+            // The packed rows: the same parts, FLOOR_PACK to an entry.
+            let per = if scenario.ends_with("_packed") { FLOOR_PACK } else { 1 };
+            let entries = parts / per as u64;
             let _: i64 = self.redis.del(vec![stream.clone(), results.clone()]).await?;
             let create = vec!["CREATE".to_owned(), stream.clone(), "g".into(), "0".into(), "MKSTREAM".into()];
             let _: Value = self.redis.custom(fred::cmd!("XGROUP"), create).await?;
-            for chunk in 0..parts.div_ceil(2_000) {
+            for chunk in 0..entries.div_ceil(2_000) {
                 let pipe = self.redis.pipeline();
-                for _ in 0..2_000.min(parts - chunk * 2_000) {
-                    let add = vec![stream.clone(), "*".into(), "p".into(), PAYLOAD.into()];
+                for _ in 0..2_000.min(entries - chunk * 2_000) {
+                    let mut add = vec![stream.clone(), "*".into(), "p".into(), PAYLOAD.repeat(per)];
+                    if scenario == "floor_shaped_packed" {
+                        add.extend(["n".into(), per.to_string()]);
+                    }
                     let _: () = pipe.custom(fred::cmd!("XADD"), add).await?;
                 }
                 let _: Vec<Value> = pipe.all().await?;
@@ -1396,18 +1470,36 @@ impl Bench {
                             let read = ["GROUP", "g", &consumer, "COUNT", "16", "STREAMS", &stream, ">"];
                             let read: Vec<String> = read.iter().map(|a| a.to_string()).collect();
                             floor_ids(redis.custom(fred::cmd!("XREADGROUP"), read).await?)
-                        } else if scenario == "floor_shaped" {
+                        } else if scenario.starts_with("floor_shaped") {
                             let keys = [
                                 stream.clone(),
                                 results.clone(),
                                 "sgfloor:{f}:m".into(),
                                 "sgfloor:{f}:err".into(),
                             ];
-                            let mut call = vec!["sgfloor_shaped".to_owned(), "4".into()];
+                            let mut call = vec![format!("sg{scenario}"), "4".into()];
                             call.extend(keys);
                             call.extend([consumer.clone(), "1700000000000".into()]);
-                            for id in &batch {
-                                call.extend([id.clone(), "ok".into(), String::new(), "0".into(), "1".into()]);
+                            if per == 1 {
+                                for id in &batch {
+                                    call.extend([
+                                        id.clone(),
+                                        "ok".into(),
+                                        String::new(),
+                                        "0".into(),
+                                        "1".into(),
+                                    ]);
+                                }
+                            } else {
+                                // Per entry its id and part count, then per part outcome, body,
+                                // delay and attempt.
+                                call.push(per.to_string());
+                                for id in &batch {
+                                    call.extend([id.clone(), per.to_string()]);
+                                    for _ in 0..per {
+                                        call.extend(["ok".into(), String::new(), "0".into(), "1".into()]);
+                                    }
+                                }
                             }
                             let got: Value = redis.custom(fred::cmd!("FCALL"), call).await?;
                             got.into_array()
@@ -1415,6 +1507,18 @@ impl Bench {
                                 .skip(1)
                                 .filter_map(|e| e.into_array().into_iter().next()?.as_string())
                                 .collect()
+                        } else if scenario == "floor_packed" {
+                            let mut call = vec![
+                                "sgfloor_packed".to_owned(),
+                                "2".into(),
+                                stream.clone(),
+                                results.clone(),
+                            ];
+                            call.extend([consumer.clone(), per.to_string(), batch.len().to_string()]);
+                            call.extend(batch.iter().cloned());
+                            call.extend((0..batch.len() * per).map(|_| String::new()));
+                            let got: Value = redis.custom(fred::cmd!("FCALL"), call).await?;
+                            got.into_array().chunks(2).filter_map(|e| e[0].as_string()).collect()
                         } else {
                             let mut call =
                                 vec!["sgfloor_ack".to_owned(), "2".into(), stream.clone(), results.clone()];
@@ -1431,16 +1535,28 @@ impl Bench {
                 }
             });
             try_join_all(consumers).await?;
-            let row =
-                Row::new(scenario, parts).rate(started.elapsed()).cost(&before, &stats(&self.nodes).await?);
+            let row = Row::new(scenario, entries * per as u64)
+                .rate(started.elapsed())
+                .cost(&before, &stats(&self.nodes).await?);
             let how = match scenario {
-                "floor_commands" => "as three commands",
-                "floor_function" => "in one function call",
-                _ => "in one function call shaped as ack's (its arguments, reply, meta read, token write, HDEL and HINCRBY)",
+                "floor_commands" => "as three commands".to_owned(),
+                "floor_function" => "in one function call".to_owned(),
+                "floor_packed" => format!(
+                    "in one function call, {FLOOR_PACK} parts to an entry (its payload theirs, its results \
+                     {FLOOR_PACK} fields)"
+                ),
+                "floor_shaped_packed" => format!(
+                    "in one function call shaped as ack's, {FLOOR_PACK} parts to an entry (an outcome, body, \
+                     delay and attempt a part; a result field and an HDEL field a part)"
+                ),
+                _ => "in one function call shaped as ack's (its arguments, reply, meta read, token write, HDEL and \
+                      HINCRBY)"
+                    .to_owned(),
             };
             rows.push(row.note(format!(
-                "no sluicegate: {parts} stream entries, 16 consumers, batches of 16, per batch HSET + XACK + \
-                 XREADGROUP {how}"
+                "no sluicegate: {} parts in {entries} stream entries, 16 consumers, batches of 16 parts, per \
+                 batch HSET + XACK + XREADGROUP {how}",
+                entries * per as u64
             )));
         }
         let _: i64 = self.redis.del(vec![stream, results, "sgfloor:{f}:m".into()]).await?;
