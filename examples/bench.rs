@@ -6,6 +6,7 @@
 //! cargo run --release --example bench -- window             # only when named: 2 x 10,000,000 parts
 //! cargo run --release --example bench -- loader             # only when named: 1,000,000 x 10 parts
 //! cargo run --release --example bench -- cluster            # only when named: many_small, 3 masters
+//! cargo run --release --example bench -- backlog_unlisted   # only when named: the 10-part backlog sweep, unlisted
 //! cargo run --release --example bench -- stats_overhead     # only when named: metrics (stage stats, scrapes) off vs on
 //! cargo run --release --example bench -- dashboard_overhead # only when named: many_small with a dashboard and a browser open, vs without
 //! cargo run --release --example bench -- many_small memory  # some scenarios
@@ -1808,6 +1809,11 @@ impl Bench {
             let name = format!("small_10_backlog_{}k", backlog / 1_000);
             if wants(&name) || wants("backlog") {
                 rows.extend(self.backlog(&name, self.scaled(backlog), 10, 4).await?);
+            }
+            // Only when named: the same sweep with the requests unlisted (no listing index).
+            let unlisted = format!("{name}_unlisted");
+            if chosen.contains(&unlisted.as_str()) || chosen.contains(&"backlog_unlisted") {
+                rows.extend(self.backlog(&unlisted, self.scaled(backlog), 10, 4).await?);
             }
         }
         // Only when named: it watches Redis for a whole census interval.
