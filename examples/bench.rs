@@ -1305,27 +1305,6 @@ const FLOOR_PACK: usize = 8;
 /// and nothing else (no token check, no counters, no record).
 const FLOOR_LIBRARY: &str = r#"#!lua name=sgfloor
 redis.register_function('sgfloor_ack', function(keys, args)
-  local n = tonumber(args[2])
-  if n > 0 then
-    local ids, results = {}, {}
-    for i = 1, n do
-      ids[i] = args[2 + i]
-      results[#results + 1] = string.format('%d', i)
-      results[#results + 1] = args[2 + n + i]
-    end
-    redis.call('HSET', keys[2], unpack(results))
-    redis.call('XACK', keys[1], 'g', unpack(ids))
-  end
-  local got = redis.call('XREADGROUP', 'GROUP', 'g', args[1], 'COUNT', 16, 'STREAMS', keys[1], '>')
-  if not got then return {} end
-  local reply = {}
-  for _, e in ipairs(got[1][2]) do
-    reply[#reply + 1] = e[1]
-    reply[#reply + 1] = e[2][2]
-  end
-  return reply
-end)
-redis.register_function('sgfloor_packed', function(keys, args)
   local per, n = tonumber(args[2]), tonumber(args[3])
   if n > 0 then
     local ids, results, at = {}, {}, 4 + n
@@ -1508,24 +1487,13 @@ impl Bench {
                                 .skip(1)
                                 .filter_map(|e| e.into_array().into_iter().next()?.as_string())
                                 .collect()
-                        } else if scenario == "floor_packed" {
-                            let mut call = vec![
-                                "sgfloor_packed".to_owned(),
-                                "2".into(),
-                                stream.clone(),
-                                results.clone(),
-                            ];
+                        } else {
+                            // floor_function and floor_packed: `per` parts to an entry.
+                            let mut call =
+                                vec!["sgfloor_ack".to_owned(), "2".into(), stream.clone(), results.clone()];
                             call.extend([consumer.clone(), per.to_string(), batch.len().to_string()]);
                             call.extend(batch.iter().cloned());
                             call.extend((0..batch.len() * per).map(|_| String::new()));
-                            let got: Value = redis.custom(fred::cmd!("FCALL"), call).await?;
-                            got.into_array().chunks(2).filter_map(|e| e[0].as_string()).collect()
-                        } else {
-                            let mut call =
-                                vec!["sgfloor_ack".to_owned(), "2".into(), stream.clone(), results.clone()];
-                            call.extend([consumer.clone(), batch.len().to_string()]);
-                            call.extend(batch.iter().cloned());
-                            call.extend(batch.iter().map(|_| String::new()));
                             let got: Value = redis.custom(fred::cmd!("FCALL"), call).await?;
                             got.into_array().chunks(2).filter_map(|e| e[0].as_string()).collect()
                         };
