@@ -108,6 +108,16 @@ impl Store {
         false
     }
 
+    /// Under the checker, the batch size and quantum (parts) of the take running now, when it was
+    /// drawn wide (`Op::Take::wide`); otherwise the worker's own.
+    pub(crate) fn checker_batches(&self) -> Option<(u32, u32)> {
+        #[cfg(test)]
+        if let Some(gate) = &self.gate {
+            return gate.batches();
+        }
+        None
+    }
+
     /// A store for the randomized checker: every call goes through `gate`. Its library, loaded by
     /// `load_library`, is the checker's (a virtual clock).
     #[cfg(test)]

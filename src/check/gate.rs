@@ -72,19 +72,41 @@ pub(crate) struct Gate {
     /// Whether the actor running now cuts its hold's first batch after its first part
     /// ([`Gate::cuts`]), set as `apart` is, from `Op::Take::cut`.
     cut: AtomicBool,
+    /// Whether the actor running now asks for wide batches ([`Gate::batches`]), set as `apart`
+    /// is, from `Op::Take::wide`.
+    wide: AtomicBool,
 }
+
+/// How a slot's take was drawn (`Op::Take`): the gate holds it while that take's actor runs.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Drawn {
+    pub(crate) apart: bool,
+    pub(crate) cut: bool,
+    pub(crate) wide: bool,
+}
+
+/// A wide hold's batch size and quantum (parts): runs of up to four outcomes in one `ack`
+/// (`Op::Take::wide`), where the checker's workers otherwise ask for two within three.
+const WIDE: (u32, u32) = (4, 6);
 
 impl Gate {
     pub(crate) fn new(load_chunk: usize) -> (Gate, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
-        (Gate { events, load_chunk, apart: AtomicBool::new(false), cut: AtomicBool::new(false) }, rx)
+        let (apart, cut, wide) = (AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false));
+        (Gate { events, load_chunk, apart, cut, wide }, rx)
     }
 
-    /// Sets how the actor about to run was drawn: whether it starts its work apart, and whether
-    /// it cuts its first batch.
-    pub(crate) fn set_drawn(&self, apart: bool, cut: bool) {
-        self.apart.store(apart, Ordering::Relaxed);
-        self.cut.store(cut, Ordering::Relaxed);
+    /// Sets how the actor about to run was drawn: whether it starts its work apart, whether it
+    /// cuts its first batch, and whether it asks for wide batches.
+    pub(crate) fn set_drawn(&self, drawn: Drawn) {
+        self.apart.store(drawn.apart, Ordering::Relaxed);
+        self.cut.store(drawn.cut, Ordering::Relaxed);
+        self.wide.store(drawn.wide, Ordering::Relaxed);
+    }
+
+    /// The running actor's batch size and quantum when it was drawn wide (`Op::Take::wide`).
+    pub(crate) fn batches(&self) -> Option<(u32, u32)> {
+        self.wide.load(Ordering::Relaxed).then_some(WIDE)
     }
 
     /// Whether the running actor's hold hands back what follows its first batch's first part, as

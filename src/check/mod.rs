@@ -12,7 +12,9 @@
 //! `protocol::checker_library_source`), a Redis crash and restart from its AOF; and a slot's
 //! lane finish's releases run in the slot or as actors of their own (`Op::Take::apart`), as a
 //! worker runs them in tasks that die with its process, and its first batch handed back after
-//! its first part (`Op::Take::cut`), as when that part ran past the batch's budget. After every step
+//! its first part (`Op::Take::cut`), as when that part ran past the batch's budget, and its
+//! batches two entries within a quantum of three parts or wide, up to four within six
+//! (`Op::Take::wide`), so that one `ack` settles a run of several outcomes. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
 //! sequence it drains everything to completion and checks that every accepted part ended with a
 //! result or a dead letter, one event per lifecycle (and that a listener hears each once and in
@@ -46,6 +48,7 @@ use fred::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use gate::Drawn;
 use ops::{draw, Mix, Op, SLOTS, WORKERS};
 use sluicegate_testkit::RedisServer;
 use world::World;
@@ -131,6 +134,9 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
     // The drain's takes run releases apart every other round only in sequences that draw it, so
     // that those recorded before it replay as they were.
     let apart = ops.iter().any(|op| matches!(op, Op::Take { apart: true, .. }));
+    // And ask for wide batches on the rounds between, only in sequences that draw a wide take.
+    let wide = ops.iter().any(|op| matches!(op, Op::Take { wide: true, .. }));
+    let drawn = Drawn { apart, cut: false, wide };
     for (at, op) in ops.iter().enumerate() {
         if trace {
             eprintln!("{at:>3} {op}  [parked: {}]", world.parked.len());
@@ -140,7 +146,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
             server.redis.kill().map_err(|e| fail(at)(e.to_string()))?;
             server.redis.restart().await.map_err(|e| fail(at)(e.to_string()))?;
         } else if *op == Op::Drain {
-            drain(world, apart).await.map_err(fail(at))?;
+            drain(world, drawn).await.map_err(fail(at))?;
         } else {
             world.apply(op).await.map_err(fail(at))?;
         }
@@ -149,7 +155,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
         in_checks += c.elapsed();
     }
     let t1 = Instant::now();
-    drain(world, apart).await.map_err(fail(ops.len()))?;
+    drain(world, drawn).await.map_err(fail(ops.len()))?;
     let t2 = Instant::now();
     world.stop_workers().await.map_err(fail(ops.len()))?;
     model::check_end(world).await.map_err(fail(ops.len()))?;
@@ -162,8 +168,10 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
 /// No more faults: every parked call and handler goes on, slots take, workers beat and recover,
 /// time passes, an operator finalizes streamed requests whose producer died; until every request
 /// is finished and nothing runs (at the end of a sequence, and where it has an `Op::Drain`).
-/// `apart`: every other round, the slots' takes run their releases apart (`Op::Take::apart`).
-async fn drain(world: &mut World, apart: bool) -> Result<(), String> {
+/// `drawn.apart`: every other round, the slots' takes run their releases apart
+/// (`Op::Take::apart`); `drawn.wide`: on the rounds between, they ask for wide batches
+/// (`Op::Take::wide`).
+async fn drain(world: &mut World, drawn: Drawn) -> Result<(), String> {
     use gate::{Fault, Verdict};
     let trace = std::env::var("SLUICEGATE_CHECK_TRACE").is_ok();
     let mut rounds = DRAIN_ROUNDS;
@@ -317,8 +325,9 @@ async fn drain(world: &mut World, apart: bool) -> Result<(), String> {
                         slot,
                         floor: None,
                         way: false,
-                        apart: apart && round % 2 == 0,
+                        apart: drawn.apart && round % 2 == 0,
                         cut: false,
+                        wide: drawn.wide && round % 2 == 1,
                     })
                     .await?;
             }
@@ -557,7 +566,7 @@ fn search_both(budget: Duration, mix: Mix) {
                  invariant broken; so far {} requests ended at their deadline, {} failed because of an \
                  upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
                  {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots, {} \
-                 sub-requests were reported unrun (skip)",
+                 sub-requests were reported unrun (skip), {} batches of more than two parts were reported in one call",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),
@@ -565,7 +574,8 @@ fn search_both(budget: Duration, mix: Mix) {
                 model::GROUPED_RUNS_CHECKED.load(Ordering::Relaxed),
                 model::HANDED_OFF.load(Ordering::Relaxed),
                 model::RELEASED_APART.load(Ordering::Relaxed),
-                model::HANDED_BACK.load(Ordering::Relaxed)
+                model::HANDED_BACK.load(Ordering::Relaxed),
+                model::WIDE_BATCHES.load(Ordering::Relaxed)
             ),
             Err(report) => panic!("{report}"),
         }

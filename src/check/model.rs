@@ -1186,6 +1186,9 @@ pub(crate) static HANDED_OFF: std::sync::atomic::AtomicU64 = std::sync::atomic::
 /// batches cut after their first part (`Op::Take::cut`), at deadlines, and from runs stopped as
 /// their holds ended.
 pub(crate) static HANDED_BACK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Batches of more than two handler runs reported by one call (`Op::Take::wide`): how often an
+/// `ack` settled a run of several outcomes.
+pub(crate) static WIDE_BATCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Releases of lane requests' downstreams that ran to their end as actors of their own
 /// (`Op::Take::apart`): how often the path of a worker's release tasks ran.
 pub(crate) static RELEASED_APART: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -160,6 +160,12 @@ pub(crate) enum Op {
         /// sequences recorded before it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         cut: bool,
+        /// The hold asks for batches of up to `WIDE_BATCH` entries, within a quantum of twice the
+        /// checker's parts, instead of two within three: an `ack` settles runs of several outcomes
+        /// (skips after a cut, retries and dead letters beside results, a lane's entries of
+        /// several requests) in one call. Absent in sequences recorded before it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        wide: bool,
     },
     /// Worker `worker` renews the leases its slots hold.
     Beat {
@@ -346,6 +352,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             way: rng.gen_range(0..4) == 0,
             apart: rng.gen_bool(0.5),
             cut: rng.gen_bool(0.5),
+            wide: rng.gen_bool(0.3),
         },
         570..=659 => {
             let mut submit = draw_submit(rng);

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::gate::{Event, Fault, Gate, Verdict};
+use super::gate::{Drawn, Event, Fault, Gate, Verdict};
 use super::model::{Model, Outcome};
 use super::ops::{Op, Shape, Submit, PRODUCERS, SLOTS, WORKERS};
 use crate::config::Config;
@@ -95,11 +95,10 @@ struct Actor {
     task: Option<JoinHandle<Outcome>>,
     process: Process,
     what: Task,
-    /// Whether it starts its work apart (`Op::Take::apart`, `Gate::apart`).
-    apart: bool,
-    /// Whether its hold's first batch hands back what follows its first part (`Op::Take::cut`,
-    /// `Gate::cuts`).
-    cut: bool,
+    /// How its take was drawn: whether it starts its work apart (`Op::Take::apart`,
+    /// `Gate::apart`), whether its hold's first batch hands back what follows its first part
+    /// (`Op::Take::cut`, `Gate::cuts`), whether it asks for wide batches (`Op::Take::wide`).
+    drawn: Drawn,
 }
 
 /// Work an actor started apart, not yet an actor itself: it becomes one once its starter parks.
@@ -162,6 +161,9 @@ pub(crate) struct World {
     /// Work started apart by the actor running now (`Task::Apart`).
     started: Vec<Started>,
     pub(crate) parked: Vec<Parked>,
+    /// Handler runs each actor resumed since its last call: a batch's runs, counted into
+    /// `model::WIDE_BATCHES` at the call that reports them.
+    runs: HashMap<u64, u32>,
     producers_busy: [bool; PRODUCERS as usize],
     /// What each producer process counted for the stats by stage and has not flushed (a new
     /// recorder when the process is started again after a kill).
@@ -239,6 +241,7 @@ impl World {
             next_actor: 0,
             started: Vec::new(),
             parked: Vec::new(),
+            runs: HashMap::new(),
             producers_busy: [false; PRODUCERS as usize],
             producer_stats: Default::default(),
             model: Model::default(),
@@ -379,7 +382,7 @@ impl World {
                 })
                 .await
             }
-            Op::Take { worker, slot, floor, way, apart, cut } => {
+            Op::Take { worker, slot, floor, way, apart, cut, wide } => {
                 let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
                 self.worker(*worker).await?;
                 let id = self.next_actor;
@@ -394,7 +397,8 @@ impl World {
                 if *way {
                     shared.higher.announce(0, Priority::MAX);
                 }
-                self.spawn_as(process, Task::Take { slot: *slot }, (*apart, *cut), async move {
+                let drawn = Drawn { apart: *apart, cut: *cut, wide: *wide };
+                self.spawn_as(process, Task::Take { slot: *slot }, drawn, async move {
                     let mut state = state.lock().await;
                     state.floor = floor;
                     match slot::take_and_serve(&shared, &mut state, &blocking, 0).await {
@@ -740,25 +744,18 @@ impl World {
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
-        self.spawn_as(process, what, (false, false), body).await
+        self.spawn_as(process, what, Drawn::default(), body).await
     }
 
-    /// [`spawn`](Self::spawn), for a slot's take: whether it starts its work apart (`Gate::apart`),
-    /// and whether it cuts its first batch (`Gate::cuts`).
-    async fn spawn_as<F>(
-        &mut self,
-        process: Process,
-        what: Task,
-        (apart, cut): (bool, bool),
-        body: F,
-    ) -> Result<(), String>
+    /// [`spawn`](Self::spawn), for a slot's take, as it was drawn (`Gate::set_drawn`).
+    async fn spawn_as<F>(&mut self, process: Process, what: Task, drawn: Drawn, body: F) -> Result<(), String>
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
         let id = self.next_actor;
         self.next_actor += 1;
         let task = tokio::spawn(body);
-        self.actors.insert(id, Actor { task: Some(task), process, what, apart, cut });
+        self.actors.insert(id, Actor { task: Some(task), process, what, drawn });
         Box::pin(self.run_until_parked(id)).await?;
         Box::pin(self.start_apart()).await
     }
@@ -775,7 +772,7 @@ impl World {
             });
             self.actors.insert(
                 id,
-                Actor { task: Some(task), process, what: Task::Apart(by), apart: false, cut: false },
+                Actor { task: Some(task), process, what: Task::Apart(by), drawn: Drawn::default() },
             );
             self.run_until_parked(id).await?;
         }
@@ -803,10 +800,14 @@ impl World {
         }
         match parked {
             Parked::Call { resume, what, key, .. } => {
+                if self.runs.remove(&actor).is_some_and(|n| n > 2) {
+                    super::model::WIDE_BATCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 self.model.call(actor, &what, &key, fault);
                 let _ = resume.send(fault);
             }
             Parked::Handler { resume, request, index, attempt, .. } => {
+                *self.runs.entry(actor).or_default() += 1;
                 self.model.verdict(&request, index, attempt, verdict);
                 let _ = resume.send(verdict);
             }
@@ -817,7 +818,7 @@ impl World {
 
     async fn run_until_parked(&mut self, id: u64) -> Result<(), String> {
         let Some(actor) = self.actors.get_mut(&id) else { return Ok(()) };
-        self.gate.set_drawn(actor.apart, actor.cut);
+        self.gate.set_drawn(actor.drawn);
         let (Some(mut task), process) = (actor.task.take(), actor.process) else { return Ok(()) };
         let limit = tokio::time::sleep(STEP_LIMIT);
         tokio::pin!(limit);

@@ -707,6 +707,9 @@ struct Turn {
     /// Parts it may run: the quantum's, or one for a token taken for one part (`Token::one_part`),
     /// plus a quantum's for each time it ran on (`then`).
     parts: u32,
+    /// A quantum's parts: `Quantum::parts`, or the checker's for a hold it draws wide
+    /// (`Store::checker_batches`).
+    quantum: u32,
     /// It ended by giving way to a higher priority waiting on its shard.
     gave_way: bool,
     /// The first batch was sized from an earlier hold's handler times (`mean_us`): how long it may
@@ -726,10 +729,19 @@ impl Turn {
     /// has taken `GUESS_BUDGET` (`guessed`).
     fn new<H: Handler>(shared: &Shared<H>, one_part: bool, mean_us: Option<f64>) -> Self {
         let fixed = shared.store.deterministic();
-        let batching = Batching { max: shared.max_batch, mean_us, fixed };
-        let parts = if one_part { 1 } else { shared.quantum.parts };
-        let mut turn =
-            Self { batching, started: Instant::now(), ran: 0, parts, gave_way: false, guessed: None };
+        let (max, quantum) =
+            shared.store.checker_batches().unwrap_or((shared.max_batch, shared.quantum.parts));
+        let batching = Batching { max, mean_us, fixed };
+        let parts = if one_part { 1 } else { quantum };
+        let mut turn = Self {
+            batching,
+            started: Instant::now(),
+            ran: 0,
+            parts,
+            quantum,
+            gave_way: false,
+            guessed: None,
+        };
         turn.guessed = if turn.want() > 1 { first_budget(shared) } else { None };
         turn
     }
@@ -759,7 +771,7 @@ impl Turn {
             && !shared.stopping.is_cancelled()
             && matches!(tokens::may_run_on(&shared.store, token.shard).await, Ok(true))
         {
-            self.parts = self.parts.saturating_add(shared.quantum.parts);
+            self.parts = self.parts.saturating_add(self.quantum);
         }
         let keep_going = self.ran < self.parts
             && self.started.elapsed() < shared.quantum.time
