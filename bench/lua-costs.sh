@@ -19,7 +19,7 @@ trap 'kill "$(cat "$dir/pid")" 2>/dev/null; rm -rf "$dir"' EXIT
 cli() { redis-cli -p "$port" "$@"; }
 for _ in $(seq 50); do cli ping >/dev/null 2>&1 && break; sleep 0.1; done
 
-cli -x FUNCTION LOAD REPLACE < lua/dist/sluicegate_v2.lua >/dev/null
+cli -x FUNCTION LOAD REPLACE < "${LIBRARY:-lua/dist/sluicegate_v2.lua}" >/dev/null
 cli -x FUNCTION LOAD REPLACE >/dev/null <<'EOF'
 #!lua name=costs
 redis.register_function('noop', function(keys, args) return 1 end)

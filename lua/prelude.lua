@@ -575,7 +575,7 @@ local function sg_lmpop_lists(prefix, floor)
   local kept = floor == 0 and prefix or prefix .. '|' .. floor
   local command = sg_lmpop_kept[kept]
   if command then return command end
-  command = {'LMPOP', 100 - floor}
+  command = {'LMPOP', tostring(100 - floor)}
   for p = 99, floor, -1 do command[#command + 1] = prefix .. p end
   command[#command + 1] = 'RIGHT'
   if sg_lmpop_count >= SG_LMPOP_KEPT then sg_lmpop_kept, sg_lmpop_count = {}, 0 end
@@ -592,8 +592,8 @@ local function sg_lmpop_unpaused(prefix, paused, floor)
   for p = 99, floor, -1 do
     if not paused[tostring(p)] then command[#command + 1] = prefix .. p end
   end
-  command[2] = #command - 2
-  if command[2] == 0 then return nil end
+  if #command == 2 then return nil end
+  command[2] = tostring(#command - 2)
   command[#command + 1] = 'RIGHT'
   return command
 end
@@ -602,13 +602,15 @@ end
 -- token; one that expired (a hold of over a week whose worker then died, or a namespace whose
 -- workers all died) leaves it to recovery's census, which finds tokens held by gone workers, and
 -- to its audit of group tokens (group_audit). A week: a tenant group's token is given back when
--- its record ends, so a record must outlive any hold of a live slot.
-local SG_HELD_TTL_MS = 7 * 24 * 3600000
+-- its record ends, so a record must outlive any hold of a live slot. (The TTLs are text: Redis 7.0
+-- formats a Lua number argument as a double, which costs more than a small command does;
+-- bench/lua-costs.sh.)
+local SG_HELD_TTL_MS = '604800000'
 
 -- How long a shard's bell outlives its last push: bells are only wake-ups (an idle slot also
 -- takes after each idle poll), so one that is lost only delays a take, and one too many only wakes
 -- a slot for nothing; the expiry keeps strays from lasting.
-local SG_BELL_TTL_MS = 600000
+local SG_BELL_TTL_MS = '600000'
 
 -- Pushes onto a group's queue instead (defined in "Tenant groups" below: it pushes the group's
 -- tokens, not the request's, onto the shard's lists).
@@ -1081,7 +1083,9 @@ end
 -- `now`), at most 32 per call (sg_group_return).
 local function sg_group_wake(shard, now)
   local wake = shard .. 'gwake'
-  local due = redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', 0, 32)
+  -- (Most takes find no wait set: one EXISTS costs a third of the read.)
+  if redis.call('EXISTS', wake) == 0 then return end
+  local due = redis.call('ZRANGEBYSCORE', wake, '-inf', now, 'LIMIT', '0', '32')
   if #due == 0 then return end
   local paused = sg_group_paused(shard)
   for _, member in ipairs(due) do
