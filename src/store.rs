@@ -109,7 +109,7 @@ impl Store {
     }
 
     /// Under the checker, the batch size and quantum (parts) of the take running now, when it was
-    /// drawn wide (`Op::Take::wide`); otherwise the worker's own.
+    /// drawn wide (`Op::Take::wide`); `None` otherwise, for the worker's own.
     pub(crate) fn checker_batches(&self) -> Option<(u32, u32)> {
         #[cfg(test)]
         if let Some(gate) = &self.gate {

@@ -160,8 +160,8 @@ pub(crate) enum Op {
         /// sequences recorded before it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         cut: bool,
-        /// The hold asks for batches of up to `WIDE_BATCH` entries, within a quantum of twice the
-        /// checker's parts, instead of two within three: an `ack` settles runs of several outcomes
+        /// The hold asks for batches of up to four entries within a quantum of six parts
+        /// (`gate::WIDE`), instead of two within three: an `ack` settles runs of several outcomes
         /// (skips after a cut, retries and dead letters beside results, a lane's entries of
         /// several requests) in one call. Absent in sequences recorded before it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
