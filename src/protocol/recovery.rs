@@ -9,6 +9,7 @@ use fred::types::Value;
 use super::index::claim_arg;
 use super::{ms, Func};
 use crate::error::Result;
+use crate::keys::group_of_queue;
 use crate::reply;
 use crate::request::Priority;
 use crate::store::Store;
@@ -315,21 +316,30 @@ pub(crate) enum Reclaimed {
     Nothing,
 }
 
-/// `reclaim` of token `k` of request `key_id`, taken at `epoch` by `holder`: puts it back in
-/// circulation if that slot left it out. A slot's own reclaim passes the `deadline` of its arm.
+/// `reclaim` of token `k` of request `key_id`, taken at `epoch` by `holder` from `list`: puts it
+/// back in circulation if that slot left it out. A slot's own reclaim passes the `deadline` of its
+/// arm. The tenant group of `list` (none for a shard's list) tells the function whether the request
+/// under that id now is the one the token was taken for: an id is free again after a purge, and a
+/// request of another group (or of none) is left alone.
 pub(crate) async fn reclaim(
     store: &Store,
     key_id: &str,
     k: i64,
     epoch: &str,
     holder: &str,
+    list: &str,
     deadline: Option<i64>,
 ) -> Result<Reclaimed> {
     let keys = store.keys.request(key_id);
-    let mut args: Vec<Value> = vec![key_id.into(), k.into(), epoch.into(), holder.into()];
-    if let Some(deadline) = deadline {
-        args.push(deadline.into());
-    }
+    let group = group_of_queue(list).unwrap_or_default();
+    let args: Vec<Value> = vec![
+        key_id.into(),
+        k.into(),
+        epoch.into(),
+        holder.into(),
+        deadline.unwrap_or(0).into(),
+        group.into(),
+    ];
     let mut items = reply::array(store.fcall(Func::Reclaim, &keys.all(), args).await?)?.into_iter();
     Ok(match items.next().map(|v| reply::text(&v)).transpose()?.as_deref() {
         Some("push") => {

@@ -37,6 +37,7 @@ use crate::protocol::index::{self, Arming};
 use crate::protocol::operators::Requeued;
 use crate::protocol::recovery::{self as calls, Census, HeldToken, Rearm, Reclaimed, Unfinished};
 use crate::protocol::{tokens, Finished, TakeRecord};
+use crate::request::Priority;
 use crate::shards::Placement;
 use crate::stats::Recorder;
 use crate::store::Store;
@@ -295,16 +296,11 @@ async fn reclaim(
         let (record_holder, take) = (record_holder.to_owned(), take.to_owned());
         async move { tokens::release(store, shard, &record_holder, &take).await.map(|_| ()) }
     };
-    match calls::reclaim(store, key_id, k, epoch, holder, None).await? {
+    match calls::reclaim(store, key_id, k, epoch, holder, list, None).await? {
         Reclaimed::Push(element, priority) => {
             metrics.holds_reclaimed.fetch_add(1, Relaxed);
             metrics.tokens_restored.fetch_add(1, Relaxed);
-            // The request's priority now: an operator may have changed it since the take (never
-            // of a request in a group: its element goes back to the group's queue it came from).
-            let list = match priority {
-                Some(p) if group_of_queue(list).is_none() => store.keys.token_list(shard, p),
-                _ => list.to_owned(),
-            };
+            let list = requeue_list(store, shard, list, priority);
             match take {
                 Some((record_holder, take)) => {
                     tokens::give_back(store, shard, &list, record_holder, take, element).await?;
@@ -333,6 +329,19 @@ async fn reclaim(
         }
     }
     Ok(())
+}
+
+/// The list a token's element issued anew (ack's re-queue, `reclaim`) goes to on `shard`, from the
+/// list it was taken from and the request's priority now (`None` from an older library: the list
+/// it was taken from). An operator may have changed the priority since the take. A request in a
+/// tenant group keeps its priority (reprioritize refuses it) and its element goes back to its
+/// group's queue, never to a shard's list, where a slot would take it without a group token.
+pub(crate) fn requeue_list(store: &Store, shard: u32, taken: &str, priority: Option<Priority>) -> String {
+    match (priority, group_of_queue(taken)) {
+        (None, _) => taken.to_owned(),
+        (Some(p), Some(group)) => store.keys.group_queue(shard, group, p),
+        (Some(p), None) => store.keys.token_list(shard, p),
+    }
 }
 
 /// Reclaims every token the slots of dead worker `id` had taken, then takes it out of the registry.

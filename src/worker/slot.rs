@@ -981,10 +981,7 @@ fn owed<H: Handler>(
     priority: Option<Priority>,
     elements: Vec<Value>,
 ) -> tokens::GiveBack {
-    let list = match priority {
-        Some(p) if p != token.priority => shared.store.keys.token_list(token.shard, p),
-        _ => token.list.clone(),
-    };
+    let list = super::recovery::requeue_list(&shared.store, token.shard, &token.list, priority);
     tokens::GiveBack { shard: token.shard, list, take: token.take.to_string(), elements }
 }
 
@@ -1056,7 +1053,7 @@ async fn reclaim<H: Handler>(shared: &Shared<H>, holder: &str, token: &Token) ->
     let epoch = epoch.to_string();
     let reclaimed = retry_transient("reclaim", || {
         crate::shards::armed(store, key_id, shards, |deadline| {
-            calls::reclaim(store, key_id, i64::from(*k), &epoch, holder, Some(deadline))
+            calls::reclaim(store, key_id, i64::from(*k), &epoch, holder, &token.list, Some(deadline))
         })
     })
     .await?;

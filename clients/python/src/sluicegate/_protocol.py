@@ -12,7 +12,7 @@ import redis
 
 from . import errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import Keys, group_shard, home_shard, key_id, raw_id, token_shard
+from ._keys import Keys, group_of_queue, group_shard, home_shard, key_id, raw_id, token_shard
 
 log = logging.getLogger("sluicegate.protocol")
 
@@ -830,11 +830,12 @@ class Protocol:
         k = self.keys
         return integer(self.conn.fcall("group_audit", [k.held(shard), k.groups(shard)], ["end", *tokens]))
 
-    def reclaim(self, kid: str, k: int, epoch: str, holder: str, deadline: Optional[int]) -> Tuple[str, List[Any]]:
-        """``reclaim``: (tag, rest of the reply)."""
-        args: List[Any] = [kid, k, epoch, holder]
-        if deadline is not None:
-            args.append(deadline)
+    def reclaim(self, kid: str, k: int, epoch: str, holder: str, list_key: str,
+                deadline: Optional[int]) -> Tuple[str, List[Any]]:
+        """``reclaim`` of a token taken from ``list_key``: (tag, rest of the reply). The list's
+        tenant group (none for a shard's list) tells the function whether the request under that
+        id now is the one the token was taken for (an id is free again after a purge)."""
+        args: List[Any] = [kid, k, epoch, holder, deadline or 0, group_of_queue(list_key) or ""]
         items = fcall_items(self.conn.fcall("reclaim", self.keys.request(kid).all(), args))
         tag = text(items[0]) if items else "none"
         return tag, items[1:]

@@ -181,7 +181,7 @@ def reclaim(p: Protocol, kid: str, k: int, epoch: str, holder: str, shard: int, 
             take: Optional[Tuple[str, str]]) -> None:
     """Puts back a token a dead slot had taken (``reclaim``), ending its take record (``take``:
     the record's field and take id) in the same step as the push when it is known."""
-    tag, rest = p.reclaim(kid, k, epoch, holder, None)
+    tag, rest = p.reclaim(kid, k, epoch, holder, list_key, None)
     if tag == "push":
         elements = rest[:1]
         # The request's priority now: an operator may have changed it since the take (never of a

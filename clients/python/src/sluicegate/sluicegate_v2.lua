@@ -3512,7 +3512,14 @@ do
 -- element "<rid>|<k>|<epoch>"): put the token back in circulation if the slot's death left it out.
 -- KEYS[1..6] the request's keys (prelude.lua)
 -- ARGV[1] request key id   ARGV[2] k   ARGV[3] the epoch the slot took   ARGV[4] its holder
--- ARGV[5] (a slot's own reclaim) the deadline of its arm (sg_step_late: errors "SGLATE ..." past it)
+-- ARGV[5] (a slot's own reclaim) the deadline of its arm (sg_step_late: errors "SGLATE ..." past it;
+--         0 or '': none)
+-- ARGV[6] (optional) the tenant group whose queue the token was taken from ('' for none: a shard's
+--         list or a lane's). A request whose group differs is another request under the same id
+--         (a request's group never changes; an id is free again after a purge): the record does
+--         not name its tokens, and it is left alone ({'none'}). Without this check, its queued token
+--         would be re-issued onto a list of the record's kind: a grouped request's element on a
+--         shard's list is taken without a group token, past its group's limit.
 -- Returns {'push', element, priority}: push it (give_back, which also ends the record) onto the
 --         list of the request's priority now (reprioritize may have changed it since the take) —
 --         the token was taken and never acquired, or held by that slot (its batch becomes orphans,
@@ -3524,12 +3531,13 @@ do
 --         {'wake', in ms}: the token is parked (its slot parked it, then died before it asked for the
 --         wake-up of a retry that falls due in that many ms): recovery is to look then (arm); a
 --         parked token with work waiting now is woken at once ('push');
---         {'none'}: nothing to do (parked with no retry waiting, held by another, or the request is
---         gone).
+--         {'none'}: nothing to do (parked with no retry waiting, held by another, the request is
+--         gone, or it is another request under the same id: ARGV[6]).
 local function reclaim(keys, args)
   local late = sg_step_late(args[5])
   if late then return late end
   local rid, k, epoch, holder = args[1], args[2], args[3], args[4]
+  if args[6] and (redis.call('HGET', keys[1], 'grp') or '') ~= args[6] then return {'none'} end
   local tok = redis.call('HGET', keys[1], 't' .. k)
   if not tok then
     local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed', 'grp')

@@ -1228,7 +1228,7 @@ class _Slot:
         shards = placement.shards if placement else 1
         tag, rest = _retry_transient(
             "reclaim",
-            lambda: self.p.armed(t.kid, shards, lambda d: self.p.reclaim(t.kid, int(t.k), t.epoch, self._holder, d)),
+            lambda: self.p.armed(t.kid, shards, lambda d: self.p.reclaim(t.kid, int(t.k), t.epoch, self._holder, t.list, d)),
         )
         if tag == "push":
             prio = integer(rest[1]) if len(rest) > 1 and rest[1] is not None else None
