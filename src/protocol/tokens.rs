@@ -10,7 +10,7 @@ use fred::types::Value;
 
 use super::{ms, Finished, Func, TokenElement};
 use crate::error::{Error, Result};
-use crate::keys::lane_of;
+use crate::keys::{group_of_queue, lane_of};
 use crate::reply;
 use crate::request::Priority;
 use crate::store::Store;
@@ -465,9 +465,11 @@ pub(crate) enum Then {
     GiveBack,
 }
 
-/// `acquire` (`lane_acquire` for a lane's token): the slot presents the element it took and asks
-/// for at most `want` entries.
-pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> Result<Next> {
+/// `acquire` (`lane_acquire` for a lane's token): the slot presents the element it took from
+/// `list` and asks for at most `want` entries. The list's tenant group (none for a shard's list)
+/// lets the function refuse a copy an earlier request under the same id left on a list of another
+/// kind than the request's, should its epoch match the token's now.
+pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, list: &str, want: u32) -> Result<Next> {
     let keys = store.keys.request(&holding.element.key_id);
     let mut args = holding.args();
     if let Some((shard, _)) = lane_of(&holding.element.key_id) {
@@ -488,6 +490,7 @@ pub(crate) async fn acquire(store: &Store, holding: &Holding<'_>, want: u32) -> 
         batch(store, want, holding.element.epoch),
         ms(store.config.retention),
         store.keys.done_channel().into(),
+        group_of_queue(list).unwrap_or_default().into(),
     ]);
     let sent = Instant::now();
     let next = next(store.fcall(Func::Acquire, &keys.all(), args).await?, Reading::Acquire, sent)?.0;

@@ -812,7 +812,7 @@ async fn serve<H: Handler>(
     let holding = Holding { element: &token.element, holder, consumer: &consumer };
     let first = match acquired {
         Some(first) => first,
-        None => match tokens::acquire(&shared.store, &holding, turn.want()).await {
+        None => match tokens::acquire(&shared.store, &holding, &token.list, turn.want()).await {
             Ok(next) => next,
             // Whether the acquire ran is unknown: recovery's own step settles it either way.
             Err(e) => return reclaim_own(shared, slot, holder, &token, e).await,

@@ -268,6 +268,47 @@ async fn a_token_taken_by_a_worker_that_died_before_acquiring_it_comes_back() {
     w.stop().await;
 }
 
+/// An element on a list may be a copy an earlier request under the same id left there before its
+/// purge (given back after an ack's re-queue, or pushed by a reclaim), naming a token of the
+/// request that has the id now, whose epoch may match it: epochs are Redis time, and run ahead of
+/// it by one per re-issue within a millisecond. Such a copy on a shard's list, of a request in a
+/// tenant group, is refused by `acquire` (told the group of the list it came from): accepted, it
+/// would run without its group's token. The request then runs once, under its group's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_an_earlier_request_under_the_id_left_on_a_shard_list_is_refused_to_a_grouped_one() {
+    let env = env_streams(TOPOLOGY, "twin").await;
+    let config = fast(&env.config);
+    let producer = Producer::connect(&config).await.unwrap();
+    let request = producer.request().id("twin").unwrap().group("g").unwrap().priority(10).unwrap();
+    let h = request.concurrency(1).unwrap().submit([Job::new(21)]).await.unwrap();
+    let raw = Raw::new(env.redis.url(), &config).await;
+    // Its token waits in its group's queue: the element "twin|0|<epoch>".
+    let meta = raw.request_keys("twin").remove(0);
+    let t0: String = raw.client.hget(&meta, "t0").await.unwrap();
+    let epoch = t0.split('|').nth(1).unwrap().to_owned();
+    let element = format!("twin|0|{epoch}");
+    // The same text on the shard's list of a higher priority, where a slot's take finds it first.
+    let _: i64 = raw.client.lpush(raw.list(40), element.as_str()).await.unwrap();
+    raw.doomed_worker("w-twin").await;
+    assert_eq!(raw.take("w-twin/0").await, element);
+    let channel = format!("{}:done", raw.ns);
+    let acquire = |group: &str| -> Vec<Value> {
+        ["twin", "0", &epoch, "w-twin/0", "w-twin", "1", "60000", &channel, group].map(Value::from).to_vec()
+    };
+    let reply = raw.call("acquire", raw.request_keys("twin"), acquire("")).await;
+    assert_eq!(reply, Value::Array(vec!["stale".into()]), "a copy from a shard's list is refused");
+    let t0_after: String = raw.client.hget(&meta, "t0").await.unwrap();
+    assert_eq!(t0_after, t0, "the refusal leaves the token queued in its group's queue");
+    // The dead slot's take record of the copy is left to recovery: its reclaim, told the list's
+    // group, leaves the grouped request alone.
+
+    let probe = Probe::default();
+    let w = start_worker(&config, probe.clone(), 2, Quantum::default()).await;
+    let done = h.wait_timeout::<u64>(Duration::from_secs(20)).await.expect("the request runs from its group's queue");
+    assert_eq!(done.into_outputs().unwrap(), [42]);
+    w.stop().await;
+}
+
 /// A lane's token is acquired by `take` itself, so the slot that took it holds a batch as soon as
 /// the take ran. If its worker dies then, the batch runs again elsewhere and the lane token comes
 /// back: the request completes with every result.

@@ -2808,6 +2808,11 @@ do
 -- one for a rate-limited request
 -- ARGV[7] retention (ms) and ARGV[8] completion channel, as ack's ARGV[7..8]: for a request this
 -- call finishes at its deadline
+-- ARGV[9] (optional) the tenant group whose queue the element was taken from ('' for none: a
+-- shard's list). An element of a request of another group (or of none) is a copy left on a list by
+-- an earlier request under the same id (purged since) whose epoch the token now has by chance
+-- (epochs are Redis time, and run ahead of it by one per re-issue within a millisecond): 'stale'.
+-- Accepted, a grouped request's copy on a shard's list would run without its group's token.
 -- Returns {'run', policy, entry, ...}: the slot holds the token, with a batch of entries to run one
 --          after another; policy = {max attempts, timeout ms, backoff base ms, backoff max ms,
 --          token shards of the request[, queue wait ms[, deadline ms]]}: the queue wait is how
@@ -2826,12 +2831,14 @@ do
 --          `failed` (`why` = `deadline`) and handed out nothing; S is its token shards, for the
 --          steps after the finish ({'park', 0} while another slot holds one: its ack finishes);
 --         {'drop'}: the request is finished, cancelled or unknown: forget the element;
---         {'stale'}: the element is not the token's current one (old epoch, or not queued).
+--         {'stale'}: the element is not the token's current one (old epoch, or not queued, or
+--          taken from a list of another group than the request's: ARGV[9]).
 local function acquire(keys, args)
   local m = redis.call('HMGET', keys[1], 't' .. args[2], 'extra', 'state', 'maxatt', 'timeout', 'bbase', 'bmax', 'shards',
-    'queued', 'eligible', 'dl', 'rate', 'tat', 'left', 'limit')
+    'queued', 'eligible', 'dl', 'rate', 'tat', 'left', 'limit', 'grp')
   local tok = m[1]
   if not tok then return {'drop'} end
+  if args[9] and (m[16] or '') ~= args[9] then return {'stale'} end
   local policy = {m[4] or '1', m[5] or '0', m[6] or '0', m[7] or '0', m[8] or '1'}
   local f = sg_split(tok)
   if f[1] == 'h' and f[2] == args[3] and f[3] == args[4] and f[5] ~= '' then

@@ -1017,8 +1017,10 @@ class _Slot:
             args.append(self.p.keys.record_prefix(shard))
             keys += [self.p.keys.active(shard), self.p.keys.armed(shard)]
             return _parse_next(self.p.conn.fcall("lane_acquire", keys, args), LANE_ACQUIRE)
-        # Retention and channel: for a request the call finishes at its deadline.
-        args += [ms(self.w.settings.retention), self.p.keys.done_channel()]
+        # Retention and channel: for a request the call finishes at its deadline. Then the group of
+        # the list the element came from, so that a copy of another request under the same id is
+        # refused (§5 acquire, ARGV 9).
+        args += [ms(self.w.settings.retention), self.p.keys.done_channel(), t.group or ""]
         sent = time.monotonic()
         return _parse_next(self.p.conn.fcall("acquire", keys, args), ACQUIRE, sent)
 
