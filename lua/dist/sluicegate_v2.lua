@@ -3544,8 +3544,9 @@ local function reclaim(keys, args)
   local late = sg_step_late(args[5])
   if late then return late end
   local rid, k, epoch, holder = args[1], args[2], args[3], args[4]
-  if args[6] and (redis.call('HGET', keys[1], 'grp') or '') ~= args[6] then return {'none'} end
-  local tok = redis.call('HGET', keys[1], 't' .. k)
+  local t = redis.call('HMGET', keys[1], 't' .. k, 'grp', 'prio')
+  if args[6] and (t[2] or '') ~= args[6] then return {'none'} end
+  local tok = t[1]
   if not tok then
     local m = redis.call('HMGET', keys[1], 'state', 'prio', 'shards', 'sealed', 'grp')
     if m[1] == 'completed' or m[1] == 'failed' or m[1] == 'cancelled' then
@@ -3558,7 +3559,7 @@ local function reclaim(keys, args)
   end
   local f = sg_split(tok)
   local now = sg_now()
-  local prio = tonumber(redis.call('HGET', keys[1], 'prio'))
+  local prio = tonumber(t[3])
   if f[1] == 'h' and f[2] == epoch and f[3] == holder then
     for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
     return {'push', sg_requeue(keys, rid, k, f[2], now), prio}

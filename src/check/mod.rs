@@ -14,7 +14,9 @@
 //! worker runs them in tasks that die with its process, and its first batch handed back after
 //! its first part (`Op::Take::cut`), as when that part ran past the batch's budget, and its
 //! batches two entries within a quantum of three parts or wide, up to four within six
-//! (`Op::Take::wide`), so that one `ack` settles a run of several outcomes. After every step
+//! (`Op::Take::wide`), so that one `ack` settles a run of several outcomes; and copies of token
+//! elements seen earlier pushed onto their lists again (`Op::Plant`), as re-sent pushes and clean
+//! stops leave them, often of tokens that moved on or of requests purged since. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
 //! sequence it drains everything to completion and checks that every accepted part ended with a
 //! result or a dead letter, one event per lifecycle (and that a listener hears each once and in
@@ -152,6 +154,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
         }
         let c = Instant::now();
         model::check_step(world).await.map_err(fail(at))?;
+        world.note_elements().await.map_err(fail(at))?;
         in_checks += c.elapsed();
     }
     let t1 = Instant::now();
@@ -566,7 +569,8 @@ fn search_both(budget: Duration, mix: Mix) {
                  invariant broken; so far {} requests ended at their deadline, {} failed because of an \
                  upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
                  {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots, {} \
-                 sub-requests were reported unrun (skip), {} batches of more than two parts were reported in one call",
+                 sub-requests were reported unrun (skip), {} batches of more than two parts were reported in one call, \
+                 {} copies of token elements were planted on their lists",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),
@@ -575,7 +579,8 @@ fn search_both(budget: Duration, mix: Mix) {
                 model::HANDED_OFF.load(Ordering::Relaxed),
                 model::RELEASED_APART.load(Ordering::Relaxed),
                 model::HANDED_BACK.load(Ordering::Relaxed),
-                model::WIDE_BATCHES.load(Ordering::Relaxed)
+                model::WIDE_BATCHES.load(Ordering::Relaxed),
+                model::PLANTED.load(Ordering::Relaxed)
             ),
             Err(report) => panic!("{report}"),
         }

@@ -4,7 +4,7 @@
 //! (every choice the code under test makes is deterministic under the checker, see
 //! `Store::deterministic`). Operations that pick among what is parked (`Step`, `Kill`), or among
 //! requests or processes in some state at that moment (`Reprioritize`, `Track`, `Purge`,
-//! `FlushStats`), hold an index taken modulo the number of candidates, so that a shrunk sequence
+//! `FlushStats`), or among the token elements seen so far (`Plant`), hold an index taken modulo the number of candidates, so that a shrunk sequence
 //! still replays.
 
 use std::fmt;
@@ -272,6 +272,16 @@ pub(crate) enum Op {
         name: u8,
         action: ScheduleAction,
     },
+    /// A copy of a token element once seen on a list is pushed onto that list again (`pick`
+    /// modulo the elements the steps have seen, in the order first seen): at its head, as a
+    /// re-sent push leaves one, or with `tail` at its tail, as a slot's clean stop puts back a
+    /// take it never saw the reply of. Often the copy is stale by now: its token moved on, or its
+    /// request finished, or was purged and its id submitted again (docs/protocol.md §3, "Epoch
+    /// rule"). Absent in sequences recorded before it.
+    Plant {
+        pick: u16,
+        tail: bool,
+    },
     /// Everything drains as at the end of a sequence (no faults; every request finishes, nothing
     /// runs), and the sequence goes on: what follows meets finished requests (purges, tracks, ids
     /// submitted again).
@@ -308,10 +318,11 @@ pub(crate) struct Mix {
 /// finished requests are drawn more often.
 pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
     if drained && rng.gen_bool(0.2) {
-        return match rng.gen_range(0..5) {
+        return match rng.gen_range(0..6) {
             0 | 1 => Op::Purge { pick: rng.gen() },
             2 => Op::Track { pick: rng.gen(), on: rng.gen_bool(0.75) },
             3 => Op::FlushStats { pick: rng.gen() },
+            4 => draw_plant(rng),
             _ => draw_purge_finished(rng),
         };
     }
@@ -339,11 +350,12 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
     }
     let roll = rng.gen_range(0..1000);
     match roll {
-        0..=409 => {
+        0..=399 => {
             let verdict =
                 if mix.dags > 0.0 && rng.gen_bool(0.3) { Verdict::Permanent } else { draw_verdict(rng) };
             Op::Step { pick: rng.gen(), fault: draw_fault(rng, mix.faults), verdict }
         }
+        400..=409 => draw_plant(rng),
         410..=429 => Op::Reprioritize { pick: rng.gen(), priority: [10, 50, 90][rng.gen_range(0..3)] },
         430..=569 => Op::Take {
             worker: rng.gen_range(0..WORKERS),
@@ -410,6 +422,10 @@ fn draw_schedule(rng: &mut StdRng) -> Op {
         _ => ScheduleAction::Remove,
     };
     Op::Schedule { name: rng.gen_range(0..SCHEDULES), action }
+}
+
+fn draw_plant(rng: &mut StdRng) -> Op {
+    Op::Plant { pick: rng.gen(), tail: rng.gen_bool(0.5) }
 }
 
 fn draw_purge_finished(rng: &mut StdRng) -> Op {

@@ -1,7 +1,7 @@
 //! One checker run: the processes (producers, workers, an operator), the actors they run, and the
 //! scheduler that resumes one parked call at a time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -171,7 +171,29 @@ pub(crate) struct World {
     pub(crate) model: Model,
     /// The ms the functions' clock runs ahead of Redis's.
     pub(crate) clock_ms: u64,
+    /// Every token element seen on a list after a step, with that list, in the order first seen
+    /// (`Op::Plant` pushes copies of them back), and those pairs as a set.
+    elements: Vec<(String, String)>,
+    elements_seen: HashSet<(String, String)>,
 }
+
+/// Every token list of the namespace (the shards' priority lists, the tenant groups' queues) and
+/// its elements: {list, element, list, element, ...}.
+const TOKEN_ELEMENTS: &str = r"
+local out = {}
+local cursor = '0'
+repeat
+  local page = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000, 'TYPE', 'list')
+  cursor = page[1]
+  for _, key in ipairs(page[2]) do
+    for _, element in ipairs(redis.call('LRANGE', key, 0, -1)) do
+      out[#out + 1] = key
+      out[#out + 1] = element
+    end
+  end
+until cursor == '0'
+return out
+";
 
 /// Shortens every expiry of the namespace by ARGV[1] ms (deleting what that expires).
 const AGE_KEYS: &str = r"
@@ -246,6 +268,8 @@ impl World {
             producer_stats: Default::default(),
             model: Model::default(),
             clock_ms: 0,
+            elements: Vec::new(),
+            elements_seen: HashSet::new(),
         }
     }
 
@@ -629,6 +653,23 @@ impl World {
                     .map_err(|e| e.to_string())?;
                 Ok(())
             }
+            Op::Plant { pick, tail } => {
+                if self.elements.is_empty() {
+                    return Ok(());
+                }
+                let (list, element) = &self.elements[*pick as usize % self.elements.len()];
+                let pushed: Result<i64, _> = if *tail {
+                    self.reader.rpush(list, element.as_str()).await
+                } else {
+                    self.reader.lpush(list, element.as_str()).await
+                };
+                pushed.map_err(|e| e.to_string())?;
+                if std::env::var("SLUICEGATE_CHECK_TRACE").is_ok() {
+                    eprintln!("    planted {element} on {list} (of {} seen)", self.elements.len());
+                }
+                super::model::PLANTED.fetch_add(1, Relaxed);
+                Ok(())
+            }
             Op::Kill { pick } => {
                 if self.parked.is_empty() {
                     return Ok(());
@@ -655,6 +696,30 @@ impl World {
             Op::Schedule { .. } => Ok(()),
             Op::Restart | Op::Drain => Ok(()), // done by the runner
         }
+    }
+
+    /// Notes the token elements on the namespace's lists that it has not seen before
+    /// (`Op::Plant`): those of one step in the order of their lists' names, then positions.
+    pub(crate) async fn note_elements(&mut self) -> Result<(), String> {
+        let pattern = format!("{}:*:p:*", self.config.namespace_str());
+        let found: Vec<String> = self
+            .reader
+            .eval(TOKEN_ELEMENTS, Vec::<String>::new(), vec![pattern])
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut found: Vec<(usize, (String, String))> = found
+            .chunks_exact(2)
+            .enumerate()
+            .map(|(at, pair)| (at, (pair[0].clone(), pair[1].clone())))
+            .collect();
+        // (SCAN's order of lists varies; an element's position in its list does not.)
+        found.sort_by(|a, b| a.1 .0.cmp(&b.1 .0).then(a.0.cmp(&b.0)));
+        for (_, pair) in found {
+            if self.elements_seen.insert(pair.clone()) {
+                self.elements.push(pair);
+            }
+        }
+        Ok(())
     }
 
     /// The request an operator's `pick` names (`Op::Reprioritize`, `Op::Track`, `Op::Purge`):
