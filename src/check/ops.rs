@@ -277,10 +277,18 @@ pub(crate) enum Op {
     /// re-sent push leaves one, or with `tail` at its tail, as a slot's clean stop puts back a
     /// take it never saw the reply of. Often the copy is stale by now: its token moved on, or its
     /// request finished, or was purged and its id submitted again (docs/protocol.md §3, "Epoch
-    /// rule"). Absent in sequences recorded before it.
+    /// rule"). With `current`, the pick is among the elements whose token (of a request with keys
+    /// of its own, under the element's id) is queued now, and the copy carries the epoch it is
+    /// queued with and goes onto any list seen so far: as a copy an earlier request under the id
+    /// left on a list it used may, since epochs are times (the next request's token can be issued
+    /// in the same millisecond). On a list of another kind than the token's own (a tenant group's
+    /// queue, or a shard's list for a grouped request), only `acquire`'s group guard stands between
+    /// it and a run outside its group's limit. Absent in sequences recorded before it.
     Plant {
         pick: u16,
         tail: bool,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        current: bool,
     },
     /// Everything drains as at the end of a sequence (no faults; every request finishes, nothing
     /// runs), and the sequence goes on: what follows meets finished requests (purges, tracks, ids
@@ -425,7 +433,7 @@ fn draw_schedule(rng: &mut StdRng) -> Op {
 }
 
 fn draw_plant(rng: &mut StdRng) -> Op {
-    Op::Plant { pick: rng.gen(), tail: rng.gen_bool(0.5) }
+    Op::Plant { pick: rng.gen(), tail: rng.gen_bool(0.5), current: rng.gen_bool(0.5) }
 }
 
 fn draw_purge_finished(rng: &mut StdRng) -> Op {

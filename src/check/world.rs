@@ -653,11 +653,30 @@ impl World {
                     .map_err(|e| e.to_string())?;
                 Ok(())
             }
-            Op::Plant { pick, tail } => {
+            Op::Plant { pick, tail, current } => {
                 if self.elements.is_empty() {
                     return Ok(());
                 }
-                let (list, element) = &self.elements[*pick as usize % self.elements.len()];
+                let (list, element) = if *current {
+                    // Among the elements whose token is queued now, under its epoch now, onto any
+                    // list seen so far (an earlier request under the id may have used it).
+                    let copies = self.queued_copies().await?;
+                    let mut lists: Vec<&String> = Vec::new();
+                    for (list, _) in &self.elements {
+                        if !lists.contains(&list) {
+                            lists.push(list);
+                        }
+                    }
+                    if copies.is_empty() {
+                        return Ok(());
+                    }
+                    let n = *pick as usize;
+                    let list = lists[n / copies.len() % lists.len()].clone();
+                    (list, copies[n % copies.len()].1.clone())
+                } else {
+                    self.elements[*pick as usize % self.elements.len()].clone()
+                };
+                let (list, element) = (&list, &element);
                 let pushed: Result<i64, _> = if *tail {
                     self.reader.rpush(list, element.as_str()).await
                 } else {
@@ -696,6 +715,32 @@ impl World {
             Op::Schedule { .. } => Ok(()),
             Op::Restart | Op::Drain => Ok(()), // done by the runner
         }
+    }
+
+    /// The elements seen so far whose tokens (of requests with keys of their own) are queued now,
+    /// each with the epoch its token is queued under now (and the list it was seen on).
+    async fn queued_copies(&self) -> Result<Vec<(String, String)>, String> {
+        let ns = self.config.namespace_str();
+        let mut epochs: HashMap<(String, u32), Option<u64>> = HashMap::new();
+        let mut out = Vec::new();
+        for (list, seen) in &self.elements {
+            let Some(mut copy) = crate::protocol::TokenElement::parse(seen) else { continue };
+            let at = (copy.key_id.clone(), copy.k);
+            if !epochs.contains_key(&at) {
+                let token: Option<String> = self
+                    .reader
+                    .hget(format!("{ns}:r:{{{}}}", copy.key_id), format!("t{}", copy.k))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let queued = token.as_deref().and_then(|t| t.strip_prefix("q|"));
+                epochs.insert(at.clone(), queued.and_then(|q| q.split('|').next()?.parse().ok()));
+            }
+            if let Some(epoch) = epochs[&at] {
+                copy.epoch = epoch;
+                out.push((list.clone(), copy.to_string()));
+            }
+        }
+        Ok(out)
     }
 
     /// Notes the token elements on the namespace's lists that it has not seen before
