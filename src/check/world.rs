@@ -661,26 +661,24 @@ impl World {
                     // Among the elements whose token is queued now, under its epoch now, onto any
                     // list seen so far (an earlier request under the id may have used it).
                     let copies = self.queued_copies().await?;
+                    if copies.is_empty() {
+                        return Ok(());
+                    }
                     let mut lists: Vec<&String> = Vec::new();
                     for (list, _) in &self.elements {
                         if !lists.contains(&list) {
                             lists.push(list);
                         }
                     }
-                    if copies.is_empty() {
-                        return Ok(());
-                    }
                     let n = *pick as usize;
-                    let list = lists[n / copies.len() % lists.len()].clone();
-                    (list, copies[n % copies.len()].1.clone())
+                    (lists[n / copies.len() % lists.len()].clone(), copies[n % copies.len()].clone())
                 } else {
                     self.elements[*pick as usize % self.elements.len()].clone()
                 };
-                let (list, element) = (&list, &element);
                 let pushed: Result<i64, _> = if *tail {
-                    self.reader.rpush(list, element.as_str()).await
+                    self.reader.rpush(&list, element.as_str()).await
                 } else {
-                    self.reader.lpush(list, element.as_str()).await
+                    self.reader.lpush(&list, element.as_str()).await
                 };
                 pushed.map_err(|e| e.to_string())?;
                 if std::env::var("SLUICEGATE_CHECK_TRACE").is_ok() {
@@ -718,12 +716,12 @@ impl World {
     }
 
     /// The elements seen so far whose tokens (of requests with keys of their own) are queued now,
-    /// each with the epoch its token is queued under now (and the list it was seen on).
-    async fn queued_copies(&self) -> Result<Vec<(String, String)>, String> {
+    /// each under the epoch its token is queued with now.
+    async fn queued_copies(&self) -> Result<Vec<String>, String> {
         let ns = self.config.namespace_str();
         let mut epochs: HashMap<(String, u32), Option<u64>> = HashMap::new();
         let mut out = Vec::new();
-        for (list, seen) in &self.elements {
+        for (_, seen) in &self.elements {
             let Some(mut copy) = crate::protocol::TokenElement::parse(seen) else { continue };
             let at = (copy.key_id.clone(), copy.k);
             if !epochs.contains_key(&at) {
@@ -737,7 +735,7 @@ impl World {
             }
             if let Some(epoch) = epochs[&at] {
                 copy.epoch = epoch;
-                out.push((list.clone(), copy.to_string()));
+                out.push(copy.to_string());
             }
         }
         Ok(out)
