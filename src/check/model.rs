@@ -1189,7 +1189,8 @@ pub(crate) static HANDED_BACK: std::sync::atomic::AtomicU64 = std::sync::atomic:
 /// Batches of more than two handler runs reported by one call (`Op::Take::wide`): how often an
 /// `ack` settled a run of several outcomes.
 pub(crate) static WIDE_BATCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// Copies of token elements pushed again onto their lists (`Op::Plant`).
+/// Copies of token elements pushed onto lists again (`Op::Plant`): onto the list each was seen
+/// on, or, with the epoch its token is queued with now, onto any list seen so far.
 pub(crate) static PLANTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Releases of lane requests' downstreams that ran to their end as actors of their own
 /// (`Op::Take::apart`): how often the path of a worker's release tasks ran.

@@ -4,8 +4,8 @@
 //! (every choice the code under test makes is deterministic under the checker, see
 //! `Store::deterministic`). Operations that pick among what is parked (`Step`, `Kill`), or among
 //! requests or processes in some state at that moment (`Reprioritize`, `Track`, `Purge`,
-//! `FlushStats`), or among the token elements seen so far (`Plant`), hold an index taken modulo the number of candidates, so that a shrunk sequence
-//! still replays.
+//! `FlushStats`), or among the token elements seen so far (`Plant`), hold an index taken modulo
+//! the number of candidates, so that a shrunk sequence still replays.
 
 use std::fmt;
 
