@@ -61,6 +61,7 @@
 mod admin;
 #[cfg(test)]
 mod check;
+mod chunk;
 pub mod codec;
 mod config;
 mod error;
@@ -92,6 +93,7 @@ pub use admin::{
     STATUS_ERRORS,
 };
 pub use async_trait::async_trait;
+pub use chunk::{chunks, Chunk, Chunked, Chunks, MAX_CHUNK};
 pub use config::{Config, DEFAULT_REDIS_URL};
 pub use error::{Error, RedisError, Result};
 pub use events::{CompletionEvent, Cursor, Listener};

@@ -196,3 +196,65 @@ mod hangup {
         assert_eq!(sleeper.ended.load(SeqCst), 0, "the dropped worker's handler ran to its end");
     }
 }
+
+/// Chunks (`sluicegate::chunks`, `Chunked`): several parts to a sub-request, each part run once
+/// with its own index, the outputs flattening back to the parts' in order, on a lane and on a
+/// stream of its own; a failing part fails its chunk, names itself, and the parts after it in the
+/// chunk do not run.
+mod chunks {
+    use std::time::Duration;
+
+    use crate::support::{env_on, start_worker, Job, Probe};
+    use sluicegate::{chunks, Chunked, Producer, Quantum, RequestState};
+    use sluicegate_testkit::Topology;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chunks_run_each_part_once_with_its_own_index_and_flatten_to_the_parts_outputs() {
+        let env = env_on(Topology::Single, "chunks").await;
+        let producer = Producer::connect(&env.config).await.unwrap();
+        let probe = Probe::default();
+        let _worker = start_worker(&env.config, Chunked(probe.clone()), 4, Quantum::default()).await;
+        for own in [false, true] {
+            let parts = (0..10).map(Job::new);
+            let request = producer.request().concurrency(2).unwrap().own_stream(own);
+            let handle = request.submit(chunks(parts, 3).unwrap()).await.unwrap();
+            let done = handle.wait_timeout::<Vec<u64>>(Duration::from_secs(20)).await.unwrap();
+            assert_eq!(done.state, RequestState::Completed);
+            assert_eq!(done.total, 4, "10 parts in chunks of 3 are 4 sub-requests");
+            let outputs: Vec<u64> = done.into_outputs().unwrap().into_iter().flatten().collect();
+            assert_eq!(outputs, (0..10).map(|n| n * 2).collect::<Vec<_>>(), "own stream: {own}");
+            let mut ran: Vec<u64> = probe
+                .starts()
+                .into_iter()
+                .filter(|(id, _)| *id == handle.id().to_string())
+                .map(|(_, i)| i)
+                .collect();
+            ran.sort_unstable();
+            assert_eq!(
+                ran,
+                (0..10).collect::<Vec<_>>(),
+                "each part once, by its own index (own stream: {own})"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failing_part_fails_its_chunk_names_itself_and_stops_the_parts_after_it() {
+        let env = env_on(Topology::Single, "chunk-fails").await;
+        let producer = Producer::connect(&env.config).await.unwrap();
+        let probe = Probe::default();
+        let _worker = start_worker(&env.config, Chunked(probe.clone()), 2, Quantum::default()).await;
+        let parts = (0..10).map(|n| Job { fail: n == 5, ..Job::new(n) });
+        let handle = producer.request().submit(chunks(parts, 4).unwrap()).await.unwrap();
+        let done = handle.wait_timeout::<Vec<u64>>(Duration::from_secs(20)).await.unwrap();
+        assert_eq!(done.state, RequestState::Failed);
+        assert_eq!(done.failed, 1, "one chunk is dead");
+        let failure = done.results[1].as_ref().unwrap_err();
+        assert_eq!(failure.message, "part 5: job 5 failed on purpose");
+        assert!(!failure.permanent);
+        assert_eq!(done.results[0].as_ref().unwrap(), &vec![0, 2, 4, 6]);
+        assert_eq!(done.results[2].as_ref().unwrap(), &vec![16, 18]);
+        let ran: Vec<u64> = probe.starts().into_iter().map(|(_, i)| i).collect();
+        assert!(ran.contains(&5) && !ran.contains(&6) && !ran.contains(&7), "ran {ran:?}");
+    }
+}
