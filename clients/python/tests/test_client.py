@@ -329,6 +329,67 @@ def test_an_async_handler_runs_on_asyncio(server: Any, ns: str, running: Running
     assert seen.most[done.id] == 4
 
 
+def test_chunks_run_each_part_once_with_its_own_index_and_flatten_to_the_parts_results(
+    server: Any, ns: str, running: Running
+) -> None:
+    seen: List[int] = []
+    lock = threading.Lock()
+
+    def handler(ctx: Any, part: Any) -> Any:
+        with lock:
+            seen.append(ctx.index)
+        assert ctx.idempotency_key == f"{ctx.request_id}/{ctx.index}"
+        return part["i"] * 2
+
+    running.start(server.url, sluicegate.chunked(handler), ns, slots=4)
+    p = Producer(server.url, ns)
+    for own in (False, True):
+        seen.clear()
+        done = p.submit(sluicegate.chunks(parts(10), 3), concurrency=2, own_stream=own).wait(timeout=20)
+        assert done.state == "completed"
+        assert done.results == [[0, 2, 4], [6, 8, 10], [12, 14, 16], [18]], f"own stream: {own}"
+        assert sorted(seen) == list(range(10)), f"each part once, by its own index (own stream: {own})"
+
+
+def test_a_failing_part_fails_its_chunk_names_itself_and_stops_the_parts_after_it(
+    server: Any, ns: str, running: Running
+) -> None:
+    ran: List[int] = []
+
+    async def handler(ctx: Any, part: Any) -> Any:
+        ran.append(ctx.index)
+        if part["i"] == 5:
+            raise PermanentError("no such thing")
+        return part["i"]
+
+    running.start(server.url, sluicegate.chunked(handler), ns)
+    done = Producer(server.url, ns).submit(sluicegate.chunks(parts(10), 4)).wait(timeout=20)
+    assert done.state == "failed"
+    assert done.results == [[0, 1, 2, 3], None, [8, 9]]
+    assert (done.errors[1].message, done.errors[1].permanent) == ("part 5: no such thing", True)
+    assert 5 in ran and 6 not in ran and 7 not in ran, ran
+
+
+def test_a_chunk_is_the_array_of_its_first_index_and_its_parts_as_in_rust() -> None:
+    assert sluicegate.chunks(["a", "b", "c"], 2) == [[0, ["a", "b"]], [2, ["c"]]]
+    assert sluicegate.chunks([], 2) == []
+    # The bytes of the Rust unit test `a_chunk_is_the_array_of_its_first_index_and_its_parts`.
+    assert sluicegate.codec.encode([7, ["a", "b"]]) == bytes.fromhex("920792a161a162")
+    for size in (0, sluicegate.MAX_CHUNK + 1, True, 2.5):
+        with pytest.raises(sluicegate.InvalidRequest, match=f"from 1 to 10000 parts, not {size!r}"):
+            sluicegate.chunks([1], size)  # type: ignore[arg-type]
+
+
+def test_a_payload_that_is_not_a_chunk_fails_at_once_and_says_what_a_chunk_is(
+    server: Any, ns: str, running: Running
+) -> None:
+    running.start(server.url, sluicegate.chunked(lambda ctx, part: part), ns)
+    done = Producer(server.url, ns).submit([{"i": 1}], max_attempts=3).wait(timeout=20)
+    assert done.state == "failed"
+    assert done.errors[0].permanent and done.errors[0].attempts == 1
+    assert done.errors[0].message.startswith("a chunk is [first, [part, ...]], not {'i': 1}")
+
+
 def test_a_listener_resumes_after_its_cursor(server: Any, ns: str, running: Running) -> None:
     running.start(server.url, double, ns)
     p = Producer(server.url, ns)

@@ -48,6 +48,7 @@ from .errors import (
     UnsupportedRedis,
     WaitTimeout,
 )
+from .chunk import MAX_CHUNK, chunked, chunks
 from .events import Event, Listener
 from .producer import Completion, OpenRequest, PartError, Producer, RequestHandle
 from .worker import Context, Worker
@@ -56,6 +57,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_GROUP_LIMIT",
+    "MAX_CHUNK",
     "MAX_GROUP_LIMIT",
     "Admin",
     "Completion",
@@ -95,5 +97,7 @@ __all__ = [
     "Upstream",
     "WaitTimeout",
     "Worker",
+    "chunked",
+    "chunks",
     "library_source",
 ]
