@@ -23,10 +23,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fred::prelude::*;
-use futures::future::try_join_all;
+use futures::future::{try_join_all, Either};
 use futures::{StreamExt, TryStreamExt};
+use serde::de::IgnoredAny;
 use sluicegate::{
-    async_trait, Admin, Config, Context, Handler, HandlerError, Listener, Loader, Producer, Quantum, Worker,
+    async_trait, Admin, Chunked, Config, Context, Handler, HandlerError, Listener, Loader, Producer, Quantum,
+    Worker,
 };
 use sluicegate_testkit::{connect, RedisCluster, TestRedis};
 use tokio_util::sync::CancellationToken;
@@ -238,7 +240,9 @@ fn bench_reserve() -> Option<(usize, u8)> {
 }
 
 /// Runs a built worker until the returned token is cancelled.
-fn start(worker: Worker<Noop>) -> (CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>) {
+fn start<H: Handler>(
+    worker: Worker<H>,
+) -> (CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>) {
     let stop = CancellationToken::new();
     let signal = stop.clone();
     (stop, tokio::spawn(worker.run_until(async move { signal.cancelled().await })))
@@ -419,14 +423,14 @@ impl Bench {
     /// (n, p): n of its slots kept for priorities p and up (`WorkerBuilder::reserve`). The
     /// throughput rows start their clock after this, as bench.mjs starts BullMQ's after its
     /// worker's `waitUntilReady()`.
-    async fn ready_worker(
+    async fn ready_worker<H: Handler>(
         &self,
         config: &Config,
-        handler: Noop,
+        handler: H,
         slots: usize,
         stage_stats: bool,
         reserve: Option<(usize, u8)>,
-    ) -> Result<Worker<Noop>, BoxError> {
+    ) -> Result<Worker<H>, BoxError> {
         // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
         let mut builder = Worker::builder(config, handler).slots(slots);
@@ -455,12 +459,14 @@ impl Bench {
         parts: u64,
         limit: u32,
     ) -> Result<Vec<Row>, BoxError> {
-        self.throughput_in(scenario, requests, parts, limit, 0).await
+        self.throughput_in(scenario, requests, parts, limit, 0, 1).await
     }
 
     /// [`throughput`](Self::throughput) with the requests spread over `groups` tenant groups
     /// (none: 0), each group's limit the slots' number, so that groups add their cost and not a
-    /// cap: the cost of a part of a request in a group against one in none.
+    /// cap: the cost of a part of a request in a group against one in none. With `pack` above 1,
+    /// each sub-request is a chunk of up to `pack` of the `parts` (`sluicegate::chunks`, run by
+    /// `Chunked`; rows count parts).
     async fn throughput_in(
         &self,
         scenario: &str,
@@ -468,6 +474,7 @@ impl Bench {
         parts: u64,
         limit: u32,
         groups: u32,
+        pack: u64,
     ) -> Result<Vec<Row>, BoxError> {
         let config = self.config(scenario);
         let producer = Producer::connect(&config).await?;
@@ -482,26 +489,42 @@ impl Bench {
         let started = Instant::now();
         let mut handles = Vec::new();
         for i in 0..requests {
-            let request = producer.request().concurrency(limit)?;
+            // `_own`: a stream of its own even when a lane would take it (`own_stream`).
+            let request = producer.request().concurrency(limit)?.own_stream(scenario.ends_with("_own"));
             let request = if groups > 0 {
                 request.group(&format!("tenant-{}", i % u64::from(groups)))?
             } else {
                 request
             };
-            handles.push(request.submit((0..parts).map(|_| PAYLOAD)).await?);
+            let payloads = (0..parts).map(|_| PAYLOAD);
+            handles.push(if pack > 1 {
+                request.submit(sluicegate::chunks(payloads, pack as usize)?).await?
+            } else {
+                request.submit(payloads).await?
+            });
         }
+        let packed = if pack > 1 { format!(" in chunks of {pack}") } else { String::new() };
         let submit = Row::new(&format!("{scenario}_submit"), items)
             .rate(started.elapsed())
             .cost(&before, &stats(&self.nodes).await?)
-            .note(format!("{requests} x {parts} parts, submitted one request after another"));
+            .note(format!("{requests} x {parts} parts{packed}, submitted one request after another"));
         let building = Instant::now();
-        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve()).await?;
+        let worker = if pack > 1 {
+            Either::Left(
+                self.ready_worker(&config, Chunked(Noop::default()), SLOTS, true, bench_reserve()).await?,
+            )
+        } else {
+            Either::Right(self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve()).await?)
+        };
         let built = building.elapsed();
         slowlog_on(&self.redis).await?;
         let before = stats(&self.nodes).await?;
         let started = Instant::now();
-        let (stop, task) = start(worker);
-        try_join_all(handles.iter().map(|h| h.wait::<()>())).await?;
+        let (stop, task) = match worker {
+            Either::Left(worker) => start(worker),
+            Either::Right(worker) => start(worker),
+        };
+        try_join_all(handles.iter().map(|h| h.wait::<IgnoredAny>())).await?;
         let elapsed = started.elapsed();
         let after = stats(&self.nodes).await?;
         stop.cancel();
@@ -511,7 +534,7 @@ impl Bench {
         let grouped =
             if groups > 0 { format!(", in {groups} groups of limit {SLOTS}") } else { String::new() };
         let run = Row::new(scenario, items).rate(elapsed).cost(&before, &after).note(format!(
-            "{requests} x {parts}, limit {limit} per request{grouped}, {SLOTS} slots, lease 30 s, recovery on; \
+            "{requests} x {parts}{packed}, limit {limit} per request{grouped}, {SLOTS} slots, lease 30 s, recovery on; \
              worker built (connected) in {:.1} ms before the clock starts",
             built.as_secs_f64() * 1e3
         ));
@@ -1753,10 +1776,20 @@ impl Bench {
             rows.extend(self.throughput("many_small", self.scaled(1_000), 100, 4).await?);
         }
         if wants("many_small_grouped") {
-            rows.extend(self.throughput_in("many_small_grouped", self.scaled(1_000), 100, 4, 8).await?);
+            rows.extend(self.throughput_in("many_small_grouped", self.scaled(1_000), 100, 4, 8, 1).await?);
+        }
+        if wants("many_small_packed") {
+            // Six parts to a sub-request: the most that docs/design/packed-entries.md's rule
+            // (k <= parts / (4 * limit)) gives a request of 100 parts at limit 4.
+            rows.extend(self.throughput_in("many_small_packed", self.scaled(1_000), 100, 4, 0, 6).await?);
+        }
+        if chosen.contains(&"many_small_packed_own") {
+            // The same on streams of their own (17 sub-requests would take the lane): what
+            // packing saves on the path a request of 100 single parts takes.
+            rows.extend(self.throughput_in("many_small_packed_own", self.scaled(1_000), 100, 4, 0, 6).await?);
         }
         if wants("small_10_grouped") {
-            rows.extend(self.throughput_in("small_10_grouped", self.scaled(10_000), 10, 4, 8).await?);
+            rows.extend(self.throughput_in("small_10_grouped", self.scaled(10_000), 10, 4, 8, 1).await?);
         }
         if wants("small_10") {
             rows.extend(self.throughput("small_10", self.scaled(10_000), 10, 4).await?);
@@ -1920,6 +1953,7 @@ fn print_ratios(rows: &[Row]) {
     let pairs = [
         ("many_small", "flow_small"),
         ("many_small", "plain_queue"),
+        ("many_small_packed", "plain_queue_chunked"),
         ("one_huge", "flow_huge"),
         ("one_huge", "plain_queue"),
         ("small_1", "plain_queue"),

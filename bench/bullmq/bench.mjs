@@ -262,11 +262,50 @@ async function plainQueue(ctx, name, N, discard) {
   });
 }
 
+// `plain_queue` with the parts packed by hand, as sluicegate's `many_small_packed` packs them with
+// `chunks`: N parts as jobs of up to `size` parts each (the job's data their payloads), drained by
+// one Worker whose processor runs a no-op per part and returns their outputs; results discarded.
+// The row counts parts, as sluicegate's does.
+async function chunkedQueue(ctx, N, size) {
+  const q = ctx.queue('chunked');
+  await q.waitUntilReady();
+  const jobs = [];
+  for (let i = 0; i < N; i += size) {
+    jobs.push({ name: 'c', data: Array(Math.min(size, N - i)).fill(PAYLOAD), opts: { removeOnComplete: true } });
+  }
+  for (let i = 0; i < jobs.length; i += BATCH) await q.addBulk(jobs.slice(i, i + BATCH));
+  const part = async () => null;
+  const w = ctx.worker('chunked', async (job) => {
+    const out = [];
+    for (const p of job.data) out.push(await part(p));
+    return out;
+  }, { autorun: false });
+  const done = completionCounter(w, jobs.length);
+  await w.waitUntilReady();
+  const s0 = await snapshot();
+  const t0 = now();
+  w.run().catch((e) => ctx.failure.reject(e));
+  const t1 = await done;
+  const s1 = await snapshot();
+  emit('plain_queue_chunked', {
+    items: N,
+    tput: N / ((t1 - t0) / 1000),
+    c: cost(s0, s1, N),
+    bytes: null,
+    note: `${jobs.length} jobs of up to ${size} parts each; 1 Worker, concurrency ${CONCURRENCY}, no-op per part; removeOnComplete; items are parts`,
+  });
+}
+
 // ---------------------------------------------------------------------------- scenarios
 const scenarios = {
   // Results discarded (removeOnComplete), as BullMQ users run a plain queue most often.
   async plain_queue(ctx) {
     await plainQueue(ctx, 'plain', scaled(100_000), true);
+  },
+
+  // Parts packed six to a job, as sluicegate's `many_small_packed` packs them.
+  async plain_queue_chunked(ctx) {
+    await chunkedQueue(ctx, scaled(100_000), 6);
   },
 
   // Results kept: each completed job stays in Redis with its return value.
