@@ -10,6 +10,10 @@
 //! times out and is dead-lettered as one, and its result is the list of its parts' outputs.
 //! Handlers run again on a retry of their chunk even when their own part had succeeded, which
 //! at-least-once delivery allows already ([`Context::idempotency_key`] stays per part).
+//! Whatever counts sub-requests counts chunks: the concurrency limit, a group's rate, the quantum,
+//! a request's `total` and `failed`, the attempt timeout (it covers the whole chunk: scale it by
+//! the chunk's size), and [`Context::upstream`]'s ranges when the upstream was sent in chunks
+//! (range `i..i + 1` is chunk `i`).
 //!
 //! ```no_run
 //! # async fn demo() -> sluicegate::Result<()> {
@@ -29,11 +33,14 @@
 //! producer or worker in another language writes and reads), and its result the array of its
 //! parts' outputs.
 
+use std::panic::AssertUnwindSafe;
+
 use async_trait::async_trait;
+use futures::FutureExt;
 use serde::{Deserialize, Serialize};
 
 use crate::request::InvalidValue;
-use crate::worker::{Context, Handler, HandlerError};
+use crate::worker::{panic_text, Context, Handler, HandlerError};
 
 /// The most parts one chunk may hold.
 pub const MAX_CHUNK: usize = 10_000;
@@ -95,8 +102,9 @@ impl<I: Iterator> Iterator for Chunks<I> {
 /// with a [`Context`] whose [`index`](Context::index) (and so
 /// [`idempotency_key`](Context::idempotency_key)) is the part's own. The chunk's output is its
 /// parts' outputs; its first failure ends it (the parts after it do not run) and is the chunk's,
-/// permanent or not as the part's was, its message prefixed with the part's index. A chunk whose
-/// hold is lost stops before its next part.
+/// permanent or not as the part's was (a panic is retryable), its message prefixed with the
+/// part's index. A chunk whose hold is lost, or whose run is cancelled, stops before its next
+/// part.
 #[derive(Clone, Debug, Default)]
 pub struct Chunked<H>(pub H);
 
@@ -114,9 +122,15 @@ impl<H: Handler> Handler for Chunked<H> {
             }
             let mut part_ctx = ctx.clone();
             part_ctx.index = index;
-            match self.0.handle(part_ctx, part).await {
-                Ok(output) => outputs.push(output),
-                Err(e) => {
+            // A panic is the part's failure too, named like the others (the worker would record
+            // it as the chunk's, without the part).
+            match AssertUnwindSafe(self.0.handle(part_ctx, part)).catch_unwind().await {
+                Ok(Ok(output)) => outputs.push(output),
+                Err(panic) => {
+                    let text = panic_text(&*panic);
+                    return Err(HandlerError::new(format!("part {index}: handler panicked: {text}")));
+                }
+                Ok(Err(e)) => {
                     let message = format!("part {index}: {}", e.message());
                     return Err(if e.is_permanent() {
                         HandlerError::permanent(message)

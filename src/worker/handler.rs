@@ -69,7 +69,8 @@ impl Context {
         &self.request_id
     }
 
-    /// The sub-request's position in its request, from 0.
+    /// The sub-request's position in its request, from 0; under [`Chunked`](crate::Chunked), the
+    /// part's position (the chunk's first part's index plus the part's place in the chunk).
     pub fn index(&self) -> u64 {
         self.index
     }
@@ -170,4 +171,13 @@ impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "HandlerError({:?}, permanent: {})", self.message, self.permanent)
     }
+}
+
+/// The text of a handler's panic (its `&str` or `String` payload), as failures record it.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
 }

@@ -17,6 +17,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+pub(crate) use handler::panic_text;
 pub use handler::{Context, Handler, HandlerError};
 
 use crate::config::Config;

@@ -1262,12 +1262,7 @@ fn outcome_of<O: serde::Serialize>(
         },
         Ok(Err(e)) => Outcome::Failed { message: e.message().to_owned(), permanent: e.is_permanent() },
         Err(join) if join.is_panic() => {
-            let panic = join.into_panic();
-            let text = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".into());
+            let text = super::panic_text(&*join.into_panic());
             Outcome::Failed { message: format!("handler panicked: {text}"), permanent: false }
         }
         Err(_) => Outcome::Failed { message: "handler task was cancelled".into(), permanent: false },

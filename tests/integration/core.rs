@@ -199,21 +199,24 @@ mod hangup {
 
 /// Chunks (`sluicegate::chunks`, `Chunked`): several parts to a sub-request, each part run once
 /// with its own index, the outputs flattening back to the parts' in order, on a lane and on a
-/// stream of its own; a failing part fails its chunk, names itself, and the parts after it in the
-/// chunk do not run.
+/// stream of its own; a failing or panicking part fails its chunk, names itself, keeps its
+/// permanence, and the parts after it in the chunk do not run; a retry runs the whole chunk; a
+/// part that outlives the attempt's timeout stops the chunk before the next part.
 mod chunks {
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use crate::support::{env_on, start_worker, Job, Probe};
-    use sluicegate::{chunks, Chunked, Producer, Quantum, RequestState};
+    use crate::support::{env_on, start_worker, Env, Job, Probe, Running};
+    use serde::{Deserialize, Serialize};
+    use sluicegate::{
+        async_trait, chunks, Chunked, Context, Handler, HandlerError, Producer, Quantum, RequestState,
+    };
     use sluicegate_testkit::Topology;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn chunks_run_each_part_once_with_its_own_index_and_flatten_to_the_parts_outputs() {
-        let env = env_on(Topology::Single, "chunks").await;
-        let producer = Producer::connect(&env.config).await.unwrap();
         let probe = Probe::default();
-        let _worker = start_worker(&env.config, Chunked(probe.clone()), 4, Quantum::default()).await;
+        let (_env, producer, _worker) = on_redis("chunks", Chunked(probe.clone()), 4).await;
         for own in [false, true] {
             let parts = (0..10).map(Job::new);
             let request = producer.request().concurrency(2).unwrap().own_stream(own);
@@ -240,10 +243,8 @@ mod chunks {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failing_part_fails_its_chunk_names_itself_and_stops_the_parts_after_it() {
-        let env = env_on(Topology::Single, "chunk-fails").await;
-        let producer = Producer::connect(&env.config).await.unwrap();
         let probe = Probe::default();
-        let _worker = start_worker(&env.config, Chunked(probe.clone()), 2, Quantum::default()).await;
+        let (_env, producer, _worker) = on_redis("chunk-fails", Chunked(probe.clone()), 2).await;
         let parts = (0..10).map(|n| Job { fail: n == 5, ..Job::new(n) });
         let handle = producer.request().submit(chunks(parts, 4).unwrap()).await.unwrap();
         let done = handle.wait_timeout::<Vec<u64>>(Duration::from_secs(20)).await.unwrap();
@@ -256,5 +257,119 @@ mod chunks {
         assert_eq!(done.results[2].as_ref().unwrap(), &vec![16, 18]);
         let ran: Vec<u64> = probe.starts().into_iter().map(|(_, i)| i).collect();
         assert!(ran.contains(&5) && !ran.contains(&6) && !ran.contains(&7), "ran {ran:?}");
+    }
+
+    /// A part's input for [`Steps`]: what the part does.
+    #[derive(Serialize, Deserialize, Clone, Debug, Default)]
+    struct Step {
+        n: u64,
+        /// Blocks its thread this long (a handler that ignores its cancellation; an abort cannot
+        /// stop it).
+        block_ms: u64,
+        panic: bool,
+        permanent: bool,
+        /// Fails on attempts before this one.
+        fail_before: u32,
+    }
+
+    /// Records (index, attempt) of each part it starts, at once (before any await), then does
+    /// what the part says.
+    #[derive(Clone, Default)]
+    struct Steps(Arc<Mutex<Vec<(u64, u32)>>>);
+
+    #[async_trait]
+    impl Handler for Steps {
+        type Input = Step;
+        type Output = u64;
+
+        async fn handle(&self, ctx: Context, step: Step) -> Result<u64, HandlerError> {
+            self.0.lock().unwrap().push((ctx.index(), ctx.attempt()));
+            if step.block_ms > 0 {
+                // Blocking, but off the runtime's core, so that the worker's timers still run.
+                tokio::task::block_in_place(|| std::thread::sleep(Duration::from_millis(step.block_ms)));
+            }
+            if step.panic {
+                panic!("step {} panics", step.n);
+            }
+            if step.permanent {
+                return Err(HandlerError::permanent(format!("step {} is refused", step.n)));
+            }
+            if ctx.attempt() < step.fail_before {
+                return Err(HandlerError::new(format!("step {} not yet", step.n)));
+            }
+            Ok(step.n)
+        }
+    }
+
+    fn steps(n: u64) -> Vec<Step> {
+        (0..n).map(|n| Step { n, ..Step::default() }).collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_permanent_part_or_a_panic_fails_its_chunk_named_by_the_part() {
+        let env = env_on(Topology::Single, "chunk-permanent").await;
+        let producer = Producer::connect(&env.config).await.unwrap();
+        let _worker = start_worker(&env.config, Chunked(Steps::default()), 2, Quantum::default()).await;
+        let mut parts = steps(6);
+        parts[1].permanent = true;
+        parts[4].panic = true;
+        let request = producer.request().max_attempts(3).unwrap().backoff(ms(10), ms(20)).unwrap();
+        let done = request.submit(chunks(parts, 3).unwrap()).await.unwrap();
+        let done = done.wait_timeout::<Vec<u64>>(Duration::from_secs(20)).await.unwrap();
+        assert_eq!(done.state, RequestState::Failed);
+        let refused = done.results[0].as_ref().unwrap_err();
+        assert_eq!(
+            (refused.message.as_str(), refused.permanent, refused.attempts),
+            ("part 1: step 1 is refused", true, 1)
+        );
+        let panicked = done.results[1].as_ref().unwrap_err();
+        assert_eq!(
+            (panicked.message.as_str(), panicked.permanent, panicked.attempts),
+            ("part 4: handler panicked: step 4 panics", false, 3),
+            "a panic is retried, as a handler's panic is"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_retried_chunk_runs_all_its_parts_again_and_keeps_the_last_outputs() {
+        let seen = Steps::default();
+        let (_env, producer, _worker) = on_redis("chunk-retry", Chunked(seen.clone()), 2).await;
+        let mut parts = steps(3);
+        parts[2].fail_before = 2;
+        let request = producer.request().max_attempts(2).unwrap().backoff(ms(10), ms(20)).unwrap();
+        let done = request.submit(chunks(parts, 3).unwrap()).await.unwrap();
+        let done = done.wait_timeout::<Vec<u64>>(Duration::from_secs(20)).await.unwrap();
+        assert_eq!(done.state, RequestState::Completed);
+        assert_eq!(done.results[0].as_ref().unwrap(), &vec![0, 1, 2]);
+        let ran = seen.0.lock().unwrap().clone();
+        assert_eq!(ran, vec![(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)], "the whole chunk, twice");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_part_that_outlives_the_attempts_timeout_stops_its_chunk_before_the_next_part() {
+        let seen = Steps::default();
+        let (_env, producer, _worker) = on_redis("chunk-timeout", Chunked(seen.clone()), 1).await;
+        let mut parts = steps(3);
+        // It blocks its thread, so that the abort cannot stop it; only the chunk's own look at
+        // the cancellation keeps part 1 from starting.
+        parts[0].block_ms = 800;
+        let request = producer.request().timeout(ms(200)).unwrap();
+        let done = request.submit(chunks(parts, 3).unwrap()).await.unwrap();
+        let done = done.wait_timeout::<Vec<u64>>(Duration::from_secs(20)).await.unwrap();
+        assert_eq!(done.state, RequestState::Failed);
+        assert!(done.results[0].as_ref().unwrap_err().message.contains("timed out"), "{:?}", done.results[0]);
+        assert_eq!(seen.0.lock().unwrap().clone(), vec![(0, 1)], "part 1 started after the timeout");
+    }
+
+    /// A redis-server of its own, a producer, and a worker of `slots` running `handler`.
+    async fn on_redis<H: Handler>(name: &str, handler: H, slots: usize) -> (Env, Producer, Running) {
+        let env = env_on(Topology::Single, name).await;
+        let producer = Producer::connect(&env.config).await.unwrap();
+        let worker = start_worker(&env.config, handler, slots, Quantum::default()).await;
+        (env, producer, worker)
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
     }
 }

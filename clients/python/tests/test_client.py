@@ -370,11 +370,54 @@ def test_a_failing_part_fails_its_chunk_names_itself_and_stops_the_parts_after_i
     assert 5 in ran and 6 not in ran and 7 not in ran, ran
 
 
+def test_a_retried_chunk_runs_all_its_parts_again_and_a_retryable_failure_stays_retryable(
+    server: Any, ns: str, running: Running
+) -> None:
+    ran: List[Any] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        ran.append((ctx.index, ctx.attempt))
+        if part["i"] == 2 and ctx.attempt == 1:
+            raise ValueError("not yet")
+        if part["i"] == 4:
+            raise ValueError("never")
+        return part["i"]
+
+    running.start(server.url, sluicegate.chunked(handler), ns, slots=1)
+    done = Producer(server.url, ns).submit(sluicegate.chunks(parts(6), 3), max_attempts=2, backoff=0.01,
+                                           backoff_max=0.02).wait(timeout=20)
+    assert done.state == "failed"
+    assert done.results[0] == [0, 1, 2]
+    assert (done.errors[1].message, done.errors[1].attempts, done.errors[1].permanent) == ("part 4: never", 2, False)
+    assert [r for r in ran if r[0] < 3] == [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)], "the whole chunk, twice"
+    assert 5 not in [index for index, _ in ran]
+
+
+def test_a_part_that_outlives_the_attempts_timeout_stops_its_chunk_before_the_next_part(
+    server: Any, ns: str, running: Running
+) -> None:
+    ran: List[int] = []
+
+    def handler(ctx: Any, part: Any) -> Any:
+        ran.append(ctx.index)
+        if part["i"] == 0:
+            time.sleep(0.8)  # ignores its cancellation
+        return part["i"]
+
+    running.start(server.url, sluicegate.chunked(handler), ns, slots=1)
+    done = Producer(server.url, ns).submit(sluicegate.chunks(parts(3), 3), timeout=0.2).wait(timeout=20)
+    assert done.state == "failed"
+    assert "timed out" in done.errors[0].message
+    assert ran == [0], "part 1 started after the timeout"
+
+
 def test_a_chunk_is_the_array_of_its_first_index_and_its_parts_as_in_rust() -> None:
     assert sluicegate.chunks(["a", "b", "c"], 2) == [[0, ["a", "b"]], [2, ["c"]]]
     assert sluicegate.chunks([], 2) == []
-    # The bytes of the Rust unit test `a_chunk_is_the_array_of_its_first_index_and_its_parts`.
-    assert sluicegate.codec.encode([7, ["a", "b"]]) == bytes.fromhex("920792a161a162")
+    # The bytes of the Rust unit test `a_chunk_is_the_array_of_its_first_index_and_its_parts`:
+    # chunks() of parts 0..8 in chunks of 7, its second chunk.
+    second = sluicegate.chunks(["x"] * 7 + ["a", "b"], 7)[1]
+    assert sluicegate.codec.encode(second) == bytes.fromhex("920792a161a162")
     for size in (0, sluicegate.MAX_CHUNK + 1, True, 2.5):
         with pytest.raises(sluicegate.InvalidRequest, match=f"from 1 to 10000 parts, not {size!r}"):
             sluicegate.chunks([1], size)  # type: ignore[arg-type]
