@@ -63,7 +63,8 @@ impl<T> Chunk<T> {
 }
 
 /// Groups `parts` into chunks of `size` (the last may hold fewer), one sub-request each, for a
-/// worker that runs [`Chunked`]. `size` is from 1 to [`MAX_CHUNK`].
+/// worker that runs [`Chunked`]. `size` is from 1 to [`MAX_CHUNK`]. The first part is part 0 of
+/// the request; for the later `add`s of a streamed request, [`Chunks::from_part`] says which.
 pub fn chunks<I: IntoIterator>(parts: I, size: usize) -> Result<Chunks<I::IntoIter>, InvalidValue> {
     if size == 0 || size > MAX_CHUNK {
         return Err(InvalidValue::Request(format!("a chunk holds from 1 to {MAX_CHUNK} parts, not {size}")));
@@ -77,6 +78,16 @@ pub struct Chunks<I> {
     parts: I,
     size: usize,
     next: u64,
+}
+
+impl<I> Chunks<I> {
+    /// Numbers the parts from `first` rather than 0: a streamed request's `add` of chunks after
+    /// `first` parts were added in chunks before (`chunks(more, 8)?.from_part(sent)`), so that
+    /// each part's [`Context::index`] is its place in the whole request.
+    pub fn from_part(mut self, first: u64) -> Self {
+        self.next = first;
+        self
+    }
 }
 
 impl<I: Iterator> Iterator for Chunks<I> {
@@ -155,6 +166,8 @@ mod tests {
         assert_eq!(chunks(0..10, 4).unwrap().size_hint(), (3, Some(3)));
         assert_eq!(chunks(0..0, 4).unwrap().count(), 0);
         assert_eq!(chunks(0..3, 1).unwrap().count(), 3);
+        let later: Vec<Chunk<u32>> = chunks(10..13, 2).unwrap().from_part(10).collect();
+        assert_eq!(later, vec![Chunk(10, vec![10, 11]), Chunk(12, vec![12])]);
     }
 
     #[test]

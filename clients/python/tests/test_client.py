@@ -414,6 +414,9 @@ def test_a_part_that_outlives_the_attempts_timeout_stops_its_chunk_before_the_ne
 def test_a_chunk_is_the_array_of_its_first_index_and_its_parts_as_in_rust() -> None:
     assert sluicegate.chunks(["a", "b", "c"], 2) == [[0, ["a", "b"]], [2, ["c"]]]
     assert sluicegate.chunks([], 2) == []
+    assert sluicegate.chunks(["d", "e", "f"], 2, first=3) == [[3, ["d", "e"]], [5, ["f"]]]
+    with pytest.raises(sluicegate.InvalidRequest, match="first part is a number from 0, not -1"):
+        sluicegate.chunks([1], 2, first=-1)
     # The bytes of the Rust unit test `a_chunk_is_the_array_of_its_first_index_and_its_parts`:
     # chunks() of parts 0..8 in chunks of 7, its second chunk.
     second = sluicegate.chunks(["x"] * 7 + ["a", "b"], 7)[1]

@@ -27,15 +27,17 @@ from .errors import InvalidRequest, PermanentError
 MAX_CHUNK = 10_000
 
 
-def chunks(parts: Iterable[Any], size: int) -> List[List[Any]]:
+def chunks(parts: Iterable[Any], size: int, first: int = 0) -> List[List[Any]]:
     """Groups ``parts`` into chunks of ``size`` (the last may hold fewer), each
     ``[first, [part, ...]]``, one sub-request each, for a worker whose handler is
     :func:`chunked`. ``size`` is from 1 to :data:`MAX_CHUNK`; another raises
-    :class:`InvalidRequest`."""
+    :class:`InvalidRequest`. The first part is part ``first`` of the request (0; for a streamed
+    request's later ``add``, the number of parts added before: the Rust ``Chunks::from_part``)."""
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_CHUNK:
         raise InvalidRequest(f"a chunk holds from 1 to {MAX_CHUNK} parts, not {size!r}")
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise InvalidRequest(f"a chunk's first part is a number from 0, not {first!r}")
     out: List[List[Any]] = []
-    first = 0
     current: List[Any] = []
     for part in parts:
         current.append(part)
