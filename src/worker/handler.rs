@@ -69,7 +69,7 @@ impl Context {
         &self.request_id
     }
 
-    /// The sub-request's position in its request, from 0; under [`Chunked`](crate::Chunked), the
+    /// The sub-request's position in its request, from 0; under `Chunked`, the
     /// part's position (the chunk's first part's index plus the part's place in the chunk).
     pub fn index(&self) -> u64 {
         self.index
