@@ -172,6 +172,18 @@ function completionCounter(worker, target, pred = () => true) {
   return d.promise;
 }
 
+// Runs a built (not yet running) Worker until `target` of its jobs matching `pred` completed:
+// the snapshots before its start and after the last completion, and the time between, in ms.
+async function drain(ctx, w, target, pred = () => true) {
+  const done = completionCounter(w, target, pred);
+  await w.waitUntilReady();
+  const before = await snapshot();
+  const t0 = now();
+  w.run().catch((e) => ctx.failure.reject(e));
+  const ms = (await done) - t0;
+  return { before, after: await snapshot(), ms };
+}
+
 // Worst PING round trip while `phase` runs, i.e. how long Redis was blocked for other clients
 // (a MULTI/EXEC runs all its commands atomically). The prober runs in its own thread with its
 // own connection, so a busy event loop here (building a big flow) does not inflate it.
@@ -243,19 +255,12 @@ async function plainQueue(ctx, name, N, discard) {
     note: `addBulk batches of ${BATCH}; bytes: Redis memory per queued job`,
   });
 
-  const w = ctx.worker(name, async () => {}, { autorun: false });
-  const done = completionCounter(w, N);
-  await w.waitUntilReady();
-  const s2 = await snapshot();
-  const t2 = now();
-  w.run().catch((e) => ctx.failure.reject(e));
-  const t3 = await done;
-  const s3 = await snapshot();
+  const run = await drain(ctx, ctx.worker(name, async () => {}, { autorun: false }), N);
   emit(scenario, {
     items: N,
-    tput: N / ((t3 - t2) / 1000),
-    c: cost(s2, s3, N),
-    bytes: (s3.mem - s0.mem) / N,
+    tput: N / (run.ms / 1000),
+    c: cost(run.before, run.after, N),
+    bytes: (run.after.mem - s0.mem) / N,
     note:
       `1 Worker, concurrency ${CONCURRENCY}, no-op; ${discard ? 'removeOnComplete' : 'results kept'}; ` +
       'worker start -> last completion; bytes: results kept per job',
@@ -280,17 +285,11 @@ async function chunkedQueue(ctx, N, size) {
     for (const p of job.data) out.push(await part(p));
     return out;
   }, { autorun: false });
-  const done = completionCounter(w, jobs.length);
-  await w.waitUntilReady();
-  const s0 = await snapshot();
-  const t0 = now();
-  w.run().catch((e) => ctx.failure.reject(e));
-  const t1 = await done;
-  const s1 = await snapshot();
+  const run = await drain(ctx, w, jobs.length);
   emit('plain_queue_chunked', {
     items: N,
-    tput: N / ((t1 - t0) / 1000),
-    c: cost(s0, s1, N),
+    tput: N / (run.ms / 1000),
+    c: cost(run.before, run.after, N),
     bytes: null,
     note: `${jobs.length} jobs of up to ${size} parts each; 1 Worker, concurrency ${CONCURRENCY}, no-op per part; removeOnComplete; items are parts`,
   });
@@ -558,17 +557,11 @@ async function runFlows(ctx, name, P, C, flowsPerCall) {
   });
 
   const w = ctx.worker(name, async () => {}, { autorun: false });
-  const done = completionCounter(w, P, (job) => job.name === 'parent');
-  await w.waitUntilReady();
-  const s2 = await snapshot();
-  const t2 = now();
-  w.run().catch((e) => ctx.failure.reject(e));
-  const t3 = await done;
-  const s3 = await snapshot();
+  const run = await drain(ctx, w, P, (job) => job.name === 'parent');
   emit(name, {
     items,
-    tput: items / ((t3 - t2) / 1000),
-    c: cost(s2, s3, items),
+    tput: items / (run.ms / 1000),
+    c: cost(run.before, run.after, items),
     note: `children/s, worker start -> all ${P} parents completed; 1 Worker, concurrency ${CONCURRENCY}; removeOnComplete`,
   });
 }
