@@ -489,8 +489,13 @@ impl Bench {
         let started = Instant::now();
         let mut handles = Vec::new();
         for i in 0..requests {
-            // `_own`: a stream of its own even when a lane would take it (`own_stream`).
-            let request = producer.request().concurrency(limit)?.own_stream(scenario.ends_with("_own"));
+            // `_own`: a stream of its own even when a lane would take it (`own_stream`);
+            // `_discarded`: its results not stored (`discard_results`), as BullMQ's plain queue's.
+            let request = producer
+                .request()
+                .concurrency(limit)?
+                .own_stream(scenario.ends_with("_own"))
+                .discard_results(scenario.ends_with("_discarded"));
             let request = if groups > 0 {
                 request.group(&format!("tenant-{}", i % u64::from(groups)))?
             } else {
@@ -562,7 +567,8 @@ impl Bench {
         if scenario.ends_with("_bulk") {
             queue_bulk(&producer, requests, parts, limit).await?;
         } else {
-            queue_as(&producer, requests, parts, limit, !scenario.ends_with("_unlisted")).await?;
+            let (listed, discard) = (!scenario.ends_with("_unlisted"), scenario.ends_with("_discarded"));
+            queue_as(&producer, requests, parts, limit, listed, discard).await?;
         }
         let submitted = started.elapsed();
         let queued = stats(&self.nodes).await?;
@@ -1664,10 +1670,9 @@ fn scrape_every(
 }
 
 async fn queue(producer: &Producer, requests: u64, parts: u64, limit: u32) -> Result<(), BoxError> {
-    queue_as(producer, requests, parts, limit, true).await
+    queue_as(producer, requests, parts, limit, true, false).await
 }
 
-/// `queue`, the requests listed or not (`RequestBuilder::unlisted`).
 /// Requests per `submit_many` in the `_bulk` scenarios: as many as BullMQ's `addBulk` batches.
 const BULK: u64 = 1_000;
 
@@ -1688,16 +1693,19 @@ async fn queue_bulk(producer: &Producer, requests: u64, parts: u64, limit: u32) 
     Ok(())
 }
 
+/// `queue`, the requests listed or not (`RequestBuilder::unlisted`), their results kept or not
+/// (`RequestBuilder::discard_results`).
 async fn queue_as(
     producer: &Producer,
     requests: u64,
     parts: u64,
     limit: u32,
     listed: bool,
+    discard: bool,
 ) -> Result<(), BoxError> {
     futures::stream::iter(0..requests)
         .map(|_| async {
-            let request = producer.request().concurrency(limit)?;
+            let request = producer.request().concurrency(limit)?.discard_results(discard);
             let request = if listed { request } else { request.unlisted() };
             request.submit((0..parts).map(|_| PAYLOAD)).await.map(drop)
         })
@@ -1775,6 +1783,9 @@ impl Bench {
         if wants("many_small") {
             rows.extend(self.throughput("many_small", self.scaled(1_000), 100, 4).await?);
         }
+        if wants("many_small_discarded") {
+            rows.extend(self.throughput("many_small_discarded", self.scaled(1_000), 100, 4).await?);
+        }
         if wants("many_small_grouped") {
             rows.extend(self.throughput_in("many_small_grouped", self.scaled(1_000), 100, 4, 8, 1).await?);
         }
@@ -1805,6 +1816,9 @@ impl Bench {
         }
         if wants("small_1_unlisted") {
             rows.extend(self.backlog("small_1_unlisted", self.scaled(100_000), 1, 1).await?);
+        }
+        if wants("small_1_discarded") {
+            rows.extend(self.backlog("small_1_discarded", self.scaled(100_000), 1, 1).await?);
         }
         for backlog in [1_000, 10_000, 100_000] {
             let name = format!("small_10_backlog_{}k", backlog / 1_000);
@@ -1953,12 +1967,15 @@ fn print_ratios(rows: &[Row]) {
     let pairs = [
         ("many_small", "flow_small"),
         ("many_small", "plain_queue"),
+        ("many_small", "plain_queue_kept"),
+        ("many_small_discarded", "plain_queue"),
         ("many_small_packed", "plain_queue_chunked"),
         ("one_huge", "flow_huge"),
         ("one_huge", "plain_queue"),
         ("small_1", "plain_queue"),
         ("small_1", "plain_queue_kept"),
         ("small_1_unlisted", "plain_queue"),
+        ("small_1_discarded", "plain_queue"),
         ("small_10_backlog_1k", "plain_queue"),
         ("small_10_backlog_10k", "plain_queue"),
         ("small_10_backlog_100k", "plain_queue"),

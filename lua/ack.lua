@@ -20,12 +20,13 @@
 --         `deadline`); {'fenced'}: this slot no longer holds the token with exactly these
 --         entries, so nothing was recorded (its worker was declared dead and the work moved on, or the
 --         request was cancelled).
--- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
--- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
--- that it knows which this call settled: only those store their result, and not when the results
--- are discarded or the part's outcome was taken already (a requeued dead letter): they count in
--- `discarded` instead. A windowed request also trims its stream every W/4 settled acks (meta
--- `acks`), see window_trim.
+-- A windowed request (meta `window` W > 0), or one whose results are being taken (`taken` > 0,
+-- results_from), acks its `ok` entries one by one, so that it knows which this call settled: only
+-- those store their result, and not when the results are discarded or the part's outcome was
+-- taken already (a requeued dead letter): they count in `discarded` instead. One that only
+-- discards its results (`discard`) acks them together, as any request does, and counts in
+-- `discarded` what that `XACK` settled. A windowed request also trims its stream every W/4
+-- settled acks (meta `acks`), see window_trim.
 
 -- The last entry id delivered to the group (`0-0` if none).
 local function window_delivered(keys)
@@ -72,7 +73,7 @@ local function ack(keys, args)
   local acked, results, errors, cleared = {}, {}, {}, {}
   local failed = 0
   local window, discard, taken = tonumber(m[3] or '0'), m[4] == '1', tonumber(m[5] or '0')
-  local one_by_one = window > 0 or discard or taken > 0
+  local one_by_one = window > 0 or taken > 0
   local settled_ok, discarded, deleted = 0, 0, {}
   -- A part that succeeds clears the error record an earlier attempt left, if there is any: with
   -- no errors hash, there is none to clear.
@@ -89,8 +90,10 @@ local function ack(keys, args)
     if outcome == 'ok' then
       if not one_by_one then
         acked[#acked + 1] = id
-        results[#results + 1] = name
-        results[#results + 1] = body
+        if not discard then
+          results[#results + 1] = name
+          results[#results + 1] = body
+        end
       elseif redis.call('XACK', keys[2], 'g', id) == 1 then
         settled_ok = settled_ok + 1
         if discard or past then
@@ -144,7 +147,10 @@ local function ack(keys, args)
   local settled = failed + settled_ok
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
-    settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
+    local n = redis.call('XACK', keys[2], 'g', unpack(acked))
+    settled = settled + n
+    -- (Only `ok` entries are in `acked`: what a discarding request settled of them is discarded.)
+    if discard then discarded = discarded + n end
   end
   if discarded > 0 then redis.call('HINCRBY', keys[1], 'discarded', discarded) end
   if #deleted > 0 then redis.call('XDEL', keys[2], unpack(deleted)) end

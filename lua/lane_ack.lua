@@ -42,8 +42,8 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf, dn, ix, rqd), which of its counters changed (`settled`: left, `dead`:
-  -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
+  -- pol, left, failed, rq, nf, dn, ix, rqd, discard), which of its counters changed (`settled`:
+  -- left, `dead`: failed, `fed`: rq or nf, `discarded`: discard), the parts' own fields to write (`out`, flat) and to delete (`del`),
   -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
   -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
   -- part's field repeat: each part is in the batch once.
@@ -55,7 +55,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix', 'rqd'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix', 'rqd', 'discard'),
         out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -78,8 +78,14 @@ local function lane_ack(keys, args)
       r[4] = tonumber(r[4]) - 1
       rec.settled = true
       if outcome == 'ok' then
-        out[#out + 1] = 'o' .. index
-        out[#out + 1] = body
+        if r[11] then
+          -- Its results are discarded: counted, not stored.
+          r[11] = tonumber(r[11]) + 1
+          rec.discarded = true
+        else
+          out[#out + 1] = 'o' .. index
+          out[#out + 1] = body
+        end
         -- An error record is left by an earlier attempt, or by a run before a requeue (`rqd`).
         if attempt ~= '1' or r[10] then
           rec.del = rec.del or {}
@@ -138,6 +144,10 @@ local function lane_ack(keys, args)
     if rec.dead then
       fields[#fields + 1] = 'failed'
       fields[#fields + 1] = sg_str(r[5])
+    end
+    if rec.discarded then
+      fields[#fields + 1] = 'discard'
+      fields[#fields + 1] = sg_str(r[11])
     end
     if rec.fed_rq then
       fields[#fields + 1] = 'rq'

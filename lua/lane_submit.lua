@@ -10,7 +10,7 @@
 -- ARGV[4] submission nonce, '' when the producer generated the id   ARGV[5] priority
 -- ARGV[6] concurrency limit   ARGV[7] max attempts
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
--- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
+-- cap (ms)   ARGV[11] flags: '1' = fail fast, then 'd' = results discarded (sg_flags)   ARGV[12] the lane's tokens L (used when it is created)
 -- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
 -- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15] trace context ('' =
 -- none; as submit_open's ARGV[14], stored as the record's `trace`)   ARGV[16..] payloads (1 to 64)
@@ -27,9 +27,12 @@ local function lane_submit(keys, args)
   local n = #args - 15
   local invalid = sg_lane_check(prio, limit, args, 7, n, args[15]) or sg_lane_check_tokens(lanes)
   if invalid then return invalid end
+  local failfast, discard
+  failfast, discard, invalid = sg_flags(args[11])
+  if invalid then return invalid end
   local r = {kid = args[2], id = args[3], nonce = args[4], record = keys[7], marks = keys[12], prio = prio,
     limit = limit, maxatt = args[7], timeout = args[8], bbase = args[9], bmax = args[10],
-    failfast = args[11] == '1', row = args[14], trace = args[15]}
+    failfast = failfast, discard = discard, row = args[14], trace = args[15]}
   local taken = sg_lane_taken(r, keys[11], keys[10])
   if taken == SG_LANE_DUPLICATE then return redis.error_reply(taken) end
   if taken then return {taken, 0} end

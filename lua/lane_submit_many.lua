@@ -9,7 +9,7 @@
 -- created)   ARGV[4] the lane's first look by recovery (ms from now)   ARGV[5..] per request, in
 -- the order of its keys, a group of 12 + n: request key id, request id as the producer gave it,
 -- submission nonce ('' when the producer generated the id), concurrency limit, max attempts,
--- per-attempt timeout (ms, 0 = none), retry backoff base (ms), backoff cap (ms), '1' = fail fast,
+-- per-attempt timeout (ms, 0 = none), retry backoff base (ms), backoff cap (ms), flags (sg_flags),
 -- its row in the listing index ('' : not listed), trace context ('' = none), n (its number of
 -- parts, 1 to 64), then its n payloads (as lane_submit's ARGV[2..4], [6..11], [14..16..])
 -- Returns one item per request, in order: its lifecycle, or the text of its refusal
@@ -27,12 +27,15 @@ local function lane_submit_many(keys, args)
     local j = #requests + 1
     invalid = sg_lane_check(prio, tonumber(args[i + 3]), args, i + 4, n, args[i + 10])
     if invalid then return invalid end
+    local failfast, discard
+    failfast, discard, invalid = sg_flags(args[i + 8])
+    if invalid then return invalid end
     if i + 11 + n > #args or not keys[10 + 2 * j] then
       return redis.error_reply('SGINVALID request ' .. j .. ' has fewer payloads or keys than it says')
     end
     requests[j] = {kid = args[i], id = args[i + 1], nonce = args[i + 2], record = keys[9 + 2 * j],
       marks = keys[10 + 2 * j], prio = prio, limit = tonumber(args[i + 3]), maxatt = args[i + 4],
-      timeout = args[i + 5], bbase = args[i + 6], bmax = args[i + 7], failfast = args[i + 8] == '1',
+      timeout = args[i + 5], bbase = args[i + 6], bmax = args[i + 7], failfast = failfast, discard = discard,
       row = args[i + 9], trace = args[i + 10], first = i + 12, n = n}
     i = i + 12 + n
   end

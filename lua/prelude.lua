@@ -145,6 +145,19 @@ local function sg_check_new(prio, limit, args, from, to)
   return nil
 end
 
+-- A whole request's flags, as submit_open's and lane_submit's ARGV[11] carry them: '1' for fail
+-- fast ('0' or '' for not), then 'd' when its successful parts' results are not stored
+-- (`discard_results`): '', '0', '1', '0d' or '1d'. Returns failfast, discard (booleans), or nil, nil
+-- and the error reply.
+local function sg_flags(text)
+  local f, d = string.match(text or '', '^([01]?)(d?)$')
+  if not f then
+    return nil, nil, redis.error_reply('SGINVALID flags are 0 or 1 (fail fast), then d to discard results, not '
+      .. tostring(text))
+  end
+  return f == '1', d == 'd'
+end
+
 -- Checks the trace context a producer passes with a new request (docs/protocol.md §4, "Trace
 -- context"): nil or '' for none, else a JSON object of at most 4096 bytes, stored as it is and read
 -- by no function. Its first and last bytes, '{' and '}', also tell it from a payload (a MessagePack
@@ -1504,8 +1517,10 @@ end
 --            so a record under it can only be the same submit re-sent)
 --   id       the id as the producer gave it, only when it differs from the key id
 --   started, finished, retried, maxseen as a request's meta hash has them
+--   discard  only when its results are discarded (`discard_results`): how many parts' results
+--            were not stored (a request's meta `discarded`); lane_ack reads it with the rest
 --   w<i> a part not yet fed (a fail-fast request keeps it until the part is settled), o<i> a
---   result, e<i> an error, x<i> a dead part's payload.
+--   result (none when discarded), e<i> an error, x<i> a dead part's payload.
 -- Lane functions name records from the prefix they are given (ARGV) and the key ids in the
 -- entries; every record is in the lane's slot.
 -- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
@@ -1810,7 +1825,7 @@ end
 -- Creates lane request `r` at `now` in the lane whose keys are `keys` (1..6): its record, its row
 -- in the listing index `ix`, and its first parts in the lane (as many as its limit; the others
 -- wait in the record). `r` holds kid, id (as the producer gave it), nonce, record, prio, limit,
--- maxatt, timeout, bbase, bmax, failfast (boolean), row, trace, and its payloads as args[first ..
+-- maxatt, timeout, bbase, bmax, failfast and discard (booleans), row, trace, and its payloads as args[first ..
 -- first + n - 1]; `lc` is its lifecycle (sg_int(now * 1000)); `live` as sg_ix_add's. Returns how
 -- many parts were fed.
 local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
@@ -1828,6 +1843,10 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   if r.trace ~= '' then
     fields[#fields + 1] = 'trace'
     fields[#fields + 1] = r.trace
+  end
+  if r.discard then
+    fields[#fields + 1] = 'discard'
+    fields[#fields + 1] = '0'
   end
   if fed < n then
     fields[#fields + 1] = 'nf'

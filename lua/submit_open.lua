@@ -7,7 +7,8 @@
 -- ARGV[9] submission nonce: a random value of this submit, so that the same call re-sent after
 -- a reconnect is recognised, and only its own producer can abort or commit it
 -- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
--- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
+-- ARGV[11] flags (sg_flags): '1' = fail fast: the first dead letter ends the request as failed;
+-- then 'd' = its results are discarded: successful parts' results are never stored (meta `discard`)
 -- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
 -- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
 -- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
@@ -40,6 +41,9 @@ local function submit_open(keys, args)
     return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
   end
   if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  local failfast, discard
+  failfast, discard, invalid = sg_flags(args[11])
+  if invalid then return invalid end
   local trace = args[14] or ''
   invalid = sg_check_trace(trace)
   if invalid then return invalid end
@@ -80,7 +84,9 @@ local function submit_open(keys, args)
   redis.call('HSET', keys[1], 'v', 2, 'id', args[1], 'nonce', args[9], 'state', 'loading',
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
     'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
-    'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
+    'bmax', args[8], 'delay', delay, 'failfast', failfast and '1' or '0', 'shards', shards)
+  -- Only a discarding request carries the field: ack reads it in its one HMGET.
+  if discard then redis.call('HSET', keys[1], 'discard', 1) end
   -- Only a traced request carries the field.
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end

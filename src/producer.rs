@@ -153,12 +153,11 @@ impl Producer {
             spec.check_listing()?;
             spec.check_upstreams(&id)?;
             let finish_within = spec.finish_within()?;
-            if spec.window > 0 || spec.discard {
+            if spec.window > 0 {
                 // A whole request is bounded by what the producer hands over at once; the window
                 // paces a streamed producer (and keeps windowed requests off the lanes).
                 return Err(Error::InvalidRequest(
-                    "window and discard_results are for streamed requests: use open() and add(), not submit()"
-                        .into(),
+                    "window is for streamed requests: use open() and add(), not submit()".into(),
                 ));
             }
             let key_id = id.key_id();
@@ -278,7 +277,6 @@ impl Producer {
             let bytes = first.iter().map(Vec::len).sum();
             let small = !first.is_empty()
                 && spec.window == 0
-                && !spec.discard
                 && spec.check_listing().is_ok()
                 && self.fits_lane(&spec, first.len(), bytes);
             if !small {
@@ -491,17 +489,7 @@ impl Producer {
         let total = total.unwrap_or(0);
         let discard = discard.as_deref() == Some("1");
         if discard {
-            // Its results were never stored: only the counts are left.
-            let failed = failed.unwrap_or(0);
-            return Ok(Some(Completion {
-                id: id.clone(),
-                state,
-                first: total,
-                total,
-                failed,
-                results: Vec::new(),
-                reason,
-            }));
+            return Ok(Some(Completion::counts_only(id, state, total, failed.unwrap_or(0), reason)));
         }
         let oks: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.results.as_str()).await?;
         let errs: HashMap<u64, Vec<u8>> = self.store.client.hgetall(keys.errors.as_str()).await?;
@@ -538,6 +526,10 @@ impl Producer {
             return Ok(None);
         }
         let total = meta.get("total").and_then(|t| t.parse().ok()).unwrap_or(0);
+        if meta.get("discard").is_some_and(|d| d == "1") {
+            let failed = meta.get("failed").and_then(|f| f.parse().ok()).unwrap_or(0);
+            return Ok(Some(Completion::counts_only(id, state, total, failed, None)));
+        }
         let (mut oks, mut errs) = (HashMap::new(), HashMap::new());
         for (field, value) in fields {
             let (kind, index) = field.split_at(1.min(field.len()));
@@ -817,10 +809,14 @@ impl RequestBuilder<'_> {
         Ok(self)
     }
 
-    /// For [`open`](Self::open): successful parts' results are never stored (errors are): the
-    /// request's completion then carries no results, only its counts ([`Completion::total`],
-    /// [`Completion::failed`]), and [`RequestHandle::results_from`] is refused. For work whose
-    /// effect is elsewhere (writes, uploads). [`submit`](Self::submit) refuses it.
+    /// Successful parts' results are never stored (errors are): the request's completion then
+    /// carries no results, only its counts ([`Completion::total`], [`Completion::failed`]), and
+    /// [`RequestHandle::results_from`] is refused. For work whose effect is elsewhere (writes,
+    /// uploads, notifications), as BullMQ's `removeOnComplete` or a Sidekiq job: the request
+    /// still finishes, announces its completion and keeps its status and errors for the
+    /// retention, but Redis neither stores its results nor hands them back, which saves memory and
+    /// some Redis CPU per part (docs/benchmarks.md, "Results discarded"). For
+    /// [`submit`](Self::submit), [`Producer::submit_many`] and [`open`](Self::open) alike.
     pub fn discard_results(mut self, on: bool) -> Self {
         self.discard = on;
         self
@@ -1460,6 +1456,18 @@ impl<O> ResultsPage<O> {
 }
 
 impl<O> Completion<O> {
+    /// The completion of a request that discards its results: they were never stored, so only
+    /// its counts are left, and its results start at `total`.
+    fn counts_only(
+        id: &RequestId,
+        state: RequestState,
+        total: u64,
+        failed: u64,
+        reason: Option<String>,
+    ) -> Self {
+        Completion { id: id.clone(), state, first: total, total, failed, results: Vec::new(), reason }
+    }
+
     /// The outputs, or the first failure.
     pub fn into_outputs(self) -> Result<Vec<O>, PartError> {
         self.results.into_iter().collect()

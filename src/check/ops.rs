@@ -109,6 +109,11 @@ pub(crate) struct Submit {
     /// any other goes the way `submit` takes it.
     #[serde(default)]
     pub(crate) bulk: bool,
+    /// A whole request whose results are discarded (`RequestBuilder::discard_results`; absent in
+    /// sequences recorded before whole requests could discard): on a lane or a stream of its own.
+    /// A streamed one follows its `Shape::Streamed::discard`.
+    #[serde(default)]
+    pub(crate) discard: bool,
 }
 
 impl Submit {
@@ -530,5 +535,6 @@ fn draw_submit(rng: &mut StdRng) -> Submit {
         fresh_id: false,
         group: rng.gen_bool(0.3).then(|| rng.gen_range(0..GROUPS)),
         bulk: rng.gen_bool(0.3),
+        discard: rng.gen_bool(0.2),
     }
 }

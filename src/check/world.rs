@@ -1142,7 +1142,8 @@ fn builder<'a>(producer: &'a Producer, s: &Submit) -> crate::Result<crate::produ
             Duration::from_millis(u64::from(s.backoff_ms) * 4),
         )?
         .fail_fast(s.fail_fast)
-        .own_stream(s.own_stream);
+        .own_stream(s.own_stream)
+        .discard_results(s.discard);
     let b =
         if s.deadline_ms > 0 { b.deadline_in(Duration::from_millis(u64::from(s.deadline_ms))) } else { b };
     let b = match s.rate {

@@ -131,7 +131,8 @@ pub(crate) async fn submit_many(
 }
 
 /// A request's settings as both lane submit functions take them, in this order: limit, max
-/// attempts, timeout ms, backoff base ms, backoff cap ms, fail fast `1`/`0`.
+/// attempts, timeout ms, backoff base ms, backoff cap ms, flags (fail fast, results discarded:
+/// `NewRequest::flags`).
 fn settings(req: &NewRequest<'_>) -> [Value; 6] {
     [
         i64::from(req.concurrency.get()).into(),
@@ -139,7 +140,7 @@ fn settings(req: &NewRequest<'_>) -> [Value; 6] {
         ms(req.timeout.unwrap_or_default()),
         ms(req.backoff_base),
         ms(req.backoff_max),
-        (if req.fail_fast { "1" } else { "0" }).into(),
+        req.flags().into(),
     ]
 }
 
@@ -255,6 +256,12 @@ pub(crate) fn record_meta(record: &HashMap<String, Vec<u8>>) -> HashMap<String, 
             meta.insert((*name).to_owned(), value.to_string());
         }
         meta.insert("failfast".into(), u8::from(settings.fail_fast).to_string());
+    }
+    // A discarding record counts its discarded results in `discard`, as a meta hash does in
+    // `discarded` beside its flag.
+    if let Some(n) = meta.remove("discard") {
+        meta.insert("discard".into(), "1".into());
+        meta.insert("discarded".into(), n);
     }
     if let Some(lc) = meta.get("lc").and_then(|v| v.parse::<u64>().ok()) {
         meta.insert("created".into(), (lc / 1000).to_string());

@@ -49,7 +49,8 @@ pub(crate) struct NewRequest<'a> {
     /// A streamed request's window: at most this many parts unsettled (0 = none; `stream_open`'s
     /// `ARGV[15]`).
     pub(crate) window: u64,
-    /// A streamed request whose `ok` results are never stored (`stream_open`'s `ARGV[16]`).
+    /// A request whose `ok` results are never stored (`RequestBuilder::discard_results`; in the
+    /// flags, `flags`, and for a streamed one `stream_open`'s `ARGV[16]` too).
     pub(crate) discard: bool,
     /// Its trace context, stored as `trace` for the workers' spans (`otel`; empty: none).
     pub(crate) trace: &'a str,
@@ -81,10 +82,21 @@ impl NewRequest<'_> {
             ms(self.backoff_max),
             self.nonce.into(),
             ms(delay_or_expiry),
-            (if self.fail_fast { "1" } else { "0" }).into(),
+            self.flags().into(),
             i64::from(self.shards).into(),
             self.deadline.into(),
         ]
+    }
+
+    /// Its flags as `submit_open` and the lane submits take them (prelude.lua, `sg_flags`): `1`
+    /// for fail fast (`0` for not), then `d` when its results are discarded.
+    pub(crate) fn flags(&self) -> &'static str {
+        match (self.fail_fast, self.discard) {
+            (false, false) => "0",
+            (true, false) => "1",
+            (false, true) => "0d",
+            (true, true) => "1d",
+        }
     }
 
     /// The deadline and rate arguments the creating calls take after the trace context (ms,

@@ -333,3 +333,61 @@ async fn a_paused_priority_is_not_handed_to_a_waiting_reserved_slot() {
     assert_eq!(done.into_outputs().unwrap(), vec![14]);
     w.stop().await;
 }
+
+/// A whole request submitted with `discard_results`, on its priority's lane and on a stream of its
+/// own: Redis stores none of its results and its completion carries none, only its counts; its
+/// errors are kept (of a part that failed twice), and its status says that it discards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submitted_request_that_discards_its_results_stores_none_and_keeps_its_errors() {
+    let env = env_on(Topology::Single, "lane-discard").await;
+    let ns = env.config.namespace_str().to_owned();
+    let redis = connect(env.redis.url()).await.unwrap();
+    let w = start_worker(&env.config, Probe::default(), 4, Quantum::default()).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    for own in [false, true] {
+        let parts = (0..5u64).map(|n| Job { fail: n == 3, ..Job::new(n) });
+        let handle = producer
+            .request()
+            .concurrency(2)
+            .unwrap()
+            .max_attempts(2)
+            .unwrap()
+            .backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .unwrap()
+            .own_stream(own)
+            .discard_results(true)
+            .submit(parts)
+            .await
+            .unwrap();
+        let done = handle.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+        let shape = if own { "on a stream of its own" } else { "on a lane" };
+        assert_eq!(
+            (done.state, done.first, done.total, done.failed),
+            (RequestState::Failed, 5, 5, 1),
+            "{shape}: {done:?}"
+        );
+        assert!(done.results.is_empty(), "{shape}: {done:?}");
+        let status = admin.status(handle.id()).await.unwrap();
+        assert!(status.discard_results, "{shape}: {status:?}");
+        assert_eq!((status.done, status.failed), (5, 1), "{shape}: {status:?}");
+        assert_eq!(status.errors.iter().map(|e| e.index).collect::<Vec<_>>(), [3], "{shape}: {status:?}");
+        // Nothing of the results in Redis: no results hash, no result field in a lane record.
+        let kid = handle.id().key_id();
+        let results: u64 = redis.hlen(format!("{ns}:r:{{{kid}}}:res")).await.unwrap();
+        assert_eq!(results, 0, "{shape}: results stored");
+        for shard in 0..4 {
+            let record: std::collections::HashMap<String, Vec<u8>> =
+                redis.hgetall(format!("{ns}:{{{ns}.q{shard}}}:s:{kid}")).await.unwrap();
+            let stored: Vec<&String> = record
+                .keys()
+                .filter(|k| {
+                    k.strip_prefix('o')
+                        .is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
+                })
+                .collect();
+            assert!(stored.is_empty(), "{shape}: results stored in the record: {stored:?}");
+        }
+    }
+    w.stop().await;
+}

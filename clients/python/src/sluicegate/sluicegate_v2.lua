@@ -147,6 +147,19 @@ local function sg_check_new(prio, limit, args, from, to)
   return nil
 end
 
+-- A whole request's flags, as submit_open's and lane_submit's ARGV[11] carry them: '1' for fail
+-- fast ('0' or '' for not), then 'd' when its successful parts' results are not stored
+-- (`discard_results`): '', '0', '1', '0d' or '1d'. Returns failfast, discard (booleans), or nil, nil
+-- and the error reply.
+local function sg_flags(text)
+  local f, d = string.match(text or '', '^([01]?)(d?)$')
+  if not f then
+    return nil, nil, redis.error_reply('SGINVALID flags are 0 or 1 (fail fast), then d to discard results, not '
+      .. tostring(text))
+  end
+  return f == '1', d == 'd'
+end
+
 -- Checks the trace context a producer passes with a new request (docs/protocol.md §4, "Trace
 -- context"): nil or '' for none, else a JSON object of at most 4096 bytes, stored as it is and read
 -- by no function. Its first and last bytes, '{' and '}', also tell it from a payload (a MessagePack
@@ -1506,8 +1519,10 @@ end
 --            so a record under it can only be the same submit re-sent)
 --   id       the id as the producer gave it, only when it differs from the key id
 --   started, finished, retried, maxseen as a request's meta hash has them
+--   discard  only when its results are discarded (`discard_results`): how many parts' results
+--            were not stored (a request's meta `discarded`); lane_ack reads it with the rest
 --   w<i> a part not yet fed (a fail-fast request keeps it until the part is settled), o<i> a
---   result, e<i> an error, x<i> a dead part's payload.
+--   result (none when discarded), e<i> an error, x<i> a dead part's payload.
 -- Lane functions name records from the prefix they are given (ARGV) and the key ids in the
 -- entries; every record is in the lane's slot.
 -- A lane request's limit N holds because at most N of its parts are in the lane at once: it is
@@ -1812,7 +1827,7 @@ end
 -- Creates lane request `r` at `now` in the lane whose keys are `keys` (1..6): its record, its row
 -- in the listing index `ix`, and its first parts in the lane (as many as its limit; the others
 -- wait in the record). `r` holds kid, id (as the producer gave it), nonce, record, prio, limit,
--- maxatt, timeout, bbase, bmax, failfast (boolean), row, trace, and its payloads as args[first ..
+-- maxatt, timeout, bbase, bmax, failfast and discard (booleans), row, trace, and its payloads as args[first ..
 -- first + n - 1]; `lc` is its lifecycle (sg_int(now * 1000)); `live` as sg_ix_add's. Returns how
 -- many parts were fed.
 local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
@@ -1830,6 +1845,10 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   if r.trace ~= '' then
     fields[#fields + 1] = 'trace'
     fields[#fields + 1] = r.trace
+  end
+  if r.discard then
+    fields[#fields + 1] = 'discard'
+    fields[#fields + 1] = '0'
   end
   if fed < n then
     fields[#fields + 1] = 'nf'
@@ -1915,7 +1934,8 @@ end
 -- ARGV[9] submission nonce: a random value of this submit, so that the same call re-sent after
 -- a reconnect is recognised, and only its own producer can abort or commit it
 -- ARGV[10] delay (ms, 0 = none): the request becomes eligible that long after its commit
--- ARGV[11] '1' = fail fast: the first dead letter ends the request as failed
+-- ARGV[11] flags (sg_flags): '1' = fail fast: the first dead letter ends the request as failed;
+-- then 'd' = its results are discarded: successful parts' results are never stored (meta `discard`)
 -- ARGV[12] token shards S the request is submitted with: its token k lives on shard (home + k) % S,
 -- home = FNV-1a(key id) % S (docs/protocol.md, "Token shards")
 -- ARGV[13] deadline (Redis ms): the registration time plus half the loading ttl (register.lua)
@@ -1948,6 +1968,9 @@ local function submit_open(keys, args)
     return redis.error_reply('SGINVALID token shards must be an integer from 1 to 1024')
   end
   if tonumber(args[5]) < 1 then return redis.error_reply('SGINVALID max attempts must be at least 1') end
+  local failfast, discard
+  failfast, discard, invalid = sg_flags(args[11])
+  if invalid then return invalid end
   local trace = args[14] or ''
   invalid = sg_check_trace(trace)
   if invalid then return invalid end
@@ -1988,7 +2011,9 @@ local function submit_open(keys, args)
   redis.call('HSET', keys[1], 'v', 2, 'id', args[1], 'nonce', args[9], 'state', 'loading',
     'prio', args[2], 'limit', args[3], 'total', 0, 'left', 0, 'failed', 0, 'ntok', 0, 'extra', 0,
     'npark', 0, 'created', now, 'maxatt', args[5], 'timeout', args[6], 'bbase', args[7],
-    'bmax', args[8], 'delay', delay, 'failfast', args[11] or '0', 'shards', shards)
+    'bmax', args[8], 'delay', delay, 'failfast', failfast and '1' or '0', 'shards', shards)
+  -- Only a discarding request carries the field: ack reads it in its one HMGET.
+  if discard then redis.call('HSET', keys[1], 'discard', 1) end
   -- Only a traced request carries the field.
   if trace ~= '' then redis.call('HSET', keys[1], 'trace', trace) end
   if within > 0 then redis.call('HSET', keys[1], 'dl', now + within) end
@@ -2918,12 +2943,13 @@ do
 --         `deadline`); {'fenced'}: this slot no longer holds the token with exactly these
 --         entries, so nothing was recorded (its worker was declared dead and the work moved on, or the
 --         request was cancelled).
--- A windowed request (meta `window` W > 0), one that discards its results (`discard`), or one
--- whose results are being taken (`taken` > 0, results_from) acks its `ok` entries one by one, so
--- that it knows which this call settled: only those store their result, and not when the results
--- are discarded or the part's outcome was taken already (a requeued dead letter): they count in
--- `discarded` instead. A windowed request also trims its stream every W/4 settled acks (meta
--- `acks`), see window_trim.
+-- A windowed request (meta `window` W > 0), or one whose results are being taken (`taken` > 0,
+-- results_from), acks its `ok` entries one by one, so that it knows which this call settled: only
+-- those store their result, and not when the results are discarded or the part's outcome was
+-- taken already (a requeued dead letter): they count in `discarded` instead. One that only
+-- discards its results (`discard`) acks them together, as any request does, and counts in
+-- `discarded` what that `XACK` settled. A windowed request also trims its stream every W/4
+-- settled acks (meta `acks`), see window_trim.
 
 -- The last entry id delivered to the group (`0-0` if none).
 local function window_delivered(keys)
@@ -2970,7 +2996,7 @@ local function ack(keys, args)
   local acked, results, errors, cleared = {}, {}, {}, {}
   local failed = 0
   local window, discard, taken = tonumber(m[3] or '0'), m[4] == '1', tonumber(m[5] or '0')
-  local one_by_one = window > 0 or discard or taken > 0
+  local one_by_one = window > 0 or taken > 0
   local settled_ok, discarded, deleted = 0, 0, {}
   -- A part that succeeds clears the error record an earlier attempt left, if there is any: with
   -- no errors hash, there is none to clear.
@@ -2987,8 +3013,10 @@ local function ack(keys, args)
     if outcome == 'ok' then
       if not one_by_one then
         acked[#acked + 1] = id
-        results[#results + 1] = name
-        results[#results + 1] = body
+        if not discard then
+          results[#results + 1] = name
+          results[#results + 1] = body
+        end
       elseif redis.call('XACK', keys[2], 'g', id) == 1 then
         settled_ok = settled_ok + 1
         if discard or past then
@@ -3042,7 +3070,10 @@ local function ack(keys, args)
   local settled = failed + settled_ok
   if #acked > 0 then
     -- Acked entries stay in the stream until census trims it (XTRIM MINID): cheaper than XDEL.
-    settled = settled + redis.call('XACK', keys[2], 'g', unpack(acked))
+    local n = redis.call('XACK', keys[2], 'g', unpack(acked))
+    settled = settled + n
+    -- (Only `ok` entries are in `acked`: what a discarding request settled of them is discarded.)
+    if discard then discarded = discarded + n end
   end
   if discarded > 0 then redis.call('HINCRBY', keys[1], 'discarded', discarded) end
   if #deleted > 0 then redis.call('XDEL', keys[2], unpack(deleted)) end
@@ -3934,7 +3965,7 @@ do
 -- ARGV[4] submission nonce, '' when the producer generated the id   ARGV[5] priority
 -- ARGV[6] concurrency limit   ARGV[7] max attempts
 -- ARGV[8] per-attempt timeout (ms, 0 = none)   ARGV[9] retry backoff base (ms)   ARGV[10] backoff
--- cap (ms)   ARGV[11] '1' = fail fast   ARGV[12] the lane's tokens L (used when it is created)
+-- cap (ms)   ARGV[11] flags: '1' = fail fast, then 'd' = results discarded (sg_flags)   ARGV[12] the lane's tokens L (used when it is created)
 -- ARGV[13] the lane's first look by recovery (ms from now)   ARGV[14] the request's row in the
 -- listing index (prelude.lua, "The listing index"; '' : not listed)   ARGV[15] trace context ('' =
 -- none; as submit_open's ARGV[14], stored as the record's `trace`)   ARGV[16..] payloads (1 to 64)
@@ -3951,9 +3982,12 @@ local function lane_submit(keys, args)
   local n = #args - 15
   local invalid = sg_lane_check(prio, limit, args, 7, n, args[15]) or sg_lane_check_tokens(lanes)
   if invalid then return invalid end
+  local failfast, discard
+  failfast, discard, invalid = sg_flags(args[11])
+  if invalid then return invalid end
   local r = {kid = args[2], id = args[3], nonce = args[4], record = keys[7], marks = keys[12], prio = prio,
     limit = limit, maxatt = args[7], timeout = args[8], bbase = args[9], bmax = args[10],
-    failfast = args[11] == '1', row = args[14], trace = args[15]}
+    failfast = failfast, discard = discard, row = args[14], trace = args[15]}
   local taken = sg_lane_taken(r, keys[11], keys[10])
   if taken == SG_LANE_DUPLICATE then return redis.error_reply(taken) end
   if taken then return {taken, 0} end
@@ -3992,7 +4026,7 @@ do
 -- created)   ARGV[4] the lane's first look by recovery (ms from now)   ARGV[5..] per request, in
 -- the order of its keys, a group of 12 + n: request key id, request id as the producer gave it,
 -- submission nonce ('' when the producer generated the id), concurrency limit, max attempts,
--- per-attempt timeout (ms, 0 = none), retry backoff base (ms), backoff cap (ms), '1' = fail fast,
+-- per-attempt timeout (ms, 0 = none), retry backoff base (ms), backoff cap (ms), flags (sg_flags),
 -- its row in the listing index ('' : not listed), trace context ('' = none), n (its number of
 -- parts, 1 to 64), then its n payloads (as lane_submit's ARGV[2..4], [6..11], [14..16..])
 -- Returns one item per request, in order: its lifecycle, or the text of its refusal
@@ -4010,12 +4044,15 @@ local function lane_submit_many(keys, args)
     local j = #requests + 1
     invalid = sg_lane_check(prio, tonumber(args[i + 3]), args, i + 4, n, args[i + 10])
     if invalid then return invalid end
+    local failfast, discard
+    failfast, discard, invalid = sg_flags(args[i + 8])
+    if invalid then return invalid end
     if i + 11 + n > #args or not keys[10 + 2 * j] then
       return redis.error_reply('SGINVALID request ' .. j .. ' has fewer payloads or keys than it says')
     end
     requests[j] = {kid = args[i], id = args[i + 1], nonce = args[i + 2], record = keys[9 + 2 * j],
       marks = keys[10 + 2 * j], prio = prio, limit = tonumber(args[i + 3]), maxatt = args[i + 4],
-      timeout = args[i + 5], bbase = args[i + 6], bmax = args[i + 7], failfast = args[i + 8] == '1',
+      timeout = args[i + 5], bbase = args[i + 6], bmax = args[i + 7], failfast = failfast, discard = discard,
       row = args[i + 9], trace = args[i + 10], first = i + 12, n = n}
     i = i + 12 + n
   end
@@ -4093,8 +4130,8 @@ local function lane_ack(keys, args)
   local prefix, retention = args[10], args[7]
   -- Each request's record is read once and written once however many of its parts the batch
   -- holds: `recs` keeps, by key id, the record as read and then updated here (`r`: state, lc,
-  -- pol, left, failed, rq, nf, dn, ix, rqd), which of its counters changed (`settled`: left, `dead`:
-  -- failed, `fed`: rq or nf), the parts' own fields to write (`out`, flat) and to delete (`del`),
+  -- pol, left, failed, rq, nf, dn, ix, rqd, discard), which of its counters changed (`settled`:
+  -- left, `dead`: failed, `fed`: rq or nf, `discarded`: discard), the parts' own fields to write (`out`, flat) and to delete (`del`),
   -- the parts to feed the lane (`feed`) and, once its last part is settled, its terminal state;
   -- `order` lists the key ids as first seen. Fields written and deleted never overlap, nor does a
   -- part's field repeat: each part is in the batch once.
@@ -4106,7 +4143,7 @@ local function lane_ack(keys, args)
       args[i + 5], args[i + 6], args[i + 7]
     local rec = recs[kid]
     if not rec then
-      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix', 'rqd'),
+      rec = {r = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'left', 'failed', 'rq', 'nf', 'dn', 'ix', 'rqd', 'discard'),
         out = {}}
       recs[kid] = rec
       order[#order + 1] = kid
@@ -4129,8 +4166,14 @@ local function lane_ack(keys, args)
       r[4] = tonumber(r[4]) - 1
       rec.settled = true
       if outcome == 'ok' then
-        out[#out + 1] = 'o' .. index
-        out[#out + 1] = body
+        if r[11] then
+          -- Its results are discarded: counted, not stored.
+          r[11] = tonumber(r[11]) + 1
+          rec.discarded = true
+        else
+          out[#out + 1] = 'o' .. index
+          out[#out + 1] = body
+        end
         -- An error record is left by an earlier attempt, or by a run before a requeue (`rqd`).
         if attempt ~= '1' or r[10] then
           rec.del = rec.del or {}
@@ -4189,6 +4232,10 @@ local function lane_ack(keys, args)
     if rec.dead then
       fields[#fields + 1] = 'failed'
       fields[#fields + 1] = sg_str(r[5])
+    end
+    if rec.discarded then
+      fields[#fields + 1] = 'discard'
+      fields[#fields + 1] = sg_str(r[11])
     end
     if rec.fed_rq then
       fields[#fields + 1] = 'rq'
