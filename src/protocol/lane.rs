@@ -302,6 +302,18 @@ mod tests {
         assert_eq!(get("left"), Some("7"));
         assert_eq!(get("o0"), None);
         assert_eq!(get("w9"), None);
+        assert_eq!((get("discard"), get("discarded")), (None, None));
+    }
+
+    #[test]
+    fn a_discarding_record_reads_as_a_meta_hash_that_discards() {
+        let record: HashMap<String, Vec<u8>> = [("state", "completed"), ("pol", "50,4,5"), ("discard", "4")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.as_bytes().to_vec()))
+            .collect();
+        let meta = record_meta(&record);
+        let get = |k: &str| meta.get(k).map(String::as_str);
+        assert_eq!((get("discard"), get("discarded"), get("total")), (Some("1"), Some("4"), Some("5")));
     }
 
     #[test]

@@ -66,3 +66,13 @@ def test_a_small_request_is_handed_to_a_slot_that_offered_to_take_its_priority(s
     listed, element, acquired = msgpack.unpackb(hand, raw=True)
     assert listed.decode() == k.token_list(0, 95) and element.decode().startswith("~0.95|")
     assert acquired[0] == b"run" and len(acquired) == 2, acquired
+
+
+def test_a_discarding_lane_record_reads_as_a_meta_hash_that_discards() -> None:
+    from sluicegate._protocol import record_meta
+
+    meta = record_meta({"state": b"completed", "pol": b"50,4,5", "lc": b"1795571926989000", "left": b"0",
+                        "discard": b"4", "e3": b"{}"})
+    assert (meta["discard"], meta["discarded"], meta["total"]) == ("1", "4", "5")
+    assert "e3" not in meta
+    assert "discard" not in record_meta({"state": b"queued", "pol": b"50,4,5"})

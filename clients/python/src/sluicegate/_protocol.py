@@ -258,6 +258,11 @@ def record_meta(record: Dict[str, bytes]) -> Dict[str, str]:
         if settings is not None:
             meta.update(zip(LaneSettings.NAMES, (str(v) for v in settings.values)))
             meta["failfast"] = "1" if settings.fail_fast else "0"
+    # A discarding record counts its discarded results in ``discard``, as a meta hash does in
+    # ``discarded`` beside its flag.
+    if "discard" in meta:
+        meta["discarded"] = meta["discard"]
+        meta["discard"] = "1"
     lc = meta.get("lc", "")
     if lc.isascii() and lc.isdigit():
         meta["created"] = str(int(lc) // 1000)
