@@ -69,8 +69,9 @@ pub(crate) struct NewRequest<'a> {
 
 impl NewRequest<'_> {
     /// `submit_open`'s arguments up to `ARGV[13]`, with `delay_or_expiry` as `ARGV[10]` (a delay;
-    /// for `stream_open`, the open expiry).
-    fn args(&self, store: &Store, delay_or_expiry: Duration) -> Vec<Value> {
+    /// for `stream_open`, the open expiry) and `flags` as `ARGV[11]` (`flags`, or for
+    /// `stream_open` `fail_fast_arg`).
+    fn args(&self, store: &Store, delay_or_expiry: Duration, flags: &'static str) -> Vec<Value> {
         vec![
             self.id.as_str().into(),
             i64::from(self.priority.get()).into(),
@@ -82,7 +83,7 @@ impl NewRequest<'_> {
             ms(self.backoff_max),
             self.nonce.into(),
             ms(delay_or_expiry),
-            self.flags().into(),
+            flags.into(),
             i64::from(self.shards).into(),
             self.deadline.into(),
         ]
@@ -96,6 +97,15 @@ impl NewRequest<'_> {
             (true, false) => "1",
             (false, true) => "0d",
             (true, true) => "1d",
+        }
+    }
+
+    /// Fail fast alone, `1` or `0`: `stream_open`'s argument, which has discarding apart.
+    fn fail_fast_arg(&self) -> &'static str {
+        if self.fail_fast {
+            "1"
+        } else {
+            "0"
         }
     }
 
@@ -116,7 +126,7 @@ pub(crate) async fn submit_small(
     parts: Vec<Value>,
 ) -> Result<Vec<Value>> {
     let keys = store.keys.request(req.key_id);
-    let mut args = req.args(store, delay);
+    let mut args = req.args(store, delay, req.flags());
     args.extend([req.key_id.into(), req.trace.into()]);
     args.extend(req.limits());
     args.extend(parts);
@@ -126,7 +136,7 @@ pub(crate) async fn submit_small(
 /// `submit_open`: creates the request in state `loading`, `delay` before it runs once committed.
 pub(crate) async fn submit_open(store: &Store, req: &NewRequest<'_>, delay: Duration) -> Result<()> {
     let keys = store.keys.request(req.key_id);
-    let mut args = req.args(store, delay);
+    let mut args = req.args(store, delay, req.flags());
     args.push(req.trace.into());
     args.extend(req.limits());
     if !req.upstreams.is_empty() || req.group.is_some() {
@@ -220,7 +230,10 @@ pub(crate) async fn submit_abort(store: &Store, key_id: &str, nonce: &str) -> Re
 pub(crate) async fn stream_open(store: &Store, req: &NewRequest<'_>, expiry: Option<Duration>) -> Result<()> {
     let keys = store.keys.request(req.key_id);
     let mut args: Vec<Value> = vec![req.key_id.into()];
-    args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO)));
+    // Its fail-fast argument (ARGV 12) stays `1`/`0`, without the flags' `d`: discarding is ARGV
+    // 16's, which a library from before whole requests could discard reads too (that one would
+    // store `1d` as `failfast`, and not fail fast).
+    args.extend(req.args(store, expiry.unwrap_or(Duration::ZERO), req.fail_fast_arg()));
     args.push((req.window as i64).into());
     args.push((if req.discard { "1" } else { "0" }).into());
     args.push(req.trace.into());

@@ -32,14 +32,16 @@ pub(crate) async fn results<O: DeserializeOwned>(
         None => {
             let home = crate::shards::lane_home_found(store, &key_id).await?;
             let record = store.keys.record(home, &key_id);
-            let pol: Option<String> = store.client.hget(record.as_str(), "pol").await?;
+            let (pol, discard): (Option<String>, Option<String>) =
+                store.client.hmget(record.as_str(), vec!["pol", "discard"]).await?;
             let Some(pol) = pol else { return Err(Error::UnknownRequest(id.clone())) };
             let total = crate::protocol::lane::Settings::parse(&pol)?.values[2];
             let range = clamp(range, total);
             let o: Vec<String> = range.clone().map(|i| format!("o{i}")).collect();
             let e: Vec<String> = range.clone().map(|i| format!("e{i}")).collect();
             let (oks, errs) = read_pair(store, &record, &record, o, e).await?;
-            (range, oks, errs, false)
+            // A discarding record counts its discarded parts in `discard`.
+            (range, oks, errs, discard.is_some())
         }
     };
     total

@@ -303,3 +303,32 @@ async fn a_request_after_an_unknown_one_itself_or_with_a_delay_is_refused_and_le
     assert_eq!(outputs(&d1).await, vec![5]);
     w.stop().await;
 }
+
+/// A downstream that reads the results of an upstream that discards them is told so, whether the
+/// upstream ran on its lane or on a stream of its own: `Context::upstream` fails with `NoResult`,
+/// "its results are discarded", not as if the part had not ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_downstream_is_told_that_its_upstream_discards_its_results() {
+    let env = env_on(TOPOLOGY, "dag-discarded").await;
+    let config = fast(&env.config);
+    let steps = Steps::default();
+    let w = start_worker(&config, steps.clone(), 4, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    for own in [false, true] {
+        let up = producer
+            .request()
+            .own_stream(own)
+            .discard_results(true)
+            .submit(parts(0..2, &[], false))
+            .await
+            .unwrap();
+        let done = up.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+        assert_eq!((done.state, done.total, done.results.len()), (RequestState::Completed, 2, 0));
+        let down = producer.request().after(ids(&[&up])).submit(parts(0..1, &[&up], false)).await.unwrap();
+        let done = down.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+        assert_eq!(done.state, RequestState::Failed, "own stream {own}: {done:?}");
+        let err = done.results[0].as_ref().unwrap_err();
+        assert!(err.message.contains("its results are discarded"), "own stream {own}: {err:?}");
+    }
+    w.stop().await;
+}

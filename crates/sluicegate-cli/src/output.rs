@@ -110,18 +110,18 @@ pub(crate) fn outcome(completion: &Completion<Value>) -> Result<(), Failure> {
             ))
         }
         RequestState::Failed => {
-            let total = completion.results.len();
+            let total = completion.results.len() as u64;
             let mut failed =
                 completion.results.iter().enumerate().filter_map(|(i, r)| Some((i, r.as_ref().err()?)));
             let first = failed.next();
-            let failures = first.iter().count() + failed.count();
+            let failures = (first.iter().count() + failed.count()) as u64;
+            // A request that discards its results reports its counts alone.
+            let (failures, total) =
+                if total == 0 { (completion.failed, completion.total) } else { (failures, total) };
             let first = first.map_or(String::new(), |(i, e)| format!(" (first: #{i}: {e})"));
             Err(Failure::new(
                 Code::RequestFailed,
-                format!(
-                    "request {id} failed: {failures} of {} failed{first}",
-                    count(total as u64, "sub-request")
-                ),
+                format!("request {id} failed: {failures} of {} failed{first}", count(total, "sub-request")),
             ))
         }
         RequestState::Cancelled => {

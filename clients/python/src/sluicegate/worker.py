@@ -109,14 +109,15 @@ def upstream_results(p: Protocol, rid: str, start: int = 0, end: Optional[int] =
         discarded = text(discard) == "1"
     else:
         record = p.keys.record(p.lane_home(kid), kid)
-        pol = client.hget(record, "pol")
+        pol, discard = client.hmget(record, ["pol", "discard"])
         if pol is None:
             raise UnknownRequest(f'no request with id "{rid}" (never submitted, or its results expired)')
         lo, hi = _clamp(start, end, LaneSettings.parse(text(pol)).values[2])
         oks_key = errs_key = record
         ok_fields = [f"o{i}" for i in range(lo, hi)]
         err_fields = [f"e{i}" for i in range(lo, hi)]
-        discarded = False
+        # A discarding record counts its discarded parts in ``discard``.
+        discarded = discard is not None
     if lo >= hi:
         return []
     pipe = client.pipeline(transaction=False)
