@@ -2033,9 +2033,17 @@ mod tests {
         assert_eq!(masters.len(), 3);
         let victim = cluster.urls().iter().position(|u| *u == masters[0]).ok_or(HarnessError::NoRedis)?;
         cluster.node_mut(victim).ok_or(HarnessError::NoRedis)?.kill()?;
-        // Failover takes the node timeout (2 s) plus an election.
-        cluster.wait_until_ok(Duration::from_secs(20)).await?;
-        let after = cluster.masters().await?;
+        // Failover takes the node timeout (2 s) plus an election; until the others notice, the
+        // cluster still says ok with the dead master in place, so ok alone is not the end of it.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let after = loop {
+            cluster.wait_until_ok(Duration::from_secs(20)).await?;
+            let after = cluster.masters().await?;
+            if !after.contains(&masters[0]) || Instant::now() > deadline {
+                break after;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
         assert_eq!(after.len(), 3, "{after:?}");
         assert!(!after.contains(&masters[0]), "{after:?}");
 
