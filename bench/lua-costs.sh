@@ -12,12 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 n=20000
-dir=$(mktemp -d)
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-redis-server --port "$port" --save '' --appendonly no --daemonize yes --pidfile "$dir/pid" >/dev/null
-trap 'kill "$(cat "$dir/pid")" 2>/dev/null; rm -rf "$dir"' EXIT
-cli() { redis-cli -p "$port" "$@"; }
-for _ in $(seq 50); do cli ping >/dev/null 2>&1 && break; sleep 0.1; done
+source bench/lib.sh
 
 cli -x FUNCTION LOAD REPLACE < "${LIBRARY:-lua/dist/sluicegate_v2.lua}" >/dev/null
 cli -x FUNCTION LOAD REPLACE >/dev/null <<'EOF'

@@ -3,7 +3,7 @@
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 
-use super::{library_source, Func, LIBRARY_NAME};
+use super::{library_revision, library_source, Func, LIBRARY_NAME, PROTOCOL_VERSION};
 use crate::config::Config;
 use crate::error::{retry_not_executed, Error, Result};
 use crate::store::Store;
@@ -17,18 +17,56 @@ pub(crate) async fn connect(config: &Config) -> Result<Store> {
 }
 
 impl Store {
-    /// Loads (or replaces) the functions library. A user whose ACL does not allow
-    /// `FUNCTION LOAD` relies on it being loaded already (by an operator, or another component);
-    /// if it is not, the first call says so.
+    /// Loads the functions library, unless the one loaded (on every master of a cluster) is of
+    /// this build's revision or a newer one (`sg2_revision`; docs/operations.md, "Upgrades"): an
+    /// older component that connects after a newer one keeps the newer library rather than
+    /// replacing it with its own, and a connect does not make Redis compile the library again
+    /// (a `FUNCTION LOAD` of it blocks Redis for about 13 ms on this project's test machine).
+    /// A user whose ACL does not allow `FUNCTION LOAD` relies on it being loaded already (by an
+    /// operator, or another component); if it is not, the first call says so.
     pub(crate) async fn load_library(&self) -> Result<()> {
+        self.load_library_asking(true).await
+    }
+
+    /// Loads the functions library without asking which revision is loaded: after a call found
+    /// it missing, the master that lacks it may be one the cluster state this client cached does
+    /// not name yet, which the question would not reach.
+    async fn reload_library(&self) -> Result<()> {
+        self.load_library_asking(false).await
+    }
+
+    /// [`load_library`](Self::load_library) when `ask_revision`, else
+    /// [`reload_library`](Self::reload_library).
+    async fn load_library_asking(&self, ask_revision: bool) -> Result<()> {
         #[cfg(feature = "test-clock")]
         if self.config.test_clock {
             return self.load_test_clock_library().await;
         }
+        // (The checker's library differs from the one of its revision by its clock: loaded always.)
         #[cfg(test)]
-        let code = if self.gate.is_some() { super::checker_library_source() } else { library_source() };
+        let code = if self.gate.is_some() { Some(super::checker_library_source()) } else { None };
         #[cfg(not(test))]
-        let code = library_source();
+        let code = None;
+        let code = match code {
+            Some(code) => code,
+            None if !ask_revision => library_source(),
+            None => {
+                let ours = library_revision();
+                match self.loaded_revision().await {
+                    Some(loaded) if loaded >= ours => {
+                        if loaded > ours {
+                            tracing::debug!(
+                                loaded,
+                                ours,
+                                "a newer revision of the functions library is loaded; using it"
+                            );
+                        }
+                        return Ok(());
+                    }
+                    _ => library_source(),
+                }
+            }
+        };
         let loaded = if self.client.is_clustered() {
             self.client.function_load_cluster::<(), _>(true, code).await
         } else {
@@ -47,6 +85,29 @@ impl Store {
             }
             other => other.map_err(Error::from),
         }
+    }
+
+    /// The revision of the library loaded (the oldest of the masters' on a cluster), or `None`
+    /// when one has none: no library, one from before revisions, or a reply that says nothing
+    /// (then the caller loads its own, as every connect did before revisions).
+    async fn loaded_revision(&self) -> Option<u64> {
+        if self.client.is_clustered() && self.client.cached_cluster_state().is_none() {
+            // Which masters there are is not known yet: each may lack it.
+            return None;
+        }
+        let name = format!("sg{PROTOCOL_VERSION}_revision");
+        let mut oldest: Option<u64> = None;
+        for node in self.masters() {
+            let cmd = CustomCommand::new("FCALL_RO", ClusterHash::Random, false);
+            let args: Vec<Value> = vec![name.as_str().into(), 0.into()];
+            let revision: std::result::Result<u64, _> = match &node {
+                Some(server) => self.client.with_cluster_node(server.clone()).custom(cmd, args).await,
+                None => self.client.custom(cmd, args).await,
+            };
+            let revision = revision.ok()?;
+            oldest = Some(oldest.map_or(revision, |o| o.min(revision)));
+        }
+        oldest
     }
 
     /// Calls one function of the library. `keys` must share a hash tag: the call is routed to the
@@ -75,7 +136,7 @@ impl Store {
         match self.fcall_once(func, keys, args.clone()).await {
             Err(e) if is_missing_function(&e) => {
                 tracing::info!(function = func.local_name(), "functions library missing; loading it again");
-                self.load_library().await?;
+                self.reload_library().await?;
                 self.fcall_once(func, keys, args).await.map_err(|e| {
                     if is_missing_function(&e) {
                         Error::Config(format!(
@@ -111,6 +172,18 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Every master of a cluster (`Some`), or the one server (`None`).
+    fn masters(&self) -> Vec<Option<fred::types::config::Server>> {
+        match self.client.cached_cluster_state() {
+            Some(state) if self.client.is_clustered() => {
+                state.unique_primary_nodes().into_iter().map(Some).collect()
+            }
+            _ => vec![None],
+        }
+    }
+}
+
 /// The test build of the library (`Config::test_clock`), loaded on every master without REPLACE:
 /// one loaded already (by another component of the test) keeps the clock the test set.
 #[cfg(feature = "test-clock")]
@@ -135,16 +208,6 @@ impl Store {
             }
         }
         Ok(())
-    }
-
-    /// Every master of a cluster (`Some`), or the one server (`None`).
-    fn masters(&self) -> Vec<Option<fred::types::config::Server>> {
-        match self.client.cached_cluster_state() {
-            Some(state) if self.client.is_clustered() => {
-                state.unique_primary_nodes().into_iter().map(Some).collect()
-            }
-            _ => vec![None],
-        }
     }
 
     /// Sets the test clock on every master (`sg2_test_clock`): from now on Redis time runs `speed`

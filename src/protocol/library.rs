@@ -15,6 +15,13 @@ pub const LIBRARY_NAME: &str = "sluicegate_v2";
 
 const PRELUDE: &str = include_str!("../../lua/prelude.lua");
 
+/// `lua/REVISION`: "<revision> <fingerprint>", the library's revision and the FNV-1a (64 bit) of
+/// the library without it (`unrevised`). The revision grows with every change to the library, so
+/// that a component loads its copy only over an older one (`Store::load_library`; docs/operations.md,
+/// "Upgrades"): a change to `lua/` without a new revision fails
+/// `the_checked_in_library_is_the_one_the_rust_loads`, and `SLUICEGATE_BLESS=1` gives it one.
+const REVISION: &str = include_str!("../../lua/REVISION");
+
 /// One state transition of the protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Func {
@@ -299,10 +306,42 @@ impl Func {
 /// few that others use (`take` calls `give_back`) stay at the top and are registered at the end.
 pub fn library_source() -> String {
     static SOURCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SOURCE.get_or_init(assemble).clone()
+    SOURCE.get_or_init(|| revised(&unrevised(), library_revision())).clone()
 }
 
-fn assemble() -> String {
+/// The revision of the library this build loads: it grows with every change to the library
+/// (`lua/REVISION`). `sg2_revision` returns the revision of the one loaded.
+pub fn library_revision() -> u64 {
+    parse_revision(REVISION).map_or(0, |(revision, _)| revision)
+}
+
+/// "<revision> <fingerprint>" (`lua/REVISION`).
+fn parse_revision(text: &str) -> Option<(u64, u64)> {
+    let mut words = text.split_whitespace();
+    let revision = words.next()?.parse().ok()?;
+    let fingerprint = u64::from_str_radix(words.next()?, 16).ok()?;
+    Some((revision, fingerprint))
+}
+
+/// FNV-1a, 64 bit: the fingerprint of the library without its revision.
+#[cfg(test)]
+fn fingerprint(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The library `unrevised` with its revision: one function more, `sg2_revision` (no keys, no
+/// arguments; registered `no-writes`), which returns it. Defined inline: the chunk's locals are
+/// nearly all taken (see `library_source`).
+fn revised(unrevised: &str, revision: u64) -> String {
+    format!(
+        "{unrevised}-- The library's revision (docs/operations.md, \"Upgrades\"): a component loads its copy only\n\
+         -- over an older one.\n\
+         redis.register_function{{function_name='sg{PROTOCOL_VERSION}_revision', callback=function() return \
+         {revision} end, flags={{'no-writes'}}}}\n"
+    )
+}
+
+fn unrevised() -> String {
     let mut code = format!("#!lua name={LIBRARY_NAME}\n\n{PRELUDE}\n");
     let register = |f: Func| {
         if f.read_only() {
@@ -565,15 +604,39 @@ mod tests {
     /// Clients in other languages load the library from `lua/dist/` (docs/protocol.md §1), and the
     /// Python client ships a copy: both must be exactly what the Rust loads. `SLUICEGATE_BLESS=1`
     /// rewrites both after a change in `lua/`.
+    ///
+    /// A change to the library takes a new revision (`lua/REVISION`), which blessing gives it:
+    /// the blessed files then carry the new revision, and the next build loads it.
     #[test]
     fn the_checked_in_library_is_the_one_the_rust_loads() {
         let root = env!("CARGO_MANIFEST_DIR");
-        let built = library_source();
+        let bless = std::env::var("SLUICEGATE_BLESS").is_ok_and(|v| v == "1");
+        let unrevised = super::unrevised();
+        let (mut revision, recorded) =
+            super::parse_revision(super::REVISION).expect("lua/REVISION is \"<n> <hex>\"");
+        let now = super::fingerprint(&unrevised);
+        if now != recorded {
+            assert!(
+                bless,
+                "the library changed, and lua/REVISION still names the revision of the one before ({revision}): \
+                 run `SLUICEGATE_BLESS=1 cargo test --lib protocol::` (it gives the library revision {}) and \
+                 commit lua/REVISION and the files it writes",
+                revision + 1
+            );
+            revision += 1;
+            std::fs::write(format!("{root}/lua/REVISION"), format!("{revision} {now:016x}\n"))
+                .expect("write lua/REVISION");
+        }
+        let built = super::revised(&unrevised, revision);
+        if !bless {
+            assert_eq!(revision, library_revision());
+            assert!(built == library_source());
+        }
         for path in [
             format!("{root}/lua/dist/{LIBRARY_NAME}.lua"),
             format!("{root}/clients/python/src/sluicegate/{LIBRARY_NAME}.lua"),
         ] {
-            if std::env::var("SLUICEGATE_BLESS").is_ok_and(|v| v == "1") {
+            if bless {
                 std::fs::write(&path, &built).expect("write the checked-in library");
             }
             let checked_in = std::fs::read_to_string(&path).unwrap_or_default();

@@ -52,7 +52,7 @@ pub(crate) use finish::Finished;
 #[cfg(test)]
 pub(crate) use library::checker_library_source;
 pub(crate) use library::Func;
-pub use library::{acl_rules, library_source, LIBRARY_NAME, PROTOCOL_VERSION};
+pub use library::{acl_rules, library_revision, library_source, LIBRARY_NAME, PROTOCOL_VERSION};
 use refusal::{Code, Refusal};
 
 /// Whether `error` is the library's `SGLATE`: a step called with its arm's deadline ran past it

@@ -58,3 +58,69 @@ mod full {
         assert_eq!(admin.status(queued.id()).await.unwrap().state, sluicegate::RequestState::Queued);
     }
 }
+
+/// The library's revisions (docs/operations.md, "Upgrades"): a connect loads the library only over
+/// an older revision (or none), and leaves its own or a newer one as it is.
+mod library {
+    use fred::prelude::*;
+    use sluicegate::protocol::{library_revision, library_source};
+    use sluicegate::{Config, Producer};
+    use sluicegate_testkit::{connect, RedisServer};
+
+    async fn loaded(redis: &Client) -> Option<u64> {
+        redis.custom(fred::cmd!("FCALL_RO"), vec!["sg2_revision", "0"]).await.ok()
+    }
+
+    async fn loads(redis: &Client) -> u64 {
+        let info: String = redis.custom(fred::cmd!("INFO"), vec!["commandstats"]).await.unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_function|load:calls="))
+            .and_then(|rest| rest.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Our library under another revision.
+    fn as_revision(revision: u64) -> String {
+        let ours = format!("callback=function() return {} end", library_revision());
+        let source = library_source();
+        assert_eq!(source.matches(&ours).count(), 1, "the revision function is the library's last line");
+        source.replace(&ours, &format!("callback=function() return {revision} end"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_loads_the_library_only_over_an_older_revision_or_none() {
+        let server = RedisServer::start().await.unwrap();
+        let redis = connect(&server.url()).await.unwrap();
+        let config = Config::new(server.url()).namespace("revisions");
+        let ours = library_revision();
+        assert!(ours > 0, "lua/REVISION names a revision");
+
+        // None loaded: loaded.
+        Producer::connect(&config).await.unwrap();
+        assert_eq!(loaded(&redis).await, Some(ours));
+        // Its own revision loaded: nothing is loaded again, however many connect.
+        let before = loads(&redis).await;
+        for _ in 0..3 {
+            Producer::connect(&config).await.unwrap();
+        }
+        assert_eq!(loads(&redis).await, before, "a connect finding its own revision loads nothing");
+
+        // An older revision: replaced.
+        let _: String = redis.function_load(true, as_revision(ours - 1)).await.unwrap();
+        Producer::connect(&config).await.unwrap();
+        assert_eq!(loaded(&redis).await, Some(ours));
+        // A library from before revisions (no `sg2_revision`): replaced.
+        let source = library_source();
+        let cut = source.find("-- The library's revision").expect("the revision function");
+        let _: String = redis.function_load(true, source[..cut].to_owned()).await.unwrap();
+        assert_eq!(loaded(&redis).await, None);
+        Producer::connect(&config).await.unwrap();
+        assert_eq!(loaded(&redis).await, Some(ours));
+
+        // A newer revision: kept, and it serves this build.
+        let _: String = redis.function_load(true, as_revision(ours + 1)).await.unwrap();
+        let producer = Producer::connect(&config).await.unwrap();
+        assert_eq!(loaded(&redis).await, Some(ours + 1), "an older component does not downgrade the library");
+        producer.request().submit([1u32]).await.unwrap();
+    }
+}

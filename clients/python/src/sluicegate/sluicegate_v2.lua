@@ -5331,3 +5331,6 @@ redis.register_function('sg2_push', push)
 redis.register_function('sg2_lane_acquire', lane_acquire)
 redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
+-- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
+-- over an older one.
+redis.register_function{function_name='sg2_revision', callback=function() return 1 end, flags={'no-writes'}}
