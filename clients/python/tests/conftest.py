@@ -8,6 +8,7 @@ of its own, so more test processes than cores pay off (:func:`pytest_xdist_auto_
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import pytest
 import redis
@@ -27,6 +28,31 @@ from sluicegate import Worker
 REPO = Path(__file__).resolve().parents[3]
 CLI = REPO / "target" / "debug" / "sluicegate"
 HERE = Path(__file__).resolve().parent
+
+
+def cli(url: str, ns: str, *args: str, stdin: Optional[str] = None, quiet: bool = False) -> subprocess.CompletedProcess:
+    """The Rust CLI (``target/debug/sluicegate``) on namespace ``ns`` of the Redis at ``url``, its
+    output captured; ``quiet`` turns its logs off (``RUST_LOG=off``)."""
+    env = {**os.environ, "RUST_LOG": "off"} if quiet else None
+    return subprocess.run([str(CLI), "--redis", url, "--namespace", ns, *args], input=stdin, capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def cli_json(url: str, ns: str, *args: str, stdin: Optional[str] = None, quiet: bool = False) -> List[Any]:
+    """:func:`cli` with ``--json``, which must succeed: the lines it printed, parsed."""
+    out = cli(url, ns, "--json", *args, stdin=stdin, quiet=quiet)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def cli_worker_process(url: str, ns: str, script: Path, slots: int) -> subprocess.Popen:
+    """The Rust CLI's ``worker --exec`` running ``script`` with this Python, on ``slots`` slots (a
+    lease of 1.5 s); its stderr piped, for a test that reads it on failure."""
+    return subprocess.Popen(
+        [str(CLI), "--redis", url, "--namespace", ns, "--lease", "1500ms", "--heartbeat", "300ms",
+         "worker", "--exec", f"{sys.executable} {script}", "--slots", str(slots)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
 
 
 def free_port(bus: bool = False) -> int:

@@ -8,6 +8,7 @@ import time
 from typing import Any, List, Optional
 
 import pytest
+import redis
 
 import sluicegate
 from sluicegate import (
@@ -47,12 +48,18 @@ def mixed(n: int, bad: Any = ()) -> List[Any]:
     return [{"i": i, "bad": i in bad} for i in range(n)]
 
 
-def listed(admin: Admin, expected: List[str], **query: Any) -> None:
+def listed(admin: Admin, expected: List[str], any_order: bool = False, **query: Any) -> None:
     """Asserts that ``list(**query)`` comes to show ``expected``: a request's terminal state is in
-    its meta at once, and in the listing index once its finisher's next step (finish_index) ran."""
+    its meta at once, and in the listing index once its finisher's next step (finish_index) ran.
+    ``any_order`` compares the ids sorted: requests submitted in the same millisecond list in the
+    order of their key ids, not of their ids nor of their submits."""
     deadline = time.time() + 10
+    if any_order:
+        expected = sorted(expected)
     while True:
         got = [r.id for r in admin.list(**query).requests]
+        if any_order:
+            got.sort()
         if got == expected or time.time() > deadline:
             break
         time.sleep(0.02)
@@ -462,7 +469,6 @@ def test_reprioritize_refuses_finished_lane_and_unknown_requests(server: Any, ns
 @pytest.mark.parametrize("own_stream", [False, True])
 def test_status_counts_a_running_and_a_finished_request(server: Any, ns: str, running: Running, own_stream: bool) -> None:
     release = threading.Event()
-    tries: List[int] = []
 
     def handler(ctx: Any, part: Any) -> Any:
         if ctx.request_id == "run":
@@ -533,7 +539,8 @@ def test_status_track_reprioritize_and_purge_on_a_three_master_cluster(cluster: 
     with pytest.raises(Refused, match="has not finished"):
         admin.purge("q")
 
-    running.start(cluster.url, Flaky(), ns, slots=4, token_shards=3)
+    w = running.start(cluster.url, Flaky(), ns, slots=4, token_shards=3)
+    assert [(i.id, i.slots, i.shards) for i in admin.workers()] == [(w.worker_id, 4, 3)]
     assert q.wait(timeout=20).results == [i * 10 for i in range(6)]
     assert small.wait(timeout=20).state == "completed"
     st = admin.status("q")
@@ -596,3 +603,126 @@ def test_schedules_are_paused_resumed_and_removed_by_name(server: Any, ns: str) 
             call("every-5m")
     with pytest.raises(InvalidSchedule, match="invalid schedule name"):
         admin.schedule_pause("a@b")
+
+
+def test_an_operator_cancels_a_request_and_finalizes_a_streamed_one_whose_producer_is_gone(
+    server: Any, ns: str, running: Running
+) -> None:
+    """``Admin.cancel`` and ``Admin.finalize`` (the Rust ``Admin``'s): a queued request of its own
+    stream and a lane one end ``cancelled`` (again: the state they ended in); a streamed request
+    left open by its producer completes once an operator finalizes it, and a second finalize, or
+    one of an unknown request, is ``NotOpen``."""
+    from sluicegate import NotOpen
+
+    admin = Admin(server.url, ns)
+    p = Producer(server.url, ns)
+    admin.pause()
+    own = p.submit([{"i": 1}, {"i": 2}], own_stream=True)
+    lane = p.submit([{"i": 3}])
+    for h in (own, lane):
+        assert admin.cancel(h.id) == "cancelled"
+        assert h.wait(timeout=10).state == "cancelled"
+        assert admin.cancel(h.id) == "cancelled"
+    with pytest.raises(UnknownRequest):
+        admin.cancel("never-submitted")
+    admin.resume()
+    running.start(server.url, lambda ctx, part: part["i"] * 10, ns, slots=2)
+    orphan = p.open(concurrency=2)
+    orphan.add([{"i": i} for i in range(5)])
+    # Its producer is gone (it never finalizes): an operator does.
+    admin.finalize(orphan.id)
+    assert orphan.handle.wait(timeout=10).results == [0, 10, 20, 30, 40]
+    with pytest.raises(NotOpen):
+        admin.finalize(orphan.id)
+    with pytest.raises(NotOpen):
+        admin.finalize("never-submitted")
+
+
+def test_workers_lists_the_live_workers_and_what_their_slots_hold(server: Any, ns: str, running: Running) -> None:
+    """``Admin.workers`` (the Rust ``Admin::workers``): each live worker as it registered, with
+    its slots that hold a token now: a request of its own stream by id, a lane by priority."""
+    from sluicegate import SlotWork
+
+    admin = Admin(server.url, ns)
+    assert admin.workers() == []
+    release = threading.Event()
+
+    def held(ctx: Any, part: Any) -> Any:
+        release.wait(10)
+        return part
+
+    w = running.start(server.url, held, ns, slots=2)
+    p = Producer(server.url, ns)
+    own = p.submit([1], own_stream=True)
+    lane = p.submit([2], priority=70)
+    deadline = time.time() + 10
+    while True:
+        workers = admin.workers()
+        if len(workers) == 1 and len(workers[0].busy) == 2:
+            break
+        assert time.time() < deadline, workers
+        time.sleep(0.02)
+    (info,) = workers
+    assert (info.id, info.slots, info.shards) == (w.worker_id, 2, 1)
+    assert info.registration_expires_ms is not None and info.started_ms > 0
+    works = sorted(info.busy, key=lambda s: s.lane or 0)
+    assert [(s.request, s.lane, s.shard) for s in works] == [(own.id, None, 0), (None, 70, 0)]
+    assert all(isinstance(s, SlotWork) and s.slot.startswith(f"{w.worker_id}/") for s in works)
+    release.set()
+    assert own.wait(timeout=10).results == [1] and lane.wait(timeout=10).results == [2]
+    running.stop()
+    running.workers.clear()
+    assert admin.workers() == []
+
+
+@pytest.mark.parametrize("on_cluster", [False, True])
+def test_purge_namespace_is_refused_while_workers_run_and_then_leaves_no_key_of_it(
+    server: Any, cluster: Any, ns: str, running: Running, on_cluster: bool
+) -> None:
+    """``Admin.purge_namespace`` (the Rust ``Admin::purge_namespace``, ``sluicegate purge
+    --all``): refused, naming the workers, while any is registered, unless forced; then every
+    key of the namespace goes (on every primary of a cluster), and another namespace's stay."""
+    url = cluster.url if on_cluster else server.url
+    admin, p = Admin(url, ns), Producer(url, ns)
+    other = Producer(url, ns + "-other")
+    kept = other.submit([1])
+    w = running.start(url, lambda ctx, part: part, ns, slots=2)
+    done = [p.submit([i, i + 1], own_stream=i % 2 == 0) for i in range(6)]
+    assert all(h.wait(timeout=10).state == "completed" for h in done)
+    p.submit([99])  # and one left queued
+    with pytest.raises(Refused, match=rf'^1 worker\(s\) are registered in namespace "{ns}" \({w.worker_id}\): stop'):
+        admin.purge_namespace()
+    running.stop()
+    running.workers.clear()
+    assert admin.purge_namespace() > 10
+    client = p.protocol.conn.client
+    nodes = client.get_primaries() if on_cluster else [None]
+    for node in nodes:
+        # Each primary on its own, a cluster's three (its keys were spread over them).
+        direct = redis.Redis(host=node.host, port=node.port) if node is not None else client
+        assert list(direct.scan_iter(match=f"{ns}:*")) == [], node
+    assert Admin(url, ns + "-other").status(kept.id).state == "queued", "another namespace's keys stay"
+    assert admin.purge_namespace() == 0
+
+
+def test_purge_finished_deletes_every_finished_request_of_a_state_and_keeps_the_rest(
+    server: Any, ns: str, running: Running
+) -> None:
+    """``Admin.purge_finished`` (the Rust ``Admin::purge_finished``, ``sluicegate purge --state``):
+    every request finished in the state goes, keys and listing, however it was submitted; the
+    other states' and younger ones stay; a state that is not a finished one is refused."""
+    admin, p = Admin(server.url, ns), Producer(server.url, ns)
+    running.start(server.url, Flaky(), ns, slots=4)
+    ok = [p.submit(mixed(2), own_stream=i == 0) for i in range(3)]
+    bad = [p.submit(mixed(2, bad=[1])) for _ in range(2)]
+    assert [h.wait(timeout=10).state for h in ok + bad] == ["completed"] * 3 + ["failed"] * 2
+    listed(admin, [h.id for h in ok], any_order=True, state="completed")
+    listed(admin, [h.id for h in bad], any_order=True, state="failed")
+    assert admin.purge_finished("failed", older_than=3600) == 0, "none is an hour old"
+    assert admin.purge_finished("completed") == 3
+    assert admin.list(state="completed").requests == []
+    assert all(keys_of(admin, h.id) == [] for h in ok)
+    assert sorted(r.id for r in admin.list(state="failed").requests) == sorted(h.id for h in bad)
+    assert admin.purge_finished("completed") == 0
+    with pytest.raises(sluicegate.InvalidRequest, match=r"^only finished requests are purged \(completed, failed or cancelled\), not running$"):
+        admin.purge_finished("running")

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 import sluicegate
-from sluicegate import Listener, PermanentError, Producer, UnsupportedRedis
+from sluicegate import Admin, Listener, PermanentError, Producer, RedisFull, UnsupportedRedis
 from sluicegate._conn import Conn
 
 from conftest import FAST, HERE, REPO, Running
@@ -60,6 +60,64 @@ def test_the_shipped_library_is_byte_identical_to_the_rust_build() -> None:
         "clients/python/src/sluicegate/sluicegate_v2.lua differs from lua/dist/sluicegate_v2.lua: "
         "copy it over (cp lua/dist/sluicegate_v2.lua clients/python/src/sluicegate/)"
     )
+
+
+def test_a_connect_loads_the_library_only_over_an_older_revision_or_none(server: Any) -> None:
+    from sluicegate._conn import library_revision, library_source
+
+    source = library_source()
+    ours = library_revision(source)
+    assert ours > 0
+    first = Conn(server.url)
+    client = first.client
+
+    def revision() -> int:
+        return int(client.execute_command("FCALL_RO", "sg2_revision", 0))
+
+    def loads() -> int:
+        return int(client.info("commandstats").get("cmdstat_function|load", {}).get("calls", 0))
+
+    assert revision() == ours
+    before = loads()
+    Conn(server.url).close()
+    assert loads() == before, "a connect finding its own revision loads nothing"
+    for other, kept in ((ours + 1, ours + 1), (ours - 1, ours)):
+        mine = f"callback=function() return {ours} end"
+        assert source.count(mine) == 1
+        client.execute_command("FUNCTION LOAD", "REPLACE", source.replace(mine, f"callback=function() return {other} end"))
+        Conn(server.url).close()
+        assert revision() == kept, other
+    first.close()
+
+
+def test_at_maxmemory_reads_keep_working_and_a_refused_write_says_redis_is_full(server: Any, ns: str) -> None:
+    """The Rust ``at_maxmemory_reads_keep_working_and_a_refused_write_says_redis_is_full``: a load
+    of the library refused for want of memory is passed over (the one loaded serves), reads work,
+    and a write is refused whole with the Rust message."""
+    p = Producer(server.url, ns)
+    queued = p.submit([{"n": 1}, {"n": 2}])
+    client = redis.Redis.from_url(server.url)
+    client.config_set("maxmemory", "1mb")
+    filler = "x" * 100_000
+    for i in range(40):
+        try:
+            client.set(f"filler{i}", filler)
+        except redis.exceptions.OutOfMemoryError:
+            break
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.set("one-more", "x")
+    # A load without asking for the revision (as after "Function not found") meets the refusal.
+    Conn(server.url).load_library(check=False)
+    admin = Admin(server.url, ns)
+    status = admin.status(queued.id)
+    assert (status.total, status.done, status.state) == (2, 0, "queued")
+    assert [r.id for r in admin.list().requests] == [queued.id]
+    full = r"^Redis is full \(at its maxmemory\) and refused a write: nothing was written; .*\(Redis said: OOM "
+    with pytest.raises(RedisFull, match=full):
+        Producer(server.url, ns).submit([{"n": 3}])
+    with pytest.raises(RedisFull, match=full):
+        p.cancel(queued.id)
+    assert admin.status(queued.id).state == "queued"
 
 
 def test_a_redis_older_than_7_is_refused_with_the_rust_message(server: Any) -> None:
@@ -314,6 +372,117 @@ def test_a_streamed_request_runs_as_parts_are_added_and_completes_at_finalize(se
     assert done.results == [{"i": i, "double": 2 * i} for i in range(1500)]
 
 
+def test_a_windowed_request_keeps_at_most_its_window_unsettled_and_completes(
+    server: Any, ns: str, running: Running
+) -> None:
+    """A streamed request opened with ``window=W`` (§6.14, the Rust ``RequestBuilder::window``):
+    each ``add`` call waits until its parts fit, so the parts added and not settled never exceed
+    W, whatever is added at once; discarding or keeping its results, it completes."""
+    from sluicegate import InvalidRequest
+
+    p = Producer(server.url, ns, window_poll=0.01)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(InvalidRequest, match=r"^a window must allow at least 1 part in Redis"):
+            p.open(window=bad)
+    client = redis.Redis.from_url(server.url)
+
+    def slow(ctx: Any, part: Any) -> Any:
+        time.sleep(0.002)
+        return 2 * part["i"]
+
+    running.start(server.url, slow, ns, slots=4)
+    for discard in (True, False):
+        req = p.open(concurrency=4, window=25, discard_results=discard)
+        meta = p.protocol.keys.request(req._kid).meta
+        most, stop = [0], threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                left = client.hget(meta, "left")
+                most[0] = max(most[0], int(left or 0))
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            req.add([{"i": i} for i in range(400)])
+        finally:
+            stop.set()
+            sampler.join()
+        assert 0 < most[0] <= 25, f"{most[0]} parts were unsettled at once, with a window of 25"
+        assert req.outstanding <= 25
+        done = req.finalize().wait(timeout=30)
+        assert (done.state, done.total, done.failed, done.discarded) == ("completed", 400, 0, discard)
+        assert done.results == ([] if discard else [2 * i for i in range(400)])
+        # The acks trimmed the stream as they went: far fewer entries than parts were ever added.
+        assert client.xlen(p.protocol.keys.request(req._kid).stream) < 100
+
+
+def test_results_from_reads_a_streamed_requests_outcomes_in_order_while_it_runs_and_frees_them(
+    server: Any, ns: str, running: Running
+) -> None:
+    """``results_from`` (§6.14, the Rust ``RequestHandle::results_from``): pages from 0 on, each
+    from the last one's ``next_index``, give every outcome once, in part order, dead letters
+    among them; what was read is deleted from Redis, ``wait`` then returns only what was not
+    read; and what it cannot serve it refuses by name."""
+    from sluicegate import InvalidRequest, ResultsPage, UnknownRequest
+
+    def handler(ctx: Any, part: Any) -> Any:
+        if part["i"] == 7:
+            raise PermanentError("seven")
+        return 2 * part["i"]
+
+    running.start(server.url, handler, ns, slots=4)
+    p = Producer(server.url, ns)
+    req = p.open(concurrency=4, window=40)
+    client = redis.Redis.from_url(server.url)
+    results_key = p.protocol.keys.request(req._kid).results
+    req.add([{"i": i} for i in range(300)])
+    read: List[Any] = []
+    errors_seen: Dict[int, Any] = {}
+    page = req.handle.results_from(0, 50)
+    deadline = time.time() + 30
+    while True:
+        assert isinstance(page, ResultsPage)
+        assert page.first == len(read)
+        read.extend(page.results)
+        errors_seen.update(page.errors)
+        if page.is_last:
+            break
+        if page.next_index == 300 and page.total is None:
+            req.finalize()
+        if not page.results:
+            assert time.time() < deadline, f"no outcome after part {page.next_index}"
+            time.sleep(0.02)
+        page = req.handle.results_from(page.next_index, 50)
+    assert read == [None if i == 7 else 2 * i for i in range(300)]
+    assert list(errors_seen) == [7] and errors_seen[7].message == "seven" and errors_seen[7].permanent
+    assert page.total == 300 and page.state == "failed"
+    # Read pages are deleted: what is left is the last page, kept until a call asks past it.
+    assert client.hlen(results_key) <= 50
+    done = req.handle.wait(timeout=10)
+    assert done.state == "failed" and len(done.results) <= 50
+    # Only the parts not read come back, from `first`; the counts are the request's.
+    assert (done.first + len(done.results), done.total, done.failed, done.errors) == (300, 300, 1, {})
+    assert done.results == [2 * i for i in range(done.first, 300)]
+    # Refusals, each naming the request.
+    with pytest.raises(InvalidRequest, match=r"^request \"[^\"]+\": results from index 300 were not taken before index 10000"):
+        req.handle.results_from(10_000, 5)
+    with pytest.raises(InvalidRequest, match=r"results below index \d+ were taken and deleted already"):
+        req.handle.results_from(0, 5)
+    small = p.submit([{"i": 1}])
+    small.wait(timeout=10)
+    with pytest.raises(InvalidRequest, match=r"results_from is for streamed requests \(opened with open\(\)\)"):
+        small.results_from(0)
+    quiet = p.open(discard_results=True)
+    with pytest.raises(InvalidRequest, match=r"discarded"):
+        quiet.handle.results_from(0)
+    with pytest.raises(UnknownRequest):
+        p.results_from("never-submitted", 0)
+    with pytest.raises(InvalidRequest, match=r"first is a part index"):
+        p.results_from(req.id, -1)
+
+
 def test_an_async_handler_runs_on_asyncio(server: Any, ns: str, running: Running) -> None:
     seen = Concurrency()
 
@@ -531,6 +700,50 @@ def test_a_killed_worker_loses_nothing(server: Any, ns: str, tmp_path: Path, run
             doomed.kill()
 
 
+def test_a_worker_going_on_under_a_new_id_ends_the_take_records_of_its_old_one(
+    server: Any, ns: str, running: Running
+) -> None:
+    """A worker declared dead while it lives (its registration claimed) goes on under a new id; its
+    slots end what their old holder names left at their next take, as at a clean stop, rather than
+    leaving it to recovery's backstop (here an hour away): no take record of the old id is left,
+    and the ``held`` key goes with the last take. (A Python slot gives a token back under its
+    take's holder name at once, which ends the record, so here only a take whose reply was lost or
+    a hold that ended parked or finished could leave one; the Rust twin in
+    tests/suites/recovery.rs, whose slots give back in their next take, fails without it.)"""
+    client = redis.Redis.from_url(server.url)
+
+    def handler(ctx: Any, part: Any) -> Any:
+        time.sleep(part.get("sleep", 0))
+        return 2 * part["n"]
+
+    w = running.start(server.url, handler, ns, slots=2, census_interval=3600)
+    keys = w.protocol.keys
+    old = w.worker_id
+
+    def records(prefix: str) -> List[str]:
+        return [f.decode() for f in client.hkeys(keys.held(0)) if f.decode().startswith(prefix)]
+
+    p = Producer(server.url, ns)
+    first = p.submit([{"n": i, "sleep": 0.15} for i in range(8)], concurrency=2, own_stream=True)
+    deadline = time.time() + 10
+    while not records(f"{old}/"):
+        assert time.time() < deadline, "the worker's slots never recorded a take"
+        time.sleep(0.01)
+    # What a reaper's beat does to a worker not heard from for a lease: its registration leaves the
+    # registry. Nobody else reaps it here; its next beat finds it gone and takes a new id.
+    assert client.zrem(keys.workers(), old) == 1
+    while w.worker_id == old:
+        assert time.time() < deadline, "the worker never went on under a new id"
+        time.sleep(0.01)
+    assert first.wait(timeout=20).results == [2 * i for i in range(8)]
+    # Both slots take again under the new id.
+    assert p.submit([{"n": i} for i in range(4)], concurrency=2).wait(timeout=20).state == "completed"
+    assert records(f"{old}/") == [], f"take records of the old id {old} are left"
+    running.stop()
+    running.workers.clear()
+    assert client.exists(keys.held(0)) == 0, records("")
+
+
 def test_a_redis_cluster_runs_requests_too(cluster: Any, ns: str, running: Running) -> None:
     def handler(ctx: Any, part: Any) -> Any:
         if part.get("slow"):
@@ -740,6 +953,41 @@ def test_an_unlisted_request_runs_but_stays_out_of_the_listing_index(server: Any
     listed_ids = {r.decode() if isinstance(r, bytes) else r for r in rows}
     key = sluicegate._keys.key_id
     assert listed_ids == {key(listed.id)}, listed_ids
+
+
+def test_a_request_that_discards_its_results_stores_none_and_wait_returns_its_counts(
+    server: Any, ns: str, running: Running
+) -> None:
+    def handler(ctx: Any, part: Any) -> Any:
+        if part["i"] == 3:
+            raise PermanentError("no three")
+        return part["i"]
+
+    running.start(server.url, handler, ns, slots=3)
+    p = Producer(server.url, ns)
+    client = p.protocol.conn.client
+    lane = p.submit(parts(3), discard_results=True)
+    own = p.submit(parts(3), concurrency=2, own_stream=True, discard_results=True)
+    bulk = p.submit_many([{"parts": parts(2), "discard_results": True}, {"parts": parts(2)}])
+    opened = p.open(discard_results=True)
+    opened.add(parts(3))
+    streamed = opened.finalize()
+    for handle, n in ((lane, 3), (own, 3), (bulk[0], 2), (streamed, 3)):
+        done = handle.wait(timeout=30)
+        assert (done.state, done.discarded, done.results, done.errors) == ("completed", True, [], {}), handle
+        assert (done.total, done.failed) == (n, 0), handle
+    # Nothing was stored: no results hash, no result field in the lane record.
+    key = sluicegate._keys.key_id
+    assert client.exists(p.protocol.keys.request(key(own.id)).results) == 0
+    record = client.hgetall(p.protocol.keys.record(0, key(lane.id)))
+    assert record and not [f for f in record if f.startswith(b"o")], record
+    # Kept beside them: the other request of the bulk submit.
+    kept = bulk[1].wait(timeout=30)
+    assert (kept.results, kept.discarded, kept.total) == ([0, 1], False, 2)
+    # A dead letter still fails it, and is counted.
+    for own_stream in (False, True):
+        done = p.submit(parts(5), own_stream=own_stream, discard_results=True).wait(timeout=30)
+        assert (done.state, done.total, done.failed, done.results) == ("failed", 5, 1, []), own_stream
 
 
 def connected(server: Any) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from sluicegate import (
 )
 from sluicegate._keys import key_id
 
-from conftest import CLI, FAST, Running
+from conftest import CLI, FAST, Running, cli, cli_json, cli_worker_process
 
 
 class Steps:
@@ -362,11 +361,7 @@ def cli_worker(server: Any, ns: str, tmp_path: Path) -> Iterator[subprocess.Pope
         "    print('chosen to fail', file=sys.stderr); sys.exit(100)\n"
         "print(json.dumps({'n': p['n'], 'at': time.time()}))\n"
     )
-    proc = subprocess.Popen(
-        [str(CLI), "--redis", server.url, "--namespace", ns, "--lease", "1500ms", "--heartbeat", "300ms",
-         "worker", "--exec", f"{sys.executable} {script}", "--slots", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    proc = cli_worker_process(server.url, ns, script, slots=4)
     yield proc
     proc.terminate()
     proc.wait(15)
@@ -393,10 +388,7 @@ def test_a_python_dag_is_run_by_a_rust_worker(server: Any, ns: str, cli_worker: 
     assert (done.state, done.reason) == ("failed", f"upstream:{e.id}")
     assert e.wait().state == "failed"
     # The Rust admin and the Python one read the same upstreams and downstreams.
-    out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", "status", c.id],
-                         capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    shown = json.loads(out.stdout.splitlines()[0])
+    shown = cli_json(server.url, ns, "status", c.id)[0]
     st = admin.status(c.id)
     assert shown["upstreams"] == [{"id": u.id, "ended": u.ended} for u in st.upstreams]
     assert shown["upstreams"] == [{"id": a.id, "ended": "completed"}, {"id": b.id, "ended": "completed"}]
@@ -413,11 +405,7 @@ def test_a_python_request_after_a_cli_submit_reads_its_results(server: Any, ns: 
 
     src = tmp_path / "in.txt"
     src.write_text("1\n2\n3\n")
-    out = subprocess.run(
-        [str(CLI), "--redis", server.url, "--namespace", ns, "--json", "submit", "--id", "from-cli", str(src)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
+    cli_json(server.url, ns, "submit", "--id", "from-cli", str(src))
     p = Producer(server.url, ns)
     d = p.submit([{"n": 100, "after": "from-cli"}], after=["from-cli"])
     assert Admin(server.url, ns).status(d.id).state in ("waiting", "queued", "running", "completed")
@@ -438,8 +426,7 @@ def test_a_cli_submit_after_python_requests_is_run_by_a_python_worker(server: An
     def cli_submit(rid: str, *args: str, part: Dict[str, Any]) -> None:
         src = tmp_path / f"{rid}.txt"
         src.write_text(json.dumps(part) + "\n")
-        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "submit", "--id", rid, *args,
-                              str(src)], capture_output=True, text=True, timeout=60)
+        out = cli(server.url, ns, "submit", "--id", rid, *args, str(src))
         assert out.returncode == 0, out.stderr
 
     # The Rust producer links the downstreams; the Python worker releases them.

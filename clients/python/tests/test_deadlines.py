@@ -7,9 +7,6 @@ it first. The test's redis-server runs on this machine's clock, so Redis times (
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -24,7 +21,7 @@ from sluicegate._keys import Keys, home_shard, key_id
 from sluicegate.producer import LOAD_CHUNK
 from sluicegate.worker import ACK, ACQUIRE, Worker, _Entry, _Policy, _Slot, _Token, _parse_next
 
-from conftest import CLI, Running
+from conftest import CLI, Running, cli_json
 
 
 def epoch_ms() -> int:
@@ -314,10 +311,7 @@ def test_a_cli_submit_with_a_deadline_is_served_by_a_python_worker(server: Any, 
     src.write_text("".join(f"{i}\n" for i in range(20)))
 
     def cli(*args: str) -> Any:
-        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", *args],
-                             capture_output=True, text=True, timeout=60, env={**os.environ, "RUST_LOG": "off"})
-        assert out.returncode == 0, out.stderr
-        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return cli_json(server.url, ns, *args, quiet=True)
 
     rid = "from-the-cli"
     cli("submit", "--id", rid, "--concurrency", "2", "--deadline", "+1s", str(src))

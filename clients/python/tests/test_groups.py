@@ -14,7 +14,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import pytest
 
@@ -24,7 +24,7 @@ from sluicegate import worker as worker_module
 from sluicegate._conn import fcall_items, text
 from sluicegate._keys import group_of_queue, group_shard, home_shard, key_id
 
-from conftest import CLI, FAST, Running
+from conftest import CLI, Running
 
 REFUSED = "a group name is 1 to 64 ASCII letters, digits, '.', '_' or '-', not "
 
@@ -396,7 +396,10 @@ def test_a_rate_limited_group_starts_its_parts_at_its_rate_one_per_take(
     # A burst of `rate`, then `rate` a second: 80 in 3 s. Generous below (a busy machine slows
     # the slots), strict above (the bucket never lets more start).
     assert 45 <= in_window <= rate + rate * seconds + 2, in_window
-    assert most_in_a_window(at, 1.0) <= 2 * rate
+    # At most a burst and a second's rate in any second of Redis's time; the starts are stamped by
+    # the handlers, a few ms after their hand-outs and not all equally late, so one at a window's
+    # edge may fall inside it here (41 of 40 seen once on a loaded machine).
+    assert most_in_a_window(at, 1.0) <= 2 * rate + 2
     # After the first burst, parts start one by one as the bucket refills (2 per 100 ms), not in
     # bursts of `rate` each time an idle poll ends (20 within 20 ms when slots wait an idle poll
     # rather than the refill). (The bucket fills while the slots are held up, so a busy machine

@@ -6,7 +6,6 @@ missing."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import threading
 import time
@@ -17,7 +16,7 @@ import pytest
 
 from sluicegate import Admin, Paused, PermanentError, Producer, Worker
 
-from conftest import CLI, FAST, Running
+from conftest import CLI, FAST, Running, cli, cli_json, cli_worker_process
 
 pytestmark = pytest.mark.skipif(not CLI.exists(), reason=f"{CLI} is missing: cargo build -p sluicegate-cli")
 
@@ -34,13 +33,7 @@ def cli_worker(server: Any, ns: str, tmp_path: Path) -> Iterator[subprocess.Pope
         "    print('no four', file=sys.stderr); sys.exit(100)\n"
         "print(json.dumps({'i': p['i'], 'triple': 3 * p['i'], 'tags': p['tags'], 'idx': int(os.environ['SLUICEGATE_INDEX'])}))\n"
     )
-    import sys
-
-    proc = subprocess.Popen(
-        [str(CLI), "--redis", server.url, "--namespace", ns, "--lease", "1500ms", "--heartbeat", "300ms",
-         "worker", "--exec", f"{sys.executable} {script}", "--slots", "3"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    proc = cli_worker_process(server.url, ns, script, slots=3)
     yield proc
     proc.terminate()
     proc.wait(15)
@@ -48,6 +41,14 @@ def cli_worker(server: Any, ns: str, tmp_path: Path) -> Iterator[subprocess.Pope
 
 def test_a_python_producer_is_served_by_the_rust_cli_worker(server: Any, ns: str, cli_worker: Any) -> None:
     p = Producer(server.url, ns)
+    # The Python Admin lists the Rust worker as it registered: its slots (the three asked for and
+    # its urgent slot), version and command.
+    deadline = time.time() + 10
+    while not Admin(server.url, ns).workers():
+        assert time.time() < deadline, "the CLI worker never registered"
+        time.sleep(0.05)
+    (info,) = Admin(server.url, ns).workers()
+    assert info.slots == 4 and info.version and info.label and "triple.py" in info.label, info
     payloads = [{"i": i, "tags": ["a", "ü"]} for i in range(6)]
     for own in (False, True):
         done = p.submit(payloads, concurrency=2, max_attempts=2, backoff=0.01, backoff_max=0.05, own_stream=own).wait(timeout=30)
@@ -69,12 +70,7 @@ def test_a_cli_submit_is_served_by_a_python_worker(server: Any, ns: str, tmp_pat
         lines = ['{"n": 1}', "hello world", "42", '"quoted"', "", '{"nested": {"a": [1, 2.5, null, true]}}']
         src = tmp_path / "in.txt"
         src.write_text("\n".join(lines) + "\n")
-        out = subprocess.run(
-            [str(CLI), "--redis", server.url, "--namespace", ns, "--json", "submit", "--concurrency", "2", "--wait", str(src)],
-            capture_output=True, text=True, timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        got = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        got = cli_json(server.url, ns, "submit", "--concurrency", "2", "--wait", str(src))
         sent = [{"n": 1}, "hello world", 42, "quoted", "", {"nested": {"a": [1, 2.5, None, True]}}]
         assert [g["index"] for g in got] == list(range(6))
         results = [g["ok"] for g in got]
@@ -83,6 +79,17 @@ def test_a_cli_submit_is_served_by_a_python_worker(server: Any, ns: str, tmp_pat
     finally:
         w.stop()
         t.join(15)
+
+
+def test_a_cli_submit_that_discards_its_results_is_waited_for_in_python(server: Any, ns: str, running: Running,
+                                                                        tmp_path: Path) -> None:
+    running.start(server.url, lambda ctx, part: part, ns, slots=2)
+    src = tmp_path / "in.txt"
+    src.write_text("1\n2\n3\n")
+    out = cli(server.url, ns, "submit", "--id", "quiet", "--discard-results", str(src))
+    assert out.returncode == 0, out.stderr
+    done = Producer(server.url, ns).wait("quiet", timeout=30)
+    assert (done.state, done.discarded, done.total, done.failed, done.results) == ("completed", True, 3, 0, [])
 
 
 def test_the_python_admin_and_the_cli_agree(server: Any, ns: str, running: Running) -> None:
@@ -94,10 +101,7 @@ def test_the_python_admin_and_the_cli_agree(server: Any, ns: str, running: Runni
         return part["i"]
 
     def cli(*args: str) -> List[Any]:
-        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", *args],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return cli_json(server.url, ns, *args)
 
     running.start(server.url, handler, ns, slots=2)
     p = Producer(server.url, ns)
@@ -143,10 +147,7 @@ def test_a_schedule_added_by_the_cli_is_listed_paused_resumed_and_removed_by_the
     from sluicegate import Schedule, UnknownSchedule
 
     def cli(*args: str, stdin: str = "") -> List[Any]:
-        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", *args],
-                             input=stdin, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return cli_json(server.url, ns, *args, stdin=stdin)
 
     cli("schedule", "add", "nightly", "--cron", "30 2 * * *", "--tz", "Europe/Rome", "--missed", "catch-up",
         "--catch-up", "3", "--", "--priority", "70", "--tag", "team:ops", "-", stdin='{"report": 1}\n{"report": 2}\n')

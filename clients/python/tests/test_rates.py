@@ -6,10 +6,7 @@ worker's part is to wake the token the hand-out parked when the next part may st
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -22,7 +19,7 @@ from sluicegate import Admin, InvalidRequest, Producer, RateLimit
 from sluicegate._keys import key_id
 from sluicegate.producer import LOAD_CHUNK, UNLISTED_LANE_ONLY
 
-from conftest import CLI, Running
+from conftest import CLI, Running, cli_json
 
 REFUSED = "a rate is 1 to 1000000 parts per 1 ms to a day, not "
 
@@ -222,10 +219,7 @@ def test_a_cli_submit_with_a_rate_is_served_by_a_python_worker(server: Any, ns: 
     src.write_text("".join(f"{i}\n" for i in range(12)))
 
     def cli(*args: str) -> Any:
-        out = subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, "--json", *args],
-                             capture_output=True, text=True, timeout=60, env={**os.environ, "RUST_LOG": "off"})
-        assert out.returncode == 0, out.stderr
-        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return cli_json(server.url, ns, *args, quiet=True)
 
     rid = "rated-by-the-cli"
     cli("submit", "--id", rid, "--concurrency", "4", "--rate", "4/500ms", str(src))

@@ -19,6 +19,7 @@ from sluicegate import Admin, InvalidRequest, InvalidSchedule, Producer, Schedul
 from sluicegate import _cron
 
 from conftest import CLI
+from conftest import cli as run_cli
 
 needs_cli = pytest.mark.skipif(not CLI.exists(), reason=f"{CLI} is missing: cargo build -p sluicegate-cli")
 
@@ -54,6 +55,15 @@ def test_a_schedule_is_stored_as_the_rust_spec_and_added_again_or_replaced(serve
         '"backoff_ms":1000,"backoff_max_ms":60000,"delay_ms":0,"tags":[],"fail_fast":false,"own_stream":false,'
         '"unlisted":false}}'
     )
+    # Discarding is written only when set, as the Rust template does (src/schedule/spec.rs).
+    admin.schedule_add("quiet", "@hourly", ["a"], discard_results=True)
+    assert stored(admin, "quiet") == (
+        '{"cron":"@hourly","missed":"skip","request":{"parts":["oWE="],"priority":50,"limit":1,"max_attempts":1,'
+        '"backoff_ms":1000,"backoff_max_ms":60000,"delay_ms":0,"tags":[],"fail_fast":false,"own_stream":false,'
+        '"unlisted":false,"discard_results":true}}'
+    )
+    assert admin.schedule("quiet").discard_results and not admin.schedule("full").discard_results
+    admin.schedule_remove("quiet")
     # The very same spec again changes nothing; another one under the name is refused ...
     gen = admin.protocol.conn.client.hget(admin.protocol.keys.schedule_state("full"), "gen")
     admin.schedule_add("full", "*/5 * * * *", PARTS, **FULL)
@@ -154,8 +164,7 @@ def test_croners_refusals_say_what_croner_says(pattern: str, why: Any) -> None:
 
 
 def cli(server: Any, ns: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CLI), "--redis", server.url, "--namespace", ns, *args], capture_output=True, text=True,
-                          timeout=60)
+    return run_cli(server.url, ns, *args)
 
 
 @needs_cli

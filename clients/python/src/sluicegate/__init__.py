@@ -27,7 +27,9 @@ from .admin import (
     Reprioritized,
     RequestStatus,
     Schedule,
+    SlotWork,
     Upstream,
+    WorkerInfo,
 )
 from .errors import (
     DuplicateRequestId,
@@ -39,6 +41,7 @@ from .errors import (
     NotOpen,
     PermanentError,
     ProtocolError,
+    RedisFull,
     Refused,
     ScheduleExists,
     SluicegateError,
@@ -50,7 +53,7 @@ from .errors import (
 )
 from .chunk import MAX_CHUNK, chunked, chunks
 from .events import Event, Listener
-from .producer import Completion, OpenRequest, PartError, Producer, RequestHandle
+from .producer import Completion, OpenRequest, PartError, Producer, RequestHandle, ResultsPage
 from .worker import Context, Worker
 
 __version__ = "0.1.0"
@@ -83,12 +86,15 @@ __all__ = [
     "Producer",
     "ProtocolError",
     "RateLimit",
+    "RedisFull",
     "Refused",
     "Reprioritized",
     "RequestHandle",
     "RequestStatus",
+    "ResultsPage",
     "Schedule",
     "ScheduleExists",
+    "SlotWork",
     "SluicegateError",
     "UnknownRequest",
     "UnknownSchedule",
@@ -96,6 +102,7 @@ __all__ = [
     "UnsupportedRedis",
     "Upstream",
     "WaitTimeout",
+    "WorkerInfo",
     "Worker",
     "chunked",
     "chunks",

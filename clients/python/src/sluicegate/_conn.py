@@ -7,9 +7,12 @@ missing (a Redis restarted without persistence, a failover to a replica that nev
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
+import time
 from importlib import resources
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 import redis
@@ -22,12 +25,39 @@ MIN_REDIS: Tuple[int, int] = (7, 0)
 #: Transport failures: the call may or may not have run.
 TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
+log = logging.getLogger("sluicegate")
+
+
+def retry_transient(what: str, fn: Callable[[], Any], limit: float = 60.0) -> Any:
+    """Repeats ``fn`` while Redis is unreachable (up to ``limit`` seconds)."""
+    backoff = 0.05
+    end = time.monotonic() + limit
+    while True:
+        try:
+            return fn()
+        except TRANSIENT as e:
+            if time.monotonic() > end:
+                raise
+            log.debug("%s: %s; retrying", what, e)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
 Client = Union["redis.Redis[bytes]", RedisCluster]
 
 
 def library_source() -> str:
     """The library text, byte for byte lua/dist/sluicegate_v2.lua of the Rust build."""
     return resources.files(__package__).joinpath("sluicegate_v2.lua").read_bytes().decode("utf-8")
+
+
+#: The library's revision, as the Rust build writes it at its end (Rust ``library_revision``).
+_REVISION = re.compile(r"function_name='sg2_revision', callback=function\(\) return (\d+) end")
+
+
+def library_revision(source: str) -> int:
+    """The revision of library text ``source``: it grows with every change to the library."""
+    m = _REVISION.search(source)
+    return int(m.group(1)) if m else 0
 
 
 def text(v: Any) -> str:
@@ -64,8 +94,15 @@ def check_version(info: dict) -> None:
         raise errors.UnsupportedRedis(version, "7.0")
 
 
+def _is_full(e: redis.exceptions.ResponseError) -> bool:
+    """An ``OOM`` refusal (redis-py takes the code off the message and raises its own class)."""
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or str(e).startswith("OOM")
+
+
 def _refusal(e: redis.exceptions.ResponseError) -> Exception:
     msg = str(e)
+    if _is_full(e):
+        return errors.RedisFull(msg if msg.startswith("OOM") else f"OOM {msg}")
     code = msg.split(" ", 1)[0]
     if code == "SGDUPLICATE":
         return errors.DuplicateRequestId(msg)
@@ -120,10 +157,34 @@ class Conn:
         except TRANSIENT as e:
             raise errors.SluicegateError(f"cannot connect to {self.url}: {e}") from e
 
-    def load_library(self) -> None:
-        """FUNCTION LOAD REPLACE on the server, or on every primary of a Cluster."""
+    def loaded_revision(self) -> Optional[int]:
+        """The revision of the library loaded (the oldest of the primaries' on a Cluster), or None
+        when one has none: no library, or one from before revisions (``sg2_revision``)."""
+        nodes: List[Any] = list(self.client.get_primaries()) if isinstance(self.client, RedisCluster) else [None]
+        oldest: Optional[int] = None
+        for node in nodes:
+            try:
+                if node is None:
+                    reply = self.client.execute_command("FCALL_RO", "sg2_revision", 0)
+                else:
+                    reply = self.client.execute_command("FCALL_RO", "sg2_revision", 0, target_nodes=node)
+                revision = int(reply)
+            except (redis.exceptions.ResponseError, ValueError, TypeError):
+                return None
+            oldest = revision if oldest is None else min(oldest, revision)
+        return oldest
+
+    def load_library(self, check: bool = True) -> None:
+        """FUNCTION LOAD REPLACE on the server, or on every primary of a Cluster, unless the library
+        loaded (on every primary) is of this copy's revision or a newer one: an older client that
+        connects after a newer one keeps the newer library, and a connect does not make Redis
+        compile it again (docs/operations.md, "Upgrades"; the Rust ``Store::load_library``).
+        Without ``check`` (a call found the library missing) it loads without asking."""
         source = library_source()
         with self._load_lock:
+            loaded = self.loaded_revision() if check else None
+            if loaded is not None and loaded >= library_revision(source):
+                return
             try:
                 if isinstance(self.client, RedisCluster):
                     for node in self.client.get_primaries():
@@ -133,7 +194,10 @@ class Conn:
             except redis.exceptions.NoPermissionError:
                 pass  # an ACL user without FUNCTION LOAD uses the library already loaded
             except redis.exceptions.ResponseError as e:
-                if "NOPERM" not in str(e):
+                # At maxmemory every write is refused, a library load too: reads, and the
+                # read-only functions, still work with the library already there (the first write
+                # says why).
+                if "NOPERM" not in str(e) and not _is_full(e):
                     raise
 
     def fcall(self, name: str, keys: Sequence[str], args: Sequence[Any], *, ro: bool = False) -> Any:
@@ -145,7 +209,7 @@ class Conn:
             except redis.exceptions.ResponseError as e:
                 msg = str(e)
                 if attempt == 0 and ("Function not found" in msg or "NOSCRIPT" in msg):
-                    self.load_library()
+                    self.load_library(check=False)
                     continue
                 raise _refusal(e) from e
         raise errors.ProtocolError("unreachable")

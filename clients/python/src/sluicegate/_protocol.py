@@ -46,6 +46,9 @@ class Settings:
     recovery_interval: float = 0.2
     census_interval: float = 60.0
     wait_poll: float = 2.0
+    #: How often a windowed request's ``add`` asks whether its parts fit (Rust
+    #: ``Config::window_poll``).
+    window_poll: float = 0.05
     lane_tokens: int = 64
     token_shards: int = 1
     #: Tests only: a finish whose request has downstreams leaves their release to recovery (the

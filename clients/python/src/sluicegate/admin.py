@@ -15,9 +15,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from redis.cluster import RedisCluster
+
 from . import _cron, codec, errors
 from ._conn import Conn, fcall_items, integer, text
-from ._keys import check_group, group_shard, home_shard, key_id, lane_key_id, raw_id, reason_shown
+from ._keys import check_group, group_shard, home_shard, key_id, lane_key_id, lane_of, raw_id, reason_shown
 from ._protocol import (
     MAX_TOKEN_SHARDS,
     LaneSettings,
@@ -30,7 +32,7 @@ from ._protocol import (
     record_meta,
     refused_state,
 )
-from .producer import PartError, Rate, _rate_arg
+from .producer import PartError, Rate, _rate_arg, cancel_request, finalize_request
 
 #: Rows a page holds at most.
 MAX_LIST_LIMIT = 1000
@@ -162,6 +164,8 @@ class Schedule:
     priority: int
     #: Each tick's request's tags (``schedule:<name>`` first; none when unlisted).
     tags: List[str] = field(default_factory=list)
+    #: Each tick's request discards its results (``discard_results``).
+    discard_results: bool = False
 
 
 def _whole(v: Any) -> bool:
@@ -193,6 +197,7 @@ def _schedule_spec(
     fail_fast: bool,
     own_stream: bool,
     unlisted: bool,
+    discard_results: bool = False,
 ) -> str:
     """A schedule's spec as the Rust ``ScheduleSpec`` stores it (JSON, src/schedule/spec.rs,
     ``Stored``: its fields in that order, compact, so that the very same spec added from Rust or
@@ -274,6 +279,9 @@ def _schedule_spec(
     request.update(
         delay_ms=delay_ms, tags=kept, fail_fast=bool(fail_fast), own_stream=bool(own_stream), unlisted=bool(unlisted)
     )
+    if discard_results:
+        # (Written only when set, as the Rust ``Template`` does.)
+        request["discard_results"] = True
     stored["request"] = request
     text_ = json.dumps(stored, separators=(",", ":"), ensure_ascii=False)
     size = len(text_.encode("utf-8"))
@@ -315,6 +323,7 @@ def _schedule_from(name: str, spec_json: str, state: Dict[str, str]) -> Schedule
         parts=len(request.get("parts", [])),
         priority=int(request.get("priority", 50)),
         tags=tags,
+        discard_results=request.get("discard_results") is True,
     )
 
 
@@ -339,6 +348,61 @@ class DeadLetter:
     error: PartError
     payload: Any
     raw: bytes
+
+
+@dataclass
+class SlotWork:
+    """What a worker's slot holds a token of now, from its take record (the Rust ``SlotWork``)."""
+
+    #: The slot: ``<worker id>/<slot>``.
+    slot: str
+    #: The request whose token it holds; None for a lane's token (``lane`` says which).
+    request: Optional[str]
+    #: For a lane's token, the lane's priority.
+    lane: Optional[int]
+    #: The token's number.
+    token: int
+    #: The token shard it was taken from.
+    shard: int
+
+    @staticmethod
+    def from_record(shard: int, holder: str, record: str) -> Optional["SlotWork"]:
+        """A take record (``<kid>|<k>|<epoch>|<take id>|<list>``); None for a record no slot
+        knows about any more (``<holder>/lost/<take id>``) or a malformed one."""
+        if "/lost/" in holder:
+            return None
+        fields = record.split("|")
+        if len(fields) < 2 or not _digits(fields[1]):
+            return None
+        lane = lane_of(fields[0])
+        try:
+            request = None if lane is not None else raw_id(fields[0])
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return SlotWork(holder, request, None if lane is None else lane[1], int(fields[1]), shard)
+
+
+@dataclass
+class WorkerInfo:
+    """A live worker (:meth:`Admin.workers`; the Rust ``WorkerInfo``), as it registered."""
+
+    id: str
+    #: Handlers it runs at once.
+    slots: int
+    pid: int
+    host: str
+    #: When it started (ms since the Unix epoch).
+    started_ms: int
+    #: The token shards it serves.
+    shards: int = 1
+    #: When its registration lapses unless it beats again (ms, Redis's clock).
+    registration_expires_ms: Optional[int] = None
+    #: The sluicegate version it runs (None: it did not say).
+    version: Optional[str] = None
+    #: What it runs, as its owner described it (``worker --exec`` puts its command line here).
+    label: Optional[str] = None
+    #: Its slots that hold a token now.
+    busy: List[SlotWork] = field(default_factory=list)
 
 
 @dataclass
@@ -1075,6 +1139,30 @@ class Admin:
 
     # ----- purge -----
 
+    def purge_finished(self, state: str, older_than: float = 0.0) -> int:
+        """Purges every finished request in ``state`` (``completed``, ``failed`` or
+        ``cancelled``) submitted at least ``older_than`` seconds ago, walking the listing index a
+        page at a time (never a scan), as the Rust ``Admin::purge_finished`` and ``sluicegate purge
+        --state``; returns how many were purged. Requests whose finish is still being recorded are
+        left for a later run."""
+        if state not in ("completed", "failed", "cancelled"):
+            raise errors.InvalidRequest(
+                f"only finished requests are purged (completed, failed or cancelled), not {state}"
+            )
+        purged = 0
+        refused: set = set()
+        while True:
+            # From the newest each time: what was purged has left the index.
+            page = self.list(state=state, older_than=older_than or None, limit=MAX_LIST_LIMIT)
+            ids = [r.id for r in page.requests if r.id not in refused]
+            if not ids:
+                return purged
+            for rid in ids:
+                try:
+                    purged += int(self.purge(rid))
+                except errors.Refused:
+                    refused.add(rid)
+
     def purge(self, rid: str) -> bool:
         """Deletes a finished request's keys now rather than at the end of its retention, and takes
         it out of the listing index. Returns False when there was nothing to delete (unknown, or
@@ -1169,6 +1257,21 @@ class Admin:
                 dead.append(DeadLetter(index, error, _payload(raw), raw))
         dead.sort(key=lambda d: d.index)
         return dead
+
+    def cancel(self, rid: str) -> str:
+        """Cancels a request (the Rust ``Admin::cancel``; §6.11): no part of it starts any more,
+        running handlers are told to stop, and it ends ``cancelled``. Returns ``"cancelled"``, or
+        the state it had already finished in. Raises :class:`UnknownRequest`."""
+        _check_id(rid)
+        return cancel_request(self.protocol, rid)
+
+    def finalize(self, rid: str) -> None:
+        """Finalizes a streamed request whose producer is gone (the Rust ``Admin::finalize``): no
+        more parts will come, and it completes once the parts it has are done. Raises
+        :class:`NotOpen` when it is not open for parts (finalized already, finished, or
+        unknown)."""
+        _check_id(rid)
+        finalize_request(self.protocol, key_id(rid), "")
 
     def requeue(self, rid: str) -> int:
         """Hands a request's dead letters out again, each with a fresh set of attempts; a failed
@@ -1382,6 +1485,80 @@ class Admin:
                 pipe.hdel(key, str(priority))
         pipe.execute()
 
+    def purge_namespace(self, force: bool = False) -> int:
+        """Deletes every key of the namespace (requests queued, running and finished, results,
+        events, pauses, schedules, the registry), found with ``SCAN`` on every primary, as the Rust
+        ``Admin::purge_namespace`` and ``sluicegate purge --all``. Raises :class:`Refused` while
+        workers are registered in it, unless ``force`` (they would go on in an empty namespace:
+        stop them first). Returns how many keys were deleted. Producers and listeners of the
+        namespace see their requests vanish; a request submitted meanwhile may survive in part,
+        so quiesce first."""
+        ns = self.protocol.settings.namespace
+        workers = self.workers()
+        if workers and not force:
+            raise errors.Refused(
+                f'{len(workers)} worker(s) are registered in namespace "{ns}" '
+                f'({", ".join(w.id for w in workers)}): stop them first, or force the purge'
+            )
+        client = self.protocol.conn.client
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in ns) + ":*"
+        deleted = 0
+        # Again while a pass finds keys: one written during a scan may be missed by it.
+        for _ in range(5):
+            found, page = 0, []
+            for key in client.scan_iter(match=pattern, count=1000):
+                page.append(key)
+                if len(page) == 1000:
+                    # (A cluster client splits the keys by slot.)
+                    found, page = found + int(client.unlink(*page)), []
+            if page:
+                found += int(client.unlink(*page))
+            deleted += found
+            if found == 0:
+                break
+        return deleted
+
+    def workers(self) -> List[WorkerInfo]:
+        """The workers whose registration is fresh by Redis's clock (Rust or Python alike), with
+        the slots of each that hold a token now (the Rust ``Admin::workers``)."""
+        p = self.protocol
+        client = p.conn.client
+        workers_key = p.keys.workers()
+        if isinstance(client, RedisCluster):
+            # The registry's own master's clock, which wrote the expiries.
+            secs, micros = client.execute_command("TIME", target_nodes=client.get_node_from_key(workers_key))
+        else:
+            secs, micros = client.time()
+        now = int(secs) * 1000 + int(micros) // 1000
+        scored = client.zrangebyscore(workers_key, now, "+inf", withscores=True)
+        if not scored:
+            return []
+        infos = client.hmget(p.keys.worker_info(), [w for w, _ in scored])
+        busy: Dict[str, List[SlotWork]] = {}
+        # Every shard's take records in one round trip (on a cluster, one per master).
+        pipe = client.pipeline(transaction=False) if not isinstance(client, RedisCluster) else client.pipeline()
+        for shard in range(p.settings.token_shards):
+            pipe.hgetall(p.keys.held(shard))
+        for shard, records in enumerate(pipe.execute()):
+            for holder, record in records.items():
+                work = SlotWork.from_record(shard, text(holder), text(record))
+                if work is not None:
+                    busy.setdefault(work.slot.split("/", 1)[0], []).append(work)
+        out: List[WorkerInfo] = []
+        for (wid, expires), raw in zip(scored, infos):
+            try:
+                d = json.loads(raw) if raw is not None else None
+                info = WorkerInfo(
+                    id=str(d["id"]), slots=int(d["slots"]), pid=int(d.get("pid", 0)), host=str(d.get("host", "")),
+                    started_ms=int(d.get("started_ms", 0)), shards=int(d.get("shards", 1)),
+                    registration_expires_ms=int(expires), version=d.get("version"), label=d.get("label"),
+                )
+            except (ValueError, KeyError, TypeError):
+                continue  # (a description this version cannot read, as the Rust Admin skips it)
+            info.busy = sorted(busy.get(info.id, []), key=lambda w: w.slot)
+            out.append(info)
+        return out
+
     def paused(self) -> Paused:
         """What is paused (as the first token shard holds it; every shard holds the same, but for
         a moment during a pause or resume)."""
@@ -1433,11 +1610,13 @@ class Admin:
         fail_fast: bool = False,
         own_stream: bool = False,
         unlisted: bool = False,
+        discard_results: bool = False,
     ) -> None:
         """Adds a schedule: from now on each tick of the cron pattern ``cron`` submits one request,
         ``<name>@<tick ms>``, tagged ``schedule:<name>`` (unless ``unlisted``), whose parts are
         ``parts`` (stored with the schedule) and whose settings are the rest, as
-        :meth:`Producer.submit` takes them (seconds for durations). Rust workers fire it (the Rust
+        :meth:`Producer.submit` takes them (seconds for durations; ``discard_results``: the
+        requests store no results). Rust workers fire it (the Rust
         ``Admin::schedule_add``; docs/operations.md, "Schedules"); its first tick is the first
         after now (Redis time).
 
@@ -1454,7 +1633,7 @@ class Admin:
         that is not small, a spec over 1 MB raise :class:`InvalidSchedule`; a bad priority,
         concurrency or tag :class:`InvalidRequest`."""
         spec = _schedule_spec(name, cron, parts, time_zone, catch_up, priority, concurrency, max_attempts, backoff,
-                              backoff_max, timeout, delay, tags, fail_fast, own_stream, unlisted)
+                              backoff_max, timeout, delay, tags, fail_fast, own_stream, unlisted, discard_results)
         if self._sched_add(name, spec, False) == "exists":
             raise errors.ScheduleExists(name)
 
@@ -1477,6 +1656,7 @@ class Admin:
         fail_fast: bool = False,
         own_stream: bool = False,
         unlisted: bool = False,
+        discard_results: bool = False,
     ) -> None:
         """Adds a schedule, or replaces the one of that name (the Rust
         ``Admin::schedule_replace``): the new spec is active (not paused) from now, its first tick
@@ -1484,7 +1664,7 @@ class Admin:
         ticks it owed are submitted with the new template. Arguments and checks as
         :meth:`schedule_add`'s."""
         spec = _schedule_spec(name, cron, parts, time_zone, catch_up, priority, concurrency, max_attempts, backoff,
-                              backoff_max, timeout, delay, tags, fail_fast, own_stream, unlisted)
+                              backoff_max, timeout, delay, tags, fail_fast, own_stream, unlisted, discard_results)
         self._sched_add(name, spec, True)
 
     def _sched_add(self, name: str, spec: str, replace: bool) -> str:

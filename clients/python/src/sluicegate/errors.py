@@ -72,6 +72,17 @@ class Refused(SluicegateError):
     ``Error::Refused``)."""
 
 
+class RedisFull(SluicegateError):
+    """Redis is at its ``maxmemory`` and refused a write: nothing of the call was written, and
+    reads keep working (the Rust ``Error::Redis`` whose ``is_full()`` holds, with its message)."""
+
+    def __init__(self, said: str) -> None:
+        super().__init__(
+            "Redis is full (at its maxmemory) and refused a write: nothing was written; free memory, raise "
+            f"maxmemory, or shorten the retention, then try again (Redis said: {said})"
+        )
+
+
 class InvalidSchedule(SluicegateError):
     """A schedule that is not one: its name (1 to 55 characters of ``A-Z a-z 0-9 _ . : / = + -``),
     cron pattern, time zone, catch-up or request template; the message names which, and what is

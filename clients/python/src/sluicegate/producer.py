@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import redis
+
 from . import codec, errors
-from ._conn import Conn, fcall_items, integer, text
+from ._conn import Conn, fcall_items, integer, retry_transient, text
 from ._doorbell import Doorbell
 from ._keys import check_group, generate_id, home_shard, key_id, lane_key_id, raw_id, reason_shown
 from ._protocol import DEFAULT_PRIORITY, MAX_TOKEN_SHARDS, Finished, Placement, Protocol, Settings, ms
@@ -81,14 +83,62 @@ class Completion:
     results: List[Any] = field(default_factory=list)
     errors: Dict[int, PartError] = field(default_factory=dict)
     reason: Optional[str] = None
+    #: The request's numbers of parts and of dead-lettered parts, when its results are discarded
+    #: (``discard_results``): then ``results`` and ``errors`` are empty, and these counts are all
+    #: that is kept to return (Rust ``Completion::total`` and ``failed``, its ``results`` empty).
+    counts: Optional[Tuple[int, int]] = None
+    #: The part index of ``results[0]`` (Rust ``Completion::first``): the parts before it were read
+    #: while the request ran (:meth:`RequestHandle.results_from`), so their outcomes are gone; 0
+    #: otherwise. ``errors`` are keyed by part index, so ``results[i - first]`` and ``errors[i]``
+    #: are part ``i``'s.
+    first: int = 0
+    #: The request's dead-lettered parts, as its meta hash counts them, when some parts were read
+    #: before the completion (then ``errors`` holds only the unread ones').
+    dead_total: Optional[int] = field(default=None, repr=False)
 
     @property
     def total(self) -> int:
-        return len(self.results)
+        """The request's number of parts."""
+        return self.counts[0] if self.counts is not None else self.first + len(self.results)
 
     @property
     def failed(self) -> int:
-        return len(self.errors)
+        """Its dead-lettered parts (those read with ``results_from`` included)."""
+        if self.counts is not None:
+            return self.counts[1]
+        return self.dead_total if self.dead_total is not None else len(self.errors)
+
+    @property
+    def discarded(self) -> bool:
+        """Its results were discarded (``discard_results``): only its counts came back."""
+        return self.counts is not None
+
+
+@dataclass
+class ResultsPage:
+    """A page of a streamed request's outcomes read while it runs
+    (:meth:`RequestHandle.results_from`; Rust ``ResultsPage``): from part ``first`` on, in part
+    order, ``results`` (None where a part has no result) and ``errors`` by part index, as in a
+    :class:`Completion` (``results[i - first]`` and ``errors[i]`` are part ``i``'s). It ends before
+    the first part not settled yet, so it may be empty."""
+
+    first: int
+    results: List[Any]
+    errors: Dict[int, PartError]
+    #: The request's state when the page was read.
+    state: str
+    #: Its number of parts once no more can be added (finalized, or terminal), else None.
+    total: Optional[int]
+
+    @property
+    def next_index(self) -> int:
+        """Where the next page starts: pass it as ``first``."""
+        return self.first + len(self.results)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this page reached the last part: nothing more to read."""
+        return self.total is not None and self.next_index >= self.total
 
 
 def _completion(rid: str, state: str, total: int, oks: Dict[int, bytes], errs: Dict[int, bytes],
@@ -149,6 +199,10 @@ class RequestHandle:
     def cancel(self) -> str:
         return self.producer.cancel(self.id)
 
+    def results_from(self, first: int, count: int = 1000) -> ResultsPage:
+        """:meth:`Producer.results_from` of this request."""
+        return self.producer.results_from(self.id, first, count)
+
     def status(self) -> Dict[str, str]:
         return self.producer.status(self.id)
 
@@ -156,7 +210,9 @@ class RequestHandle:
 class OpenRequest:
     """A streamed request open for parts: :meth:`add` them, then :meth:`finalize`."""
 
-    def __init__(self, producer: "Producer", rid: str, kid: str, nonce: str, place: Placement) -> None:
+    def __init__(
+        self, producer: "Producer", rid: str, kid: str, nonce: str, place: Placement, window: Optional[int] = None
+    ) -> None:
         self.producer = producer
         self.handle = RequestHandle(producer, rid)
         self.id = rid
@@ -164,17 +220,24 @@ class OpenRequest:
         self._nonce = nonce
         self._place = place
         self.added = 0
+        #: The window (None: none), and the parts unsettled as the last append or poll said.
+        self.window = window
+        self.outstanding = 0
 
     def add(self, parts: Iterable[Any]) -> None:
-        """Adds parts (one call per 1,000); workers may start on them at once."""
+        """Adds parts (one call per 1,000, or per window when it is smaller); workers may start on
+        them at once. With a window, each call first waits until its parts fit."""
         p = self.producer.protocol
         keys = p.keys.request(self._kid).all()
         chunk: List[bytes] = []
         items = iter(parts)
+        per_call = APPEND_CHUNK if self.window is None else min(APPEND_CHUNK, self.window)
         while True:
-            chunk = [codec.encode(v) for _, v in zip(range(APPEND_CHUNK), items)]
+            chunk = [codec.encode(v) for _, v in zip(range(per_call), items)]
             if not chunk:
                 return
+            if self.window is not None:
+                self._wait_for_room(len(chunk))
             first = self.added
 
             def append(deadline: int, chunk: List[bytes] = chunk, first: int = first) -> Any:
@@ -191,8 +254,30 @@ class OpenRequest:
                 self._place = Placement(integer(reply[0], place.priority), place.shards, place.group)
             self.added += len(chunk)
             elements = reply[1:]
+            if self.window is not None:
+                # A windowed append's reply says how many parts are unsettled, before the elements
+                # it woke; a re-sent one that added nothing says nothing: the chunk went in.
+                if elements:
+                    self.outstanding = max(integer(elements[0], 0), 0)
+                    elements = elements[1:]
+                else:
+                    self.outstanding += len(chunk)
             if elements:
                 p.push(self._kid, self._place, elements, p.settings.census_interval)
+
+    def _wait_for_room(self, n: int) -> None:
+        """Waits until ``n`` more parts fit in the window: until at most ``window - n`` parts are
+        unsettled (the count the last append said, then ``outstanding`` every ``window_poll``)."""
+        assert self.window is not None
+        p = self.producer.protocol
+        room = max(self.window - n, 0)
+        while self.outstanding > room:
+            time.sleep(p.settings.window_poll)
+            meta = p.keys.request(self._kid).meta
+            left = integer(retry_transient("outstanding", lambda: p.conn.fcall("outstanding", [meta], [], ro=True)), -1)
+            if left < 0:
+                raise errors.NotOpen(f'request "{self.id}" is not open for parts')
+            self.outstanding = left
 
     def finalize(self) -> RequestHandle:
         """No more parts: the request completes once every part is done."""
@@ -219,6 +304,7 @@ class Producer:
         wait_poll: float = 2.0,
         lane_tokens: int = 64,
         token_shards: int = 1,
+        window_poll: float = 0.05,
     ) -> None:
         if not 1 <= token_shards <= MAX_TOKEN_SHARDS:
             raise errors.InvalidRequest("token_shards must be from 1 to 1024")
@@ -229,6 +315,7 @@ class Producer:
             loading_ttl=loading_ttl,
             census_interval=census_interval,
             wait_poll=wait_poll,
+            window_poll=window_poll,
             lane_tokens=lane_tokens,
             token_shards=token_shards,
         )
@@ -271,6 +358,7 @@ class Producer:
         after: Iterable[UpstreamRef] = (),
         on_upstream_failure: str = "fail",
         group: Optional[str] = None,
+        discard_results: bool = False,
     ) -> RequestHandle:
         """Submits a request whose parts are ``parts`` (JSON-compatible values, or bytes); returns
         once it is durable in Redis. Delays, backoffs and the timeout are in seconds. ``unlisted``
@@ -316,10 +404,17 @@ class Producer:
         64 ASCII letters, digits, ``.``, ``_`` or ``-``, else :class:`InvalidRequest`. A grouped
         request takes a stream of its own, never a lane (so it cannot be ``unlisted``), and keeps
         the priority it was submitted with (:meth:`Admin.reprioritize` refuses it) (Rust
-        ``RequestBuilder::group``)."""
+        ``RequestBuilder::group``).
+
+        ``discard_results``: successful parts' results are never stored (errors are). The request
+        still finishes, announces its completion and keeps its status and errors for the
+        retention, but Redis neither stores its results nor hands them back: ``wait()`` returns a
+        :class:`Completion` with only its counts (:attr:`Completion.total`,
+        :attr:`Completion.failed`; :attr:`Completion.discarded` is true). For work whose effect is
+        elsewhere, as BullMQ's ``removeOnComplete`` (Rust ``RequestBuilder::discard_results``)."""
         return self._write(_Spec.of(self.protocol.settings, parts, priority, concurrency, id, max_attempts, delay,
                                     tags, own_stream, backoff, backoff_max, timeout, fail_fast, unlisted,
-                                    deadline, rate, after, on_upstream_failure, group))
+                                    deadline, rate, after, on_upstream_failure, group, discard_results))
 
     def submit_many(self, requests: Iterable[Dict[str, Any]]) -> List[Union[RequestHandle, errors.SluicegateError]]:
         """Submits several requests at once, as BullMQ's ``addBulk``: each is a dict of
@@ -500,12 +595,19 @@ class Producer:
         rate: Optional[Rate] = None,
         after: Iterable[UpstreamRef] = (),
         group: Optional[str] = None,
+        discard_results: bool = False,
+        window: Optional[int] = None,
     ) -> OpenRequest:
         """Opens a streamed request (§6.9): runnable at once, complete once finalized and done.
+        ``window``: at most this many of its parts unsettled in Redis at once (§6.14, the Rust
+        ``RequestBuilder::window``): :meth:`OpenRequest.add` waits, polling every
+        ``window_poll``, until its next call's parts fit, so a request of any size runs in
+        memory bounded by the window (with ``discard_results``, or its results read at the end,
+        which Redis keeps until then).
         ``deadline`` as :meth:`submit`'s: past it, the request ends ``failed`` (reason
         ``"deadline"``) whether finalized or not; :meth:`OpenRequest.add` and
         :meth:`OpenRequest.finalize` are then :class:`NotOpen`, and ``handle.wait()`` returns the
-        completion. ``rate`` and ``group`` as :meth:`submit`'s. A streamed request cannot be
+        completion. ``rate``, ``group`` and ``discard_results`` as :meth:`submit`'s. A streamed request cannot be
         submitted ``after`` others (:class:`InvalidRequest`): :meth:`submit` it whole."""
         p = self.protocol
         s = p.settings
@@ -514,6 +616,10 @@ class Producer:
             raise errors.InvalidRequest("a streamed request cannot be submitted after others: submit() it whole")
         if group is not None:
             check_group(group)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise errors.InvalidRequest(
+                f"a window must allow at least 1 part in Redis (window=0 would never let a part in), not {window!r}"
+            )
         due = _deadline_at(deadline)
         limit = _rate_arg(rate)
         rid = id if id is not None else generate_id()
@@ -526,11 +632,12 @@ class Producer:
             raise errors.InvalidRequest(UNLISTED_LANE_ONLY)
         at, score = p.register(kid, shards, _row("r", priority, concurrency, tags, unlisted))
         step_deadline = at + ms(s.loading_ttl) // 2
-        # ... window 0, results kept, no trace context, the deadline (ms from now), the rate limit,
-        # the group ('': none).
+        # ... the window (0: none), results kept or discarded, no trace context, the deadline (ms
+        # from now), the rate limit, the group ('': none).
         args = [kid, rid, priority, concurrency, ms(s.loading_ttl), max_attempts, ms(timeout or 0), ms(backoff),
-                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, step_deadline, 0, 0, "",
-                _within_ms(due), limit, group or ""]
+                ms(backoff_max), nonce, ms(expire_after or 0), "1" if fail_fast else "0", shards, step_deadline,
+                window or 0,
+                "1" if discard_results else "0", "", _within_ms(due), limit, group or ""]
         p.conn.fcall("stream_open", p.keys.request(kid).all(), args)
         # Its first look: when it expires unfinalized or reaches its deadline, or the census
         # interval.
@@ -538,23 +645,60 @@ class Producer:
         if due is not None:
             nxt = min(nxt, max(0.001, due - time.monotonic()))
         p.push(kid, place, [], nxt, first=score)
-        return OpenRequest(self, rid, kid, nonce, place)
+        return OpenRequest(self, rid, kid, nonce, place, window)
 
     def _finalize(self, kid: str, nonce: str) -> None:
-        p = self.protocol
-        try:
-            reply = fcall_items(
-                p.conn.fcall("stream_finalize", p.keys.request(kid).all(),
-                             [kid, ms(p.settings.retention), p.keys.done_channel(), nonce])
-            )
-        except Exception as e:  # noqa: BLE001
-            if str(e).startswith("SGSTATE"):
-                raise errors.NotOpen(f'request "{raw_id(kid)}" is not open') from e
-            raise
-        if reply and text(reply[0]) == "finished":
-            p.finish(kid, p.placement(kid) or Placement(DEFAULT_PRIORITY, 1), Finished.parse(reply[1:]))
+        finalize_request(self.protocol, kid, nonce)
 
     # ----- reading -----
+
+    def results_from(self, rid: str, first: int, count: int = 1000) -> ResultsPage:
+        """Up to ``count`` outcomes of streamed request ``rid`` from part ``first``, in part order,
+        while it runs (§6.14, the Rust ``RequestHandle::results_from``): the page ends before the
+        first part not settled yet, so it may be empty (poll again later). Read from 0 on, each
+        call from the previous page's ``next_index``, until ``is_last``: asking from ``first`` says
+        that you hold every outcome below it, which is then deleted from Redis, so a reader that
+        keeps up bounds the results a windowed request keeps. After an error, call again with the
+        same ``first``: the page is still there. Results taken this way are not returned again by
+        :meth:`wait`, whose results then start at the first part not taken.
+
+        Raises :class:`InvalidRequest` for a request not opened with :meth:`open`, one whose
+        results are discarded, or a ``first`` past the parts read so far;
+        :class:`UnknownRequest` for an unknown one."""
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise errors.InvalidRequest(f"first is a part index of at least 0, not {first!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise errors.InvalidRequest(f"count is a number of parts of at least 1, not {count!r}")
+        p = self.protocol
+        kid = key_id(rid)
+        try:
+            reply = fcall_items(p.conn.fcall("results_from", p.keys.request(kid).all(), [first, count]))
+        except errors.InvalidRequest as e:
+            raise errors.InvalidRequest(f'request "{rid}": {e}') from e
+        except redis.exceptions.ResponseError as e:
+            code, _, why = str(e).partition(" ")
+            if code == "SGSTATE" and "unknown" in why:
+                if p.conn.client.exists(p.keys.record(p.lane_home(kid), kid)):
+                    raise errors.InvalidRequest(
+                        f'request "{rid}": results_from is for streamed requests (opened with open()); wait() '
+                        "returns the results of a submitted one"
+                    ) from e
+                raise errors.UnknownRequest(f'unknown request "{rid}" (never submitted, or its retention ran out)') from e
+            if code in ("SGSTATE", "SGGAP"):
+                raise errors.InvalidRequest(f'request "{rid}": {why}') from e
+            raise
+        state, total, at = text(reply[0]), integer(reply[1], -1), max(integer(reply[2], 0), 0)
+        page = ResultsPage(at, [], {}, state, total if total >= 0 else None)
+        for j in range(3, len(reply) - 1, 2):
+            i, tag, body = at + (j - 3) // 2, text(reply[j]), reply[j + 1]
+            if tag == "ok":
+                page.results.append(codec.decode(body))
+                continue
+            page.results.append(None)
+            page.errors[i] = PartError.from_record(body) if tag == "err" else PartError(
+                f"no result recorded (request {state})"
+            )
+        return page
 
     def try_completion(self, rid: str) -> Optional[Completion]:
         """The request's completion if it is terminal, else None."""
@@ -567,9 +711,10 @@ class Producer:
         kid = key_id(rid)
         keys = p.keys.request(kid)
         client = p.conn.client
-        state = total = taken = why = None
+        state = total = taken = why = discard = failed = None
         if not lane:
-            state, total, taken, why = client.hmget(keys.meta, ["state", "total", "taken", "why"])
+            state, total, taken, why, discard, failed = client.hmget(
+                keys.meta, ["state", "total", "taken", "why", "discard", "failed"])
         if state is None:
             record = client.hgetall(p.keys.record(home_shard(kid, p.settings.token_shards), kid))
             if not record:
@@ -580,17 +725,25 @@ class Producer:
             st = text(record[b"state"])
             if st not in TERMINAL:
                 return None
-            return _completion(rid, st, _lane_total(text(record.get(b"pol", b""))), _by_index(record, "o"), _by_index(record, "e"))
+            total = _lane_total(text(record.get(b"pol", b"")))
+            if b"discard" in record:
+                # It discards its results: its record counts them in ``discard`` (_protocol.record_meta).
+                return Completion(rid, st, counts=(total, integer(record.get(b"failed"))))
+            return _completion(rid, st, total, _by_index(record, "o"), _by_index(record, "e"))
         st = text(state)
         if st not in TERMINAL:
             return None
+        if discard is not None and text(discard) == "1":
+            return Completion(rid, st, reason=reason_shown(None if why is None else text(why)),
+                              counts=(integer(total), integer(failed)))
         oks = _by_index(client.hgetall(keys.results))
         errs = _by_index(client.hgetall(keys.errors))
         done = _completion(rid, st, integer(total), oks, errs, reason_shown(None if why is None else text(why)))
         first = min(integer(taken), len(done.results))
         if first:
+            done.first, done.dead_total = first, integer(failed)
             done.results = done.results[first:]
-            done.errors = {i - first: e for i, e in done.errors.items() if i >= first}
+            done.errors = {i: e for i, e in done.errors.items() if i >= first}
         return done
 
     def wait(self, rid: str, timeout: Optional[float] = None) -> Completion:
@@ -645,32 +798,53 @@ class Producer:
 
     def cancel(self, rid: str) -> str:
         """Cancels a request (§6.11). Returns ``"cancelled"``, or the state it had finished in."""
-        p = self.protocol
-        kid = key_id(rid)
-        placement = p.placement(kid)
+        return cancel_request(self.protocol, rid)
+
+
+def cancel_request(p: Protocol, rid: str) -> str:
+    """Cancels request ``rid`` (§6.11): ``"cancelled"``, or the state it had finished in
+    (:meth:`Producer.cancel`, :meth:`Admin.cancel`)."""
+    kid = key_id(rid)
+    placement = p.placement(kid)
+    reply = fcall_items(
+        p.conn.fcall("cancel", p.keys.request(kid).all(), [kid, ms(p.settings.retention), p.keys.done_channel()])
+    )
+    tag = text(reply[0]) if reply else "unknown"
+    if tag == "finished":
+        p.finish(kid, placement or Placement(DEFAULT_PRIORITY, 1), Finished.parse(reply[1:]))
+        return "cancelled"
+    if tag == "already":
+        return text(reply[1]) if len(reply) > 1 else ""
+    shard = p.lane_home(kid)
+    lane = fcall_items(
+        p.conn.fcall("lane_cancel", [p.keys.record(shard, kid), p.keys.events(shard)],
+                     [kid, ms(p.settings.retention), p.keys.done_channel()])
+    )
+    tag = text(lane[0]) if lane else "unknown"
+    if tag == "finished":
+        if len(lane) > 3 and text(lane[3]) == "rel":
+            # It has downstreams: its release is owed (in the outbox), and run here.
+            p.release_owed(shard, kid)
+        return "cancelled"
+    if tag == "already":
+        return text(lane[1]) if len(lane) > 1 else ""
+    raise errors.UnknownRequest(f'unknown request "{rid}"')
+
+
+def finalize_request(p: Protocol, kid: str, nonce: str) -> None:
+    """``stream_finalize`` of request ``kid`` (``nonce`` empty: an operator's finalize), and its
+    finish if that ended it (:meth:`OpenRequest.finalize`, :meth:`Admin.finalize`)."""
+    try:
         reply = fcall_items(
-            p.conn.fcall("cancel", p.keys.request(kid).all(), [kid, ms(p.settings.retention), p.keys.done_channel()])
+            p.conn.fcall("stream_finalize", p.keys.request(kid).all(),
+                         [kid, ms(p.settings.retention), p.keys.done_channel(), nonce])
         )
-        tag = text(reply[0]) if reply else "unknown"
-        if tag == "finished":
-            p.finish(kid, placement or Placement(DEFAULT_PRIORITY, 1), Finished.parse(reply[1:]))
-            return "cancelled"
-        if tag == "already":
-            return text(reply[1]) if len(reply) > 1 else ""
-        shard = p.lane_home(kid)
-        lane = fcall_items(
-            p.conn.fcall("lane_cancel", [p.keys.record(shard, kid), p.keys.events(shard)],
-                         [kid, ms(p.settings.retention), p.keys.done_channel()])
-        )
-        tag = text(lane[0]) if lane else "unknown"
-        if tag == "finished":
-            if len(lane) > 3 and text(lane[3]) == "rel":
-                # It has downstreams: its release is owed (in the outbox), and run here.
-                p.release_owed(shard, kid)
-            return "cancelled"
-        if tag == "already":
-            return text(lane[1]) if len(lane) > 1 else ""
-        raise errors.UnknownRequest(f'unknown request "{rid}"')
+    except Exception as e:  # noqa: BLE001
+        if str(e).startswith("SGSTATE"):
+            raise errors.NotOpen(f'request "{raw_id(kid)}" is not open') from e
+        raise
+    if reply and text(reply[0]) == "finished":
+        p.finish(kid, p.placement(kid) or Placement(DEFAULT_PRIORITY, 1), Finished.parse(reply[1:]))
 
 
 #: The refusal of ``unlisted`` for a request that does not take a lane (the Rust message).
@@ -704,6 +878,7 @@ class _Spec:
     due: Optional[float]
     limit: str
     policy: List[int]
+    #: Its flags as the creating calls take them (``_flags``).
     ff: str
     delay: Optional[float]
     delay_ms: int
@@ -716,7 +891,7 @@ class _Spec:
            max_attempts: int, delay: Optional[float], tags: Sequence[str], own_stream: bool, backoff: float,
            backoff_max: float, timeout: Optional[float], fail_fast: bool, unlisted: bool,
            deadline: Optional[Deadline], rate: Optional[Rate], after: Iterable[UpstreamRef],
-           on_upstream_failure: str, group: Optional[str]) -> "_Spec":
+           on_upstream_failure: str, group: Optional[str], discard_results: bool = False) -> "_Spec":
         _check(priority, concurrency, max_attempts, backoff, backoff_max, timeout, delay)
         upstreams = _upstream_ids(after)
         onup = _upstream_policy(on_upstream_failure)
@@ -741,7 +916,7 @@ class _Spec:
         return _Spec(priority=priority, concurrency=concurrency, given_id=id is not None, rid=rid, kid=key_id(rid),
                      nonce=uuid.uuid4().hex, payloads=payloads, size=size, upstreams=upstreams, onup=onup, group=group, due=due, limit=limit,
                      policy=[max_attempts, ms(timeout or 0), ms(backoff), ms(backoff_max)],
-                     ff="1" if fail_fast else "0", delay=delay, delay_ms=delay_ms, takes_lane=takes_lane,
+                     ff=_flags(fail_fast, discard_results), delay=delay, delay_ms=delay_ms, takes_lane=takes_lane,
                      row=_row("l" if takes_lane else "r", priority, concurrency, tags, unlisted))
 
     @staticmethod
@@ -766,6 +941,13 @@ class _Spec:
     def lane_args(self) -> List[Any]:
         """Its group of ``lane_submit_many``'s arguments, up to its number of parts."""
         return [self.kid, self.rid, self.nonce_arg(), self.concurrency, *self.policy, self.ff, self.row, ""]
+
+
+def _flags(fail_fast: bool, discard_results: bool) -> str:
+    """A request's flags as ``submit_open``, ``submit_small`` and the lane submits take them
+    (prelude.lua ``sg_flags``, Rust ``NewRequest::flags``): ``1`` for fail fast (``0`` for not),
+    then ``d`` when its results are discarded."""
+    return ("1" if fail_fast else "0") + ("d" if discard_results else "")
 
 
 def _row(kind: str, priority: int, concurrency: int, tags: Sequence[str], unlisted: bool) -> str:

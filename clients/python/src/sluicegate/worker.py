@@ -28,7 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _recovery as recovery
 from . import codec
-from ._conn import TRANSIENT, Conn, fcall_items, integer, text
+from ._conn import Conn, fcall_items, integer, text
+from ._conn import retry_transient as _retry_transient
 from ._keys import group_of_queue, home_shard, key_id, lane_of, raw_id
 from ._protocol import MAX_TOKEN_SHARDS, Ended, Finished, LaneSettings, Placement, Protocol, Settings, Unfinished, ms
 from .errors import NoResult, PermanentError, UnknownRequest
@@ -389,21 +390,6 @@ def _tick(deadline: Optional[float]) -> float:
     if deadline is None:
         return 0.02
     return min(0.02, max(0.0, deadline - time.monotonic()))
-
-
-def _retry_transient(what: str, fn: Callable[[], Any], limit: float = 60.0) -> Any:
-    """Repeats ``fn`` while Redis is unreachable (up to ``limit`` seconds)."""
-    backoff = 0.05
-    end = time.monotonic() + limit
-    while True:
-        try:
-            return fn()
-        except TRANSIENT as e:
-            if time.monotonic() > end:
-                raise
-            log.debug("%s: %s; retrying", what, e)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
 
 
 class Worker:
@@ -796,6 +782,9 @@ class _Slot:
         self.next_take = 0
         self.last_take: List[Optional[int]] = [None] * worker.settings.token_shards
         self.pending: Optional[int] = None
+        # The holder name the slot's takes and records were made under: a worker declared dead
+        # goes on under a new id, and the slot's next take ends what the old name left.
+        self.took_as: Optional[str] = None
         self.executor = None if worker.is_async else concurrent.futures.ThreadPoolExecutor(1, f"sluicegate-handler-{n}")
         # The handler time of the hold under way (µs), and the slot's last of each kind, which
         # size the first batch of its next hold of that kind (src/worker/slot.rs Turn::new).
@@ -837,7 +826,10 @@ class _Slot:
         return f"{self.w.worker_id}/{self.n}"
 
     def release_all(self) -> None:
-        holder = self.holder()
+        """At a clean stop, or at the first take under a new worker id: ends the slot's records of
+        tokens it no longer holds and undoes a take whose reply it never saw, under the holder
+        name they were made under."""
+        holder = self.took_as or self.holder()
         if self.pending is not None:
             shard, self.pending = self.pending, None
             try:
@@ -856,6 +848,12 @@ class _Slot:
 
     def take_and_serve(self, shard: int) -> None:
         holder = self.holder()
+        # The worker went on under a new id (it had been declared dead): what the old holder name
+        # left ends as at a clean stop, as the slot's next take under that name would have ended
+        # it; else it waits for recovery's backstop, which no worker runs once the fleet stops.
+        if self.took_as is not None and self.took_as != holder:
+            self.release_all()
+        self.took_as = holder
         for s, last in enumerate(self.last_take):
             if s != shard and last is not None:
                 self.p.release(s, holder, str(last))
