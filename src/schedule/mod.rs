@@ -47,6 +47,8 @@ pub struct Schedule {
     pub priority: u8,
     /// Each tick's request's tags.
     pub tags: Vec<String>,
+    /// Each tick's request discards its results ([`ScheduleSpec::discard_results`]).
+    pub discard_results: bool,
 }
 
 impl Schedule {
@@ -71,6 +73,7 @@ impl Schedule {
             parts: spec.part_count(),
             priority: spec.request_priority(),
             tags: spec.request_tags(),
+            discard_results: spec.discards_results(),
         }
     }
 }

@@ -132,6 +132,9 @@ struct Template {
     fail_fast: bool,
     own_stream: bool,
     unlisted: bool,
+    /// Written only when set, so that a spec stored before the field existed reads back equal.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    discard_results: bool,
 }
 
 impl Default for Template {
@@ -149,6 +152,7 @@ impl Default for Template {
             fail_fast: false,
             own_stream: false,
             unlisted: false,
+            discard_results: false,
         }
     }
 }
@@ -304,6 +308,18 @@ impl ScheduleSpec {
         self
     }
 
+    /// [`RequestBuilder::discard_results`]: each tick's request stores no result of a part that
+    /// succeeds (its errors are kept), and a `wait()` on it returns its counts alone.
+    pub fn discard_results(mut self, on: bool) -> Self {
+        self.stored.request.discard_results = on;
+        self
+    }
+
+    /// Whether each tick's request discards its results.
+    pub fn discards_results(&self) -> bool {
+        self.stored.request.discard_results
+    }
+
     /// The schedule's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -437,6 +453,7 @@ impl ScheduleSpec {
             .backoff(Duration::from_millis(r.backoff_ms), Duration::from_millis(r.backoff_max_ms))?
             .fail_fast(r.fail_fast)
             .own_stream(r.own_stream)
+            .discard_results(r.discard_results)
             .delay(Duration::from_millis(r.delay_ms));
         if let Some(t) = r.timeout_ms {
             b = b.timeout(Duration::from_millis(t))?;
@@ -514,6 +531,12 @@ mod tests {
         assert_eq!(value["request"]["parts"][0], "oWE=");
         assert_eq!(value["request"]["tags"][0], "team:x");
         assert_eq!(ScheduleSpec::from_json("s", &json).unwrap(), spec);
+        // Discarding is written only when set: a spec stored before it existed compares equal.
+        assert!(value["request"].get("discard_results").is_none(), "{json}");
+        let discarding = spec.clone().discard_results(true);
+        let stored: serde_json::Value = serde_json::from_str(&discarding.validate().unwrap()).unwrap();
+        assert_eq!(stored["request"]["discard_results"], true);
+        assert!(ScheduleSpec::from_json("s", &discarding.to_json().unwrap()).unwrap().discards_results());
         assert_eq!(spec.request_tags(), ["schedule:s", "team:x"]);
         assert_eq!(spec.request_id(1_700_000_000_000), "s@1700000000000");
         // A spec with only what another client must write reads back with the defaults.

@@ -672,6 +672,71 @@ async fn a_worker_that_stops_beating_is_fenced_and_the_other_attempt_result_is_k
     w.stop().await;
 }
 
+/// A worker declared dead while it lives (cut off longer than the lease: its registration was
+/// claimed) goes on under a new id. Its slots' take records, offers and owed tokens under the old
+/// holder names end at each slot's next take, as a clean stop ends them, rather than waiting for
+/// recovery's backstop (here an hour away), which no worker runs once the fleet has stopped: no
+/// record of the old id outlives the work, and the `held` key goes with the last take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_going_on_under_a_new_id_ends_the_take_records_of_its_old_one() {
+    let env = env_on(TOPOLOGY, "renewed").await;
+    let config = fast(&env.config).census_interval(Duration::from_secs(3600));
+    let raw = Raw::new(env.redis.url(), &config).await;
+    let (held, workers) = (raw.token_key("held"), raw.token_key("workers"));
+    let records = |prefix: String| {
+        let (client, held) = (raw.client.clone(), held.clone());
+        async move {
+            let all: HashMap<String, String> = client.hgetall(held.as_str()).await.unwrap();
+            all.into_keys().filter(|f| f.starts_with(&prefix)).collect::<Vec<_>>()
+        }
+    };
+    let worker = Worker::builder(&config, Probe::default())
+        .slots(2)
+        .idle_poll(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    let old = worker.id();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let signal = stop.clone();
+    let running = tokio::spawn(worker.run_until(async move { signal.cancelled().await }));
+    let producer = Producer::connect(&config).await.unwrap();
+    let first = producer
+        .request()
+        .own_stream(true)
+        .concurrency(2)
+        .unwrap()
+        .submit((0..8).map(|n| Job::sleeping(n, 150)))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while records(format!("{old}/")).await.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the worker's slots never recorded a take");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // What a reaper's beat does to a worker not heard from for a lease: its registration leaves
+    // the registry. Nobody else reaps it here; its next beat finds it gone and takes a new id.
+    let removed: i64 = raw.client.zrem(workers.as_str(), old.as_str()).await.unwrap();
+    assert_eq!(removed, 1, "{old} was registered");
+    while {
+        let ids: Vec<String> = raw.client.zrange(workers.as_str(), 0, -1, None, false, None, false).await.unwrap();
+        ids.iter().all(|id| *id == old)
+    } {
+        assert!(std::time::Instant::now() < deadline, "the worker never went on under a new id");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let done = first.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(done.into_outputs().unwrap(), (0..8).map(|n| n * 2).collect::<Vec<_>>());
+    // Both slots take again under the new id (a part each at least).
+    let second = producer.request().concurrency(2).unwrap().submit((0..4).map(Job::new)).await.unwrap();
+    second.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(records(format!("{old}/")).await, Vec::<String>::new(), "take records of the old id {old} are left");
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    let left: bool = raw.client.exists(held.as_str()).await.unwrap();
+    assert!(!left, "the held records outlived the stop: {:?}", records(String::new()).await);
+}
+
 /// Fails index 1 always, retryably or permanently.
 struct Poison {
     permanent: bool,

@@ -106,6 +106,11 @@ fn status_lines(s: &RequestStatus) -> Vec<String> {
     if let Some(group) = &s.group {
         lines.push(format!("group        {group}"));
     }
+    if s.discard_results {
+        lines.push(
+            "results      discarded: never stored (`submit --discard-results`); errors are kept".to_owned(),
+        );
+    }
     if !s.upstreams.is_empty() {
         let policy = match s.on_upstream_failure {
             Some(sluicegate::OnUpstreamFailure::Run) => "it runs once they all ended, however",

@@ -98,7 +98,9 @@ fn with_template(mut spec: ScheduleSpec, t: &SubmitArgs) -> Result<ScheduleSpec,
         .concurrency(t.concurrency)?
         .max_attempts(t.max_attempts)?
         .backoff(t.backoff, t.backoff_max)?
-        .fail_fast(t.fail_fast);
+        .fail_fast(t.fail_fast)
+        .discard_results(t.discard_results)
+        .own_stream(t.own_stream);
     if let Some(limit) = t.timeout {
         spec = spec.timeout(limit)?;
     }

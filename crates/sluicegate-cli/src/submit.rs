@@ -48,7 +48,9 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
         .concurrency(args.concurrency)?
         .max_attempts(args.max_attempts)?
         .backoff(args.backoff, args.backoff_max)?
-        .fail_fast(args.fail_fast);
+        .fail_fast(args.fail_fast)
+        .discard_results(args.discard_results)
+        .own_stream(args.own_stream);
     if let Some(id) = &args.id {
         request = request.id(id.clone())?;
     }
@@ -109,6 +111,10 @@ pub(crate) async fn run(ctx: &Ctx, args: SubmitArgs) -> Result<(), Failure> {
     // With --wait, stdout carries only the results; the id still matters (to cancel, say).
     eprintln!("submitted {id} ({}); waiting for it to finish", count(parts, "sub-request"));
     let completion = wait(&ctx.config, &handle, parts, !ctx.json).await?;
+    if args.discard_results && completion.state == sluicegate::RequestState::Completed {
+        // Nothing to print on stdout: its counts say it finished.
+        eprintln!("{id} completed: {}, results discarded", count(completion.total, "sub-request"));
+    }
     let style = match (ctx.json, args.raw) {
         (true, _) => ResultStyle::Tagged,
         (false, true) => ResultStyle::Raw,
