@@ -232,11 +232,32 @@ impl PingProbe {
     }
 }
 
+/// The worker of a `priority_under_load` row (`Bench::priority_under_load`).
+#[derive(Clone, Copy)]
+enum Slots {
+    /// 16 slots and the urgent one for priorities 90 and up: the library's default.
+    Urgent,
+    /// n of the 16 slots kept for priorities p and up; no urgent slot.
+    Reserve(usize, u8),
+    /// 16 slots taking every priority; no urgent slot.
+    Plain,
+}
+
 /// BENCH_RESERVE=N:P: N of the slots kept for priorities P and up (`WorkerBuilder::reserve`).
 fn bench_reserve() -> Option<(usize, u8)> {
     let r = std::env::var("BENCH_RESERVE").ok()?;
     let (n, p) = r.split_once(':')?;
     Some((n.parse().ok()?, p.parse().ok()?))
+}
+
+/// BENCH_URGENT=P|off: the worker's urgent slot (`WorkerBuilder::urgent`; default 90, the
+/// library's).
+fn bench_urgent() -> Option<u8> {
+    match std::env::var("BENCH_URGENT") {
+        Ok(u) if u == "off" => None,
+        Ok(u) => u.parse().ok(),
+        Err(_) => Some(90),
+    }
 }
 
 /// Runs a built worker until the returned token is cancelled.
@@ -405,7 +426,7 @@ impl Bench {
         handler: Noop,
         slots: usize,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        Ok(start(self.ready_worker(config, handler, slots, true, bench_reserve()).await?))
+        Ok(start(self.ready_worker(config, handler, slots, true, bench_reserve(), bench_urgent()).await?))
     }
 
     /// A worker as [`worker`](Self::worker) makes, counting the stats by stage or not.
@@ -416,7 +437,9 @@ impl Bench {
         slots: usize,
         stage_stats: bool,
     ) -> Result<(CancellationToken, tokio::task::JoinHandle<sluicegate::Result<()>>), BoxError> {
-        Ok(start(self.ready_worker(config, handler, slots, stage_stats, bench_reserve()).await?))
+        Ok(start(
+            self.ready_worker(config, handler, slots, stage_stats, bench_reserve(), bench_urgent()).await?,
+        ))
     }
 
     /// A worker built (connected) but not running yet ([`start`] runs it), with `reserve` =
@@ -430,10 +453,11 @@ impl Bench {
         slots: usize,
         stage_stats: bool,
         reserve: Option<(usize, u8)>,
+        urgent: Option<u8>,
     ) -> Result<Worker<H>, BoxError> {
         // BENCH_MAX_BATCH: the most parts a slot is handed per call (default 32, the worker's).
         let max_batch = std::env::var("BENCH_MAX_BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(32);
-        let mut builder = Worker::builder(config, handler).slots(slots);
+        let mut builder = Worker::builder(config, handler).slots(slots).urgent(urgent);
         if let Some((n, p)) = reserve {
             builder = builder.reserve(n, p);
         }
@@ -516,10 +540,21 @@ impl Bench {
         let building = Instant::now();
         let worker = if pack > 1 {
             Either::Left(
-                self.ready_worker(&config, Chunked(Noop::default()), SLOTS, true, bench_reserve()).await?,
+                self.ready_worker(
+                    &config,
+                    Chunked(Noop::default()),
+                    SLOTS,
+                    true,
+                    bench_reserve(),
+                    bench_urgent(),
+                )
+                .await?,
             )
         } else {
-            Either::Right(self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve()).await?)
+            Either::Right(
+                self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve(), bench_urgent())
+                    .await?,
+            )
         };
         let built = building.elapsed();
         slowlog_on(&self.redis).await?;
@@ -577,7 +612,8 @@ impl Bench {
         let ns = config.namespace_str().to_owned();
         let index_queued = index_bytes(&self.redis, &ns).await? as f64 / requests as f64;
         let building = Instant::now();
-        let worker = self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve()).await?;
+        let worker =
+            self.ready_worker(&config, Noop::default(), SLOTS, true, bench_reserve(), bench_urgent()).await?;
         let built = building.elapsed();
         slowlog_on(&self.redis).await?;
         let ready = stats(&self.nodes).await?;
@@ -965,12 +1001,15 @@ impl Bench {
     /// start: `priority_under_load` with no-op handlers (the flood as fast as Redis goes), and
     /// `priority_busy` with handlers that take `work` each (1 ms, as an I/O-bound handler: the
     /// flood then runs at what 16 slots do, about as fast as BullMQ's, and Redis has room).
-    /// `reserve` = (n, p): n of the slots kept for priorities p and up (`_reserved` rows).
+    /// The worker has its urgent slot for priorities 90 and up (the library's default), or
+    /// `slots`: `Slots::Reserve(n, p)`, n of its 16 slots kept for priorities p and up (`_reserved`
+    /// rows, no urgent slot), or `Slots::Plain`, every slot taking every priority (`_plain` rows:
+    /// the urgent request waits for a busy slot to give way).
     async fn priority_under_load(
         &self,
         scenario: &str,
         work: Option<Duration>,
-        reserve: Option<(usize, u8)>,
+        slots: Slots,
     ) -> Result<Vec<Row>, BoxError> {
         let config = self.config("prio");
         let handler = Noop { track: true, work, ..Noop::default() };
@@ -982,10 +1021,12 @@ impl Bench {
         let low =
             producer.request().priority(1)?.concurrency(limit)?.submit((0..flood).map(|_| PAYLOAD)).await?;
         let ran = handler.ran.clone();
-        let (stop, task) = match reserve {
-            Some(reserve) => start(self.ready_worker(&config, handler, SLOTS, true, Some(reserve)).await?),
-            None => self.worker(&config, handler, SLOTS).await?,
+        let (reserve, urgent) = match slots {
+            Slots::Urgent => (None, Some(90)),
+            Slots::Reserve(n, p) => (Some((n, p)), None),
+            Slots::Plain => (None, None),
         };
+        let (stop, task) = start(self.ready_worker(&config, handler, SLOTS, true, reserve, urgent).await?);
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (ran_before, started) = (ran.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
         let probe = PingProbe::start(&self.url);
@@ -1025,9 +1066,11 @@ impl Bench {
             Some(work) => format!("handlers of {} ms", work.as_secs_f64() * 1e3),
             None => "no-op handlers".to_owned(),
         };
-        if let Some((n, p)) = reserve {
-            handlers += &format!(", {n} of the {SLOTS} slots kept for priorities {p} and up");
-        }
+        handlers += &match slots {
+            Slots::Urgent => format!(", {SLOTS} slots and the urgent one for priorities 90 and up"),
+            Slots::Reserve(n, p) => format!(", {n} of the {SLOTS} slots kept for priorities {p} and up"),
+            Slots::Plain => format!(", {SLOTS} slots taking every priority (no urgent slot)"),
+        };
         Ok(vec![Row::new(scenario, 100).latencies(samples).note(format!(
             "priority-99 request submitted every 50 ms during a {flood}-part flood, {handlers}: submit -> start; \
              the flood ran {flood_rate:.0} parts/s meanwhile; {pings}"
@@ -1860,25 +1903,33 @@ impl Bench {
         if wants("idle_latency") {
             rows.extend(self.idle_latency().await?);
         }
+        // With the worker's urgent slot (the default), which the urgent request's submit hands its
+        // token to (docs/protocol.md, "Hand-offs"); then without it, every slot taking every
+        // priority; then with one of the 16 slots kept for priorities 90 and up instead.
         if wants("priority_under_load") {
-            rows.extend(self.priority_under_load("priority_under_load", None, None).await?);
+            rows.extend(self.priority_under_load("priority_under_load", None, Slots::Urgent).await?);
         }
-        // The same with one slot kept for priorities 90 and up, which the urgent request's submit
-        // hands its token to (docs/protocol.md, "Hand-offs").
+        if wants("priority_under_load_plain") {
+            rows.extend(self.priority_under_load("priority_under_load_plain", None, Slots::Plain).await?);
+        }
         if wants("priority_under_load_reserved") {
-            rows.extend(self.priority_under_load("priority_under_load_reserved", None, Some((1, 90))).await?);
+            let reserved = Slots::Reserve(1, 90);
+            rows.extend(self.priority_under_load("priority_under_load_reserved", None, reserved).await?);
         }
         if wants("floor") {
             rows.extend(self.floor().await?);
         }
+        let work = Some(Duration::from_millis(1));
         if wants("priority_busy") {
-            rows.extend(
-                self.priority_under_load("priority_busy", Some(Duration::from_millis(1)), None).await?,
-            );
+            rows.extend(self.priority_under_load("priority_busy", work, Slots::Urgent).await?);
+        }
+        if wants("priority_busy_plain") {
+            rows.extend(self.priority_under_load("priority_busy_plain", work, Slots::Plain).await?);
         }
         if wants("priority_busy_reserved") {
-            let work = Some(Duration::from_millis(1));
-            rows.extend(self.priority_under_load("priority_busy_reserved", work, Some((1, 90))).await?);
+            rows.extend(
+                self.priority_under_load("priority_busy_reserved", work, Slots::Reserve(1, 90)).await?,
+            );
         }
         if wants("dag_release") || wants("dag_fanout_100") {
             rows.extend(self.dag_release().await?);
@@ -1990,8 +2041,10 @@ fn print_ratios(rows: &[Row]) {
         ("idle_completion_latency", "idle_completion_latency"),
         ("idle_round_trip", "idle_round_trip"),
         ("priority_under_load", "priority_under_load"),
+        ("priority_under_load_plain", "priority_under_load"),
         ("priority_under_load_reserved", "priority_under_load"),
         ("priority_busy", "priority_busy"),
+        ("priority_busy_plain", "priority_busy"),
         ("priority_busy_reserved", "priority_busy"),
         ("dag_release", "flow_release"),
     ];

@@ -108,6 +108,16 @@ impl Store {
         false
     }
 
+    /// Under the checker, whether the take running now finds its worker's holds filling its slots
+    /// (`Op::Take::room`, `worker::bound`): it makes room as an unreserved slot does then.
+    pub(crate) fn checker_makes_room(&self) -> bool {
+        #[cfg(test)]
+        if let Some(gate) = &self.gate {
+            return gate.rooms();
+        }
+        false
+    }
+
     /// Under the checker, the batch size and quantum (parts) of the take running now, when it was
     /// drawn wide (`Op::Take::wide`); `None` otherwise, for the worker's own.
     pub(crate) fn checker_batches(&self) -> Option<(u32, u32)> {

@@ -75,6 +75,9 @@ pub(crate) struct Gate {
     /// Whether the actor running now asks for wide batches ([`Gate::batches`]), set as `apart`
     /// is, from `Op::Take::wide`.
     wide: AtomicBool,
+    /// Whether the actor running now is a take while the worker's holds fill its slots
+    /// ([`Gate::rooms`]), set as `apart` is, from `Op::Take::room`.
+    room: AtomicBool,
 }
 
 /// How a slot's take was drawn (`Op::Take`): the gate holds it while that take's actor runs.
@@ -83,6 +86,7 @@ pub(crate) struct Drawn {
     pub(crate) apart: bool,
     pub(crate) cut: bool,
     pub(crate) wide: bool,
+    pub(crate) room: bool,
 }
 
 /// A wide hold's batch size and quantum (parts): runs of up to four outcomes in one `ack`
@@ -93,7 +97,8 @@ impl Gate {
     pub(crate) fn new(load_chunk: usize) -> (Gate, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
         let (apart, cut, wide) = (AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false));
-        (Gate { events, load_chunk, apart, cut, wide }, rx)
+        let room = AtomicBool::new(false);
+        (Gate { events, load_chunk, apart, cut, wide, room }, rx)
     }
 
     /// Sets how the actor about to run was drawn: whether it starts its work apart, whether it
@@ -102,6 +107,13 @@ impl Gate {
         self.apart.store(drawn.apart, Ordering::Relaxed);
         self.cut.store(drawn.cut, Ordering::Relaxed);
         self.wide.store(drawn.wide, Ordering::Relaxed);
+        self.room.store(drawn.room, Ordering::Relaxed);
+    }
+
+    /// Whether the running actor's take finds its worker's holds filling its slots
+    /// (`worker::bound`).
+    pub(crate) fn rooms(&self) -> bool {
+        self.room.load(Ordering::Relaxed)
     }
 
     /// The running actor's batch size and quantum when it was drawn wide (`Op::Take::wide`).

@@ -14,7 +14,10 @@
 //! worker runs them in tasks that die with its process, and its first batch handed back after
 //! its first part (`Op::Take::cut`), as when that part ran past the batch's budget, and its
 //! batches two entries within a quantum of three parts or wide, up to four within six
-//! (`Op::Take::wide`), so that one `ack` settles a run of several outcomes; and copies of token
+//! (`Op::Take::wide`), so that one `ack` settles a run of several outcomes, and takes while the
+//! worker's holds fill its slots (`Op::Take::room`: an unreserved slot gives back what it owes on
+//! its own before it takes, and its token at its first batch's end, as while a worker's urgent
+//! slot runs one hold over its slots); and copies of token
 //! elements seen earlier pushed onto their lists again (`Op::Plant`), as re-sent pushes and clean
 //! stops leave them, often of tokens that moved on or of requests purged since. After every step
 //! it checks the invariants of CONTRACT.md against Redis's state (`model.rs`); at the end of each
@@ -138,7 +141,7 @@ async fn play(server: &mut Server, world: &mut World, ops: &[Op]) -> Result<(), 
     let apart = ops.iter().any(|op| matches!(op, Op::Take { apart: true, .. }));
     // And ask for wide batches on the rounds between, only in sequences that draw a wide take.
     let wide = ops.iter().any(|op| matches!(op, Op::Take { wide: true, .. }));
-    let drawn = Drawn { apart, cut: false, wide };
+    let drawn = Drawn { apart, cut: false, wide, room: false };
     for (at, op) in ops.iter().enumerate() {
         if trace {
             eprintln!("{at:>3} {op}  [parked: {}]", world.parked.len());
@@ -331,6 +334,7 @@ async fn drain(world: &mut World, drawn: Drawn) -> Result<(), String> {
                         apart: drawn.apart && round % 2 == 0,
                         cut: false,
                         wide: drawn.wide && round % 2 == 1,
+                        room: false,
                     })
                     .await?;
             }

@@ -171,6 +171,12 @@ pub(crate) enum Op {
         /// several requests) in one call. Absent in sequences recorded before it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         wide: bool,
+        /// The worker's holds fill its slots, as while its urgent slot runs one over them
+        /// (`worker::bound`): unless reserved, the slot gives back what it owes on its own before
+        /// it takes, and gives its token back at its first batch's end. Absent in sequences
+        /// recorded before it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        room: bool,
     },
     /// Worker `worker` renews the leases its slots hold.
     Beat {
@@ -378,6 +384,7 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
             apart: rng.gen_bool(0.5),
             cut: rng.gen_bool(0.5),
             wide: rng.gen_bool(0.3),
+            room: rng.gen_range(0..6) == 0,
         },
         570..=659 => {
             let mut submit = draw_submit(rng);

@@ -97,7 +97,8 @@ struct Actor {
     what: Task,
     /// How its take was drawn: whether it starts its work apart (`Op::Take::apart`,
     /// `Gate::apart`), whether its hold's first batch hands back what follows its first part
-    /// (`Op::Take::cut`, `Gate::cuts`), whether it asks for wide batches (`Op::Take::wide`).
+    /// (`Op::Take::cut`, `Gate::cuts`), whether it asks for wide batches (`Op::Take::wide`),
+    /// whether it finds its worker's holds filling its slots (`Op::Take::room`, `Gate::rooms`).
     drawn: Drawn,
 }
 
@@ -307,6 +308,7 @@ impl World {
                 wakes: None,
                 higher: Default::default(),
                 standby: Default::default(),
+                bound: None,
                 releasing: Default::default(),
             });
             let slots = (0..SLOTS)
@@ -406,7 +408,7 @@ impl World {
                 })
                 .await
             }
-            Op::Take { worker, slot, floor, way, apart, cut, wide } => {
+            Op::Take { worker, slot, floor, way, apart, cut, wide, room } => {
                 let blocking = self.blocking[(*worker * SLOTS + *slot) as usize].clone();
                 self.worker(*worker).await?;
                 let id = self.next_actor;
@@ -421,7 +423,7 @@ impl World {
                 if *way {
                     shared.higher.announce(0, Priority::MAX);
                 }
-                let drawn = Drawn { apart: *apart, cut: *cut, wide: *wide };
+                let drawn = Drawn { apart: *apart, cut: *cut, wide: *wide, room: *room };
                 self.spawn_as(process, Task::Take { slot: *slot }, drawn, async move {
                     let mut state = state.lock().await;
                     state.floor = floor;
@@ -1072,6 +1074,7 @@ impl World {
                 wakes: None,
                 higher: Default::default(),
                 standby: Default::default(),
+                bound: None,
                 releasing: Default::default(),
             };
             for state in &p.slots {

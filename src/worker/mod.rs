@@ -1,5 +1,6 @@
 //! Workers: slots that take concurrency tokens, run the user's handler, and ack.
 
+mod bound;
 mod handler;
 mod higher;
 mod leases;
@@ -195,6 +196,7 @@ pub struct WorkerBuilder<H> {
     stage_stats: bool,
     label: Option<String>,
     reserve: Option<(usize, u8)>,
+    urgent: Option<u8>,
 }
 
 impl<H: Handler> WorkerBuilder<H> {
@@ -247,7 +249,8 @@ impl<H: Handler> WorkerBuilder<H> {
     /// reserved slot starts it at once. With one token shard, an idle reserved slot is handed a
     /// small request (up to 64 parts) of its priorities by that request's submit, in the same step
     /// (docs/protocol.md, "Hand-offs"). The reserved slots are counted in [`slots`](Self::slots)
-    /// (at least one slot stays unreserved), and sit idle while no such request waits.
+    /// (at least one slot stays unreserved), and sit idle while no such request waits. A worker
+    /// with reserved slots has no [`urgent`](Self::urgent) slot: they take its place.
     ///
     /// ```no_run
     /// # use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Worker};
@@ -261,6 +264,34 @@ impl<H: Handler> WorkerBuilder<H> {
     /// ```
     pub fn reserve(mut self, slots: usize, min_priority: u8) -> Self {
         self.reserve = Some((slots, min_priority));
+        self
+    }
+
+    /// The urgent slot: one slot beside the worker's [`slots`](Self::slots) for requests of
+    /// priority `min_priority` (1 to 99) or higher (default `Some(90)`; `None`: no urgent slot).
+    /// It takes nothing lower and waits idle, so an urgent request submitted while every slot is
+    /// busy starts at once (with one token shard, a small one in its submit's own step:
+    /// docs/protocol.md, "Hand-offs") instead of after a busy slot's batch ends and it gives way.
+    ///
+    /// `slots` still bounds what runs, but only from one batch to the next: while the urgent slot
+    /// holds a token, the first other slot to end a batch gives its token back and takes again
+    /// only once the worker's holds are fewer than `slots`. So the worker runs `slots + 1`
+    /// handlers from the urgent start until that batch ends (with handlers of minutes, for
+    /// minutes). Give `None` where `slots` must hold at every moment (a pool of `slots`
+    /// connections, say), or [`reserve`](Self::reserve) slots within `slots` instead.
+    ///
+    /// ```no_run
+    /// # use sluicegate::{async_trait, Config, Context, Handler, HandlerError, Worker};
+    /// # struct Upper;
+    /// # #[async_trait] impl Handler for Upper { type Input = String; type Output = String;
+    /// #   async fn handle(&self, _: Context, s: String) -> Result<String, HandlerError> { Ok(s) } }
+    /// # async fn demo() -> sluicegate::Result<()> {
+    /// // Eight slots, and an urgent one for priorities 95 and above.
+    /// let worker = Worker::builder(&Config::from_env(), Upper).slots(8).urgent(Some(95)).build().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn urgent(mut self, min_priority: Option<u8>) -> Self {
+        self.urgent = min_priority;
         self
     }
 
@@ -321,6 +352,18 @@ impl<H: Handler> WorkerBuilder<H> {
                 })?,
             )),
         };
+        // The urgent slot, unless reserved slots take its place: the last slot, beside `slots`.
+        let urgent = match self.urgent {
+            None => None,
+            Some(p) if !(1..=99).contains(&p) => {
+                return Err(Error::Config(format!(
+                    "urgent(Some({p})): a priority is from 1 to 99 here (or None for no urgent slot), not {p}"
+                )))
+            }
+            Some(_) if reserved.is_some() => None,
+            Some(p) => Some(Priority::new(p).map_err(|e| Error::Config(e.to_string()))?),
+        };
+        let reserved = reserved.or(urgent.map(|p| (1, p)));
         if self.idle_poll + Duration::from_millis(500) > self.config.unresponsive {
             return Err(Error::Config(format!(
                 "idle_poll ({:?}) must be at least 500 ms shorter than the unresponsive timeout ({:?}), \
@@ -349,8 +392,9 @@ impl<H: Handler> WorkerBuilder<H> {
         };
         // From here on, a failed build or a worker dropped unrun closes what it connected.
         let mut hangup = crate::hangup::Hangup::new(store.client.clone());
-        let mut blocking = Vec::with_capacity(self.slots);
-        for _ in 0..self.slots {
+        let running = self.slots + usize::from(urgent.is_some());
+        let mut blocking = Vec::with_capacity(running);
+        for _ in 0..running {
             let client = store.blocking_client().await?;
             hangup.blocking(client.clone());
             blocking.push(client);
@@ -373,6 +417,7 @@ impl<H: Handler> WorkerBuilder<H> {
                 wakes: Some(wake_tx),
                 higher: Arc::new(higher::Higher::new(shards, reserved.map(|(_, p)| p))),
                 standby: Default::default(),
+                bound: urgent.map(|_| bound::Bound::new(self.slots)),
                 releasing: Default::default(),
             }),
             reserved,
@@ -403,7 +448,8 @@ pub struct Worker<H> {
     hangup: crate::hangup::Hangup,
     wakes: tokio::sync::mpsc::UnboundedReceiver<slot::Wake>,
     label: Option<String>,
-    /// How many of the slots are reserved, and for which priorities (the last ones).
+    /// How many of the slots are reserved, and for which priorities (the last ones; the urgent
+    /// slot is one, beside `slots`).
     reserved: Option<(usize, Priority)>,
 }
 
@@ -422,6 +468,7 @@ impl<H: Handler> Worker<H> {
             stage_stats: true,
             label: None,
             reserve: None,
+            urgent: Some(90),
         }
     }
 

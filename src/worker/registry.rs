@@ -22,7 +22,9 @@ use crate::store::Store;
 pub struct WorkerInfo {
     /// Its id (its stream consumer name).
     pub id: String,
-    /// Handlers it runs at once.
+    /// Its slots, the urgent one included (`WorkerBuilder::slots`, plus one with
+    /// `WorkerBuilder::urgent`): their holder names are `<id>/0` to `<id>/<slots - 1>`, which a
+    /// reaper looks at.
     pub slots: usize,
     /// Its process id.
     pub pid: u32,

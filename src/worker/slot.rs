@@ -21,6 +21,7 @@ use rand::Rng;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::bound::{Bound, Counted};
 use super::handler::{Context, Handler};
 use super::higher::Higher;
 use super::leases::{LeaseKey, Leases};
@@ -77,6 +78,9 @@ pub(crate) struct Shared<H> {
     pub(crate) higher: Arc<Higher>,
     /// Whether one of the worker's unreserved slots is its standby (`Slot::standby`).
     pub(crate) standby: AtomicBool,
+    /// With an urgent slot (`WorkerBuilder::urgent`): the holds of every slot, against the
+    /// worker's `slots` (`bound`). None under the checker and without one.
+    pub(crate) bound: Option<Arc<Bound>>,
     /// The releases of lane requests' downstreams running in tasks of their own (`release`).
     pub(crate) releasing: Releasing,
 }
@@ -172,6 +176,10 @@ pub(crate) struct Slot {
     /// an idle worker starts in the submit's own step, and another request's token comes by its
     /// push, without a take after the bell. The slot stays the standby until it gets a token.
     standby: bool,
+    /// The holder name (`<worker id>/<slot>`) the slot's takes, records, offer and owed token
+    /// were made under. A worker declared dead goes on under a new id; the slot's next take then
+    /// ends what the old name left, as a clean stop would (`release_all`).
+    holder: Option<String>,
 }
 
 impl Slot {
@@ -191,6 +199,7 @@ impl Slot {
             go: None,
             offered: None,
             standby: false,
+            holder: None,
         }
     }
 
@@ -304,9 +313,11 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, mut slot: Slot, bloc
 }
 
 /// At a clean stop: ends the slot's records of tokens it no longer holds, and undoes a take whose
-/// reply it never saw.
+/// reply it never saw, under the holder name they were made under (the worker's id may have
+/// changed since: it had been declared dead). Also what the slot's first take under a new id does
+/// with what the old one left.
 pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot) {
-    let holder = format!("{}/{}", shared.id(), slot.n);
+    let holder = slot.holder.clone().unwrap_or_else(|| format!("{}/{}", shared.id(), slot.n));
     if let Some(shard) = slot.pending.take() {
         match tokens::untake(&shared.store, shard, &holder, slot.next_take).await {
             Ok(took) => {
@@ -325,24 +336,70 @@ pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot)
             Err(e) => tracing::debug!(error = %e, "could not undo a take; recovery will reclaim it"),
         }
     }
-    // An offer of a hand-off ends; a token handed meanwhile and not read is undone as the take it
-    // stands for.
-    if let Some(shard) = slot.offered.take() {
-        match tokens::untake(&shared.store, shard, &holder, slot.next_take).await {
-            Ok(took) => slot.next_take += u64::from(took),
-            Err(e) => tracing::debug!(error = %e, "could not end a hand-off's offer; it lapses"),
-        }
+    if let Err(e) = end_offer(shared, slot, &holder).await {
+        tracing::debug!(error = %e, "could not end a hand-off's offer; it lapses");
     }
     // (Pushed again if a take that carried it ran and found nothing: an extra copy is refused
     // when taken.)
-    if let Err(e) = settle_owed(shared, slot, &holder).await {
-        tracing::debug!(error = %e, "could not give a token back; recovery will reclaim it");
-    }
+    // The record of a token that could not be given back stays, for recovery to reclaim it by.
+    let unsettled = match settle_owed(shared, slot, &holder).await {
+        Ok(()) => None,
+        Err(e) => {
+            tracing::debug!(error = %e, "could not give a token back; recovery will reclaim it");
+            slot.owed.as_ref().map(|gb| gb.shard)
+        }
+    };
     for (shard, last) in slot.last_take.iter_mut().enumerate() {
         if let Some(id) = last.take() {
+            if unsettled == Some(shard as u32) {
+                continue;
+            }
             if let Err(e) = tokens::release(&shared.store, shard as u32, &holder, &id.to_string()).await {
                 tracing::debug!(error = %e, "could not end a take record; recovery will");
             }
+        }
+    }
+}
+
+/// Ends the slot's offer of a hand-off, if it made one: a token handed meanwhile and not read is
+/// undone as the take it stands for (pushed back onto its list, its record ended).
+async fn end_offer<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str) -> Result<()> {
+    if let Some(shard) = slot.offered {
+        let took = tokens::untake(&shared.store, shard, holder, slot.next_take).await?;
+        slot.next_take += u64::from(took);
+        slot.offered = None;
+    }
+    Ok(())
+}
+
+/// Before an unreserved slot waits for room in the worker's bound (`bound`): the token it owes
+/// goes back on its own, and its offer of a hand-off ends, so that nothing waits for it meanwhile.
+async fn make_room<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str) -> Result<()> {
+    settle_owed(shared, slot, holder).await?;
+    end_offer(shared, slot, holder).await
+}
+
+/// An unreserved slot's hold, claimed before it takes (`bound`): while the worker's holds fill its
+/// slots, the slot makes room and waits for one to end. `None`: the worker stops meanwhile.
+async fn claim<H: Handler>(
+    shared: &Shared<H>,
+    bound: &Arc<Bound>,
+    slot: &mut Slot,
+    holder: &str,
+) -> Result<Option<Counted>> {
+    loop {
+        if let Some(counted) = bound.claim() {
+            return Ok(Some(counted));
+        }
+        // A take whose reply was lost goes ahead: re-sent, it gets what it took, which would
+        // otherwise wait in its record for as long as this slot waits.
+        if slot.pending.is_some() {
+            return Ok(Some(bound.hold()));
+        }
+        make_room(shared, slot, holder).await?;
+        bound.room(&shared.stopping).await;
+        if shared.stopping.is_cancelled() {
+            return Ok(None);
         }
     }
 }
@@ -356,6 +413,33 @@ pub(crate) async fn take_and_serve<H: Handler>(
     shard: u32,
 ) -> Result<()> {
     let holder = format!("{}/{}", shared.id(), slot.n);
+    // The worker went on under a new id (it had been declared dead, and its registration was
+    // claimed for reaping): what the slot left under its old holder name, which no take uses
+    // again, ends as at a clean stop, which is what the slot's next take under that name would
+    // have done (its hold ended before this take). Else the records stay until recovery's backstop
+    // finds their worker gone, and none at all runs if the fleet stops first.
+    if slot.holder.as_deref() != Some(holder.as_str()) {
+        if slot.holder.is_some() {
+            release_all(shared, slot).await;
+        }
+        slot.holder = Some(holder.clone());
+    }
+    // An unreserved slot claims its hold before it takes, or, while the worker's holds fill its
+    // slots (its urgent slot runs one), makes room and waits (`bound`). A take whose reply was
+    // lost goes ahead: re-sent, it gets what it took. (The checker draws takes in that state,
+    // `Op::Take::room`, without the wait.)
+    let mut counted = None;
+    if slot.floor.is_none() {
+        if shared.store.checker_makes_room() {
+            make_room(shared, slot, &holder).await?;
+        }
+        if let Some(bound) = &shared.bound {
+            counted = match claim(shared, bound, slot, &holder).await? {
+                Some(counted) => Some(counted),
+                None => return Ok(()),
+            };
+        }
+    }
     // A token owed to another shard goes back first, on its own: the record ended below would
     // otherwise end without its push.
     if slot.owed.as_ref().is_some_and(|gb| gb.shard != shard) {
@@ -378,7 +462,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
     if slot.offered == Some(shard) && shared.store.deterministic() && slot.next_take % 2 == 0 {
         if let Some(token) = handed(shared, slot, blocking, &holder, shard, None).await? {
             shared.higher.answered(shard, token.priority);
-            return serve(shared, slot, &holder, token).await;
+            return serve(shared, slot, &holder, token, counted).await;
         }
     }
     // A reserved slot has heard everything announced so far: what comes during its take wakes it.
@@ -395,6 +479,9 @@ pub(crate) async fn take_and_serve<H: Handler>(
             }
         }
         Took::Nothing(refill) => 'idle: {
+            // No hold claimed while the slot waits: a token handed to it meanwhile is counted
+            // as it comes, and after the bell the slot claims again.
+            drop(counted.take());
             let store = &shared.store;
             let wait = if store.keys.shards() == 1 { shared.idle_poll } else { shared.shard_poll };
             // A group's rate limit refills sooner: the take after it queues the group's token.
@@ -432,6 +519,13 @@ pub(crate) async fn take_and_serve<H: Handler>(
                     })
                     .await?
             };
+            if let Some(bound) = &shared.bound {
+                match bound.claim() {
+                    Some(claimed) => counted = Some(claimed),
+                    // The holds filled the slots meanwhile: the next take makes room and waits.
+                    None => return Ok(()),
+                }
+            }
             match take(shared, slot, &holder, shard, woken).await? {
                 Took::Token(token) => *token,
                 Took::Paused => return paused(shared).await,
@@ -441,7 +535,7 @@ pub(crate) async fn take_and_serve<H: Handler>(
     };
     shared.higher.answered(shard, token.priority);
     let span = tracing::info_span!("token", request_id = %token.request_id, token = %token.element.k, priority = token.priority.get());
-    serve(shared, slot, &holder, token).instrument(span).await
+    serve(shared, slot, &holder, token, counted).instrument(span).await
 }
 
 /// A reserved slot that found nothing at or above its floor waits for a token handed to it (its
@@ -715,6 +809,11 @@ struct Turn {
     /// The first batch was sized from an earlier hold's handler times (`mean_us`): how long it may
     /// run before it hands back what it has not run (`first_budget`).
     guessed: Option<Duration>,
+    /// The hold is a reserved slot's (the urgent slot's among them): it never gives way to the
+    /// bound on the worker's holds (`bound`).
+    urgent: bool,
+    /// The hold as the worker's bound counts it (`bound`), while the turn lasts.
+    counted: Option<Counted>,
 }
 
 impl Turn {
@@ -741,6 +840,8 @@ impl Turn {
             quantum,
             gave_way: false,
             guessed: None,
+            urgent: false,
+            counted: None,
         };
         turn.guessed = if turn.want() > 1 { first_budget(shared) } else { None };
         turn
@@ -780,6 +881,13 @@ impl Turn {
             self.gave_way = true;
             return Then::GiveBack;
         }
+        // The urgent slot runs a hold over the worker's slots: this one makes room (`bound`).
+        if keep_going && !self.urgent {
+            let over = self.counted.as_mut().is_some_and(Counted::make_room);
+            if over || shared.store.checker_makes_room() {
+                return Then::GiveBack;
+            }
+        }
         if keep_going {
             Then::More(self.want())
         } else {
@@ -804,10 +912,16 @@ async fn serve<H: Handler>(
     slot: &mut Slot,
     holder: &str,
     mut token: Token,
+    counted: Option<Counted>,
 ) -> Result<()> {
     let consumer = shared.id();
     let lane = crate::keys::lane_of(&token.element.key_id).is_some();
     let mut turn = Turn::new(shared, token.one_part, if lane { slot.lane_mean_us } else { slot.own_mean_us });
+    turn.urgent = slot.floor.is_some();
+    // Counted from the take (claimed before it by an unreserved slot) to the hold's last answer:
+    // the urgent slot's hold, or a token handed to a waiting slot, may put the worker one over its
+    // slots until another slot's batch ends (`Turn::then`).
+    turn.counted = counted.or_else(|| shared.bound.as_ref().map(Bound::hold));
     let acquired = token.acquired.take();
     let holding = Holding { element: &token.element, holder, consumer: &consumer };
     let first = match acquired {

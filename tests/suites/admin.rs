@@ -191,7 +191,8 @@ async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
     let s = admin.stats().await.unwrap();
     assert_eq!(s.active_requests, 0);
     assert_eq!((s.requests.unfinished, s.requests.completed, s.requests.failed), (0, 2, 0));
-    assert_eq!(s.workers.iter().map(|w| w.slots).collect::<Vec<_>>(), [3]);
+    // Its three slots and its urgent one (`WorkerBuilder::urgent`).
+    assert_eq!(s.workers.iter().map(|w| w.slots).collect::<Vec<_>>(), [4]);
     w.stop().await;
     assert!(admin.stats().await.unwrap().workers.is_empty(), "a stopped worker unregisters");
 }

@@ -78,6 +78,17 @@ async fn one_slot_runs_every_part_of_the_highest_priority_first() {
     assert_eq!(order, expected, "parts must run highest priority first");
 }
 
+/// A worker of `slots` without the urgent slot (`WorkerBuilder::urgent(None)`): an urgent request
+/// then waits for a busy slot to give way, which is what the tests using it look at.
+fn no_urgent<H: sluicegate::Handler>(
+    config: &sluicegate::Config,
+    handler: H,
+    slots: usize,
+    quantum: Quantum,
+) -> sluicegate::WorkerBuilder<H> {
+    sluicegate::Worker::builder(config, handler).slots(slots).quantum(quantum).urgent(None)
+}
+
 /// A busy slot does not keep its token for the rest of its quantum once a higher priority is
 /// waiting: the push onto the empty priority list is announced, and the slot gives way at the end
 /// of its batch. With a quantum longer than the low request itself, the urgent one would otherwise
@@ -87,7 +98,8 @@ async fn a_busy_slot_gives_way_to_a_higher_priority_before_its_quantum_ends() {
     let env = env_on(TOPOLOGY, "giveway").await;
     let probe = Probe::default();
     let quantum = Quantum { parts: 100_000, time: Duration::from_secs(600) };
-    let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
+    // No urgent slot: it would start the urgent request without a give-way.
+    let w = start_built(no_urgent(&env.config, probe.clone(), 1, quantum)).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let low = producer
         .request()
@@ -144,7 +156,7 @@ async fn a_first_batch_sized_by_fast_handlers_hands_back_a_slow_requests_rest() 
     let env = env_on(TOPOLOGY, "guess").await;
     let probe = Probe::default();
     let quantum = Quantum { parts: 100_000, time: Duration::from_secs(600) };
-    let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
+    let w = start_built(no_urgent(&env.config, probe.clone(), 1, quantum)).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let fast = producer.request().own_stream(true).submit((0..100).map(Job::new));
     fast.await.unwrap().wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
@@ -204,10 +216,7 @@ async fn with_two_shards_the_slot_that_gives_way_takes_where_the_higher_priority
     let config = env.config.clone().token_shards(2);
     let probe = Probe::default();
     let quantum = Quantum { parts: 100_000, time: Duration::from_secs(600) };
-    let builder = sluicegate::Worker::builder(&config, probe.clone())
-        .slots(2)
-        .quantum(quantum)
-        .shard_poll(Duration::from_secs(5));
+    let builder = no_urgent(&config, probe.clone(), 2, quantum).shard_poll(Duration::from_secs(5));
     let w = start_built(builder).await;
     let producer = Producer::connect(&config).await.unwrap();
     // Two tokens, one on each shard: both slots busy, each holding one.
@@ -301,6 +310,147 @@ async fn reserve_refuses_settings_that_leave_no_slot_for_every_priority_or_reser
     }
     // No slot reserved is no reservation at all.
     assert!(build(2, 0, 0).await.is_ok());
+    // Nor does the urgent slot take a priority out of range.
+    for p in [0, 100] {
+        let built = sluicegate::Worker::builder(&env.config, Probe::default()).urgent(Some(p)).build().await;
+        match built {
+            Err(Error::Config(message)) => assert!(
+                message.contains("urgent(Some(") && message.contains("from 1 to 99"),
+                "urgent(Some({p})): {message}"
+            ),
+            Err(e) => panic!("urgent(Some({p})): not a configuration error: {e}"),
+            Ok(_) => panic!("urgent(Some({p})) was accepted"),
+        }
+    }
+}
+
+/// The urgent slot (`WorkerBuilder::urgent`, on by default for priorities 90 and up) sits beside
+/// the worker's slots: an urgent request starts while every slot is inside a handler that only
+/// the test ends. `slots` bounds what runs from one batch to the next: the first slot to end its
+/// part then gives its token back and starts nothing until the urgent part ends, and the worker
+/// never runs more than `slots + 1` parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_urgent_slot_starts_an_urgent_request_beside_busy_slots_and_the_next_batch_end_makes_room() {
+    let env = env_on(TOPOLOGY, "urgent").await;
+    let gated = Gated::default();
+    let w = start_built(sluicegate::Worker::builder(&env.config, gated.clone()).slots(2)).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    // A request of its own keys: two tokens of its own, one in each slot.
+    let low = producer.request().priority(10).unwrap().concurrency(2).unwrap().own_stream(true);
+    let low = low.submit((0..4).map(Job::new));
+    let low = low.await.unwrap();
+    gated.wait_for(|s| s.running.len() == 2, "both slots start a low part").await;
+    let urgent = producer.request().priority(95).unwrap().submit([Job::new(100)]).await.unwrap();
+    gated.wait_for(|s| s.running.contains(&100), "the urgent part starts beside two running").await;
+    // One low part ends: its slot's batch ends with the worker one hold over its slots, so it
+    // gives its token back and waits; the other low token's slot is still inside its part.
+    let first = gated.running_low()[0];
+    gated.release(first);
+    gated.wait_for(|s| !s.running.contains(&first), "the released part ends").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let state = gated.state();
+    assert_eq!(state.running.len(), 2, "a low part started while the urgent one ran beside another: {state:?}");
+    // The urgent part ends: room again, and a low part starts in the slot that waited.
+    gated.release(100);
+    assert_eq!(urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap().into_outputs().unwrap(), [200]);
+    gated.wait_for(|s| s.running.len() == 2, "the slot that made room takes again").await;
+    for n in 0..4 {
+        gated.release(n);
+    }
+    low.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    let most = gated.state().most;
+    assert_eq!(most, 3, "at most slots + 1 parts ran at once (and that many did): {most}");
+    w.stop().await;
+}
+
+/// The bound holds while the urgent slot runs: a slot whose holds keep ending (a quantum of one
+/// part, each part released by the test as soon as it runs) and the slot that made room both want
+/// to take at each hold's end, and only one may (`bound::Bound::claim`): beside the urgent part, no
+/// more than `slots` parts ever run once the first batch end made room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_urgent_slot_runs_a_slot_that_keeps_ending_parts_starts_none_beyond_the_slots() {
+    let env = env_on(TOPOLOGY, "urgent-claim").await;
+    let gated = Gated::default();
+    let quantum = Quantum { parts: 1, time: Duration::from_secs(10) };
+    let builder = sluicegate::Worker::builder(&env.config, gated.clone()).slots(2).quantum(quantum);
+    let w = start_built(builder).await;
+    let producer = Producer::connect(&env.config).await.unwrap();
+    let low = producer.request().priority(10).unwrap().concurrency(2).unwrap().own_stream(true);
+    let low = low.submit((0..200).map(Job::new)).await.unwrap();
+    gated.wait_for(|s| s.running.len() == 2, "both slots start a low part").await;
+    let urgent = producer.request().priority(95).unwrap().submit([Job::new(100)]).await.unwrap();
+    gated.wait_for(|s| s.running.contains(&100), "the urgent part starts beside two running").await;
+    let first = gated.running_low()[0];
+    gated.release(first);
+    gated.wait_for(|s| s.running.len() == 2, "a batch end makes room").await;
+    gated.0.lock().unwrap().most = 2;
+    for _ in 0..25 {
+        for n in gated.running_low() {
+            gated.release(n);
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    let state = gated.state();
+    assert!(state.released.len() > 5, "the low parts kept ending: {state:?}");
+    assert_eq!(state.most, 2, "more than the slots ran beside the urgent part: {state:?}");
+    gated.0.lock().unwrap().open = true;
+    urgent.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    low.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    w.stop().await;
+}
+
+/// A handler whose parts run until the test releases them (by `Job::n`), recording what runs.
+#[derive(Clone, Default)]
+struct Gated(std::sync::Arc<std::sync::Mutex<GateState>>);
+
+#[derive(Clone, Debug, Default)]
+struct GateState {
+    running: Vec<u64>,
+    released: Vec<u64>,
+    most: usize,
+    /// Every part runs through without waiting.
+    open: bool,
+}
+
+impl Gated {
+    fn state(&self) -> GateState {
+        self.0.lock().unwrap().clone()
+    }
+
+    fn release(&self, n: u64) {
+        self.0.lock().unwrap().released.push(n);
+    }
+
+    fn running_low(&self) -> Vec<u64> {
+        self.state().running.into_iter().filter(|&n| n < 100).collect()
+    }
+
+    async fn wait_for(&self, done: impl Fn(&GateState) -> bool, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !done(&self.state()) {
+            assert!(Instant::now() < deadline, "{what}: not within 20 s: {:?}", self.state());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+#[sluicegate::async_trait]
+impl sluicegate::Handler for Gated {
+    type Input = Job;
+    type Output = u64;
+
+    async fn handle(&self, _: sluicegate::Context, job: Job) -> Result<u64, sluicegate::HandlerError> {
+        {
+            let mut s = self.0.lock().unwrap();
+            s.running.push(job.n);
+            s.most = s.most.max(s.running.len());
+        }
+        while !self.0.lock().unwrap().released.contains(&job.n) && !self.0.lock().unwrap().open {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.0.lock().unwrap().running.retain(|&n| n != job.n);
+        Ok(job.n * 2)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -308,7 +458,7 @@ async fn an_urgent_request_gets_the_next_free_slot_within_one_quantum() {
     let env = env_on(TOPOLOGY, "preempt").await;
     let probe = Probe::default();
     let quantum = Quantum { parts: 5, time: Duration::from_secs(10) };
-    let w = start_worker(&env.config, probe.clone(), 1, quantum).await;
+    let w = start_built(no_urgent(&env.config, probe.clone(), 1, quantum)).await;
     let producer = Producer::connect(&env.config).await.unwrap();
     let huge = producer
         .request()

@@ -14,6 +14,21 @@ fn reserve(text: &str) -> Result<(usize, u8), String> {
     Ok((n.trim().parse().map_err(|_| bad())?, p.trim().parse().map_err(|_| bad())?))
 }
 
+/// `--urgent P|off`: the urgent slot's priority floor, or none.
+fn urgent(text: &str) -> Result<Urgent, String> {
+    match text.trim() {
+        "off" => Ok(Urgent(None)),
+        p => match p.parse() {
+            Ok(p @ 1..=99) => Ok(Urgent(Some(p))),
+            _ => Err(format!("`{text}` is neither a priority from 1 to 99 nor `off`, e.g. --urgent 90")),
+        },
+    }
+}
+
+/// The worker's urgent slot: for priorities from this one up, or none.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Urgent(pub(crate) Option<u8>);
+
 fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (examples: 500ms, 2s, 1m30s)"))
 }
@@ -494,6 +509,12 @@ pub(crate) struct SubmitArgs {
     #[arg(long = "fail-fast")]
     pub(crate) fail_fast: bool,
 
+    /// Keep no results: the sub-requests' results are never stored (their errors are), for work
+    /// whose effect is elsewhere. The request still finishes and keeps its status and errors;
+    /// with --wait only its counts are printed.
+    #[arg(long = "discard-results")]
+    pub(crate) discard_results: bool,
+
     /// Streamed request: workers start on each line as soon as it is read; the request completes
     /// after the end of the input. For input that arrives over time (a pipe, `tail -f`).
     #[arg(long)]
@@ -526,6 +547,12 @@ pub(crate) struct SubmitArgs {
     /// lines and 64 KB, not --delay, not --stream). Not with --tag.
     #[arg(long, conflicts_with = "tags")]
     pub(crate) unlisted: bool,
+
+    /// Give a small request (at most 64 lines and 64 KB) a stream of its own instead of its
+    /// priority's lane, so that `reprioritize` can change its priority; it costs Redis a few
+    /// more calls. Larger requests always have one.
+    #[arg(long = "own-stream", conflicts_with = "unlisted")]
+    pub(crate) own_stream: bool,
 
     /// Run the request only once request ID (its upstream) has completed; repeat for more (at
     /// most 1000). Until then it is `waiting`; an upstream that fails or is cancelled fails it
@@ -571,6 +598,12 @@ pub(crate) struct WorkerArgs {
     /// lower, so such a request starts at once even while every other slot runs a long command.
     #[arg(long, value_parser = reserve, value_name = "N:P")]
     pub(crate) reserve: Option<(usize, u8)>,
+
+    /// One slot beside the K for requests of priority P or higher, idle until one comes, so it
+    /// starts at once while every other slot is busy; K + 1 commands then run until another slot
+    /// ends its command. `off` for none (K at every moment). None with --reserve.
+    #[arg(long, value_parser = urgent, default_value = "90", value_name = "P|off")]
+    pub(crate) urgent: Urgent,
 
     /// Kill a command that runs longer than this (a retryable failure) [default: none].
     #[arg(long, value_parser = duration, value_name = "DURATION")]

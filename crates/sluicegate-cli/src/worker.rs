@@ -16,6 +16,7 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
     let shown = exec.shown().to_owned();
     let mut builder = Worker::builder(&ctx.config, exec)
         .slots(args.slots)
+        .urgent(args.urgent.0)
         .shutdown_grace(args.shutdown_grace)
         .stage_stats(!args.no_stage_stats)
         .label(shown.clone());
@@ -23,6 +24,7 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
         builder = builder.reserve(n, priority);
     }
     let worker = ctx.connecting(builder.build()).await?;
+    let urgent = args.urgent.0.filter(|_| args.reserve.is_none());
     let metrics = worker.metrics();
     // Bound before the worker starts, so that a port in use is a start-up error, not a log line.
     let exporter = match args.metrics_addr {
@@ -47,12 +49,16 @@ pub(crate) async fn run(ctx: &Ctx, args: WorkerArgs) -> Result<(), Failure> {
         if let Some((n, priority)) = args.reserve {
             line["reserved"] = json!({ "slots": n, "min_priority": priority });
         }
+        line["urgent"] = json!(urgent.map(|p| json!({ "min_priority": p })));
         out.json(&line)?;
         out.flush()?;
     } else {
         let reserved = match args.reserve {
             Some((n, priority)) => format!(" ({n} kept for priority {priority} and above)"),
-            None => String::new(),
+            None => match urgent {
+                Some(p) => format!(" and an urgent one for priority {p} and above"),
+                None => String::new(),
+            },
         };
         eprintln!(
             "worker {} running `{shown}` with {} slot(s){reserved} in namespace {}; stop with ctrl-c or SIGTERM",

@@ -213,6 +213,33 @@ fn a_thousand_lines_through_two_exec_workers_come_back_upper_cased_line_for_line
 }
 
 #[test]
+fn a_request_that_discards_its_results_prints_its_counts_and_status_says_so() {
+    let sg = Sg::new("cli-discard");
+    let input = sg.file("lines.txt", b"a\nb\nc\n");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    sg.wait_for_workers(1);
+
+    let out = sg.run(&["submit", "--id", "quiet", "--discard-results", "--wait", "--raw", &input]);
+    assert!(out.status.success(), "submit --discard-results --wait: {}", stderr(&out));
+    assert_eq!(stdout(&out), "", "no result is kept, so none is printed");
+    assert!(
+        stderr(&out).contains("quiet completed: 3 sub-requests, results discarded"),
+        "stderr gives the counts: {:?}",
+        stderr(&out)
+    );
+    let status = stdout(&sg.run(&["status", "quiet"]));
+    assert!(status.contains("results      discarded"), "{status}");
+    assert!(status.contains("3 total, 3 done, 0 failed"), "{status}");
+    let json: serde_json::Value = serde_json::from_str(&stdout(&sg.run(&["--json", "status", "quiet"]))).unwrap();
+    assert_eq!(json["discard_results"], true, "{json}");
+    // The same without the flag: its results come back.
+    let kept = sg.run(&["submit", "--wait", "--raw", &input]);
+    assert_eq!(stdout(&kept), "A\nB\nC\n");
+    let (done, _) = worker_counts(&worker.stop());
+    assert_eq!(done, 6);
+}
+
+#[test]
 fn a_script_failing_odd_lines_twice_completes_on_the_third_attempt_with_attempts_in_status() {
     let sg = Sg::new("cli-flaky");
     let lines: String = (1..=10).map(|i| format!("\"word {i}\"\n")).collect();
@@ -278,6 +305,45 @@ fn a_script_failing_odd_lines_twice_completes_on_the_third_attempt_with_attempts
 
     let (succeeded, retried) = worker_counts(&worker.stop());
     assert_eq!((succeeded, retried), (10, 10), "5 odd lines x 2 failed attempts were retried");
+}
+
+/// The worker's urgent slot (`--urgent`, for priorities 90 and up by default): a request of
+/// priority 95 runs while both slots run a long command; with `--urgent off` it waits for one of
+/// them to end.
+#[test]
+fn an_urgent_request_runs_beside_busy_slots_in_the_urgent_slot_unless_it_is_off() {
+    let sg = Sg::new("cli-urgent");
+    let script = sg.file("slow.sh", b"#!/bin/sh\nread x\ncase \"$x\" in *slow*) sleep 20;; esac\necho \"$x\"\n");
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let state = |id: &str| sg.json(&["status", id])["state"].as_str().unwrap_or_default().to_owned();
+    for urgent in ["90", "off"] {
+        let worker = sg.worker(&script, &["--urgent", urgent, "--shutdown-grace", "1s"]);
+        let slow = format!("slow-{urgent}");
+        let args = ["submit", "--id", &slow, "--priority", "10", "--concurrency", "2", "--own-stream"];
+        let out = sg.run_with_input(&args, b"\"slow\"\n\"slow\"\n");
+        assert!(out.status.success(), "{}", stderr(&out));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sg.json(&["status", &slow])["running"].as_u64() != Some(2) {
+            assert!(Instant::now() < deadline, "the two slots did not start the slow commands");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let now = format!("now-{urgent}");
+        let out = sg.run_with_input(&["submit", "--id", &now, "--priority", "95"], b"\"now\"\n");
+        assert!(out.status.success(), "{}", stderr(&out));
+        let deadline = Instant::now() + Duration::from_secs(if urgent == "off" { 2 } else { 10 });
+        while state(&now) != "completed" && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (ran, slow_running) = (state(&now), sg.json(&["status", &slow])["running"].as_u64());
+        match urgent {
+            "off" => assert_eq!(ran, "queued", "with --urgent off, the urgent request waits for a slot"),
+            _ => assert_eq!(ran, "completed", "the urgent slot runs it at once"),
+        }
+        assert_eq!(slow_running, Some(2), "both slow commands still run");
+        // (Cancelled, so that the next round's slots find only its own request.)
+        assert!(sg.run(&["cancel", &slow]).status.success());
+        worker.stop();
+    }
 }
 
 #[test]
@@ -807,6 +873,10 @@ fn bad_input_is_one_line_naming_the_problem() {
 
     // Usage errors are clap's, with exit 2.
     fails_with(&sg.run(&["worker", "--exec", "true", "--reserve", "2"]), 2, "`2` is not N:P");
+    for p in ["0", "100", "soon"] {
+        let says = format!("`{p}` is neither a priority from 1 to 99 nor `off`");
+        fails_with(&sg.run(&["worker", "--exec", "true", "--urgent", p]), 2, &says);
+    }
     let out = sg.run(&["submit", "--concurrency", "many"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
@@ -935,6 +1005,11 @@ fn reprioritize_moves_a_waiting_request_and_refuses_lane_finished_and_unknown_on
     let refused = sg.run(&["reprioritize", "small", "90"]);
     assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
     assert!(stderr(&refused).starts_with("error: refused: request \"small\" is a small request that shares the lane of priority 50"), "{}", stderr(&refused));
+    // A small request of its own stream can change its priority.
+    assert!(sg.run_with_input(&["submit", "--id", "small-own", "--own-stream"], b"one line\n").status.success());
+    let out = sg.run(&["reprioritize", "small-own", "90"]);
+    assert!(stdout(&out).starts_with("small-own: priority 50 -> 90; 1 waiting token moved now"), "{} {}", stdout(&out), stderr(&out));
+    fails_with(&sg.run_with_input(&["submit", "--own-stream", "--unlisted"], b"x\n"), 2, "--own-stream");
     assert_fails(&sg.run(&["reprioritize", "nope", "5"]), 4, "no request with id \"nope\" (never submitted, or its results expired)");
     let out = sg.run(&["reprioritize", "big", "100"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
@@ -945,6 +1020,8 @@ fn reprioritize_moves_a_waiting_request_and_refuses_lane_finished_and_unknown_on
     let out = sg.run(&["results", "--wait", "--raw", "big"]);
     let upper: String = (0..100).map(|n| format!("LINE {n}\n")).collect();
     assert_eq!(stdout(&out), upper, "{}", stderr(&out));
+    let out = sg.run(&["results", "--wait", "--raw", "small-own"]);
+    assert_eq!(stdout(&out), "ONE LINE\n", "{}", stderr(&out));
     assert_fails(
         &sg.run(&["reprioritize", "big", "5"]),
         2,
@@ -1358,6 +1435,29 @@ fn a_schedule_added_from_submit_arguments_fires_each_second_and_pauses_resumes_a
     assert_fails(&sg.run(&["schedule", "remove", "each-second"]), 4, "no schedule named \"each-second\"");
     assert_fails(&sg.run(&["schedule", "pause", "nope"]), 4, "no schedule named \"nope\"");
     assert_eq!(stdout(&sg.run(&["schedule", "list"])).lines().count(), 1, "only the header is left");
+    worker.stop();
+}
+
+#[test]
+fn a_schedule_whose_requests_discard_their_results_fires_them_so() {
+    let sg = Sg::new("cli-sched-quiet");
+    let input = sg.file("parts.txt", b"hello\nworld\n");
+    let added = sg.json(&["schedule", "add", "quiet", "--cron", "* * * * * *", "--", "--discard-results", &input]);
+    assert_eq!(added["discard_results"], true, "{added}");
+    let worker = sg.worker(&fixture("upper.sh"), &[]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let id = loop {
+        let out = sg.run(&["--json", "list", "--tag", "schedule:quiet", "--state", "completed"]);
+        let row = stdout(&out).lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).find(|v| v.get("id").is_some());
+        if let Some(row) = row {
+            break row["id"].as_str().unwrap().to_owned();
+        }
+        assert!(Instant::now() < deadline, "no tick completed within 20 s");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(stdout(&sg.run(&["schedule", "remove", "quiet"])), "removed schedule quiet (its requests stay)\n");
+    let status = stdout(&sg.run(&["status", &id]));
+    assert!(status.contains("results      discarded"), "{status}");
     worker.stop();
 }
 
