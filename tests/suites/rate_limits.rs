@@ -30,16 +30,18 @@ impl sluicegate::Handler for Starts {
     }
 }
 
-/// Counts the starts in `starts` within the minute from the first, and checks them against a
-/// limit of `r` per second: at least 95% of R * 60, at most R * 60 + R (one burst), and no
-/// one-second window above 2R (its rate and one burst).
-fn assert_rate(what: &str, starts: &[u64], r: usize) {
-    let first = starts[0];
-    let in_minute = starts.iter().filter(|t| **t < first + 60_000).count();
+/// Counts the starts in `starts` within the minute from `from` (taken just before the limit could
+/// first grant a start, so every start counted was granted within that minute), and checks them
+/// against a limit of `r` per second: at least 95% of R * 60, at most R * 60 + R (one burst), and
+/// no one-second window above 2R (its rate and one burst). Counted from the first start, the
+/// minute took in the grants made while that start came late (a loaded machine), over a minute's
+/// worth: 6,128 and 6,129 of at most 6,100 were seen once.
+fn assert_rate(what: &str, starts: &[u64], from: u64, r: usize) {
+    let in_minute = starts.iter().filter(|t| **t < from + 60_000).count();
     if std::env::var("RATE_DEBUG").is_ok() {
         let mut per = vec![0; 61];
         for t in starts {
-            per[((t - first) / 1000).min(60) as usize] += 1;
+            per[((t - from) / 1000).min(60) as usize] += 1;
         }
         eprintln!("{what} per second: {per:?}");
     }
@@ -64,6 +66,8 @@ async fn rate_limits_of_a_request_and_a_group_hold_within_five_percent_over_a_mi
         assert!(e.to_string().contains("a rate is 1 to 1000000 parts per 1 ms to a day"), "{e}");
     }
     let admin = sluicegate::Admin::connect(&env.config).await.unwrap();
+    let since = |handler: &Starts| handler.origin.elapsed().as_millis() as u64;
+    let group_from = since(&handler);
     admin.set_group_rate("g", Some((50, Duration::from_secs(1)))).await.unwrap();
     for (n, per) in [(0, Duration::from_secs(1)), (5, Duration::ZERO)] {
         let e = admin.set_group_rate("g", Some((n, per))).await.unwrap_err();
@@ -75,6 +79,7 @@ async fn rate_limits_of_a_request_and_a_group_hold_within_five_percent_over_a_mi
         grouped.push(r.submit(0..20_000u64).await.unwrap());
     }
     // Without the limit, 16 slots of 1 ms handlers start thousands of parts a second.
+    let request_from = since(&handler);
     let h = producer
         .request()
         .concurrency(16)
@@ -84,16 +89,9 @@ async fn rate_limits_of_a_request_and_a_group_hold_within_five_percent_over_a_mi
         .submit(0..20_000u64)
         .await
         .unwrap();
-    let first = |log: &std::sync::Mutex<Vec<u64>>| log.lock().unwrap().first().copied();
-    let last_first = loop {
-        if let (Some(a), Some(b)) = (first(&handler.at), first(&handler.group)) {
-            break a.max(b);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    tokio::time::sleep(Duration::from_millis(last_first + 60_000).saturating_sub(handler.origin.elapsed())).await;
-    assert_rate("the request", &handler.at.lock().unwrap().clone(), 100);
-    assert_rate("the group", &handler.group.lock().unwrap().clone(), 50);
+    tokio::time::sleep(Duration::from_millis(request_from + 60_000).saturating_sub(handler.origin.elapsed())).await;
+    assert_rate("the request", &handler.at.lock().unwrap().clone(), request_from, 100);
+    assert_rate("the group", &handler.group.lock().unwrap().clone(), group_from, 50);
     let rate = admin.status(h.id()).await.unwrap().rate.unwrap();
     assert_eq!((rate.n, rate.per_ms), (100, 1_000));
     let g = admin.group("g").await.unwrap();
