@@ -124,15 +124,23 @@ impl Hangup {
 
     /// Closes every connection: a blocking one is unblocked first (a pop waits for its timeout
     /// before a `QUIT` sent behind it). Cancelled part-way (a stop's bound ran out), it leaves
-    /// them to its drop.
-    pub(crate) async fn close(mut self) {
+    /// them to its drop, or to [`abandon`](Self::abandon).
+    pub(crate) async fn close(&mut self) {
         close(&self.blocking, self.subscriber.as_ref(), self.main.as_ref()).await;
         (self.blocking, self.subscriber, self.main) = (Vec::new(), None, None);
     }
-}
 
-impl Drop for Hangup {
-    fn drop(&mut self) {
+    /// Gives up on Redis, which did not answer a stop's last calls: the connections still left
+    /// are closed in a task of their own as at a drop, but one that
+    /// [`dropped_connections_closed`] does not wait for. A program ending after such a stop (the
+    /// command line's worker) would otherwise wait up to 5 s more for a Redis that is not there.
+    pub(crate) fn abandon(mut self) {
+        self.spawn_close(false);
+    }
+
+    /// Closes what is left in a task of its own (at most [`CLOSE_WAIT`]), counted by
+    /// [`dropped_connections_closed`] or not.
+    fn spawn_close(&mut self, counted: bool) {
         let (blocking, subscriber, main) =
             (std::mem::take(&mut self.blocking), self.subscriber.take(), self.main.take());
         if blocking.is_empty() && subscriber.is_none() && main.is_none() {
@@ -140,13 +148,19 @@ impl Drop for Hangup {
         }
         // (A runtime shut down drops the task: the connections' tasks are gone with it.)
         if let Some(runtime) = tokio::runtime::Handle::try_current().ok().or_else(|| self.runtime.take()) {
-            let counted = Closing::start();
+            let counted = counted.then(Closing::start);
             runtime.spawn(async move {
                 let _counted = counted;
                 let closing = close(&blocking, subscriber.as_ref(), main.as_ref());
                 let _ = tokio::time::timeout(CLOSE_WAIT, closing).await;
             });
         }
+    }
+}
+
+impl Drop for Hangup {
+    fn drop(&mut self) {
+        self.spawn_close(true);
     }
 }
 

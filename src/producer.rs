@@ -1514,7 +1514,7 @@ struct Counting {
 }
 
 impl Counting {
-    fn start(store: &Store, hangup: Hangup) -> Self {
+    fn start(store: &Store, mut hangup: Hangup) -> Self {
         let recorder = Arc::new(Recorder::new(store.config.stats_keep()));
         let stop = CancellationToken::new();
         let closing = LaterClose::default();

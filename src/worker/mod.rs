@@ -605,6 +605,9 @@ impl<H: Handler> Worker<H> {
             tracing::warn!(
                 "Redis did not answer the worker's last calls; its registration expires by itself"
             );
+            // Not another wait for the connections' close: a program that ends now (the command
+            // line's worker) ends within the stop's bound.
+            hangup.abandon();
         }
         Ok(())
     }
