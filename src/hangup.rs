@@ -28,7 +28,8 @@ static CLOSED: tokio::sync::Notify = tokio::sync::Notify::const_new();
 /// connections in a task of its own (at most 5 s: then they end with the process). A runtime
 /// shut down while such a task runs (a `main` returning right after the drop) cuts it short, and
 /// fred warns that it could not send `QUIT`. A program about to end can await this first: the
-/// `sluicegate` command line does.
+/// `sluicegate` command line does. A worker whose stop found Redis not answering is not waited
+/// for: it gives up on its connections, so that a program ending after that stop ends at once.
 ///
 /// ```no_run
 /// # async fn demo() -> sluicegate::Result<()> {
