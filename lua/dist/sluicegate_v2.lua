@@ -2807,7 +2807,10 @@ local function untake(keys, args)
   if f[4] ~= args[2] then return 0 end
   redis.call('HDEL', keys[1], args[1])
   if string.sub(f[1], 1, 1) == '~' then
+    -- The HDEL may have emptied the hash, and the HSET then makes a new one: it takes the
+    -- records' expiry as every take's write does.
     redis.call('HSET', keys[1], args[1] .. '/lost/' .. args[2], held)
+    redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
     return 1
   end
   redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
@@ -5333,4 +5336,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 1 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 2 end, flags={'no-writes'}}
