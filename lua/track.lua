@@ -37,7 +37,8 @@ local function track(keys, args)
     sg_ix_mark_live(ix, mark)
   else
     -- A finished request: the set expires with it, unless a live one keeps it.
-    local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
+    local expires = sg_ix_expiry(ix, kid, now) or 0
+    if expires == math.huge then expires = 0 end
     local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
     if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
     -- With no live request on the shard, `tx` expires with the latest finished one: one this

@@ -690,11 +690,16 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let tracked: Vec<String> = next().convert().map_err(e)?;
     let tracked_live: Option<i64> = next().convert().map_err(e)?;
     let tracked_ttl: i64 = next().convert().map_err(e)?;
-    let expiring: Vec<String> = next().convert().map_err(e)?;
+    let (expiring, batched) = expiring_kids(next().convert().map_err(e)?);
     let mut states = vec![live.clone()];
     for _ in 0..3 {
         states.push(next().convert().map_err(e)?);
     }
+    // A batch in ix:exp keeps naming a request whose entries left (unlist, a purge, a later
+    // request of the id): it is listed while an entry of it is.
+    let finished: HashSet<&String> = states[1..].iter().flatten().collect();
+    let expiring: Vec<String> =
+        expiring.into_iter().chain(batched.into_iter().filter(|kid| finished.contains(kid))).collect();
     let queued_count: Option<i64> = next().convert().map_err(e)?;
     // Listed as live: in `live` with a row, or a queued lane request found in its lane.
     let listed_live = live
@@ -825,6 +830,26 @@ async fn listed_row(c: &Client, ns: &str, kid: &str) -> Result<Option<String>, S
         return Ok(row);
     }
     c.hget(format!("{ns}:{{{ns}.q0}}:s:{kid}"), "ix").await.map_err(e)
+}
+
+/// The key ids `ix:exp`'s members name: a member is a key id, or a batch of the lane requests one
+/// call finished into one terminal set, "|<state>|<submit ms>,<key id>|..." (prelude.lua,
+/// sg_ix_batch). Returns the members' key ids, and the batches'.
+fn expiring_kids(members: Vec<String>) -> (Vec<String>, Vec<String>) {
+    let (mut own, mut batched) = (Vec::with_capacity(members.len()), Vec::new());
+    for member in members {
+        match member.strip_prefix('|') {
+            Some(batch) => batched.extend(
+                batch
+                    .split('|')
+                    .skip(1)
+                    .filter_map(|item| item.split_once(','))
+                    .map(|(_, kid)| kid.to_owned()),
+            ),
+            None => own.push(member),
+        }
+    }
+    (own, batched)
 }
 
 /// The listing index of shard 0, as the step checks read it.
@@ -1254,9 +1279,15 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             if model.is_some_and(|m| m.unlisted) {
                 let kid = r.key_id();
                 let row = listed_row(c, ns, &kid).await?;
-                // A row its record kept went with the record: its entries must have gone too.
-                let expiring: Option<f64> = c.zscore(ix("exp"), kid.as_str()).await.map_err(e)?;
-                let row = row.or(expiring.map(|_| "(an entry in ix:exp)".to_owned()));
+                // A row its record kept went with the record: its entries must have gone too (its
+                // own in ix:exp, or its terminal set's, which a batch in ix:exp names).
+                let mut row = row;
+                for set in ["exp", "live", "completed", "failed", "cancelled"] {
+                    let entry: Option<f64> = c.zscore(ix(set), kid.as_str()).await.map_err(e)?;
+                    if row.is_none() && entry.is_some() {
+                        row = Some(format!("(an entry in ix:{set})"));
+                    }
+                }
                 let marks: i64 = c.exists(format!("{ns}:{{{ns}.q0}}:f:{kid}")).await.map_err(e)?;
                 if row.is_some() || marks > 0 {
                     return Err(format!(
@@ -1401,12 +1432,21 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     if !live.is_empty() {
         return Err(format!("listed as live once everything finished: {live:?}"));
     }
-    let expiring: HashSet<String> = c
-        .zrange::<Vec<String>, _, _, _>(ix("exp"), 0, -1, None, false, None, false)
-        .await
-        .map_err(e)?
-        .into_iter()
-        .collect();
+    let (own, batched) = expiring_kids(
+        c.zrange::<Vec<String>, _, _, _>(ix("exp"), 0, -1, None, false, None, false).await.map_err(e)?,
+    );
+    let expiring: HashSet<String> = own.into_iter().chain(batched).collect();
+    // Every entry of a terminal set leaves with its retention: ix:exp names it (its own entry, or a
+    // batch's), or the set expires first.
+    for state in ["completed", "failed", "cancelled"] {
+        let ttl: i64 = c.pttl(ix(state)).await.map_err(e)?;
+        let members: Vec<String> = c.zrange(ix(state), 0, -1, None, false, None, false).await.map_err(e)?;
+        if let Some(kid) = members.iter().find(|kid| !expiring.contains(*kid)) {
+            return Err(format!(
+                "{kid} is in the index's {state} set (which expires in {ttl} ms), but ix:exp names it nowhere"
+            ));
+        }
+    }
     for (i, s) in &seen {
         let kid = request_id(*i).key_id();
         let row = listed_row(c, ns, &kid).await?;

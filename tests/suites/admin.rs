@@ -946,3 +946,58 @@ async fn an_admin_with_another_shard_count_lists_and_finds_every_lane_request() 
     let unknown = sluicegate::RequestId::new("never-submitted").unwrap();
     assert!(matches!(admin.status(&unknown).await.unwrap_err(), sluicegate::Error::UnknownRequest(_)));
 }
+
+/// Finished lane requests whose records keep their rows enter the listing index's `ix:exp` a batch
+/// per call (docs/protocol.md §5): while the shard stays busy, each leaves its terminal set with its
+/// retention, and every entry of a terminal set is named by `ix:exp` (so none is left behind when
+/// a batch is trimmed in the millisecond its records expire).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_lane_requests_leave_the_index_with_their_retention_while_the_shard_stays_busy() {
+    use fred::interfaces::SortedSetsInterface;
+    use std::collections::HashSet;
+    let env = env_on(TOPOLOGY, "ixexp").await;
+    let config = env.config.clone().retention(Duration::from_secs(1));
+    let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let ns = config.namespace_str().to_owned();
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    let round = |n: u64| {
+        let producer = &producer;
+        async move {
+            let handles: Vec<_> = producer
+                .submit_many((0..n).map(|i| (producer.request(), [Job::new(i)])))
+                .await
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+            for h in &handles {
+                h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+            }
+            handles.iter().map(|h| h.id().key_id()).collect::<Vec<_>>()
+        }
+    };
+    let first: HashSet<String> = round(200).await.into_iter().collect();
+    // Finishes go on for three retentions; each trims what has expired.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        round(20).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.stop().await;
+    for shard in 0..4 {
+        let ix = |set: &str| format!("{ns}:{{{ns}.q{shard}}}:ix:{set}");
+        let members: Vec<String> = redis.zrange(ix("exp"), 0, -1, None, false, None, false).await.unwrap();
+        let named: HashSet<String> = members
+            .iter()
+            .flat_map(|m| match m.strip_prefix('|') {
+                Some(batch) => batch.split('|').skip(1).filter_map(|i| i.split_once(',')).map(|(_, k)| k.to_owned()).collect(),
+                None => vec![m.clone()],
+            })
+            .collect();
+        let completed: Vec<String> = redis.zrange(ix("completed"), 0, -1, None, false, None, false).await.unwrap();
+        let left: Vec<&String> = completed.iter().filter(|k| first.contains(*k)).collect();
+        assert!(left.is_empty(), "shard {shard}: {} of the first round's requests are still listed: {left:?}", left.len());
+        let unnamed: Vec<&String> = completed.iter().filter(|k| !named.contains(*k)).collect();
+        assert!(unnamed.is_empty(), "shard {shard}: entries ix:exp names nowhere: {unnamed:?}");
+    }
+}

@@ -1153,7 +1153,12 @@ end
 --                                        with the record, and the row goes with the record
 --   t:<tag>, tracked                     sorted sets, score = when submitted (ms)
 --   exp                                  sorted set of the finished ones, score = when their keys
---                                        expire (ms): each finish drops a few expired ones
+--                                        expire (ms): each finish drops a few expired ones. A
+--                                        member is a key id, or, for the untracked lane requests
+--                                        whose records keep their rows and that one call moved to
+--                                        one terminal set, one member for all of them (a batch,
+--                                        sg_ix_batch): "|<state>|<submit ms>,<key id>|..." (a key
+--                                        id never holds '|')
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
@@ -1180,6 +1185,9 @@ local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
 local SG_IX_TRIM_FINISH = 64
 local SG_IX_TRIM_CLAIM = 100
 local SG_IX_TRACKED = ' tracked'
+-- How long after its score a batch in `exp` (sg_ix_batch) waits to be trimmed: its records expire
+-- at that score, a millisecond or so either way of the call's clock.
+local SG_IX_BATCH_LATE_MS = 2
 
 -- The index prefix of the shard a key belongs to ("<ns>:{<ns>.q<s>}:<name>" -> "...:ix:").
 local function sg_ix(shard_key)
@@ -1259,13 +1267,38 @@ local function sg_ix_first_live(ix)
   for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
 end
 
+-- The score of `kid` in a terminal set (its submit ms), or nil when it is in none.
+local function sg_ix_terminal(ix, kid)
+  for i = 2, #SG_IX_STATES do
+    local score = redis.call('ZSCORE', ix .. SG_IX_STATES[i], kid)
+    if score then return score end
+  end
+  return nil
+end
+
+-- When the keys of finished request `kid` expire (ms), as `exp` says: its own entry's score, or,
+-- for a lane request whose record keeps its row and whose entry is in a batch (sg_ix_batch), its
+-- record's expiry (0 when the record is gone: expired, or purged; math.huge when it keeps none).
+-- nil when it is listed as finished in neither way.
+local function sg_ix_expiry(ix, kid, now)
+  local exp = redis.call('ZSCORE', ix .. 'exp', kid)
+  if exp then return tonumber(exp) end
+  if redis.call('HEXISTS', ix .. 'row', kid) == 1 or not sg_ix_terminal(ix, kid) then return nil end
+  local ttl = redis.call('PTTL', string.sub(ix, 1, -4) .. 's:' .. kid)
+  if ttl == -2 then return 0 end
+  if ttl == -1 then return math.huge end
+  return now + ttl
+end
+
 -- Removes a request from every index set; returns 1 if it was indexed.
 local function sg_ix_remove(ix, kid, now)
   redis.call('HDEL', ix .. 'next', kid)
   local row = redis.call('HGET', ix .. 'row', kid)
   -- A row kept in its record (sg_ix_add_kept) is not in `row`: such a request is listed while it
-  -- is live or its entry has not expired.
-  if not row and not redis.call('ZSCORE', ix .. 'live', kid) and not redis.call('ZSCORE', ix .. 'exp', kid) then
+  -- is live or its entry has not expired (its own in `exp`, or its terminal set's entry, which a
+  -- batch in `exp` expires).
+  if not row and not redis.call('ZSCORE', ix .. 'live', kid) and not redis.call('ZSCORE', ix .. 'exp', kid)
+    and not sg_ix_terminal(ix, kid) then
     return 0
   end
   local marks = sg_ix_marks(ix, kid, row)
@@ -1282,10 +1315,100 @@ local function sg_ix_remove(ix, kid, now)
   return 1
 end
 
+-- A batch member of `exp` (sg_ix_batch) read back: {member, state, ats, kids}.
+local function sg_ix_unbatch(member)
+  local state, rest = string.match(member, '^|([^|]*)|(.*)$')
+  local batch = {member = member, state = state or 'completed', ats = {}, kids = {}}
+  for at, kid in string.gmatch(rest or '', '([^,|]*),([^|]*)') do
+    batch.ats[#batch.ats + 1] = at
+    batch.kids[#batch.kids + 1] = kid
+  end
+  return batch
+end
+
+-- The entry in `exp` for untracked lane requests `kids` that keep their rows in their records
+-- and that one call moved to terminal set `state`, submitted at `ats` (ms, text): one member for
+-- all of them, "|<state>|<at>,<kid>|...", which costs a call one sorted-set insertion rather than
+-- one a request. Their records expire at the batch's score, as their entries in `state` should.
+local function sg_ix_batch(state, ats, kids)
+  local items = {}
+  for j, kid in ipairs(kids) do items[j] = ats[j] .. ',' .. kid end
+  return '|' .. state .. '|' .. table.concat(items, '|')
+end
+
+-- Drops the requests of an expired batch (sg_ix_unbatch) from its terminal set, each only while
+-- that set's entry of its key id is the batch's: no record of the id exists on the shard, and the
+-- entry's score is the batch's submit ms (a request of its own stream under the id, listed since,
+-- has its own). A record that exists is a later lane request of the id or this one reopened:
+-- live (no expiry), it reaches the index by steps of its own; finished, its id gets an entry of
+-- its own in `exp` at the record's expiry, which then drops whatever entries the id has, as any
+-- expired entry does. Then the batch leaves `exp`.
+local function sg_ix_trim_batch(ix, batch, now)
+  local base, kids, ats = string.sub(ix, 1, -4) .. 's:', batch.kids, batch.ats
+  local records = {}
+  for j, kid in ipairs(kids) do records[j] = base .. kid end
+  local candidates, at_of = kids, ats
+  if #records > 0 and redis.call('EXISTS', unpack(records)) > 0 then
+    candidates, at_of = {}, {}
+    local later = {}
+    for j, kid in ipairs(kids) do
+      local ttl = redis.call('PTTL', records[j])
+      if ttl == -2 then
+        candidates[#candidates + 1] = kid
+        at_of[#candidates] = ats[j]
+      elseif ttl >= 0 then
+        later[#later + 1] = sg_int(now + ttl)
+        later[#later + 1] = kid
+      end
+    end
+    if #later > 0 then redis.call('ZADD', ix .. 'exp', unpack(later)) end
+  end
+  if #candidates > 0 then
+    local scores = redis.call('ZMSCORE', ix .. batch.state, unpack(candidates))
+    local drop = {}
+    for j, kid in ipairs(candidates) do
+      if scores[j] and tonumber(scores[j]) == tonumber(at_of[j]) then drop[#drop + 1] = kid end
+    end
+    if #drop > 0 then
+      redis.call('ZREM', ix .. batch.state, unpack(drop))
+      redis.call('HDEL', ix .. 'next', unpack(drop))
+      -- Tracked once finished (track.lua): the tracked set lets them go too.
+      if redis.call('EXISTS', ix .. 'tracked') == 1 then
+        local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(drop))
+        local marked = {}
+        for j, kid in ipairs(drop) do if tracked[j] then marked[#marked + 1] = kid end end
+        if #marked > 0 then
+          redis.call('ZREM', ix .. 'tracked', unpack(marked))
+          if redis.call('EXISTS', ix .. 'tracked') == 0 then redis.call('HDEL', ix .. 'tx', SG_IX_TRACKED) end
+        end
+      end
+    end
+  end
+  redis.call('ZREM', ix .. 'exp', batch.member)
+end
+
 -- Drops up to `n` finished requests whose keys have expired, all with one command per set (a
 -- request in `exp` is finished, never live: sg_ix_remove's steps for a request that is not live).
 local function sg_ix_trim(ix, now, n)
-  local gone = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'LIMIT', 0, n)
+  local members = redis.call('ZRANGEBYSCORE', ix .. 'exp', '-inf', now, 'WITHSCORES', 'LIMIT', 0, n)
+  if #members == 0 then return end
+  local gone, batches, kids = {}, {}, 0
+  for i = 1, #members, 2 do
+    local m = members[i]
+    if string.byte(m, 1) == 124 then
+      -- A batch (sg_ix_batch): its requests count against `n` too, and one is always taken. Not
+      -- before its records have expired: Redis expires a key only once its clock is past the
+      -- key's time, which is the batch's score.
+      if (kids > 0 and kids >= n) or tonumber(members[i + 1]) > now - SG_IX_BATCH_LATE_MS then break end
+      local batch = sg_ix_unbatch(m)
+      batches[#batches + 1] = batch
+      kids = kids + #batch.kids
+    else
+      gone[#gone + 1] = m
+      kids = kids + 1
+    end
+  end
+  for _, batch in ipairs(batches) do sg_ix_trim_batch(ix, batch, now) end
   if #gone == 0 then return end
   redis.call('HDEL', ix .. 'next', unpack(gone))
   local rows = redis.call('HMGET', ix .. 'row', unpack(gone))
@@ -1294,7 +1417,8 @@ local function sg_ix_trim(ix, now, n)
   redis.call('ZREM', ix .. 'exp', unpack(gone))
   redis.call('HDEL', ix .. 'row', unpack(gone))
   for j, kid in ipairs(gone) do
-    if rows[j] then
+    -- (A lane request whose record keeps its row has none in `row`, but may be tracked.)
+    if rows[j] or tracked[j] then
       for _, mark in ipairs(sg_ix_marks_of(ix, rows[j], tracked[j])) do
         redis.call('ZREM', mark[2], kid)
         if redis.call('EXISTS', mark[2]) == 0 then redis.call('HDEL', ix .. 'tx', mark[1]) end
@@ -1322,9 +1446,9 @@ local function sg_ix_add(ix, kid, row, now, created, fresh, live, at)
   if fresh then
     redis.call('HSET', ix .. 'row', kid, row)
   else
-    local exp = redis.call('ZSCORE', ix .. 'exp', kid)
     local live = redis.call('ZSCORE', ix .. 'live', kid)
-    if (exp and tonumber(exp) <= now) or (created and not live) then
+    local exp = not live and sg_ix_expiry(ix, kid, now)
+    if (exp and exp <= now) or (created and not live) then
       sg_ix_remove(ix, kid, now)
       exp, live = nil, nil
     end
@@ -1468,15 +1592,45 @@ end
 
 -- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), listed live
 -- by construction: `ats` their submission times (text, from the records), so neither the live
--- set's scores nor `row` is read.
+-- set's scores nor `row` is read. Those not tracked enter `exp` as one batch per terminal set
+-- (sg_ix_batch), their records expiring with it.
 local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
   if #kids == 0 then return end
-  sg_ix_move(ix, kids, states, ats, expires, batch)
-  if redis.call('EXISTS', ix .. 'tracked') == 0 then return end
-  local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(kids))
-  for j = 1, #kids do
-    if tracked[j] then sg_ix_mark_done(ix, {SG_IX_TRACKED, ix .. 'tracked'}, expires, now) end
+  local tracked = SG_IX_NONE
+  if redis.call('EXISTS', ix .. 'tracked') == 1 then tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(kids)) end
+  -- The tracked ones as any listed request (their own entries in `exp`, sg_ix_move); the others
+  -- with one entry in `exp` per terminal set (sg_ix_batch).
+  local marked, marked_states, marked_ats, by_state, batched = {}, {}, {}, {}, false
+  for j, kid in ipairs(kids) do
+    if tracked[j] then
+      marked[#marked + 1], marked_states[#marked + 1], marked_ats[#marked + 1] = kid, states[j], ats[j]
+    else
+      local group = by_state[states[j]]
+      if not group then
+        group = {members = {}, ats = {}, kids = {}}
+        by_state[states[j]] = group
+        batched = true
+      end
+      group.members[#group.members + 1] = ats[j]
+      group.members[#group.members + 1] = kid
+      group.ats[#group.ats + 1] = ats[j]
+      group.kids[#group.kids + 1] = kid
+    end
   end
+  if batched then
+    local exp, at = {}, sg_int(expires)
+    redis.call('ZREM', ix .. 'live', unpack(kids))
+    for state, group in pairs(by_state) do
+      redis.call('ZADD', ix .. state, unpack(group.members))
+      batch[state] = math.max(batch[state] or 0, expires)
+      exp[#exp + 1] = at
+      exp[#exp + 1] = sg_ix_batch(state, group.ats, group.kids)
+    end
+    redis.call('ZADD', ix .. 'exp', unpack(exp))
+  end
+  if #marked == 0 then return end
+  sg_ix_move(ix, marked, marked_states, marked_ats, expires, batch)
+  for _ = 1, #marked do sg_ix_mark_done(ix, {SG_IX_TRACKED, ix .. 'tracked'}, expires, now) end
 end
 
 -- Moves a live request to its terminal state's set, its keys expiring at `expires`. A call that
@@ -4660,7 +4814,8 @@ local function track(keys, args)
     sg_ix_mark_live(ix, mark)
   else
     -- A finished request: the set expires with it, unless a live one keeps it.
-    local expires = tonumber(redis.call('ZSCORE', ix .. 'exp', kid) or '0')
+    local expires = sg_ix_expiry(ix, kid, now) or 0
+    if expires == math.huge then expires = 0 end
     local latest = tonumber(redis.call('HGET', ix .. 'tx', mark[1]) or '0')
     if expires > latest then redis.call('HSET', ix .. 'tx', mark[1], expires) end
     -- With no live request on the shard, `tx` expires with the latest finished one: one this
@@ -5336,4 +5491,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 2 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 3 end, flags={'no-writes'}}
