@@ -17,8 +17,8 @@ local function lane_cancel(keys, args)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
   local ix = sg_ix(keys[2])
-  -- A queued one whose record keeps its row is not listed as live yet (sg_ix_add_kept).
-  if m[1] == 'queued' and m[5] then sg_ix_live_kept(ix, args[1], m[5], m[2]) end
+  -- One whose record keeps its row may be listed from its lane, not in `live` (sg_ix_add_kept).
+  if m[5] then sg_ix_live_kept(ix, args[1], m[5], m[2]) end
   sg_ix_finish(ix, args[1], 'cancelled', now + tonumber(args[2]), now)
   sg_lane_events(keys[2], {line}, args[2], now, args[3])
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end

@@ -10,7 +10,7 @@
 -- the request is unknown, or finished other than failed.
 local function lane_requeue(keys, args)
   local record = keys[7]
-  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq')
+  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq', 'ix', 'lc')
   if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
     return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
   end
@@ -46,8 +46,11 @@ local function lane_requeue(keys, args)
     -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
     -- their payloads were kept (sg_lane_feed), and they are fed again.
     for _, i in ipairs(inflight) do rq[#rq + 1] = i end
-  elseif m[4] and m[4] ~= '' then
-    table.insert(rq, 1, m[4])
+  else
+    if m[4] and m[4] ~= '' then table.insert(rq, 1, m[4]) end
+    -- Its requeued parts join the lane's tail, out of submission order: one listed from its lane
+    -- (sg_ix_add_kept) is listed in `live` from now on.
+    if m[5] then sg_ix_live_kept(sg_ix(keys[10]), args[2], m[5], m[6]) end
   end
   redis.call('HSET', record, 'rq', table.concat(rq, ','))
   redis.call('HINCRBY', record, 'failed', -#dead)

@@ -14,36 +14,42 @@
 -- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
 -- cursor (score, passed) that resumes right after it.
 -- How many lane entries `list` passes over in one lane (hidden ones, below, and entries of
--- started requests: parts fed later, or requeued) before it ends its page where that lane's walk
+-- requests listed in `live` that run: with parts fed later, or requeued) before it ends its page where that lane's walk
 -- stopped (list_lane's `low`). The randomized checker's build of the library sets it to 2.
 local LIST_LANE_SKIP = 10000
 
--- The queued requests of one lane, as `list` walks a set: the entries of the lane `stream` (its
--- consumer group `g`) not handed out yet, newest first, each as {key id, submitted ms, 'live'}
--- once per request, those submitted after `from` (ms, or '+inf') left out, at least `want` of
--- them when the lane has that many, and then every one submitted in the same millisecond as the
--- last (so that ties are told apart by key id as in a sorted set).
--- A request is queued until its first part is handed out (prelude.lua, sg_ix_add_kept); every
--- part of it is then still in the lane, fed at its submit in submission order, and so are the
--- parts of one cancelled before it started. Those entries ("ordered") follow their requests'
--- submit times, which a binary search by entry id uses. The walk shows only queued requests that
--- keep their rows in their records and are not in `live` (`live` shows those); the other ordered
--- ones (unlisted, tracked, cancelled) are hidden, and entries of started requests are passed
--- over. Returns the entries, whether that was all, and, when it passed over more than
--- LIST_LANE_SKIP entries first, the submit ms of the last ordered entry it reached (math.huge
--- when none): the page then ends above it.
+-- How many pending entries of one lane `list` reads (those of its running requests, below)
+-- before it refuses to page.
+local LIST_LANE_PENDING = 10000
+
+-- The live requests of one lane that are listed from it (prelude.lua, sg_ix_add_kept), as `list`
+-- walks a set, each as {key id, submitted ms, 'live'} once per request, those submitted after
+-- `from` (ms, or '+inf') left out: every one with an entry handed out and not settled yet (the
+-- group's pending entries, in any order), and of the entries of the lane `stream` (its consumer
+-- group `g`) not handed out yet, newest first, at least `want` more requests when the lane has
+-- that many, and then every one submitted in the same millisecond as the last (so that ties are
+-- told apart by key id as in a sorted set).
+-- Such a request is queued, or running with every part of it fed at its submit; either way each
+-- part of it not settled yet is in the lane, pending or not handed out yet, and those not handed
+-- out are in submission order, as are the parts of one cancelled before it started. Those entries
+-- ("ordered") follow their requests' submit times, which a binary search by entry id uses. The
+-- walk shows only the live requests that keep their rows in their records and are not in `live`
+-- (`live` shows those); the other ordered ones (unlisted, tracked, cancelled) are hidden, and
+-- entries of requests with parts fed later are passed over. Returns the entries (nil when more
+-- than LIST_LANE_PENDING entries are pending), whether that was all, and, when it passed over
+-- more than LIST_LANE_SKIP entries first, the submit ms of the last ordered entry it reached
+-- (math.huge when none): the page then ends above it.
 local function list_lane(base, stream, from, want, live)
   local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
   if not last then return {}, true end
-  local delivered = '0-0'
+  local delivered, grouped = '0-0', false
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     for i = 1, #g, 2 do
-      if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
+      if g[i] == 'last-delivered-id' then delivered, grouped = g[i + 1], true end
     end
   end
   local n = function(id) return tonumber(string.match(id, '^0%-(%d+)$') or '0') end
   local lo, hi = n(delivered) + 1, n(last[1])
-  if lo > hi then return {}, true end
   -- The submit ms of the request of entry `e` if the entry is ordered, else nil; and whether the
   -- walk shows it. By request and lifecycle: entries of an earlier request of the id (cancelled,
   -- then purged) may still wait in the lane.
@@ -53,22 +59,47 @@ local function list_lane(base, stream, from, want, live)
     local key = kid .. '|' .. lc
     local k = known[key]
     if k == nil then
-      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started', 'ix')
+      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started', 'ix', 'nf')
       k = false
-      if m[2] == lc and (m[1] == 'queued' or (m[1] == 'cancelled' and not m[3])) then
-        local shown = m[1] == 'queued' and m[4] and not redis.call('ZSCORE', live, kid)
-        k = {math.floor(tonumber(lc) / 1000), shown and true or false}
+      if m[2] == lc then
+        local at = math.floor(tonumber(lc) / 1000)
+        if m[1] == 'queued' or (m[1] == 'cancelled' and not m[3]) then
+          local shown = m[1] == 'queued' and m[4] and not redis.call('ZSCORE', live, kid)
+          k = {at, shown and true or false}
+        elseif m[1] == 'running' and m[4] and not m[5] and not redis.call('ZSCORE', live, kid) then
+          -- Listed from its lane: its parts were all fed at its submit, and none was requeued
+          -- (that lists it in `live`).
+          k = {at, true}
+        end
       end
       known[key] = k
     end
     if not k then return nil end
     return k[1], k[2]
   end
+  local f = tonumber(from) or math.huge
+  -- The running requests with entries handed out: in delivery order, not submission order, so
+  -- all of them (not only the newest `want`); the walk below counts only requests these left out.
+  local out, shown = {}, {}
+  local pending = grouped and redis.call('XPENDING', stream, 'g', '-', '+', LIST_LANE_PENDING + 1) or {}
+  if #pending > LIST_LANE_PENDING then return nil end
+  for _, p in ipairs(pending) do
+    local e = redis.call('XRANGE', stream, p[1], p[1])[1]
+    if e then
+      local kid = e[2][4]
+      local at, show = ordered(e)
+      if at and show and at <= f and not shown[kid] then
+        shown[kid] = true
+        out[#out + 1] = {kid, at, 'live'}
+      end
+    end
+  end
+  local found = #out
+  if lo > hi then return out, true end
   -- The first entry id after which every ordered entry was submitted after `from`: the smallest
   -- id whose first ordered entry at or after it was. A probe that finds none near errs later,
   -- which only makes the walk below pass over more.
   local top = '+'
-  local f = tonumber(from) or math.huge
   if from ~= '+inf' then
     local a, b = lo, hi + 1
     while a < b do
@@ -82,7 +113,7 @@ local function list_lane(base, stream, from, want, live)
     end
     if a <= hi then top = '(0-' .. a end
   end
-  local out, shown, skipped, tie, low = {}, {}, 0, nil, nil
+  local skipped, tie, low = 0, nil, nil
   while true do
     local got = redis.call('XREVRANGE', stream, top, '(' .. delivered, 'COUNT', 100)
     if #got == 0 then return out, true end
@@ -95,7 +126,7 @@ local function list_lane(base, stream, from, want, live)
         if show and not shown[kid] then
           shown[kid] = true
           out[#out + 1] = {kid, at, 'live'}
-          if #out >= want then tie = at end
+          if #out - found >= want then tie = at end
         elseif not show then
           skipped = skipped + 1
         end
@@ -134,6 +165,11 @@ local function list(keys, args)
           local stream = base .. 'lane:' .. p .. ':s'
           if redis.call('EXISTS', stream) == 1 then
             local queued, all, low = list_lane(base, stream, from, want, ix .. 'live')
+            if not queued then
+              return redis.error_reply('SGSTATE a lane holds more than ' .. LIST_LANE_PENDING .. ' entries handed '
+                .. 'out and not settled: list cannot page through its running requests now (try again once '
+                .. 'they have settled)')
+            end
             if not all then complete = false end
             if low then floor = math.max(floor or low, low) end
             for _, e in ipairs(queued) do entries[#entries + 1] = e end

@@ -1141,7 +1141,7 @@ end
 -- The listing index (docs/protocol.md §5, "Listing"), on each home shard beside `active`, its
 -- keys named from the shard's prefix "<ns>:{<ns>.q<s>}:" followed by `ix:` and:
 --   live, completed, failed, cancelled  sorted sets of the requests in that state (live: not yet
---                                        terminal), score = when submitted (ms)
+--                                        terminal; but see `lq`), score = when submitted (ms)
 --   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
 --                                        `r` a request of its own keys, `l` a lane request; tags
 --                                        comma-separated), except a lane request without tags,
@@ -1160,8 +1160,9 @@ end
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
---   lq                                   the number of queued lane requests whose records keep
---                                        their rows and that are not in `live` yet
+--   lq                                   the number of live lane requests whose records keep
+--                                        their rows and that are not in `live`: queued ones, and
+--                                        running ones whose parts were all fed at their submit
 --                                        (sg_ix_add_kept): `list` finds them in their lanes. It
 --                                        is deleted when it reaches 0
 --   next                                 hash: key id -> the row of a registration that found its
@@ -1248,10 +1249,11 @@ local function sg_ix_mark_done(ix, mark, expires, now)
   if latest then sg_ix_expire_at(mark[2], tonumber(latest), now) end
 end
 
--- With no live request left on the shard, the keys that hold both kinds expire with the latest
--- finished one (each new request makes them persist again).
+-- With no live request left on the shard (none in `live`, none listed from its lane: `lq`), the
+-- keys that hold both kinds expire with the latest finished one (each new request makes them
+-- persist again: sg_ix_first_live, sg_ix_queued).
 local function sg_ix_settle(ix, now)
-  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  if redis.call('EXISTS', ix .. 'live', ix .. 'lq') > 0 then return end
   local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
   for _, name in ipairs(SG_IX_SHARED) do
     if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
@@ -1476,13 +1478,18 @@ local function sg_ix_kept_at(kept, lc)
 end
 
 -- Enters a created lane request `kid` whose record keeps its row (the caller writes the record's
--- `ix`) in the index: not as live yet, but as one of the shard's queued lane requests (`lq`),
--- which `list` finds in their lanes (list.lua). It is listed as live when its first part is handed
--- out, or when it is tracked (sg_ix_live_kept), so that a queued one costs no member of `live`.
+-- `ix`) in the index: not in `live`, but as one of the shard's lane requests listed from their
+-- lanes (`lq`), which `list` finds there (list.lua). So a small request costs no member of `live`
+-- while its entries in the lane are in submission order: from its submit to its finish when every
+-- part of it is fed at its submit. It is listed in `live` (sg_ix_live_kept) when its first part is
+-- handed out if parts of it are fed later (the lane's tail then holds them out of order), when
+-- dead parts of it are requeued while it runs (likewise), when it is tracked, and when it is
+-- cancelled (before its finish moves it from `live`); its finish takes it off `lq` if it is not
+-- in `live` (sg_ix_finish_kept).
 -- An id that is not `fresh` first loses what an earlier request of it left listed; one listed as
 -- live already (a registration of the id, refused as a duplicate, listed it) stays so, and is not
--- counted. Returns 1 when it counts among the queued ones: the caller adds it to `lq`
--- (sg_ix_queued), once per call.
+-- counted. Returns 1 when it counts among those listed from their lanes: the caller adds it to
+-- `lq` (sg_ix_queued), once per call.
 local function sg_ix_add_kept(ix, kid, now, fresh)
   if not fresh then
     if redis.call('ZSCORE', ix .. 'live', kid) then return 0 end
@@ -1491,13 +1498,16 @@ local function sg_ix_add_kept(ix, kid, now, fresh)
   return 1
 end
 
--- Adds `n` to the shard's count of queued lane requests not listed as live (`lq`).
+-- Adds `n` to the shard's count of lane requests listed from their lanes (`lq`). They are live:
+-- if none was, the keys `sg_ix_settle` gave an expiry keep theirs no more (sg_ix_first_live).
 local function sg_ix_queued(ix, n)
-  if n > 0 then redis.call('INCRBY', ix .. 'lq', n) end
+  if n > 0 and redis.call('INCRBY', ix .. 'lq', n) == n and redis.call('EXISTS', ix .. 'live') == 0 then
+    for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
+  end
 end
 
--- Lists queued lane requests whose records keep their rows as live, unless they are already:
--- `listing` holds their submit ms and key ids, in pairs. Those it lists leave the queued count.
+-- Lists live lane requests whose records keep their rows in `live`, unless they are already:
+-- `listing` holds their submit ms and key ids, in pairs. Those it lists leave `lq`'s count.
 -- One command per key for all of them.
 local function sg_ix_live_kept_many(ix, listing)
   sg_ix_first_live(ix)
@@ -1506,7 +1516,7 @@ local function sg_ix_live_kept_many(ix, listing)
 end
 
 -- sg_ix_live_kept_many for one request, `kid`, from its record's `ix` and `lc` (`kept`, `lc`): when
--- it is tracked, or cancelled (before its finish moves it from `live`), while it is queued.
+-- it is tracked, cancelled or requeued while listed from its lane (sg_ix_add_kept).
 local function sg_ix_live_kept(ix, kid, kept, lc)
   sg_ix_live_kept_many(ix, {sg_ix_kept_at(kept, lc), kid})
 end
@@ -1588,10 +1598,10 @@ local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
   end
 end
 
--- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), listed live
--- by construction: `ats` their submission times (text, from the records), so neither the live
--- set's scores nor `row` is read. Those not tracked enter `exp` as one batch per terminal set
--- (sg_ix_batch), their records expiring with it.
+-- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), live by
+-- construction (in `live`, or listed from their lanes): `ats` their submission times (text, from
+-- the records), so neither the live set's scores nor `row` is read. Those not tracked enter `exp`
+-- as one batch per terminal set (sg_ix_batch), their records expiring with it.
 local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
   if #kids == 0 then return end
   local tracked = SG_IX_NONE
@@ -1617,7 +1627,10 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
   end
   if batched then
     local exp, at = {}, sg_int(expires)
-    redis.call('ZREM', ix .. 'live', unpack(kids))
+    -- The tracked ones are in `live`; those of the others that are not were listed from their
+    -- lanes, and leave `lq`'s count.
+    local lanes = #kids - redis.call('ZREM', ix .. 'live', unpack(kids))
+    if lanes > 0 and redis.call('DECRBY', ix .. 'lq', lanes) <= 0 then redis.call('DEL', ix .. 'lq') end
     for state, group in pairs(by_state) do
       redis.call('ZADD', ix .. state, unpack(group.members))
       batch[state] = math.max(batch[state] or 0, expires)
@@ -1829,7 +1842,7 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
   if not m then
-    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix')
+    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix', 'nf')
     seen[kid] = m
   end
   if not sg_lane_live(m, lc) then return false end
@@ -1837,9 +1850,11 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
-    -- Listed from now on as live, by the caller, with the others its call starts
-    -- (sg_lane_list_started): `seen[1]` collects their submit ms and key ids.
-    if m[4] then
+    -- One whose record keeps its row stays listed from its lane while it runs (list.lua), when
+    -- every part of it was fed at its submit (no `nf`): its entries there are then in submission
+    -- order. One with parts fed later is listed from now on as live, by the caller, with the
+    -- others its call starts (sg_lane_list_started): `seen[1]` collects their submit ms and key ids.
+    if m[4] and m[5] then
       local listing = seen[1] or {}
       seen[1] = listing
       listing[#listing + 1] = sg_ix_kept_at(m[4], m[2])
@@ -1857,8 +1872,8 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   return true
 end
 
--- Lists the lane requests whose first parts sg_lane_entry handed out in this call (`seen[1]`:
--- submit ms and key id, in pairs) as live (sg_ix_live_kept_many). `prefix` names the records
+-- Lists the lane requests whose first parts sg_lane_entry handed out in this call and that have
+-- parts fed later (`seen[1]`: submit ms and key id, in pairs) in `live` (sg_ix_live_kept_many). `prefix` names the records
 -- ("...:s:"), and so the shard's index ("...:ix:").
 local function sg_lane_list_started(prefix, seen)
   if seen[1] then sg_ix_live_kept_many(string.sub(prefix, 1, -3) .. 'ix:', seen[1]) end

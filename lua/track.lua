@@ -11,10 +11,10 @@ local function track(keys, args)
   local mark = {SG_IX_TRACKED, ix .. 'tracked'}
   local live = redis.call('ZSCORE', ix .. 'live', kid)
   if not live and args[2] == '1' then
-    -- A queued lane request whose record keeps its row is listed as live once tracked
-    -- (sg_ix_add_kept), so that the tracked set counts it live.
+    -- A live lane request listed from its lane (sg_ix_add_kept) is listed in `live` once
+    -- tracked, so that the tracked set counts it live.
     local rec = redis.call('HMGET', sg_ix_record(ix, kid), 'state', 'ix', 'lc')
-    if rec[1] == 'queued' and rec[2] then
+    if (rec[1] == 'queued' or rec[1] == 'running') and rec[2] then
       sg_ix_live_kept(ix, kid, rec[2], rec[3])
       live = redis.call('ZSCORE', ix .. 'live', kid)
     end

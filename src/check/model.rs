@@ -657,14 +657,17 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let mut out = BTreeMap::new();
     let mut lanes: HashMap<String, Vec<String>> = HashMap::new();
     // Lane requests whose records keep their listing rows (no tags: docs/protocol.md §5), and
-    // which of them are queued.
+    // which of them may be listed from their lanes: queued, or running with every part fed at
+    // the submit (no `nf`) and none requeued (no `rqd`).
     let (mut kept_rows, mut queued) = (HashSet::new(), HashSet::new());
     for i in 0..REQUEST_IDS {
         let kid = request_id(i).key_id();
         let record: HashMap<String, Vec<u8>> = next().convert().map_err(e)?;
         if record.contains_key("ix") {
             kept_rows.insert(kid.clone());
-            if record.get("state").map(Vec::as_slice) == Some(b"queued") {
+            let state = record.get("state").map(Vec::as_slice);
+            let fed_at_submit = !record.contains_key("nf") && !record.contains_key("rqd");
+            if state == Some(b"queued") || (state == Some(b"running") && fed_at_submit) {
                 queued.insert(kid.clone());
             }
         }
@@ -701,7 +704,7 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let expiring: Vec<String> =
         expiring.into_iter().chain(batched.into_iter().filter(|kid| finished.contains(kid))).collect();
     let queued_count: Option<i64> = next().convert().map_err(e)?;
-    // Listed as live: in `live` with a row, or a queued lane request found in its lane.
+    // Listed as live: in `live` with a row, or a lane request found in its lane.
     let listed_live = live
         .iter()
         .filter(|k| rows.contains(*k) || kept_rows.contains(*k))
@@ -714,8 +717,8 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let index = IndexSeen {
         rows,
         states,
-        queued: queued.into_iter().filter(|k| !live.contains(k)).collect(),
-        queued_count: queued_count.unwrap_or(0),
+        from_lanes: queued.into_iter().filter(|k| !live.contains(k)).collect(),
+        from_lanes_count: queued_count.unwrap_or(0),
         listed_live,
         live: live.into_iter().collect(),
         tracked,
@@ -859,12 +862,13 @@ struct IndexSeen {
     /// The members of `ix:live`, `ix:completed`, `ix:failed` and `ix:cancelled`.
     states: Vec<Vec<String>>,
     live: HashSet<String>,
-    /// Queued lane requests whose records keep their rows and that are not in `ix:live` (listed as
-    /// live from their first hand-out on), and `ix:lq`'s count of them.
-    queued: HashSet<String>,
-    queued_count: i64,
+    /// Live lane requests whose records keep their rows and that are not in `ix:live`: queued
+    /// ones, and running ones whose parts were all fed at their submit and none requeued (`list`
+    /// finds them in their lanes); and `ix:lq`'s count of them.
+    from_lanes: HashSet<String>,
+    from_lanes_count: i64,
     /// What `list` of the live requests must show: the members of `ix:live` with a row, and
-    /// `queued`.
+    /// `from_lanes`.
     listed_live: HashSet<String>,
     tracked: Vec<String>,
     /// `ix:tl`'s count of the tracked set's live members, and the set's expiry (PTTL).
@@ -872,8 +876,8 @@ struct IndexSeen {
     tracked_ttl: i64,
 }
 
-/// The listing index's invariants: a live request is listed as live (in `ix:live`, or a queued
-/// lane request, counted exactly by `ix:lq`), unless it was submitted unlisted, and one only ever
+/// The listing index's invariants: a live request is listed as live (in `ix:live`, or a lane
+/// request listed from its lane, counted exactly by `ix:lq`), unless it was submitted unlisted, and one only ever
 /// submitted unlisted is not listed; no request is in two state sets; the tracked set holds
 /// listed requests only, counts its live ones exactly (`ix:tl`), and keeps no expiry while it has
 /// one.
@@ -904,18 +908,18 @@ fn check_index(world: &World, seen: &BTreeMap<u8, Seen>, ix: &IndexSeen) -> Resu
             && !s.terminal()
             && s.state() != "loading"
             && !ix.live.contains(&kid)
-            && !ix.queued.contains(&kid)
+            && !ix.from_lanes.contains(&kid)
         {
             let listed = if ix.rows.contains(&kid) { "listed, but not as live" } else { "not listed" };
             return Err(format!("{}: {} but {listed} in the listing index", request_id(*i), s.state()));
         }
     }
-    if ix.queued.len() as i64 != ix.queued_count {
+    if ix.from_lanes.len() as i64 != ix.from_lanes_count {
         return Err(format!(
-            "the index counts {} queued lane requests, but {} are: {:?}",
-            ix.queued_count,
-            ix.queued.len(),
-            ix.queued
+            "the index counts {} lane requests listed from their lanes, but {} are: {:?}",
+            ix.from_lanes_count,
+            ix.from_lanes.len(),
+            ix.from_lanes
         ));
     }
     if let Some(stray) = ix.tracked.iter().find(|k| !ix.rows.contains(*k)) {

@@ -199,6 +199,13 @@ pub(crate) enum Op {
     RequeueFailed {
         pick: u8,
     },
+    /// An operator requeues the dead letters of a running request, picked among the pool's
+    /// running requests at that moment: its parts go back in line while its others run (a lane
+    /// request's then join its lane's tail, out of submission order). Absent in sequences
+    /// recorded before it.
+    RequeueRunning {
+        pick: u8,
+    },
     Finalize {
         request: u8,
     },
@@ -410,7 +417,8 @@ pub(crate) fn draw(rng: &mut StdRng, mix: &Mix, drained: bool) -> Op {
         760..=836 => Op::Advance {
             ms: if rng.gen_bool(0.7) { rng.gen_range(50..400) } else { rng.gen_range(900..2500) },
         },
-        837..=848 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        837..=842 => Op::Requeue { request: rng.gen_range(0..REQUEST_IDS) },
+        843..=848 => Op::RequeueRunning { pick: rng.gen() },
         849 => Op::Pause { priority: draw_pause(rng) },
         850..=851 => Op::SetGroup {
             group: rng.gen_range(0..GROUPS),

@@ -491,6 +491,10 @@ impl World {
                 let request = self.pick_target(*pick, &["failed"], true).await?;
                 Box::pin(self.apply(&Op::Requeue { request })).await
             }
+            Op::RequeueRunning { pick } => {
+                let request = self.pick_target(*pick, &["running"], true).await?;
+                Box::pin(self.apply(&Op::Requeue { request })).await
+            }
             Op::Requeue { request } => {
                 self.model.requests.entry(*request).or_default().requeue_tried = true;
                 let admin = Admin::from_store(self.store.clone());

@@ -1001,3 +1001,139 @@ async fn finished_lane_requests_leave_the_index_with_their_retention_while_the_s
         assert!(unnamed.is_empty(), "shard {shard}: entries ix:exp names nowhere: {unnamed:?}");
     }
 }
+
+/// Holds every handler until the test lets it go: one permit a run.
+#[derive(Clone)]
+struct Held {
+    permits: Arc<tokio::sync::Semaphore>,
+    started: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait]
+impl Handler for Held {
+    type Input = Job;
+    type Output = u64;
+    async fn handle(&self, _ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.permits.acquire().await.expect("never closed").forget();
+        Ok(job.n)
+    }
+}
+
+/// Lane requests whose parts were all fed at their submit (every single-part one) stay listed
+/// from their lanes while they run, in no sorted set of the index (docs/protocol.md §5); those
+/// with parts fed later are listed in `ix:live` from their first hand-out. Run a few at a time,
+/// `list` shows every queued and every running one once, in its state, newest first, at every
+/// page size, and the unfinished count holds; once all finished, none is live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_lane_requests_list_once_each_while_they_run() {
+    use sluicegate::{ListQuery, ListState};
+    use std::collections::HashSet;
+    let env = env_on(TOPOLOGY, "lanerun").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut listed = Vec::new();
+    for n in 0..24 {
+        listed.push(producer.request().submit([Job::new(n)]).await.unwrap());
+    }
+    for n in 0..4 {
+        // Every part fed at the submit.
+        let parts = (0..3).map(|i| Job::new(100 + n * 10 + i));
+        listed.push(producer.request().concurrency(4).unwrap().submit(parts).await.unwrap());
+        // Parts fed as others settle: in `ix:live` from its first hand-out.
+        let parts = (0..6).map(|i| Job::new(200 + n * 10 + i));
+        listed.push(producer.request().concurrency(2).unwrap().submit(parts).await.unwrap());
+    }
+    for n in 0..6 {
+        producer.request().unlisted().submit([Job::new(300 + n)]).await.unwrap();
+    }
+    let held = Held { permits: Arc::new(tokio::sync::Semaphore::new(0)), started: Default::default() };
+    let w = start_worker(&config, held.clone(), 8, Quantum::default()).await;
+    let all = |q: ListQuery| {
+        let admin = admin.clone();
+        async move {
+            let (mut ids, mut last_ms) = (Vec::new(), i64::MAX);
+            let mut q = q;
+            loop {
+                let page = admin.list(&q).await.unwrap();
+                for r in &page.requests {
+                    assert!(r.submitted_ms <= last_ms, "not newest first");
+                    last_ms = r.submitted_ms;
+                    ids.push(r.id.clone());
+                }
+                match page.cursor {
+                    Some(c) => q = q.cursor(c),
+                    None => return ids,
+                }
+            }
+        }
+    };
+    let by_state = || async {
+        let (mut queued, mut running) = (HashSet::new(), HashSet::new());
+        for h in &listed {
+            match admin.status(h.id()).await.unwrap().state {
+                RequestState::Queued => queued.insert(h.id().to_string()),
+                RequestState::Running => running.insert(h.id().to_string()),
+                _ => false,
+            };
+        }
+        (queued, running)
+    };
+    let once = |ids: Vec<String>, what: &str| {
+        let n = ids.len();
+        let got: HashSet<String> = ids.into_iter().collect();
+        assert_eq!(got.len(), n, "{what}: a request listed twice");
+        got
+    };
+    let mut checked_running = 0;
+    loop {
+        // Hold still: the runs let go have ended and the next ones wait (no new start for 150 ms).
+        let mut seen = held.started.load(Ordering::SeqCst);
+        loop {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let now = held.started.load(Ordering::SeqCst);
+            if now == seen {
+                break;
+            }
+            seen = now;
+        }
+        // The states can still move (an ack on its way): compare with a listing taken between two
+        // equal readings of them.
+        let mut attempt = 0;
+        let after = loop {
+            let before = by_state().await;
+            let size = [1, 3, 64][attempt % 3];
+            let queued = once(all(ListQuery::new().state(ListState::Queued).limit(size)).await, "queued");
+            let running = once(all(ListQuery::new().state(ListState::Running).limit(size)).await, "running");
+            let every = once(all(ListQuery::new().limit(size)).await, "every state");
+            let unfinished = admin.stats().await.unwrap().requests.unfinished;
+            let after = by_state().await;
+            if before != after {
+                attempt += 1;
+                assert!(attempt < 50, "the states never held still");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+            assert_eq!((&queued, &running), (&after.0, &after.1), "pages of {size}");
+            assert_eq!(every.len(), listed.len(), "every state, pages of {size}");
+            assert_eq!(unfinished, (after.0.len() + after.1.len()) as u64, "unfinished");
+            break after;
+        };
+        checked_running += after.1.len();
+        if after.0.is_empty() && after.1.is_empty() {
+            break;
+        }
+        held.permits.add_permits(4);
+    }
+    assert!(checked_running > 0, "no request was seen running");
+    held.permits.add_permits(1000);
+    for h in &listed {
+        h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+    }
+    w.stop().await;
+    assert!(all(ListQuery::new().state(ListState::Running).limit(10)).await.is_empty());
+    assert!(all(ListQuery::new().state(ListState::Queued).limit(10)).await.is_empty());
+    let counts = admin.stats().await.unwrap().requests;
+    assert_eq!((counts.unfinished, counts.completed), (0, listed.len() as u64), "{counts:?}");
+}

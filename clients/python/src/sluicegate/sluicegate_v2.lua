@@ -1143,7 +1143,7 @@ end
 -- The listing index (docs/protocol.md §5, "Listing"), on each home shard beside `active`, its
 -- keys named from the shard's prefix "<ns>:{<ns>.q<s>}:" followed by `ix:` and:
 --   live, completed, failed, cancelled  sorted sets of the requests in that state (live: not yet
---                                        terminal), score = when submitted (ms)
+--                                        terminal; but see `lq`), score = when submitted (ms)
 --   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
 --                                        `r` a request of its own keys, `l` a lane request; tags
 --                                        comma-separated), except a lane request without tags,
@@ -1162,8 +1162,9 @@ end
 --   tl, tx                               hashes: per tag (and ' tracked' for the tracked set) how
 --                                        many of its requests are live, and the latest expiry
 --                                        among its finished ones (ms)
---   lq                                   the number of queued lane requests whose records keep
---                                        their rows and that are not in `live` yet
+--   lq                                   the number of live lane requests whose records keep
+--                                        their rows and that are not in `live`: queued ones, and
+--                                        running ones whose parts were all fed at their submit
 --                                        (sg_ix_add_kept): `list` finds them in their lanes. It
 --                                        is deleted when it reaches 0
 --   next                                 hash: key id -> the row of a registration that found its
@@ -1250,10 +1251,11 @@ local function sg_ix_mark_done(ix, mark, expires, now)
   if latest then sg_ix_expire_at(mark[2], tonumber(latest), now) end
 end
 
--- With no live request left on the shard, the keys that hold both kinds expire with the latest
--- finished one (each new request makes them persist again).
+-- With no live request left on the shard (none in `live`, none listed from its lane: `lq`), the
+-- keys that hold both kinds expire with the latest finished one (each new request makes them
+-- persist again: sg_ix_first_live, sg_ix_queued).
 local function sg_ix_settle(ix, now)
-  if redis.call('EXISTS', ix .. 'live') == 1 then return end
+  if redis.call('EXISTS', ix .. 'live', ix .. 'lq') > 0 then return end
   local last = redis.call('ZRANGE', ix .. 'exp', -1, -1, 'WITHSCORES')
   for _, name in ipairs(SG_IX_SHARED) do
     if last[2] then sg_ix_expire_at(ix .. name, tonumber(last[2]), now) else redis.call('DEL', ix .. name) end
@@ -1478,13 +1480,18 @@ local function sg_ix_kept_at(kept, lc)
 end
 
 -- Enters a created lane request `kid` whose record keeps its row (the caller writes the record's
--- `ix`) in the index: not as live yet, but as one of the shard's queued lane requests (`lq`),
--- which `list` finds in their lanes (list.lua). It is listed as live when its first part is handed
--- out, or when it is tracked (sg_ix_live_kept), so that a queued one costs no member of `live`.
+-- `ix`) in the index: not in `live`, but as one of the shard's lane requests listed from their
+-- lanes (`lq`), which `list` finds there (list.lua). So a small request costs no member of `live`
+-- while its entries in the lane are in submission order: from its submit to its finish when every
+-- part of it is fed at its submit. It is listed in `live` (sg_ix_live_kept) when its first part is
+-- handed out if parts of it are fed later (the lane's tail then holds them out of order), when
+-- dead parts of it are requeued while it runs (likewise), when it is tracked, and when it is
+-- cancelled (before its finish moves it from `live`); its finish takes it off `lq` if it is not
+-- in `live` (sg_ix_finish_kept).
 -- An id that is not `fresh` first loses what an earlier request of it left listed; one listed as
 -- live already (a registration of the id, refused as a duplicate, listed it) stays so, and is not
--- counted. Returns 1 when it counts among the queued ones: the caller adds it to `lq`
--- (sg_ix_queued), once per call.
+-- counted. Returns 1 when it counts among those listed from their lanes: the caller adds it to
+-- `lq` (sg_ix_queued), once per call.
 local function sg_ix_add_kept(ix, kid, now, fresh)
   if not fresh then
     if redis.call('ZSCORE', ix .. 'live', kid) then return 0 end
@@ -1493,13 +1500,16 @@ local function sg_ix_add_kept(ix, kid, now, fresh)
   return 1
 end
 
--- Adds `n` to the shard's count of queued lane requests not listed as live (`lq`).
+-- Adds `n` to the shard's count of lane requests listed from their lanes (`lq`). They are live:
+-- if none was, the keys `sg_ix_settle` gave an expiry keep theirs no more (sg_ix_first_live).
 local function sg_ix_queued(ix, n)
-  if n > 0 then redis.call('INCRBY', ix .. 'lq', n) end
+  if n > 0 and redis.call('INCRBY', ix .. 'lq', n) == n and redis.call('EXISTS', ix .. 'live') == 0 then
+    for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
+  end
 end
 
--- Lists queued lane requests whose records keep their rows as live, unless they are already:
--- `listing` holds their submit ms and key ids, in pairs. Those it lists leave the queued count.
+-- Lists live lane requests whose records keep their rows in `live`, unless they are already:
+-- `listing` holds their submit ms and key ids, in pairs. Those it lists leave `lq`'s count.
 -- One command per key for all of them.
 local function sg_ix_live_kept_many(ix, listing)
   sg_ix_first_live(ix)
@@ -1508,7 +1518,7 @@ local function sg_ix_live_kept_many(ix, listing)
 end
 
 -- sg_ix_live_kept_many for one request, `kid`, from its record's `ix` and `lc` (`kept`, `lc`): when
--- it is tracked, or cancelled (before its finish moves it from `live`), while it is queued.
+-- it is tracked, cancelled or requeued while listed from its lane (sg_ix_add_kept).
 local function sg_ix_live_kept(ix, kid, kept, lc)
   sg_ix_live_kept_many(ix, {sg_ix_kept_at(kept, lc), kid})
 end
@@ -1590,10 +1600,10 @@ local function sg_ix_finish_many(ix, kids, states, expires, now, batch)
   end
 end
 
--- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), listed live
--- by construction: `ats` their submission times (text, from the records), so neither the live
--- set's scores nor `row` is read. Those not tracked enter `exp` as one batch per terminal set
--- (sg_ix_batch), their records expiring with it.
+-- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), live by
+-- construction (in `live`, or listed from their lanes): `ats` their submission times (text, from
+-- the records), so neither the live set's scores nor `row` is read. Those not tracked enter `exp`
+-- as one batch per terminal set (sg_ix_batch), their records expiring with it.
 local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
   if #kids == 0 then return end
   local tracked = SG_IX_NONE
@@ -1619,7 +1629,10 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
   end
   if batched then
     local exp, at = {}, sg_int(expires)
-    redis.call('ZREM', ix .. 'live', unpack(kids))
+    -- The tracked ones are in `live`; those of the others that are not were listed from their
+    -- lanes, and leave `lq`'s count.
+    local lanes = #kids - redis.call('ZREM', ix .. 'live', unpack(kids))
+    if lanes > 0 and redis.call('DECRBY', ix .. 'lq', lanes) <= 0 then redis.call('DEL', ix .. 'lq') end
     for state, group in pairs(by_state) do
       redis.call('ZADD', ix .. state, unpack(group.members))
       batch[state] = math.max(batch[state] or 0, expires)
@@ -1831,7 +1844,7 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
   local m = seen[kid]
   if not m then
-    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix')
+    m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix', 'nf')
     seen[kid] = m
   end
   if not sg_lane_live(m, lc) then return false end
@@ -1839,9 +1852,11 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
     m[1] = 'running'
-    -- Listed from now on as live, by the caller, with the others its call starts
-    -- (sg_lane_list_started): `seen[1]` collects their submit ms and key ids.
-    if m[4] then
+    -- One whose record keeps its row stays listed from its lane while it runs (list.lua), when
+    -- every part of it was fed at its submit (no `nf`): its entries there are then in submission
+    -- order. One with parts fed later is listed from now on as live, by the caller, with the
+    -- others its call starts (sg_lane_list_started): `seen[1]` collects their submit ms and key ids.
+    if m[4] and m[5] then
       local listing = seen[1] or {}
       seen[1] = listing
       listing[#listing + 1] = sg_ix_kept_at(m[4], m[2])
@@ -1859,8 +1874,8 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   return true
 end
 
--- Lists the lane requests whose first parts sg_lane_entry handed out in this call (`seen[1]`:
--- submit ms and key id, in pairs) as live (sg_ix_live_kept_many). `prefix` names the records
+-- Lists the lane requests whose first parts sg_lane_entry handed out in this call and that have
+-- parts fed later (`seen[1]`: submit ms and key id, in pairs) in `live` (sg_ix_live_kept_many). `prefix` names the records
 -- ("...:s:"), and so the shard's index ("...:ix:").
 local function sg_lane_list_started(prefix, seen)
   if seen[1] then sg_ix_live_kept_many(string.sub(prefix, 1, -3) .. 'ix:', seen[1]) end
@@ -4477,8 +4492,8 @@ local function lane_cancel(keys, args)
   redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
   local ix = sg_ix(keys[2])
-  -- A queued one whose record keeps its row is not listed as live yet (sg_ix_add_kept).
-  if m[1] == 'queued' and m[5] then sg_ix_live_kept(ix, args[1], m[5], m[2]) end
+  -- One whose record keeps its row may be listed from its lane, not in `live` (sg_ix_add_kept).
+  if m[5] then sg_ix_live_kept(ix, args[1], m[5], m[2]) end
   sg_ix_finish(ix, args[1], 'cancelled', now + tonumber(args[2]), now)
   sg_lane_events(keys[2], {line}, args[2], now, args[3])
   if m[4] then return {'finished', 'cancelled', m[2], 'rel'} end
@@ -4499,7 +4514,7 @@ do
 -- the request is unknown, or finished other than failed.
 local function lane_requeue(keys, args)
   local record = keys[7]
-  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq')
+  local m = redis.call('HMGET', record, 'state', 'pol', 'nf', 'rq', 'ix', 'lc')
   if not m[1] or (m[1] ~= 'failed' and m[1] ~= 'queued' and m[1] ~= 'running') then
     return redis.error_reply('SGSTATE the request is unknown, or finished without dead letters')
   end
@@ -4535,8 +4550,11 @@ local function lane_requeue(keys, args)
     -- Failed fast: its parts that were in the lane then are dropped unrun under the old lifecycle;
     -- their payloads were kept (sg_lane_feed), and they are fed again.
     for _, i in ipairs(inflight) do rq[#rq + 1] = i end
-  elseif m[4] and m[4] ~= '' then
-    table.insert(rq, 1, m[4])
+  else
+    if m[4] and m[4] ~= '' then table.insert(rq, 1, m[4]) end
+    -- Its requeued parts join the lane's tail, out of submission order: one listed from its lane
+    -- (sg_ix_add_kept) is listed in `live` from now on.
+    if m[5] then sg_ix_live_kept(sg_ix(keys[10]), args[2], m[5], m[6]) end
   end
   redis.call('HSET', record, 'rq', table.concat(rq, ','))
   redis.call('HINCRBY', record, 'failed', -#dead)
@@ -4578,36 +4596,42 @@ end
 -- end; each row is seven items: key id, submit ms, index row, state set, tracked (0/1), and the
 -- cursor (score, passed) that resumes right after it.
 -- How many lane entries `list` passes over in one lane (hidden ones, below, and entries of
--- started requests: parts fed later, or requeued) before it ends its page where that lane's walk
+-- requests listed in `live` that run: with parts fed later, or requeued) before it ends its page where that lane's walk
 -- stopped (list_lane's `low`). The randomized checker's build of the library sets it to 2.
 local LIST_LANE_SKIP = 10000
 
--- The queued requests of one lane, as `list` walks a set: the entries of the lane `stream` (its
--- consumer group `g`) not handed out yet, newest first, each as {key id, submitted ms, 'live'}
--- once per request, those submitted after `from` (ms, or '+inf') left out, at least `want` of
--- them when the lane has that many, and then every one submitted in the same millisecond as the
--- last (so that ties are told apart by key id as in a sorted set).
--- A request is queued until its first part is handed out (prelude.lua, sg_ix_add_kept); every
--- part of it is then still in the lane, fed at its submit in submission order, and so are the
--- parts of one cancelled before it started. Those entries ("ordered") follow their requests'
--- submit times, which a binary search by entry id uses. The walk shows only queued requests that
--- keep their rows in their records and are not in `live` (`live` shows those); the other ordered
--- ones (unlisted, tracked, cancelled) are hidden, and entries of started requests are passed
--- over. Returns the entries, whether that was all, and, when it passed over more than
--- LIST_LANE_SKIP entries first, the submit ms of the last ordered entry it reached (math.huge
--- when none): the page then ends above it.
+-- How many pending entries of one lane `list` reads (those of its running requests, below)
+-- before it refuses to page.
+local LIST_LANE_PENDING = 10000
+
+-- The live requests of one lane that are listed from it (prelude.lua, sg_ix_add_kept), as `list`
+-- walks a set, each as {key id, submitted ms, 'live'} once per request, those submitted after
+-- `from` (ms, or '+inf') left out: every one with an entry handed out and not settled yet (the
+-- group's pending entries, in any order), and of the entries of the lane `stream` (its consumer
+-- group `g`) not handed out yet, newest first, at least `want` more requests when the lane has
+-- that many, and then every one submitted in the same millisecond as the last (so that ties are
+-- told apart by key id as in a sorted set).
+-- Such a request is queued, or running with every part of it fed at its submit; either way each
+-- part of it not settled yet is in the lane, pending or not handed out yet, and those not handed
+-- out are in submission order, as are the parts of one cancelled before it started. Those entries
+-- ("ordered") follow their requests' submit times, which a binary search by entry id uses. The
+-- walk shows only the live requests that keep their rows in their records and are not in `live`
+-- (`live` shows those); the other ordered ones (unlisted, tracked, cancelled) are hidden, and
+-- entries of requests with parts fed later are passed over. Returns the entries (nil when more
+-- than LIST_LANE_PENDING entries are pending), whether that was all, and, when it passed over
+-- more than LIST_LANE_SKIP entries first, the submit ms of the last ordered entry it reached
+-- (math.huge when none): the page then ends above it.
 local function list_lane(base, stream, from, want, live)
   local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
   if not last then return {}, true end
-  local delivered = '0-0'
+  local delivered, grouped = '0-0', false
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     for i = 1, #g, 2 do
-      if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
+      if g[i] == 'last-delivered-id' then delivered, grouped = g[i + 1], true end
     end
   end
   local n = function(id) return tonumber(string.match(id, '^0%-(%d+)$') or '0') end
   local lo, hi = n(delivered) + 1, n(last[1])
-  if lo > hi then return {}, true end
   -- The submit ms of the request of entry `e` if the entry is ordered, else nil; and whether the
   -- walk shows it. By request and lifecycle: entries of an earlier request of the id (cancelled,
   -- then purged) may still wait in the lane.
@@ -4617,22 +4641,47 @@ local function list_lane(base, stream, from, want, live)
     local key = kid .. '|' .. lc
     local k = known[key]
     if k == nil then
-      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started', 'ix')
+      local m = redis.call('HMGET', base .. 's:' .. kid, 'state', 'lc', 'started', 'ix', 'nf')
       k = false
-      if m[2] == lc and (m[1] == 'queued' or (m[1] == 'cancelled' and not m[3])) then
-        local shown = m[1] == 'queued' and m[4] and not redis.call('ZSCORE', live, kid)
-        k = {math.floor(tonumber(lc) / 1000), shown and true or false}
+      if m[2] == lc then
+        local at = math.floor(tonumber(lc) / 1000)
+        if m[1] == 'queued' or (m[1] == 'cancelled' and not m[3]) then
+          local shown = m[1] == 'queued' and m[4] and not redis.call('ZSCORE', live, kid)
+          k = {at, shown and true or false}
+        elseif m[1] == 'running' and m[4] and not m[5] and not redis.call('ZSCORE', live, kid) then
+          -- Listed from its lane: its parts were all fed at its submit, and none was requeued
+          -- (that lists it in `live`).
+          k = {at, true}
+        end
       end
       known[key] = k
     end
     if not k then return nil end
     return k[1], k[2]
   end
+  local f = tonumber(from) or math.huge
+  -- The running requests with entries handed out: in delivery order, not submission order, so
+  -- all of them (not only the newest `want`); the walk below counts only requests these left out.
+  local out, shown = {}, {}
+  local pending = grouped and redis.call('XPENDING', stream, 'g', '-', '+', LIST_LANE_PENDING + 1) or {}
+  if #pending > LIST_LANE_PENDING then return nil end
+  for _, p in ipairs(pending) do
+    local e = redis.call('XRANGE', stream, p[1], p[1])[1]
+    if e then
+      local kid = e[2][4]
+      local at, show = ordered(e)
+      if at and show and at <= f and not shown[kid] then
+        shown[kid] = true
+        out[#out + 1] = {kid, at, 'live'}
+      end
+    end
+  end
+  local found = #out
+  if lo > hi then return out, true end
   -- The first entry id after which every ordered entry was submitted after `from`: the smallest
   -- id whose first ordered entry at or after it was. A probe that finds none near errs later,
   -- which only makes the walk below pass over more.
   local top = '+'
-  local f = tonumber(from) or math.huge
   if from ~= '+inf' then
     local a, b = lo, hi + 1
     while a < b do
@@ -4646,7 +4695,7 @@ local function list_lane(base, stream, from, want, live)
     end
     if a <= hi then top = '(0-' .. a end
   end
-  local out, shown, skipped, tie, low = {}, {}, 0, nil, nil
+  local skipped, tie, low = 0, nil, nil
   while true do
     local got = redis.call('XREVRANGE', stream, top, '(' .. delivered, 'COUNT', 100)
     if #got == 0 then return out, true end
@@ -4659,7 +4708,7 @@ local function list_lane(base, stream, from, want, live)
         if show and not shown[kid] then
           shown[kid] = true
           out[#out + 1] = {kid, at, 'live'}
-          if #out >= want then tie = at end
+          if #out - found >= want then tie = at end
         elseif not show then
           skipped = skipped + 1
         end
@@ -4698,6 +4747,11 @@ local function list(keys, args)
           local stream = base .. 'lane:' .. p .. ':s'
           if redis.call('EXISTS', stream) == 1 then
             local queued, all, low = list_lane(base, stream, from, want, ix .. 'live')
+            if not queued then
+              return redis.error_reply('SGSTATE a lane holds more than ' .. LIST_LANE_PENDING .. ' entries handed '
+                .. 'out and not settled: list cannot page through its running requests now (try again once '
+                .. 'they have settled)')
+            end
             if not all then complete = false end
             if low then floor = math.max(floor or low, low) end
             for _, e in ipairs(queued) do entries[#entries + 1] = e end
@@ -4788,10 +4842,10 @@ local function track(keys, args)
   local mark = {SG_IX_TRACKED, ix .. 'tracked'}
   local live = redis.call('ZSCORE', ix .. 'live', kid)
   if not live and args[2] == '1' then
-    -- A queued lane request whose record keeps its row is listed as live once tracked
-    -- (sg_ix_add_kept), so that the tracked set counts it live.
+    -- A live lane request listed from its lane (sg_ix_add_kept) is listed in `live` once
+    -- tracked, so that the tracked set counts it live.
     local rec = redis.call('HMGET', sg_ix_record(ix, kid), 'state', 'ix', 'lc')
-    if rec[1] == 'queued' and rec[2] then
+    if (rec[1] == 'queued' or rec[1] == 'running') and rec[2] then
       sg_ix_live_kept(ix, kid, rec[2], rec[3])
       live = redis.call('ZSCORE', ix .. 'live', kid)
     end
@@ -5491,4 +5545,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 3 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 4 end, flags={'no-writes'}}
