@@ -950,14 +950,18 @@ async fn an_admin_with_another_shard_count_lists_and_finds_every_lane_request() 
 /// Finished lane requests whose records keep their rows enter the listing index's `ix:exp` a batch
 /// per call (docs/protocol.md §5): while the shard stays busy, each leaves its terminal set with its
 /// retention, and every entry of a terminal set is named by `ix:exp` (so none is left behind when
-/// a batch is trimmed in the millisecond its records expire).
+/// a batch is trimmed in the millisecond its records expire). Busy here means requests listed
+/// from their lanes only, none in `ix:live`: after the first round the shard had none live, so
+/// its shared index keys were given the expiry of its latest finished request, and a submit that
+/// counts one in `ix:lq` must take that expiry off again, or `ix:exp` would expire with the
+/// entries of the requests finished since.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finished_lane_requests_leave_the_index_with_their_retention_while_the_shard_stays_busy() {
     use fred::interfaces::SortedSetsInterface;
     use std::collections::HashSet;
     let env = env_on(TOPOLOGY, "ixexp").await;
     let config = env.config.clone().retention(Duration::from_secs(1));
-    let w = start_worker(&config, Probe::default(), 4, Quantum::default()).await;
+    let w = start_worker(&config, Probe::default(), 8, Quantum::default()).await;
     let producer = Producer::connect(&config).await.unwrap();
     let ns = config.namespace_str().to_owned();
     let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
@@ -977,11 +981,20 @@ async fn finished_lane_requests_leave_the_index_with_their_retention_while_the_s
         }
     };
     let first: HashSet<String> = round(200).await.into_iter().collect();
+    // Single-part requests running (listed from their lanes) for all of what follows, each alone in
+    // its lane (a priority of its own), so that no slot runs two of them or a round's behind one.
+    let mut sleepers = Vec::new();
+    for p in 20..24u8 {
+        sleepers.push(producer.request().priority(p).unwrap().submit([Job::sleeping(0, 4_000)]).await.unwrap());
+    }
     // Finishes go on for three retentions; each trims what has expired.
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(3) {
         round(20).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for h in &sleepers {
+        h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
     }
     w.stop().await;
     for shard in 0..4 {
