@@ -392,25 +392,7 @@ async fn queued_lane_requests_list_from_their_lanes_once_each_newest_first() {
     }
     let expect: std::collections::HashSet<String> =
         listed.iter().map(|h| h.id().to_string()).filter(|id| !cancelled.contains(id)).collect();
-    let all = |q: ListQuery| {
-        let admin = admin.clone();
-        async move {
-            let (mut ids, mut last_ms) = (Vec::new(), i64::MAX);
-            let mut q = q;
-            loop {
-                let page = admin.list(&q).await.unwrap();
-                for r in &page.requests {
-                    assert!(r.submitted_ms <= last_ms, "not newest first");
-                    last_ms = r.submitted_ms;
-                    ids.push(r.id.clone());
-                }
-                match page.cursor {
-                    Some(c) => q = q.cursor(c),
-                    None => return ids,
-                }
-            }
-        }
-    };
+    let all = |q: ListQuery| list_all(&admin, q);
     let check = |ids: Vec<String>, want: &std::collections::HashSet<String>, what: &str| {
         let n = ids.len();
         let got: std::collections::HashSet<String> = ids.into_iter().collect();
@@ -450,6 +432,23 @@ async fn queued_lane_requests_list_from_their_lanes_once_each_newest_first() {
     check(all(ListQuery::new().state(ListState::Completed).limit(50)).await, &expect, "completed");
     let counts = admin.stats().await.unwrap().requests;
     assert_eq!((counts.unfinished, counts.completed), (0, expect.len() as u64), "{counts:?}");
+}
+
+/// Every page of `q`, followed by its cursor: the ids listed, checked newest first.
+async fn list_all(admin: &Admin, mut q: sluicegate::ListQuery) -> Vec<String> {
+    let (mut ids, mut last_ms) = (Vec::new(), i64::MAX);
+    loop {
+        let page = admin.list(&q).await.unwrap();
+        for r in &page.requests {
+            assert!(r.submitted_ms <= last_ms, "not newest first");
+            last_ms = r.submitted_ms;
+            ids.push(r.id.clone());
+        }
+        match page.cursor {
+            Some(c) => q = q.cursor(c),
+            None => return ids,
+        }
+    }
 }
 
 /// A lane walk that passes over more than 10,000 entries it does not show (here unlisted queued
@@ -1063,25 +1062,7 @@ async fn running_lane_requests_list_once_each_while_they_run() {
     }
     let held = Held { permits: Arc::new(tokio::sync::Semaphore::new(0)), started: Default::default() };
     let w = start_worker(&config, held.clone(), 8, Quantum::default()).await;
-    let all = |q: ListQuery| {
-        let admin = admin.clone();
-        async move {
-            let (mut ids, mut last_ms) = (Vec::new(), i64::MAX);
-            let mut q = q;
-            loop {
-                let page = admin.list(&q).await.unwrap();
-                for r in &page.requests {
-                    assert!(r.submitted_ms <= last_ms, "not newest first");
-                    last_ms = r.submitted_ms;
-                    ids.push(r.id.clone());
-                }
-                match page.cursor {
-                    Some(c) => q = q.cursor(c),
-                    None => return ids,
-                }
-            }
-        }
-    };
+    let all = |q: ListQuery| list_all(&admin, q);
     let by_state = || async {
         let (mut queued, mut running) = (HashSet::new(), HashSet::new());
         for h in &listed {
