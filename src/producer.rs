@@ -841,10 +841,11 @@ impl RequestBuilder<'_> {
     /// dashboard's lists do not show it, and `Admin::stats`' request counts leave it out.
     /// Everything done by id works as for any request: status, `wait`, events, cancel, requeue,
     /// results. For many tiny requests that nobody lists: it
-    /// saves the index's Redis work at the first hand-out and the finish (a single-part request's
-    /// drain costs about 35 µs of Redis CPU unlisted against 40-43 listed, docs/benchmarks.md)
-    /// and its 320-350 bytes per finished request during the retention (a queued one without
-    /// tags costs about the same either way: it is entered at its first hand-out). Only for a
+    /// saves the index's Redis work at the finish (a single-part request's drain costs about 20
+    /// µs of Redis CPU unlisted against 23-24 listed, docs/benchmarks.md, "Running lane requests
+    /// listed from their lanes") and about 170 bytes per finished request during the retention
+    /// (a queued or running one without tags costs about the same either way: `list` finds it in
+    /// its lane until it finishes). Only for a
     /// request that takes its priority's lane (a small one given whole: see
     /// [`Config::lane_tokens`]; not delayed, not [`own_stream`](Self::own_stream), not
     /// [`open`](Self::open)ed), which is created and entered in one step: a request of its own
