@@ -1173,6 +1173,12 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
                     f.len() >= 5 && f[0] == "h" && f[2] == holder && f[4].split(',').any(|id| id == entry)
                 }));
         if under_live_lease {
+            // Status and list show it running from its first hand-out on.
+            if s.state() == "queued" {
+                return Err(format!(
+                    "{request}[{index}] runs under a live lease, but the request reads queued"
+                ));
+            }
             *live.entry(request.clone()).or_default() += 1;
             check_gate(&request_id(i), s, &seen)?;
         }

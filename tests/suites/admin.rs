@@ -1131,3 +1131,50 @@ async fn running_lane_requests_list_once_each_while_they_run() {
     let counts = admin.stats().await.unwrap().requests;
     assert_eq!((counts.unfinished, counts.completed), (0, listed.len() as u64), "{counts:?}");
 }
+
+/// Status and list show a single-part lane request, listed or not, queued before a worker takes
+/// it, running (with its start time) from the moment its handler starts, and completed once it
+/// acks: what a change to when a lane record is written must keep (a hand-out that wrote nothing
+/// was built and measured on 2026-12-05; docs/benchmarks.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_request_reads_running_from_its_hand_out_to_its_ack() {
+    use sluicegate::{ListQuery, ListState};
+    let env = env_on(TOPOLOGY, "lanelook").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let listed = producer.request().submit([Job::new(1)]).await.unwrap();
+    let unlisted = producer.request().unlisted().submit([Job::new(2)]).await.unwrap();
+    for h in [&listed, &unlisted] {
+        let status = admin.status(h.id()).await.unwrap();
+        assert_eq!((status.state, status.started_ms), (RequestState::Queued, None));
+    }
+    let held = Held { permits: Arc::new(tokio::sync::Semaphore::new(0)), started: Default::default() };
+    let before = now_ms();
+    let w = start_worker(&config, held.clone(), 8, Quantum::default()).await;
+    while held.started.load(Ordering::SeqCst) < 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for h in [&listed, &unlisted] {
+        let status = admin.status(h.id()).await.unwrap();
+        assert_eq!(status.state, RequestState::Running, "{}", h.id());
+        let started = status.started_ms.expect("a running request has its start time");
+        assert!(started + 1000 >= before && started <= now_ms() + 1000, "started {started}, before {before}");
+    }
+    let running = list_all(&admin, ListQuery::new().state(ListState::Running).limit(10)).await;
+    assert_eq!(running, vec![listed.id().to_string()]);
+    assert!(list_all(&admin, ListQuery::new().state(ListState::Queued).limit(10)).await.is_empty());
+    held.permits.add_permits(2);
+    for h in [&listed, &unlisted] {
+        h.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+        let status = admin.status(h.id()).await.unwrap();
+        assert_eq!(status.state, RequestState::Completed);
+        assert!(status.started_ms.is_some_and(|s| s <= status.finished_ms.unwrap_or(0)), "{status:?}");
+    }
+    w.stop().await;
+}
+
+/// This machine's clock, in ms since the Unix epoch (Redis's clock on this machine's server).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
