@@ -64,7 +64,7 @@ local function lane_requeue(keys, args)
     redis.call('PERSIST', record)
     -- Its downstreams (if any) wait for this lifecycle's end: their set is kept while it runs.
     redis.call('PERSIST', sg_shard_key(keys[10], 'dn:' .. args[2]))
-    sg_ix_reopen(sg_ix(keys[10]), args[2])
+    sg_ix_reopen(sg_ix(keys[10]), args[2], m[5] and sg_ix_kept_at(m[5], m[6]))
     feed = math.min(pol.limit, left)
   end
   local lc = redis.call('HGET', record, 'lc')

@@ -155,8 +155,33 @@ local function list(keys, args)
   local entries, complete, floor = {}, true, nil
   for set in string.gmatch(args[1], '[^,]+') do
     local got = redis.call('ZREVRANGEBYSCORE', ix .. set, from, '-inf', 'WITHSCORES', 'LIMIT', 0, want)
-    if #got / 2 >= want then complete = false end
-    for i = 1, #got, 2 do entries[#entries + 1] = {got[i], tonumber(got[i + 1]), set} end
+    local terminal = set == 'completed' or set == 'failed' or set == 'cancelled'
+    if #got / 2 >= want then
+      complete = false
+      if terminal then
+        -- A group member (prelude.lua, "The listing index") holds several requests of its score,
+        -- which sort among the others of that score by key id: every member at the lowest score
+        -- read is read, so that the page's order within a score is the same on every page.
+        local low = got[#got]
+        while #got > 0 and got[#got] == low do
+          got[#got] = nil
+          got[#got] = nil
+        end
+        for _, m in ipairs(redis.call('ZRANGEBYSCORE', ix .. set, low, low)) do
+          got[#got + 1] = m
+          got[#got + 1] = low
+        end
+      end
+    end
+    for i = 1, #got, 2 do
+      if terminal and string.byte(got[i], 1) == 124 then
+        for _, kid in ipairs(sg_ix_group_kids(got[i])) do
+          entries[#entries + 1] = {kid, tonumber(got[i + 1]), set, true}
+        end
+      else
+        entries[#entries + 1] = {got[i], tonumber(got[i + 1]), set}
+      end
+    end
     if set == 'live' then
       -- Queued lane requests are listed as live, but found in their lanes (sg_ix_add_kept).
       local base = string.sub(ix, 1, -4)
@@ -207,7 +232,15 @@ local function list(keys, args)
     if not (first and e[2] == first and ties <= passed) then
       looked = looked + 1
       local kid = e[1]
-      local row = sg_ix_row(ix, kid)
+      local row
+      if e[4] then
+        -- In a group: listed while its record agrees (its state is the set's, its submit ms the
+        -- score): a request of it purged, reopened or submitted again under its id since is not.
+        local r = redis.call('HMGET', sg_ix_record(ix, kid), 'state', 'ix', 'lc')
+        if r[1] == e[3] and r[2] and tonumber(sg_ix_kept_at(r[2], r[3])) == e[2] then row = sg_ix_row(ix, kid) end
+      else
+        row = sg_ix_row(ix, kid)
+      end
       local state = string.match(e[3], '^t:') == nil and e[3] ~= 'tracked' and e[3] or nil
       if not state then
         for _, s in ipairs(SG_IX_STATES) do

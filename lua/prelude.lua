@@ -1141,7 +1141,15 @@ end
 -- The listing index (docs/protocol.md §5, "Listing"), on each home shard beside `active`, its
 -- keys named from the shard's prefix "<ns>:{<ns>.q<s>}:" followed by `ix:` and:
 --   live, completed, failed, cancelled  sorted sets of the requests in that state (live: not yet
---                                        terminal; but see `lq`), score = when submitted (ms)
+--                                        terminal; but see `lq`), score = when submitted (ms). A
+--                                        member is a key id, or, in a terminal set, a group: the
+--                                        untracked lane requests whose records keep their rows,
+--                                        submitted in that millisecond and moved there by one call
+--                                        (sg_ix_finish_kept), "|<kid>|<kid>|..." (a key id never
+--                                        holds '|'). A group's request is listed while its record
+--                                        agrees (the state, the submit ms; list.lua)
+--   gn                                   hash: per terminal state, how many more requests its set
+--                                        holds than members (each group of n counts n - 1)
 --   row                                  hash: key id -> "<kind>|<priority>|<limit>|<tags>" (kind
 --                                        `r` a request of its own keys, `l` a lane request; tags
 --                                        comma-separated), except a lane request without tags,
@@ -1175,7 +1183,7 @@ end
 -- only finished requests: the terminal sets at their latest member's expiry, a tag's set when its
 -- last live request finishes, and `row`, `tl`, `tx`, `exp`, `next` when the shard has no live one
 -- left (while one is, `exp` stays, so that trimming finds every finished request).
-local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next'}
+local SG_IX_SHARED = {'row', 'tl', 'tx', 'exp', 'next', 'gn'}
 local SG_IX_STATES = {'live', 'completed', 'failed', 'cancelled'}
 -- Expired entries a call that finishes requests drops, and recovery's periodic claim (claim_due):
 -- more than such a call finishes (a lane's batch is at most 32 by default), so the index never
@@ -1267,11 +1275,61 @@ local function sg_ix_first_live(ix)
   for _, name in ipairs(SG_IX_SHARED) do redis.call('PERSIST', ix .. name) end
 end
 
--- The score of `kid` in a terminal set (its submit ms), or nil when it is in none.
+-- The key ids of a group member of a terminal set ("|<kid>|<kid>|...").
+local function sg_ix_group_kids(member)
+  local kids = {}
+  for kid in string.gmatch(member, '[^|]+') do kids[#kids + 1] = kid end
+  return kids
+end
+
+-- The member of a terminal set for `kids`, submitted in one millisecond: the key id itself for
+-- one, else a group.
+local function sg_ix_group(kids)
+  if #kids == 1 then return kids[1] end
+  return '|' .. table.concat(kids, '|')
+end
+
+-- Takes `kid` out of the group that holds it among the members of terminal set `state` at score
+-- `at` (its submit ms); the rest of the group stays, as a group or, when one is left, as that
+-- one's own member. Returns whether a group held it.
+local function sg_ix_ungroup(ix, state, at, kid)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', ix .. state, at, at)) do
+    if string.byte(m, 1) == 124 then
+      local kids, rest = sg_ix_group_kids(m), {}
+      for _, k in ipairs(kids) do if k ~= kid then rest[#rest + 1] = k end end
+      if #rest < #kids then
+        redis.call('ZREM', ix .. state, m)
+        if #rest > 0 then redis.call('ZADD', ix .. state, at, sg_ix_group(rest)) end
+        redis.call('HINCRBY', ix .. 'gn', state, -1)
+        return true
+      end
+    end
+  end
+  return false
+end
+
+-- Where the record of lane request `kid` lists it in a group of a terminal set, by what the
+-- record says: its state and submit ms, or nil when the record keeps no row or is not terminal
+-- (a group member is found from its record; sg_ix_finish_kept).
+local function sg_ix_kept_terminal(ix, kid)
+  local r = redis.call('HMGET', string.sub(ix, 1, -4) .. 's:' .. kid, 'state', 'ix', 'lc')
+  if not r[2] or (r[1] ~= 'completed' and r[1] ~= 'failed' and r[1] ~= 'cancelled') then return nil end
+  if r[2] ~= '' then return r[1], string.match(r[2], '^[^|]*') end
+  return r[1], string.sub(r[3], 1, -4)
+end
+
+-- The score of `kid` in a terminal set (its submit ms), or nil when it is in none: its own member,
+-- or a group that holds it.
 local function sg_ix_terminal(ix, kid)
   for i = 2, #SG_IX_STATES do
     local score = redis.call('ZSCORE', ix .. SG_IX_STATES[i], kid)
     if score then return score end
+  end
+  local state, at = sg_ix_kept_terminal(ix, kid)
+  if state then
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', ix .. state, at, at)) do
+      if string.byte(m, 1) == 124 and string.find('|' .. m .. '|', '|' .. kid .. '|', 1, true) then return at end
+    end
   end
   return nil
 end
@@ -1304,6 +1362,8 @@ local function sg_ix_remove(ix, kid, now)
   local marks = sg_ix_marks(ix, kid, row)
   local live = redis.call('ZREM', ix .. 'live', kid) == 1
   for i = 2, #SG_IX_STATES do redis.call('ZREM', ix .. SG_IX_STATES[i], kid) end
+  local state, at = sg_ix_kept_terminal(ix, kid)
+  if state then sg_ix_ungroup(ix, state, at, kid) end
   for _, mark in ipairs(marks) do
     redis.call('ZREM', mark[2], kid)
     if live then sg_ix_mark_done(ix, mark, nil, now) end
@@ -1336,15 +1396,38 @@ local function sg_ix_batch(state, ats, kids)
   return '|' .. state .. '|' .. table.concat(items, '|')
 end
 
--- Drops the requests of an expired batch (sg_ix_unbatch) from its terminal set, each only while
--- that set's entry of its key id is the batch's: no record of the id exists on the shard, and the
--- entry's score is the batch's submit ms (a request of its own stream under the id, listed since,
--- has its own). A record that exists is a later lane request of the id or this one reopened:
--- live (no expiry), it reaches the index by steps of its own; finished, its id gets an entry of
--- its own in `exp` at the record's expiry, which then drops whatever entries the id has, as any
--- expired entry does. Then the batch leaves `exp`.
+-- Drops the requests of an expired batch (sg_ix_unbatch) from its terminal set. The call that
+-- wrote the batch wrote one member there per submit millisecond (sg_ix_finish_kept): each such
+-- group leaves whole, as written, or, when it was rewritten since (sg_ix_ungroup: a request of it
+-- purged, reopened or tracked), what is left of it. A request's own member (a group of one, or
+-- one tracked since) leaves only while it is the batch's: no record of the id exists on the
+-- shard, and the member's score is the batch's submit ms (a request of its own stream under the
+-- id, listed since, has its own). A record that exists is a later lane request of the id or this
+-- one reopened: live (no expiry), it reaches the index by steps of its own; finished, its id gets
+-- an entry of its own in `exp` at the record's expiry, which then drops whatever entries the id
+-- has, as any expired entry does. Then the batch leaves `exp`.
 local function sg_ix_trim_batch(ix, batch, now)
-  local base, kids, ats = string.sub(ix, 1, -4) .. 's:', batch.kids, batch.ats
+  local base, kids, ats, set = string.sub(ix, 1, -4) .. 's:', batch.kids, batch.ats, ix .. batch.state
+  local at_kids, order = {}, {}
+  for j, kid in ipairs(kids) do
+    local same = at_kids[ats[j]]
+    if not same then
+      same = {}
+      at_kids[ats[j]] = same
+      order[#order + 1] = ats[j]
+    end
+    same[#same + 1] = kid
+  end
+  for _, at in ipairs(order) do
+    local group = at_kids[at]
+    if #group > 1 then
+      if redis.call('ZREM', set, sg_ix_group(group)) == 1 then
+        redis.call('HINCRBY', ix .. 'gn', batch.state, 1 - #group)
+      else
+        for _, kid in ipairs(group) do sg_ix_ungroup(ix, batch.state, at, kid) end
+      end
+    end
+  end
   local records = {}
   for j, kid in ipairs(kids) do records[j] = base .. kid end
   local candidates, at_of = kids, ats
@@ -1364,14 +1447,20 @@ local function sg_ix_trim_batch(ix, batch, now)
     if #later > 0 then redis.call('ZADD', ix .. 'exp', unpack(later)) end
   end
   if #candidates > 0 then
-    local scores = redis.call('ZMSCORE', ix .. batch.state, unpack(candidates))
-    local drop = {}
+    local scores = redis.call('ZMSCORE', set, unpack(candidates))
+    local drop, gone = {}, {}
     for j, kid in ipairs(candidates) do
-      if scores[j] and tonumber(scores[j]) == tonumber(at_of[j]) then drop[#drop + 1] = kid end
+      if scores[j] and tonumber(scores[j]) == tonumber(at_of[j]) then
+        drop[#drop + 1] = kid
+        gone[#gone + 1] = kid
+      elseif #at_kids[at_of[j]] > 1 then
+        -- Listed in a group, which left above.
+        gone[#gone + 1] = kid
+      end
     end
+    if #gone > 0 then redis.call('HDEL', ix .. 'next', unpack(gone)) end
     if #drop > 0 then
-      redis.call('ZREM', ix .. batch.state, unpack(drop))
-      redis.call('HDEL', ix .. 'next', unpack(drop))
+      redis.call('ZREM', set, unpack(drop))
       -- Tracked once finished (track.lua): the tracked set lets them go too.
       if redis.call('EXISTS', ix .. 'tracked') == 1 then
         local tracked = redis.call('ZMSCORE', ix .. 'tracked', unpack(drop))
@@ -1601,7 +1690,9 @@ end
 -- sg_ix_finish_many for lane requests whose rows their records keep (sg_ix_add_kept), live by
 -- construction (in `live`, or listed from their lanes): `ats` their submission times (text, from
 -- the records), so neither the live set's scores nor `row` is read. Those not tracked enter `exp`
--- as one batch per terminal set (sg_ix_batch), their records expiring with it.
+-- as one batch per terminal set (sg_ix_batch), their records expiring with it, and their terminal
+-- set as one member per submit millisecond (sg_ix_group; `gn` counts what the groups hold beyond
+-- their members).
 local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
   if #kids == 0 then return end
   local tracked = SG_IX_NONE
@@ -1615,12 +1706,10 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
     else
       local group = by_state[states[j]]
       if not group then
-        group = {members = {}, ats = {}, kids = {}}
+        group = {ats = {}, kids = {}}
         by_state[states[j]] = group
         batched = true
       end
-      group.members[#group.members + 1] = ats[j]
-      group.members[#group.members + 1] = kid
       group.ats[#group.ats + 1] = ats[j]
       group.kids[#group.kids + 1] = kid
     end
@@ -1632,7 +1721,25 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
     local lanes = #kids - redis.call('ZREM', ix .. 'live', unpack(kids))
     if lanes > 0 and redis.call('DECRBY', ix .. 'lq', lanes) <= 0 then redis.call('DEL', ix .. 'lq') end
     for state, group in pairs(by_state) do
-      redis.call('ZADD', ix .. state, unpack(group.members))
+      -- One member per submit millisecond (sg_ix_group): a drain in submission order finishes a
+      -- call's requests within a millisecond or two of submits.
+      local at_kids, order, members, extra = {}, {}, {}, 0
+      for j, kat in ipairs(group.ats) do
+        local same = at_kids[kat]
+        if not same then
+          same = {}
+          at_kids[kat] = same
+          order[#order + 1] = kat
+        end
+        same[#same + 1] = group.kids[j]
+      end
+      for _, kat in ipairs(order) do
+        members[#members + 1] = kat
+        members[#members + 1] = sg_ix_group(at_kids[kat])
+        extra = extra + #at_kids[kat] - 1
+      end
+      redis.call('ZADD', ix .. state, unpack(members))
+      if extra > 0 then redis.call('HINCRBY', ix .. 'gn', state, extra) end
       batch[state] = math.max(batch[state] or 0, expires)
       exp[#exp + 1] = at
       exp[#exp + 1] = sg_ix_batch(state, group.ats, group.kids)
@@ -1654,9 +1761,11 @@ local function sg_ix_finish(ix, kid, state, expires, now, batch)
   if own then sg_ix_finished(ix, now, batch) end
 end
 
--- Moves a failed request back to live (requeue_dead reopened it).
-local function sg_ix_reopen(ix, kid)
+-- Moves a failed request back to live (requeue_dead or lane_requeue reopened it). `kept_at`: the
+-- submit ms of a lane request whose record keeps its row, which may be in a group of `failed`.
+local function sg_ix_reopen(ix, kid, kept_at)
   local score = redis.call('ZSCORE', ix .. 'failed', kid)
+  if not score and kept_at and sg_ix_ungroup(ix, 'failed', kept_at, kid) then score = kept_at end
   if not score then return end
   redis.call('ZREM', ix .. 'failed', kid)
   redis.call('ZREM', ix .. 'exp', kid)

@@ -31,6 +31,15 @@ local function track(keys, args)
   if was then return 1 end
   local score = live
   for i = 2, #SG_IX_STATES do score = score or redis.call('ZSCORE', ix .. SG_IX_STATES[i], kid) end
+  if not score then
+    -- A finished lane request listed in a group of its terminal set gets a member of its own
+    -- there, as a tracked one has (prelude.lua, "The listing index").
+    local state, at = sg_ix_kept_terminal(ix, kid)
+    if state and sg_ix_ungroup(ix, state, at, kid) then
+      redis.call('ZADD', ix .. state, at, kid)
+      score = at
+    end
+  end
   if not score then return 0 end
   redis.call('ZADD', mark[2], score, kid)
   if live then

@@ -574,14 +574,26 @@ impl Admin {
             }
             // Queued lane requests are counted apart until they are listed as live (`lq`).
             pipe.get::<(), _>(keys.index_set(shard, "lq")).await?;
-            let counts: Vec<Option<u64>> = pipe.all().await?;
-            let counts: Vec<u64> = counts.into_iter().map(Option::unwrap_or_default).collect();
+            // A terminal set's groups hold more requests than members (`gn`, per state).
+            pipe.hmget::<(), _, _>(keys.index_set(shard, "gn"), vec!["completed", "failed", "cancelled"])
+                .await?;
+            let mut replies: Vec<Value> = pipe.all().await?;
+            let grouped: Vec<Option<u64>> = replies.pop().unwrap_or(Value::Null).convert()?;
+            let counts: Vec<u64> = replies
+                .into_iter()
+                .map(|v| v.convert::<Option<u64>>().map(Option::unwrap_or_default))
+                .collect::<std::result::Result<_, _>>()?;
+            // Groups left behind by a set that expired on its own are not counted.
+            let terminal = |i: usize| match counts[3 + i] {
+                0 => 0,
+                n => n.saturating_add_signed(grouped.get(i).copied().flatten().unwrap_or(0) as i64),
+            };
             active_requests += counts[0];
             tokens_held += counts[1];
             requests.unfinished += counts[2] + counts[6];
-            requests.completed += counts[3];
-            requests.failed += counts[4];
-            requests.cancelled += counts[5];
+            requests.completed += terminal(0);
+            requests.failed += terminal(1);
+            requests.cancelled += terminal(2);
         }
         let tokens_waiting = waiting
             .into_iter()

@@ -130,7 +130,16 @@ async fn first(client: &Client, key: &str, n: u64) -> Result<Vec<String>> {
     if n == 0 {
         return Ok(Vec::new());
     }
-    Ok(client.zrange(key, 0, n as i64 - 1, None, false, None, false).await?)
+    let members: Vec<String> = client.zrange(key, 0, n as i64 - 1, None, false, None, false).await?;
+    // A group member of a terminal set ("|<kid>|<kid>|...", docs/protocol.md §5) names several.
+    Ok(members
+        .into_iter()
+        .flat_map(|m| match m.strip_prefix('|') {
+            Some(group) => group.split('|').map(str::to_owned).collect(),
+            None => vec![m],
+        })
+        .take(n as usize)
+        .collect())
 }
 
 /// `used_memory` of one `INFO memory` reply.

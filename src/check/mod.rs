@@ -574,7 +574,8 @@ fn search_both(budget: Duration, mix: Mix) {
                  upstream, {} ran after theirs, {} handler runs of grouped requests were checked under group tokens, \
                  {} lane tokens were handed to a waiting slot, {} releases ran apart from their slots, {} \
                  sub-requests were reported unrun (skip), {} batches of more than two parts were reported in one call, \
-                 {} copies of token elements were planted on their lists",
+                 {} copies of token elements were planted on their lists, {} groups of finished lane requests \
+                 were seen in the terminal sets",
                 mix.dags,
                 model::ENDED_AT_DEADLINE.load(Ordering::Relaxed),
                 model::FAILED_BY_UPSTREAM.load(Ordering::Relaxed),
@@ -584,7 +585,8 @@ fn search_both(budget: Duration, mix: Mix) {
                 model::RELEASED_APART.load(Ordering::Relaxed),
                 model::HANDED_BACK.load(Ordering::Relaxed),
                 model::WIDE_BATCHES.load(Ordering::Relaxed),
-                model::PLANTED.load(Ordering::Relaxed)
+                model::PLANTED.load(Ordering::Relaxed),
+                model::TERMINAL_GROUPS_SEEN.load(Ordering::Relaxed)
             ),
             Err(report) => panic!("{report}"),
         }

@@ -696,7 +696,21 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let (expiring, batched) = expiring_kids(next().convert().map_err(e)?);
     let mut states = vec![live.clone()];
     for _ in 0..3 {
-        states.push(next().convert().map_err(e)?);
+        // A group member ("|<kid>|<kid>|...") holds the lane requests one call finished that were
+        // submitted in one millisecond; each is listed while its record agrees (list.lua).
+        let members: Vec<String> = next().convert().map_err(e)?;
+        states.push(
+            members
+                .into_iter()
+                .flat_map(|m| match m.strip_prefix('|') {
+                    Some(group) => {
+                        TERMINAL_GROUPS_SEEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        group.split('|').map(str::to_owned).collect()
+                    }
+                    None => vec![m],
+                })
+                .collect(),
+        );
     }
     // A batch in ix:exp keeps naming a request whose entries left (unlist, a purge, a later
     // request of the id): it is listed while an entry of it is.
@@ -1214,6 +1228,10 @@ pub(crate) static RAN_AFTER_UPSTREAMS: std::sync::atomic::AtomicU64 = std::sync:
 /// Handler runs of grouped requests under live leases that the steps' checks found under a group
 /// token: how often the tenant groups' paths ran.
 pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Group members (several finished lane requests of one submit millisecond) seen in the terminal
+/// sets by the snapshots, for the search's report.
+pub(crate) static TERMINAL_GROUPS_SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Lane tokens a submit handed to a worker's waiting slot that the slot read from its hand list
 /// (the others were taken under the offered id): how often the hand-offs' paths ran.
 pub(crate) static HANDED_OFF: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -1447,15 +1465,25 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
     );
     let expiring: HashSet<String> = own.into_iter().chain(batched).collect();
     // Every entry of a terminal set leaves with its retention: ix:exp names it (its own entry, or a
-    // batch's), or the set expires first.
+    // batch's), or the set expires first. A group member ("|<kid>|<kid>|...") holds several.
+    let mut terminal: HashMap<&str, HashMap<String, f64>> = HashMap::new();
     for state in ["completed", "failed", "cancelled"] {
         let ttl: i64 = c.pttl(ix(state)).await.map_err(e)?;
-        let members: Vec<String> = c.zrange(ix(state), 0, -1, None, false, None, false).await.map_err(e)?;
-        if let Some(kid) = members.iter().find(|kid| !expiring.contains(*kid)) {
+        let members: Vec<(String, f64)> =
+            c.zrange(ix(state), 0, -1, None, false, None, true).await.map_err(e)?;
+        let kids: HashMap<String, f64> = members
+            .into_iter()
+            .flat_map(|(m, score)| match m.strip_prefix('|') {
+                Some(group) => group.split('|').map(|k| (k.to_owned(), score)).collect::<Vec<_>>(),
+                None => vec![(m, score)],
+            })
+            .collect();
+        if let Some(kid) = kids.keys().find(|kid| !expiring.contains(*kid)) {
             return Err(format!(
                 "{kid} is in the index's {state} set (which expires in {ttl} ms), but ix:exp names it nowhere"
             ));
         }
+        terminal.insert(state, kids);
     }
     for (i, s) in &seen {
         let kid = request_id(*i).key_id();
@@ -1480,7 +1508,10 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
             // Only a request that was never listed (submitted before the index existed) is not.
             return Err(format!("{}: {} but not listed", request_id(*i), s.state()));
         }
-        let score: Option<f64> = c.zscore(ix(s.state()), kid.as_str()).await.map_err(e)?;
+        let score: Option<f64> = match terminal.get(s.state()) {
+            Some(kids) => kids.get(&kid).copied(),
+            None => c.zscore(ix(s.state()), kid.as_str()).await.map_err(e)?,
+        };
         let takeover = world.model.requests.get(i).is_some_and(|m| m.may_wait_for_takeover());
         if (score.is_none() || !expiring.contains(&kid)) && !takeover {
             return Err(format!(

@@ -497,12 +497,19 @@ pub(crate) fn group_name(n: u8) -> String {
 
 /// A batch of `first` and one to three more whole requests of its producer, for `submit_many`.
 fn draw_batch(rng: &mut StdRng, first: Submit) -> Op {
-    let producer = first.producer;
+    let (producer, priority) = (first.producer, first.priority);
+    // Half the batches end in a burst: single-part requests of the first one's priority, on its
+    // lane, submitted in one millisecond, which one lane call may finish together (the terminal
+    // sets then hold them as one member: prelude.lua, "The listing index").
+    let burst = rng.gen_bool(0.5);
     let mut requests = vec![first];
     for _ in 0..rng.gen_range(1..=3) {
         let mut s = draw_submit(rng);
         s.producer = producer;
         s.bulk = true;
+        if burst {
+            (s.priority, s.own_stream, s.shape) = (priority, false, Shape::Whole { parts: 1, delay_ms: 0 });
+        }
         requests.push(s);
     }
     // (`submit_many` takes whole requests only.)

@@ -1006,7 +1006,16 @@ async fn finished_lane_requests_leave_the_index_with_their_retention_while_the_s
                 None => vec![m.clone()],
             })
             .collect();
-        let completed: Vec<String> = redis.zrange(ix("completed"), 0, -1, None, false, None, false).await.unwrap();
+        let members: Vec<String> = redis.zrange(ix("completed"), 0, -1, None, false, None, false).await.unwrap();
+        // A group member ("|<kid>|<kid>|...") holds requests one call finished that were submitted
+        // in one millisecond.
+        let completed: Vec<String> = members
+            .iter()
+            .flat_map(|m| match m.strip_prefix('|') {
+                Some(group) => group.split('|').map(str::to_owned).collect(),
+                None => vec![m.clone()],
+            })
+            .collect();
         let left: Vec<&String> = completed.iter().filter(|k| first.contains(*k)).collect();
         assert!(left.is_empty(), "shard {shard}: {} of the first round's requests are still listed: {left:?}", left.len());
         let unnamed: Vec<&String> = completed.iter().filter(|k| !named.contains(*k)).collect();
@@ -1177,4 +1186,111 @@ async fn a_lane_request_reads_running_from_its_hand_out_to_its_ack() {
 /// This machine's clock, in ms since the Unix epoch (Redis's clock on this machine's server).
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Fails the parts whose `n` is a multiple of 5 while `failing` holds; doubles the rest.
+#[derive(Clone)]
+struct Flaky {
+    failing: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Handler for Flaky {
+    type Input = Job;
+    type Output = u64;
+    async fn handle(&self, _ctx: Context, job: Job) -> Result<u64, HandlerError> {
+        if job.n % 5 == 0 && self.failing.load(Ordering::SeqCst) {
+            return Err(HandlerError::permanent("a multiple of five"));
+        }
+        Ok(job.n * 2)
+    }
+}
+
+/// The small requests one lane call finishes that were submitted in one millisecond share one
+/// member of their terminal set (docs/protocol.md §5, "Listing"). Listed by state at every page
+/// size, each shows once, newest first, and the counts count each; a purged one leaves the list
+/// and the count at once, a tracked one is listed once more only under `tracked`, and a failed
+/// one whose dead letter is requeued leaves `failed` and is listed completed once it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_requests_grouped_in_their_terminal_sets_list_count_purge_track_and_reopen_one_by_one() {
+    use fred::interfaces::SortedSetsInterface;
+    use sluicegate::{ListQuery, ListState, RequestId};
+    use std::collections::HashSet;
+    let env = env_on(TOPOLOGY, "ixgroup").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let failing = Arc::new(AtomicBool::new(true));
+    // Queued before the worker starts, fifty to a `submit_many` (one submit millisecond each), so
+    // that a lane batch finishes many of one millisecond.
+    let (mut completed, mut failed) = (HashSet::new(), HashSet::new());
+    let mut handles = Vec::new();
+    for b in 0..6u64 {
+        for (i, h) in producer.submit_many((0..50).map(|i| (producer.request(), [Job::new(b * 100 + i)]))).await.into_iter().enumerate() {
+            let h = h.unwrap();
+            if i % 5 == 0 { failed.insert(h.id().to_string()) } else { completed.insert(h.id().to_string()) };
+            handles.push(h);
+        }
+    }
+    let w = start_worker(&config, Flaky { failing: failing.clone() }, 16, Quantum::default()).await;
+    for h in &handles {
+        let _ = h.wait_timeout::<u64>(Duration::from_secs(30)).await;
+    }
+    let ns = config.namespace_str().to_owned();
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    for shard in 0..4 {
+        for state in ["completed", "failed"] {
+            let members: Vec<String> = redis
+                .zrange(format!("{ns}:{{{ns}.q{shard}}}:ix:{state}"), 0, -1, None, false, None, false)
+                .await
+                .unwrap();
+            for m in members.iter().filter_map(|m| m.strip_prefix('|')) {
+                groups.push((state.to_owned(), m.split('|').map(str::to_owned).collect()));
+            }
+        }
+    }
+    assert!(groups.iter().any(|(s, _)| s == "completed"), "no group in ix:completed");
+    assert!(groups.iter().any(|(s, _)| s == "failed"), "no group in ix:failed");
+    let grouped = |state: &str| {
+        let kid = &groups.iter().find(|(s, _)| s == state).unwrap().1[0];
+        RequestId::from_key_id(kid).unwrap()
+    };
+    let check = |completed: HashSet<String>, failed: HashSet<String>, what: &'static str| {
+        let admin = &admin;
+        async move {
+            for (state, expect) in [(ListState::Completed, &completed), (ListState::Failed, &failed)] {
+                for size in [1, 7, 64] {
+                    let ids = list_all(admin, ListQuery::new().state(state).limit(size)).await;
+                    let got: HashSet<String> = ids.iter().cloned().collect();
+                    assert_eq!(got.len(), ids.len(), "{what}: {state:?} in pages of {size}: listed twice");
+                    assert!(got == *expect, "{what}: {state:?} in pages of {size}: {} listed, {} expected", got.len(), expect.len());
+                }
+            }
+            let counts = admin.stats().await.unwrap().requests;
+            assert_eq!((counts.completed, counts.failed), (completed.len() as u64, failed.len() as u64), "{what}");
+        }
+    };
+    check(completed.clone(), failed.clone(), "after the drain").await;
+    let purged = grouped("completed");
+    assert!(admin.purge(&purged).await.unwrap());
+    completed.remove(&purged.to_string());
+    check(completed.clone(), failed.clone(), "after a purge").await;
+    let tracked = groups.iter().find(|(s, k)| s == "completed" && !k.contains(&purged.key_id())).map(|(_, k)| k[0].clone()).unwrap();
+    let tracked = RequestId::from_key_id(&tracked).unwrap();
+    admin.track(&tracked, true).await.unwrap();
+    assert_eq!(list_all(&admin, ListQuery::new().tracked().limit(10)).await, vec![tracked.to_string()]);
+    check(completed.clone(), failed.clone(), "after a track").await;
+    let reopened = grouped("failed");
+    failing.store(false, Ordering::SeqCst);
+    assert_eq!(admin.requeue_dead(&reopened).await.unwrap(), 1);
+    let started = Instant::now();
+    while admin.status(&reopened).await.unwrap().state != RequestState::Completed {
+        assert!(started.elapsed() < Duration::from_secs(30), "the requeued request never completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    failed.remove(&reopened.to_string());
+    completed.insert(reopened.to_string());
+    check(completed, failed, "after a requeue").await;
+    w.stop().await;
 }
