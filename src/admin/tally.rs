@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::Admin;
 use crate::error::Result;
-use crate::protocol::listing::{Kind, Row};
+use crate::protocol::listing::{member_kids, Kind, Row};
 
 /// Records one [`Admin::stats`] reads at most for its [`Tally`].
 pub const MAX_TALLY: u64 = 10_000;
@@ -131,15 +131,8 @@ async fn first(client: &Client, key: &str, n: u64) -> Result<Vec<String>> {
         return Ok(Vec::new());
     }
     let members: Vec<String> = client.zrange(key, 0, n as i64 - 1, None, false, None, false).await?;
-    // A group member of a terminal set ("|<kid>|<kid>|...", docs/protocol.md §5) names several.
-    Ok(members
-        .into_iter()
-        .flat_map(|m| match m.strip_prefix('|') {
-            Some(group) => group.split('|').map(str::to_owned).collect(),
-            None => vec![m],
-        })
-        .take(n as usize)
-        .collect())
+    // A group member of a terminal set names several.
+    Ok(members.iter().flat_map(|m| member_kids(m)).take(n as usize).map(str::to_owned).collect())
 }
 
 /// `used_memory` of one `INFO memory` reply.

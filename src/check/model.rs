@@ -8,6 +8,7 @@ use fred::prelude::*;
 use super::gate::{Fault, Verdict};
 use super::ops::{Shape, Submit, REQUEST_IDS};
 use super::world::{payload, request_id, Task, World};
+use crate::protocol::listing::member_kids;
 use crate::request::RequestId;
 
 /// How an actor's task ended (the details are for traces: `SLUICEGATE_CHECK_TRACE`).
@@ -699,18 +700,9 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
         // A group member ("|<kid>|<kid>|...") holds the lane requests one call finished that were
         // submitted in one millisecond; each is listed while its record agrees (list.lua).
         let members: Vec<String> = next().convert().map_err(e)?;
-        states.push(
-            members
-                .into_iter()
-                .flat_map(|m| match m.strip_prefix('|') {
-                    Some(group) => {
-                        TERMINAL_GROUPS_SEEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        group.split('|').map(str::to_owned).collect()
-                    }
-                    None => vec![m],
-                })
-                .collect(),
-        );
+        let groups = members.iter().filter(|m| m.starts_with('|')).count() as u64;
+        TERMINAL_GROUPS_SEEN.fetch_add(groups, std::sync::atomic::Ordering::Relaxed);
+        states.push(members.iter().flat_map(|m| member_kids(m)).map(str::to_owned).collect());
     }
     // A batch in ix:exp keeps naming a request whose entries left (unlist, a purge, a later
     // request of the id): it is listed while an entry of it is.
@@ -1472,11 +1464,8 @@ pub(crate) async fn check_end(world: &World) -> Result<(), String> {
         let members: Vec<(String, f64)> =
             c.zrange(ix(state), 0, -1, None, false, None, true).await.map_err(e)?;
         let kids: HashMap<String, f64> = members
-            .into_iter()
-            .flat_map(|(m, score)| match m.strip_prefix('|') {
-                Some(group) => group.split('|').map(|k| (k.to_owned(), score)).collect::<Vec<_>>(),
-                None => vec![(m, score)],
-            })
+            .iter()
+            .flat_map(|(m, score)| member_kids(m).into_iter().map(|k| (k.to_owned(), *score)))
             .collect();
         if let Some(kid) = kids.keys().find(|kid| !expiring.contains(*kid)) {
             return Err(format!(

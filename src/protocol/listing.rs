@@ -109,6 +109,16 @@ pub(crate) struct ListReply {
     pub(crate) looked: u64,
 }
 
+/// The key ids a member of a terminal set names: itself, or each of a group's
+/// ("|<kid>|<kid>|...": lane requests one call finished that were submitted in one millisecond;
+/// docs/protocol.md §5, "Listing").
+pub(crate) fn member_kids(member: &str) -> Vec<&str> {
+    match member.strip_prefix('|') {
+        Some(group) => group.split('|').collect(),
+        None => vec![member],
+    }
+}
+
 /// `list` on `shard` (FCALL_RO).
 pub(crate) async fn list(store: &Store, shard: u32, a: &ListArgs<'_>) -> Result<ListReply> {
     let rows_key = store.keys.index_rows(shard);
