@@ -1291,6 +1291,21 @@ local function sg_ix_group(kids)
   return '|' .. table.concat(kids, '|')
 end
 
+-- `kids` by their submit ms `ats` (text): {ms = {kid, ...}}, and the ms in the order first met.
+local function sg_ix_by_at(ats, kids)
+  local at_kids, order = {}, {}
+  for j, kid in ipairs(kids) do
+    local same = at_kids[ats[j]]
+    if not same then
+      same = {}
+      at_kids[ats[j]] = same
+      order[#order + 1] = ats[j]
+    end
+    same[#same + 1] = kid
+  end
+  return at_kids, order
+end
+
 -- Takes `kid` out of the group that holds it among the members of terminal set `state` at score
 -- `at` (its submit ms); the rest of the group stays, as a group or, when one is left, as that
 -- one's own member. Returns whether a group held it.
@@ -1410,16 +1425,7 @@ end
 -- has, as any expired entry does. Then the batch leaves `exp`.
 local function sg_ix_trim_batch(ix, batch, now)
   local base, kids, ats, set = string.sub(ix, 1, -4) .. 's:', batch.kids, batch.ats, ix .. batch.state
-  local at_kids, order = {}, {}
-  for j, kid in ipairs(kids) do
-    local same = at_kids[ats[j]]
-    if not same then
-      same = {}
-      at_kids[ats[j]] = same
-      order[#order + 1] = ats[j]
-    end
-    same[#same + 1] = kid
-  end
+  local at_kids, order = sg_ix_by_at(ats, kids)
   for _, at in ipairs(order) do
     local group = at_kids[at]
     if #group > 1 then
@@ -1725,16 +1731,8 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
     for state, group in pairs(by_state) do
       -- One member per submit millisecond (sg_ix_group): a drain in submission order finishes a
       -- call's requests within a millisecond or two of submits.
-      local at_kids, order, members, extra = {}, {}, {}, 0
-      for j, kat in ipairs(group.ats) do
-        local same = at_kids[kat]
-        if not same then
-          same = {}
-          at_kids[kat] = same
-          order[#order + 1] = kat
-        end
-        same[#same + 1] = group.kids[j]
-      end
+      local at_kids, order = sg_ix_by_at(group.ats, group.kids)
+      local members, extra = {}, 0
       for _, kat in ipairs(order) do
         members[#members + 1] = kat
         members[#members + 1] = sg_ix_group(at_kids[kat])
@@ -5702,4 +5700,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 5 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 6 end, flags={'no-writes'}}
