@@ -92,9 +92,12 @@ async fn cancel_mid_run_stops_new_starts_signals_running_handlers_and_records_on
 }
 
 /// Fails index 1 permanently while `broken` is set.
+/// Fails the parts `fails` picks (by their index and input) permanently while `broken` holds;
+/// doubles the rest.
 #[derive(Clone)]
 struct Fragile {
     broken: Arc<AtomicBool>,
+    fails: fn(u64, &Job) -> bool,
 }
 
 #[async_trait]
@@ -102,7 +105,7 @@ impl Handler for Fragile {
     type Input = Job;
     type Output = u64;
     async fn handle(&self, ctx: Context, job: Job) -> Result<u64, HandlerError> {
-        if ctx.index() == 1 && self.broken.load(Ordering::SeqCst) {
+        if (self.fails)(ctx.index(), &job) && self.broken.load(Ordering::SeqCst) {
             return Err(HandlerError::permanent("broken"));
         }
         Ok(job.n * 2)
@@ -114,7 +117,7 @@ async fn requeued_dead_letters_complete_a_failed_request() {
     let env = env_on(TOPOLOGY, "requeue").await;
     let config = fast(&env.config);
     let broken = Arc::new(AtomicBool::new(true));
-    let w = start_worker(&config, Fragile { broken: broken.clone() }, 2, Quantum::default()).await;
+    let w = start_worker(&config, Fragile { broken: broken.clone(), fails: |index, _| index == 1 }, 2, Quantum::default()).await;
     let producer = Producer::connect(&config).await.unwrap();
     let admin = Admin::connect(&config).await.unwrap();
     let h = producer.request().concurrency(2).unwrap().submit((0..4).map(Job::new)).await.unwrap();
@@ -1188,24 +1191,6 @@ fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Fails the parts whose `n` is a multiple of 5 while `failing` holds; doubles the rest.
-#[derive(Clone)]
-struct Flaky {
-    failing: Arc<AtomicBool>,
-}
-
-#[async_trait]
-impl Handler for Flaky {
-    type Input = Job;
-    type Output = u64;
-    async fn handle(&self, _ctx: Context, job: Job) -> Result<u64, HandlerError> {
-        if job.n % 5 == 0 && self.failing.load(Ordering::SeqCst) {
-            return Err(HandlerError::permanent("a multiple of five"));
-        }
-        Ok(job.n * 2)
-    }
-}
-
 /// The small requests one lane call finishes that were submitted in one millisecond share one
 /// member of their terminal set (docs/protocol.md §5, "Listing"). Listed by state at every page
 /// size, each shows once, newest first, and the counts count each; a purged one leaves the list
@@ -1232,7 +1217,7 @@ async fn small_requests_grouped_in_their_terminal_sets_list_count_purge_track_an
             handles.push(h);
         }
     }
-    let w = start_worker(&config, Flaky { failing: failing.clone() }, 16, Quantum::default()).await;
+    let w = start_worker(&config, Fragile { broken: failing.clone(), fails: |_, job| job.n % 5 == 0 }, 16, Quantum::default()).await;
     for h in &handles {
         let _ = h.wait_timeout::<u64>(Duration::from_secs(30)).await;
     }
