@@ -58,7 +58,9 @@ local function lane_requeue(keys, args)
   local feed = 0
   if m[1] == 'failed' then
     -- Reopened: nothing of the new lifecycle is in the lane yet.
+    -- Its lifecycle's generation: `lc` does not tell it (sg_lane_clock).
     redis.call('HINCRBY', record, 'lc', 1)
+    redis.call('HINCRBY', record, 'gen', 1)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)

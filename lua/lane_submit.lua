@@ -36,9 +36,8 @@ local function lane_submit(keys, args)
   local taken = sg_lane_taken(r, keys[11], keys[10])
   if taken == SG_LANE_DUPLICATE then return redis.error_reply(taken) end
   if taken then return {taken, 0} end
-  local now = sg_now()
+  local now, lc = sg_lane_clock()
   local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
-  local lc = sg_int(now * 1000)
   local ix = sg_ix(keys[10])
   local fed, queued = sg_lane_write(keys, r, args, 16, n, now, lc, ix)
   sg_ix_queued(ix, queued)

@@ -52,8 +52,7 @@ local function lane_submit_many(keys, args)
       reply[j] = taken
     else
       if not now then
-        now = sg_now()
-        lc = sg_int(now * 1000)
+        now, lc = sg_lane_clock()
         parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
       end
       local f, q = sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)

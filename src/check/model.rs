@@ -397,7 +397,10 @@ fn upstream_field(d: &Seen, ukid: &str) -> Option<(String, u64)> {
 fn same_upstream<'a>(seen: &'a BTreeMap<u8, Seen>, ukid: &str, lc: u64) -> Option<(&'a Seen, u64)> {
     let u = seen.get(&index_of(ukid)?)?;
     let created = u.num("created");
-    (created > 0 && created == lc / 1000).then(|| (u, created * 1000 + u.num("gen")))
+    // A lane request's record has its lifecycle (`lc`), which its created ms and gen do not
+    // make (prelude.lua, sg_lane_clock); a request of its own stream's meta hash has none.
+    let now = u.meta.get("lc").and_then(|v| v.parse().ok()).unwrap_or(created * 1000 + u.num("gen"));
+    (created > 0 && created == lc / 1000).then_some((u, now))
 }
 
 /// A downstream's gate, checked while a handler of its runs under a live lease: every upstream it

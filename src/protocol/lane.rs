@@ -240,7 +240,7 @@ impl Settings {
 /// The scalar fields of a lane request's record (prelude.lua, "Lanes") under the names a request's
 /// meta hash gives them (`state`, `prio`, `limit`, `total`, `left`, `failed`, `created`, `gen`,
 /// `started`, `finished`, `retried`, `maxseen`, ...), so that status and the checker read both
-/// alike. The record packs its settings into `pol` and its creation time and generation into `lc`;
+/// alike. The record packs its settings into `pol` and its creation time into `lc`;
 /// its per-part fields (`o<i>`, `e<i>`, `x<i>`, `w<i>`) are left out.
 pub(crate) fn record_meta(record: &HashMap<String, Vec<u8>>) -> HashMap<String, String> {
     let per_part = |k: &str| {
@@ -263,10 +263,12 @@ pub(crate) fn record_meta(record: &HashMap<String, Vec<u8>>) -> HashMap<String, 
         meta.insert("discard".into(), "1".into());
         meta.insert("discarded".into(), n);
     }
+    // Its lifecycle is its created ms * 1000 plus less than 1000; how many requeues reopened it is
+    // its own field `gen` (prelude.lua, sg_lane_clock).
     if let Some(lc) = meta.get("lc").and_then(|v| v.parse::<u64>().ok()) {
         meta.insert("created".into(), (lc / 1000).to_string());
-        meta.insert("gen".into(), (lc % 1000).to_string());
     }
+    meta.entry("gen".into()).or_insert_with(|| "0".into());
     meta.entry("failed".into()).or_insert_with(|| "0".into());
     meta
 }
@@ -279,7 +281,8 @@ mod tests {
     fn a_lean_record_reads_as_a_meta_hash() {
         let record: HashMap<String, Vec<u8>> = [
             ("state", "running"),
-            ("lc", "1795571926989002"),
+            ("lc", "1795571926989213"),
+            ("gen", "2"),
             ("pol", "f50,4,10,3"),
             ("left", "7"),
             ("o0", "x"),
@@ -327,5 +330,93 @@ mod tests {
         for bad in ["", "50,1", "50,x,1", "50,1,1,1,0,1000,60000,0", "g50,1,1"] {
             assert!(Settings::parse(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    /// A small request cancelled, purged and submitted again under its id at once, all in one
+    /// millisecond here (four calls, no producer round trips between them), leaves its part in the
+    /// lane. The request that took the id gets a lifecycle of its own, so the old part is acked
+    /// away unrun when handed out (its lifecycle is not live) and never runs as the new one's part:
+    /// each request ends with the result of its own payload. With lifecycles of created ms * 1000
+    /// alone, the old part ran as the new one's and its result was the new request's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_submitted_again_under_an_id_purged_in_its_millisecond_runs_only_its_own_part() {
+        use crate::request::Concurrency;
+        use std::time::Duration;
+        let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
+        let ns = sluicegate_testkit::unique_namespace("lane-again");
+        let config = crate::Config::new(redis.url()).namespace(ns.as_str());
+        let store = Store::connect(&config).await.unwrap();
+        let encode = |v: u64| Value::Bytes(rmp_serde::to_vec(&v).unwrap().into());
+        let (mut same_ms, mut ids) = (0, Vec::new());
+        for n in 0..300u64 {
+            let id = RequestId::new(format!("again-{n}")).unwrap();
+            let key_id = id.key_id();
+            let req = NewRequest {
+                id: &id,
+                key_id: &key_id,
+                priority: Priority::DEFAULT,
+                concurrency: Concurrency::new(1).unwrap(),
+                max_attempts: 1,
+                timeout: None,
+                backoff_base: Duration::from_millis(1000),
+                backoff_max: Duration::from_millis(60_000),
+                nonce: "n",
+                fail_fast: false,
+                shards: config.token_shards,
+                deadline: 0,
+                window: 0,
+                discard: false,
+                tags: &[],
+                listed: true,
+                trace: "",
+                finish_within: None,
+                rate: None,
+                upstreams: &[],
+                run_after_failure: false,
+                group: None,
+            };
+            let shard = home_shard(&key_id, config.token_shards);
+            let old = submit(&store, &req, vec![encode(1000 + n)]).await.unwrap();
+            assert!(matches!(cancel(&store, shard, &key_id).await.unwrap(), LaneCancelled::Now { .. }));
+            assert!(super::super::listing::purge_lane(&store, shard, &key_id).await.unwrap());
+            let new = submit(&store, &req, vec![encode(n)]).await.unwrap();
+            assert_ne!(old, new, "{id}: the request that took the id has the purged one's lifecycle");
+            let ms = |lc: &str| lc[..lc.len() - 3].to_owned();
+            same_ms += u32::from(ms(&old) == ms(&new));
+            ids.push(id);
+            if same_ms >= 20 {
+                break;
+            }
+        }
+        // The window this test is about was reached: both submits in one millisecond.
+        assert!(same_ms > 0, "no request was submitted again within the millisecond of the one purged");
+        struct Echo;
+        #[async_trait::async_trait]
+        impl crate::Handler for Echo {
+            type Input = u64;
+            type Output = u64;
+            async fn handle(
+                &self,
+                _: crate::Context,
+                v: u64,
+            ) -> std::result::Result<u64, crate::HandlerError> {
+                Ok(v)
+            }
+        }
+        let worker = crate::Worker::builder(&config, Echo).slots(2).build().await.unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let running = tokio::spawn(worker.run_until(stop.clone().cancelled_owned()));
+        let producer = crate::Producer::connect(&config).await.unwrap();
+        for (n, id) in ids.iter().enumerate() {
+            let done =
+                producer.handle(id.clone()).wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+            assert_eq!(
+                done.into_outputs().unwrap(),
+                vec![n as u64],
+                "{id} ran the part of the request it replaced"
+            );
+        }
+        stop.cancel();
+        running.await.unwrap().unwrap();
     }
 }

@@ -269,7 +269,8 @@ def record_meta(record: Dict[str, bytes]) -> Dict[str, str]:
     lc = meta.get("lc", "")
     if lc.isascii() and lc.isdigit():
         meta["created"] = str(int(lc) // 1000)
-        meta["gen"] = str(int(lc) % 1000)
+    # How many requeues reopened it is its own field (the lifecycle's last three digits are not).
+    meta.setdefault("gen", "0")
     meta.setdefault("failed", "0")
     return meta
 

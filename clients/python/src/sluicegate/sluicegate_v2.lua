@@ -36,6 +36,20 @@ local function sg_int(x)
   return string.format('%.0f', x)
 end
 
+-- The functions' clock as sg_now's, and the first lifecycle of a lane request submitted now:
+-- the ms * 1000, plus the µs within the ms halved (0 to 499). A request submitted under the id of
+-- one purged in the same ms (cancelled, purged and submitted again at once) so gets a lifecycle
+-- of its own: every call between the two submits (the old one's cancel or finish, its purge, its
+-- requeues, each adding 1) takes more than 2 µs. Its old parts still in the lane are then not
+-- taken for its own (sg_lane_live). At least 500 requeues fit before a lifecycle's ms part, the
+-- request's identity and its listing's submit ms (sg_ix_kept_at), would move.
+local function sg_lane_clock()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  local now = s * 1000 + math.floor(us / 1000)
+  return now, sg_int(now * 1000 + math.floor((us % 1000) / 2))
+end
+
 -- Small whole numbers as text, remembered: Lua turns a number into text with sprintf, which
 -- costs about what a Redis command does here, and the hot paths write counters, indices and
 -- priorities, all small, on every call. Filled as they are first met (the library's load may not
@@ -1783,7 +1797,8 @@ end
 -- record, the hash "<ns>:{<ns>.q<shard>}:s:<key id>", in the lane's slot, kept lean because a
 -- queued small request is little more than it:
 --   state    queued, running, completed, failed or cancelled
---   lc       the lifecycle, created (ms) * 1000 + generation (a requeue of a failed one adds 1)
+--   lc       the lifecycle: created (ms) * 1000 + a part of its µs (sg_lane_clock), + 1 for each
+--            requeue that reopened it failed       gen  those requeues (absent: none)
 --   pol      its settings, "[f]<priority>,<limit>,<parts>,<max attempts>,<timeout ms>,<backoff
 --            base ms>,<backoff cap ms>": "f" for fail fast, trailing fields at their defaults
 --            (1, 0, 1000, 60000) left out (sg_lane_pol)
@@ -2104,7 +2119,7 @@ end
 -- in the listing index `ix`, and its first parts in the lane (as many as its limit; the others
 -- wait in the record). `r` holds kid, id (as the producer gave it), nonce, record, prio, limit,
 -- maxatt, timeout, bbase, bmax, failfast and discard (booleans), row, trace, and its payloads as args[first ..
--- first + n - 1]; `lc` is its lifecycle (sg_int(now * 1000)); `live` as sg_ix_add's. Returns how
+-- first + n - 1]; `lc` is its lifecycle (sg_lane_clock); `live` as sg_ix_add's. Returns how
 -- many parts were fed.
 local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   local fed = math.min(r.limit, n)
@@ -2133,7 +2148,7 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   -- A listed request without tags keeps its row here, not in the index's `row` (sg_ix_add_kept):
   -- an empty `ix` says it is listed, and its `pol` and `lc` say the rest (sg_ix_row,
   -- sg_ix_kept_at), which costs the record no bytes (it stays in its allocation's size class).
-  -- `lc` is `now` * 1000 as text: all its digits but the last three are `now`'s.
+  -- `lc` is `now` * 1000 plus less than 1000 as text: all its digits but the last three are `now`'s.
   local at = string.sub(lc, 1, -4)
   local kept = r.row ~= '' and string.byte(r.row, -1) == 124
   if kept then
@@ -4270,9 +4285,8 @@ local function lane_submit(keys, args)
   local taken = sg_lane_taken(r, keys[11], keys[10])
   if taken == SG_LANE_DUPLICATE then return redis.error_reply(taken) end
   if taken then return {taken, 0} end
-  local now = sg_now()
+  local now, lc = sg_lane_clock()
   local parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[13]), keys[10])
-  local lc = sg_int(now * 1000)
   local ix = sg_ix(keys[10])
   local fed, queued = sg_lane_write(keys, r, args, 16, n, now, lc, ix)
   sg_ix_queued(ix, queued)
@@ -4348,8 +4362,7 @@ local function lane_submit_many(keys, args)
       reply[j] = taken
     else
       if not now then
-        now = sg_now()
-        lc = sg_int(now * 1000)
+        now, lc = sg_lane_clock()
         parked = sg_lane_open(keys, args[1], prio, lanes, now, tonumber(args[4]), keys[9])
       end
       local f, q = sg_lane_write(keys, r, args, r.first, r.n, now, lc, ix, live)
@@ -4669,7 +4682,9 @@ local function lane_requeue(keys, args)
   local feed = 0
   if m[1] == 'failed' then
     -- Reopened: nothing of the new lifecycle is in the lane yet.
+    -- Its lifecycle's generation: `lc` does not tell it (sg_lane_clock).
     redis.call('HINCRBY', record, 'lc', 1)
+    redis.call('HINCRBY', record, 'gen', 1)
     redis.call('HSET', record, 'state', 'running')
     redis.call('HDEL', record, 'finished')
     redis.call('PERSIST', record)
@@ -5700,4 +5715,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 6 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 7 end, flags={'no-writes'}}
