@@ -6,6 +6,10 @@
 -- KEYS[1] U's downstreams (dn:<ukid>)   KEYS[2] U's finish marks   KEYS[3] U's lane record (its
 -- home is this shard)   KEYS[4] the shard's active index   KEYS[5] the shard's release outbox
 -- ARGV[1] U's key id   ARGV[2] D's entry "<dkid>|<D's token shards>"   ARGV[3] retention (ms)
+-- ARGV[4] (optional) U's lifecycle as its meta hash says, read by the caller before this call ('':
+--   none read): marks of another created ms are an earlier request's under the id, left a moment
+--   past its keys (a purge whose unlist found the id registered again, or the steps between its
+--   seal and its unindex), not this one's end; U is then live
 -- Returns {'live', lc} when U has not ended (lc: a lane request's lifecycle; '' for a request of
 -- its own stream, whose meta says), {'done', lc, state} when U's latest lifecycle lc has ended in
 -- state, or {'unknown'} when there is no request U (never created, or gone with its retention);
@@ -21,9 +25,11 @@ local function dag_link(keys, args)
   else
     local m = redis.call('HMGET', keys[2], 'e', 's', 'o')
     local indexed = redis.call('ZSCORE', keys[4], args[1])
-    if m[1] and not (m[3] and tonumber(m[3]) > tonumber(m[1])) then
+    local stale = m[1] and (args[4] or '') ~= ''
+      and math.floor(tonumber(m[1]) / 1000) ~= math.floor(tonumber(args[4]) / 1000)
+    if m[1] and not stale and not (m[3] and tonumber(m[3]) > tonumber(m[1])) then
       lc, state, live = m[1], m[2] or 'completed', false
-    elseif indexed then
+    elseif indexed or stale then
       lc, live = '', true
     else
       return {'unknown'}

@@ -10,12 +10,16 @@
 -- Returns 1 when the request left the index, 0 when it was not there, or the newer lifecycle a
 -- requeue marked (reopen) when the entry stays for it: recovery then completes that requeue if it
 -- was left half-way (requeue_dead with 'resume'). The marks stay for the retention, as the
--- record does: a late finish_index of this lifecycle (its finisher stalled while others completed
--- the steps, and the request was requeued and so indexed again) then finds its event written.
+-- meta does (`LT`: not extended by an unindex run again): a late finish_index of this lifecycle
+-- (its finisher stalled while others completed the steps, and the request was requeued and so
+-- indexed again) then finds its event written.
 local function unindex(keys, args)
   local reopened = redis.call('HGET', keys[2], 'o')
   if reopened and tonumber(reopened) > tonumber(args[2]) then return tonumber(reopened) end
-  redis.call('PEXPIRE', keys[2], args[3])
+  -- Never later than the retention from the first unindex: an unindex run again (recovery's look
+  -- at a refused duplicate's registration) must not keep the marks past the request's keys, or a
+  -- later request of the id would be taken for this one's end (dag_link).
+  redis.call('PEXPIRE', keys[2], args[3], 'LT')
   redis.call('HDEL', keys[3], args[1])
   redis.call('ZREM', keys[4], args[1])
   if args[4] and args[4] ~= '' then

@@ -33,8 +33,16 @@ pub(crate) struct Ended {
 }
 
 /// `dag_link`: downstream `entry` (`<dkid>|<its token shards>`) joins upstream `ukid`'s
-/// downstreams, on the upstream's home shard `home`.
-pub(crate) async fn link(store: &Store, home: u32, ukid: &str, entry: &str) -> Result<Link> {
+/// downstreams, on the upstream's home shard `home`. `lifecycle`: the upstream's as its meta hash
+/// said just before (a request of its own stream), so that marks an earlier request of the id left
+/// are not taken for its end.
+pub(crate) async fn link(
+    store: &Store,
+    home: u32,
+    ukid: &str,
+    entry: &str,
+    lifecycle: Option<i64>,
+) -> Result<Link> {
     let keys = [
         store.keys.downstreams(home, ukid),
         store.keys.finish_marks(home, ukid),
@@ -43,7 +51,12 @@ pub(crate) async fn link(store: &Store, home: u32, ukid: &str, entry: &str) -> R
         store.keys.releases(home),
     ];
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let args: Vec<Value> = vec![ukid.into(), entry.into(), ms(store.config.retention)];
+    let args: Vec<Value> = vec![
+        ukid.into(),
+        entry.into(),
+        ms(store.config.retention),
+        lifecycle.map_or_else(String::new, |lc| lc.to_string()).into(),
+    ];
     let mut items = reply::array(store.fcall(Func::DagLink, &keys, args).await?)?.into_iter();
     let tag = items.next().map(|v| reply::text(&v)).transpose()?.unwrap_or_default();
     let lifecycle = items.next().and_then(|v| reply::int(&v).ok());

@@ -68,7 +68,7 @@ async fn link_one(store: &Store, entry: &str, upstream: &RequestId) -> Result<Li
         ),
         None => (super::lane_home_found(store, &ukid).await?, None),
     };
-    match calls::link(store, home, &ukid, entry).await? {
+    match calls::link(store, home, &ukid, entry, lifecycle).await? {
         Link::Live { lifecycle: Some(lc) } => Ok((ukid, lc, None)),
         Link::Live { lifecycle: None } => match lifecycle {
             Some(lc) => Ok((ukid, lc, None)),

@@ -592,16 +592,18 @@ class Protocol:
 
     # ----- dependencies between requests (prelude.lua, "Dependencies between requests") -----
 
-    def dag_link(self, home: int, ukid: str, entry: str) -> Link:
+    def dag_link(self, home: int, ukid: str, entry: str, lifecycle: Optional[int] = None) -> Link:
         """``dag_link``: downstream ``entry`` (``<dkid>|<its token shards>``) joins upstream
-        ``ukid``'s downstreams, on the upstream's home shard ``home``."""
+        ``ukid``'s downstreams, on the upstream's home shard ``home``. ``lifecycle``: the
+        upstream's as its meta hash said just before (a request of its own stream), so that marks
+        an earlier request of the id left are not taken for its end."""
         k = self.keys
         items = fcall_items(
             self.conn.fcall(
                 "dag_link",
                 [k.downstreams(home, ukid), k.finish_marks(home, ukid), k.record(home, ukid), k.active(home),
                  k.releases(home)],
-                [ukid, entry, ms(self.settings.retention)],
+                [ukid, entry, ms(self.settings.retention), "" if lifecycle is None else str(lifecycle)],
             )
         )
         tag = text(items[0]) if items else ""
@@ -644,7 +646,7 @@ class Protocol:
             lifecycle = integer(created) * 1000 + integer(gen)
         else:
             home = self.lane_home(ukid)
-        link = self.dag_link(home, ukid, entry)
+        link = self.dag_link(home, ukid, entry, lifecycle)
         if link.tag == "live":
             lc = link.lifecycle if link.lifecycle is not None else lifecycle
             if lc is None:

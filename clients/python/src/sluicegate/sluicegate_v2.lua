@@ -3530,12 +3530,16 @@ do
 -- Returns 1 when the request left the index, 0 when it was not there, or the newer lifecycle a
 -- requeue marked (reopen) when the entry stays for it: recovery then completes that requeue if it
 -- was left half-way (requeue_dead with 'resume'). The marks stay for the retention, as the
--- record does: a late finish_index of this lifecycle (its finisher stalled while others completed
--- the steps, and the request was requeued and so indexed again) then finds its event written.
+-- meta does (`LT`: not extended by an unindex run again): a late finish_index of this lifecycle
+-- (its finisher stalled while others completed the steps, and the request was requeued and so
+-- indexed again) then finds its event written.
 local function unindex(keys, args)
   local reopened = redis.call('HGET', keys[2], 'o')
   if reopened and tonumber(reopened) > tonumber(args[2]) then return tonumber(reopened) end
-  redis.call('PEXPIRE', keys[2], args[3])
+  -- Never later than the retention from the first unindex: an unindex run again (recovery's look
+  -- at a refused duplicate's registration) must not keep the marks past the request's keys, or a
+  -- later request of the id would be taken for this one's end (dag_link).
+  redis.call('PEXPIRE', keys[2], args[3], 'LT')
   redis.call('HDEL', keys[3], args[1])
   redis.call('ZREM', keys[4], args[1])
   if args[4] and args[4] ~= '' then
@@ -5380,6 +5384,10 @@ do
 -- KEYS[1] U's downstreams (dn:<ukid>)   KEYS[2] U's finish marks   KEYS[3] U's lane record (its
 -- home is this shard)   KEYS[4] the shard's active index   KEYS[5] the shard's release outbox
 -- ARGV[1] U's key id   ARGV[2] D's entry "<dkid>|<D's token shards>"   ARGV[3] retention (ms)
+-- ARGV[4] (optional) U's lifecycle as its meta hash says, read by the caller before this call ('':
+--   none read): marks of another created ms are an earlier request's under the id, left a moment
+--   past its keys (a purge whose unlist found the id registered again, or the steps between its
+--   seal and its unindex), not this one's end; U is then live
 -- Returns {'live', lc} when U has not ended (lc: a lane request's lifecycle; '' for a request of
 -- its own stream, whose meta says), {'done', lc, state} when U's latest lifecycle lc has ended in
 -- state, or {'unknown'} when there is no request U (never created, or gone with its retention);
@@ -5395,9 +5403,11 @@ local function dag_link(keys, args)
   else
     local m = redis.call('HMGET', keys[2], 'e', 's', 'o')
     local indexed = redis.call('ZSCORE', keys[4], args[1])
-    if m[1] and not (m[3] and tonumber(m[3]) > tonumber(m[1])) then
+    local stale = m[1] and (args[4] or '') ~= ''
+      and math.floor(tonumber(m[1]) / 1000) ~= math.floor(tonumber(args[4]) / 1000)
+    if m[1] and not stale and not (m[3] and tonumber(m[3]) > tonumber(m[1])) then
       lc, state, live = m[1], m[2] or 'completed', false
-    elseif indexed then
+    elseif indexed or stale then
       lc, live = '', true
     else
       return {'unknown'}
@@ -5715,4 +5725,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 7 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 8 end, flags={'no-writes'}}
