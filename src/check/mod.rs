@@ -43,6 +43,7 @@ mod model;
 mod ops;
 #[cfg(feature = "schedules")]
 mod schedules;
+mod windows;
 mod world;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

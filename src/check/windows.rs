@@ -1,0 +1,96 @@
+//! Windows the randomized checker cannot reach: its steps are far apart (it checks the whole
+//! namespace after each), so what happens only when calls fall in one millisecond is tested here,
+//! with the protocol's calls sent back to back.
+
+use std::time::Duration;
+
+use fred::types::Value;
+
+use crate::keys::home_shard;
+use crate::protocol::lane::{cancel, submit, LaneCancelled};
+use crate::protocol::listing;
+use crate::protocol::submit::NewRequest;
+use crate::request::{Priority, RequestId};
+use crate::store::Store;
+
+/// A small request cancelled, purged and submitted again under its id at once, all in one
+/// millisecond here (four calls, no producer round trips between them), leaves its part in the
+/// lane. The request that took the id gets a lifecycle of its own, so the old part is acked
+/// away unrun when handed out (its lifecycle is not live) and never runs as the new one's part:
+/// each request ends with the result of its own payload. With lifecycles of created ms * 1000
+/// alone, the old part ran as the new one's and its result was the new request's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_submitted_again_under_an_id_purged_in_its_millisecond_runs_only_its_own_part() {
+    use crate::request::Concurrency;
+    let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
+    let ns = sluicegate_testkit::unique_namespace("lane-again");
+    let config = crate::Config::new(redis.url()).namespace(ns.as_str());
+    let store = Store::connect(&config).await.unwrap();
+    let encode = |v: u64| Value::Bytes(rmp_serde::to_vec(&v).unwrap().into());
+    let (mut same_ms, mut ids) = (0, Vec::new());
+    for n in 0..300u64 {
+        let id = RequestId::new(format!("again-{n}")).unwrap();
+        let key_id = id.key_id();
+        let req = NewRequest {
+            id: &id,
+            key_id: &key_id,
+            priority: Priority::DEFAULT,
+            concurrency: Concurrency::new(1).unwrap(),
+            max_attempts: 1,
+            timeout: None,
+            backoff_base: Duration::from_millis(1000),
+            backoff_max: Duration::from_millis(60_000),
+            nonce: "n",
+            fail_fast: false,
+            shards: config.token_shards,
+            deadline: 0,
+            window: 0,
+            discard: false,
+            tags: &[],
+            listed: true,
+            trace: "",
+            finish_within: None,
+            rate: None,
+            upstreams: &[],
+            run_after_failure: false,
+            group: None,
+        };
+        let shard = home_shard(&key_id, config.token_shards);
+        let old = submit(&store, &req, vec![encode(1000 + n)]).await.unwrap();
+        assert!(matches!(cancel(&store, shard, &key_id).await.unwrap(), LaneCancelled::Now { .. }));
+        assert!(listing::purge_lane(&store, shard, &key_id).await.unwrap());
+        let new = submit(&store, &req, vec![encode(n)]).await.unwrap();
+        assert_ne!(old, new, "{id}: the request that took the id has the purged one's lifecycle");
+        let ms = |lc: &str| lc[..lc.len() - 3].to_owned();
+        same_ms += u32::from(ms(&old) == ms(&new));
+        ids.push(id);
+        if same_ms >= 20 {
+            break;
+        }
+    }
+    // The window this test is about was reached: both submits in one millisecond.
+    assert!(same_ms > 0, "no request was submitted again within the millisecond of the one purged");
+    struct Echo;
+    #[async_trait::async_trait]
+    impl crate::Handler for Echo {
+        type Input = u64;
+        type Output = u64;
+        async fn handle(&self, _: crate::Context, v: u64) -> std::result::Result<u64, crate::HandlerError> {
+            Ok(v)
+        }
+    }
+    let worker = crate::Worker::builder(&config, Echo).slots(2).build().await.unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(worker.run_until(stop.clone().cancelled_owned()));
+    let producer = crate::Producer::connect(&config).await.unwrap();
+    for (n, id) in ids.iter().enumerate() {
+        let done = producer.handle(id.clone()).wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap();
+        assert_eq!(
+            done.into_outputs().unwrap(),
+            vec![n as u64],
+            "{id} ran the part of the request it replaced"
+        );
+    }
+    stop.cancel();
+    running.await.unwrap().unwrap();
+}
