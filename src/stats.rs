@@ -202,7 +202,8 @@ impl Recorder {
     }
 
     /// A request of `priority` turned `state` (counted if completed or failed), in lifecycle
-    /// `lifecycle` (`created ms * 1000 + gen`): its duration is from its creation to now.
+    /// `lifecycle` (its created ms * 1000, plus less than 1000): its duration is from its creation
+    /// to now.
     pub(crate) fn finished(&self, priority: Priority, state: &str, lifecycle: i64) {
         let counter = match state {
             "completed" => Counter::Completed,

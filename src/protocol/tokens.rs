@@ -368,7 +368,8 @@ pub(crate) struct Owed {
 pub(crate) struct Done {
     /// Its terminal state (`completed` or `failed`).
     pub(crate) state: String,
-    /// Its lifecycle, `created ms * 1000 + gen`.
+    /// Its lifecycle: its created ms * 1000, plus less than 1000 (a lane request's, prelude.lua
+    /// `sg_lane_clock`).
     pub(crate) lifecycle: i64,
 }
 
