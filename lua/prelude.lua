@@ -20,9 +20,14 @@
 -- per-token expiry. A dead worker's tokens are found through the `held` record its slot wrote when
 -- it took the token (`take`), and reclaimed (`reclaim`).
 
-local function sg_now()
-  local t = redis.call('TIME')
+-- The functions' clock, in ms, from a reply of TIME. The test builds of the library replace its
+-- one line (src/protocol/library.rs): every reading of the clock goes through it.
+local function sg_ms(t)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function sg_now()
+  return sg_ms(redis.call('TIME'))
 end
 
 -- A whole number as text, without the exponent notation Lua uses for large ones (lifecycles are
@@ -43,9 +48,8 @@ end
 -- request's identity and its listing's submit ms (sg_ix_kept_at), would move.
 local function sg_lane_clock()
   local t = redis.call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  local now = s * 1000 + math.floor(us / 1000)
-  return now, sg_int(now * 1000 + math.floor((us % 1000) / 2))
+  local now = sg_ms(t)
+  return now, sg_int(now * 1000 + math.floor((tonumber(t[2]) % 1000) / 2))
 end
 
 -- Small whole numbers as text, remembered: Lua turns a number into text with sprintf, which
@@ -1428,7 +1432,8 @@ end
 -- Drops the requests of an expired batch (sg_ix_unbatch) from its terminal set. The call that
 -- wrote the batch wrote one member there per submit millisecond (sg_ix_finish_kept): each such
 -- group leaves whole, as written, or, when it was rewritten since (sg_ix_ungroup: a request of it
--- purged, reopened or tracked), what is left of it. A request's own member (a group of one, or
+-- purged, reopened or tracked) or some of its requests' records exist, its requests whose records
+-- are gone leave it one by one. A request's own member (a group of one, or
 -- one tracked since) leaves only while it is the batch's: no record of the id exists on the
 -- shard, and the member's score is the batch's submit ms (a request of its own stream under the
 -- id, listed since, has its own). A record that exists is a later lane request of the id or this
@@ -1437,17 +1442,6 @@ end
 -- has, as any expired entry does. Then the batch leaves `exp`.
 local function sg_ix_trim_batch(ix, batch, now)
   local base, kids, ats, set = string.sub(ix, 1, -4) .. 's:', batch.kids, batch.ats, ix .. batch.state
-  local at_kids, order = sg_ix_by_at(ats, kids)
-  for _, at in ipairs(order) do
-    local group = at_kids[at]
-    if #group > 1 then
-      if redis.call('ZREM', set, sg_ix_group(group)) == 1 then
-        redis.call('HINCRBY', ix .. 'gn', batch.state, 1 - #group)
-      else
-        for _, kid in ipairs(group) do sg_ix_ungroup(ix, batch.state, at, kid) end
-      end
-    end
-  end
   local records = {}
   for j, kid in ipairs(kids) do records[j] = base .. kid end
   local candidates, at_of = kids, ats
@@ -1465,6 +1459,24 @@ local function sg_ix_trim_batch(ix, batch, now)
       end
     end
     if #later > 0 then redis.call('ZADD', ix .. 'exp', unpack(later)) end
+  end
+  -- Only the requests whose records are gone leave their groups: one whose record exists was
+  -- reopened (and ungrouped then) or is a later request of the id, and may be in a group written
+  -- since, even one of the same text, at the same submit ms.
+  local gone_kid = {}
+  for _, kid in ipairs(candidates) do gone_kid[kid] = true end
+  local at_kids, order = sg_ix_by_at(ats, kids)
+  for _, at in ipairs(order) do
+    local group = at_kids[at]
+    if #group > 1 then
+      local gone = {}
+      for _, kid in ipairs(group) do if gone_kid[kid] then gone[#gone + 1] = kid end end
+      if #gone == #group and redis.call('ZREM', set, sg_ix_group(group)) == 1 then
+        redis.call('HINCRBY', ix .. 'gn', batch.state, 1 - #group)
+      else
+        for _, kid in ipairs(gone) do sg_ix_ungroup(ix, batch.state, at, kid) end
+      end
+    end
   end
   if #candidates > 0 then
     local scores = redis.call('ZMSCORE', set, unpack(candidates))
@@ -1664,6 +1676,13 @@ local function sg_ix_finished(ix, now, batch)
   sg_ix_settle(ix, now)
 end
 
+-- Before members are added to terminal set `state`: one that expired (with its latest members'
+-- keys, sg_ix_finished) took its groups with it, but not their count in `gn`, which a set made
+-- anew would otherwise inherit (counts add `gn` to the set's members).
+local function sg_ix_set_fresh(ix, state)
+  if redis.call('EXISTS', ix .. state) == 0 then redis.call('HDEL', ix .. 'gn', state) end
+end
+
 -- Moves live requests `kids` to the terminal sets `states` names (by position), each scored by
 -- its submission time `ats[j]` (text), and enters their expiry `expires` in `exp`: one command per
 -- set. Notes in `batch` the latest expiry of each terminal set entered (sg_ix_finished).
@@ -1679,6 +1698,7 @@ local function sg_ix_move(ix, kids, states, ats, expires, batch)
   end
   redis.call('ZREM', ix .. 'live', unpack(kids))
   for state, members in pairs(by_state) do
+    sg_ix_set_fresh(ix, state)
     redis.call('ZADD', ix .. state, unpack(members))
     batch[state] = math.max(batch[state] or 0, expires)
   end
@@ -1750,6 +1770,7 @@ local function sg_ix_finish_kept(ix, kids, states, ats, expires, now, batch)
         members[#members + 1] = sg_ix_group(at_kids[kat])
         extra = extra + #at_kids[kat] - 1
       end
+      sg_ix_set_fresh(ix, state)
       redis.call('ZADD', ix .. state, unpack(members))
       if extra > 0 then redis.call('HINCRBY', ix .. 'gn', state, extra) end
       batch[state] = math.max(batch[state] or 0, expires)

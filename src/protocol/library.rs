@@ -419,17 +419,20 @@ pub(crate) fn checker_library_source() -> String {
     // checker's small lanes reach the page's floor (lua/list.lua).
     const SKIP: &str = "local LIST_LANE_SKIP = 10000\n";
     let real = library_source();
+    assert_eq!(real.matches(REAL).count(), 1, "sg_ms in lua/prelude.lua changed: update the checker's clock");
+    // Every reading of Redis's clock goes through sg_ms, whose line is replaced: one that did not
+    // would run on the wall clock while the rest of the library runs on the checker's.
     assert_eq!(
-        real.matches(REAL).count(),
-        1,
-        "sg_now in lua/prelude.lua changed: update the checker's clock"
+        real.matches("redis.call('TIME')").count(),
+        real.matches("sg_ms(redis.call('TIME'))").count() + real.matches("local now = sg_ms(t)").count(),
+        "a reading of TIME in the library does not go through sg_ms"
     );
     assert_eq!(real.matches(SKIP).count(), 1, "LIST_LANE_SKIP in lua/list.lua changed: update the checker's");
     real.replace(REAL, VIRTUAL).replace(SKIP, "local LIST_LANE_SKIP = 2\n")
 }
 
-/// The line of `sg_now` (lua/prelude.lua) that reads Redis's clock, which the test builds of the
-/// library replace.
+/// The line of `sg_ms` (lua/prelude.lua) that turns Redis's clock into ms, which the test builds
+/// of the library replace.
 #[cfg(any(test, feature = "test-clock"))]
 const REAL_CLOCK: &str = "return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n";
 
@@ -462,7 +465,7 @@ end
     assert_eq!(
         real.matches(REAL_CLOCK).count(),
         1,
-        "sg_now in lua/prelude.lua changed: update the test clock"
+        "sg_ms in lua/prelude.lua changed: update the test clock"
     );
     let moved = real.replace(
         REAL_CLOCK,

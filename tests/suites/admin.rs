@@ -1279,3 +1279,140 @@ async fn small_requests_grouped_in_their_terminal_sets_list_count_purge_track_an
     check(completed, failed, "after a requeue").await;
     w.stop().await;
 }
+
+
+/// A terminal set expires with its latest members' keys, before their batch is trimmed: the count
+/// of what its groups held (`ix:gn`) goes with it, and is not added to the next finish into a set
+/// made anew (while the shard stays busy, `gn` has no expiry of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_set_that_expired_with_its_groups_leaves_no_count_behind() {
+    use fred::interfaces::{HashesInterface, KeysInterface};
+    use sluicegate::{ListQuery, ListState};
+    let env = env_on(TOPOLOGY, "gn-expired").await;
+    let config = fast(&env.config).retention(Duration::from_secs(1));
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let ns = config.namespace_str().to_owned();
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    // Live requests on every shard for the whole test (scheduled an hour from now).
+    for i in 0..24 {
+        producer.request().delay(Duration::from_secs(3600)).tag("keep").unwrap().submit([Job::new(1000 + i)]).await.unwrap();
+    }
+    let handles: Vec<_> = producer
+        .submit_many((0..60).map(|i| (producer.request(), [Job::new(i)])))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let w = start_worker(&config, Probe::default(), 16, Quantum::default()).await;
+    for h in &handles {
+        h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    }
+    let mut gn_before = 0i64;
+    for shard in 0..4 {
+        let v: Option<i64> = redis.hget(format!("{ns}:{{{ns}.q{shard}}}:ix:gn"), "completed").await.unwrap();
+        gn_before += v.unwrap_or(0);
+    }
+    assert!(gn_before > 0, "no group formed");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut sets = 0i64;
+    let mut gn_after = 0i64;
+    for shard in 0..4 {
+        sets += redis.exists::<i64, _>(format!("{ns}:{{{ns}.q{shard}}}:ix:completed")).await.unwrap();
+        let v: Option<i64> = redis.hget(format!("{ns}:{{{ns}.q{shard}}}:ix:gn"), "completed").await.unwrap();
+        gn_after += v.unwrap_or(0);
+    }
+    // One more round, each request alone in its submit (its own millisecond).
+    let mut more = Vec::new();
+    for i in 0..8 {
+        more.push(producer.request().submit([Job::new(100 + i)]).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    for h in &more {
+        h.wait_timeout::<u64>(Duration::from_secs(20)).await.unwrap();
+    }
+    let listed = list_all(&admin, ListQuery::new().state(ListState::Completed).limit(100)).await;
+    let counts = admin.stats().await.unwrap().requests;
+    w.stop().await;
+    assert_eq!(listed.len(), 8, "listed {listed:?}");
+    assert_eq!(
+        counts.completed, 8,
+        "stats count {} completed, list shows 8 ({gn_after} in gn, {sets} sets left after the retention)",
+        counts.completed
+    );
+}
+
+/// Requests of a failed group, reopened by requeues and failed again in one call, are grouped
+/// again at the same submit ms. The trim of their first failure's batch leaves their new group
+/// alone: they stay listed while their records are retained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_failed_again_stays_listed_past_its_first_failures_trim() {
+    use fred::interfaces::SortedSetsInterface;
+    use sluicegate::{ListQuery, ListState, RequestId};
+    let env = env_on(TOPOLOGY, "refailed").await;
+    let retention = Duration::from_secs(3);
+    let config = fast(&env.config).retention(retention);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let ns = config.namespace_str().to_owned();
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    let broken = Arc::new(AtomicBool::new(true));
+    let handles: Vec<_> = producer
+        .submit_many((0..60).map(|i| (producer.request(), [Job::new(i)])))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let w = start_worker(&config, Fragile { broken: broken.clone(), fails: |_, _| true }, 16, Quantum::default()).await;
+    for h in &handles {
+        let _ = h.wait_timeout::<u64>(Duration::from_secs(20)).await;
+    }
+    let first_failed = Instant::now();
+    w.stop().await;
+    // A group of at least three in `failed`.
+    let mut group = None;
+    for shard in 0..4 {
+        let members: Vec<String> =
+            redis.zrange(format!("{ns}:{{{ns}.q{shard}}}:ix:failed"), 0, -1, None, false, None, false).await.unwrap();
+        for m in members.iter().filter_map(|m| m.strip_prefix('|')) {
+            let kids: Vec<String> = m.split('|').map(str::to_owned).collect();
+            if kids.len() >= 3 && group.is_none() {
+                group = Some(kids);
+            }
+        }
+    }
+    let group = group.expect("no failed group of three");
+    let (a, b) = (RequestId::from_key_id(&group[0]).unwrap(), RequestId::from_key_id(&group[1]).unwrap());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Both reopened while no worker runs, so that one lane call fails both again.
+    let c = RequestId::from_key_id(&group[2]).unwrap();
+    assert_eq!(admin.requeue_dead(&c).await.unwrap(), 1);
+    assert_eq!(admin.requeue_dead(&b).await.unwrap(), 1);
+    assert_eq!(admin.requeue_dead(&a).await.unwrap(), 1);
+    let w = start_worker(&config, Fragile { broken: broken.clone(), fails: |_, _| true }, 1, Quantum::default()).await;
+    for id in [&a, &b, &c] {
+        let started = Instant::now();
+        while admin.status(id).await.unwrap().state != RequestState::Failed {
+            assert!(started.elapsed() < Duration::from_secs(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let second_failed = Instant::now();
+    let listed = list_all(&admin, ListQuery::new().state(ListState::Failed).limit(100)).await;
+    assert!(listed.contains(&a.to_string()) && listed.contains(&b.to_string()), "before the trim: {listed:?}");
+    // Past the first failure's retention (its batch trimmed by recovery's claims), before the second's.
+    let at = first_failed + retention + Duration::from_millis(600);
+    tokio::time::sleep(at.saturating_duration_since(Instant::now())).await;
+    assert!(second_failed + retention > Instant::now() + Duration::from_millis(200), "too slow to tell");
+    for id in [&a, &b] {
+        assert_eq!(admin.status(id).await.unwrap().state, RequestState::Failed, "{id} still retained");
+    }
+    let listed = list_all(&admin, ListQuery::new().state(ListState::Failed).limit(100)).await;
+    let counts = admin.stats().await.unwrap().requests;
+    w.stop().await;
+    assert!(
+        listed.contains(&a.to_string()) && listed.contains(&b.to_string()),
+        "after the first batch's trim: failed lists {listed:?} (a {a}, b {b}); stats count {}",
+        counts.failed
+    );
+}
