@@ -79,7 +79,12 @@ impl Admin {
         }
         for shard in 0..keys.shards() {
             let failed = keys.index_set(shard, "failed");
-            let total: u64 = client.zcard(failed.as_str()).await?;
+            let members: u64 = client.zcard(failed.as_str()).await?;
+            // Its requests, not its members: a group member holds several (`ix:gn` counts the
+            // rest; it may outlive a set that expired, so only while the set exists).
+            let grouped: Option<u64> =
+                if members > 0 { client.hget(keys.index_set(shard, "gn"), "failed").await? } else { None };
+            let total = members + grouped.unwrap_or(0);
             let mut ids = first(client, &failed, budget).await?;
             ids.retain(|id| !unfinished.contains(id));
             tally.complete &= total <= budget;
