@@ -24,7 +24,7 @@ local function requeue_dead(keys, args)
   local late = sg_step_late(args[3])
   if late then return late end
   local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why', 'upw',
-    'upf', 'onup')
+    'upf', 'onup', 'open')
   local state = m[1]
   if state == 'failed' and m[7] == 'deadline' then
     -- It would end again at once: its deadline has passed for good.
@@ -68,6 +68,10 @@ local function requeue_dead(keys, args)
     local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
     for i = 1, 6 do redis.call('PERSIST', keys[i]) end
     redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
+    -- A streamed request that failed before its finalize (fail fast) had its producer's adds and
+    -- finalize refused from then on: reopened, it runs the parts it has and finishes with them,
+    -- as if finalized, rather than waiting for a finalize that will not come.
+    if m[11] == '1' then redis.call('HSET', keys[1], 'open', 0) end
     redis.call('HDEL', keys[1], 'finished', 'sealed', 'why')
     local out, fields = {n, args[2]}, {}
     for k = 0, ntok - 1 do

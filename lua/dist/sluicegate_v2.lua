@@ -4015,7 +4015,7 @@ local function requeue_dead(keys, args)
   local late = sg_step_late(args[3])
   if late then return late end
   local m = redis.call('HMGET', keys[1], 'state', 'ntok', 'limit', 'sealed', 'total', 'maxep', 'why', 'upw',
-    'upf', 'onup')
+    'upf', 'onup', 'open')
   local state = m[1]
   if state == 'failed' and m[7] == 'deadline' then
     -- It would end again at once: its deadline has passed for good.
@@ -4059,6 +4059,10 @@ local function requeue_dead(keys, args)
     local ntok = math.min(tonumber(m[3]), tonumber(m[5]))
     for i = 1, 6 do redis.call('PERSIST', keys[i]) end
     redis.call('HSET', keys[1], 'state', 'running', 'ntok', ntok, 'npark', 0)
+    -- A streamed request that failed before its finalize (fail fast) had its producer's adds and
+    -- finalize refused from then on: reopened, it runs the parts it has and finishes with them,
+    -- as if finalized, rather than waiting for a finalize that will not come.
+    if m[11] == '1' then redis.call('HSET', keys[1], 'open', 0) end
     redis.call('HDEL', keys[1], 'finished', 'sealed', 'why')
     local out, fields = {n, args[2]}, {}
     for k = 0, ntok - 1 do
@@ -5746,4 +5750,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 9 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 10 end, flags={'no-writes'}}

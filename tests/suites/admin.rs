@@ -143,6 +143,44 @@ async fn requeued_dead_letters_complete_a_failed_request() {
     w.stop().await;
 }
 
+/// A streamed request that fails fast before its finalize refuses its producer from then on (its
+/// adds and its finalize): requeued, it runs the parts it has and completes with them, rather than
+/// wait for a finalize that will not come (it stayed running for ever, `open`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_streamed_request_that_failed_fast_before_its_finalize_completes() {
+    let env = env_on(TOPOLOGY, "requeue-open").await;
+    let config = fast(&env.config);
+    let broken = Arc::new(AtomicBool::new(true));
+    let w = start_worker(&config, Fragile { broken: broken.clone(), fails: |index, _| index == 1 }, 2, Quantum::default()).await;
+    let producer = Producer::connect(&config).await.unwrap();
+    let admin = Admin::connect(&config).await.unwrap();
+    let mut open = producer.request().concurrency(2).unwrap().fail_fast(true).open().await.unwrap();
+    open.add((0..4).map(Job::new)).await.unwrap();
+    let h = open.handle().clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin.status(h.id()).await.unwrap().state != RequestState::Failed {
+        assert!(Instant::now() < deadline, "the request did not fail fast");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(open.add([Job::new(4)]).await.is_err(), "a failed request took more parts");
+
+    broken.store(false, Ordering::SeqCst);
+    assert_eq!(admin.requeue_dead(h.id()).await.unwrap(), 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let done = loop {
+        if let Some(done) = h.try_completion::<u64>().await.unwrap() {
+            if done.state == RequestState::Completed {
+                break done;
+            }
+        }
+        let status = admin.status(h.id()).await.unwrap();
+        assert!(Instant::now() < deadline, "the requeued request did not complete: {status:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(done.into_outputs().unwrap(), [0, 2, 4, 6]);
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_show_waiting_tokens_active_requests_and_live_workers() {
     let env = env_on(TOPOLOGY, "stats").await;
