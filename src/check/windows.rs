@@ -94,3 +94,87 @@ async fn a_request_submitted_again_under_an_id_purged_in_its_millisecond_runs_on
     stop.cancel();
     running.await.unwrap().unwrap();
 }
+
+/// A slot that offered a hand-off and withdraws its offer (`untake`) after a submit handed it a
+/// lane's token it never read leaves that token's record to recovery (`<holder>/lost/<take>`):
+/// the token is held, its first batch handed out, and nothing else would find it before recovery's
+/// backstop, every census interval (60 s by default, where the contract promises a lease plus a
+/// recovery interval). The slot reclaims it at once (`recovery::reclaim_untaken`): the record
+/// ends and the token is back on its list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_token_handed_to_an_offer_withdrawn_unread_is_back_on_its_list_at_once() {
+    use crate::protocol::tokens;
+    use crate::request::Concurrency;
+    use fred::prelude::{HashesInterface, ListInterface};
+    let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
+    let ns = sluicegate_testkit::unique_namespace("withdrawn");
+    let config = crate::Config::new(redis.url()).namespace(ns.as_str()).token_shards(1);
+    let store = Store::connect(&config).await.unwrap();
+    let (holder, shard) = ("w1/0", 0);
+    // An offering take that finds nothing: the slot's next take (2) is offered a hand-off.
+    let took = tokens::take(
+        &store,
+        shard,
+        holder,
+        "w1",
+        1,
+        None,
+        false,
+        4,
+        Priority::MIN,
+        Some((2, Duration::from_secs(30))),
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(took, tokens::Take::Empty), "the offering take took something");
+    let id = RequestId::new("handed").unwrap();
+    let key_id = id.key_id();
+    let req = NewRequest {
+        id: &id,
+        key_id: &key_id,
+        priority: Priority::DEFAULT,
+        concurrency: Concurrency::new(1).unwrap(),
+        max_attempts: 1,
+        timeout: None,
+        backoff_base: Duration::from_millis(1000),
+        backoff_max: Duration::from_millis(60_000),
+        nonce: "n",
+        fail_fast: false,
+        shards: 1,
+        deadline: 0,
+        window: 0,
+        discard: false,
+        tags: &[],
+        listed: true,
+        trace: "",
+        finish_within: None,
+        rate: None,
+        upstreams: &[],
+        run_after_failure: false,
+        group: None,
+    };
+    submit(&store, &req, vec![Value::Bytes(rmp_serde::to_vec(&7u64).unwrap().into())]).await.unwrap();
+    let (held, list) = (store.keys.held(shard), store.keys.token_list(shard, Priority::DEFAULT));
+    let record: Option<String> = store.client.hget(held.as_str(), holder).await.unwrap();
+    // `<key id>|<k>|<epoch>|<take id>|<list>`: the hand-off stands for the slot's take 2.
+    assert_eq!(
+        record.as_deref().and_then(|r| r.split('|').nth(3)),
+        Some("2"),
+        "the hand-off is not recorded"
+    );
+    let queued: u64 = store.client.llen(list.as_str()).await.unwrap();
+    assert_eq!(queued, 0, "the token was pushed, not handed");
+
+    // The slot withdraws its offer without reading the hand-off.
+    assert!(tokens::untake(&store, shard, holder, 2).await.unwrap());
+    let lost = format!("{holder}/lost/2");
+    let kept: Option<String> = store.client.hget(held.as_str(), lost.as_str()).await.unwrap();
+    assert!(kept.is_some(), "the lane token's record is not kept for recovery");
+    let metrics = crate::worker::WorkerMetrics::default();
+    crate::worker::recovery::reclaim_untaken(&store, &metrics, shard, holder, 2).await.unwrap();
+    let kept: Option<String> = store.client.hget(held.as_str(), lost.as_str()).await.unwrap();
+    assert!(kept.is_none(), "the record is left for recovery's backstop");
+    let queued: u64 = store.client.llen(list.as_str()).await.unwrap();
+    assert_eq!(queued, 1, "the lane's token is not back on its list");
+}

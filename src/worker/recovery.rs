@@ -397,6 +397,28 @@ async fn reclaim_record(
         .await
 }
 
+/// After `untake` undid take `take` of `holder` on `shard`: a lane's token, acquired by the take
+/// (or the hand-off it stands for), was kept for recovery as "<holder>/lost/<take>"; it is
+/// reclaimed now (its batch orphaned, the token pushed again) rather than at the backstop's next
+/// pass ([`scan_held`], every census interval), which would leave the lane's token out of
+/// circulation for that long. No such record: nothing to do.
+pub(crate) async fn reclaim_untaken(
+    store: &Store,
+    metrics: &WorkerMetrics,
+    shard: u32,
+    holder: &str,
+    take: u64,
+) -> Result<()> {
+    let (held, field) = (store.keys.held(shard), format!("{holder}/lost/{take}"));
+    let record: Option<String> = store
+        .call("hget", &held, || async { Ok(store.client.hget(held.as_str(), field.as_str()).await?) })
+        .await?;
+    match record {
+        Some(record) => reclaim_record(store, metrics, shard, &field, &record).await,
+        None => Ok(()),
+    }
+}
+
 /// The backstop for take records: any whose worker is gone from the registry (and not being
 /// reaped), and any a live slot abandoned ("/lost/"), are reclaimed.
 pub(crate) async fn scan_held(store: &Store, metrics: &WorkerMetrics) -> Result<()> {

@@ -321,6 +321,9 @@ pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot)
     if let Some(shard) = slot.pending.take() {
         match tokens::untake(&shared.store, shard, &holder, slot.next_take).await {
             Ok(took) => {
+                if took {
+                    reclaim_untaken(shared, shard, &holder, slot.next_take).await;
+                }
                 slot.next_take += 1;
                 // A take that happened gave back what it carried, in the same step.
                 if took && slot.owed.as_ref().is_some_and(|gb| gb.shard == shard) {
@@ -366,10 +369,23 @@ pub(crate) async fn release_all<H: Handler>(shared: &Shared<H>, slot: &mut Slot)
 async fn end_offer<H: Handler>(shared: &Shared<H>, slot: &mut Slot, holder: &str) -> Result<()> {
     if let Some(shard) = slot.offered {
         let took = tokens::untake(&shared.store, shard, holder, slot.next_take).await?;
+        if took {
+            reclaim_untaken(shared, shard, holder, slot.next_take).await;
+        }
         slot.next_take += u64::from(took);
         slot.offered = None;
     }
     Ok(())
+}
+
+/// A take (or a hand-off) that `untake` undid: a lane's token it carried is reclaimed at once
+/// (`recovery::reclaim_untaken`). Should that fail, recovery's backstop still finds the record.
+async fn reclaim_untaken<H: Handler>(shared: &Shared<H>, shard: u32, holder: &str, take: u64) {
+    if let Err(e) =
+        super::recovery::reclaim_untaken(&shared.store, &shared.metrics, shard, holder, take).await
+    {
+        tracing::warn!(error = %e, "could not reclaim a lane token a take undone carried; recovery will");
+    }
 }
 
 /// Before an unreserved slot waits for room in the worker's bound (`bound`): the token it owes
