@@ -1125,6 +1125,12 @@ impl OpenRequest {
     /// Adds parts (one call per 1,000); workers may start on them at once. With a
     /// [`window`](RequestBuilder::window) of W, each call of up to `min(1,000, W)` parts first
     /// waits until it fits: until at most W minus its size of the parts added are unsettled.
+    ///
+    /// After an error (or when the future is dropped before it returns), the parts before
+    /// [`len`](Self::len) are in; of the rest, some may be (a call whose reply was lost). Add
+    /// them again, the same parts, from the request's part `len()` on: a part already in is
+    /// recognised by its index and not added twice. Adding other parts instead would have as many
+    /// of them taken for parts already in, and skipped.
     pub async fn add<I, T>(&mut self, parts: I) -> Result<()>
     where
         I: IntoIterator<Item = T>,
