@@ -1080,6 +1080,12 @@ pub(crate) async fn check_step(world: &mut World) -> Result<(), String> {
         if ntok > limit || held > ntok {
             return Err(format!("{r}: {held} tokens held, {ntok} tokens, limit {limit}"));
         }
+        // A request reopened by a requeue is closed for parts: a streamed one that failed (fast)
+        // before its finalize had its producer's adds and finalize refused from then on, so open it
+        // would wait for ever for a finalize (the drain's operator would close it, and hide that).
+        if s.num("gen") > 0 && s.meta.get("open").map(String::as_str) == Some("1") {
+            return Err(format!("{r}: reopened by a requeue, but still open for parts"));
+        }
         // Exactly one event per finished lifecycle: never more, and written before the seal.
         let gen = s.num("gen");
         if s.events > gen + 1 {
