@@ -13,6 +13,35 @@ use crate::protocol::submit::NewRequest;
 use crate::request::{Priority, RequestId};
 use crate::store::Store;
 
+/// A whole single-part request as a producer submits it to its lane with the defaults (limit 1,
+/// one attempt, listed, generated nonce "n"), on one token shard.
+fn small<'a>(id: &'a RequestId, key_id: &'a str) -> NewRequest<'a> {
+    NewRequest {
+        id,
+        key_id,
+        priority: Priority::DEFAULT,
+        concurrency: crate::request::Concurrency::new(1).expect("a limit of 1"),
+        max_attempts: 1,
+        timeout: None,
+        backoff_base: Duration::from_millis(1000),
+        backoff_max: Duration::from_millis(60_000),
+        nonce: "n",
+        fail_fast: false,
+        shards: 1,
+        deadline: 0,
+        window: 0,
+        discard: false,
+        tags: &[],
+        listed: true,
+        trace: "",
+        finish_within: None,
+        rate: None,
+        upstreams: &[],
+        run_after_failure: false,
+        group: None,
+    }
+}
+
 /// A small request cancelled, purged and submitted again under its id at once, all in one
 /// millisecond here (four calls, no producer round trips between them), leaves its part in the
 /// lane. The request that took the id gets a lifecycle of its own, so the old part is acked
@@ -21,40 +50,16 @@ use crate::store::Store;
 /// alone, the old part ran as the new one's and its result was the new request's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_submitted_again_under_an_id_purged_in_its_millisecond_runs_only_its_own_part() {
-    use crate::request::Concurrency;
     let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
     let ns = sluicegate_testkit::unique_namespace("lane-again");
-    let config = crate::Config::new(redis.url()).namespace(ns.as_str());
+    let config = crate::Config::new(redis.url()).namespace(ns.as_str()).token_shards(1);
     let store = Store::connect(&config).await.unwrap();
     let encode = |v: u64| Value::Bytes(rmp_serde::to_vec(&v).unwrap().into());
     let (mut same_ms, mut ids) = (0, Vec::new());
     for n in 0..300u64 {
         let id = RequestId::new(format!("again-{n}")).unwrap();
         let key_id = id.key_id();
-        let req = NewRequest {
-            id: &id,
-            key_id: &key_id,
-            priority: Priority::DEFAULT,
-            concurrency: Concurrency::new(1).unwrap(),
-            max_attempts: 1,
-            timeout: None,
-            backoff_base: Duration::from_millis(1000),
-            backoff_max: Duration::from_millis(60_000),
-            nonce: "n",
-            fail_fast: false,
-            shards: config.token_shards,
-            deadline: 0,
-            window: 0,
-            discard: false,
-            tags: &[],
-            listed: true,
-            trace: "",
-            finish_within: None,
-            rate: None,
-            upstreams: &[],
-            run_after_failure: false,
-            group: None,
-        };
+        let req = small(&id, &key_id);
         let shard = home_shard(&key_id, config.token_shards);
         let old = submit(&store, &req, vec![encode(1000 + n)]).await.unwrap();
         assert!(matches!(cancel(&store, shard, &key_id).await.unwrap(), LaneCancelled::Now { .. }));
@@ -104,7 +109,6 @@ async fn a_request_submitted_again_under_an_id_purged_in_its_millisecond_runs_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_token_handed_to_an_offer_withdrawn_unread_is_back_on_its_list_at_once() {
     use crate::protocol::tokens;
-    use crate::request::Concurrency;
     use fred::prelude::{HashesInterface, ListInterface};
     let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
     let ns = sluicegate_testkit::unique_namespace("withdrawn");
@@ -130,30 +134,7 @@ async fn a_lane_token_handed_to_an_offer_withdrawn_unread_is_back_on_its_list_at
     assert!(matches!(took, tokens::Take::Empty), "the offering take took something");
     let id = RequestId::new("handed").unwrap();
     let key_id = id.key_id();
-    let req = NewRequest {
-        id: &id,
-        key_id: &key_id,
-        priority: Priority::DEFAULT,
-        concurrency: Concurrency::new(1).unwrap(),
-        max_attempts: 1,
-        timeout: None,
-        backoff_base: Duration::from_millis(1000),
-        backoff_max: Duration::from_millis(60_000),
-        nonce: "n",
-        fail_fast: false,
-        shards: 1,
-        deadline: 0,
-        window: 0,
-        discard: false,
-        tags: &[],
-        listed: true,
-        trace: "",
-        finish_within: None,
-        rate: None,
-        upstreams: &[],
-        run_after_failure: false,
-        group: None,
-    };
+    let req = small(&id, &key_id);
     submit(&store, &req, vec![Value::Bytes(rmp_serde::to_vec(&7u64).unwrap().into())]).await.unwrap();
     let (held, list) = (store.keys.held(shard), store.keys.token_list(shard, Priority::DEFAULT));
     let record: Option<String> = store.client.hget(held.as_str(), holder).await.unwrap();
