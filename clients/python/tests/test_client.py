@@ -744,6 +744,32 @@ def test_a_worker_going_on_under_a_new_id_ends_the_take_records_of_its_old_one(
     assert client.exists(keys.held(0)) == 0, records("")
 
 
+def test_a_lane_token_a_stopping_slot_took_unseen_is_reclaimed_at_its_stop(
+    server: Any, ns: str, running: Running
+) -> None:
+    """A slot stopping with a take whose reply it never saw undoes it (``untake``); a lane's token
+    that take acquired, with its first batch, is kept for recovery under a lost name, and the slot
+    reclaims it at once rather than leaving it to recovery's backstop (every census interval, and
+    never once the fleet is stopped). Fails without the reclaim: the lost record stays."""
+    client = redis.Redis.from_url(server.url)
+    p = Producer(server.url, ns)
+    h = p.submit([21])
+    w = sluicegate.Worker(server.url, lambda ctx, part: 2 * part, slots=1, namespace=ns)
+    slot = sluicegate.worker._Slot(w, 0)
+    try:
+        token = slot.take(slot.holder(), 0, False)
+        assert isinstance(token, sluicegate.worker._Token) and token.acquired is not None, token
+        # Its reply lost: the slot knows only that a take was under way on shard 0.
+        slot.pending, slot.next_take, slot.last_take[0] = 0, token.take, None
+        slot.release_all()
+        held = {f.decode(): v.decode() for f, v in client.hgetall(w.protocol.keys.held(0)).items()}
+        assert not [f for f in held if "/lost/" in f], held
+    finally:
+        w.protocol.conn.close()
+    running.start(server.url, lambda ctx, part: 2 * part, ns, slots=1)
+    assert h.wait(timeout=20).results == [42]
+
+
 def test_a_redis_cluster_runs_requests_too(cluster: Any, ns: str, running: Running) -> None:
     def handler(ctx: Any, part: Any) -> Any:
         if part.get("slow"):

@@ -244,6 +244,17 @@ def reclaim_record(p: Protocol, shard: int, field: str, record: str) -> None:
     reclaim(p, kid, int(k), epoch, holder, shard, list_key, (field, take))
 
 
+def reclaim_untaken(p: Protocol, shard: int, holder: str, take: int) -> None:
+    """After ``untake`` undid take ``take`` of ``holder`` on ``shard``: a lane's token the take
+    acquired was kept for recovery as ``<holder>/lost/<take>``; it is reclaimed now (its batch
+    orphaned, the token pushed again) rather than at the backstop's next pass (:func:`scan_held`,
+    every census interval, and none once the fleet stops). No such record: nothing to do."""
+    field = f"{holder}/lost/{take}"
+    record = p.conn.client.hget(p.keys.held(shard), field)
+    if record is not None:
+        reclaim_record(p, shard, field, text(record))
+
+
 def audit_groups(p: Protocol, shard: int) -> None:
     """Recovery's audit of the tenant groups on ``shard`` (``group_audit``): repairs what the
     function can tell alone (a rate wait missing from ``gwake``, a queued group token whose element

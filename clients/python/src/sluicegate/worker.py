@@ -834,7 +834,11 @@ class _Slot:
             shard, self.pending = self.pending, None
             try:
                 k = self.p.keys
-                self.p.conn.fcall("untake", [k.held(shard), k.bell(shard)], [holder, self.next_take])
+                took = integer(self.p.conn.fcall("untake", [k.held(shard), k.bell(shard)], [holder, self.next_take]))
+                if took == 1:
+                    # A lane's token the take acquired is kept for recovery under a lost name:
+                    # reclaimed now, not at the backstop's next pass (Rust `reclaim_untaken`).
+                    recovery.reclaim_untaken(self.p, shard, holder, self.next_take)
                 self.next_take += 1
             except Exception as e:  # noqa: BLE001
                 log.debug("could not undo a take; recovery will reclaim it: %s", e)
