@@ -280,7 +280,10 @@ class OpenRequest:
             self.outstanding = left
 
     def finalize(self) -> RequestHandle:
-        """No more parts: the request completes once every part is done."""
+        """No more parts: the request completes once every part is done. Called again, or its
+        call sent again after a lost reply, it answers as the first did. :class:`NotOpen` when
+        the request ended before it was finalized (cancelled, failed fast, past its deadline, or
+        expired unfinalized)."""
         self.producer._finalize(self._kid, self._nonce)
         return self.handle
 

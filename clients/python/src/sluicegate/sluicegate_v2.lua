@@ -2618,9 +2618,18 @@ do
 -- ARGV[4] the nonce given at stream_open, or '' for an operator finalizing another's request
 -- Returns {'open'} (parts still to run), {'finished', state, lifecycle, sweep...} as ack, or errors
 -- "SGSTATE ..." when the request is not open.
+-- The producer's finalize sent again (its reply was lost; `open` is 0 and the nonce its own)
+-- answers as the first did, but names no elements to sweep (the first call took the tokens'
+-- fields that name them; an element left on its list is dropped by the take that finds it): {'open'} while
+-- parts are left, {'finished', state, lifecycle} once the request is terminal, whoever finished
+-- it; the steps after a finish are harmless run twice. An operator's ('' nonce) is refused.
 local function stream_finalize(keys, args)
   local m = redis.call('HMGET', keys[1], 'open', 'nonce', 'left', 'failed', 'state')
   local terminal = m[5] == 'completed' or m[5] == 'failed' or m[5] == 'cancelled'
+  if m[1] == '0' and args[4] ~= '' and m[2] == args[4] then
+    if terminal then return {'finished', m[5], sg_lifecycle(keys)} end
+    return {'open'}
+  end
   if m[1] ~= '1' or terminal or (args[4] ~= '' and m[2] ~= args[4]) then
     return redis.error_reply('SGSTATE the request is not open (finalized already, cancelled or unknown)')
   end
@@ -5750,4 +5759,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 10 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 11 end, flags={'no-writes'}}
