@@ -367,9 +367,13 @@ def test_a_streamed_request_runs_as_parts_are_added_and_completes_at_finalize(se
     assert p.status(req.id)["state"] == "running"
     req.add([{"i": i} for i in range(3, 1500)])
     h = req.finalize()
+    # Again (as a call re-sent after its reply was lost would be): answered as the first was.
+    assert req.finalize() is h
     done = h.wait(timeout=30)
     assert done.state == "completed"
     assert done.results == [{"i": i, "double": 2 * i} for i in range(1500)]
+    # Finalized again once finished: still as the first.
+    assert req.finalize().wait(timeout=5).state == "completed"
 
 
 def test_a_windowed_request_keeps_at_most_its_window_unsettled_and_completes(
