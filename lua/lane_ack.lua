@@ -25,7 +25,7 @@
 --         whose set holds at most SG_DN_PAGE (the release then reads none of it).
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'm' .. k)
   local tok = m[1]
   if not tok then return {'fenced'} end
   local ids = {}
@@ -63,6 +63,12 @@ local function lane_ack(keys, args)
     local r, out = rec.r, rec.out
     if rec.state or not sg_lane_live(r, lc) then
       settled[#settled + 1] = id
+    elseif r[1] == 'queued' then
+      -- Handed out without its record (sg_lane_entry): it reads running from now on, since the
+      -- batch's hand-out (the token's running marks go below).
+      rec.marked = true
+    end
+    if rec.state or not sg_lane_live(r, lc) then
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
@@ -157,6 +163,14 @@ local function lane_ack(keys, args)
       fields[#fields + 1] = 'nf'
       fields[#fields + 1] = sg_str(r[7])
     end
+    if rec.marked then
+      if not rec.state then
+        fields[#fields + 1] = 'state'
+        fields[#fields + 1] = 'running'
+      end
+      fields[#fields + 1] = 'started'
+      fields[#fields + 1] = sg_held_since(tok)
+    end
     if rec.state then
       fields[#fields + 1] = 'state'
       fields[#fields + 1] = rec.state
@@ -194,6 +208,8 @@ local function lane_ack(keys, args)
     sg_ix_finished(ix, now, listed)
     sg_lane_events(keys[7], announced, retention, now, args[8])
   end
+  -- The batch's running marks (sg_lane_marks): its records say running now.
+  if m[3] then redis.call('HDEL', keys[1], 'm' .. k) end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
   sg_lane_drop(keys, settled)
   local reply

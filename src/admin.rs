@@ -335,7 +335,9 @@ impl Admin {
         if fields.is_empty() {
             return Err(Error::UnknownRequest(id.clone()));
         }
-        let meta = crate::protocol::lane::record_meta(&fields);
+        let mut meta = crate::protocol::lane::record_meta(&fields);
+        let marks = crate::protocol::lane::running_marks(&self.store, &[(home, &key_id, &meta)]).await?;
+        crate::protocol::lane::mark_running(&mut meta, marks.into_iter().next().flatten());
         let state: RequestState = meta.get("state").map(String::as_str).unwrap_or("").parse()?;
         let errors: Vec<IndexedError> = fields
             .iter()

@@ -86,6 +86,11 @@ local function sg_holds(tok, epoch, holder, list)
   return #tok > #head + #tail and string.sub(tok, 1, #head) == head and string.sub(tok, -#tail) == tail
 end
 
+-- The hand-out ms of a held token's batch (its value "h|<epoch>|<holder>|<since>|<ids>").
+local function sg_held_since(tok)
+  return string.match(tok, '^h|[^|]*|[^|]*|(%d+)|')
+end
+
 -- The indices of entry ids "0-1" to "0-1024", remembered as they are first met (sg_index).
 local SG_INDEX = {}
 
@@ -1875,9 +1880,15 @@ end
 -- Appends part i of lane request `kid` (lifecycle `lc`) to the lane. Lane entry ids are
 -- "0-<n>", n counting up, as a request's are: recovery's census counts undelivered entries from ids.
 -- This is the only writer of lane entries, and readers take their fields by position: p (the
--- payload) at 2, r at 4, i at 6, l at 8.
-local function sg_lane_add(keys, kid, i, lc, payload)
-  redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', sg_str(i), 'l', lc)
+-- payload) at 2, r at 4, i at 6, l at 8, and s at 10 (a request of one part only).
+-- `pol` (the record's settings) only for a request of one part: its entry carries them, so that
+-- its first hand-out needs no read of its record (sg_lane_entry).
+local function sg_lane_add(keys, kid, i, lc, payload, pol)
+  if pol then
+    redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', sg_str(i), 'l', lc, 's', pol)
+  else
+    redis.call('XADD', keys[2], '0-*', 'p', payload, 'r', kid, 'i', sg_str(i), 'l', lc)
+  end
 end
 
 -- Which waiting part of a lane request the lane is fed next (requeued parts first, then parts in
@@ -1982,15 +1993,40 @@ end
 -- `now` as text, converted once per call. The entry goes at the end of `reply`: as an array, or
 -- with `flat` as its eight items in the reply itself (the eighth -1 when the hand-out did not
 -- start the request; sg_next, "flat"). Returns whether it went (false: to be dropped).
-local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen, started)
-  -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l.
-  local payload, kid, index, lc = fields[2], fields[4], fields[6], fields[8]
+-- With `fast` (the entry was delivered fresh, `XREADGROUP >`) the entry of a request of one part
+-- (field `s`: its settings) is handed out without its record, which a cold key's look-up makes
+-- the costliest step of a small request's hand-out: the request is live unless a cancel ended it
+-- while its entry waited, and such a cancel left "<kid>|<lc>" in `cancelled` (the lane's set of
+-- them, given when it exists; lane_cancel), which the entry takes out as it is dropped. Its key
+-- id goes to `seen[2]`: the call's running marks (sg_lane_next). An entry of such a request
+-- dropped otherwise takes its member out too.
+local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen, started, fast, cancelled)
+  -- The fields as sg_lane_add wrote them, the only writer of lane entries: p, r, i, l[, s].
+  local payload, kid, index, lc, pol = fields[2], fields[4], fields[6], fields[8], fields[10]
+  local n = #reply
+  if fast and pol then
+    if cancelled and redis.call('SREM', cancelled, kid .. '|' .. lc) == 1 then return false end
+    local waited = math.max(now - math.floor(tonumber(lc) / 1000), 0)
+    local marked = seen[2] or {}
+    seen[2] = marked
+    marked[#marked + 1] = kid
+    if flat then
+      reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = id, tonumber(index), payload, attempt
+      reply[n + 5], reply[n + 6], reply[n + 7], reply[n + 8] = kid, lc, pol, waited
+    else
+      reply[n + 1] = {id, tonumber(index), payload, attempt, kid, lc, pol, waited}
+    end
+    return true
+  end
   local m = seen[kid]
   if not m then
     m = redis.call('HMGET', prefix .. kid, 'state', 'lc', 'pol', 'ix', 'nf')
     seen[kid] = m
   end
-  if not sg_lane_live(m, lc) then return false end
+  if not sg_lane_live(m, lc) then
+    if cancelled and pol then redis.call('SREM', cancelled, kid .. '|' .. lc) end
+    return false
+  end
   local waited = nil
   if m[1] == 'queued' then
     redis.call('HSET', prefix .. kid, 'state', 'running', 'started', started)
@@ -2005,9 +2041,9 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
       listing[#listing + 1] = sg_ix_kept_at(m[4], m[2])
       listing[#listing + 1] = kid
     end
-    waited = math.max(now - math.floor(tonumber(lc) / 1000), 0)
+    -- Not its first hand-out if it was handed out before without its record (not fresh now).
+    if fast or not pol then waited = math.max(now - math.floor(tonumber(lc) / 1000), 0) end
   end
-  local n = #reply
   if flat then
     reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = id, tonumber(index), payload, attempt
     reply[n + 5], reply[n + 6], reply[n + 7], reply[n + 8] = kid, lc, m[3], waited or -1
@@ -2015,6 +2051,34 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
     reply[n + 1] = {id, tonumber(index), payload, attempt, kid, lc, m[3], waited}
   end
   return true
+end
+
+-- The hand-out ms of lane request `kid` if a token of lane `lane` (its meta key) holds it in its
+-- running marks (sg_lane_marks), else nil.
+local function sg_lane_marked(lane, kid)
+  local ntok = tonumber(redis.call('HGET', lane, 'ntok') or '0')
+  local needle = ',' .. kid .. ','
+  -- A thousand fields a read (a lane has up to 10,000 tokens).
+  for from = 0, ntok - 1, 1000 do
+    local fields = {}
+    for k = from, math.min(from + 999, ntok - 1) do fields[#fields + 1] = 'm' .. k end
+    for _, marks in ipairs(redis.call('HMGET', lane, unpack(fields))) do
+      if marks then
+        local since, kids = string.match(marks, '^(%d+)|(.*)$')
+        if kids and string.find(',' .. kids .. ',', needle, 1, true) then return since end
+      end
+    end
+  end
+  return nil
+end
+
+-- A lane token's running marks (its meta's `m<k>`, beside `t<k>`): "<hand-out ms>|<kid>,<kid>,..."
+-- names the requests of one part its batch handed out without their records, which say `queued`
+-- until the batch's ack; readers take them for running since then (docs/protocol.md §5, "Lanes").
+-- `kids` is the call's list of them (sg_lane_entry's `seen[2]`), or nil.
+local function sg_lane_marks(now, kids)
+  if not kids then return nil end
+  return sg_int(now) .. '|' .. table.concat(kids, ',')
 end
 
 -- Lists the lane requests whose first parts sg_lane_entry handed out in this call and that have
@@ -2076,8 +2140,9 @@ local function sg_lane_open(keys, lane, prio, lanes, now, look, active)
       return tonumber(m[1])
     end
   end
-  -- Created afresh: an idle stream left without its meta is empty and goes.
-  redis.call('DEL', keys[1], keys[2], keys[5], keys[6])
+  -- Created afresh: an idle stream left without its meta is empty and goes (and the set of
+  -- cancelled requests' entries, sg_lane_entry).
+  redis.call('DEL', keys[1], keys[2], keys[4], keys[5], keys[6])
   local fields = {'v', 2, 'id', lane, 'lane', 1, 'state', 'running', 'open', 1, 'prio', prio,
     'limit', lanes, 'ntok', lanes, 'extra', 0, 'npark', lanes, 'created', now, 'gen', 0,
     'maxatt', 1, 'timeout', 0, 'bbase', 0, 'bmax', 0, 'shards', 1, 'total', 0, 'left', 0}
@@ -2191,19 +2256,25 @@ local function sg_lane_write(keys, r, args, first, n, now, lc, ix, live)
   else
     sg_ix_add(ix, r.kid, r.row, now, true, r.nonce == '', live, at)
   end
-  for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i]) end
+  -- A request of one part: its entry carries its settings (`pol`, fields[8]).
+  local pol = nil
+  if n == 1 then pol = fields[8] end
+  for i = 0, fed - 1 do sg_lane_add(keys, r.kid, i, lc, args[first + i], pol) end
   return fed, queued
 end
 
 local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, prefix, active, armed, flat)
   want = math.max(want or 1, 1)
   local reply, ids, seen, started = {'run'}, {}, {}, sg_int(now)
+  -- Requests of one part cancelled while their entries waited (lane_cancel): the lane's set of
+  -- them (its errors key, otherwise unused), read only while it exists.
+  local cancelled = redis.call('EXISTS', keys[4]) == 1 and keys[4] or nil
   for _ = 1, 8 do
-    local work = sg_take_work(keys, consumer, now, extra, want - #ids)
+    local work, fresh = sg_take_work(keys, consumer, now, extra, want - #ids)
     if #work == 0 then break end
     local dropped = {}
-    for _, w in ipairs(work) do
-      if sg_lane_entry(reply, flat, prefix, w[1], w[2], w[3], now, seen, started) then
+    for j, w in ipairs(work) do
+      if sg_lane_entry(reply, flat, prefix, w[1], w[2], w[3], now, seen, started, j >= fresh, cancelled) then
         ids[#ids + 1] = w[1]
       else
         dropped[#dropped + 1] = w[1]
@@ -2215,7 +2286,13 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
   end
   sg_lane_list_started(prefix, seen)
   if #ids > 0 then
-    redis.call('HSET', keys[1], 't' .. k, 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ','))
+    local held = 'h|' .. epoch .. '|' .. holder .. '|' .. now .. '|' .. table.concat(ids, ',')
+    local marks = sg_lane_marks(now, seen[2])
+    if marks then
+      redis.call('HSET', keys[1], 't' .. k, held, 'm' .. k, marks)
+    else
+      redis.call('HSET', keys[1], 't' .. k, held)
+    end
     return reply
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
@@ -2226,6 +2303,8 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
     -- Idle (SG_LANE_IDLE_MS): nothing undelivered (this take found none), pending or waiting.
     -- What is left in the stream was settled and not trimmed yet (sg_lane_drop).
     redis.call('XTRIM', keys[2], 'MAXLEN', 0)
+    -- Nothing waits: no cancelled request's entry is left to drop.
+    redis.call('DEL', keys[4])
     redis.call('HSET', keys[1], 'idle', 1)
     local lane = redis.call('HGET', keys[1], 'id')
     redis.call('ZREM', active, lane)
@@ -4443,7 +4522,7 @@ do
 --         whose set holds at most SG_DN_PAGE (the release then reads none of it).
 local function lane_ack(keys, args)
   local k, epoch, holder = args[2], args[3], args[4]
-  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra')
+  local m = redis.call('HMGET', keys[1], 't' .. k, 'extra', 'm' .. k)
   local tok = m[1]
   if not tok then return {'fenced'} end
   local ids = {}
@@ -4481,6 +4560,12 @@ local function lane_ack(keys, args)
     local r, out = rec.r, rec.out
     if rec.state or not sg_lane_live(r, lc) then
       settled[#settled + 1] = id
+    elseif r[1] == 'queued' then
+      -- Handed out without its record (sg_lane_entry): it reads running from now on, since the
+      -- batch's hand-out (the token's running marks go below).
+      rec.marked = true
+    end
+    if rec.state or not sg_lane_live(r, lc) then
     elseif outcome == 'retry' then
       redis.call('ZADD', keys[6], now + tonumber(args[i + 3]), id)
       extra = extra + 1
@@ -4575,6 +4660,14 @@ local function lane_ack(keys, args)
       fields[#fields + 1] = 'nf'
       fields[#fields + 1] = sg_str(r[7])
     end
+    if rec.marked then
+      if not rec.state then
+        fields[#fields + 1] = 'state'
+        fields[#fields + 1] = 'running'
+      end
+      fields[#fields + 1] = 'started'
+      fields[#fields + 1] = sg_held_since(tok)
+    end
     if rec.state then
       fields[#fields + 1] = 'state'
       fields[#fields + 1] = rec.state
@@ -4612,6 +4705,8 @@ local function lane_ack(keys, args)
     sg_ix_finished(ix, now, listed)
     sg_lane_events(keys[7], announced, retention, now, args[8])
   end
+  -- The batch's running marks (sg_lane_marks): its records say running now.
+  if m[3] then redis.call('HDEL', keys[1], 'm' .. k) end
   if extra ~= tonumber(m[2] or '0') then redis.call('HSET', keys[1], 'extra', extra) end
   sg_lane_drop(keys, settled)
   local reply
@@ -4644,10 +4739,26 @@ local function lane_cancel(keys, args)
   if not m[1] then return {'unknown'} end
   if m[1] ~= 'queued' and m[1] ~= 'running' then return {'already', m[1]} end
   local now = sg_now()
+  local policy = sg_lane_policy(m[3])
   local waiting = {}
-  for i = 0, sg_lane_policy(m[3]).total - 1 do waiting[#waiting + 1] = 'w' .. i end
+  for i = 0, policy.total - 1 do waiting[#waiting + 1] = 'w' .. i end
   sg_hdel_many(keys[1], waiting)
-  redis.call('HSET', keys[1], 'state', 'cancelled', 'finished', now)
+  local fields = {'state', 'cancelled', 'finished', now}
+  if m[1] == 'queued' and policy.total == 1 then
+    -- A request of one part whose record says queued: its entry was handed out without the record
+    -- (sg_lane_entry), and a lane token's running marks name it (its part runs since then), or
+    -- its entry waits in the lane, and "<kid>|<lc>" goes to the lane's set of cancelled requests'
+    -- entries, so that the hand-out that meets it drops it.
+    local lane = string.sub(keys[1], 1, #keys[1] - #args[1] - 3) .. ':lane:' .. policy.prio
+    local since = sg_lane_marked(lane, args[1])
+    if since then
+      fields[#fields + 1] = 'started'
+      fields[#fields + 1] = since
+    elseif redis.call('EXISTS', lane) == 1 then
+      redis.call('SADD', lane .. ':err', args[1] .. '|' .. m[2])
+    end
+  end
+  redis.call('HSET', keys[1], unpack(fields))
   local line = sg_lane_announce(keys[1], args[1], 'cancelled', args[2], now, keys[2], m[4])
   local ix = sg_ix(keys[2])
   -- One whose record keeps its row may be listed from its lane, not in `live` (sg_ix_add_kept).
@@ -5759,4 +5870,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 11 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 14 end, flags={'no-writes'}}

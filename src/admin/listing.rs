@@ -398,7 +398,7 @@ impl Admin {
             }
         }
         let replies: Vec<Value> = pipe.all().await?;
-        let mut out = Vec::with_capacity(rows.len());
+        let mut read = Vec::with_capacity(rows.len());
         for (r, reply) in rows.into_iter().zip(replies) {
             let values: Vec<Option<String>> = reply.convert()?;
             let names: &[&str] = match r.row.kind {
@@ -420,6 +420,20 @@ impl Admin {
                 }
                 Kind::Lane => record_meta(&fields),
             };
+            read.push((r, meta));
+        }
+        // A lane request handed out without its record reads running from its lane's mark.
+        let lanes: Vec<(u32, &str, &HashMap<String, String>)> = read
+            .iter()
+            .filter(|(r, _)| r.row.kind == Kind::Lane)
+            .map(|(r, meta)| (r.shard, r.key_id.as_str(), meta))
+            .collect();
+        let mut marks = crate::protocol::lane::running_marks(&self.store, &lanes).await?.into_iter();
+        let mut out = Vec::with_capacity(read.len());
+        for (r, mut meta) in read {
+            if r.row.kind == Kind::Lane {
+                crate::protocol::lane::mark_running(&mut meta, marks.next().flatten());
+            }
             let Ok(state) = meta["state"].parse::<RequestState>() else { continue };
             if state == RequestState::Loading {
                 continue;

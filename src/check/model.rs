@@ -355,6 +355,10 @@ pub(crate) struct Seen {
     pub(crate) lane: Option<LaneSeen>,
 }
 
+/// A lane as `snapshot` reads it once: the holders of its held tokens, and its running marks (by
+/// key id, the hand-out ms: `lane::marks_of`).
+type LaneCache = (Vec<String>, HashMap<String, String>);
+
 /// What a lane request's record holds beside its fields.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct LaneSeen {
@@ -659,7 +663,7 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
     let (secs, micros): (u64, u64) = next().convert().map_err(e)?;
     let now = secs * 1000 + micros / 1000 + world.clock_ms;
     let mut out = BTreeMap::new();
-    let mut lanes: HashMap<String, Vec<String>> = HashMap::new();
+    let mut lanes: HashMap<String, LaneCache> = HashMap::new();
     // Lane requests whose records keep their listing rows (no tags: docs/protocol.md §5), and
     // which of them may be listed from their lanes: queued, or running with every part fed at
     // the submit (no `nf`) and none requeued (no `rqd`).
@@ -683,7 +687,7 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
         let listed_twice = orphans.into_iter().filter(|id| retry.contains(id)).collect();
         let events = completions(&events).filter(|(rid, _)| *rid == kid).count() as u64;
         if meta.is_empty() && !record.is_empty() {
-            out.insert(i, lane_seen(world, &mut lanes, &active, record, events).await?);
+            out.insert(i, lane_seen(world, &mut lanes, &active, &kid, record, events).await?);
             continue;
         }
         let lane = None;
@@ -742,14 +746,15 @@ async fn snapshot_with_index(world: &World) -> Result<(BTreeMap<u8, Seen>, u64, 
 /// of each lane's held tokens.
 async fn lane_seen(
     world: &World,
-    lanes: &mut HashMap<String, Vec<String>>,
+    lanes: &mut HashMap<String, LaneCache>,
     active: &[String],
+    kid: &str,
     record: HashMap<String, Vec<u8>>,
     events: u64,
 ) -> Result<Seen, String> {
     let ns = world.config.namespace_str();
     let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
-    let meta = crate::protocol::lane::record_meta(&record);
+    let mut meta = crate::protocol::lane::record_meta(&record);
     let prio = meta.get("prio").cloned().unwrap_or_default();
     let lane_kid = format!("~0.{prio}");
     if !lanes.contains_key(&lane_kid) {
@@ -760,9 +765,13 @@ async fn lane_seen(
             .filter(|(k, v)| k.starts_with('t') && v.starts_with("h|"))
             .filter_map(|(_, v)| v.split('|').nth(2).map(str::to_owned))
             .collect();
-        lanes.insert(lane_kid.clone(), holders);
+        lanes.insert(lane_kid.clone(), (holders, crate::protocol::lane::marks_of(&lane_meta)));
     }
-    let mut lane = LaneSeen { holders: lanes[&lane_kid].clone(), ..LaneSeen::default() };
+    // Handed out without its record, it reads running from its lane's marks, as status shows it.
+    if meta.get("state").map(String::as_str) == Some("queued") {
+        crate::protocol::lane::mark_running(&mut meta, lanes[&lane_kid].1.get(kid).cloned());
+    }
+    let mut lane = LaneSeen { holders: lanes[&lane_kid].0.clone(), ..LaneSeen::default() };
     let mut dead = 0;
     for (field, value) in record {
         let index = field.get(1..).and_then(|i| i.parse::<u64>().ok());

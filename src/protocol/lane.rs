@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use fred::prelude::*;
 use fred::types::Value;
 
 use super::listing::{Kind, Row};
@@ -271,6 +272,57 @@ pub(crate) fn record_meta(record: &HashMap<String, Vec<u8>>) -> HashMap<String, 
     meta.entry("gen".into()).or_insert_with(|| "0".into());
     meta.entry("failed".into()).or_insert_with(|| "0".into());
     meta
+}
+
+/// The running marks of lane requests of one part handed out without their records (their
+/// records say `queued` until their batch's ack; docs/protocol.md §5, "Lanes"): for each of
+/// `records` (shard, key id, the record as [`record_meta`] reads it) whose state is `queued`, the
+/// ms its part was handed out at, if a token of its lane names it in its marks (`m<k>` =
+/// `<ms>|<kid>,<kid>,...` in the lane's meta). A request so marked reads `running` since then:
+/// [`mark_running`]. One read of each lane's meta.
+pub(crate) async fn running_marks(
+    store: &Store,
+    records: &[(u32, &str, &HashMap<String, String>)],
+) -> Result<Vec<Option<String>>> {
+    let mut out = vec![None; records.len()];
+    let mut lanes: HashMap<String, HashMap<String, String>> = HashMap::new();
+    for (i, (shard, key_id, meta)) in records.iter().enumerate() {
+        if meta.get("state").map(String::as_str) != Some("queued") {
+            continue;
+        }
+        let prio = meta.get("prio").map_or("", String::as_str);
+        let lane = format!("{}{prio}", store.keys.lane_prefix(*shard));
+        if !lanes.contains_key(&lane) {
+            let fields: HashMap<String, String> = store.client.hgetall(lane.as_str()).await?;
+            lanes.insert(lane.clone(), marks_of(&fields));
+        }
+        out[i] = lanes[&lane].get(*key_id).cloned();
+    }
+    Ok(out)
+}
+
+/// The running marks a lane's meta holds (its fields `m<k>`), by key id: the hand-out ms.
+pub(crate) fn marks_of(lane_meta: &HashMap<String, String>) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    for (field, value) in lane_meta {
+        let is_mark =
+            field.len() > 1 && field.starts_with('m') && field[1..].bytes().all(|b| b.is_ascii_digit());
+        if let (true, Some((since, kids))) = (is_mark, value.split_once('|')) {
+            for kid in kids.split(',').filter(|k| !k.is_empty()) {
+                out.insert(kid.to_owned(), since.to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// A lane record read by [`record_meta`] with its running mark ([`running_marks`]): `running`
+/// since the mark's ms.
+pub(crate) fn mark_running(meta: &mut HashMap<String, String>, since: Option<String>) {
+    if let Some(since) = since {
+        meta.insert("state".into(), "running".into());
+        meta.insert("started".into(), since);
+    }
 }
 
 #[cfg(test)]

@@ -1221,6 +1221,53 @@ async fn a_lane_request_reads_running_from_its_hand_out_to_its_ack() {
     w.stop().await;
 }
 
+/// A single-part lane request's first hand-out reads no record (docs/protocol.md §5, "Lanes"), so a
+/// cancel of one still waiting in its lane is what keeps its part from starting: the lane keeps its
+/// entry in its set of cancelled entries until a hand-out drops it. Two cancelled among six, one of
+/// them purged and its id submitted again before any worker runs: the cancelled parts never start,
+/// the others and the id's new request complete, and the set is gone once they have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_part_lane_request_cancelled_while_queued_never_starts() {
+    use fred::interfaces::KeysInterface;
+    let env = env_on(TOPOLOGY, "lanecx").await;
+    let config = fast(&env.config);
+    let admin = Admin::connect(&config).await.unwrap();
+    let producer = Producer::connect(&config).await.unwrap();
+    let mut handles = Vec::new();
+    for n in 0..6u64 {
+        handles.push(producer.request().id(format!("cx-{n}")).unwrap().submit([Job::new(n)]).await.unwrap());
+    }
+    for n in [1usize, 4] {
+        admin.cancel(handles[n].id()).await.unwrap();
+    }
+    assert!(admin.purge(handles[4].id()).await.unwrap());
+    let again = producer.request().id("cx-4").unwrap().submit([Job::new(40)]).await.unwrap();
+    let probe = Probe::default();
+    let w = start_worker(&config, probe.clone(), 4, Quantum::default()).await;
+    for n in [0usize, 2, 3, 5] {
+        assert_eq!(handles[n].wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap().results, vec![Ok(2 * n as u64)]);
+    }
+    assert_eq!(again.wait_timeout::<u64>(Duration::from_secs(30)).await.unwrap().results, vec![Ok(80)]);
+    assert_eq!(admin.status(handles[1].id()).await.unwrap().state, RequestState::Cancelled);
+    let starts = probe.starts();
+    assert_eq!(starts.len(), 5, "only the live requests' parts start: {starts:?}");
+    assert!(!starts.iter().any(|(id, _)| id == "cx-1"), "a cancelled part started: {starts:?}");
+    let redis = sluicegate_testkit::connect(env.redis.url()).await.unwrap();
+    let ns = config.namespace_str().to_owned();
+    let lanes: Vec<String> = sluicegate_testkit::keys_in_namespace(env.redis.url(), &ns)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|k| k.rsplit_once(":lane:").is_some_and(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())))
+        .collect();
+    assert!(!lanes.is_empty());
+    for lane in lanes {
+        let left: i64 = redis.exists(format!("{lane}:err")).await.unwrap();
+        assert_eq!(left, 0, "{lane} still holds cancelled entries after they were handed out");
+    }
+    w.stop().await;
+}
+
 /// This machine's clock, in ms since the Unix epoch (Redis's clock on this machine's server).
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)

@@ -242,6 +242,44 @@ class LaneSettings:
         return LaneSettings(tuple(values), fail_fast)
 
 
+def running_marks(conn: Any, keys: Any, records: Sequence[Tuple[int, str, Dict[str, str]]]) -> List[Optional[str]]:
+    """The running marks of lane requests of one part handed out without their records (their
+    records say ``queued`` until their batch's ack; protocol.md §5, "Lanes"; Rust
+    ``lane::running_marks``): for each (shard, key id, :func:`record_meta`) whose state is
+    ``queued``, the ms its part was handed out at, if a token of its lane names it in its marks
+    (``m<k>`` = ``<ms>|<kid>,<kid>,...`` in the lane's meta). One read of each lane's meta."""
+    out: List[Optional[str]] = [None] * len(records)
+    lanes: Dict[str, Dict[str, str]] = {}
+    for i, (shard, kid, meta) in enumerate(records):
+        if meta.get("state") != "queued":
+            continue
+        lane = f"{keys.lane_prefix(shard)}{meta.get('prio', '')}"
+        if lane not in lanes:
+            lanes[lane] = marks_of({text(k): text(v) for k, v in conn.client.hgetall(lane).items()})
+        out[i] = lanes[lane].get(kid)
+    return out
+
+
+def marks_of(lane_meta: Dict[str, str]) -> Dict[str, str]:
+    """The running marks a lane's meta holds (its fields ``m<k>``), by key id: the hand-out ms."""
+    out: Dict[str, str] = {}
+    for field, value in lane_meta.items():
+        if len(field) > 1 and field[0] == "m" and field[1:].isascii() and field[1:].isdigit() and "|" in value:
+            since, kids = value.split("|", 1)
+            for kid in kids.split(","):
+                if kid:
+                    out[kid] = since
+    return out
+
+
+def mark_running(meta: Dict[str, str], since: Optional[str]) -> None:
+    """A lane record read by :func:`record_meta` with its running mark (:func:`running_marks`):
+    ``running`` since the mark's ms."""
+    if since is not None:
+        meta["state"] = "running"
+        meta["started"] = since
+
+
 def record_meta(record: Dict[str, bytes]) -> Dict[str, str]:
     """The scalar fields of a lane request's record under the names a meta hash gives them
     (``prio``, ``limit``, ``total``, ``created``, ``gen``, ...; Rust ``lane::record_meta``): its

@@ -27,10 +27,12 @@ from ._protocol import (
     Protocol,
     Settings,
     by_shard,
+    mark_running,
     ms,
     quoted,
     record_meta,
     refused_state,
+    running_marks,
 )
 from .producer import PartError, Rate, _rate_arg, cancel_request, finalize_request
 
@@ -913,6 +915,7 @@ class Admin:
         if not record:
             raise _unknown(rid)
         meta = record_meta(record)
+        mark_running(meta, running_marks(p.conn, p.keys, [(home, kid, meta)])[0])
         state = _state(meta.get("state", ""))
         errs = [
             IndexedError(int(k[1:]), PartError.from_record(v))
@@ -1089,13 +1092,20 @@ class Admin:
                 # Where it was listed, not where this admin's shard count would put it: the two
                 # differ while a change of token shards rolls out.
                 pipe.hmget(p.keys.record(r.shard, r.kid), lane_fields)
-        out = []
+        read = []
         for r, values in zip(rows, pipe.execute()):
             names = own_fields if r.row.own else lane_fields
             got = {n: v for n, v in zip(names, values) if v is not None}
             if "state" not in got:
                 continue
-            meta = {k: text(v) for k, v in got.items()} if r.row.own else record_meta(got)
+            read.append((r, {k: text(v) for k, v in got.items()} if r.row.own else record_meta(got)))
+        # A lane request handed out without its record reads running from its lane's mark.
+        lanes = [(r.shard, r.kid, meta) for r, meta in read if not r.row.own]
+        marks = iter(running_marks(p.conn, p.keys, lanes))
+        out = []
+        for r, meta in read:
+            if not r.row.own:
+                mark_running(meta, next(marks))
             st = meta["state"]
             if st not in _REQUEST_STATES or st == "loading":
                 continue

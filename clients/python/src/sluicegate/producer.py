@@ -19,7 +19,18 @@ from . import codec, errors
 from ._conn import Conn, fcall_items, integer, retry_transient, text
 from ._doorbell import Doorbell
 from ._keys import check_group, generate_id, home_shard, key_id, lane_key_id, raw_id, reason_shown
-from ._protocol import DEFAULT_PRIORITY, MAX_TOKEN_SHARDS, Finished, Placement, Protocol, Settings, ms
+from ._protocol import (
+    DEFAULT_PRIORITY,
+    MAX_TOKEN_SHARDS,
+    Finished,
+    Placement,
+    Protocol,
+    Settings,
+    mark_running,
+    ms,
+    record_meta,
+    running_marks,
+)
 
 #: A lane request has at most this many parts and payload bytes (src/protocol/lane.rs).
 LANE_MAX_PARTS = 64
@@ -793,11 +804,16 @@ class Producer:
         p = self.protocol
         kid = key_id(rid)
         meta = p.conn.client.hgetall(p.keys.request(kid).meta)
-        if not meta:
-            meta = p.conn.client.hgetall(p.keys.record(p.lane_home(kid), kid))
-        if not meta:
+        if meta:
+            return {text(k): text(v) for k, v in meta.items()}
+        home = p.lane_home(kid)
+        record = {text(k): v for k, v in p.conn.client.hgetall(p.keys.record(home, kid)).items()}
+        if not record:
             raise errors.UnknownRequest(f'unknown request "{rid}"')
-        return {text(k): text(v) for k, v in meta.items()}
+        out = {k: text(v) for k, v in record.items()}
+        # Handed out without its record: running since its lane's mark says.
+        mark_running(out, running_marks(p.conn, p.keys, [(home, kid, record_meta(record))])[0])
+        return out
 
     def cancel(self, rid: str) -> str:
         """Cancels a request (§6.11). Returns ``"cancelled"``, or the state it had finished in."""
