@@ -22,7 +22,7 @@ local function lane_cancel(keys, args)
     -- its entry waits in the lane, and "<kid>|<lc>" goes to the lane's set of cancelled requests'
     -- entries, so that the hand-out that meets it drops it.
     local lane = string.sub(keys[1], 1, #keys[1] - #args[1] - 3) .. ':lane:' .. policy.prio
-    local since = sg_lane_marked(lane, args[1])
+    local since = sg_lane_marked(lane, args[1], m[2])
     if since then
       fields[#fields + 1] = 'started'
       fields[#fields + 1] = since

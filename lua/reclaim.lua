@@ -45,6 +45,8 @@ local function reclaim(keys, args)
   local prio = tonumber(t[3])
   if f[1] == 'h' and f[2] == epoch and f[3] == holder then
     for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+    -- A lane token's running marks (sg_lane_marks) went with its batch.
+    redis.call('HDEL', keys[1], 'm' .. k)
     return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
   end
   if f[1] == 'q' and tonumber(f[2]) >= tonumber(epoch) then

@@ -393,7 +393,7 @@ impl Admin {
                     // Where it was listed, not where this admin's shard count would put it: the
                     // two differ while a change of `token_shards` rolls out.
                     let record = self.store.keys.record(r.shard, &r.key_id);
-                    pipe.hmget::<(), _, _>(record, vec!["state", "left", "failed", "pol"]).await?;
+                    pipe.hmget::<(), _, _>(record, vec!["state", "left", "failed", "pol", "lc"]).await?;
                 }
             }
         }
@@ -403,7 +403,7 @@ impl Admin {
             let values: Vec<Option<String>> = reply.convert()?;
             let names: &[&str] = match r.row.kind {
                 Kind::Own => &["state", "total", "left", "failed", "open", "why"],
-                Kind::Lane => &["state", "left", "failed", "pol"],
+                Kind::Lane => &["state", "left", "failed", "pol", "lc"],
             };
             let mut fields: HashMap<String, Vec<u8>> = HashMap::new();
             for (name, v) in names.iter().zip(values) {

@@ -356,7 +356,7 @@ pub(crate) struct Seen {
 }
 
 /// A lane as `snapshot` reads it once: the holders of its held tokens, and its running marks (by
-/// key id, the hand-out ms: `lane::marks_of`).
+/// `<kid>|<lc>`, the hand-out ms: `lane::marks_of`).
 type LaneCache = (Vec<String>, HashMap<String, String>);
 
 /// What a lane request's record holds beside its fields.
@@ -769,7 +769,8 @@ async fn lane_seen(
     }
     // Handed out without its record, it reads running from its lane's marks, as status shows it.
     if meta.get("state").map(String::as_str) == Some("queued") {
-        crate::protocol::lane::mark_running(&mut meta, lanes[&lane_kid].1.get(kid).cloned());
+        let marked = format!("{kid}|{}", meta.get("lc").map_or("", String::as_str));
+        crate::protocol::lane::mark_running(&mut meta, lanes[&lane_kid].1.get(&marked).cloned());
     }
     let mut lane = LaneSeen { holders: lanes[&lane_kid].0.clone(), ..LaneSeen::default() };
     let mut dead = 0;

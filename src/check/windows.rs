@@ -159,3 +159,45 @@ async fn a_lane_token_handed_to_an_offer_withdrawn_unread_is_back_on_its_list_at
     let queued: u64 = store.client.llen(list.as_str()).await.unwrap();
     assert_eq!(queued, 1, "the lane's token is not back on its list");
 }
+
+/// A request of one part handed out without its record (its token's running marks name it),
+/// cancelled while its part runs, purged, and submitted again under its id, then cancelled again
+/// before any hand-out: the second cancel must not take the first request's running mark for the
+/// new one's (marks name the lifecycle), or the new request's entry would be handed out and its
+/// cancelled part would start. Here every call is sent back to back, as the checker's steps cannot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_request_of_an_id_whose_earlier_request_still_runs_never_starts() {
+    use crate::protocol::tokens::{self, Next, Take};
+    let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
+    let ns = sluicegate_testkit::unique_namespace("marks-again");
+    let config = crate::Config::new(redis.url()).namespace(ns.as_str()).token_shards(1);
+    let store = Store::connect(&config).await.unwrap();
+    let encode = |v: u64| Value::Bytes(rmp_serde::to_vec(&v).unwrap().into());
+    let id = RequestId::new("again").unwrap();
+    let key_id = id.key_id();
+    let req = small(&id, &key_id);
+    let take = |holder: &'static str| {
+        let store = store.clone();
+        async move {
+            let took = tokens::take(&store, 0, holder, holder, 1, None, false, 4, Priority::MIN, None, None)
+                .await
+                .unwrap();
+            match took {
+                Take::Took(t) => match t.acquired {
+                    Some(Next::Run(entries, _)) => entries,
+                    _ => Vec::new(),
+                },
+                _ => Vec::new(),
+            }
+        }
+    };
+    submit(&store, &req, vec![encode(1)]).await.unwrap();
+    let first = take("w1/0").await;
+    assert_eq!(first.len(), 1, "the first request's part is not handed out");
+    assert!(matches!(cancel(&store, 0, &key_id).await.unwrap(), LaneCancelled::Now { .. }));
+    assert!(listing::purge_lane(&store, 0, &key_id).await.unwrap());
+    submit(&store, &req, vec![encode(2)]).await.unwrap();
+    assert!(matches!(cancel(&store, 0, &key_id).await.unwrap(), LaneCancelled::Now { .. }));
+    let second = take("w2/0").await;
+    assert!(second.is_empty(), "the cancelled request's part was handed out: {second:?}");
+}

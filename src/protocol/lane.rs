@@ -277,8 +277,8 @@ pub(crate) fn record_meta(record: &HashMap<String, Vec<u8>>) -> HashMap<String, 
 /// The running marks of lane requests of one part handed out without their records (their
 /// records say `queued` until their batch's ack; docs/protocol.md §5, "Lanes"): for each of
 /// `records` (shard, key id, the record as [`record_meta`] reads it) whose state is `queued`, the
-/// ms its part was handed out at, if a token of its lane names it in its marks (`m<k>` =
-/// `<ms>|<kid>,<kid>,...` in the lane's meta). A request so marked reads `running` since then:
+/// ms its part was handed out at, if a token of its lane names it and its lifecycle in its marks
+/// (`m<k>` = `<ms>|<kid>|<lc>,<kid>|<lc>,...` in the lane's meta). A request so marked reads `running` since then:
 /// [`mark_running`]. One read of each lane's meta.
 pub(crate) async fn running_marks(
     store: &Store,
@@ -296,12 +296,13 @@ pub(crate) async fn running_marks(
             let fields: HashMap<String, String> = store.client.hgetall(lane.as_str()).await?;
             lanes.insert(lane.clone(), marks_of(&fields));
         }
-        out[i] = lanes[&lane].get(*key_id).cloned();
+        let lc = meta.get("lc").map_or("", String::as_str);
+        out[i] = lanes[&lane].get(&format!("{key_id}|{lc}")).cloned();
     }
     Ok(out)
 }
 
-/// The running marks a lane's meta holds (its fields `m<k>`), by key id: the hand-out ms.
+/// The running marks a lane's meta holds (its fields `m<k>`), by `<kid>|<lc>`: the hand-out ms.
 pub(crate) fn marks_of(lane_meta: &HashMap<String, String>) -> HashMap<String, String> {
     let mut out = HashMap::new();
     for (field, value) in lane_meta {

@@ -246,8 +246,8 @@ def running_marks(conn: Any, keys: Any, records: Sequence[Tuple[int, str, Dict[s
     """The running marks of lane requests of one part handed out without their records (their
     records say ``queued`` until their batch's ack; protocol.md §5, "Lanes"; Rust
     ``lane::running_marks``): for each (shard, key id, :func:`record_meta`) whose state is
-    ``queued``, the ms its part was handed out at, if a token of its lane names it in its marks
-    (``m<k>`` = ``<ms>|<kid>,<kid>,...`` in the lane's meta). One read of each lane's meta."""
+    ``queued``, the ms its part was handed out at, if a token of its lane names it and its lifecycle
+    in its marks (``m<k>`` = ``<ms>|<kid>|<lc>,...`` in the lane's meta). One read of each lane's meta."""
     out: List[Optional[str]] = [None] * len(records)
     lanes: Dict[str, Dict[str, str]] = {}
     for i, (shard, kid, meta) in enumerate(records):
@@ -256,12 +256,12 @@ def running_marks(conn: Any, keys: Any, records: Sequence[Tuple[int, str, Dict[s
         lane = f"{keys.lane_prefix(shard)}{meta.get('prio', '')}"
         if lane not in lanes:
             lanes[lane] = marks_of({text(k): text(v) for k, v in conn.client.hgetall(lane).items()})
-        out[i] = lanes[lane].get(kid)
+        out[i] = lanes[lane].get(f"{kid}|{meta.get('lc', '')}")
     return out
 
 
 def marks_of(lane_meta: Dict[str, str]) -> Dict[str, str]:
-    """The running marks a lane's meta holds (its fields ``m<k>``), by key id: the hand-out ms."""
+    """The running marks a lane's meta holds (its fields ``m<k>``), by ``<kid>|<lc>``: the hand-out ms."""
     out: Dict[str, str] = {}
     for field, value in lane_meta.items():
         if len(field) > 1 and field[0] == "m" and field[1:].isascii() and field[1:].isdigit() and "|" in value:

@@ -1083,7 +1083,7 @@ class Admin:
             return []
         p = self.protocol
         own_fields = ["state", "total", "left", "failed", "open", "why"]
-        lane_fields = ["state", "left", "failed", "pol"]
+        lane_fields = ["state", "left", "failed", "pol", "lc"]
         pipe = p.conn.client.pipeline(transaction=False)
         for r in rows:
             if r.row.own:

@@ -2009,7 +2009,7 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
     local waited = math.max(now - math.floor(tonumber(lc) / 1000), 0)
     local marked = seen[2] or {}
     seen[2] = marked
-    marked[#marked + 1] = kid
+    marked[#marked + 1] = kid .. '|' .. lc
     if flat then
       reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = id, tonumber(index), payload, attempt
       reply[n + 5], reply[n + 6], reply[n + 7], reply[n + 8] = kid, lc, pol, waited
@@ -2024,7 +2024,7 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
     seen[kid] = m
   end
   if not sg_lane_live(m, lc) then
-    if cancelled and pol then redis.call('SREM', cancelled, kid .. '|' .. lc) end
+    if cancelled then redis.call('SREM', cancelled, kid .. '|' .. lc) end
     return false
   end
   local waited = nil
@@ -2053,11 +2053,11 @@ local function sg_lane_entry(reply, flat, prefix, id, fields, attempt, now, seen
   return true
 end
 
--- The hand-out ms of lane request `kid` if a token of lane `lane` (its meta key) holds it in its
--- running marks (sg_lane_marks), else nil.
-local function sg_lane_marked(lane, kid)
+-- The hand-out ms of lane request `kid` of lifecycle `lc` if a token of lane `lane` (its meta key)
+-- holds it in its running marks (sg_lane_marks), else nil. (Key ids hold no `,` or `|`.)
+local function sg_lane_marked(lane, kid, lc)
   local ntok = tonumber(redis.call('HGET', lane, 'ntok') or '0')
-  local needle = ',' .. kid .. ','
+  local needle = ',' .. kid .. '|' .. lc .. ','
   -- A thousand fields a read (a lane has up to 10,000 tokens).
   for from = 0, ntok - 1, 1000 do
     local fields = {}
@@ -2072,10 +2072,12 @@ local function sg_lane_marked(lane, kid)
   return nil
 end
 
--- A lane token's running marks (its meta's `m<k>`, beside `t<k>`): "<hand-out ms>|<kid>,<kid>,..."
--- names the requests of one part its batch handed out without their records, which say `queued`
--- until the batch's ack; readers take them for running since then (docs/protocol.md §5, "Lanes").
--- `kids` is the call's list of them (sg_lane_entry's `seen[2]`), or nil.
+-- A lane token's running marks (its meta's `m<k>`, beside `t<k>`):
+-- "<hand-out ms>|<kid>|<lc>,<kid>|<lc>,..." names the requests of one part (and their lifecycles)
+-- its batch handed out without their records, which say `queued` until the batch's ack; readers
+-- take them for running since then (docs/protocol.md §5, "Lanes"). `kids` is the call's list of
+-- them (sg_lane_entry's `seen[2]`), or nil. A token's marks go whenever it is written without
+-- new ones (sg_lane_next), by its ack (lane_ack) and by reclaim.
 local function sg_lane_marks(now, kids)
   if not kids then return nil end
   return sg_int(now) .. '|' .. table.concat(kids, ',')
@@ -2269,9 +2271,14 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
   -- Requests of one part cancelled while their entries waited (lane_cancel): the lane's set of
   -- them (its errors key, otherwise unused), read only while it exists.
   local cancelled = redis.call('EXISTS', keys[4]) == 1 and keys[4] or nil
+  -- Whether the last take found nothing: else entries may wait undelivered behind the dropped ones.
+  local found_none = false
   for _ = 1, 8 do
     local work, fresh = sg_take_work(keys, consumer, now, extra, want - #ids)
-    if #work == 0 then break end
+    if #work == 0 then
+      found_none = true
+      break
+    end
     local dropped = {}
     for j, w in ipairs(work) do
       if sg_lane_entry(reply, flat, prefix, w[1], w[2], w[3], now, seen, started, j >= fresh, cancelled) then
@@ -2292,11 +2299,15 @@ local function sg_lane_next(keys, k, epoch, holder, consumer, now, extra, want, 
       redis.call('HSET', keys[1], 't' .. k, held, 'm' .. k, marks)
     else
       redis.call('HSET', keys[1], 't' .. k, held)
+      redis.call('HDEL', keys[1], 'm' .. k)
     end
     return reply
   end
   redis.call('HSET', keys[1], 't' .. k, 'p|' .. epoch)
+  redis.call('HDEL', keys[1], 'm' .. k)
   local parked = redis.call('HINCRBY', keys[1], 'npark', 1)
+  -- Eight takes of nothing but entries no longer live: more may wait; the token comes back at once.
+  if not found_none then return {'park', 1} end
   if parked >= tonumber(redis.call('HGET', keys[1], 'ntok'))
     and tonumber(redis.call('HGET', keys[1], 'extra') or '0') == 0
     and not redis.call('XPENDING', keys[2], 'g', '-', '+', 1)[1] then
@@ -4000,6 +4011,8 @@ local function reclaim(keys, args)
   local prio = tonumber(t[3])
   if f[1] == 'h' and f[2] == epoch and f[3] == holder then
     for _, id in ipairs(sg_ids(f[5])) do sg_orphan(keys, id) end
+    -- A lane token's running marks (sg_lane_marks) went with its batch.
+    redis.call('HDEL', keys[1], 'm' .. k)
     return {'push', sg_requeue(keys, rid, k, f[2], now), prio}
   end
   if f[1] == 'q' and tonumber(f[2]) >= tonumber(epoch) then
@@ -4750,7 +4763,7 @@ local function lane_cancel(keys, args)
     -- its entry waits in the lane, and "<kid>|<lc>" goes to the lane's set of cancelled requests'
     -- entries, so that the hand-out that meets it drops it.
     local lane = string.sub(keys[1], 1, #keys[1] - #args[1] - 3) .. ':lane:' .. policy.prio
-    local since = sg_lane_marked(lane, args[1])
+    local since = sg_lane_marked(lane, args[1], m[2])
     if since then
       fields[#fields + 1] = 'started'
       fields[#fields + 1] = since
@@ -5870,4 +5883,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 14 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 15 end, flags={'no-writes'}}
