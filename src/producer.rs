@@ -70,7 +70,7 @@ struct Small<'a> {
 /// ```
 #[derive(Clone)]
 pub struct Producer {
-    store: Store,
+    pub(crate) store: Store,
     doorbell: Arc<OnceCell<Doorbell>>,
     counting: Arc<Counting>,
 }
@@ -1095,8 +1095,8 @@ impl RequestBuilder<'_> {
 #[must_use = "an open request completes only after finalize()"]
 pub struct OpenRequest {
     handle: RequestHandle,
-    key_id: String,
-    nonce: String,
+    pub(crate) key_id: String,
+    pub(crate) nonce: String,
     place: Placement,
     added: u64,
     /// The window (0 = none) and the outstanding parts the last append or poll reported.
@@ -1629,48 +1629,5 @@ impl Doorbell {
 impl Drop for Doorbell {
     fn drop(&mut self) {
         self.task.abort();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::{Config, Error, Producer, RequestState as State};
-
-    /// A producer's finalize whose reply was lost is sent again (the store re-sends a call after
-    /// a reconnect): the copy answers as the first call did, for a request still running and for
-    /// one the first call finished, where it was refused as not open before. An operator's
-    /// finalize (no nonce) of a finalized request is still refused.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_producers_finalize_sent_again_answers_as_the_first_did() {
-        let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
-        let ns = sluicegate_testkit::unique_namespace("finalize-again");
-        let config = Config::new(redis.url()).namespace(ns.as_str());
-        let producer = Producer::connect(&config).await.unwrap();
-        let store = &producer.store;
-        let admin = crate::Admin::connect(&config).await.unwrap();
-
-        // Parts left: open, and open again.
-        let mut running = producer.request().open().await.unwrap();
-        running.add(vec![1u64, 2]).await.unwrap();
-        let (key_id, nonce) = (running.key_id.clone(), running.nonce.clone());
-        crate::shards::finalize(store, &key_id, &nonce).await.unwrap();
-        crate::shards::finalize(store, &key_id, &nonce)
-            .await
-            .expect("a re-sent finalize of a running request");
-        let id = running.handle().id().clone();
-        assert!(matches!(admin.finalize(&id).await, Err(Error::NotOpen(_))));
-        assert_eq!(admin.status(&id).await.unwrap().state, State::Queued);
-
-        // Nothing left: the first call finishes it, and the copy finds it finished.
-        let empty = producer.request().open().await.unwrap();
-        let (key_id, nonce) = (empty.key_id.clone(), empty.nonce.clone());
-        let handle = empty.handle().clone();
-        crate::shards::finalize(store, &key_id, &nonce).await.unwrap();
-        crate::shards::finalize(store, &key_id, &nonce)
-            .await
-            .expect("a re-sent finalize of a finished request");
-        let done = handle.wait::<u64>().await.unwrap();
-        assert_eq!((done.state, done.total), (State::Completed, 0));
-        assert!(matches!(admin.finalize(handle.id()).await, Err(Error::NotOpen(_))));
     }
 }
