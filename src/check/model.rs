@@ -765,12 +765,20 @@ async fn lane_seen(
             .filter(|(k, v)| k.starts_with('t') && v.starts_with("h|"))
             .filter_map(|(_, v)| v.split('|').nth(2).map(str::to_owned))
             .collect();
+        let cancelled: u64 = world
+            .reader
+            .scard(format!("{ns}:{{{ns}.q0}}:lane:{prio}:err"))
+            .await
+            .map_err(|e| e.to_string())?;
+        CANCELLED_IN_LANE.fetch_add(cancelled, std::sync::atomic::Ordering::Relaxed);
         lanes.insert(lane_kid.clone(), (holders, crate::protocol::lane::marks_of(&lane_meta)));
     }
     // Handed out without its record, it reads running from its lane's marks, as status shows it.
     if meta.get("state").map(String::as_str) == Some("queued") {
         let marked = format!("{kid}|{}", meta.get("lc").map_or("", String::as_str));
-        crate::protocol::lane::mark_running(&mut meta, lanes[&lane_kid].1.get(&marked).cloned());
+        let mark = lanes[&lane_kid].1.get(&marked).cloned();
+        RUNNING_BY_MARKS.fetch_add(u64::from(mark.is_some()), std::sync::atomic::Ordering::Relaxed);
+        crate::protocol::lane::mark_running(&mut meta, mark);
     }
     let mut lane = LaneSeen { holders: lanes[&lane_kid].0.clone(), ..LaneSeen::default() };
     let mut dead = 0;
@@ -1243,6 +1251,12 @@ pub(crate) static GROUPED_RUNS_CHECKED: std::sync::atomic::AtomicU64 = std::sync
 /// Group members (several finished lane requests of one submit millisecond) seen in the terminal
 /// sets by the snapshots, for the search's report.
 pub(crate) static TERMINAL_GROUPS_SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Lane requests of one part the snapshots saw running by their lanes' running marks while their
+/// records still read queued (handed out without their records: `lane_acquire`'s fast path).
+pub(crate) static RUNNING_BY_MARKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Members of lanes' cancelled sets (single-part requests cancelled while their entries waited)
+/// the snapshots saw: how often the cancel of an entry not yet handed out ran.
+pub(crate) static CANCELLED_IN_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Lane tokens a submit handed to a worker's waiting slot that the slot read from its hand list
 /// (the others were taken under the offered id): how often the hand-offs' paths ran.
 pub(crate) static HANDED_OFF: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
