@@ -773,9 +773,21 @@ async fn lane_seen(
         CANCELLED_IN_LANE.fetch_add(cancelled, std::sync::atomic::Ordering::Relaxed);
         lanes.insert(lane_kid.clone(), (holders, crate::protocol::lane::marks_of(&lane_meta)));
     }
+    let marked = format!("{kid}|{}", meta.get("lc").map_or("", String::as_str));
+    // Cancelled while its entry waited (no `started`: no hand-out had marked it), its entry is
+    // dropped by the hand-out that meets it; a running mark for it now means its cancelled part
+    // was handed out and runs.
+    if meta.get("state").map(String::as_str) == Some("cancelled")
+        && !meta.contains_key("started")
+        && lanes[&lane_kid].1.contains_key(&marked)
+    {
+        return Err(format!(
+            "lane request {kid}: cancelled before any hand-out, but its lane's running marks name \
+             it: its part was handed out after the cancel"
+        ));
+    }
     // Handed out without its record, it reads running from its lane's marks, as status shows it.
     if meta.get("state").map(String::as_str) == Some("queued") {
-        let marked = format!("{kid}|{}", meta.get("lc").map_or("", String::as_str));
         let mark = lanes[&lane_kid].1.get(&marked).cloned();
         RUNNING_BY_MARKS.fetch_add(u64::from(mark.is_some()), std::sync::atomic::Ordering::Relaxed);
         crate::protocol::lane::mark_running(&mut meta, mark);

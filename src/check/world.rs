@@ -491,6 +491,10 @@ impl World {
                 let request = self.pick_target(*pick, &["failed"], true).await?;
                 Box::pin(self.apply(&Op::Requeue { request })).await
             }
+            Op::CancelQueued { pick } => {
+                let request = self.pick_target(*pick, &["queued"], true).await?;
+                Box::pin(self.apply(&Op::Cancel { request })).await
+            }
             Op::RequeueRunning { pick } => {
                 let request = self.pick_target(*pick, &["running"], true).await?;
                 Box::pin(self.apply(&Op::Requeue { request })).await
