@@ -735,6 +735,12 @@ local function sg_hand(offers, held, prio, list, elements, from, now, message)
   return i - from
 end
 
+-- Announces a token list's priority on its shard's channel `<ns>:{<ns>.q<s>}:up` (below).
+local function sg_announce_up(list)
+  local base, priority = string.match(list, '^(.*):p:(%d+)$')
+  if base then redis.call('PUBLISH', base .. ':up', priority) end
+end
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
@@ -746,10 +752,7 @@ local function sg_push(list, bell, elements, from)
   while i <= #elements do
     local last = math.min(i + 999, #elements)
     local len = redis.call('LPUSH', list, unpack(elements, i, last))
-    if n == 0 and len == last - i + 1 then
-      local base, priority = string.match(list, '^(.*):p:(%d+)$')
-      if base then redis.call('PUBLISH', base .. ':up', priority) end
-    end
+    if n == 0 and len == last - i + 1 then sg_announce_up(list) end
     local bells = {}
     for b = i, last do bells[#bells + 1] = '1' end
     redis.call('LPUSH', bell, unpack(bells))

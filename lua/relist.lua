@@ -55,8 +55,7 @@ local function relist(keys, args)
   if was_empty and moved > 0 then
     -- A push onto an empty list: announced as sg_push does, so that busy slots holding a lower
     -- priority give way.
-    local base, priority = string.match(new, '^(.*):p:(%d+)$')
-    if base then redis.call('PUBLISH', base .. ':up', priority) end
+    sg_announce_up(new)
   end
   return moved
 end

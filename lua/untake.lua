@@ -23,7 +23,7 @@ local function untake(keys, args)
     redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
     return 1
   end
-  redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
+  local len = redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
   local gkey, p = sg_group_of_queue(f[5])
   if gkey then
     -- Back in its group's queue; the group token goes back with it (to this work).
@@ -31,6 +31,9 @@ local function untake(keys, args)
     sg_held_end(sg_shard_key(keys[1], ''), f)
     return 1
   end
+  -- Onto an empty list: announced as sg_push announces, so that busy slots holding a lower
+  -- priority give way at their batch's end rather than their quantum's.
+  if len == 1 then sg_announce_up(f[5]) end
   redis.call('LPUSH', keys[2], '1')
   redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
   return 1

@@ -737,6 +737,12 @@ local function sg_hand(offers, held, prio, list, elements, from, now, message)
   return i - from
 end
 
+-- Announces a token list's priority on its shard's channel `<ns>:{<ns>.q<s>}:up` (below).
+local function sg_announce_up(list)
+  local base, priority = string.match(list, '^(.*):p:(%d+)$')
+  if base then redis.call('PUBLISH', base .. ':up', priority) end
+end
+
 -- Pushes elements onto a token list, each with a wake-up on the shard's bell. The bell lets idle
 -- slots block on one key and then take the highest priority with `take`. A push onto an empty list
 -- is announced on the shard's channel `<ns>:{<ns>.q<s>}:up` with the list's priority: busy slots
@@ -748,10 +754,7 @@ local function sg_push(list, bell, elements, from)
   while i <= #elements do
     local last = math.min(i + 999, #elements)
     local len = redis.call('LPUSH', list, unpack(elements, i, last))
-    if n == 0 and len == last - i + 1 then
-      local base, priority = string.match(list, '^(.*):p:(%d+)$')
-      if base then redis.call('PUBLISH', base .. ':up', priority) end
-    end
+    if n == 0 and len == last - i + 1 then sg_announce_up(list) end
     local bells = {}
     for b = i, last do bells[#bells + 1] = '1' end
     redis.call('LPUSH', bell, unpack(bells))
@@ -3224,7 +3227,7 @@ local function untake(keys, args)
     redis.call('PEXPIRE', keys[1], SG_HELD_TTL_MS)
     return 1
   end
-  redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
+  local len = redis.call('RPUSH', f[5], sg_element(f[1], f[2], f[3]))
   local gkey, p = sg_group_of_queue(f[5])
   if gkey then
     -- Back in its group's queue; the group token goes back with it (to this work).
@@ -3232,6 +3235,9 @@ local function untake(keys, args)
     sg_held_end(sg_shard_key(keys[1], ''), f)
     return 1
   end
+  -- Onto an empty list: announced as sg_push announces, so that busy slots holding a lower
+  -- priority give way at their batch's end rather than their quantum's.
+  if len == 1 then sg_announce_up(f[5]) end
   redis.call('LPUSH', keys[2], '1')
   redis.call('PEXPIRE', keys[2], SG_BELL_TTL_MS)
   return 1
@@ -4288,8 +4294,7 @@ local function relist(keys, args)
   if was_empty and moved > 0 then
     -- A push onto an empty list: announced as sg_push does, so that busy slots holding a lower
     -- priority give way.
-    local base, priority = string.match(new, '^(.*):p:(%d+)$')
-    if base then redis.call('PUBLISH', base .. ':up', priority) end
+    sg_announce_up(new)
   end
   return moved
 end
@@ -5883,4 +5888,4 @@ redis.register_function('sg2_give_back', give_back)
 redis.register_function{function_name='sg2_list', callback=list, flags={'no-writes'}}
 -- The library's revision (docs/operations.md, "Upgrades"): a component loads its copy only
 -- over an older one.
-redis.register_function{function_name='sg2_revision', callback=function() return 15 end, flags={'no-writes'}}
+redis.register_function{function_name='sg2_revision', callback=function() return 16 end, flags={'no-writes'}}

@@ -235,3 +235,50 @@ async fn a_producers_finalize_sent_again_answers_as_the_first_did() {
     assert_eq!((done.state, done.total), (crate::RequestState::Completed, 0));
     assert!(matches!(admin.finalize(handle.id()).await, Err(crate::Error::NotOpen(_))));
 }
+
+/// A take whose reply its slot never saw is undone at the slot's clean stop (`untake`): the token
+/// goes back on its list and, that list having been empty, the push is announced on the shard's
+/// `up` channel as every push onto an empty list is, so that slots holding a lower priority give
+/// way at their batch's end, not at their quantum's (before, the untake announced nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_an_untake_puts_back_on_an_empty_list_is_announced() {
+    use crate::protocol::tokens;
+    use fred::prelude::{EventInterface, ListInterface, PubsubInterface};
+    let redis = sluicegate_testkit::TestRedis::start().await.unwrap();
+    let ns = sluicegate_testkit::unique_namespace("untake-up");
+    let config = crate::Config::new(redis.url()).namespace(ns.as_str()).token_shards(1);
+    let producer = crate::Producer::connect(&config).await.unwrap();
+    let store = producer.store.clone();
+    let urgent = Priority::new(90).unwrap();
+    // Its own stream: its token is an element of the list, not a lane's.
+    producer.request().own_stream(true).priority(90).unwrap().submit(vec![1u64]).await.unwrap();
+    let (holder, shard) = ("w1/0", 0);
+    let took = tokens::take(&store, shard, holder, "w1", 1, None, false, 4, Priority::MIN, None, None)
+        .await
+        .unwrap();
+    assert!(matches!(took, tokens::Take::Took(_)), "the request's token was not taken");
+    let list = store.keys.token_list(shard, urgent);
+    let queued: u64 = store.client.llen(list.as_str()).await.unwrap();
+    assert_eq!(queued, 0, "the token is still on its list");
+
+    let sub = store.subscriber().await.unwrap();
+    let mut heard = sub.message_rx();
+    let up = store.keys.up_channel(shard);
+    sub.subscribe(up.as_str()).await.unwrap();
+    // The subscription is the server's once it counts it (the reply may come after the call).
+    for _ in 0..500 {
+        let counts: Vec<(String, i64)> = store.client.pubsub_numsub(up.as_str()).await.unwrap();
+        if counts.first().is_some_and(|(_, n)| *n == 1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(tokens::untake(&store, shard, holder, 1).await.unwrap());
+    let queued: u64 = store.client.llen(list.as_str()).await.unwrap();
+    assert_eq!(queued, 1, "the token is not back on its list");
+    let message = tokio::time::timeout(Duration::from_secs(5), heard.recv())
+        .await
+        .expect("the token put back on an empty list was not announced on the shard's `up` channel")
+        .unwrap();
+    assert_eq!(message.value.as_string().as_deref(), Some("90"), "announced with another priority");
+}
