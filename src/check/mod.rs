@@ -599,7 +599,8 @@ fn search_both(budget: Duration, mix: Mix) {
     // the path most small requests take (hundreds of sightings in 40 s). Cancels of entries still
     // waiting in a lane (mostly `Op::CancelQueued`'s) are rarer (tens of sightings in most 40 s
     // runs, none in one of three): counted only, and tried every run by
-    // `windows::a_cancelled_request_of_an_id_whose_earlier_request_still_runs_never_starts`.
+    // `windows::a_cancelled_request_of_an_id_whose_earlier_request_still_runs_never_starts` and
+    // by `found/a-single-part-lane-entry-cancelled-while-it-waits-was-handed-out.json`.
     let searched = std::env::var("SLUICEGATE_CHECK_SEED").is_err()
         && std::env::var("SLUICEGATE_CHECK_REPLAY").is_err()
         && budget >= Duration::from_secs(30);
