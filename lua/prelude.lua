@@ -1339,8 +1339,10 @@ local function sg_ix_ungroup(ix, state, at, kid)
       local kids, rest = sg_ix_group_kids(m), {}
       for _, k in ipairs(kids) do if k ~= kid then rest[#rest + 1] = k end end
       if #rest < #kids then
-        redis.call('ZREM', ix .. state, m)
+        -- The rest first: removing the group first could empty the set, which the ZADD would
+        -- then make anew without the set's expiry.
         if #rest > 0 then redis.call('ZADD', ix .. state, at, sg_ix_group(rest)) end
+        redis.call('ZREM', ix .. state, m)
         redis.call('HINCRBY', ix .. 'gn', state, -1)
         return true
       end
